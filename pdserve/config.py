@@ -1,0 +1,51 @@
+"""Frozen configuration of a worker, one sub-config per component.
+
+Built once by the CLI (or a test) and passed down; nothing reads flags or
+environment variables after start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Frozen):
+    path: Optional[str] = None  # HF directory or .gguf file; None = embedded SmolLM2
+    served_name: Optional[str] = None  # id in /v1/models; defaults to the model's own name
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: Optional[int] = None  # defaults to the model's max positions
+
+
+class CacheConfig(_Frozen):
+    block_size: int = Field(16, ge=1, le=1024)
+    num_blocks: Optional[int] = Field(None, ge=2)  # wins over kv_memory_bytes
+    kv_memory_bytes: int = Field(1 << 30, ge=1 << 20)
+    enable_prefix_caching: bool = True
+
+
+class SchedulerConfig(_Frozen):
+    max_num_batched_tokens: int = Field(512, ge=1)  # per-step token budget (chunked prefill)
+    max_num_running: int = Field(64, ge=1)
+    max_num_waiting: int = Field(1024, ge=1)  # past this, new requests get 503
+
+
+class ServerConfig(_Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    internal_token: Optional[str] = None  # guards internal (KV) endpoints
+    log_level: str = "info"
+
+
+class WorkerConfig(_Frozen):
+    role: Literal["decode", "prefill"] = "decode"
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    server: ServerConfig = ServerConfig()

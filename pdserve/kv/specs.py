@@ -1,0 +1,83 @@
+"""Attention specs per layer and their grouping into equal-size KV groups.
+
+Invariant: every attention layer lands in exactly one group, every group holds
+layers of one spec only, and all groups have the same slot count `group_size`
+(a group with fewer layers leaves its trailing slots unused), so one block id
+names one page of identical shape whichever group owns it. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+
+@dataclass(frozen=True, slots=True)
+class FullAttentionSpec:
+    """Every query attends to every earlier key."""
+
+    def needed_from(self, position: int) -> int:
+        """First key position a query at `position` attends to."""
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindowSpec:
+    """A query at position p attends to keys in [p - window_tokens + 1, p]
+    (the window counts the query itself, as Hugging Face's masks do)."""
+
+    window_tokens: int
+
+    def needed_from(self, position: int) -> int:
+        return max(0, position - self.window_tokens + 1)
+
+
+AttentionSpec = Union[FullAttentionSpec, SlidingWindowSpec]
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    group_id: int
+    spec: AttentionSpec
+    layer_ids: tuple[int, ...]  # model layer indices, at most group_size of them
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroupPlan:
+    """Which layer lives in which (group, slot) of a block page."""
+
+    groups: tuple[KVGroup, ...]
+    group_size: int
+    num_layers: int
+
+    def locate(self, layer_id: int) -> tuple[int, int]:
+        """(group_id, slot) of a model layer."""
+        for group in self.groups:
+            if layer_id in group.layer_ids:
+                return group.group_id, group.layer_ids.index(layer_id)
+        raise KeyError(f"layer {layer_id} is not an attention layer of this plan")
+
+
+def plan_groups(layer_specs: Sequence[AttentionSpec]) -> KVGroupPlan:
+    """Bucket layers by spec and cut each bucket into groups of `group_size`.
+
+    group_size is the size of the smallest bucket, so a model with only full
+    attention gets one group of all layers, and Gemma 3 (5 sliding : 1 full)
+    gets one full group of its full layers plus ~5 sliding groups. Layers are
+    assigned strided (group j of a bucket takes layers j, j+n, j+2n, ...) so
+    groups interleave through the depth of the model.
+    """
+    if not layer_specs:
+        raise ValueError("a model needs at least one attention layer")
+    buckets: dict[AttentionSpec, list[int]] = {}
+    for layer_id, spec in enumerate(layer_specs):
+        buckets.setdefault(spec, []).append(layer_id)
+    group_size = min(len(ids) for ids in buckets.values())
+    groups: list[KVGroup] = []
+    # Full attention first so group 0 is the full-attention group when there is one.
+    ordered = sorted(buckets.items(), key=lambda item: (not isinstance(item[0], FullAttentionSpec), item[1][0]))
+    for spec, layer_ids in ordered:
+        num_groups = -(-len(layer_ids) // group_size)
+        for j in range(num_groups):
+            groups.append(KVGroup(len(groups), spec, tuple(layer_ids[j::num_groups])))
+    return KVGroupPlan(tuple(groups), group_size, len(layer_specs))

@@ -1,0 +1,108 @@
+"""Per-request records shared by the server, the scheduler and the engine loop.
+
+Torch-free. A `Request` is owned by the engine thread only; the server sees
+`GenerationRequest` going in and `RequestOutput` coming out.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, no blocks yet (or preempted and reset)
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks allocated, a KV pull is in flight
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, stop token id or stop string
+    LENGTH = "length"  # max_tokens or context limit
+    ABORT = "abort"  # client went away or the request was cancelled
+    ERROR = "error"  # the engine could not serve it (e.g. failed KV pull under policy `fail`)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: bool = False  # return the log-probability of each sampled token
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """What the server hands the engine."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    # Opaque to everything but the P/D role hooks (later issue); validated there.
+    kv_transfer_params: Optional[dict[str, Any]] = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One increment of a request's answer, produced once per engine step."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    new_logprobs: tuple[float, ...] = ()
+    finished: bool = False
+    finish_reason: Optional[FinishReason] = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: Optional[str] = None  # set with FinishReason.ERROR
+    kv_transfer_params: Optional[dict[str, Any]] = None
+
+
+@dataclass(slots=True)
+class Request:
+    """Engine-side state of one request. Only the engine thread touches it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    arrival_time_s: float
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the pool
+    num_cached_tokens: int = 0  # prefix-cache hit at (last) admission
+    block_hashes: list[bytes] = field(default_factory=list)  # one per full block of all_token_ids
+    num_preemptions: int = 0
+    first_scheduled_time_s: Optional[float] = None
+    first_token_time_s: Optional[float] = None
+    finish_reason: Optional[FinishReason] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
