@@ -1,0 +1,64 @@
+"""Chained content hashes of full KV blocks, the keys of the prefix cache.
+
+Invariant: a block's hash depends only on its tokens, its parent's hash and
+`extra`, encoded byte-for-byte the same on every host, so a prefill and a
+decode worker (separate processes, maybe separate machines) agree on every key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Sequence
+
+# The personalisation string versions the hashing scheme: changing the encoding
+# below must change it, so old and new workers never share keys by accident.
+_PERSON = b"pdserve-kv-v1"
+HASH_BYTES = 32
+
+
+def _framed(data: bytes) -> bytes:
+    # A length prefix keeps (parent, extra, tokens) unambiguous when concatenated.
+    return struct.pack("<Q", len(data)) + data
+
+
+def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """Hash of one block: its parent's hash (None for the first block), its
+    token ids and any `extra` key material (e.g. a model or adapter id)."""
+    try:
+        # Fixed little-endian int64 so the bytes do not depend on the host.
+        tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be int64 integers: {exc}") from None
+    digest = hashlib.blake2b(digest_size=HASH_BYTES, person=_PERSON)
+    if parent is None:
+        digest.update(b"\x00")
+    else:
+        digest.update(b"\x01" + _framed(bytes(parent)))
+    digest.update(_framed(bytes(extra)))
+    digest.update(_framed(tokens))
+    return digest.digest()
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int], block_size: int, existing: list[bytes], extra: bytes = b""
+) -> list[bytes]:
+    """Return the request's whole chain: `existing` (hashes of its first blocks,
+    left untouched) followed by the hashes of blocks that became full since.
+
+    A trailing partial block is never hashed: its content is still changing.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    num_full_blocks = len(token_ids) // block_size
+    if len(existing) > num_full_blocks:
+        raise ValueError(
+            f"{len(existing)} existing hashes but only {num_full_blocks} full blocks of {block_size} tokens"
+        )
+    chain = list(existing)
+    parent = chain[-1] if chain else None
+    for index in range(len(chain), num_full_blocks):
+        start = index * block_size
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
+        chain.append(parent)
+    return chain

@@ -1,0 +1,152 @@
+"""Tensor layout of the paged KV pool; the only module of `kv/` that imports torch.
+
+Invariant: block b is one contiguous page of `page_bytes` bytes at byte offset
+b * page_bytes, holding K and V of every layer slot of the group that owns it.
+
+    pool: [num_blocks, G, 2, block_size, num_kv_heads, head_dim]  (contiguous)
+
+    byte 0        page_bytes    2*page_bytes              b*page_bytes
+    +-------------+-------------+-------------+-----+-------------+-----+
+    | block 0     | block 1     | block 2     | ... | block b     | ... |
+    | (null page) |             |             |     |             |     |
+    +-------------+-------------+-------------+-----+------+------+-----+
+                                                           |
+       one page (G slots; slot s holds layer group.layer_ids[s])
+       +------------------+------------------+-----+------------------+
+       | slot 0           | slot 1           | ... | slot G-1         |
+       +------------------+------------------+-----+------------------+
+       0                  slot_bytes                  (G-1)*slot_bytes
+         |
+         +-> one slot:  +--------------------+--------------------+
+                        | K                  | V                  |
+                        +--------------------+--------------------+
+                        0                    kv_bytes
+                          |
+                          +-> K (or V): block_size tokens, token t at t*token_bytes
+                              +---------+---------+-----+----------------+
+                              | token 0 | token 1 | ... | token bs-1     |
+                              +---------+---------+-----+----------------+
+                                |
+                                +-> one token: num_kv_heads heads of head_dim
+                                    elements, head h at h*head_bytes
+
+    head_bytes  = head_dim * element_bytes
+    token_bytes = num_kv_heads * head_bytes
+    kv_bytes    = block_size * token_bytes
+    slot_bytes  = 2 * kv_bytes
+    page_bytes  = G * slot_bytes
+
+    offset(b, s, kv, t, h) = b*page_bytes + s*slot_bytes + kv*kv_bytes + t*token_bytes + h*head_bytes
+
+Why one page per block: the pool is registered with NIXL once, as the int8
+canonical view [num_blocks, page_bytes] (one memory region), and moving a block
+between workers is then exactly one descriptor (base + b*page_bytes,
+page_bytes) whatever the number of layers, because the block's K and V for all
+its group's layers sit together. A layer-major layout ([layer][block] tensors)
+would scatter one block over 2 * G small ranges, one per layer and K/V, and
+multiply descriptors (and their per-descriptor overhead) by that factor. Every
+group's page has the same shape (trailing unused slots in smaller groups), so a
+peer needs only block ids and page_bytes, never per-group strides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def page_bytes_for(group_size: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one block page (see the module diagram)."""
+    return group_size * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def num_blocks_for_budget(kv_memory_bytes: int, page_bytes: int) -> int:
+    """Number of whole pages (the null block included) that fit in `kv_memory_bytes`."""
+    if page_bytes < 1:
+        raise ValueError(f"page_bytes must be >= 1, got {page_bytes}")
+    num_blocks = kv_memory_bytes // page_bytes
+    if num_blocks < 2:
+        raise ValueError(
+            f"kv memory of {kv_memory_bytes} bytes holds {num_blocks} pages of {page_bytes} bytes;"
+            " need the null block plus at least one more"
+        )
+    return num_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class KVPoolLayout:
+    """Geometry of the pool tensor; the same on every worker that shares KV."""
+
+    num_blocks: int
+    group_size: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (the null block plus one), got {self.num_blocks}")
+        for name in ("group_size", "block_size", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def element_bytes(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K (or of V) of one layer slot of one block."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.element_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        return 2 * self.kv_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        return self.group_size * self.slot_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.page_bytes
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        return (self.num_blocks, self.group_size, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def byte_offset(self, block_id: int, slot: int, kv: int, token: int, head: int = 0) -> int:
+        """Byte offset of one head vector inside the pool (the diagram's formula)."""
+        head_bytes = self.head_dim * self.element_bytes
+        token_bytes = self.num_kv_heads * head_bytes
+        return (block_id * self.page_bytes + slot * self.slot_bytes + kv * self.kv_bytes
+                + token * token_bytes + head * head_bytes)
+
+    def allocate(self, device: torch.device | str) -> torch.Tensor:
+        # Zeros, not empty: the null page is read under masks, and garbage NaNs
+        # would survive a zero attention weight (0 * NaN = NaN).
+        return torch.zeros(self.shape, dtype=self.dtype, device=device)
+
+    def layer_view(self, pool: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of one layer slot, each a strided view
+        [num_blocks, block_size, num_kv_heads, head_dim] indexed by block id."""
+        self._check_pool(pool)
+        if not 0 <= slot < self.group_size:
+            raise ValueError(f"slot {slot} outside 0..{self.group_size - 1}")
+        return pool[:, slot, 0], pool[:, slot, 1]
+
+    def canonical_view(self, pool: torch.Tensor) -> torch.Tensor:
+        """int8 [num_blocks, page_bytes] over the same storage (no copy): the
+        region registered with the transfer engine, one row per descriptor."""
+        self._check_pool(pool)
+        return pool.view(torch.int8).view(self.num_blocks, self.page_bytes)
+
+    def _check_pool(self, pool: torch.Tensor) -> None:
+        if tuple(pool.shape) != self.shape or pool.dtype != self.dtype:
+            raise ValueError(f"pool {tuple(pool.shape)} {pool.dtype} does not match layout {self.shape} {self.dtype}")
+        if not pool.is_contiguous():
+            raise ValueError("the pool tensor must be contiguous for its pages to be contiguous")

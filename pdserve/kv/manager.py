@@ -1,0 +1,319 @@
+"""Per-request block tables over the shared pool: the only KV API the scheduler uses.
+
+Invariant: every non-null table entry is a block in use by that table's group,
+and a sliding-window table holds null (0) for every block wholly outside the
+window of the request's next token. Torch-free.
+
+One request of 70 tokens, block_size 16, window 32, after computing 64 tokens
+(the token at 64 reads keys 33..64, so blocks 0 and 1 are released):
+
+    block index      0    1    2    3    4
+    full group    [  7 ,  3 ,  9 , 12 , 15 ]   every block, from 0
+    sliding group [  0 ,  0 ,  4 , 11 , 20 ]   null before the window
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+from pdserve.kv.block_pool import NULL_BLOCK_ID, BlockPool, KVInvariantError
+from pdserve.kv.prefix import PrefixCacheStats, PrefixHit, first_live_block, match_prefix
+from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan
+
+logger = logging.getLogger(__name__)
+
+
+class StalePrefixHit(ValueError):
+    """A PrefixHit's blocks were evicted or re-keyed since find_prefix: use a hit
+    in the same scheduling step that found it, before other allocations."""
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    tables: list[list[int]]  # one per group; index = block index in the sequence
+    num_committed: list[int]  # per group: blocks already offered to the prefix cache
+    num_released: list[int]  # per group: blocks before this index are null
+    num_computed_tokens: int
+
+
+class KVCacheManager:
+    """Hybrid group allocator: one block table per (request, group), one pool."""
+
+    def __init__(self, plan: KVGroupPlan, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if [g.group_id for g in plan.groups] != list(range(len(plan.groups))):
+            raise ValueError("group ids of the plan must be 0..num_groups-1 in order")
+        self.plan = plan
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._stats = PrefixCacheStats()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.plan.groups)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats:
+        """A snapshot of the monotonic prefix-cache counters."""
+        return replace(self._stats)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    # ---- prefix cache --------------------------------------------------------------
+
+    def find_prefix(self, block_hashes: Sequence[bytes], num_prompt_tokens: int) -> PrefixHit:
+        """Longest cached prefix every group can serve; takes no references.
+
+        Never the whole prompt: the last prompt token is always computed, for its logits.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit.empty(self.num_groups)
+        max_blocks = max(0, num_prompt_tokens - 1) // self.block_size
+        hit = match_prefix(self.pool, self.plan, block_hashes, max_blocks, self.block_size)
+        self._stats.num_queries += 1
+        self._stats.num_query_tokens += max(0, num_prompt_tokens)
+        self._stats.num_hit_tokens += hit.num_tokens
+        return hit
+
+    def commit(self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int) -> None:
+        """Offer every newly full, computed block to the prefix cache (all groups,
+        null entries skipped). Unknown request ids are ignored."""
+        state = self._requests.get(request_id)
+        if state is None or not self.enable_prefix_caching:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(block_hashes))
+        for group_id, table in enumerate(state.tables):
+            end = min(num_full, len(table))
+            for index in range(state.num_committed[group_id], end):
+                if table[index] != NULL_BLOCK_ID:
+                    self.pool.cache(table[index], block_hashes[index], group_id)
+            state.num_committed[group_id] = max(state.num_committed[group_id], end)
+
+    # ---- allocation ------------------------------------------------------------------
+
+    def allocate(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
+                 prefix: Optional[PrefixHit] = None) -> bool:
+        """Make the tables cover `num_computed_tokens + num_new_tokens` slots.
+
+        Sliding groups first release blocks that left the window (always valid,
+        kept even on failure). A prefix is applied on a request's first call;
+        normally `num_computed_tokens == prefix.num_tokens`, but a caller that
+        fills slots [prefix.num_tokens, num_computed_tokens) itself (KV pulled
+        from a remote worker) may pass more, and sliding groups then get blocks
+        for the window of that position only. Returns False, changing nothing
+        else, when the pool cannot supply every new block of every group.
+        """
+        self._check_token_counts(num_computed_tokens, num_new_tokens)
+        if prefix is not None and prefix.num_tokens == 0:
+            prefix = None
+        state = self._requests.get(request_id)
+        if state is not None:
+            self._advance(request_id, state, num_computed_tokens, prefix)
+            tables, num_reserved = state.tables, 0
+        else:
+            if prefix is not None:
+                self._check_prefix(prefix, num_computed_tokens)
+            tables = self._initial_tables(prefix, num_computed_tokens)
+            num_reserved = self._num_evictable(tables)
+        growth = self._growth(tables, num_computed_tokens, num_new_tokens)
+        num_needed = sum(num_new for _, num_new in growth)
+        if num_needed > self.pool.num_free_blocks - num_reserved:
+            logger.debug("request %s: needs %d blocks, %d free", request_id, num_needed,
+                         self.pool.num_free_blocks - num_reserved)
+            return False
+        if state is None:
+            state = self._admit(request_id, tables)
+        for group_id, (num_null, num_new) in enumerate(growth):
+            state.tables[group_id].extend([NULL_BLOCK_ID] * num_null)
+            state.tables[group_id].extend(self.pool.allocate(num_new, group_id))
+        state.num_computed_tokens = num_computed_tokens
+        return True
+
+    def num_blocks_needed(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
+                          prefix: Optional[PrefixHit] = None) -> int:
+        """New pool blocks `allocate` would take for this call (all groups)."""
+        self._check_token_counts(num_computed_tokens, num_new_tokens)
+        state = self._requests.get(request_id)
+        tables = state.tables if state is not None else self._initial_tables(prefix, num_computed_tokens)
+        return sum(num_new for _, num_new in self._growth(tables, num_computed_tokens, num_new_tokens))
+
+    def can_allocate(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
+                     prefix: Optional[PrefixHit] = None) -> bool:
+        """Whether `allocate` with these arguments would succeed now."""
+        num_needed = self.num_blocks_needed(request_id, num_computed_tokens, num_new_tokens, prefix)
+        state = self._requests.get(request_id)
+        if state is None:
+            tables = self._initial_tables(prefix, num_computed_tokens)
+            return num_needed <= self.pool.num_free_blocks - self._num_evictable(tables)
+        # Blocks the window release would drop to zero refs become free first.
+        num_released = sum(1 for block_id in self._window_blocks(state, num_computed_tokens)
+                           if self.pool.ref_count(block_id) == 1)
+        return num_needed <= self.pool.num_free_blocks + num_released
+
+    def free(self, request_id: str) -> None:
+        """Release all of a request's blocks, last blocks first, so its tail is
+        evicted before its (possibly shared) head. Unknown ids are ignored."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        num_slots = max((len(table) for table in state.tables), default=0)
+        tail_first = [table[index] for index in reversed(range(num_slots)) for table in state.tables
+                      if index < len(table) and table[index] != NULL_BLOCK_ID]
+        self.pool.free(tail_first)
+
+    # ---- queries ---------------------------------------------------------------------
+
+    def block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """A copy of the request's tables, one list per group (0 = null block)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return tuple([] for _ in self.plan.groups)
+        return tuple(list(table) for table in state.tables)
+
+    def live_block_ids(self, request_id: str, position: int) -> tuple[list[int], ...]:
+        """The tables clipped to what a query at `position` reads: sliding groups
+        get null before their window. What a prefill worker hands a decode worker
+        that computes the token at `position` itself."""
+        tables = self.block_ids(request_id)
+        for group, table in zip(self.plan.groups, tables):
+            first_live = min(first_live_block(group, position, self.block_size), len(table))
+            table[:first_live] = [NULL_BLOCK_ID] * first_live
+        return tables
+
+    def num_blocks_held(self, request_id: str, group_id: int) -> int:
+        state = self._requests.get(request_id)
+        if state is None:
+            return 0
+        return sum(1 for block_id in state.tables[group_id] if block_id != NULL_BLOCK_ID)
+
+    def usage_by_group(self) -> list[float]:
+        """Fraction of the pool's usable blocks each group holds in use."""
+        usable = self.pool.num_usable_blocks
+        return [self.pool.num_in_use_by_group(g.group_id) / usable for g in self.plan.groups]
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _check_token_counts(self, num_computed_tokens: int, num_new_tokens: int) -> None:
+        if num_computed_tokens < 0 or num_new_tokens < 0:
+            raise ValueError(f"token counts must be >= 0, got {num_computed_tokens} and {num_new_tokens}")
+
+    def _initial_tables(self, prefix: Optional[PrefixHit], num_computed_tokens: int) -> list[list[int]]:
+        """A new request's tables: the prefix blocks still inside each group's
+        window at `num_computed_tokens` (the rest are never referenced)."""
+        if prefix is None or prefix.num_tokens == 0:
+            return [[] for _ in self.plan.groups]
+        tables = []
+        for group, ids in zip(self.plan.groups, prefix.block_ids):
+            first_live = min(first_live_block(group, num_computed_tokens, self.block_size), len(ids))
+            tables.append([NULL_BLOCK_ID] * first_live + list(ids[first_live:]))
+        return tables
+
+    def _num_evictable(self, tables: list[list[int]]) -> int:
+        """Blocks of a prefix that now count as free: touching them reserves them."""
+        return sum(1 for table in tables for b in table if b != NULL_BLOCK_ID and self.pool.ref_count(b) == 0)
+
+    def _check_prefix(self, prefix: PrefixHit, num_computed_tokens: int) -> None:
+        num_blocks, rest = divmod(prefix.num_tokens, self.block_size)
+        malformed = (rest or len(prefix.block_ids) != self.num_groups
+                     or any(len(ids) != num_blocks for ids in prefix.block_ids)
+                     or len(prefix.block_hashes) not in (0, num_blocks))
+        if malformed:
+            raise ValueError(f"malformed prefix hit for {self.num_groups} groups of block size {self.block_size}")
+        if num_computed_tokens < prefix.num_tokens:
+            raise ValueError(f"num_computed_tokens {num_computed_tokens} < prefix hit {prefix.num_tokens}")
+        for group_id, ids in enumerate(prefix.block_ids):
+            for index, block_id in enumerate(ids):
+                if block_id == NULL_BLOCK_ID:
+                    continue
+                if prefix.block_hashes:
+                    valid = self.pool.lookup(prefix.block_hashes[index], group_id) == block_id
+                else:
+                    valid = self.pool.owner(block_id) == group_id and self.pool.is_cached(block_id)
+                if not valid:
+                    raise StalePrefixHit(f"block {block_id} of group {group_id} no longer holds the prefix")
+
+    def _admit(self, request_id: str, tables: list[list[int]]) -> _RequestBlocks:
+        for group_id, table in enumerate(tables):
+            self.pool.touch([b for b in table if b != NULL_BLOCK_ID], group_id)
+        # Prefix blocks are already in the cache: start committing after them.
+        state = _RequestBlocks(tables, [len(t) for t in tables], [0] * len(tables), 0)
+        self._requests[request_id] = state
+        return state
+
+    def _growth(self, tables: list[list[int]], num_computed_tokens: int, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Per group: (null entries, new blocks) to append so the table covers
+        the target slots; blocks wholly outside the window become null entries."""
+        target = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
+        growth = []
+        for group, table in zip(self.plan.groups, tables):
+            first_live = first_live_block(group, num_computed_tokens, self.block_size)
+            num_null = max(0, min(target, first_live) - len(table))
+            num_new = max(0, target - max(len(table), first_live))
+            growth.append((num_null, num_new))
+        return growth
+
+    def _advance(self, request_id: str, state: _RequestBlocks, num_computed_tokens: int,
+                 prefix: Optional[PrefixHit]) -> None:
+        """Validate a running request's next call and release its out-of-window blocks."""
+        if prefix is not None:
+            raise ValueError(f"request {request_id} already has blocks; a prefix applies only on admission")
+        if num_computed_tokens < state.num_computed_tokens:
+            raise ValueError(f"request {request_id}: num_computed_tokens went back "
+                             f"from {state.num_computed_tokens} to {num_computed_tokens}")
+        self._release_window(state, num_computed_tokens)
+        # The release stands even if the allocation fails, so record how far it went.
+        state.num_computed_tokens = num_computed_tokens
+
+    def _window_blocks(self, state: _RequestBlocks, num_computed_tokens: int) -> list[int]:
+        """Non-null blocks of sliding groups that slid out of the window, oldest first."""
+        block_ids = []
+        for group, table in zip(self.plan.groups, state.tables):
+            end = min(first_live_block(group, num_computed_tokens, self.block_size), len(table))
+            block_ids += [b for b in table[state.num_released[group.group_id]:end] if b != NULL_BLOCK_ID]
+        return block_ids
+
+    def _release_window(self, state: _RequestBlocks, num_computed_tokens: int) -> None:
+        released = self._window_blocks(state, num_computed_tokens)
+        for group, table in zip(self.plan.groups, state.tables):
+            end = min(first_live_block(group, num_computed_tokens, self.block_size), len(table))
+            start = state.num_released[group.group_id]
+            if end > start:
+                table[start:end] = [NULL_BLOCK_ID] * (end - start)
+                state.num_released[group.group_id] = end
+        # Oldest first: they are the least likely to be part of a future hit.
+        self.pool.free(released)
+
+    def check_invariants(self) -> None:
+        """Pool invariants plus: every table entry is null or a block in use by
+        that group, with enough references, and no sliding table keeps a block
+        that has left its window."""
+        self.pool.check_invariants()
+        refs: Counter[int] = Counter()
+        for request_id, state in self._requests.items():
+            for group, table in zip(self.plan.groups, state.tables):
+                first_live = first_live_block(group, state.num_computed_tokens, self.block_size)
+                for index, block_id in enumerate(table):
+                    if block_id == NULL_BLOCK_ID:
+                        continue
+                    if self.pool.ref_count(block_id) == 0 or self.pool.owner(block_id) != group.group_id:
+                        raise KVInvariantError(f"request {request_id}: block {block_id} in group "
+                                               f"{group.group_id}'s table is not in use by that group")
+                    if index < first_live and not isinstance(group.spec, FullAttentionSpec):
+                        raise KVInvariantError(f"request {request_id}: block {block_id} left group "
+                                               f"{group.group_id}'s window but was kept")
+                    refs[block_id] += 1
+        for block_id, count in refs.items():
+            if self.pool.ref_count(block_id) < count:
+                raise KVInvariantError(f"block {block_id} is in {count} tables with "
+                                       f"{self.pool.ref_count(block_id)} refs")

@@ -1,0 +1,98 @@
+"""Prefix-cache matching across hybrid KV groups.
+
+Invariant: a hit of L tokens is usable by every group at once: each full-
+attention group holds blocks [0, L/bs), each sliding group holds the blocks
+covering every key position the token at L attends to. Takes no references.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from pdserve.kv.block_pool import NULL_BLOCK_ID, BlockPool, KVInvariantError
+from pdserve.kv.specs import FullAttentionSpec, KVGroup, KVGroupPlan
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """`num_tokens` prompt tokens whose KV is cached; `block_ids[g]` holds
+    num_tokens // block_size ids for group g (0 where a sliding group needs none).
+    `block_hashes` lets the manager check the hit is still valid when used."""
+
+    num_tokens: int
+    block_ids: tuple[tuple[int, ...], ...]
+    block_hashes: tuple[bytes, ...] = ()
+
+    @classmethod
+    def empty(cls, num_groups: int) -> "PrefixHit":
+        return cls(0, ((),) * num_groups)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    num_queries: int = 0  # find_prefix calls while caching is enabled
+    num_query_tokens: int = 0  # prompt tokens those calls asked about
+    num_hit_tokens: int = 0  # tokens they found cached
+
+
+def first_live_block(group: KVGroup, num_tokens: int, block_size: int) -> int:
+    """Index of the first block a query at position `num_tokens` still reads:
+    every block before it lies wholly outside the group's attention window."""
+    return group.spec.needed_from(num_tokens) // block_size
+
+
+def match_prefix(pool: BlockPool, plan: KVGroupPlan, block_hashes: Sequence[bytes], max_blocks: int,
+                 block_size: int) -> PrefixHit:
+    """The longest prefix of at most `max_blocks` blocks every group can serve."""
+    limit = max(0, min(max_blocks, len(block_hashes)))
+    full_groups = [g for g in plan.groups if isinstance(g.spec, FullAttentionSpec)]
+    sliding_groups = [g for g in plan.groups if not isinstance(g.spec, FullAttentionSpec)]
+    found: dict[int, list[int | None]] = {}
+    # Full attention reads every earlier key: the hit can be no longer than the
+    # left-to-right run of each full group, so those bound the search first.
+    for group in full_groups:
+        found[group.group_id] = ids = _match_run(pool, block_hashes[:limit], group.group_id)
+        limit = len(ids)
+    for group in sliding_groups:
+        found[group.group_id] = [pool.lookup(h, group.group_id) for h in block_hashes[:limit]]
+    num_blocks = _longest_sliding_hit(sliding_groups, found, limit, block_size)
+    block_ids = tuple(_hit_ids(group, found[group.group_id], num_blocks, block_size) for group in plan.groups)
+    return PrefixHit(num_blocks * block_size, block_ids, tuple(block_hashes[:num_blocks]))
+
+
+def _match_run(pool: BlockPool, block_hashes: Sequence[bytes], group_id: int) -> list[int | None]:
+    ids: list[int | None] = []
+    for block_hash in block_hashes:
+        block_id = pool.lookup(block_hash, group_id)
+        if block_id is None:
+            break
+        ids.append(block_id)
+    return ids
+
+
+def _longest_sliding_hit(sliding_groups: list[KVGroup], found: dict[int, list[int | None]], limit: int,
+                         block_size: int) -> int:
+    """Largest k <= limit such that each sliding group has blocks
+    [first_live_block(k * bs), k) all cached. k = 0 always qualifies."""
+    # run_ends[g][i]: length of the run of cached blocks ending at index i.
+    run_ends: dict[int, list[int]] = {}
+    for group in sliding_groups:
+        runs, run = [], 0
+        for block_id in found[group.group_id]:
+            run = run + 1 if block_id is not None else 0
+            runs.append(run)
+        run_ends[group.group_id] = runs
+    for k in range(limit, 0, -1):
+        if all(run_ends[g.group_id][k - 1] >= k - first_live_block(g, k * block_size, block_size)
+               for g in sliding_groups):
+            return k
+    return 0
+
+
+def _hit_ids(group: KVGroup, found: list[int | None], num_blocks: int, block_size: int) -> tuple[int, ...]:
+    start = first_live_block(group, num_blocks * block_size, block_size)
+    live = found[start:num_blocks]
+    if any(block_id is None for block_id in live):
+        raise KVInvariantError(f"group {group.group_id} matched a prefix with a missing block")
+    return (NULL_BLOCK_ID,) * start + tuple(live)  # type: ignore[arg-type]
