@@ -1,0 +1,189 @@
+"""Prometheus metrics of one worker, built by a factory on a private registry.
+
+No globals: every `Metrics` owns its `CollectorRegistry`, so two workers (or
+two tests) in one process never share or clash on a series. Labels stay of low
+cardinality (a finish reason, a status code, a KV group index), never an id.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Bucket edges chosen for LLM serving: a first token takes milliseconds (prefix
+# hit, tiny prompt) to tens of seconds (long prompt behind a queue); a decode
+# step is milliseconds; a whole request can last minutes.
+TTFT_BUCKETS_S = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+INTER_TOKEN_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+)
+E2E_BUCKETS_S = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
+)
+QUEUE_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)
+STEP_BUCKETS_S = (
+    0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+    0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
+)
+
+
+class RequestMetrics:
+    """Per-request latency and token counts, recorded by the HTTP layer."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.time_to_first_token_s = Histogram(
+            "pdserve_request_time_to_first_token_seconds",
+            "Time from the HTTP request's arrival to its first generated token.",
+            buckets=TTFT_BUCKETS_S, registry=registry,
+        )
+        self.inter_token_latency_s = Histogram(
+            "pdserve_request_inter_token_latency_seconds",
+            "Time between two consecutive engine outputs of one request, per output.",
+            buckets=INTER_TOKEN_BUCKETS_S, registry=registry,
+        )
+        self.e2e_latency_s = Histogram(
+            "pdserve_request_e2e_latency_seconds",
+            "Time from the HTTP request's arrival to its last token.",
+            buckets=E2E_BUCKETS_S, registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_request_prompt_tokens_total", "Prompt tokens of handled requests.", registry=registry
+        )
+        self.generation_tokens = Counter(
+            "pdserve_request_generation_tokens_total", "Tokens generated for requests.", registry=registry
+        )
+        self.finished = Counter(
+            "pdserve_request_finished_total",
+            "Requests that ended, by reason (stop, length, abort, error).",
+            ["reason"], registry=registry,
+        )
+        self.errors = Counter(
+            "pdserve_request_errors_total",
+            "Requests answered with an error, by HTTP status.",
+            ["status"], registry=registry,
+        )
+
+    def observe_first_token(self, latency_s: float) -> None:
+        self.time_to_first_token_s.observe(latency_s)
+
+    def observe_inter_token(self, latency_s: float) -> None:
+        self.inter_token_latency_s.observe(latency_s)
+
+    def observe_finished(
+        self, reason: str, e2e_latency_s: float, num_prompt_tokens: int, num_generation_tokens: int
+    ) -> None:
+        self.finished.labels(reason=reason).inc()
+        self.e2e_latency_s.observe(e2e_latency_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_generation_tokens)
+
+    def count_error(self, status_code: int) -> None:
+        self.errors.labels(status=str(status_code)).inc()
+
+
+class SchedulerMetrics:
+    """Queue state and preemptions, recorded by the engine loop."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.queue_time_s = Histogram(
+            "pdserve_scheduler_queue_time_seconds",
+            "Time a request waited between arrival and its first scheduling.",
+            buckets=QUEUE_BUCKETS_S, registry=registry,
+        )
+        self.running_requests = Gauge(
+            "pdserve_scheduler_running_requests", "Requests currently scheduled.", registry=registry
+        )
+        self.waiting_requests = Gauge(
+            "pdserve_scheduler_waiting_requests", "Requests waiting (including for remote KV).", registry=registry
+        )
+        self.preemptions = Counter(
+            "pdserve_scheduler_preemptions_total", "Requests preempted for lack of KV blocks.", registry=registry
+        )
+
+    def observe_queue_time(self, queue_time_s: float) -> None:
+        self.queue_time_s.observe(queue_time_s)
+
+    def set_queue_sizes(self, num_running: int, num_waiting: int) -> None:
+        self.running_requests.set(num_running)
+        self.waiting_requests.set(num_waiting)
+
+    def count_preemptions(self, num_preemptions: int = 1) -> None:
+        self.preemptions.inc(num_preemptions)
+
+
+class KVCacheMetrics:
+    """KV pool usage per group and prefix-cache effectiveness."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.usage_ratio = Gauge(
+            "pdserve_kv_usage_ratio",
+            "Fraction of the shared block pool held by a KV group (0..1).",
+            ["group"], registry=registry,
+        )
+        self.prefix_cache_queries_tokens = Counter(
+            "pdserve_kv_prefix_cache_queries_tokens_total",
+            "Prompt tokens looked up in the prefix cache.", registry=registry,
+        )
+        self.prefix_cache_hits_tokens = Counter(
+            "pdserve_kv_prefix_cache_hits_tokens_total",
+            "Prompt tokens found in the prefix cache.", registry=registry,
+        )
+
+    def set_usage(self, group: int | str, ratio: float) -> None:
+        self.usage_ratio.labels(group=str(group)).set(ratio)
+
+    def count_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries_tokens.inc(num_query_tokens)
+        self.prefix_cache_hits_tokens.inc(num_hit_tokens)
+
+
+class EngineMetrics:
+    """Cost of the engine loop itself."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.step_duration_s = Histogram(
+            "pdserve_engine_step_duration_seconds",
+            "Wall time of one engine step (schedule, forward, update).",
+            buckets=STEP_BUCKETS_S, registry=registry,
+        )
+        self.computed_prompt_tokens = Counter(
+            "pdserve_engine_computed_prompt_tokens_total",
+            "Prompt tokens the model actually computed (prefix-cache hits and pulled KV excluded).",
+            registry=registry,
+        )
+
+    def observe_step(self, duration_s: float) -> None:
+        self.step_duration_s.observe(duration_s)
+
+    def count_computed_prompt_tokens(self, num_tokens: int) -> None:
+        self.computed_prompt_tokens.inc(num_tokens)
+
+
+class Metrics:
+    """All metrics of one worker process, one sub-object per subsystem.
+
+    A new subsystem (e.g. KV transfer) is a class taking the registry in its
+    constructor plus one attribute here; nothing else changes.
+    """
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.request = RequestMetrics(self.registry)
+        self.scheduler = SchedulerMetrics(self.registry)
+        self.kv = KVCacheMetrics(self.registry)
+        self.engine = EngineMetrics(self.registry)
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text exposition format."""
+        return generate_latest(self.registry)
+
+
+def create_metrics() -> Metrics:
+    return Metrics(CollectorRegistry())

@@ -1,0 +1,42 @@
+"""`create_app`: the FastAPI application of one worker, built from an engine, metrics and config.
+
+A factory, never a module-level app: every app (and every test) gets its own
+routes, error handlers and request-id registry around the objects passed in.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from fastapi import APIRouter, FastAPI
+
+from pdserve.config import ServerConfig
+from pdserve.metrics import Metrics
+from pdserve.server.context import ServingContext
+from pdserve.server.errors import install_error_handlers
+from pdserve.server.openai_routes import build_openai_router
+from pdserve.server.ops_routes import build_ops_router
+
+if TYPE_CHECKING:
+    from pdserve.engine.api import EngineClient
+
+
+def create_app(
+    engine: "EngineClient",
+    metrics: Metrics,
+    config: ServerConfig,
+    *,
+    extra_routers: Sequence[APIRouter] = (),
+) -> FastAPI:
+    """Build the worker's app; `extra_routers` lets other subsystems (KV hand-off) mount their routes."""
+    ctx = ServingContext(engine=engine, metrics=metrics, config=config)
+    # The generation routes parse raw bodies themselves, so a generated OpenAPI
+    # schema would be empty and misleading: leave it out.
+    app = FastAPI(title="pdserve", openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.serving = ctx
+    install_error_handlers(app, metrics.request)
+    app.include_router(build_openai_router(ctx))
+    app.include_router(build_ops_router(ctx))
+    for router in extra_routers:
+        app.include_router(router)
+    return app

@@ -1,0 +1,111 @@
+"""OpenAI-compatible routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`.
+
+Both generation routes share `_serve`: parse, check, tokenize, then answer as
+one JSON body or as an SSE stream. Until a `GenerationStream` exists the route
+owns the request id; from then on the stream does, and closing it is the only
+cleanup (abort if unfinished, metrics, id release).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Awaitable, Callable, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIRequest
+from pdserve.request import GenerationRequest
+from pdserve.server.context import REQUEST_ID_HEADER, ServingContext
+from pdserve.server.errors import invalid_request_from_validation
+from pdserve.server.formatting import ChatFormat, CompletionFormat, ResponseFormat
+from pdserve.server.generation import GenerationStream, collect, run_until_disconnected
+from pdserve.server.preprocess import check_model, ensure_ready, prepare_chat, prepare_completion
+from pdserve.server.streaming import EventStreamResponse, sse_events
+
+BodyT = TypeVar("BodyT", bound=OpenAIRequest)
+Preparer = Callable[[Any, Any, str], Awaitable[GenerationRequest]]
+FormatFactory = Callable[[ServingContext, Any, str], ResponseFormat]
+
+
+def parse_body(schema: type[BodyT], raw_body: bytes) -> BodyT:
+    try:
+        return schema.model_validate_json(raw_body)
+    except ValidationError as exc:
+        raise invalid_request_from_validation(exc) from None
+
+
+def json_response(body: BaseModel, headers: dict[str, str] | None = None, status_code: int = 200) -> Response:
+    return Response(body.model_dump_json(), status_code=status_code, media_type="application/json", headers=headers)
+
+
+def _completion_format(ctx: ServingContext, body: CompletionRequest, request_id: str) -> ResponseFormat:
+    return CompletionFormat(
+        response_id=f"cmpl-{request_id}", model=ctx.engine.model_name, created=int(time.time()),
+        tokenizer=ctx.engine.tokenizer, with_logprobs=body.wants_logprobs,
+    )
+
+
+def _chat_format(ctx: ServingContext, body: ChatCompletionRequest, request_id: str) -> ResponseFormat:
+    return ChatFormat(
+        response_id=f"chatcmpl-{request_id}", model=ctx.engine.model_name, created=int(time.time()),
+        tokenizer=ctx.engine.tokenizer, with_logprobs=body.wants_logprobs,
+    )
+
+
+async def _serve(
+    ctx: ServingContext,
+    raw: Request,
+    schema: type[OpenAIRequest],
+    prepare: Preparer,
+    make_format: FormatFactory,
+) -> Response:
+    arrival_s = time.monotonic()
+    request_id = ctx.request_ids.reserve(raw.headers.get(REQUEST_ID_HEADER))
+    raw.state.request_id = request_id  # lets the error handlers echo it
+    stream: GenerationStream | None = None
+    handed_off = False
+    try:
+        body = parse_body(schema, await raw.body())
+        ensure_ready(ctx.engine)
+        check_model(ctx.engine, body.model)
+        generation_request = await prepare(ctx.engine, body, request_id)
+        response_format = make_format(ctx, body, request_id)
+        stream = GenerationStream(ctx, generation_request, arrival_s)
+        headers = {REQUEST_ID_HEADER: request_id}
+        if body.stream:
+            # Wait for the first output before sending headers, so that a request
+            # the engine refuses (overloaded, bad kv_transfer_params) still gets
+            # its proper HTTP status instead of a 200 with an error event.
+            first = await run_until_disconnected(raw, stream.__anext__())
+            events = sse_events(stream, first, response_format, body.include_usage, ctx.metrics.request)
+            handed_off = True
+            return EventStreamResponse(events, on_close=stream.aclose, headers=headers)
+        result = await run_until_disconnected(raw, collect(stream))
+        return json_response(response_format.final_response(result), headers)
+    finally:
+        if not handed_off:
+            if stream is not None:
+                await stream.aclose()
+            else:
+                ctx.request_ids.release(request_id)
+
+
+def build_openai_router(ctx: ServingContext) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/completions")
+    async def create_completion(raw: Request) -> Response:
+        return await _serve(ctx, raw, CompletionRequest, prepare_completion, _completion_format)
+
+    @router.post("/v1/chat/completions")
+    async def create_chat_completion(raw: Request) -> Response:
+        return await _serve(ctx, raw, ChatCompletionRequest, prepare_chat, _chat_format)
+
+    @router.get("/v1/models")
+    async def list_models() -> Response:
+        card = ModelCard(id=ctx.engine.model_name, created=ctx.created_s, max_model_len=ctx.engine.max_model_len)
+        return json_response(ModelList(data=[card]))
+
+    return router

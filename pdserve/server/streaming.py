@@ -1,0 +1,103 @@
+"""Server-sent events for streamed answers: one `data: {json}` event per chunk,
+an optional usage chunk, then `data: [DONE]`.
+
+Invariant: however the stream ends (finished, engine error, client gone, or
+never started at all), the request's `GenerationStream` is closed exactly once,
+so the engine request is aborted and the request id freed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator, Awaitable, Callable, Mapping, Optional
+
+import anyio
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pdserve.errors import PdserveError
+from pdserve.metrics import RequestMetrics
+from pdserve.request import RequestOutput
+from pdserve.server.errors import body_for_exception
+from pdserve.server.formatting import ResponseFormat
+from pdserve.server.generation import GenerationStream, usage_info
+
+logger = logging.getLogger(__name__)
+
+DONE_EVENT = b"data: [DONE]\n\n"
+_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_event(payload: BaseModel) -> bytes:
+    return b"data: " + payload.model_dump_json().encode() + b"\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """A `StreamingResponse` that always runs its cleanup, even if its body never started.
+
+    An async generator that was never iterated skips its own `finally`, so the
+    cleanup cannot live only inside the body generator.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[None]],
+        headers: Optional[Mapping[str, str]] = None,
+    ):
+        super().__init__(content, headers={**_STREAM_HEADERS, **(headers or {})})
+        self._content = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:
+            # ASGI >= 2.4 servers report a gone client by failing `send`; the
+            # headers are out, so there is no one left to tell: just clean up.
+            logger.debug("client of a streamed answer disconnected")
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self._content, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                await self._on_close()
+
+
+async def sse_events(
+    stream: GenerationStream,
+    first: RequestOutput,
+    response_format: ResponseFormat,
+    include_usage: bool,
+    metrics: RequestMetrics,
+) -> AsyncIterator[bytes]:
+    """Events of one request, starting from its already-received first output."""
+    num_completion_tokens = 0
+    num_cached_tokens = 0
+    try:
+        for chunk in response_format.opening_chunks():
+            yield sse_event(chunk)
+        output = first
+        while True:
+            num_completion_tokens += len(output.new_token_ids)
+            num_cached_tokens = max(num_cached_tokens, output.num_cached_tokens)
+            for chunk in response_format.output_chunks(output):
+                yield sse_event(chunk)
+            if output.finished:
+                break
+            output = await stream.__anext__()
+        if include_usage:
+            usage = usage_info(len(stream.request.prompt_token_ids), num_completion_tokens, num_cached_tokens)
+            yield sse_event(response_format.usage_chunk(usage))
+    except PdserveError as exc:
+        # Headers are gone already: the error travels as an event the OpenAI client raises on.
+        logger.warning("request %s failed mid-stream (%d): %s", stream.request.request_id, exc.status_code, exc.message)
+        metrics.count_error(exc.status_code)
+        yield sse_event(body_for_exception(exc))
+    finally:
+        await stream.aclose()
+    yield DONE_EVENT
