@@ -1,0 +1,95 @@
+"""Command line: `pdserve decode|serve` (and, as they land, prefill, proxy, up).
+
+Parses flags into frozen configs and hands them to the composition roots;
+no logic of its own beyond that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from typing import Optional, Sequence
+
+from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, WorkerConfig
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2g', '1073741824' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB or 2GiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _add_worker_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    model.add_argument("--served-model-name", default=None)
+    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    model.add_argument("--max-model-len", type=int, default=None)
+    cache = parser.add_argument_group("KV pool")
+    cache.add_argument("--block-size", type=int, default=16)
+    cache.add_argument("--num-blocks", type=int, default=None, help="pool size in blocks (wins over --kv-memory)")
+    cache.add_argument("--kv-memory", type=parse_bytes, default=1 << 30, help="pool size in bytes (default 1GiB)")
+    cache.add_argument("--no-prefix-caching", action="store_true")
+    sched = parser.add_argument_group("scheduler")
+    sched.add_argument("--max-num-batched-tokens", type=int, default=512)
+    sched.add_argument("--max-num-running", type=int, default=64)
+    sched.add_argument("--max-num-waiting", type=int, default=1024)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=default_port)
+    server.add_argument("--internal-token", default=None, help="shared token guarding internal endpoints")
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
+    return WorkerConfig(
+        role=role,
+        model=ModelConfig(
+            path=args.model, served_name=args.served_model_name, dtype=args.dtype,
+            device=args.device, max_model_len=args.max_model_len,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size, num_blocks=args.num_blocks, kv_memory_bytes=args.kv_memory,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_running=args.max_num_running,
+            max_num_waiting=args.max_num_waiting,
+        ),
+        server=ServerConfig(host=args.host, port=args.port, internal_token=args.internal_token, log_level=args.log_level),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (
+        ("decode", "serve the OpenAI API from one engine (the decode role)"),
+        ("serve", "alias of `decode`: one colocated worker"),
+    ):
+        _add_worker_flags(commands.add_parser(name, help=help_text), default_port=8000)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from pdserve.worker import serve_worker  # heavy imports (torch) only when serving
+
+    serve_worker(worker_config(args, "decode"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

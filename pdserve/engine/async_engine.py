@@ -1,0 +1,93 @@
+"""The async face of the engine loop (implements `EngineClient`).
+
+Invariant: every request submitted is either finished by the engine or aborted
+when its consumer stops iterating, so a vanished client never strands blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Optional
+
+from pdserve.engine.loop import EngineLoop
+from pdserve.errors import EngineNotReady, EngineOverloaded
+from pdserve.models.tokenizer import Tokenizer
+from pdserve.request import GenerationRequest, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, loop: EngineLoop, model_name: str, max_model_len: int, tokenizer: Tokenizer, max_in_flight: int):
+        self.engine_loop = loop
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.max_in_flight = max_in_flight
+        self.num_in_flight = 0
+
+    def is_ready(self) -> bool:
+        return True
+
+    def start(self) -> None:
+        self.engine_loop.start()
+
+    def shutdown(self) -> None:
+        self.engine_loop.shutdown()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        if self.num_in_flight >= self.max_in_flight:
+            raise EngineOverloaded(f"too many requests in flight ({self.num_in_flight}); retry later")
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        event_loop = asyncio.get_running_loop()
+        self.num_in_flight += 1
+        self.engine_loop.submit(request, lambda output: event_loop.call_soon_threadsafe(outputs.put_nowait, output))
+        finished = False
+        try:
+            while not finished:
+                output = await outputs.get()
+                finished = output.finished
+                yield output
+        finally:
+            self.num_in_flight -= 1
+            if not finished:
+                self.engine_loop.abort(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.engine_loop.abort(request_id)
+
+
+class LoadingEngine:
+    """Stands in for the engine while weights load, so /health can say 503."""
+
+    def __init__(self, model_name: str):
+        self._model_name = model_name
+        self.inner: Optional[AsyncEngine] = None
+        self.load_error: Optional[str] = None
+
+    def is_ready(self) -> bool:
+        return self.inner is not None
+
+    def _engine(self) -> AsyncEngine:
+        if self.inner is None:
+            raise EngineNotReady(self.load_error or "the model is still loading")
+        return self.inner
+
+    @property
+    def model_name(self) -> str:
+        return self.inner.model_name if self.inner is not None else self._model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine().max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._engine().tokenizer
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        return self._engine().generate(request)
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine().abort(request_id)

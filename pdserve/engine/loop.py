@@ -1,0 +1,169 @@
+"""The engine loop: one thread, synchronous steps.
+
+schedule -> run the model -> update requests -> emit outputs, repeated while
+there is work; it sleeps on its inbox when idle. Invariant: only this thread
+touches the scheduler, the KV manager and the runner; other threads talk to it
+through the inbox and receive outputs through per-request sinks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+from pdserve.engine.outputs import OutputProcessor
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.stats import EngineStats
+from pdserve.request import FinishReason, GenerationRequest, Request, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+OutputSink = Callable[[RequestOutput], None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Submit:
+    request: GenerationRequest
+    sink: OutputSink
+    arrival_time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Shutdown:
+    pass
+
+
+_Command = Union[_Submit, _Abort, _Shutdown]
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        outputs: OutputProcessor,
+        eos_token_ids: tuple[int, ...],
+        stats: EngineStats,
+    ):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.outputs = outputs
+        self.eos_token_ids = eos_token_ids
+        self.stats = stats
+        self.inbox: queue.Queue[_Command] = queue.Queue()
+        self.sinks: dict[str, OutputSink] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+
+    # ---- called from other threads ---------------------------------------------
+
+    def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
+        self.inbox.put(_Submit(request, sink, time.monotonic()))
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(_Abort(request_id))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run_forever, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.inbox.put(_Shutdown())
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # ---- the engine thread -------------------------------------------------------
+
+    def run_forever(self) -> None:
+        while not self._stopping:
+            self._drain_inbox(block=not self.scheduler.has_work())
+            if self.scheduler.has_work():
+                self.step()
+
+    def run_until_idle(self) -> None:
+        """Drive the loop on the calling thread until no request is left
+        (tests and offline benchmarks; never while the thread runs)."""
+        self._drain_inbox(block=False)
+        while self.scheduler.has_work():
+            self.step()
+            self._drain_inbox(block=False)
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                command = self.inbox.get(block=block, timeout=1.0 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            self._apply(command)
+
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, _Submit):
+            self._add(command)
+        elif isinstance(command, _Abort):
+            self._finish(command.request_id, FinishReason.ABORT)
+        else:
+            self._stopping = True
+
+    def _add(self, command: _Submit) -> None:
+        generation = command.request
+        request = Request(
+            request_id=generation.request_id,
+            prompt_token_ids=list(generation.prompt_token_ids),
+            sampling=generation.sampling,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time_s=command.arrival_time_s,
+            kv_transfer_params=generation.kv_transfer_params,
+        )
+        self.sinks[request.request_id] = command.sink
+        self.scheduler.add_request(request)
+
+    def _finish(self, request_id: str, reason: FinishReason, error: Optional[str] = None) -> None:
+        request = self.scheduler.finish(request_id, reason)
+        sink = self.sinks.pop(request_id, None)
+        self.outputs.forget(request_id)
+        if request is not None and sink is not None:
+            sink(RequestOutput(request_id, (), "", finished=True, finish_reason=reason, error=error,
+                               num_prompt_tokens=request.num_prompt_tokens,
+                               num_output_tokens=len(request.output_token_ids)))
+
+    def step(self) -> None:
+        started = time.monotonic()
+        scheduled = self.scheduler.schedule()
+        try:
+            sampled = self.runner.execute(scheduled)
+        except Exception:  # a model failure must not take the worker down
+            logger.exception("engine step failed; failing its %d requests", len(scheduled.chunks))
+            for chunk in scheduled.chunks:
+                self._finish(chunk.request_id, FinishReason.ERROR, "internal error while running the model")
+            return
+        changed = self.scheduler.update(scheduled, sampled)
+        logprobs = {token.request_id: token.logprob for token in sampled}
+        now = time.monotonic()
+        for request in changed:
+            self._emit(request, logprobs, now)
+        self.stats.record_step(self.scheduler, scheduled, now - started)
+
+    def _emit(self, request: Request, logprobs: dict[str, float], now: float) -> None:
+        if request.first_token_time_s is None:
+            request.first_token_time_s = now
+            self.stats.record_first_token(request)
+        new_logprobs = (logprobs[request.request_id],) if request.sampling.logprobs else ()
+        output, stop_reason = self.outputs.process(request, new_logprobs)
+        if stop_reason is not None:
+            self.scheduler.finish(request.request_id, stop_reason)
+        sink = self.sinks.get(request.request_id)
+        if output.finished:
+            self.sinks.pop(request.request_id, None)
+        if sink is not None:
+            sink(output)

@@ -1,0 +1,105 @@
+"""Turns sampled tokens into text increments and applies stop strings.
+
+Invariant: emitted text never contains a stop string, never a broken UTF-8
+sequence, and never text that may still turn out to be the start of a stop
+string (it is held back until it cannot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pdserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.request import FinishReason, Request, RequestOutput
+
+
+def _held_back_length(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+@dataclass(slots=True)
+class _TextState:
+    detokenizer: IncrementalDetokenizer
+    text: str = ""  # everything decoded so far (stop string cut off once found)
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, _TextState] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def process(self, request: Request, new_logprobs: tuple[float, ...] = ()) -> tuple[RequestOutput, Optional[FinishReason]]:
+        """Output for the tokens `request` gained since the last call.
+
+        Returns the output and, when a stop string ended the request, STOP (the
+        caller must then finish the request in the scheduler).
+        """
+        state = self.states.get(request.request_id)
+        if state is None:
+            state = _TextState(IncrementalDetokenizer(self.tokenizer))
+            self.states[request.request_id] = state
+        new_ids = request.output_token_ids[state.num_emitted_tokens :]
+        stop_reason = self._append_text(state, request, new_ids)
+        finished = request.finished or stop_reason is not None
+        end = len(state.text)
+        if not finished:
+            end -= _held_back_length(state.text[state.num_emitted_chars :], request.sampling.stop)
+        new_text = state.text[state.num_emitted_chars : end]
+        state.num_emitted_chars = max(state.num_emitted_chars, end)
+        state.num_emitted_tokens = len(request.output_token_ids)
+        if finished:
+            self.forget(request.request_id)
+        output = RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=tuple(new_ids),
+            new_text=new_text,
+            new_logprobs=new_logprobs,
+            finished=finished,
+            finish_reason=stop_reason or request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
+            kv_transfer_params=request.kv_transfer_params if finished else None,
+        )
+        return output, stop_reason
+
+    def _append_text(self, state: _TextState, request: Request, new_ids: list[int]) -> Optional[FinishReason]:
+        piece = self._decode(state, request, new_ids)
+        stops = request.sampling.stop
+        if not stops or not piece:
+            state.text += piece
+            return None
+        # A stop string may straddle the old text and the new piece.
+        search_from = max(0, len(state.text) - max(len(s) for s in stops) + 1)
+        state.text += piece
+        hits = [index for index in (state.text.find(s, search_from) for s in stops) if index >= 0]
+        if not hits:
+            return None
+        state.text = state.text[: min(hits)]
+        return FinishReason.STOP
+
+    @staticmethod
+    def _decode(state: _TextState, request: Request, new_ids: list[int]) -> str:
+        # EOS / stop token ids that end the request are not part of the text.
+        if request.finished and request.finish_reason is FinishReason.STOP and new_ids:
+            last = new_ids[-1]
+            if last in request.sampling.stop_token_ids or (not request.sampling.ignore_eos and last in request.eos_token_ids):
+                new_ids = new_ids[:-1]
+        text = state.detokenizer.push(new_ids) if new_ids else ""
+        if request.finished:
+            text += state.detokenizer.flush()
+        return text

@@ -1,0 +1,76 @@
+"""Runs one scheduled step on the device: the only engine code that touches torch.
+
+Owns the model, the KV pool tensor and the sampler. Invariant: it writes K/V
+only into the blocks the scheduler's chunks name, and returns exactly one
+sampled token per chunk that asked for one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from pdserve.engine.paged_attention import PagedAttention
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.schedule_types import SampledToken, ScheduledChunk, SchedulerOutput
+from pdserve.kv.layout import KVPoolLayout
+from pdserve.kv.specs import KVGroupPlan
+from pdserve.models.base import CausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, plan: KVGroupPlan, layout: KVPoolLayout, device: torch.device, seed: int = 0):
+        self.model = model
+        self.plan = plan
+        self.layout = layout
+        self.device = device
+        self.pool = layout.allocate(device)
+        self.layer_caches = self._layer_caches()
+        self.sampler = Sampler(device, seed)
+
+    def _layer_caches(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        caches = []
+        for layer_id in range(self.plan.num_layers):
+            group_id, slot = self.plan.locate(layer_id)
+            k_cache, v_cache = self.layout.layer_view(self.pool, slot)
+            caches.append((group_id, k_cache, v_cache))
+        return caches
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> list[SampledToken]:
+        self.sampler.forget(step.finished_request_ids)
+        if step.is_empty:
+            return []
+        # Single-token chunks first: they share one batched gather per layer.
+        chunks = sorted(step.chunks, key=lambda chunk: chunk.num_tokens != 1)
+        input_ids, positions = self._inputs(chunks)
+        attention = PagedAttention(self.plan, self.layer_caches, chunks, self.layout.block_size, self.device)
+        hidden = self.model(input_ids, positions, attention)
+        sample_rows, sample_chunks = self._sample_rows(chunks)
+        if not sample_chunks:
+            return []
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return self.sampler.sample(logits, sample_chunks)
+
+    def _inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for chunk in chunks:
+            token_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_position, chunk.end_position))
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+        return as_tensor(token_ids), as_tensor(positions)
+
+    def _sample_rows(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        rows, sampled = [], []
+        offset = 0
+        for chunk in chunks:
+            offset += chunk.num_tokens
+            if chunk.sample:
+                rows.append(offset - 1)
+                sampled.append(chunk)
+        return torch.tensor(rows, dtype=torch.int64, device=self.device), sampled

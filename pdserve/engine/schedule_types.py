@@ -1,0 +1,65 @@
+"""Records passed from the scheduler to the runner and back.
+
+`SchedulerOutput` is the only thing the runner sees of scheduling; the runner
+answers with one `SampledToken` per chunk that asked for a sample. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.request import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """A run of consecutive tokens of one request to compute this step.
+
+    The chunk covers positions [start_position, start_position + len(token_ids)).
+    `block_ids` holds one block table per KV group (0 = null block) covering at
+    least every position of the chunk; it is a snapshot owned by this record.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_ids: tuple[list[int], ...]
+    sample: bool  # the chunk ends at the request's last known token: sample the next one
+    sampling: SamplingParams
+    num_sampled_so_far: int = 0  # output tokens already produced (seeds stay reproducible)
+    num_prompt_tokens: int = 0
+
+    @property
+    def num_prompt_tokens_computed(self) -> int:
+        """Prompt tokens (as opposed to recomputed outputs) this chunk computes."""
+        return max(0, min(self.end_position, self.num_prompt_tokens) - self.start_position)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_position(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # runner drops per-request state
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    request_id: str
+    token_id: int
+    logprob: float

@@ -1,0 +1,45 @@
+"""Feeds the engine's Prometheus metrics from the engine thread after each step.
+
+Invariant: counters only ever receive deltas of monotonic engine-side counts,
+so a metric never double-counts or goes backwards.
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.schedule_types import SchedulerOutput
+from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.manager import KVCacheManager
+from pdserve.metrics import Metrics
+from pdserve.request import Request
+
+
+class EngineStats:
+    def __init__(self, metrics: Metrics, kv_manager: KVCacheManager):
+        self.metrics = metrics
+        self.kv = kv_manager
+        self._num_query_tokens = 0
+        self._num_hit_tokens = 0
+        self.num_computed_prompt_tokens = 0  # also read by tests and benchmarks
+
+    def record_preemption(self, request: Request) -> None:
+        self.metrics.scheduler.count_preemptions()
+
+    def record_first_token(self, request: Request) -> None:
+        if request.first_scheduled_time_s is not None:
+            self.metrics.scheduler.observe_queue_time(request.first_scheduled_time_s - request.arrival_time_s)
+
+    def record_step(self, scheduler: Scheduler, step: SchedulerOutput, duration_s: float) -> None:
+        self.metrics.engine.observe_step(duration_s)
+        num_prompt = sum(chunk.num_prompt_tokens_computed for chunk in step.chunks)
+        if num_prompt:
+            self.num_computed_prompt_tokens += num_prompt
+            self.metrics.engine.count_computed_prompt_tokens(num_prompt)
+        self.metrics.scheduler.set_queue_sizes(scheduler.num_running, scheduler.num_waiting)
+        for group_id, ratio in enumerate(self.kv.usage_by_group()):
+            self.metrics.kv.set_usage(group_id, ratio)
+        stats = self.kv.prefix_stats
+        if stats.num_query_tokens != self._num_query_tokens:
+            self.metrics.kv.count_prefix_lookup(
+                stats.num_query_tokens - self._num_query_tokens, stats.num_hit_tokens - self._num_hit_tokens
+            )
+            self._num_query_tokens, self._num_hit_tokens = stats.num_query_tokens, stats.num_hit_tokens
