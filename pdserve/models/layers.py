@@ -1,0 +1,111 @@
+"""Building blocks shared by the model files: RMS norms, activations, empty
+parameters and the fused-weight copy used at load time.
+
+Parameters are allocated uninitialised on the target device and filled once by
+`copy_rows`, so loading never holds two copies of a weight and never runs a
+random initialiser.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.models.hf_config import ModelLoadError, UnsupportedModelFeature
+
+
+def empty_param(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(tuple(shape), dtype=dtype, device=device), requires_grad=False)
+
+
+def empty_linear(
+    in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
+) -> torch.nn.Linear:
+    """A Linear with uninitialised storage (built on meta, then materialised)."""
+    layer = torch.nn.Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
+    layer = layer.to_empty(device=device)
+    layer.requires_grad_(False)
+    return layer
+
+
+def copy_rows(dst: torch.Tensor, parts: Sequence[torch.Tensor], name: str) -> None:
+    """Fill `dst` with `parts` stacked along dim 0 (q|k|v or gate|up fusion)."""
+    offset = 0
+    for part in parts:
+        rows = part.shape[0]
+        if offset + rows > dst.shape[0] or tuple(part.shape[1:]) != tuple(dst.shape[1:]):
+            raise ModelLoadError(
+                f"{name}: checkpoint shape {tuple(part.shape)} does not fit parameter {tuple(dst.shape)}"
+            )
+        dst[offset : offset + rows].copy_(part)
+        offset += rows
+    if offset != dst.shape[0]:
+        raise ModelLoadError(f"{name}: checkpoint has {offset} rows, parameter has {dst.shape[0]}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama-style RMSNorm: normalise in fp32, cast back, then scale in the model dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rms_norm_fp32_scale(x: torch.Tensor, scale_fp32: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma-style RMSNorm: normalise and scale in fp32 (scale is 1 + w), then cast back."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * scale_fp32).to(x.dtype)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = MappingProxyType({
+    "silu": F.silu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_tanh": _gelu_tanh,
+    "gelu": F.gelu,
+})
+
+
+def activation_named(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise UnsupportedModelFeature(f"activation {name!r} is not supported") from None
+
+
+class GatedMLP(torch.nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.gate_up_proj = empty_linear(hidden_size, 2 * intermediate_size, bias, dtype, device)
+        self.down_proj = empty_linear(intermediate_size, hidden_size, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.activation(gate) * up)
+
+    def load(self, get: Callable[[str], torch.Tensor], prefix: str) -> None:
+        """Copy `{prefix}gate_proj`, `up_proj`, `down_proj` (HF names) into the fused layout."""
+        copy_rows(self.gate_up_proj.weight, [get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")], prefix)
+        if self.gate_up_proj.bias is not None:
+            copy_rows(self.gate_up_proj.bias, [get(prefix + "gate_proj.bias"), get(prefix + "up_proj.bias")], prefix)
+        copy_rows(self.down_proj.weight, [get(prefix + "down_proj.weight")], prefix)
+        if self.down_proj.bias is not None:
+            copy_rows(self.down_proj.bias, [get(prefix + "down_proj.bias")], prefix)

@@ -1,0 +1,244 @@
+"""The Llama family: Llama 2/3 and SmolLM2, Mistral, Qwen2/2.5 and Qwen3.
+
+They share one decoder: pre-norm attention with GQA and RoPE, then a SiLU
+gated MLP. What differs (q/k/v biases, per-head q/k RMSNorm, sliding windows)
+is read from the config into `LlamaArgs`; the forward pass has no per-family
+branches beyond the optional q/k norm. q/k/v and gate/up are fused at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kv.specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from pdserve.models.base import AttentionContext, CausalLM, ModelSpec
+from pdserve.models.hf_config import (
+    FULL_LAYER,
+    SLIDING_LAYER,
+    ModelLoadError,
+    flat_rope,
+    head_dim_of,
+    layer_specs_from_types,
+    require,
+)
+from pdserve.models.layers import GatedMLP, activation_named, copy_rows, empty_linear, empty_param, rms_norm
+from pdserve.models.rope import RotaryTable, apply_rotary
+from pdserve.models.weights import WeightSource
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    hidden_act: str
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    rope: Mapping[str, Any]
+    layer_specs: tuple[AttentionSpec, ...]
+
+
+def _common_args(config: Mapping[str, Any], architecture: str, **family: Any) -> LlamaArgs:
+    num_heads = int(require(config, "num_attention_heads"))
+    return LlamaArgs(
+        architecture=architecture,
+        vocab_size=int(require(config, "vocab_size")),
+        hidden_size=int(require(config, "hidden_size")),
+        intermediate_size=int(require(config, "intermediate_size")),
+        num_layers=int(require(config, "num_hidden_layers")),
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=head_dim_of(config),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(require(config, "max_position_embeddings")),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        hidden_act=str(config.get("hidden_act", "silu")),
+        rope=flat_rope(config),
+        **family,
+    )
+
+
+def _all_layers(config: Mapping[str, Any], spec: AttentionSpec) -> tuple[AttentionSpec, ...]:
+    return (spec,) * int(require(config, "num_hidden_layers"))
+
+
+def llama_args(config: Mapping[str, Any]) -> LlamaArgs:
+    """Llama 2/3/3.x and SmolLM2: `attention_bias` covers q/k/v and o."""
+    bias = bool(config.get("attention_bias", False))
+    return _common_args(
+        config, "llama", qkv_bias=bias, o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)),
+        qk_norm=False, layer_specs=_all_layers(config, FullAttentionSpec()),
+    )
+
+
+def mistral_args(config: Mapping[str, Any]) -> LlamaArgs:
+    """Mistral: every layer slides when the config names a window, else full attention."""
+    window = config.get("sliding_window")
+    spec: AttentionSpec = SlidingWindowSpec(int(window)) if window else FullAttentionSpec()
+    return _common_args(
+        config, "mistral", qkv_bias=False, o_bias=False, mlp_bias=False,
+        qk_norm=False, layer_specs=_all_layers(config, spec),
+    )
+
+
+QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28  # transformers' default when a Qwen config omits it
+
+
+def _qwen_layer_specs(config: Mapping[str, Any]) -> tuple[AttentionSpec, ...]:
+    """Qwen slides only with `use_sliding_window`, and then only from `max_window_layers` on."""
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    num_layers = int(require(config, "num_hidden_layers"))
+    if not window:
+        return _all_layers(config, FullAttentionSpec())
+    layer_types = config.get("layer_types") or [
+        SLIDING_LAYER if i >= int(config.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS)) else FULL_LAYER
+        for i in range(num_layers)
+    ]
+    return layer_specs_from_types(layer_types, window)
+
+
+def qwen2_args(config: Mapping[str, Any]) -> LlamaArgs:
+    """Qwen2/2.5: q/k/v always carry a bias, o never does."""
+    return _common_args(
+        config, "qwen2", qkv_bias=True, o_bias=False, mlp_bias=False,
+        qk_norm=False, layer_specs=_qwen_layer_specs(config),
+    )
+
+
+def qwen3_args(config: Mapping[str, Any]) -> LlamaArgs:
+    """Qwen3: per-head RMSNorm on q and k before RoPE; explicit head_dim."""
+    bias = bool(config.get("attention_bias", False))
+    return _common_args(
+        config, "qwen3", qkv_bias=bias, o_bias=bias, mlp_bias=False,
+        qk_norm=True, layer_specs=_qwen_layer_specs(config),
+    )
+
+
+class LlamaAttention(torch.nn.Module):
+    """Fused q/k/v projection, optional q/k norm, RoPE on q and k in one pass, attend, o_proj."""
+
+    def __init__(self, args: LlamaArgs, layer_id: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.eps = args.rms_norm_eps
+        self.scale = args.head_dim**-0.5
+        qkv_rows = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+        self.qkv_proj = empty_linear(args.hidden_size, qkv_rows, args.qkv_bias, dtype, device)
+        self.o_proj = empty_linear(args.num_heads * args.head_dim, args.hidden_size, args.o_bias, dtype, device)
+        # q_norm and k_norm weights stacked per head, so q and k normalise in one op.
+        qk_shape = (args.num_heads + args.num_kv_heads, args.head_dim)
+        self.qk_norm = empty_param(qk_shape, dtype, device) if args.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionContext
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, :qk_width].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, self.qk_norm, self.eps)
+        qk = apply_rotary(qk, cos, sin)
+        out = attention.attend(self.layer_id, qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def load(self, get: Callable[[str], torch.Tensor], prefix: str) -> None:
+        names = [prefix + p for p in ("q_proj", "k_proj", "v_proj")]
+        copy_rows(self.qkv_proj.weight, [get(n + ".weight") for n in names], prefix + "qkv")
+        if self.qkv_proj.bias is not None:
+            copy_rows(self.qkv_proj.bias, [get(n + ".bias") for n in names], prefix + "qkv bias")
+        copy_rows(self.o_proj.weight, [get(prefix + "o_proj.weight")], prefix + "o_proj")
+        if self.o_proj.bias is not None:
+            copy_rows(self.o_proj.bias, [get(prefix + "o_proj.bias")], prefix + "o_proj bias")
+        if self.qk_norm is not None:
+            q_norm, k_norm = get(prefix + "q_norm.weight"), get(prefix + "k_norm.weight")
+            parts = [q_norm.expand(self.num_heads, -1), k_norm.expand(self.num_kv_heads, -1)]
+            copy_rows(self.qk_norm, parts, prefix + "q/k norm")
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(self, args: LlamaArgs, layer_id: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.eps = args.rms_norm_eps
+        self.input_norm = empty_param((args.hidden_size,), dtype, device)
+        self.self_attn = LlamaAttention(args, layer_id, dtype, device)
+        self.post_attention_norm = empty_param((args.hidden_size,), dtype, device)
+        act = activation_named(args.hidden_act)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, act, args.mlp_bias, dtype, device)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionContext
+    ) -> torch.Tensor:
+        h = h + self.self_attn(rms_norm(h, self.input_norm, self.eps), cos, sin, attention)
+        return h + self.mlp(rms_norm(h, self.post_attention_norm, self.eps))
+
+    def load(self, get: Callable[[str], torch.Tensor], prefix: str) -> None:
+        copy_rows(self.input_norm, [get(prefix + "input_layernorm.weight")], prefix + "input_layernorm")
+        post_name = prefix + "post_attention_layernorm"
+        copy_rows(self.post_attention_norm, [get(post_name + ".weight")], post_name)
+        self.self_attn.load(get, prefix + "self_attn.")
+        self.mlp.load(get, prefix + "mlp.")
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.args = args
+        self.spec = ModelSpec(
+            architecture=args.architecture,
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            vocab_size=args.vocab_size,
+            max_position_embeddings=args.max_position_embeddings,
+            layer_specs=args.layer_specs,
+        )
+        if len(args.layer_specs) != args.num_layers:
+            raise ModelLoadError(f"{len(args.layer_specs)} layer specs for {args.num_layers} layers")
+        self.embed_tokens = empty_param((args.vocab_size, args.hidden_size), dtype, device)
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(args, i, dtype, device) for i in range(args.num_layers))
+        self.norm = empty_param((args.hidden_size,), dtype, device)
+        vocab_shape = (args.vocab_size, args.hidden_size)
+        self.lm_head = None if args.tie_word_embeddings else empty_param(vocab_shape, dtype, device)
+        self.rotary = RotaryTable(args.rope, args.head_dim, args.max_position_embeddings, dtype, device)
+
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionContext
+    ) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.lookup(positions)
+        for layer in self.layers:
+            h = layer(h, cos, sin, attention)
+        return rms_norm(h, self.norm, self.args.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()
+
+    @torch.no_grad()
+    def load_weights(self, source: WeightSource) -> None:
+        get = source.get
+        copy_rows(self.embed_tokens, [get("model.embed_tokens.weight")], "embed_tokens")
+        for i, layer in enumerate(self.layers):
+            layer.load(get, f"model.layers.{i}.")
+        copy_rows(self.norm, [get("model.norm.weight")], "norm")
+        if self.lm_head is not None:
+            copy_rows(self.lm_head, [get("lm_head.weight")], "lm_head")

@@ -1,0 +1,77 @@
+"""Which model class serves which Hugging Face architecture.
+
+The registry is an explicit table built by `model_registry()`: each entry
+pairs a config parser with a model class, so supporting a new architecture is
+one line here and an unknown one fails at load with the list of known ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import torch
+
+from pdserve.models.base import CausalLM
+from pdserve.models.gemma3 import Gemma3ForCausalLM, gemma3_args
+from pdserve.models.hf_config import UnsupportedModelFeature
+from pdserve.models.llama import LlamaForCausalLM, llama_args, mistral_args, qwen2_args, qwen3_args
+from pdserve.models.weights import WeightSource
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    parse_config: Callable[[Mapping[str, Any]], Any]  # HF config dict -> the model's args
+    model_class: Callable[[Any, torch.dtype, torch.device], CausalLM]
+
+
+# HF model_type -> architecture class name, for configs without `architectures`.
+MODEL_TYPES: Mapping[str, str] = MappingProxyType({
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+})
+
+
+def model_registry() -> dict[str, ModelEntry]:
+    """HF architecture class name -> how to build it."""
+    return {
+        "LlamaForCausalLM": ModelEntry(llama_args, LlamaForCausalLM),
+        "MistralForCausalLM": ModelEntry(mistral_args, LlamaForCausalLM),
+        "Qwen2ForCausalLM": ModelEntry(qwen2_args, LlamaForCausalLM),
+        "Qwen3ForCausalLM": ModelEntry(qwen3_args, LlamaForCausalLM),
+        "Gemma3ForCausalLM": ModelEntry(gemma3_args, Gemma3ForCausalLM),
+    }
+
+
+def architecture_of(config: Mapping[str, Any]) -> str:
+    architectures = config.get("architectures") or []
+    if architectures:
+        return str(architectures[0])
+    return MODEL_TYPES.get(str(config.get("model_type")), str(config.get("model_type")))
+
+
+def build_model(
+    config: Mapping[str, Any], weights: WeightSource, dtype: torch.dtype, device: torch.device
+) -> CausalLM:
+    """Instantiate the model class for `config` on `device` and fill it from `weights`."""
+    registry = model_registry()
+    architecture = architecture_of(config)
+    entry = registry.get(architecture)
+    if entry is None:
+        raise UnsupportedModelFeature(
+            f"model architecture {architecture!r} is not supported (supported: {sorted(registry)})"
+        )
+    args = entry.parse_config(config)
+    model = entry.model_class(args, dtype, device)
+    model.load_weights(weights)  # type: ignore[attr-defined]
+    model.eval()
+    logger.info("built %s (%s, %d layers) in %s on %s", architecture, model.spec.architecture,
+                model.spec.num_layers, dtype, device)
+    return model

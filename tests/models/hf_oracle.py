@@ -1,0 +1,66 @@
+"""Helpers that run Hugging Face `transformers` as the oracle for model tests:
+greedy decoding with its own KV cache, and tiny random checkpoints saved in
+the HF layout (safetensors + a word-level tokenizer.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import torch
+from tokenizers import Tokenizer as Backend
+from tokenizers import models, pre_tokenizers
+
+
+def hf_greedy_generate(hf_model: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy loop over transformers' model and cache (never stops at EOS)."""
+    generated: list[int] = []
+    with torch.inference_mode():
+        out = hf_model(torch.tensor([list(prompt_ids)]), use_cache=True)
+        for _ in range(max_new_tokens):
+            next_id = int(out.logits[0, -1].argmax())
+            generated.append(next_id)
+            out = hf_model(torch.tensor([[next_id]]), past_key_values=out.past_key_values, use_cache=True)
+    return generated
+
+
+def hf_prompt_logits(hf_model: torch.nn.Module, prompt_ids: Sequence[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([list(prompt_ids)])).logits[0].float()
+
+
+def randomize_norms(hf_model: torch.nn.Module, center: float = 1.0, seed: int = 0) -> None:
+    """HF initialises norm weights to a constant; give them random values around
+    `center` (1 for Llama-style norms, 0 for Gemma's 1 + w) so a mis-applied
+    norm cannot hide."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3 + center)
+
+
+def write_word_tokenizer(directory: str, vocab_size: int, eos_token_ids: Sequence[int] = (1,)) -> None:
+    """A word-level tokenizer.json whose ids cover the model's vocabulary, plus
+    tokenizer_config.json (special tokens, a chat template) and generation_config.json."""
+    vocab = {"<unk>": 0, "<eos>": 1, "<bos>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    backend = Backend(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.save(os.path.join(directory, "tokenizer.json"))
+    config = {
+        "bos_token": "<bos>",
+        "eos_token": {"content": "<eos>"},
+        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    }
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(directory, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": list(eos_token_ids)}, f)
+
+
+def save_tiny_checkpoint(hf_model: torch.nn.Module, directory: str, max_shard_size: str | None = None) -> str:
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    hf_model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    write_word_tokenizer(directory, hf_model.config.vocab_size)
+    return directory
