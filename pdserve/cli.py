@@ -1,4 +1,4 @@
-"""Command line: `pdserve decode|serve` (and, as they land, prefill, proxy, up).
+"""Command line: `pdserve serve|prefill|decode` (and, as they land, proxy, up).
 
 Parses flags into frozen configs and hands them to the composition roots;
 no logic of its own beyond that.
@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, WorkerConfig
+from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, TransferConfig, WorkerConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
@@ -48,6 +48,17 @@ def _add_worker_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+def _add_transfer_flags(parser: argparse.ArgumentParser) -> None:
+    kv = parser.add_argument_group("P/D KV transfer")
+    kv.add_argument("--engine-id", default=None, help="stable worker name (default: role-hostname-port)")
+    kv.add_argument("--advertise-host", default=None, help="address peers reach this worker on (default: --host)")
+    kv.add_argument("--kv-lease-s", type=float, default=30.0, help="P: keep unread blocks this long")
+    kv.add_argument("--kv-heartbeat-s", type=float, default=5.0, help="D: renew leases of queued requests this often")
+    kv.add_argument("--kv-pull-timeout-s", type=float, default=30.0, help="D: give up on a KV read after this long")
+    kv.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
+                    help="D: on a failed pull, prefill locally (recompute) or return a distinct 503 (fail)")
+
+
 def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
     return WorkerConfig(
         role=role,
@@ -64,18 +75,35 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
             max_num_waiting=args.max_num_waiting,
         ),
         server=ServerConfig(host=args.host, port=args.port, internal_token=args.internal_token, log_level=args.log_level),
+        transfer=_transfer_config(args),
+    )
+
+
+def _transfer_config(args: argparse.Namespace) -> TransferConfig:
+    if not hasattr(args, "kv_lease_s"):
+        return TransferConfig()
+    return TransferConfig(
+        engine_id=args.engine_id, advertise_host=args.advertise_host, lease_s=args.kv_lease_s,
+        heartbeat_s=args.kv_heartbeat_s, pull_timeout_s=args.kv_pull_timeout_s, failure_policy=args.kv_failure_policy,
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (
-        ("decode", "serve the OpenAI API from one engine (the decode role)"),
-        ("serve", "alias of `decode`: one colocated worker"),
+    serve = commands.add_parser("serve", help="one colocated worker: the OpenAI API, no KV transfer")
+    _add_worker_flags(serve, default_port=8000)
+    for name, port, help_text in (
+        ("prefill", 8100, "prefill worker: computes prompts' KV and keeps it for decode workers"),
+        ("decode", 8200, "decode worker: pulls prompts' KV from prefill workers over NIXL, then generates"),
     ):
-        _add_worker_flags(commands.add_parser(name, help=help_text), default_port=8000)
+        worker = commands.add_parser(name, help=help_text)
+        _add_worker_flags(worker, default_port=port)
+        _add_transfer_flags(worker)
     return parser
+
+
+_ROLES = {"serve": "colocated", "prefill": "prefill", "decode": "decode"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -87,7 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     from pdserve.worker import serve_worker  # heavy imports (torch) only when serving
 
-    serve_worker(worker_config(args, "decode"))
+    serve_worker(worker_config(args, _ROLES[args.command]))
     return 0
 
 

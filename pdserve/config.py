@@ -43,9 +43,21 @@ class ServerConfig(_Frozen):
     log_level: str = "info"
 
 
+class TransferConfig(_Frozen):
+    engine_id: Optional[str] = None  # stable name of this worker; default host:port
+    advertise_host: Optional[str] = None  # address decode workers reach us on; default server.host
+    lease_s: float = Field(30.0, gt=0)  # P keeps unread blocks this long without a heartbeat
+    heartbeat_s: float = Field(5.0, gt=0)  # D renews leases of queued requests this often
+    pull_timeout_s: float = Field(30.0, gt=0)  # D gives up on a READ after this long
+    handshake_timeout_s: float = Field(5.0, gt=0)
+    failure_policy: Literal["recompute", "fail"] = "recompute"
+
+
 class WorkerConfig(_Frozen):
-    role: Literal["decode", "prefill"] = "decode"
+    # colocated: one worker, no KV transport; decode/prefill: the two P/D halves.
+    role: Literal["colocated", "decode", "prefill"] = "colocated"
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     server: ServerConfig = ServerConfig()
+    transfer: TransferConfig = TransferConfig()

@@ -164,6 +164,59 @@ class EngineMetrics:
         self.computed_prompt_tokens.inc(num_tokens)
 
 
+TRANSFER_BUCKETS_S = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+THROUGHPUT_BUCKETS_BYTES_PER_S = tuple(float(1 << shift) for shift in range(20, 38, 1))  # 1 MiB/s .. 128 GiB/s
+
+
+class TransferMetrics:
+    """KV movement between prefill and decode workers (both sides record here)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.bytes = Counter("pdserve_transfer_bytes_total", "KV bytes pulled from prefill workers.", registry=registry)
+        self.descriptors = Counter(
+            "pdserve_transfer_descriptors_total", "NIXL descriptors (one per block page) read.", registry=registry
+        )
+        self.duration_s = Histogram(
+            "pdserve_transfer_duration_seconds", "Time from starting a KV pull to its completion.",
+            buckets=TRANSFER_BUCKETS_S, registry=registry,
+        )
+        self.throughput = Histogram(
+            "pdserve_transfer_throughput_bytes_per_second", "Bytes per second of each completed KV pull.",
+            buckets=THROUGHPUT_BUCKETS_BYTES_PER_S, registry=registry,
+        )
+        self.failures = Counter(
+            "pdserve_transfer_failures_total", "KV pulls that failed, by what was done about it.",
+            ["policy"], registry=registry,
+        )
+        self.notification_failures = Counter(
+            "pdserve_transfer_notification_failures_total", "Messages to a prefill worker that could not be sent.",
+            registry=registry,
+        )
+        self.expired_leases = Counter(
+            "pdserve_transfer_expired_leases_total", "Pinned prefills freed because their lease ran out.",
+            registry=registry,
+        )
+        self.handshakes = Counter(
+            "pdserve_transfer_handshakes_total", "Agent-info handshakes with prefill workers.", registry=registry
+        )
+        self.pinned_blocks = Gauge(
+            "pdserve_transfer_pinned_blocks", "Blocks a prefill worker holds for remote readers.", registry=registry
+        )
+        self.waiting_for_kv = Gauge(
+            "pdserve_transfer_waiting_for_kv_requests", "Decode requests whose KV pull is in flight.",
+            registry=registry,
+        )
+
+    def observe_pull(self, num_bytes: int, num_descriptors: int, duration_s: float) -> None:
+        self.bytes.inc(num_bytes)
+        self.descriptors.inc(num_descriptors)
+        self.duration_s.observe(duration_s)
+        if duration_s > 0:
+            self.throughput.observe(num_bytes / duration_s)
+
+
 class Metrics:
     """All metrics of one worker process, one sub-object per subsystem.
 
@@ -179,6 +232,7 @@ class Metrics:
         self.scheduler = SchedulerMetrics(self.registry)
         self.kv = KVCacheMetrics(self.registry)
         self.engine = EngineMetrics(self.registry)
+        self.transfer = TransferMetrics(self.registry)
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format."""

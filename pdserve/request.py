@@ -50,8 +50,11 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
-    # Opaque to everything but the P/D role hooks (later issue); validated there.
+    # Opaque to everything but the P/D role hooks; validated there.
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # Set by the decode worker's front end once params and peer are verified
+    # (a `pdserve.engine.decode_role.RemotePrefill`).
+    remote_prefill: Optional[Any] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +92,9 @@ class Request:
     first_scheduled_time_s: Optional[float] = None
     first_token_time_s: Optional[float] = None
     finish_reason: Optional[FinishReason] = None
-    kv_transfer_params: Optional[dict[str, Any]] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None  # in: from the client; out (P): for the decode worker
+    remote_prefill: Optional[Any] = None  # D: where to pull this prompt's KV from (see GenerationRequest)
+    error: Optional[str] = None  # message for FinishReason.ERROR
 
     @property
     def num_prompt_tokens(self) -> int:

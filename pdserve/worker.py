@@ -8,23 +8,32 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
+from typing import Optional
 
 import uvicorn
 
 from pdserve.config import WorkerConfig
 from pdserve.engine.async_engine import LoadingEngine
-from pdserve.engine.factory import build_engine
+from pdserve.engine.factory import BuiltEngine, build_engine
 from pdserve.metrics import Metrics
 from pdserve.server.app import create_app
+from pdserve.server.kv_routes import create_kv_router
 
 logger = logging.getLogger(__name__)
 
 
-def _load_in_background(config: WorkerConfig, metrics: Metrics, handle: LoadingEngine) -> threading.Thread:
+@dataclass
+class _Loaded:
+    built: Optional[BuiltEngine] = None
+
+
+def _load_in_background(config: WorkerConfig, metrics: Metrics, handle: LoadingEngine, loaded: _Loaded) -> threading.Thread:
     def load() -> None:
         try:
             built = build_engine(config, metrics)
             built.engine.start()
+            loaded.built = built
             handle.inner = built.engine
         except Exception as error:  # reported on every request and in the log
             logger.exception("model load failed")
@@ -38,10 +47,15 @@ def _load_in_background(config: WorkerConfig, metrics: Metrics, handle: LoadingE
 def serve_worker(config: WorkerConfig) -> None:
     metrics = Metrics()
     handle = LoadingEngine(config.model.served_name or "default")
-    app = create_app(handle, metrics, config.server)
-    _load_in_background(config, metrics, handle)
+    loaded = _Loaded()
+    routers = []
+    if config.role != "colocated":
+        routers.append(create_kv_router(lambda: loaded.built.agent_info if loaded.built else None,
+                                        config.server.internal_token))
+    app = create_app(handle, metrics, config.server, extra_routers=routers)
+    _load_in_background(config, metrics, handle, loaded)
     try:
         uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level)
     finally:
-        if handle.inner is not None:
-            handle.inner.shutdown()
+        if loaded.built is not None:
+            loaded.built.close()

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Optional
+import dataclasses
+import itertools
+from typing import AsyncIterator, Optional, Protocol
 
 from pdserve.engine.loop import EngineLoop
 from pdserve.errors import EngineNotReady, EngineOverloaded
@@ -18,9 +20,20 @@ from pdserve.request import GenerationRequest, RequestOutput
 logger = logging.getLogger(__name__)
 
 
+class RequestFrontend(Protocol):
+    async def prepare(self, request: GenerationRequest) -> GenerationRequest:
+        """Validate and complete a request on the async side (may raise a typed 4xx)."""
+        ...
+
+
 class AsyncEngine:
-    def __init__(self, loop: EngineLoop, model_name: str, max_model_len: int, tokenizer: Tokenizer, max_in_flight: int):
+    def __init__(self, loop: EngineLoop, model_name: str, max_model_len: int, tokenizer: Tokenizer,
+                 max_in_flight: int, frontend: Optional[RequestFrontend] = None):
         self.engine_loop = loop
+        self.frontend = frontend
+        # Engine-side ids are unique for the life of the process even when a
+        # caller reuses an id (a prefill's blocks stay pinned under its id).
+        self._sequence = itertools.count()
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
@@ -39,6 +52,9 @@ class AsyncEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         if self.num_in_flight >= self.max_in_flight:
             raise EngineOverloaded(f"too many requests in flight ({self.num_in_flight}); retry later")
+        if self.frontend is not None:
+            request = await self.frontend.prepare(request)
+        request = dataclasses.replace(request, request_id=f"{request.request_id}.{next(self._sequence)}")
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         event_loop = asyncio.get_running_loop()
         self.num_in_flight += 1
@@ -55,6 +71,8 @@ class AsyncEngine:
                 self.engine_loop.abort(request.request_id)
 
     async def abort(self, request_id: str) -> None:
+        """Callers abort by closing `generate`'s iterator; ids given here are
+        engine-side ids as seen in outputs."""
         self.engine_loop.abort(request_id)
 
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from pdserve.config import WorkerConfig
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.decode_role import DecodeRole
+from pdserve.engine.kv_roles import KVRoleParts, build_kv_role
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.outputs import OutputProcessor
 from pdserve.engine.runner import ModelRunner
@@ -23,6 +26,7 @@ from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan, plan_groups
 from pdserve.metrics import Metrics
 from pdserve.models.loader import LoadedModel, load_model
+from pdserve.transfer.handshake import AgentInfo
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +74,17 @@ class BuiltEngine:
     layout: KVPoolLayout
     kv_manager: KVCacheManager
     runner: ModelRunner
+    kv_role: Optional[KVRoleParts] = None  # None for a colocated worker
+
+    @property
+    def agent_info(self) -> Optional[AgentInfo]:
+        return None if self.kv_role is None else self.kv_role.agent_info
+
+    def close(self) -> None:
+        """Stop the engine thread, then release the transport (never the other way round)."""
+        self.engine.shutdown()
+        if self.kv_role is not None:
+            self.kv_role.transport.close()
 
 
 def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | None = None) -> BuiltEngine:
@@ -92,15 +107,24 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
         logger.warning("KV pool holds at most %d tokens per request; capping the context from %d", pool_limit, max_model_len)
         max_model_len = pool_limit
     kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching)
-    stats = EngineStats(metrics, kv_manager)
-    scheduler = Scheduler(config.scheduler, kv_manager, cache.block_size, max_model_len, on_preempt=stats.record_preemption)
     runner = ModelRunner(loaded.model, plan, layout, device)
-    loop = EngineLoop(scheduler, runner, OutputProcessor(loaded.tokenizer), loaded.tokenizer.eos_token_ids, stats)
+    model_name = config.model.served_name or loaded.name
+    kv_role = None
+    if config.role != "colocated":
+        kv_role = build_kv_role(config, metrics, kv_manager, plan, layout, runner.pool, spec, model_name, str(dtype))
+    role = kv_role.role if kv_role is not None else None
+    stats = EngineStats(metrics, kv_manager)
+    scheduler = Scheduler(config.scheduler, kv_manager, cache.block_size, max_model_len,
+                          on_preempt=stats.record_preemption, role_hooks=role)
+    if isinstance(role, DecodeRole):
+        role.bind(scheduler)
+    loop = EngineLoop(scheduler, runner, OutputProcessor(loaded.tokenizer), loaded.tokenizer.eos_token_ids, stats, role)
     max_in_flight = config.scheduler.max_num_running + config.scheduler.max_num_waiting
-    engine = AsyncEngine(loop, config.model.served_name or loaded.name, max_model_len, loaded.tokenizer, max_in_flight)
+    engine = AsyncEngine(loop, model_name, max_model_len, loaded.tokenizer, max_in_flight,
+                         frontend=kv_role.frontend if kv_role is not None else None)
     logger.info(
-        "engine ready: model=%s device=%s dtype=%s groups=%d group_size=%d blocks=%d block_size=%d page_bytes=%d max_model_len=%d",
-        engine.model_name, device, dtype, len(plan.groups), plan.group_size, num_blocks, cache.block_size,
+        "engine ready: role=%s model=%s device=%s dtype=%s groups=%d group_size=%d blocks=%d block_size=%d page_bytes=%d max_model_len=%d",
+        config.role, engine.model_name, device, dtype, len(plan.groups), plan.group_size, num_blocks, cache.block_size,
         layout.page_bytes, max_model_len,
     )
-    return BuiltEngine(engine, loaded, plan, layout, kv_manager, runner)
+    return BuiltEngine(engine, loaded, plan, layout, kv_manager, runner, kv_role)

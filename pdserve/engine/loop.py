@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Protocol, Union
 
 from pdserve.engine.outputs import OutputProcessor
 from pdserve.engine.runner import ModelRunner
@@ -24,6 +24,18 @@ from pdserve.request import FinishReason, GenerationRequest, Request, RequestOut
 logger = logging.getLogger(__name__)
 
 OutputSink = Callable[[RequestOutput], None]
+
+
+class KVRole(Protocol):
+    """The P or D side of disaggregation, ticked by the loop every iteration."""
+
+    def has_pending(self) -> bool:
+        """True while pinned blocks or pulls need polling even with no step to run."""
+        ...
+
+    def tick(self) -> list[tuple[str, str]]:
+        """Poll the transport; returns (request id, message) of requests to end with an error."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +66,14 @@ class EngineLoop:
         outputs: OutputProcessor,
         eos_token_ids: tuple[int, ...],
         stats: EngineStats,
+        role: Optional[KVRole] = None,
     ):
         self.scheduler = scheduler
         self.runner = runner
         self.outputs = outputs
         self.eos_token_ids = eos_token_ids
         self.stats = stats
+        self.role = role
         self.inbox: queue.Queue[_Command] = queue.Queue()
         self.sinks: dict[str, OutputSink] = {}
         self._thread: Optional[threading.Thread] = None
@@ -87,21 +101,36 @@ class EngineLoop:
     def run_forever(self) -> None:
         while not self._stopping:
             self._drain_inbox(block=not self.scheduler.has_work())
+            self._tick_role()
             if self.scheduler.has_work():
                 self.step()
+
+    def _tick_role(self) -> None:
+        if self.role is None:
+            return
+        try:
+            failed = self.role.tick()
+        except Exception:  # a transport fault must not take the worker down
+            logger.exception("KV role tick failed")
+            return
+        for request_id, message in failed:
+            self._finish(request_id, FinishReason.ERROR, message)
 
     def run_until_idle(self) -> None:
         """Drive the loop on the calling thread until no request is left
         (tests and offline benchmarks; never while the thread runs)."""
         self._drain_inbox(block=False)
         while self.scheduler.has_work():
+            self._tick_role()
             self.step()
             self._drain_inbox(block=False)
 
     def _drain_inbox(self, block: bool) -> None:
+        # With pinned blocks or pulls in flight the loop must keep polling them.
+        timeout_s = 0.005 if self.role is not None and self.role.has_pending() else 1.0
         while True:
             try:
-                command = self.inbox.get(block=block, timeout=1.0 if block else None)
+                command = self.inbox.get(block=block, timeout=timeout_s if block else None)
             except queue.Empty:
                 return
             block = False
@@ -124,6 +153,7 @@ class EngineLoop:
             eos_token_ids=self.eos_token_ids,
             arrival_time_s=command.arrival_time_s,
             kv_transfer_params=generation.kv_transfer_params,
+            remote_prefill=generation.remote_prefill,
         )
         self.sinks[request.request_id] = command.sink
         self.scheduler.add_request(request)
@@ -133,7 +163,7 @@ class EngineLoop:
         sink = self.sinks.pop(request_id, None)
         self.outputs.forget(request_id)
         if request is not None and sink is not None:
-            sink(RequestOutput(request_id, (), "", finished=True, finish_reason=reason, error=error,
+            sink(RequestOutput(request_id, (), "", finished=True, finish_reason=reason, error=error or request.error,
                                num_prompt_tokens=request.num_prompt_tokens,
                                num_output_tokens=len(request.output_token_ids)))
 

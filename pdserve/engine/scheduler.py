@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Protocol
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.schedule_types import SampledToken, ScheduledChunk, SchedulerOutput
@@ -23,6 +23,20 @@ from pdserve.request import FinishReason, Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
+class KVRoleHooks(Protocol):
+    """What a P/D role adds to scheduling (see engine/prefill_role.py, decode_role.py)."""
+
+    def retain(self, request: Request, reason: FinishReason) -> bool:
+        """Called as a request finishes; True = the role now owns its blocks
+        (pinned for a remote reader, or under an in-flight READ) and frees them later."""
+        ...
+
+    def admit_remote(self, request: Request, budget: int) -> Optional[bool]:
+        """None: an ordinary request. True: admitted as a remote-KV request
+        (blocks allocated, now WAITING_FOR_REMOTE_KV). False: no room yet."""
+        ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -31,6 +45,7 @@ class Scheduler:
         block_size: int,
         max_model_len: int,
         on_preempt: Optional[Callable[[Request], None]] = None,
+        role_hooks: Optional[KVRoleHooks] = None,
     ):
         self.config = config
         self.kv = kv_manager
@@ -40,6 +55,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.role_hooks = role_hooks
+        self.num_waiting_for_kv = 0  # maintained by the decode role
         self._finished_since_last_step: list[str] = []
 
     # ---- queue management -------------------------------------------------
@@ -53,7 +70,7 @@ class Scheduler:
         return len(self.running)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.num_waiting_for_kv)
 
     def add_request(self, request: Request) -> None:
         request.block_hashes = hash_full_blocks(request.all_token_ids, self.block_size, [])
@@ -69,14 +86,29 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._release(request, reason)
+        self._release(request, reason)  # a request waiting for remote KV: the role hook decides
         return request
 
     def _release(self, request: Request, reason: FinishReason) -> None:
+        retained = self.role_hooks is not None and self.role_hooks.retain(request, reason)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.kv.free(request.request_id)
+        if not retained:
+            self.kv.free(request.request_id)
         self._finished_since_last_step.append(request.request_id)
+
+    def resume_after_remote_kv(self, request: Request, num_computed_tokens: int) -> None:
+        """The decode role landed a request's KV: it runs from the next step."""
+        request.num_computed_tokens = num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def requeue_for_local_prefill(self, request: Request) -> None:
+        """The KV pull failed and the policy is recompute: start over locally."""
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     # ---- scheduling ---------------------------------------------------------
 
@@ -135,8 +167,13 @@ class Scheduler:
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_running:
             request = self.waiting[0]
-            if request.status is not RequestStatus.WAITING:
-                break  # e.g. waiting for remote KV: handled by the role hooks
+            if self.role_hooks is not None:
+                admitted = self.role_hooks.admit_remote(request, budget)
+                if admitted is False:
+                    break
+                if admitted:
+                    self.waiting.popleft()
+                    continue
             prefix = self.kv.find_prefix(request.block_hashes, request.num_tokens)
             num_new = min(request.num_tokens - prefix.num_tokens, budget)
             if not self.kv.allocate(request.request_id, prefix.num_tokens, num_new, prefix):

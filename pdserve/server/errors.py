@@ -7,6 +7,8 @@ keep their 404/405, and only genuine bugs fall through to a logged 500.
 
 from __future__ import annotations
 
+import hmac
+
 import logging
 from typing import Any, Optional
 
@@ -17,7 +19,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from pdserve.errors import InvalidRequest, PdserveError
+from pdserve.errors import InvalidRequest, PdserveError, Unauthorized
 from pdserve.metrics import RequestMetrics
 from pdserve.protocol import ErrorInfo, ErrorResponse
 from pdserve.server.context import REQUEST_ID_HEADER
@@ -44,6 +46,18 @@ class RequestAbortedByEngine(PdserveError):
 
     status_code = 503
     error_type = "service_unavailable"
+
+
+INTERNAL_TOKEN_HEADER = "X-Pdserve-Internal-Token"
+
+
+def check_internal_token(request: Request, expected: str | None) -> None:
+    """Internal endpoints and kv_transfer_params need the shared token when one is configured."""
+    if expected is None:
+        return
+    given = request.headers.get(INTERNAL_TOKEN_HEADER)
+    if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
+        raise Unauthorized(f"this needs the internal token (header {INTERNAL_TOKEN_HEADER})")
 
 
 def error_response_body(

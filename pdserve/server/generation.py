@@ -18,6 +18,7 @@ import anyio
 from starlette.requests import Request
 
 from pdserve.errors import EngineFailure, PdserveError
+from pdserve.transfer.params import KV_PULL_FAILED_PREFIX, KVPullFailed
 from pdserve.protocol import PromptTokensDetails, UsageInfo
 from pdserve.request import FinishReason, GenerationRequest, RequestOutput
 from pdserve.server.context import ServingContext
@@ -97,7 +98,10 @@ class GenerationStream:
         reason = output.finish_reason
         if reason is FinishReason.ERROR:
             self._finish("error")
-            raise EngineFailure(output.error or "the engine failed to serve the request")
+            message = output.error or "the engine failed to serve the request"
+            if message.startswith(KV_PULL_FAILED_PREFIX):
+                raise KVPullFailed(message)  # distinct 503: the proxy retries on another prefill worker
+            raise EngineFailure(message)
         if reason is FinishReason.ABORT:
             self._finish("abort")
             raise RequestAbortedByEngine(output.error or "the server aborted the request; retry later")

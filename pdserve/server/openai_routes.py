@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIRequest
 from pdserve.request import GenerationRequest
 from pdserve.server.context import REQUEST_ID_HEADER, ServingContext
-from pdserve.server.errors import invalid_request_from_validation
+from pdserve.server.errors import check_internal_token, invalid_request_from_validation
 from pdserve.server.formatting import ChatFormat, CompletionFormat, ResponseFormat
 from pdserve.server.generation import GenerationStream, collect, run_until_disconnected
 from pdserve.server.preprocess import check_model, ensure_ready, prepare_chat, prepare_completion
@@ -68,6 +68,9 @@ async def _serve(
     handed_off = False
     try:
         body = parse_body(schema, await raw.body())
+        if body.kv_transfer_params is not None:
+            # Params make a worker pin (P) or read (D) memory: internal callers only.
+            check_internal_token(raw, ctx.config.internal_token)
         ensure_ready(ctx.engine)
         check_model(ctx.engine, body.model)
         generation_request = await prepare(ctx.engine, body, request_id)

@@ -1,0 +1,186 @@
+"""In-process KVTransport for unit tests of the P/D logic: copies rows between two
+canonical views of one process, with knobs to make reads fail, hang or not cancel.
+
+Invariant: it keeps the NIXL transport's contract (the copy and the peer's
+notification happen together, when the read completes; a failed read neither
+copies nor notifies), so logic tested on it behaves the same over NIXL.
+Torch-free: a view is anything with `.shape` and row get/set (torch or numpy).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pdserve.transfer.transport import PeerInfo, TransferError, TransferHandle, TransferState
+
+logger = logging.getLogger(__name__)
+
+
+class FakeFabric:
+    """The 'network': fake transports that can reach each other, by agent name."""
+
+    def __init__(self) -> None:
+        self._agents: dict[str, FakeTransport] = {}
+
+    def attach(self, transport: "FakeTransport") -> None:
+        if transport.agent_name in self._agents:
+            raise ValueError(f"agent name {transport.agent_name!r} already on the fabric")
+        self._agents[transport.agent_name] = transport
+
+    def lookup(self, agent_name: str) -> "FakeTransport | None":
+        return self._agents.get(agent_name)
+
+    def kill(self, agent_name: str) -> None:
+        """Make an agent unreachable, as if its process died."""
+        self._agents.pop(agent_name, None)
+
+    def detach(self, transport: "FakeTransport") -> None:
+        if self._agents.get(transport.agent_name) is transport:
+            del self._agents[transport.agent_name]
+
+
+@dataclass(slots=True)
+class _FakeRead:
+    local_ids: list[int]
+    remote_ids: list[int]
+    remote_name: str
+    notification: bytes
+
+
+class FakeTransport:
+    """KVTransport over a FakeFabric.
+
+    Knobs (plain attributes, flip them any time):
+      fail_reads  -- the next polls of pending reads report FAILED, copying nothing
+      hold_reads  -- pending reads stay PENDING (the copy has not happened yet)
+      cancellable -- when False, `release` of a PENDING read returns False
+    """
+
+    def __init__(self, pool_canonical_view: Any, agent_name: str, fabric: FakeFabric):
+        if len(pool_canonical_view.shape) != 2:
+            raise ValueError("pool_canonical_view must be 2-D [num_blocks, page_bytes]")
+        self._view = pool_canonical_view
+        self.agent_name = agent_name
+        self._fabric = fabric
+        self._peers: dict[str, PeerInfo] = {}
+        self._reads: dict[int, _FakeRead] = {}
+        self._inbox: list[bytes] = []
+        self._handle_ids = itertools.count(1)
+        self.fail_reads = False
+        self.hold_reads = False
+        self.cancellable = True
+        fabric.attach(self)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self._view.shape[0])
+
+    @property
+    def page_bytes(self) -> int:
+        return int(self._view.shape[1])
+
+    @property
+    def num_unreleased_handles(self) -> int:
+        """Reads started and not yet released (a leak check for tests)."""
+        return len(self._reads)
+
+    def local_peer_info(self, engine_id: str, epoch: str) -> PeerInfo:
+        return PeerInfo(engine_id=engine_id, epoch=epoch, agent_name=self.agent_name,
+                        agent_metadata=self.agent_name.encode(), mem_type="DRAM", device_id=0,
+                        base_address=0, num_blocks=self.num_blocks, page_bytes=self.page_bytes)
+
+    def connect(self, peer: PeerInfo) -> str:
+        if peer.key in self._peers:
+            return peer.key
+        if peer.page_bytes != self.page_bytes:
+            raise TransferError(f"peer {peer.key} has pages of {peer.page_bytes} bytes, this pool {self.page_bytes}")
+        if self._fabric.lookup(peer.agent_name) is None:
+            raise TransferError(f"peer agent {peer.agent_name!r} is not reachable")
+        for stale_key in [k for k, p in self._peers.items()
+                          if p.engine_id == peer.engine_id or p.agent_name == peer.agent_name]:
+            self.disconnect(stale_key)
+        self._peers[peer.key] = peer
+        return peer.key
+
+    def disconnect(self, peer_key: str) -> None:
+        self._peers.pop(peer_key, None)
+
+    def start_read(self, peer_key: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
+                   notification: bytes) -> TransferHandle:
+        peer = self._peers.get(peer_key)
+        if peer is None:
+            raise TransferError(f"unknown peer {peer_key!r}: connect first")
+        local_ids, remote_ids = list(local_block_ids), list(remote_block_ids)
+        if len(local_ids) != len(remote_ids):
+            raise ValueError(f"{len(local_ids)} local block ids for {len(remote_ids)} remote ones")
+        _check_range("local", local_ids, self.num_blocks)
+        _check_range("remote", remote_ids, peer.num_blocks)
+        handle = TransferHandle(next(self._handle_ids), peer_key, len(local_ids),
+                                len(local_ids) * self.page_bytes, time.monotonic())
+        if not local_ids:
+            return self._finish_empty(handle, notification)
+        self._reads[handle.handle_id] = _FakeRead(local_ids, remote_ids, peer.agent_name, notification)
+        return handle
+
+    def _finish_empty(self, handle: TransferHandle, notification: bytes) -> TransferHandle:
+        try:
+            if notification:
+                self.send_message(handle.peer_key, notification)
+            handle.state = TransferState.DONE
+        except TransferError as exc:
+            handle.state, handle.error = TransferState.FAILED, exc.message
+        return handle
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        read = self._reads.get(handle.handle_id)
+        if handle.state is not TransferState.PENDING or read is None or self.hold_reads:
+            return handle.state
+        remote = self._fabric.lookup(read.remote_name)
+        if self.fail_reads or remote is None:
+            handle.state = TransferState.FAILED
+            handle.error = "injected failure" if remote is not None else f"peer {read.remote_name} is gone"
+            return handle.state
+        for local_id, remote_id in zip(read.local_ids, read.remote_ids):
+            self._view[local_id] = remote._view[remote_id]
+        if read.notification:
+            remote._inbox.append(read.notification)
+        handle.state = TransferState.DONE
+        return handle.state
+
+    def release(self, handle: TransferHandle) -> bool:
+        if handle.handle_id not in self._reads:
+            return True
+        if handle.state is TransferState.PENDING:
+            if not self.cancellable:
+                return False
+            handle.state, handle.error = TransferState.FAILED, "cancelled by release"
+        del self._reads[handle.handle_id]
+        return True
+
+    def poll_notifications(self) -> list[bytes]:
+        messages, self._inbox = self._inbox, []
+        return messages
+
+    def send_message(self, peer_key: str, payload: bytes) -> None:
+        peer = self._peers.get(peer_key)
+        if peer is None:
+            raise TransferError(f"unknown peer {peer_key!r}: connect first")
+        remote = self._fabric.lookup(peer.agent_name)
+        if remote is None:
+            raise TransferError(f"cannot notify peer {peer_key}: agent {peer.agent_name!r} is gone")
+        remote._inbox.append(payload)
+
+    def close(self) -> None:
+        self._peers.clear()
+        self._reads.clear()
+        self._fabric.detach(self)
+
+
+def _check_range(side: str, block_ids: list[int], num_blocks: int) -> None:
+    for block_id in block_ids:
+        if not 0 <= block_id < num_blocks:
+            raise ValueError(f"{side} block id {block_id} outside 0..{num_blocks - 1}")

@@ -1,0 +1,129 @@
+"""The P/D handshake: what a prefill worker tells a decode worker about itself.
+
+D fetches `GET /internal/kv/agent_info` from P's own HTTP server once per
+(engine id, epoch). Invariant: D uses a peer only when its compatibility hash
+equals D's own (same model, dtype, geometry, layout, groups and protocol) and
+the engine id and epoch in the request's params match what P says now.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any, Callable, Literal, Optional
+
+import httpx
+from pydantic import BaseModel, ConfigDict
+
+from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan
+from pdserve.transfer.params import PROTOCOL_VERSION, KVParamsInvalid, KVParamsStale, KVPullFailed, RemotePrefillParams
+
+logger = logging.getLogger(__name__)
+
+AGENT_INFO_PATH = "/internal/kv/agent_info"
+TOKEN_HEADER = "X-Pdserve-Internal-Token"  # same header as pdserve.server.errors.INTERNAL_TOKEN_HEADER
+
+
+class GroupWire(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    kind: Literal["full", "sliding"]
+    window_tokens: Optional[int] = None
+    layer_ids: list[int]
+
+
+class PoolGeometry(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    num_blocks: int
+    page_bytes: int
+    block_size: int
+    group_size: int
+    groups: list[GroupWire]
+
+
+class AgentInfo(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    protocol_version: int
+    compat_hash: str
+    engine_id: str
+    epoch: str
+    geometry: PoolGeometry
+    transport: dict[str, Any]  # the transport's own peer record (JSON-safe)
+
+
+def groups_to_wire(plan: KVGroupPlan) -> list[GroupWire]:
+    return [
+        GroupWire(kind="full", layer_ids=list(g.layer_ids))
+        if isinstance(g.spec, FullAttentionSpec)
+        else GroupWire(kind="sliding", window_tokens=g.spec.window_tokens, layer_ids=list(g.layer_ids))
+        for g in plan.groups
+    ]
+
+
+def compatibility_hash(model_fingerprint: str, dtype: str, num_kv_heads: int, head_dim: int,
+                       block_size: int, plan: KVGroupPlan) -> str:
+    """Two workers may share KV only if this matches. The model fingerprint
+    covers weights identity (architecture, layer count, vocabulary, name)."""
+    document = {
+        "protocol_version": PROTOCOL_VERSION,
+        "model": model_fingerprint,
+        "dtype": dtype,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "block_size": block_size,
+        "layout": "block,group_slot,kv,token,head,dim",
+        "group_size": plan.group_size,
+        "groups": [g.model_dump() for g in groups_to_wire(plan)],
+    }
+    return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
+
+
+class HandshakeClient:
+    """Fetches and caches peers' agent info; refreshes when a peer restarts."""
+
+    def __init__(self, own_hash: str, token: Optional[str], timeout_s: float = 5.0,
+                 on_handshake: Callable[[], None] = lambda: None):
+        self.own_hash = own_hash
+        self.on_handshake = on_handshake
+        self.token = token
+        self.timeout_s = timeout_s
+        self._by_address: dict[tuple[str, int], AgentInfo] = {}
+        self.num_handshakes = 0
+
+    async def _fetch(self, host: str, port: int) -> AgentInfo:
+        headers = {TOKEN_HEADER: self.token} if self.token else {}
+        url = f"http://{host}:{port}{AGENT_INFO_PATH}"
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+                response = await client.get(url, headers=headers)
+        except httpx.HTTPError as error:
+            raise KVPullFailed(f"prefill worker {host}:{port} unreachable for handshake: {error!r}") from None
+        if response.status_code != 200:
+            raise KVPullFailed(f"prefill worker {host}:{port} refused the handshake (HTTP {response.status_code})")
+        info = AgentInfo.model_validate(response.json())
+        self.num_handshakes += 1
+        self.on_handshake()
+        logger.info("handshake with %s:%d: engine %s epoch %s", host, port, info.engine_id, info.epoch)
+        return info
+
+    async def peer_for(self, params: RemotePrefillParams) -> AgentInfo:
+        """The verified agent info of the peer the params point at."""
+        address = (params.remote_host, params.remote_port)
+        info = self._by_address.get(address)
+        if info is None or (info.engine_id, info.epoch) != (params.remote_engine_id, params.remote_epoch):
+            info = await self._fetch(*address)
+            self._by_address[address] = info
+        if info.compat_hash != self.own_hash:
+            raise KVParamsInvalid(
+                f"prefill worker {address[0]}:{address[1]} serves an incompatible model or KV layout",
+                param="kv_transfer_params",
+            )
+        if info.engine_id != params.remote_engine_id:
+            raise KVParamsStale(f"kv_transfer_params.remote_engine_id {params.remote_engine_id!r} is not the engine at that address")
+        if info.epoch != params.remote_epoch:
+            raise KVParamsStale(f"kv_transfer_params.remote_epoch {params.remote_epoch!r} is stale: the prefill worker restarted")
+        return info
+
+    def forget(self, host: str, port: int) -> None:
+        self._by_address.pop((host, port), None)

@@ -1,0 +1,343 @@
+"""KVTransport over NIXL (UCX backend): the only module of pdserve that imports nixl.
+
+Invariant: the pool's canonical view is registered once as one region and
+described once as one descriptor per page, so block id b is descriptor index b
+on both sides and a READ of n blocks is n descriptors whatever the layer count.
+
+    local pool (canonical int8 view [num_blocks, page_bytes], one NIXL region)
+    base                                                     base + num_blocks*page_bytes
+    +-----------+-----------+-----------+-----------+-----+-----------+
+    | page 0    | page 1    | page 2    | page 3    | ... | page N-1  |   registered once
+    +-----------+-----------+-----------+-----------+-----+-----------+
+    desc 0      desc 1      desc 2      desc 3            desc N-1        local dlist, prepared once
+    (addr = base + b*page_bytes, len = page_bytes, dev)
+
+    remote pool (from PeerInfo: base_address, num_blocks, page_bytes, mem_type)
+    +-----------+-----------+-----------+-----------+-----+-----------+
+    | page 0    | page 1    | page 2    | page 3    | ... | page M-1  |
+    +-----------+-----------+-----------+-----------+-----+-----------+
+    desc 0 ...                                            desc M-1        remote dlist, prepared at connect
+
+    start_read(local=[5, 9], remote=[2, 3]) = make_prepped_xfer("READ",
+        local dlist, indices [5, 9], remote dlist, indices [2, 3], notif)
+        -> local page 5 <- remote page 2, local page 9 <- remote page 3,
+           then the notification reaches the remote agent.
+
+NIXL raises its own exception classes (no common base beyond Exception) from
+C++ bindings; every call into the agent is therefore wrapped, and a failure
+becomes a TransferError or a FAILED handle, never an engine crash.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from nixl._api import nixl_agent, nixl_agent_config
+
+from pdserve.transfer.transport import PeerInfo, TransferError, TransferHandle, TransferState
+
+logger = logging.getLogger(__name__)
+
+_LOCAL_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for "the local side of a prepared list"
+_WARM_UP_BYTES = 64
+
+
+@dataclass(slots=True)
+class _Peer:
+    info: PeerInfo
+    remote_name: str
+    dlist: Any  # nixl_prepped_dlist_handle over the peer's pages
+
+
+@dataclass(slots=True)
+class _InFlight:
+    xfer: Any  # nixl_xfer_handle
+    peer_key: str
+
+
+def page_descriptors(base_address: int, num_blocks: int, page_bytes: int, device_id: int) -> np.ndarray:
+    """NIXL's Nx3 descriptor array (address, length, device id): row b is page b."""
+    descs = np.empty((num_blocks, 3), dtype=np.uint64)
+    descs[:, 0] = base_address + np.arange(num_blocks, dtype=np.uint64) * np.uint64(page_bytes)
+    descs[:, 1] = page_bytes
+    descs[:, 2] = device_id
+    return descs
+
+
+class NixlTransport:
+    """KVTransport whose peers are NIXL agents in other processes.
+
+    `progress_thread` starts NIXL's background progress thread. It is off by
+    default because it keeps a CPU core half busy even when idle; without it,
+    NIXL makes progress only inside calls into the agent, so the engine loop
+    must call `poll_notifications` every step on both roles (and `poll` while
+    reads are pending). `connect_timeout_s` bounds the warm-up read of `connect`.
+    """
+
+    def __init__(self, pool_canonical_view: torch.Tensor, agent_name: str, *, progress_thread: bool = False,
+                 connect_timeout_s: float = 5.0):
+        view = pool_canonical_view
+        if view.dim() != 2 or view.dtype != torch.int8 or not view.is_contiguous():
+            raise ValueError("pool_canonical_view must be a contiguous int8 [num_blocks, page_bytes] tensor")
+        self._view = view  # keeps the registered memory alive
+        self._agent_name = agent_name
+        self._connect_timeout_s = connect_timeout_s
+        # A few bytes of our own to land the warm-up read of `connect` in.
+        self._scratch = torch.empty(_WARM_UP_BYTES, dtype=torch.int8, device=view.device)
+        self._mem_type = "VRAM" if view.is_cuda else "DRAM"
+        self._device_id = view.get_device() if view.is_cuda else 0
+        self._peers: dict[str, _Peer] = {}
+        self._in_flight: dict[int, _InFlight] = {}
+        self._handle_ids = itertools.count(1)
+        self._closed = False
+        try:
+            config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+            self._agent = nixl_agent(agent_name, config)
+            if "UCX" not in self._agent.backends:
+                raise TransferError("the NIXL UCX backend plugin is not available")
+            self._registration = self._agent.register_memory(view)
+            self._scratch_registration = self._agent.register_memory(self._scratch)
+            self._local_dlist = self._agent.prep_xfer_dlist(
+                _LOCAL_AGENT, self._descriptors(), self._mem_type)
+            self._metadata = self._agent.get_agent_metadata()
+        except TransferError:
+            raise
+        except Exception as exc:  # NIXL binding errors share no base class
+            raise TransferError(f"cannot set up NIXL agent {agent_name!r}: {exc!r}") from exc
+        logger.info("NIXL agent %s registered %d pages of %d bytes (%s)",
+                    agent_name, self.num_blocks, self.page_bytes, self._mem_type)
+
+    @property
+    def num_blocks(self) -> int:
+        return self._view.shape[0]
+
+    @property
+    def page_bytes(self) -> int:
+        return self._view.shape[1]
+
+    @property
+    def agent_name(self) -> str:
+        return self._agent_name
+
+    def _descriptors(self) -> np.ndarray:
+        return page_descriptors(self._view.data_ptr(), self.num_blocks, self.page_bytes, self._device_id)
+
+    def local_peer_info(self, engine_id: str, epoch: str) -> PeerInfo:
+        return PeerInfo(engine_id=engine_id, epoch=epoch, agent_name=self._agent_name,
+                        agent_metadata=self._metadata, mem_type=self._mem_type, device_id=self._device_id,
+                        base_address=self._view.data_ptr(), num_blocks=self.num_blocks, page_bytes=self.page_bytes)
+
+    # ---- peers -----------------------------------------------------------------------
+
+    def connect(self, peer: PeerInfo) -> str:
+        key = peer.key
+        if key in self._peers:
+            return key
+        if peer.page_bytes != self.page_bytes:
+            raise TransferError(f"peer {key} has pages of {peer.page_bytes} bytes, this pool {self.page_bytes}")
+        if peer.agent_name == self._agent_name:
+            raise TransferError(f"peer {key} uses this agent's own name {peer.agent_name!r}")
+        for stale_key in [k for k, p in self._peers.items()
+                          if p.info.engine_id == peer.engine_id or p.info.agent_name == peer.agent_name]:
+            logger.info("peer %s replaced by %s (restart)", stale_key, key)
+            self.disconnect(stale_key)
+        remote_name = self._load_remote(peer)
+        try:
+            descs = page_descriptors(peer.base_address, peer.num_blocks, peer.page_bytes, peer.device_id)
+            dlist = self._agent.prep_xfer_dlist(remote_name, descs, peer.mem_type)
+        except Exception as exc:
+            self._forget_remote(remote_name)
+            raise TransferError(f"cannot describe the pool of peer {key}: {exc!r}") from exc
+        try:
+            self._warm_up(peer, remote_name)
+        except TransferError:
+            dlist.release()
+            self._forget_remote(remote_name)
+            raise
+        self._peers[key] = _Peer(peer, remote_name, dlist)
+        logger.info("connected to peer %s (agent %s, %d pages)", key, remote_name, peer.num_blocks)
+        return key
+
+    def _load_remote(self, peer: PeerInfo) -> str:
+        try:
+            loaded = self._agent.add_remote_agent(peer.agent_metadata)
+        except Exception as exc:
+            raise TransferError(f"NIXL rejected the metadata of peer {peer.key}: {exc!r}") from exc
+        # nixl 1.5 returns the name as bytes although documented as str.
+        remote_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if remote_name != peer.agent_name:
+            self._forget_remote(remote_name)
+            raise TransferError(f"peer {peer.key} announced agent {peer.agent_name!r} but its metadata "
+                                f"names {remote_name!r}")
+        return remote_name
+
+    def _warm_up(self, peer: PeerInfo, remote_name: str) -> None:
+        """Read a few bytes of the peer's page 0 and wait for them (bounded).
+
+        Proves the peer is reachable now rather than at the first request, and
+        completes UCX's connection set-up: without a progress thread, a
+        notification sent on a connection still being set up would otherwise
+        wait for later NIXL calls to make progress."""
+        size = min(_WARM_UP_BYTES, peer.page_bytes)
+        try:
+            local = self._agent.get_xfer_descs([(self._scratch.data_ptr(), size, self._device_id)], self._mem_type)
+            remote = self._agent.get_xfer_descs([(peer.base_address, size, peer.device_id)], peer.mem_type)
+            xfer = self._agent.initialize_xfer("READ", local, remote, remote_name, b"")
+            status = self._agent.transfer(xfer)
+            deadline_s = time.monotonic() + self._connect_timeout_s
+            while status == "PROC" and time.monotonic() < deadline_s:
+                status = self._agent.check_xfer_state(xfer)
+            xfer.release()
+        except Exception as exc:
+            raise TransferError(f"peer {peer.key} is not reachable: {exc!r}") from exc
+        if status != "DONE":
+            raise TransferError(f"peer {peer.key} is not reachable: warm-up read ended in {status} "
+                                f"(timeout {self._connect_timeout_s} s)")
+
+    def _forget_remote(self, remote_name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(remote_name)
+        except Exception as exc:
+            logger.warning("removing NIXL agent %s failed: %r", remote_name, exc)
+
+    def disconnect(self, peer_key: str) -> None:
+        peer = self._peers.pop(peer_key, None)
+        if peer is None:
+            return
+        try:
+            peer.dlist.release()
+        except Exception as exc:
+            logger.warning("releasing the descriptors of peer %s failed: %r", peer_key, exc)
+        self._forget_remote(peer.remote_name)
+        logger.info("disconnected from peer %s", peer_key)
+
+    # ---- reads -----------------------------------------------------------------------
+
+    def start_read(self, peer_key: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
+                   notification: bytes) -> TransferHandle:
+        peer = self._peers.get(peer_key)
+        if peer is None:
+            raise TransferError(f"unknown peer {peer_key!r}: connect first")
+        local_ids = _check_ids("local", local_block_ids, self.num_blocks)
+        remote_ids = _check_ids("remote", remote_block_ids, peer.info.num_blocks)
+        if len(local_ids) != len(remote_ids):
+            raise ValueError(f"{len(local_ids)} local block ids for {len(remote_ids)} remote ones")
+        handle = TransferHandle(next(self._handle_ids), peer_key, len(local_ids),
+                                len(local_ids) * self.page_bytes, time.monotonic())
+        if len(local_ids) == 0:
+            return self._finish_empty(handle, notification)
+        try:
+            xfer = self._agent.make_prepped_xfer("READ", self._local_dlist, local_ids,
+                                                 peer.dlist, remote_ids, notification)
+        except Exception as exc:
+            return _fail(handle, f"cannot create the read from peer {peer_key}: {exc!r}")
+        self._in_flight[handle.handle_id] = _InFlight(xfer, peer_key)
+        try:
+            status = self._agent.transfer(xfer)
+        except Exception as exc:  # e.g. the peer disconnected after the request was made
+            status, handle.error = "ERR", repr(exc)
+        self._apply_status(handle, status)
+        return handle
+
+    def _finish_empty(self, handle: TransferHandle, notification: bytes) -> TransferHandle:
+        if notification:
+            try:
+                self.send_message(handle.peer_key, notification)
+            except TransferError as exc:
+                return _fail(handle, exc.message)
+        handle.state = TransferState.DONE
+        return handle
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        if handle.state is not TransferState.PENDING:
+            return handle.state
+        in_flight = self._in_flight.get(handle.handle_id)
+        if in_flight is None:
+            return _fail(handle, "the handle was released while pending").state
+        try:
+            status = self._agent.check_xfer_state(in_flight.xfer)
+        except Exception as exc:
+            status, handle.error = "ERR", repr(exc)
+        self._apply_status(handle, status)
+        return handle.state
+
+    def _apply_status(self, handle: TransferHandle, status: str) -> None:
+        if status == "DONE":
+            handle.state = TransferState.DONE
+        elif status != "PROC":
+            _fail(handle, handle.error or f"NIXL reported {status} for the read from peer {handle.peer_key}")
+
+    def release(self, handle: TransferHandle) -> bool:
+        in_flight = self._in_flight.get(handle.handle_id)
+        if in_flight is None:
+            return True
+        try:
+            in_flight.xfer.release()
+        except Exception as exc:
+            # NIXL refuses to free a transfer it cannot cancel: its pages stay busy.
+            logger.warning("read %d from peer %s could not be released yet: %r",
+                           handle.handle_id, handle.peer_key, exc)
+            return False
+        del self._in_flight[handle.handle_id]
+        if handle.state is TransferState.PENDING:
+            _fail(handle, "cancelled by release")
+        return True
+
+    # ---- notifications ---------------------------------------------------------------
+
+    def poll_notifications(self) -> list[bytes]:
+        try:
+            by_agent = self._agent.get_new_notifs()
+        except Exception as exc:
+            logger.warning("fetching NIXL notifications failed: %r", exc)
+            return []
+        return [message for messages in by_agent.values() for message in messages]
+
+    def send_message(self, peer_key: str, payload: bytes) -> None:
+        peer = self._peers.get(peer_key)
+        if peer is None:
+            raise TransferError(f"unknown peer {peer_key!r}: connect first")
+        try:
+            self._agent.send_notif(peer.remote_name, payload)
+        except Exception as exc:
+            raise TransferError(f"cannot notify peer {peer_key}: {exc!r}") from exc
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for handle_id, in_flight in list(self._in_flight.items()):
+            try:
+                in_flight.xfer.release()
+            except Exception as exc:
+                logger.warning("read %d still active at close: %r", handle_id, exc)
+        self._in_flight.clear()
+        for peer_key in list(self._peers):
+            self.disconnect(peer_key)
+        try:
+            self._local_dlist.release()
+            self._agent.deregister_memory(self._registration)
+            self._agent.deregister_memory(self._scratch_registration)
+        except Exception as exc:
+            logger.warning("unregistering the pool of agent %s failed: %r", self._agent_name, exc)
+
+
+def _check_ids(side: str, block_ids: Sequence[int], num_blocks: int) -> np.ndarray:
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        raise ValueError(f"{side} block ids must lie in 0..{num_blocks - 1}")
+    return ids.astype(np.int32)
+
+
+def _fail(handle: TransferHandle, error: str) -> TransferHandle:
+    if handle.state is TransferState.PENDING:
+        logger.warning("read %d from peer %s failed: %s", handle.handle_id, handle.peer_key, error)
+    handle.state = TransferState.FAILED
+    handle.error = error
+    return handle

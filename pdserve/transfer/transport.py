@@ -1,0 +1,192 @@
+"""The KV transport contract: how a decode worker pulls block pages from a peer's pool.
+
+Invariant: a transport moves whole pages (one block id = one page of `page_bytes`)
+and never reports DONE before every byte of a read has landed locally.
+Torch-free and nixl-free: the engine, the fake and the NIXL agent all meet here.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from pdserve.errors import PdserveError
+
+MEM_TYPES = ("DRAM", "VRAM")
+
+
+class TransferError(PdserveError):
+    """A transfer could not be set up, started or completed (peer gone, bad
+    handshake data, NIXL error). Retryable on another prefill worker, hence 503."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """What a reader needs to address a peer's pool; travels in the HTTP handshake.
+
+    The pool is one registered region starting at `base_address`, block b is
+    the `page_bytes` bytes at base_address + b * page_bytes, b < num_blocks.
+    `epoch` is an opaque id fresh at every process start: a restarted peer has
+    a new epoch, so cached connections to the old process are never reused.
+    """
+
+    engine_id: str
+    epoch: str
+    agent_name: str
+    agent_metadata: bytes  # opaque to everyone but the transport implementation
+    mem_type: str  # "DRAM" or "VRAM"
+    device_id: int
+    base_address: int
+    num_blocks: int
+    page_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form: every value is a str or an int (metadata in base64)."""
+        return {
+            "engine_id": self.engine_id,
+            "epoch": self.epoch,
+            "agent_name": self.agent_name,
+            "agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii"),
+            "mem_type": self.mem_type,
+            "device_id": self.device_id,
+            "base_address": self.base_address,
+            "num_blocks": self.num_blocks,
+            "page_bytes": self.page_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "PeerInfo":
+        """Parse `to_dict` output received from a peer; TransferError on anything malformed."""
+        if not isinstance(data, dict):
+            raise TransferError(f"peer info must be a JSON object, got {type(data).__name__}")
+        strings = {name: _require_str(data, name) for name in ("engine_id", "epoch", "agent_name", "mem_type")}
+        ints = {name: _require_int(data, name) for name in ("device_id", "base_address", "num_blocks", "page_bytes")}
+        if strings["mem_type"] not in MEM_TYPES:
+            raise TransferError(f"peer info mem_type must be one of {MEM_TYPES}, got {strings['mem_type']!r}")
+        if ints["num_blocks"] < 1 or ints["page_bytes"] < 1:
+            raise TransferError("peer info num_blocks and page_bytes must be >= 1")
+        try:
+            metadata = base64.b64decode(_require_str(data, "agent_metadata"), validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise TransferError(f"peer info agent_metadata is not valid base64: {exc}") from exc
+        return cls(agent_metadata=metadata, **strings, **ints)
+
+    @property
+    def key(self) -> str:
+        """The peer key `connect` returns: one per (engine_id, epoch)."""
+        return f"{self.engine_id}@{self.epoch}"
+
+
+def _require_str(data: dict, name: str) -> str:
+    value = data.get(name)
+    if not isinstance(value, str) or not value:
+        raise TransferError(f"peer info field {name!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _require_int(data: dict, name: str) -> int:
+    value = data.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TransferError(f"peer info field {name!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+@dataclass(slots=True)
+class TransferHandle:
+    """One READ in flight. `started_at_s` (time.monotonic) lets the caller
+    enforce its own deadline; `state` and `error` hold what the last poll saw."""
+
+    handle_id: int
+    peer_key: str
+    num_blocks: int
+    num_bytes: int
+    started_at_s: float
+    state: TransferState = TransferState.PENDING
+    error: str | None = field(default=None)
+
+    def age_s(self, now_s: float) -> float:
+        return now_s - self.started_at_s
+
+
+class KVTransport(Protocol):
+    """Pulls pages of a remote pool into pages of the local pool.
+
+    Threading: every method but `local_peer_info` must be called from one
+    thread (the engine loop); `local_peer_info` is immutable data.
+    """
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages in the local pool."""
+        ...
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page; a peer is only usable when its page_bytes is equal."""
+        ...
+
+    def local_peer_info(self, engine_id: str, epoch: str) -> PeerInfo:
+        """What a reader needs to pull from this process's pool."""
+        ...
+
+    def connect(self, peer: PeerInfo) -> str:
+        """Load the peer and prepare its page descriptors; returns the peer key.
+
+        Idempotent per (engine_id, epoch). A peer with the same engine id or
+        agent name but another epoch (a restart) replaces the old connection.
+        Raises TransferError when the peer cannot be used (page size mismatch,
+        metadata the backend rejects)."""
+        ...
+
+    def disconnect(self, peer_key: str) -> None:
+        """Forget a peer (no-op when unknown). Reads still in flight to it fail."""
+        ...
+
+    def start_read(self, peer_key: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
+                   notification: bytes) -> TransferHandle:
+        """Start copying remote page remote_block_ids[i] into local page
+        local_block_ids[i] for every i. `notification` is delivered to the peer's
+        `poll_notifications` only after the whole read has landed; with no
+        blocks, it is sent at once and the handle is already DONE.
+        Never raises for a peer failing mid-flight: `poll` reports FAILED.
+        Raises TransferError for an unknown peer or a failure to start, and
+        ValueError for mismatched or out-of-range ids (a caller bug)."""
+        ...
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        """Current state (never blocks). DONE and FAILED are final; on FAILED,
+        `handle.error` says why. The local pages of a PENDING read may still be
+        written: do not free or reuse them before DONE/FAILED and `release`."""
+        ...
+
+    def release(self, handle: TransferHandle) -> bool:
+        """Free the handle. True when no write into its local pages can happen
+        any more; False when a PENDING read could not be cancelled: keep the
+        pages and call again later. Idempotent."""
+        ...
+
+    def poll_notifications(self) -> list[bytes]:
+        """Messages that reached this process since the last call: read-completion
+        notifications and `send_message` payloads from readers (peer side)."""
+        ...
+
+    def send_message(self, peer_key: str, payload: bytes) -> None:
+        """Send a plain notification to a connected peer (e.g. "free now, I
+        will not read"). Raises TransferError when it cannot be sent."""
+        ...
+
+    def close(self) -> None:
+        """Disconnect all peers and unregister the pool. Idempotent."""
+        ...

@@ -1,0 +1,133 @@
+"""Starts real pdserve worker processes on 127.0.0.1 for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import httpx
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Worker:
+    role: str
+    port: int
+    log_path: str
+    extra_args: list[str] = field(default_factory=list)
+    process: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Worker":
+        command = [sys.executable, "-m", "pdserve.cli", self.role, "--host", "127.0.0.1", "--port", str(self.port),
+                   "--log-level", "info", *self.extra_args]
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> "Worker":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.role} worker exited early:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.role} worker not ready in {timeout_s}s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-num_chars:]
+
+    def metric(self, name: str) -> float:
+        """Sum of every sample of a metric (all label sets) from /metrics."""
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def start_workers(*workers: Worker) -> list[Worker]:
+    """Start all, then wait for all (they load their models in parallel)."""
+    for worker in workers:
+        worker.start()
+    try:
+        for worker in workers:
+            worker.wait_ready()
+    except Exception:
+        for worker in workers:
+            worker.kill()
+        raise
+    return list(workers)
+
+
+REMOTE_DECODE = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}
+
+
+def prefill_leg(prefill: Worker, path: str, body: dict, request_id: str, headers: Optional[dict] = None) -> httpx.Response:
+    """The proxy's first hop, as the wire protocol describes it."""
+    leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    leg.update(stream=False, max_tokens=1, kv_transfer_params=REMOTE_DECODE)
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    return httpx.post(prefill.url + path, json=leg, headers={"X-Request-Id": request_id, **(headers or {})}, timeout=120)
+
+
+def decode_leg(decode: Worker, path: str, body: dict, params: dict, request_id: str,
+               headers: Optional[dict] = None) -> httpx.Response:
+    return httpx.post(decode.url + path, json={**body, "kv_transfer_params": params},
+                      headers={"X-Request-Id": request_id, **(headers or {})}, timeout=120)
+
+
+def two_legs(prefill: Worker, decode: Worker, path: str, body: dict, request_id: str,
+             headers: Optional[dict] = None) -> tuple[dict, httpx.Response]:
+    first = prefill_leg(prefill, path, body, request_id, headers)
+    first.raise_for_status()
+    params = first.json()["kv_transfer_params"]
+    return params, decode_leg(decode, path, body, params, request_id, headers)
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()

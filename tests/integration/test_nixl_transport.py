@@ -1,0 +1,168 @@
+"""NixlTransport between two real processes on one host: real NIXL over UCX on host memory.
+
+The prefill side runs in a spawned child that owns a pool filled with a known
+pattern, publishes its PeerInfo as JSON (as the HTTP handshake would) and
+forwards every notification it receives; the decode side runs in the test.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from pdserve.kv.layout import KVPoolLayout
+from pdserve.transfer.nixl_transport import NixlTransport
+from pdserve.transfer.transport import PeerInfo, TransferError, TransferState
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+
+# 2 layer slots x K/V x 16 tokens x 2 heads x 8 dims x fp32 = 4096-byte pages
+LAYOUT = dict(group_size=2, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+NUM_PREFILL_BLOCKS, NUM_DECODE_BLOCKS = 40, 24
+CHILD_START_TIMEOUT_S = 30.0
+MAX_WAIT_S = 10.0
+
+
+def pattern(num_blocks: int, page_bytes: int, seed: int) -> torch.Tensor:
+    """Distinct bytes per page and per seed, so a wrong page or a stale process shows."""
+    values = torch.arange(num_blocks * page_bytes, dtype=torch.int64) * 7 + seed * 131
+    values += torch.arange(num_blocks, dtype=torch.int64).repeat_interleave(page_bytes) * 1009
+    return values.remainder(251).to(torch.int8).view(num_blocks, page_bytes)
+
+
+def run_prefill(agent_name: str, epoch: str, seed: int, out: multiprocessing.Queue,
+                stop: multiprocessing.Event) -> None:
+    """Child process: serve a patterned pool and forward notifications until told to stop."""
+    layout = KVPoolLayout(num_blocks=NUM_PREFILL_BLOCKS, **LAYOUT)
+    view = layout.canonical_view(layout.allocate("cpu"))
+    view.copy_(pattern(layout.num_blocks, layout.page_bytes, seed))
+    transport = NixlTransport(view, agent_name)
+    out.put(json.dumps(transport.local_peer_info("prefill-engine", epoch).to_dict()))
+    while not stop.is_set():
+        for message in transport.poll_notifications():
+            out.put(message)
+        time.sleep(0.002)
+    transport.close()
+
+
+class PrefillProcess:
+    def __init__(self, agent_name: str, epoch: str, seed: int):
+        context = multiprocessing.get_context("spawn")
+        self.messages = context.Queue()
+        self.stop = context.Event()
+        self.process = context.Process(target=run_prefill, args=(agent_name, epoch, seed, self.messages, self.stop),
+                                       daemon=True)
+        self.process.start()
+        self.peer_info = PeerInfo.from_dict(json.loads(self.messages.get(timeout=CHILD_START_TIMEOUT_S)))
+
+    def next_message(self, timeout_s: float = MAX_WAIT_S) -> bytes:
+        return self.messages.get(timeout=timeout_s)
+
+    def kill(self) -> None:
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(timeout=MAX_WAIT_S)
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        self.process.join(timeout=MAX_WAIT_S)
+        if self.process.is_alive():
+            self.kill()
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    child = PrefillProcess("prefill-agent-a", epoch="epoch-1", seed=1)
+    yield child
+    child.shutdown()
+
+
+@pytest.fixture
+def decode():
+    layout = KVPoolLayout(num_blocks=NUM_DECODE_BLOCKS, **LAYOUT)
+    view = layout.canonical_view(layout.allocate("cpu"))
+    transport = NixlTransport(view, f"decode-agent-{os.getpid()}-{time.monotonic_ns()}")
+    yield transport, view
+    transport.close()
+
+
+def wait(transport: NixlTransport, handle) -> TransferState:
+    deadline = time.monotonic() + MAX_WAIT_S
+    while transport.poll(handle) is TransferState.PENDING and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    return handle.state
+
+
+def test_read_copies_scattered_remote_pages_into_other_local_pages_exactly(prefill, decode):
+    transport, view = decode
+    key = transport.connect(prefill.peer_info)
+    local_ids, remote_ids = [3, 17, 5, 9, 1], [38, 2, 11, 7, 20]
+    handle = transport.start_read(key, local_ids, remote_ids, b"")
+    assert wait(transport, handle) is TransferState.DONE, handle.error
+    assert transport.release(handle)
+    expected = pattern(NUM_PREFILL_BLOCKS, transport.page_bytes, seed=1)
+    for local_id, remote_id in zip(local_ids, remote_ids):
+        assert torch.equal(view[local_id], expected[remote_id]), f"local {local_id} <- remote {remote_id}"
+    untouched = [b for b in range(NUM_DECODE_BLOCKS) if b not in local_ids]
+    assert not view[untouched].any()
+
+
+def test_prefill_receives_the_notification_after_the_read_lands(prefill, decode):
+    transport, view = decode
+    key = transport.connect(prefill.peer_info)
+    handle = transport.start_read(key, [4, 6], [30, 31], b"req-7:read-done")
+    assert wait(transport, handle) is TransferState.DONE, handle.error
+    assert prefill.next_message() == b"req-7:read-done"
+    assert transport.release(handle)
+
+
+def test_send_message_and_empty_read_notify_prefill_without_moving_pages(prefill, decode):
+    transport, view = decode
+    key = transport.connect(prefill.peer_info)
+    transport.send_message(key, b"req-8:free")
+    assert prefill.next_message() == b"req-8:free"
+    handle = transport.start_read(key, [], [], b"req-9:prefix-hit")
+    assert handle.state is TransferState.DONE
+    assert prefill.next_message() == b"req-9:prefix-hit"
+    assert not view.any()
+
+
+def test_connect_is_idempotent_and_checks_page_size(prefill, decode):
+    transport, _ = decode
+    key = transport.connect(prefill.peer_info)
+    assert transport.connect(prefill.peer_info) == key
+    info = prefill.peer_info.to_dict()
+    info.update(epoch="other", page_bytes=transport.page_bytes * 2)
+    with pytest.raises(TransferError, match="pages of"):
+        transport.connect(PeerInfo.from_dict(info))
+
+
+def test_read_from_a_killed_peer_fails_within_bounded_time_and_a_restart_is_readable(decode):
+    transport, view = decode
+    doomed = PrefillProcess("prefill-agent-b", epoch="epoch-1", seed=2)
+    key = transport.connect(doomed.peer_info)
+    doomed.kill()
+    started_s = time.monotonic()
+    handle = transport.start_read(key, [1, 2], [3, 4], b"never")
+    assert wait(transport, handle) is TransferState.FAILED
+    assert time.monotonic() - started_s < MAX_WAIT_S
+    assert handle.error
+    assert transport.release(handle)
+    with pytest.raises(TransferError):
+        transport.send_message(key, b"free")
+    # Same engine and agent name, new epoch: the old connection is replaced
+    # (NIXL refuses to load new metadata under a name it already holds).
+    restarted = PrefillProcess("prefill-agent-b", epoch="epoch-2", seed=3)
+    try:
+        new_key = transport.connect(restarted.peer_info)
+        assert new_key != key
+        handle = transport.start_read(new_key, [1], [3], b"")
+        assert wait(transport, handle) is TransferState.DONE, handle.error
+        assert torch.equal(view[1], pattern(NUM_PREFILL_BLOCKS, transport.page_bytes, seed=3)[3])
+    finally:
+        restarted.shutdown()

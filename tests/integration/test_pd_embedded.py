@@ -1,0 +1,171 @@
+"""Prefill and decode workers as real processes, real NIXL (UCX, host memory), real HTTP,
+on the embedded SmolLM2, driven through the two-leg wire protocol."""
+
+from __future__ import annotations
+
+import copy
+
+import httpx
+import pytest
+
+from tests.integration.cluster import Worker, decode_leg, free_port, prefill_leg, start_workers, two_legs, wait_for
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "s3cret-token"
+AUTH = {"X-Pdserve-Internal-Token": TOKEN}
+LEASE_S = 4.0
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    common = ["--num-blocks", "400", "--internal-token", TOKEN]
+    prefill = Worker("prefill", free_port(), str(logs / "prefill.log"), [*common, "--kv-lease-s", str(LEASE_S)])
+    # No prefix cache on D: its local answers are then computed from scratch,
+    # an independent single-worker reference for the P/D answers.
+    decode = Worker("decode", free_port(), str(logs / "decode.log"), [*common, "--no-prefix-caching"])
+    workers = start_workers(prefill, decode)
+    yield prefill, decode
+    for worker in workers:
+        worker.stop()
+
+
+def chat_body(question: str, max_tokens: int = 32, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0, **extra}
+
+
+LONG_CONTEXT = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(40))
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    LONG_CONTEXT + " Which fact mentions the number 7?",  # ~500 tokens: ~32 blocks
+]
+
+
+def answer_text(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def test_pd_greedy_answers_equal_single_worker_answers_and_pull_only_needed_blocks(cluster):
+    prefill, decode = cluster
+    for index, question in enumerate(QUESTIONS):
+        body = chat_body(question)
+        local = answer_text(httpx.post(decode.url + "/v1/chat/completions", json=body, timeout=120))
+        descriptors_before = decode.metric("pdserve_transfer_descriptors_total")
+        bytes_before = decode.metric("pdserve_transfer_bytes_total")
+        params, response = two_legs(prefill, decode, "/v1/chat/completions", body, f"pd-{index}", AUTH)
+        assert answer_text(response) == local
+        num_blocks_sent = sum(len(ids) for ids in params["remote_block_ids"])
+        assert decode.metric("pdserve_transfer_descriptors_total") - descriptors_before == num_blocks_sent
+        assert decode.metric("pdserve_transfer_bytes_total") - bytes_before > 0
+        assert params["num_prompt_tokens"] == response.json()["usage"]["prompt_tokens"]
+
+
+def test_prefill_returns_vllm_compatible_params(cluster):
+    prefill, _ = cluster
+    response = prefill_leg(prefill, "/v1/completions", {"model": MODEL, "prompt": "Hello there", "max_tokens": 50}, "compat", AUTH)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["usage"]["completion_tokens"] == 1
+    params = body["kv_transfer_params"]
+    for key in ("do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id",
+                "remote_block_ids", "remote_host", "remote_port", "tp_size"):
+        assert key in params
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_port"] == prefill.port
+
+
+def test_streaming_decode_leg_gives_the_same_text(cluster):
+    prefill, decode = cluster
+    body = chat_body("Name three colours.", max_tokens=24)
+    expected = answer_text(httpx.post(decode.url + "/v1/chat/completions", json=body, timeout=120))
+    params = prefill_leg(prefill, "/v1/chat/completions", body, "stream-1", AUTH).json()["kv_transfer_params"]
+    streamed = []
+    with httpx.stream("POST", decode.url + "/v1/chat/completions", timeout=120, headers=AUTH,
+                      json={**body, "stream": True, "kv_transfer_params": params}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                import json
+
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                streamed.append(delta.get("content") or "")
+    assert "".join(streamed) == expected
+
+
+def test_prefill_unpins_every_block_once_decode_has_read_them(cluster):
+    prefill, decode = cluster
+    two_legs(prefill, decode, "/v1/completions", {"model": MODEL, "prompt": "One two three", "max_tokens": 4}, "unpin", AUTH)
+    assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, timeout_s=LEASE_S / 2)
+
+
+def test_prefill_reclaims_blocks_within_the_lease_when_no_decode_reads(cluster):
+    prefill, _ = cluster
+    expired_before = prefill.metric("pdserve_transfer_expired_leases_total")
+    response = prefill_leg(prefill, "/v1/completions", {"model": MODEL, "prompt": "Nobody will read this " * 10, "max_tokens": 8}, "orphan", AUTH)
+    assert response.status_code == 200
+    assert prefill.metric("pdserve_transfer_pinned_blocks") > 0
+    assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, timeout_s=LEASE_S + 3)
+    assert prefill.metric("pdserve_transfer_expired_leases_total") == expired_before + 1
+
+
+def _forgeries(params: dict) -> dict[str, dict]:
+    def changed(**fields):
+        forged = copy.deepcopy(params)
+        forged.update(fields)
+        return forged
+
+    missing = copy.deepcopy(params)
+    del missing["remote_block_ids"]
+    ids = params["remote_block_ids"][0]
+    return {
+        "block id out of range": changed(remote_block_ids=[[*ids[:-1], 10_000]]),
+        "negative block id": changed(remote_block_ids=[[-1, *ids[1:]]]),
+        "null block id": changed(remote_block_ids=[[0, *ids[1:]]]),
+        "duplicate block ids": changed(remote_block_ids=[[ids[0]] * len(ids)]),
+        "too few blocks": changed(remote_block_ids=[ids[:-1]]),
+        "too many groups": changed(remote_block_ids=[ids, ids]),
+        "block ids not a list": changed(remote_block_ids="1,2,3"),
+        "wrong engine id": changed(remote_engine_id="someone-else"),
+        "wrong epoch": changed(remote_epoch="0000000000000000"),
+        "wrong prompt length": changed(num_prompt_tokens=params["num_prompt_tokens"] + 1),
+        "missing field": missing,
+        "port out of range": changed(remote_port=70000),
+    }
+
+
+def test_forged_params_get_a_4xx_and_read_nothing(cluster):
+    prefill, decode = cluster
+    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 4, "temperature": 0}
+    params = prefill_leg(prefill, "/v1/completions", body, "forge-source", AUTH).json()["kv_transfer_params"]
+    descriptors_before = decode.metric("pdserve_transfer_descriptors_total")
+    for name, forged in _forgeries(params).items():
+        response = decode_leg(decode, "/v1/completions", body, forged, f"forged", AUTH)
+        assert 400 <= response.status_code < 500, (name, response.status_code, response.text)
+        assert "error" in response.json(), name
+    for name, headers in {"no token": {}, "wrong token": {"X-Pdserve-Internal-Token": "guess"}}.items():
+        response = decode_leg(decode, "/v1/completions", body, params, "forged", headers)
+        assert response.status_code == 401, name
+    assert decode.metric("pdserve_transfer_descriptors_total") == descriptors_before
+    # The genuine params still work after all that.
+    response = decode_leg(decode, "/v1/completions", body, params, "genuine", AUTH)
+    assert response.status_code == 200, response.text
+    assert decode.metric("pdserve_transfer_descriptors_total") > descriptors_before
+
+
+def test_agent_info_needs_the_internal_token(cluster):
+    prefill, _ = cluster
+    assert httpx.get(prefill.url + "/internal/kv/agent_info", timeout=10).status_code == 401
+    info = httpx.get(prefill.url + "/internal/kv/agent_info", headers=AUTH, timeout=10)
+    assert info.status_code == 200
+    assert info.json()["geometry"]["num_blocks"] == 400
+
+
+def test_prefill_leg_without_token_is_refused(cluster):
+    prefill, _ = cluster
+    response = prefill_leg(prefill, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3}, "no-auth")
+    assert response.status_code == 401
