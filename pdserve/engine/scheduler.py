@@ -131,7 +131,8 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            while not self.kv.allocate(request.request_id, request.num_computed_tokens, num_new):
+            while not (num_new := self._allocate_fitting(request, request.num_computed_tokens, num_new)):
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
                 victim = self._pick_victim(scheduled_ids)
                 self._preempt(victim, output)
                 preempted = True
@@ -144,6 +145,18 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget, preempted
+
+    def _allocate_fitting(self, request: Request, num_computed: int, num_new: int, prefix=None) -> int:
+        """Allocate for the largest chunk of at most `num_new` tokens the pool can take
+        (halving on failure: a prefill chunk of a sliding-window model needs blocks for
+        the whole chunk, more than the window it keeps). Returns the chunk size, 0 if none fits."""
+        while num_new > 0:
+            if self.kv.allocate(request.request_id, num_computed, num_new, prefix):
+                return num_new
+            if num_new == 1:
+                return 0
+            num_new //= 2
+        return 0
 
     def _pick_victim(self, scheduled_ids: set[str]) -> Request:
         # Latest arrival loses; never a request already given work this step
@@ -175,8 +188,8 @@ class Scheduler:
                     self.waiting.popleft()
                     continue
             prefix = self.kv.find_prefix(request.block_hashes, request.num_tokens)
-            num_new = min(request.num_tokens - prefix.num_tokens, budget)
-            if not self.kv.allocate(request.request_id, prefix.num_tokens, num_new, prefix):
+            num_new = self._allocate_fitting(request, prefix.num_tokens, min(request.num_tokens - prefix.num_tokens, budget), prefix)
+            if not num_new:
                 break  # first come first served: do not let later requests jump the queue
             self.waiting.popleft()
             request.num_computed_tokens = prefix.num_tokens
