@@ -32,6 +32,7 @@ def _add_worker_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     model.add_argument("--max-model-len", type=int, default=None)
+    model.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     cache = parser.add_argument_group("KV pool")
     cache.add_argument("--block-size", type=int, default=16)
     cache.add_argument("--num-blocks", type=int, default=None, help="pool size in blocks (wins over --kv-memory)")
@@ -64,7 +65,7 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         role=role,
         model=ModelConfig(
             path=args.model, served_name=args.served_model_name, dtype=args.dtype,
-            device=args.device, max_model_len=args.max_model_len,
+            device=args.device, max_model_len=args.max_model_len, num_threads=args.num_threads,
         ),
         cache=CacheConfig(
             block_size=args.block_size, num_blocks=args.num_blocks, kv_memory_bytes=args.kv_memory,

@@ -21,6 +21,9 @@ class ModelConfig(_Frozen):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on CUDA
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: Optional[int] = None  # defaults to the model's max positions
+    # CPU threads for torch; None keeps torch's default (all cores). Set it when
+    # several workers share one host, or they fight over the same cores.
+    num_threads: Optional[int] = Field(None, ge=1)
 
 
 class CacheConfig(_Frozen):

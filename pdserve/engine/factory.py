@@ -92,6 +92,8 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     it must have been loaded with the device and dtype `config` implies."""
     device = pick_device(config.model.device)
     dtype = pick_dtype(config.model.dtype, device)
+    if config.model.num_threads is not None:
+        torch.set_num_threads(config.model.num_threads)
     loaded = loaded or load_model(config.model.path, dtype, device)
     spec = loaded.model.spec
     plan = plan_groups(spec.layer_specs)

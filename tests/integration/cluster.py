@@ -35,8 +35,9 @@ class Worker:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Worker":
+        # One torch thread each: several workers share this host's few cores.
         command = [sys.executable, "-m", "pdserve.cli", self.role, "--host", "127.0.0.1", "--port", str(self.port),
-                   "--log-level", "info", *self.extra_args]
+                   "--log-level", "info", "--num-threads", "1", *self.extra_args]
         env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)

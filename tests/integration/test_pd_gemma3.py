@@ -1,0 +1,58 @@
+"""P/D on a tiny random Gemma 3 whose sliding window is shorter than the prompt:
+same tokens as a single worker, and sliding-window groups move only their live window."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.integration.cluster import Worker, free_port, start_workers, two_legs
+from tests.tiny_models import GEMMA_VOCAB, GEMMA_WINDOW, make_tiny_gemma3, random_prompt
+
+pytestmark = pytest.mark.slow
+
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model_dir = str(tmp_path_factory.mktemp("gemma3"))
+    make_tiny_gemma3(model_dir)
+    logs = tmp_path_factory.mktemp("logs")
+    common = ["--model", model_dir, "--block-size", str(BLOCK_SIZE), "--num-blocks", "300"]
+    prefill = Worker("prefill", free_port(), str(logs / "prefill.log"), common)
+    decode = Worker("decode", free_port(), str(logs / "decode.log"), [*common, "--no-prefix-caching"])
+    workers = start_workers(prefill, decode)
+    yield prefill, decode
+    for worker in workers:
+        worker.stop()
+
+
+def test_gemma3_pd_matches_single_worker_and_moves_only_the_live_window(cluster):
+    prefill, decode = cluster
+    model = httpx.get(decode.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    for seed, length in ((1, 100), (2, 61)):
+        prompt = random_prompt(length, GEMMA_VOCAB, seed)
+        body = {"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        local = httpx.post(decode.url + "/v1/completions", json=body, timeout=120)
+        assert local.status_code == 200, local.text
+        descriptors_before = decode.metric("pdserve_transfer_descriptors_total")
+        params, response = two_legs(prefill, decode, "/v1/completions", body, f"gemma-{seed}")
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == local.json()["choices"][0]["text"]
+        assert response.json()["usage"]["completion_tokens"] == 32
+
+        info = httpx.get(prefill.url + "/internal/kv/agent_info", timeout=10).json()
+        kinds = [group["kind"] for group in info["geometry"]["groups"]]
+        num_prompt_blocks = -(-length // BLOCK_SIZE)
+        window_blocks = -(-GEMMA_WINDOW // BLOCK_SIZE) + 1
+        for kind, ids in zip(kinds, params["remote_block_ids"]):
+            if kind == "full":
+                assert len(ids) == num_prompt_blocks
+            else:
+                assert 0 < len(ids) <= window_blocks < num_prompt_blocks
+        sent = sum(len(ids) for ids in params["remote_block_ids"])
+        assert decode.metric("pdserve_transfer_descriptors_total") - descriptors_before == sent
+        num_sliding = kinds.count("sliding")
+        unclipped = num_prompt_blocks * len(kinds)
+        assert sent <= unclipped - (num_prompt_blocks - window_blocks) * num_sliding
