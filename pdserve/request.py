@@ -111,3 +111,14 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """A worker's load as routing proxies see it (GET /load)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_for_kv: int = 0
+    kv_usage: float = 0.0  # fraction of the pool's usable blocks in use (all groups)
+    num_pinned_blocks: int = 0  # prefill workers: blocks held for decode workers

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Protocol
 
 from pdserve.models.tokenizer import Tokenizer
-from pdserve.request import GenerationRequest, RequestOutput
+from pdserve.request import GenerationRequest, LoadReport, RequestOutput
 
 
 class EngineClient(Protocol):
@@ -30,4 +30,8 @@ class EngineClient(Protocol):
         ...
 
     async def abort(self, request_id: str) -> None:
+        ...
+
+    def load_report(self) -> LoadReport:
+        """A cheap snapshot for routing decisions (may be a step stale)."""
         ...

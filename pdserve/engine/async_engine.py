@@ -15,7 +15,7 @@ from typing import AsyncIterator, Optional, Protocol
 from pdserve.engine.loop import EngineLoop
 from pdserve.errors import EngineNotReady, EngineOverloaded
 from pdserve.models.tokenizer import Tokenizer
-from pdserve.request import GenerationRequest, RequestOutput
+from pdserve.request import GenerationRequest, LoadReport, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,10 @@ class AsyncEngine:
             if not finished:
                 self.engine_loop.abort(request.request_id)
 
+    def load_report(self) -> LoadReport:
+        # Read from the HTTP thread without locks: plain ints, a step stale at worst.
+        return self.engine_loop.load_report()
+
     async def abort(self, request_id: str) -> None:
         """Callers abort by closing `generate`'s iterator; ids given here are
         engine-side ids as seen in outputs."""
@@ -109,3 +113,6 @@ class LoadingEngine:
 
     async def abort(self, request_id: str) -> None:
         await self._engine().abort(request_id)
+
+    def load_report(self) -> LoadReport:
+        return self.inner.load_report() if self.inner is not None else LoadReport()

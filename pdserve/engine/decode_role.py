@@ -129,6 +129,8 @@ class DecodeRole:
 
     # ---- engine-loop tick --------------------------------------------------------------
 
+    num_pinned_blocks = 0  # a decode worker holds nothing for others
+
     def has_pending(self) -> bool:
         return bool(self.pulls)
 

@@ -19,7 +19,7 @@ from pdserve.engine.outputs import OutputProcessor
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
-from pdserve.request import FinishReason, GenerationRequest, Request, RequestOutput
+from pdserve.request import FinishReason, GenerationRequest, LoadReport, Request, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,11 @@ class KVRole(Protocol):
 
     def tick(self) -> list[tuple[str, str]]:
         """Poll the transport; returns (request id, message) of requests to end with an error."""
+        ...
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks held for remote readers (prefill side; 0 on the decode side)."""
         ...
 
 
@@ -86,6 +91,15 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(_Abort(request_id))
+
+    def load_report(self) -> LoadReport:
+        scheduler = self.scheduler
+        return LoadReport(
+            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+            num_waiting_for_kv=scheduler.num_waiting_for_kv,
+            kv_usage=sum(scheduler.kv.usage_by_group()),
+            num_pinned_blocks=self.role.num_pinned_blocks if self.role is not None else 0,
+        )
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run_forever, name="pdserve-engine", daemon=True)

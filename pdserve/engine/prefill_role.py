@@ -90,6 +90,10 @@ class PrefillRole:
 
     # ---- engine-loop tick ----------------------------------------------------------
 
+    @property
+    def num_pinned_blocks(self) -> int:
+        return self.leases.num_pinned_blocks
+
     def has_pending(self) -> bool:
         return self.leases.num_pinned_requests > 0
 

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from pdserve.config import ServerConfig
 from pdserve.errors import PdserveError
 from pdserve.metrics import Metrics, create_metrics
-from pdserve.request import FinishReason, GenerationRequest, RequestOutput
+from pdserve.request import FinishReason, GenerationRequest, LoadReport, RequestOutput
 from pdserve.server.app import create_app
 
 BOS_ID = 1
@@ -67,6 +67,9 @@ class FakeEngine:
 
     def is_ready(self) -> bool:
         return self.ready
+
+    def load_report(self) -> LoadReport:
+        return LoadReport()
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         return self._run(request)

@@ -108,3 +108,23 @@ def test_request_id_registry_suffixes_taken_ids_and_reuses_released_ones():
 def test_request_id_registry_rejects_unprintable_or_long_ids(wanted):
     with pytest.raises(InvalidRequest):
         RequestIdRegistry().reserve(wanted)
+
+
+def test_liveness_readiness_and_load_endpoints():
+    from fastapi.testclient import TestClient
+
+    from pdserve.config import ServerConfig
+    from pdserve.metrics import Metrics
+    from pdserve.server.app import create_app
+    from tests.unit.fake_engine import FakeEngine
+
+    engine = FakeEngine()
+    client = TestClient(create_app(engine, Metrics(), ServerConfig()))
+    assert client.get("/live").status_code == 200
+    assert client.get("/ready").status_code == 200
+    load = client.get("/load").json()
+    assert load["ready"] is True and load["num_running"] == 0 and load["kv_usage"] == 0.0
+    engine.ready = False
+    assert client.get("/ready").status_code == 503
+    assert client.get("/live").status_code == 200
+    assert client.get("/load").json()["ready"] is False
