@@ -47,6 +47,8 @@ def _add_worker_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     server.add_argument("--port", type=int, default=default_port)
     server.add_argument("--internal-token", default=None, help="shared token guarding internal endpoints")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    server.add_argument("--drain-timeout-s", type=float, default=60.0,
+                        help="on SIGTERM, wait this long for in-flight work (and pinned KV) before exiting")
 
 
 def _add_transfer_flags(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +77,8 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_running=args.max_num_running,
             max_num_waiting=args.max_num_waiting,
         ),
-        server=ServerConfig(host=args.host, port=args.port, internal_token=args.internal_token, log_level=args.log_level),
+        server=ServerConfig(host=args.host, port=args.port, internal_token=args.internal_token,
+                            log_level=args.log_level, drain_timeout_s=args.drain_timeout_s),
         transfer=_transfer_config(args),
     )
 

@@ -44,6 +44,9 @@ class ServerConfig(_Frozen):
     port: int = Field(8000, ge=0, le=65535)
     internal_token: Optional[str] = None  # guards internal (KV) endpoints
     log_level: str = "info"
+    # On SIGTERM: how long to wait for in-flight requests (and, on a prefill
+    # worker, pinned blocks) before aborting them and exiting.
+    drain_timeout_s: float = Field(60.0, ge=0)
 
 
 class TransferConfig(_Frozen):

@@ -14,6 +14,7 @@ from typing import Optional
 import uvicorn
 
 from pdserve.config import WorkerConfig
+from pdserve.drain import DrainingServer
 from pdserve.engine.async_engine import LoadingEngine
 from pdserve.engine.factory import BuiltEngine, build_engine
 from pdserve.metrics import Metrics
@@ -54,8 +55,11 @@ def serve_worker(config: WorkerConfig) -> None:
                                         config.server.internal_token))
     app = create_app(handle, metrics, config.server, extra_routers=routers)
     _load_in_background(config, metrics, handle, loaded)
+    uvicorn_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                    log_level=config.server.log_level)
+    server = DrainingServer(uvicorn_config, lambda: handle.inner, config.server.drain_timeout_s)
     try:
-        uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level)
+        server.run()
     finally:
         if loaded.built is not None:
             loaded.built.close()

@@ -39,9 +39,24 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.max_in_flight = max_in_flight
         self.num_in_flight = 0
+        self.draining = False
 
     def is_ready(self) -> bool:
-        return True
+        return not self.draining
+
+    # ---- drain (see pdserve/drain.py) ------------------------------------------------
+
+    def start_drain(self) -> None:
+        self.draining = True
+
+    def is_drained(self) -> bool:
+        load = self.load_report()
+        return self.num_in_flight == 0 and load.num_pinned_blocks == 0 and not (
+            load.num_running or load.num_waiting or load.num_waiting_for_kv
+        )
+
+    def abort_all(self) -> None:
+        self.engine_loop.abort_all()
 
     def start(self) -> None:
         self.engine_loop.start()
@@ -50,6 +65,8 @@ class AsyncEngine:
         self.engine_loop.shutdown()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        if self.draining:
+            raise EngineNotReady("this worker is draining; send the request to another one")
         if self.num_in_flight >= self.max_in_flight:
             raise EngineOverloaded(f"too many requests in flight ({self.num_in_flight}); retry later")
         if self.frontend is not None:
@@ -89,7 +106,7 @@ class LoadingEngine:
         self.load_error: Optional[str] = None
 
     def is_ready(self) -> bool:
-        return self.inner is not None
+        return self.inner is not None and self.inner.is_ready()
 
     def _engine(self) -> AsyncEngine:
         if self.inner is None:

@@ -52,7 +52,7 @@ class _Submit:
 
 @dataclass(frozen=True, slots=True)
 class _Abort:
-    request_id: str
+    request_id: Optional[str]  # None: every request
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +91,9 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(_Abort(request_id))
+
+    def abort_all(self) -> None:
+        self.inbox.put(_Abort(None))
 
     def load_report(self) -> LoadReport:
         scheduler = self.scheduler
@@ -154,7 +157,8 @@ class EngineLoop:
         if isinstance(command, _Submit):
             self._add(command)
         elif isinstance(command, _Abort):
-            self._finish(command.request_id, FinishReason.ABORT)
+            for request_id in [command.request_id] if command.request_id is not None else list(self.sinks):
+                self._finish(request_id, FinishReason.ABORT)
         else:
             self._stopping = True
 
