@@ -21,7 +21,7 @@ from pdserve.engine.outputs import OutputProcessor
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
-from pdserve.kv.layout import KVPoolLayout, num_blocks_for_budget
+from pdserve.kv.layout import KVPoolLayout, num_blocks_for_budget, page_bytes_for
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan, plan_groups
 from pdserve.metrics import Metrics
@@ -99,8 +99,8 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     plan = plan_groups(spec.layer_specs)
     cache = config.cache
     num_blocks = cache.num_blocks or num_blocks_for_budget(
-        cache.kv_memory_bytes, group_size=plan.group_size, block_size=cache.block_size,
-        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype,
+        cache.kv_memory_bytes,
+        page_bytes_for(plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype),
     )
     layout = KVPoolLayout(num_blocks, plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
     max_model_len = min(config.model.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)

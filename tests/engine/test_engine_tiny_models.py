@@ -82,3 +82,18 @@ def test_gemma3_sliding_groups_hold_only_the_window_during_a_long_request(gemma)
     assert all(last[g] == -(-207 // 4) for g in full_ids)
     assert all(counts[g] <= window_blocks + 16 // 4 for counts in held for g in sliding_ids)
     assert all(last[g] <= window_blocks for g in sliding_ids)
+
+
+def test_pool_sized_from_a_memory_budget(qwen):
+    from pdserve.config import CacheConfig, ModelConfig, WorkerConfig
+    from pdserve.engine.factory import build_engine
+    from pdserve.metrics import Metrics
+
+    _, loaded = qwen
+    config = WorkerConfig(model=ModelConfig(device="cpu", dtype="float32"),
+                          cache=CacheConfig(block_size=4, kv_memory_bytes=1 << 20))
+    built = build_engine(config, Metrics(), loaded)
+    # Qwen3 tiny: 4 layers in one group, 2 KV heads of 32 dims, fp32 -> 4*2*4*2*32*4 = 8 KiB a page.
+    assert built.layout.page_bytes == 8192
+    assert built.layout.num_blocks == (1 << 20) // 8192
+    assert built.runner.pool.numel() * 4 <= 1 << 20
