@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from pdserve.kv.manager import KVCacheManager
@@ -29,12 +29,21 @@ logger = logging.getLogger(__name__)
 FailurePolicy = Literal["recompute", "fail"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RemotePrefill:
-    """Verified by the front end: the params and the peer they point at."""
+    """Verified by the front end: the params and the peer they point at.
+
+    `lease_confirmed_s` (monotonic) is when D last knew P's lease was fresh:
+    when the params arrived, then at every heartbeat it sent."""
 
     params: RemotePrefillParams
     agent: AgentInfo
+    lease_confirmed_s: float = field(default_factory=time.monotonic)
+
+    def lease_may_have_expired(self, now_s: float) -> bool:
+        # Half the lease as margin: P's clock started before ours, and a
+        # renewal in flight may not have landed yet.
+        return now_s - self.lease_confirmed_s > self.params.lease_s / 2
 
 
 @dataclass(slots=True)
@@ -73,6 +82,9 @@ class DecodeRole:
         remote: Optional[RemotePrefill] = request.remote_prefill
         if remote is None:
             return None
+        if remote.lease_may_have_expired(time.monotonic()):
+            # Reading now could return blocks P already freed and reused.
+            return self._unusable_peer(request, "the prefill worker's lease may have expired before the pull")
         try:
             peer_key = self._peer_key(remote)
         except TransferError as error:
@@ -192,12 +204,15 @@ class DecodeRole:
             self._peer_keys[identity] = key
         return key
 
-    def _send(self, peer_key: str, message: KVMessage) -> None:
+    def _send(self, peer_key: str, message: KVMessage) -> bool:
+        """True when the message left; a lost one is covered by P's lease."""
         try:
             self.transport.send_message(peer_key, message.encode())
-        except Exception:  # the lease on P covers a lost message
+            return True
+        except Exception:
             self.metrics.notification_failures.inc()
             logger.warning("could not send %s for request %s", message.kind, message.request_id, exc_info=True)
+            return False
 
     def _heartbeat(self, now: float) -> None:
         """Renew P's leases for remote requests still queued here."""
@@ -209,7 +224,8 @@ class DecodeRole:
             if remote is None:
                 continue
             try:
-                self._send(self._peer_key(remote), KVMessage("renew", remote.params.remote_request_id))
+                if self._send(self._peer_key(remote), KVMessage("renew", remote.params.remote_request_id)):
+                    remote.lease_confirmed_s = now
             except TransferError:
                 self.metrics.notification_failures.inc()
 

@@ -234,3 +234,15 @@ def test_remote_block_ids_are_clipped_to_the_window_for_sliding_groups(pair):
     assert clipped[0] == tables[0][:10]
     assert 0 < len(clipped[1]) <= 8 // BLOCK + 1
     assert params.remote_block_ids == clipped
+
+
+def test_decode_does_not_read_blocks_whose_lease_may_have_expired(pair):
+    p, d, _ = pair
+    params = prefill_on(p, "r1", 30)
+    remote = remote_for(p, params)
+    remote.lease_confirmed_s -= params.lease_s  # queued far too long without a renewal
+    request = admit_remote(d, "r1-d", remote, 30)
+    assert d.metrics.transfer.descriptors._value.get() == 0
+    assert d.transport.num_unreleased_handles == 0
+    # Recompute policy: admitted as an ordinary local prefill of the whole prompt.
+    assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == 0
