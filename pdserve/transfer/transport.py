@@ -125,6 +125,9 @@ class KVTransport(Protocol):
 
     Threading: every method but `local_peer_info` must be called from one
     thread (the engine loop); `local_peer_info` is immutable data.
+    Progress: an implementation may move data and messages only inside its
+    own calls, so both roles call `poll_notifications` every engine step (and
+    every few milliseconds while idle with pages pinned or a peer connecting).
     """
 
     @property
@@ -157,12 +160,13 @@ class KVTransport(Protocol):
     def start_read(self, peer_key: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
                    notification: bytes) -> TransferHandle:
         """Start copying remote page remote_block_ids[i] into local page
-        local_block_ids[i] for every i. `notification` is delivered to the peer's
-        `poll_notifications` only after the whole read has landed; with no
-        blocks, it is sent at once and the handle is already DONE.
-        Never raises for a peer failing mid-flight: `poll` reports FAILED.
-        Raises TransferError for an unknown peer or a failure to start, and
-        ValueError for mismatched or out-of-range ids (a caller bug)."""
+        local_block_ids[i] for every i. A non-empty `notification` is delivered
+        to the peer's `poll_notifications` only after the whole read has landed
+        (empty: none is sent); with no blocks, it is sent at once and the handle
+        is already DONE. A read that cannot start or whose peer fails reports
+        FAILED (possibly already on return), it does not raise. Raises
+        TransferError only for an unknown peer key, and ValueError for
+        mismatched or out-of-range ids (a caller bug)."""
         ...
 
     def poll(self, handle: TransferHandle) -> TransferState:

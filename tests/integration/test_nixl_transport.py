@@ -155,6 +155,14 @@ def test_read_from_a_killed_peer_fails_within_bounded_time_and_a_restart_is_read
     assert transport.release(handle)
     with pytest.raises(TransferError):
         transport.send_message(key, b"free")
+    # A new handshake naming the dead process fails fast at connect (UCX finds
+    # the address unreachable while loading the metadata, or the warm-up read fails).
+    stale = doomed.peer_info.to_dict()
+    stale["epoch"] = "epoch-stale"
+    started_s = time.monotonic()
+    with pytest.raises(TransferError):
+        transport.connect(PeerInfo.from_dict(stale))
+    assert time.monotonic() - started_s < MAX_WAIT_S
     # Same engine and agent name, new epoch: the old connection is replaced
     # (NIXL refuses to load new metadata under a name it already holds).
     restarted = PrefillProcess("prefill-agent-b", epoch="epoch-2", seed=3)

@@ -1,0 +1,309 @@
+"""KV transfer benchmark: NIXL pull bandwidth, one descriptor per page vs per (layer, K|V) piece,
+against an in-process memcpy; plus bytes saved by sliding-window clipping (Gemma 3 1B).
+
+    python3 bench/kv_transfer.py [--out bench/results/kv_transfer.json] [--reps 5]
+
+Invariant: both descriptor layouts move the very same bytes between the same two
+processes (a prefill child and this process) over the same registered memory;
+only the way the bytes are described to NIXL differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import math
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as a script: make `pdserve` importable
+    sys.path.insert(0, REPO_ROOT)
+
+import torch  # noqa: E402
+
+from pdserve.kv.layout import KVPoolLayout  # noqa: E402
+from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups  # noqa: E402
+from pdserve.transfer.nixl_transport import NixlTransport  # noqa: E402
+from pdserve.transfer.transport import PeerInfo, TransferState  # noqa: E402
+
+logger = logging.getLogger("bench.kv_transfer")
+
+# SmolLM2-135M: 30 layers, one full-attention group of 30 slots, 3 KV heads x 64, fp32, block 16.
+SMOL = dict(group_size=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+NUM_PIECES = SMOL["group_size"] * 2  # per-layer split-K/V layout: one piece per (layer, K|V)
+PROMPT_TOKENS = (512, 2048, 4096, 8192)
+MEMORY_MODES = ("4k-pages", "huge-pages")  # how the pools (and memcpy buffers) are backed
+MADV_HUGEPAGE = 14  # <sys/mman.h>
+NUM_POOL_BLOCKS = 600  # > 8192 / 16 = 512 blocks, room to scatter block ids
+TIMEOUT_S = 30.0
+SEED = 1234
+
+# Gemma 3 1B: 26 layers, every 6th full attention, window 512, 1 KV head x 256, bf16.
+GEMMA = dict(num_layers=26, full_every=6, window_tokens=512, num_kv_heads=1, head_dim=256, element_bytes=2,
+             block_size=16)
+GEMMA_PROMPT_TOKENS = (4096, 16384)
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+
+def allocate_bytes(num_bytes: int, huge_pages: bool) -> torch.Tensor:
+    """A zeroed int8 buffer; with `huge_pages`, advised to transparent huge pages
+    before its first touch (what THP_MEM_ALLOC_ENABLE=1 does for every big tensor)."""
+    buffer = torch.empty(num_bytes, dtype=torch.int8)  # large: fresh mmap, not touched yet
+    if huge_pages:
+        page_size = os.sysconf("SC_PAGE_SIZE")
+        start = -(-buffer.data_ptr() // page_size) * page_size
+        length = (buffer.data_ptr() + num_bytes - start) // page_size * page_size
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_HUGEPAGE) != 0:
+            logger.warning("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
+    buffer.zero_()
+    return buffer
+
+
+def allocate_views(huge_pages: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pages, pieces): two row views of one pool, [blocks, page_bytes] and [blocks*pieces, piece_bytes]."""
+    layout = KVPoolLayout(num_blocks=NUM_POOL_BLOCKS, **SMOL)
+    pool = allocate_bytes(layout.pool_bytes, huge_pages).view(layout.dtype).view(layout.shape)
+    pages = layout.canonical_view(pool)
+    return pages, pages.view(NUM_POOL_BLOCKS * NUM_PIECES, layout.page_bytes // NUM_PIECES)
+
+
+def huge_page_kib() -> int:
+    """AnonHugePages of this process: proof the advice took effect."""
+    try:
+        with open("/proc/self/smaps_rollup", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+# ---- the prefill child ---------------------------------------------------------------------
+
+
+def serve_pool(mode: str, out: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+    """Child: a patterned pool, published twice: as pages and as per-layer pieces."""
+    pages, pieces = allocate_views(huge_pages=mode == "huge-pages")
+    pages.view(torch.int64).copy_(torch.arange(pages.numel() // 8, dtype=torch.int64).view(pages.shape[0], -1))
+    by_page = NixlTransport(pages, f"bench-prefill-pages-{mode}")
+    by_piece = NixlTransport(pieces, f"bench-prefill-pieces-{mode}")
+    out.put([json.dumps(t.local_peer_info("bench-prefill", mode).to_dict()) for t in (by_page, by_piece)])
+    # Keep calling into NIXL as a prefill engine loop does: without a progress
+    # thread, a reader's connection set-up needs this side to make progress too.
+    while not stop.wait(0.002):
+        by_page.poll_notifications()
+        by_piece.poll_notifications()
+    by_page.close()
+    by_piece.close()
+
+
+# ---- measurements --------------------------------------------------------------------------
+
+
+def piece_rows(block_ids: Sequence[int]) -> list[int]:
+    """Rows of the per-layer layout holding `block_ids`: piece p of block b sits at
+    row p * NUM_POOL_BLOCKS + b, as in a layer-major pool of NUM_PIECES tensors."""
+    return [piece * NUM_POOL_BLOCKS + block_id for block_id in block_ids for piece in range(NUM_PIECES)]
+
+
+def time_read(transport: NixlTransport, key: str, local_ids: list[int], remote_ids: list[int]) -> float:
+    """Seconds from start_read to DONE (descriptor selection included)."""
+    started_s = time.perf_counter()
+    handle = transport.start_read(key, local_ids, remote_ids, b"")
+    while transport.poll(handle) is TransferState.PENDING:
+        if time.perf_counter() - started_s > TIMEOUT_S:
+            raise RuntimeError("read did not finish in time")
+    elapsed_s = time.perf_counter() - started_s
+    if handle.state is not TransferState.DONE:
+        raise RuntimeError(f"read failed: {handle.error}")
+    transport.release(handle)
+    return elapsed_s
+
+
+def interleaved_medians(runs: Sequence[Callable[[], float]], reps: int) -> list[float]:
+    """Median seconds of each run, taking turns rep by rep so that every run sees
+    the same background load (this machine is shared)."""
+    for run in runs:
+        run()  # warm-up: first touch of destination pages, UCX registration caches
+    samples: list[list[float]] = [[] for _ in runs]
+    for _ in range(reps):
+        for run, times in zip(runs, samples):
+            times.append(run())
+    return [statistics.median(times) for times in samples]
+
+
+def memcpy_run(num_bytes: int, huge_pages: bool) -> Callable[[], float]:
+    source, target = allocate_bytes(num_bytes, huge_pages), allocate_bytes(num_bytes, huge_pages)
+    source.fill_(1)
+
+    def run() -> float:
+        started_s = time.perf_counter()
+        target.copy_(source)
+        return time.perf_counter() - started_s
+
+    return run
+
+
+def check_bytes(view: torch.Tensor, local_rows: list[int], remote_rows: list[int]) -> None:
+    """The rows landed: row r of any view of the child's pool holds int64 words r*W .. r*W+W-1."""
+    words = view.view(torch.int64)
+    per_row = words.shape[1]
+    for local_row, remote_row in zip(local_rows[:4] + local_rows[-4:], remote_rows[:4] + remote_rows[-4:]):
+        expected = torch.arange(remote_row * per_row, (remote_row + 1) * per_row, dtype=torch.int64)
+        if not torch.equal(words[local_row], expected):
+            raise RuntimeError(f"local row {local_row} does not hold remote row {remote_row}")
+
+
+def measure_pulls(mode: str, reps: int) -> list[dict]:
+    """Every prompt size in one memory mode, against a fresh prefill child."""
+    context = multiprocessing.get_context("spawn")
+    published, stop = context.Queue(), context.Event()
+    child = context.Process(target=serve_pool, args=(mode, published, stop), daemon=True)
+    child.start()
+    try:
+        page_info, piece_info = (PeerInfo.from_dict(json.loads(d)) for d in published.get(timeout=120))
+        pages, pieces = allocate_views(huge_pages=mode == "huge-pages")
+        by_page = NixlTransport(pages, f"bench-decode-pages-{mode}")
+        by_piece = NixlTransport(pieces, f"bench-decode-pieces-{mode}")
+        keys = by_page.connect(page_info), by_piece.connect(piece_info)
+        rows = [measure_prompt(mode, num_tokens, (by_page, by_piece), keys, (pages, pieces), reps)
+                for num_tokens in PROMPT_TOKENS]
+        by_page.close()
+        by_piece.close()
+        return rows
+    finally:
+        stop.set()
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+
+
+def measure_prompt(mode: str, num_tokens: int, transports: tuple[NixlTransport, NixlTransport],
+                   keys: tuple[str, str], views: tuple[torch.Tensor, torch.Tensor], reps: int) -> dict:
+    (by_page, by_piece), (page_key, piece_key), (pages, pieces) = transports, keys, views
+    num_blocks = math.ceil(num_tokens / SMOL["block_size"])
+    generator = torch.Generator().manual_seed(SEED + num_tokens)
+    # Scattered ids, as after allocator churn; never the null block 0.
+    remote_ids = (torch.randperm(NUM_POOL_BLOCKS - 1, generator=generator)[:num_blocks] + 1).tolist()
+    local_ids = (torch.randperm(NUM_POOL_BLOCKS - 1, generator=generator)[:num_blocks] + 1).tolist()
+    local_rows, remote_rows = piece_rows(local_ids), piece_rows(remote_ids)
+    num_bytes = num_blocks * by_page.page_bytes
+    page_s, piece_s, memcpy_s = interleaved_medians([
+        lambda: time_read(by_page, page_key, local_ids, remote_ids),
+        lambda: time_read(by_piece, piece_key, local_rows, remote_rows),
+        memcpy_run(num_bytes, huge_pages=mode == "huge-pages"),
+    ], reps)
+    # The timed reads overwrite each other's rows: verify each layout on a clean pool.
+    for transport, key, view, local, remote in ((by_page, page_key, pages, local_ids, remote_ids),
+                                                (by_piece, piece_key, pieces, local_rows, remote_rows)):
+        pages.zero_()
+        time_read(transport, key, local, remote)
+        check_bytes(view, local, remote)
+    return {"memory": mode, **pull_row(num_tokens, num_blocks, num_bytes, page_s, piece_s, memcpy_s),
+            "huge_page_kib": huge_page_kib()}
+
+
+def pull_row(num_tokens: int, num_blocks: int, num_bytes: int, page_s: float, piece_s: float,
+             memcpy_s: float) -> dict:
+    page_gbps, piece_gbps, memcpy_gbps = (num_bytes / s / 1e9 for s in (page_s, piece_s, memcpy_s))
+    return {
+        "prompt_tokens": num_tokens, "num_blocks": num_blocks, "num_bytes": num_bytes,
+        "page_descriptors": num_blocks, "piece_descriptors": num_blocks * NUM_PIECES,
+        "page_pull_s": page_s, "piece_pull_s": piece_s, "memcpy_s": memcpy_s,
+        "page_pull_gbps": page_gbps, "piece_pull_gbps": piece_gbps, "memcpy_gbps": memcpy_gbps,
+        "page_vs_memcpy": page_gbps / memcpy_gbps, "piece_vs_memcpy": piece_gbps / memcpy_gbps,
+    }
+
+
+# ---- sliding-window clipping (no transfer) -------------------------------------------------
+
+
+def clipping_rows() -> list[dict]:
+    """Bytes a Gemma 3 1B pull moves with and without clipping sliding groups to the live window."""
+    g = GEMMA
+    specs = [FullAttentionSpec() if (i + 1) % g["full_every"] == 0 else SlidingWindowSpec(g["window_tokens"])
+             for i in range(g["num_layers"])]
+    plan = plan_groups(specs)
+    page_bytes = plan.group_size * 2 * g["block_size"] * g["num_kv_heads"] * g["head_dim"] * g["element_bytes"]
+    live_blocks = math.ceil(g["window_tokens"] / g["block_size"]) + 1
+    rows = []
+    for num_tokens in GEMMA_PROMPT_TOKENS:
+        num_blocks = math.ceil(num_tokens / g["block_size"])
+        per_group = [num_blocks if isinstance(group.spec, FullAttentionSpec) else min(num_blocks, live_blocks)
+                     for group in plan.groups]
+        clipped, unclipped = sum(per_group), num_blocks * len(plan.groups)
+        rows.append({
+            "prompt_tokens": num_tokens, "num_groups": len(plan.groups), "group_size": plan.group_size,
+            "page_bytes": page_bytes, "blocks_clipped": clipped, "blocks_unclipped": unclipped,
+            "bytes_clipped": clipped * page_bytes, "bytes_unclipped": unclipped * page_bytes,
+            "saved_fraction": 1 - clipped / unclipped,
+        })
+    return rows
+
+
+# ---- report --------------------------------------------------------------------------------
+
+
+def format_tables(pulls: list[dict], clipping: list[dict]) -> str:
+    lines = ["SmolLM2-135M pool (page 737,280 B), scattered block ids, median of reps",
+             f"{'memory':>10} {'tokens':>6} {'blocks':>6} {'MB':>6} | {'page GB/s':>9} {'descs':>5} | "
+             f"{'layer GB/s':>10} {'descs':>5} | {'memcpy GB/s':>11} | {'page/memcpy':>11} {'layer/memcpy':>12}"]
+    for r in pulls:
+        lines.append(f"{r['memory']:>10} {r['prompt_tokens']:>6} {r['num_blocks']:>6} {r['num_bytes'] / 1e6:>6.1f} | "
+                     f"{r['page_pull_gbps']:>9.2f} {r['page_descriptors']:>5} | {r['piece_pull_gbps']:>10.2f} "
+                     f"{r['piece_descriptors']:>5} | {r['memcpy_gbps']:>11.2f} | {r['page_vs_memcpy']:>11.2f} "
+                     f"{r['piece_vs_memcpy']:>12.2f}")
+    lines += ["", "Gemma 3 1B sliding-window clipping (bytes D pulls)",
+              f"{'tokens':>7} {'groups':>6} | {'blocks clipped':>14} {'MB clipped':>10} | "
+              f"{'blocks unclipped':>16} {'MB unclipped':>12} | {'saved':>6}"]
+    for r in clipping:
+        lines.append(f"{r['prompt_tokens']:>7} {r['num_groups']:>6} | {r['blocks_clipped']:>14} "
+                     f"{r['bytes_clipped'] / 1e6:>10.1f} | {r['blocks_unclipped']:>16} "
+                     f"{r['bytes_unclipped'] / 1e6:>12.1f} | {r['saved_fraction']:>6.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results/kv_transfer.json")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--memory", choices=[*MEMORY_MODES, "both"], default="both",
+                        help="back pools and memcpy buffers with 4 KiB pages, huge pages, or run both")
+    parser.add_argument("--memcpy-threads", type=int, default=1,
+                        help="torch threads for the memcpy baseline (UCX copies on one core)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.memcpy_threads)
+    started_s = time.perf_counter()
+    modes = MEMORY_MODES if args.memory == "both" else (args.memory,)
+    pulls = [row for mode in modes for row in measure_pulls(mode, args.reps)]
+    clipping = clipping_rows()
+    print(format_tables(pulls, clipping))
+    report = {
+        "command": " ".join(["python3", "bench/kv_transfer.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "memcpy_threads": args.memcpy_threads, "load_average": os.getloadavg()},
+        "reps": args.reps, "pulls": pulls, "clipping": clipping,
+        "wall_s": time.perf_counter() - started_s,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2)
+    print(f"\nwrote {args.out} in {report['wall_s']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

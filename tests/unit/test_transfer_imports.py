@@ -1,0 +1,54 @@
+"""The transfer contract and planner import without torch or nixl, and nixl has one home."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NIXL_HOME = REPO_ROOT / "pdserve" / "transfer" / "nixl_transport.py"
+TORCH_AND_NIXL_FREE_MODULES = [
+    "pdserve.transfer",
+    "pdserve.transfer.transport",
+    "pdserve.transfer.planner",
+    "pdserve.transfer.fake_transport",
+]
+
+
+@pytest.mark.parametrize("module", TORCH_AND_NIXL_FREE_MODULES)
+def test_transfer_module_imports_neither_torch_nor_nixl(module):
+    code = (
+        f"import sys, importlib; importlib.import_module({module!r});"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'nixl')))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert result.stdout.strip() == "[]"
+
+
+def imports_nixl(source: str) -> bool:
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "nixl" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "nixl":
+            return True
+    return False
+
+
+def test_exactly_one_module_of_pdserve_and_proxy_imports_nixl():
+    sources = [p for tree in ("pdserve", "proxy") for p in sorted((REPO_ROOT / tree).rglob("*.py"))]
+    assert sources, "no source files found"
+    importers = [p for p in sources if imports_nixl(p.read_text(encoding="utf-8"))]
+    assert importers == [NIXL_HOME]
+
+
+def test_nixl_import_detector_sees_every_import_form():
+    assert imports_nixl("import nixl")
+    assert imports_nixl("import os, nixl._api as api")
+    assert imports_nixl("def f():\n    from nixl._api import nixl_agent")
+    assert not imports_nixl("import nixl_helpers\nfrom .nixl import x\n# import nixl")
