@@ -14,10 +14,12 @@ import logging
 from typing import Literal
 
 from pdserve.engine.decode_role import RemotePrefill
+from pdserve.kv.block_pool import NULL_BLOCK_ID
 from pdserve.kv.prefix import first_live_block
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.request import GenerationRequest
 from pdserve.transfer.handshake import AgentInfo, HandshakeClient
+from pdserve.transfer.planner import validate_remote_block_ids
 from pdserve.transfer.params import KVParamsInvalid, KVPullFailed, RemotePrefillParams, parse_remote_decode, parse_remote_prefill
 
 logger = logging.getLogger(__name__)
@@ -31,24 +33,16 @@ def expected_block_counts(plan: KVGroupPlan, block_size: int, num_prompt_tokens:
 
 
 def check_block_ids(params: RemotePrefillParams, agent: AgentInfo, plan: KVGroupPlan, block_size: int) -> None:
+    """Shape and range of the block lists against the peer's pool and this prompt.
+    Our prefill workers never send null entries, so none is accepted."""
     expected = expected_block_counts(plan, block_size, params.num_prompt_tokens)
-    lists = params.remote_block_ids
-    if len(lists) != len(expected):
-        raise KVParamsInvalid(f"kv_transfer_params.remote_block_ids has {len(lists)} groups; this model has {len(expected)}")
-    num_blocks = agent.geometry.num_blocks
-    seen: set[int] = set()
+    lists = validate_remote_block_ids(params.remote_block_ids, len(expected), agent.geometry.num_blocks, max(expected))
     for group_id, (ids, count) in enumerate(zip(lists, expected)):
-        if len(ids) != count:
+        if len(ids) != count or NULL_BLOCK_ID in ids:
             raise KVParamsInvalid(
-                f"kv_transfer_params.remote_block_ids[{group_id}] has {len(ids)} blocks; "
-                f"{params.num_prompt_tokens} prompt tokens need {count}"
+                f"kv_transfer_params.remote_block_ids[{group_id}] must name {count} non-null blocks "
+                f"for {params.num_prompt_tokens} prompt tokens; got {len(ids)}"
             )
-        for block_id in ids:
-            if not 1 <= block_id < num_blocks:
-                raise KVParamsInvalid(f"kv_transfer_params.remote_block_ids[{group_id}] names block {block_id}, outside 1..{num_blocks - 1}")
-            if block_id in seen:
-                raise KVParamsInvalid(f"kv_transfer_params.remote_block_ids names block {block_id} twice")
-            seen.add(block_id)
 
 
 class PrefillFrontend:
