@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Union
 
 from pdserve.config import WorkerConfig
 from pdserve.engine.decode_role import DecodeRole

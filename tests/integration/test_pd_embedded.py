@@ -144,7 +144,7 @@ def test_forged_params_get_a_4xx_and_read_nothing(cluster):
     params = prefill_leg(prefill, "/v1/completions", body, "forge-source", AUTH).json()["kv_transfer_params"]
     descriptors_before = decode.metric("pdserve_transfer_descriptors_total")
     for name, forged in _forgeries(params).items():
-        response = decode_leg(decode, "/v1/completions", body, forged, f"forged", AUTH)
+        response = decode_leg(decode, "/v1/completions", body, forged, "forged", AUTH)
         assert 400 <= response.status_code < 500, (name, response.status_code, response.text)
         assert "error" in response.json(), name
     for name, headers in {"no token": {}, "wrong token": {"X-Pdserve-Internal-Token": "guess"}}.items():

@@ -296,7 +296,7 @@ def test_duplicate_content_from_a_concurrent_request_stays_uncached():
 
 def test_sliding_group_missing_old_blocks_still_hits():
     manager = hybrid_manager(num_blocks=40, window_tokens=8)
-    hashes = run(manager, "a", tokens(24))  # one chunk: no window release, tables complete
+    run(manager, "a", tokens(24))  # one chunk: no window release, tables complete
     tables = manager.block_ids("a")
     manager.free("a")
     evict(manager, tables, victims=set(tables[SLIDING][:4]))
