@@ -1,4 +1,4 @@
-"""Command line: `pdserve serve|prefill|decode` (and, as they land, proxy, up).
+"""Command line: `pdserve serve|prefill|decode|proxy|up`.
 
 Parses flags into frozen configs and hands them to the composition roots;
 no logic of its own beyond that.
@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 from typing import Optional, Sequence
 
 from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, TransferConfig, WorkerConfig
+from pdserve.local_cluster import add_up_arguments, run_local_cluster
+from proxy.cli import add_proxy_arguments, run_proxy
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
@@ -45,7 +48,9 @@ def _add_worker_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=default_port)
-    server.add_argument("--internal-token", default=None, help="shared token guarding internal endpoints")
+    server.add_argument("--internal-token", default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),
+                        help="shared token guarding internal endpoints (default: $PDSERVE_INTERNAL_TOKEN;"
+                             " prefer the variable: flags show in process listings)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     server.add_argument("--drain-timeout-s", type=float, default=60.0,
                         help="on SIGTERM, wait this long for in-flight work (and pinned KV) before exiting")
@@ -104,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         worker = commands.add_parser(name, help=help_text)
         _add_worker_flags(worker, default_port=port)
         _add_transfer_flags(worker)
+    add_proxy_arguments(commands.add_parser("proxy", help="routing proxy: the OpenAI endpoint in front of the workers"))
+    add_up_arguments(commands.add_parser("up", help="local cluster: one prefill, one decode and the proxy"))
     return parser
 
 
@@ -117,6 +124,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.command == "proxy":
+        return run_proxy(args)  # never imports torch: the proxy ships without it
+    if args.command == "up":
+        return run_local_cluster(args)
     from pdserve.worker import serve_worker  # heavy imports (torch) only when serving
 
     serve_worker(worker_config(args, _ROLES[args.command]))

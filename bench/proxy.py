@@ -1,0 +1,301 @@
+"""Proxy overhead benchmark: latency added by `pdserve proxy` and its request rate, side by side
+with sending the same requests straight to the backend, against stub workers that answer at once.
+
+    python3 bench/proxy.py [--requests 2000] [--duration-s 8] [--concurrency 32] [--out bench/results/proxy.json]
+
+Three paths, all over real HTTP/1.1 keep-alive connections on 127.0.0.1:
+  direct          client -> stub decode
+  proxy (1 leg)   client -> proxy -> stub decode                (no prefill tier: pure forwarding)
+  proxy (P/D)     client -> proxy -> stub prefill, -> stub decode (the two-leg protocol)
+Invariant: every path gets the same request bodies from the same minimal client, and the stubs
+(a raw ASGI app in its own process) do no work, so the differences are the proxy's alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Optional
+
+# Run as a script, sys.path[0] is bench/, where this file shadows the `proxy` package: it imports
+# nothing from the repo, and the proxy runs in its own process from the repository root.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+KV_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "stub-p",
+             "remote_request_id": "r", "remote_block_ids": [[1, 2, 3]], "remote_host": "127.0.0.1",
+             "remote_port": 1, "tp_size": 1}
+PREFILL_ANSWER = json.dumps({"id": "cmpl-p", "object": "text_completion", "choices": [
+    {"index": 0, "text": " x", "finish_reason": "length"}], "kv_transfer_params": KV_PARAMS}).encode()
+COMPLETION_ANSWER = json.dumps({"id": "cmpl-d", "object": "text_completion", "model": "stub", "choices": [
+    {"index": 0, "text": " hello there", "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14}}).encode()
+SSE_ANSWER = b"".join(b"data: " + json.dumps({"id": "cmpl-d", "choices": [
+    {"index": 0, "text": t, "finish_reason": None}]}).encode() + b"\n\n" for t in (" hello", " there")) + b"data: [DONE]\n\n"
+LOAD_ANSWER = json.dumps({"ready": True, "num_running": 0, "num_waiting": 0, "num_waiting_for_kv": 0,
+                          "kv_usage": 0.0, "num_pinned_blocks": 0}).encode()
+BODY = json.dumps({"model": "stub", "prompt": "Once upon a time in a small village by the sea", "max_tokens": 2,
+                   "temperature": 0}).encode()
+STREAM_BODY = json.dumps({**json.loads(BODY), "stream": True}).encode()
+PATHS = ("direct", "proxy (1 leg)", "proxy (P/D)")
+TARGET_ADDED_P50_MS = 1.0
+
+
+async def stub_app(scope, receive, send) -> None:
+    """A worker that answers instantly: prefill params, a completion, or an SSE stream."""
+    if scope["type"] == "lifespan":
+        while (message := await receive())["type"] != "lifespan.shutdown":
+            await send({"type": message["type"] + ".complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body, more = body + message.get("body", b""), message.get("more_body", False)
+    content_type = b"application/json"
+    if scope["path"] in ("/load", "/health"):
+        payload = LOAD_ANSWER
+    else:
+        request = json.loads(body)
+        if (request.get("kv_transfer_params") or {}).get("do_remote_decode"):
+            payload = PREFILL_ANSWER
+        elif request.get("stream"):
+            payload, content_type = SSE_ANSWER, b"text/event-stream"
+        else:
+            payload = COMPLETION_ANSWER
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", content_type), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+class RawClient:
+    """The leanest HTTP/1.1 keep-alive client asyncio allows, so the client costs little and the same everywhere."""
+
+    def __init__(self, port: int):
+        self._port = port
+        self._reader: Optional[asyncio.StreamReader] = None
+        self._writer: Optional[asyncio.StreamWriter] = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection("127.0.0.1", self._port)
+        self._writer.write(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+        head = await self._reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+        if "content-length" in headers:
+            return status, await self._reader.readexactly(int(headers["content-length"]))
+        return status, await self._read_chunked()
+
+    async def _read_chunked(self) -> bytes:
+        parts = []
+        while True:
+            size = int((await self._reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            parts.append((await self._reader.readexactly(size + 2))[:-2])  # the chunk and its CRLF
+            if size == 0:
+                return b"".join(parts)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def percentile_ms(samples_s: list[float], q: float) -> float:
+    ordered = sorted(samples_s)
+    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def measure_latency(targets: dict[str, tuple[int, Optional[int]]], body: bytes, num_requests: int,
+                          num_warmup: int, num_rounds: int) -> dict[str, dict]:
+    """Sequential requests, the paths interleaved in rounds so that load drifting on the machine
+    hits every path alike; also the proxy's CPU time per request, which scheduling noise cannot inflate."""
+    clients = {name: RawClient(port) for name, (port, _) in targets.items()}
+    samples: dict[str, list[float]] = {name: [] for name in targets}
+    cpu_s = {name: 0.0 for name in targets}
+    per_round = max(1, num_requests // num_rounds)
+    try:
+        for name, client in clients.items():
+            for _ in range(num_warmup):
+                await client.post("/v1/completions", body)
+        for _ in range(num_rounds):
+            for name, (port, pid) in targets.items():
+                cpu_before_s = cpu_seconds(pid) if pid is not None else 0.0
+                for _ in range(per_round):
+                    started = time.perf_counter()
+                    status, _ = await clients[name].post("/v1/completions", body)
+                    if status != 200:
+                        raise RuntimeError(f"HTTP {status} from {name}")
+                    samples[name].append(time.perf_counter() - started)
+                if pid is not None:
+                    cpu_s[name] += cpu_seconds(pid) - cpu_before_s
+    finally:
+        for client in clients.values():
+            client.close()
+    results = {}
+    for name, (_, pid) in targets.items():
+        results[name] = {"p50_ms": percentile_ms(samples[name], 0.50), "p99_ms": percentile_ms(samples[name], 0.99),
+                         "mean_ms": 1000 * statistics.fmean(samples[name])}
+        if pid is not None:
+            results[name]["proxy_cpu_ms_per_request"] = 1000 * cpu_s[name] / len(samples[name])
+    return results
+
+
+async def measure_rate(port: int, concurrency: int, duration_s: float) -> float:
+    deadline = time.perf_counter() + duration_s
+    counts = [0] * concurrency
+
+    async def worker(slot: int) -> None:
+        client = RawClient(port)
+        try:
+            while time.perf_counter() < deadline:
+                status, _ = await client.post("/v1/completions", BODY)
+                counts[slot] += status == 200
+        finally:
+            client.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(slot) for slot in range(concurrency)))
+    return sum(counts) / (time.perf_counter() - started)
+
+
+def spawn(argv: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, *argv], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def wait_ready(port: int, path: str = "/health", timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
+            ok = (await reader.readline()).split(b" ")[1] == b"200"
+            writer.close()
+            if ok:
+                return
+        except (OSError, IndexError):
+            pass
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"nothing ready on port {port}")
+
+
+def overhead_from_metrics(port: int) -> dict:
+    """The proxy's own view: the share of requests whose overhead fell in the <= 1 ms buckets."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    buckets = {}
+    for line in text.splitlines():
+        if line.startswith("pdserve_proxy_overhead_seconds_bucket") and 'mode="disaggregated"' in line:
+            le = line.split('le="')[1].split('"')[0]
+            buckets[le] = float(line.rsplit(" ", 1)[1])
+    total = buckets.get("+Inf", 0.0)
+    return {f"share_le_{le}s": buckets[le] / total for le in ("0.0005", "0.001", "0.0025") if total and le in buckets}
+
+
+async def run(args: argparse.Namespace) -> dict:
+    ports = {name: free_port() for name in ("prefill", "decode", "proxy_pd", "proxy_1leg")}
+    stub = [os.path.abspath(__file__), "--serve-stub"]
+    proxy = ["-m", "pdserve.cli", "proxy", "--log-level", "warning", "--decode", f"127.0.0.1:{ports['decode']}"]
+    processes = [
+        spawn([*stub, str(ports["prefill"])]), spawn([*stub, str(ports["decode"])]),
+        spawn([*proxy, "--port", str(ports["proxy_pd"]), "--prefill", f"127.0.0.1:{ports['prefill']}"]),
+        spawn([*proxy, "--port", str(ports["proxy_1leg"])]),
+    ]
+    try:
+        for port in ports.values():
+            await wait_ready(port)
+        targets = dict(zip(PATHS, ((ports["decode"], None), (ports["proxy_1leg"], processes[3].pid),
+                                   (ports["proxy_pd"], processes[2].pid))))
+        results: dict[str, dict] = {name: {} for name in PATHS}
+        for kind, body in (("completion", BODY), ("stream", STREAM_BODY)):
+            for name, measured in (await measure_latency(targets, body, args.requests, args.warmup,
+                                                         args.rounds)).items():
+                results[name][kind] = measured
+        for name, (port, _) in targets.items():
+            results[name]["max_requests_per_s"] = await measure_rate(port, args.concurrency, args.duration_s)
+        results["proxy (P/D)"]["proxy_overhead_histogram"] = overhead_from_metrics(ports["proxy_pd"])
+        return results
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(10)
+
+
+def report(results: dict, args: argparse.Namespace) -> dict:
+    direct = results["direct"]
+    rows = []
+    print(f"{'path':15s} {'kind':11s} {'p50 ms':>8s} {'p99 ms':>8s} {'+p50 ms':>8s} {'+p99 ms':>8s} "
+          f"{'proxy CPU ms/req':>16s} {'max req/s':>10s}")
+    for name in PATHS:
+        for kind in ("completion", "stream"):
+            r, d = results[name][kind], direct[kind]
+            added = {"added_p50_ms": r["p50_ms"] - d["p50_ms"], "added_p99_ms": r["p99_ms"] - d["p99_ms"]}
+            rate = results[name]["max_requests_per_s"] if kind == "completion" else None
+            rows.append({"path": name, "kind": kind, **r, **added, "max_requests_per_s": rate})
+            cpu = r.get("proxy_cpu_ms_per_request", float("nan"))
+            print(f"{name:15s} {kind:11s} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {added['added_p50_ms']:8.3f} "
+                  f"{added['added_p99_ms']:8.3f} {cpu:16.3f} {rate if rate is not None else float('nan'):10.0f}")
+    overhead = results["proxy (P/D)"].get("proxy_overhead_histogram", {})
+    one_leg_added = results["proxy (1 leg)"]["completion"]["p50_ms"] - direct["completion"]["p50_ms"]
+    print(f"proxy's own overhead histogram (P/D): {overhead}")
+    print(f"target: < {TARGET_ADDED_P50_MS} ms added at p50 by forwarding (1 leg): "
+          f"{'met' if one_leg_added < TARGET_ADDED_P50_MS else 'NOT met'} ({one_leg_added:.3f} ms)")
+    return {"benchmark": "proxy", "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                              "platform": platform.platform()},
+            "settings": {"requests": args.requests, "warmup": args.warmup, "rounds": args.rounds,
+                         "concurrency": args.concurrency,
+                         "duration_s": args.duration_s},
+            "rows": rows, "proxy_overhead_histogram": overhead, "target_added_p50_ms": TARGET_ADDED_P50_MS}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=2000, help="sequential requests per latency measurement")
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=10, help="latency runs interleave the paths in this many rounds")
+    parser.add_argument("--concurrency", type=int, default=32, help="connections for the max-rate measurement")
+    parser.add_argument("--duration-s", type=float, default=8.0, help="length of each max-rate measurement")
+    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "proxy.json"))
+    parser.add_argument("--serve-stub", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_stub is not None:
+        import uvicorn
+
+        uvicorn.run(stub_app, host="127.0.0.1", port=args.serve_stub, log_level="warning", access_log=False)
+        return 0
+    summary = report(asyncio.run(run(args)), args)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""`pdserve up`: one prefill worker, one decode worker and the proxy on this machine, as child processes.
+
+Invariants: every child runs in its own session (a Ctrl-C reaches only this
+parent, which then stops the children in order: proxy first, then workers),
+dies with its parent (PR_SET_PDEATHSIG), and has its log lines prefixed by
+its name; if any child dies on its own the others are stopped and `up`
+exits non-zero. Torch-free: it only starts processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Callable, Optional, Sequence
+
+import httpx
+
+from proxy.cli import INTERNAL_TOKEN_ENV
+
+_PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT_S = 20.0  # workers drain in-flight requests on SIGTERM; past this they are killed
+
+
+@dataclass(frozen=True, slots=True)
+class CorePlan:
+    """Which cores each worker may use (None: unpinned) and how many torch threads it runs."""
+
+    prefill_cores: Optional[tuple[int, ...]]
+    decode_cores: Optional[tuple[int, ...]]
+    prefill_threads: int
+    decode_threads: int
+
+
+def plan_cores(cores: Sequence[int]) -> CorePlan:
+    """Split the usable cores between P and D (D gets the odd one: it runs all the time);
+    the proxy is light and floats over all of them. With one core nothing is pinned."""
+    ordered = tuple(sorted(cores))
+    if len(ordered) < 2:
+        return CorePlan(None, None, 1, 1)
+    half = len(ordered) // 2
+    prefill, decode = ordered[:half], ordered[half:]
+    return CorePlan(prefill, decode, len(prefill), len(decode))
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address all three processes listen on")
+    parser.add_argument("--port", type=int, default=8000, help="the proxy's port (0: any free port)")
+    parser.add_argument("--prefill-port", type=int, default=8100, help="0: any free port")
+    parser.add_argument("--decode-port", type=int, default=8200, help="0: any free port")
+    parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--kv-memory", default=None, help="each worker's KV pool size, e.g. 512MiB")
+    parser.add_argument("--num-blocks", type=int, default=None, help="each worker's KV pool size in blocks")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads per worker (default: the worker's share of the cores)")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin the workers to separate cores")
+    parser.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
+                        help=f"shared worker token (default: ${INTERNAL_TOKEN_ENV}, else a random one)")
+    parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix"])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+@dataclass(slots=True)
+class ChildSpec:
+    name: str
+    argv: list[str]
+    port: int
+    cores: Optional[tuple[int, ...]] = None
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+
+
+def _resolve_port(host: str, port: int) -> int:
+    return port if port != 0 else free_port(host)
+
+
+def build_specs(args: argparse.Namespace, cores: Sequence[int]) -> list[ChildSpec]:
+    """The three command lines, in start order: prefill, decode, proxy."""
+    plan = plan_cores(cores)
+    if args.no_pin:
+        plan = CorePlan(None, None, plan.prefill_threads, plan.decode_threads)
+    # The token travels in the environment, not in argv, which any local user can list.
+    env = {INTERNAL_TOKEN_ENV: args.internal_token or secrets.token_hex(16)}
+    base = [sys.executable, "-m", "pdserve.cli"]
+    common = ["--host", args.host, "--log-level", args.log_level]
+    model = ["--device", args.device]
+    for flag, value in (("--model", args.model), ("--max-model-len", args.max_model_len),
+                        ("--kv-memory", args.kv_memory), ("--num-blocks", args.num_blocks)):
+        if value is not None:
+            model += [flag, str(value)]
+    prefill_port = _resolve_port(args.host, args.prefill_port)
+    decode_port = _resolve_port(args.host, args.decode_port)
+    proxy_port = _resolve_port(args.host, args.port)
+    specs = []
+    for role, port, cores_of, threads in (("prefill", prefill_port, plan.prefill_cores, plan.prefill_threads),
+                                          ("decode", decode_port, plan.decode_cores, plan.decode_threads)):
+        argv = [*base, role, "--port", str(port), "--num-threads", str(args.num_threads or threads), *common, *model]
+        specs.append(ChildSpec(role, argv, port, cores_of, env))
+    proxy = [*base, "proxy", "--port", str(proxy_port), *common,
+             "--prefill", f"http://{args.host}:{prefill_port}", "--decode", f"http://{args.host}:{decode_port}"]
+    if args.policy is not None:
+        proxy += ["--policy", args.policy]
+    specs.append(ChildSpec("proxy", proxy, proxy_port, None, env))
+    return specs
+
+
+def _child_setup(cores: Optional[tuple[int, ...]], libc: Optional[ctypes.CDLL]) -> Callable[[], None]:
+    """Runs in the child between fork and exec: pin it, and have it killed if `up` dies."""
+
+    def setup() -> None:
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return setup
+
+
+# Access-log lines of the proxy's once-a-second health polls: noise on a console.
+_POLL_ACCESS_LINES = ('"GET /load HTTP/1.1" 200', '"GET /health HTTP/1.1" 200')
+
+
+class PrefixedOutput:
+    """Writes whole lines from several children to one stream, each with its name in front."""
+
+    def __init__(self, out: IO[str]):
+        self._out = out
+        self._lock = threading.Lock()
+
+    def write_line(self, name: str, line: str) -> None:
+        if any(marker in line for marker in _POLL_ACCESS_LINES):
+            return
+        with self._lock:
+            self._out.write(f"[{name}] {line.rstrip()}\n")
+            self._out.flush()
+
+    def pump(self, name: str, stream: IO[bytes]) -> None:
+        for raw in iter(stream.readline, b""):
+            self.write_line(name, raw.decode(errors="replace"))
+        stream.close()
+
+
+@dataclass
+class LocalCluster:
+    specs: list[ChildSpec]
+    output: PrefixedOutput
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    _pumps: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> None:
+        try:
+            libc: Optional[ctypes.CDLL] = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+        except OSError:
+            libc = None
+        # Every child is forked before any pump thread exists (preexec_fn and threads do not mix).
+        for spec in self.specs:
+            self.processes[spec.name] = subprocess.Popen(
+                spec.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}, start_new_session=True,
+                preexec_fn=_child_setup(spec.cores, libc))
+        for name, process in self.processes.items():
+            pump = threading.Thread(target=self.output.pump, args=(name, process.stdout), daemon=True,
+                                    name=f"up-log-{name}")
+            pump.start()
+            self._pumps.append(pump)
+
+    def exited(self) -> Optional[tuple[str, int]]:
+        """(name, status) of a child that is no longer running, if any."""
+        for name, process in self.processes.items():
+            status = process.poll()
+            if status is not None:
+                return name, status
+        return None
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM the proxy first (no new requests), then the workers; SIGKILL stragglers."""
+        for name in ("proxy", "decode", "prefill"):
+            process = self.processes.get(name)
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name, process in self.processes.items():
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.output.write_line("up", f"{name} did not stop in {timeout_s:.0f}s; killing it")
+                process.kill()
+                process.wait()
+        for pump in self._pumps:
+            pump.join(timeout=2)
+
+
+def _usable_cores() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def _is_ready(proxy_url: str) -> bool:
+    try:
+        return httpx.get(proxy_url + "/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _banner(cluster: LocalCluster, host: str) -> list[str]:
+    lines = []
+    for spec in cluster.specs:
+        pinned = f", cores {','.join(map(str, spec.cores))}" if spec.cores is not None else ""
+        pid = cluster.processes[spec.name].pid
+        lines.append(f"{spec.name:8s} http://{host}:{spec.port}  (pid {pid}{pinned})")
+    return lines
+
+
+def run_local_cluster(args: argparse.Namespace) -> int:
+    """Start, wait for readiness, print the endpoint, and supervise until Ctrl-C or a child's death."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # our readiness probes are not news
+    output = PrefixedOutput(sys.stdout)
+    cluster = LocalCluster(build_specs(args, _usable_cores()), output)
+    stop_requested = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if stop_requested.is_set():  # a second Ctrl-C: no more patience
+            for process in cluster.processes.values():
+                process.kill()
+        stop_requested.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        cluster.start()
+        for line in _banner(cluster, args.host):
+            output.write_line("up", line)
+        return supervise(cluster, args.host, stop_requested)
+    finally:
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def supervise(cluster: LocalCluster, host: str, stop_requested: threading.Event) -> int:
+    proxy_url = f"http://{host}:{cluster.specs[-1].port}"
+    ready = False
+    while not stop_requested.wait(0.25):
+        gone = cluster.exited()
+        if gone is not None:
+            cluster.output.write_line("up", f"{gone[0]} exited with status {gone[1]}; stopping the others")
+            return 1
+        if not ready and _is_ready(proxy_url):
+            ready = True
+            cluster.output.write_line("up", f"ready: OpenAI API at {proxy_url}/v1 (Ctrl-C stops all)")
+    cluster.output.write_line("up", "stopping")
+    return 0

@@ -1,0 +1,177 @@
+"""The proxy's ASGI app: OpenAI routes forwarded in two legs, plus /v1/models, /health and /metrics.
+
+Everything (pools, clients, metrics, background loops) comes from
+`create_app` and lives as long as the app: no module-level state. The health
+poll and DNS discovery loops run in the app's lifespan and stop with it;
+the backends' HTTP clients are closed on the way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+import httpx
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from proxy.backends import Backend, BackendPool, ClientFactory, Role, client_factory
+from proxy.config import ProxyConfig
+from proxy.discovery import DnsDiscovery, Resolver, resolve_with_getaddrinfo
+from proxy.errors import NoBackendAvailable, error_body, error_response
+from proxy.forwarder import Forwarder
+from proxy.health import HealthMonitor
+from proxy.metrics import CONTENT_TYPE, ProxyMetrics, create_proxy_metrics
+
+logger = logging.getLogger(__name__)
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+
+
+@dataclass
+class ProxyComponents:
+    """What one proxy app is made of; tests reach in here to watch backends and metrics."""
+
+    config: ProxyConfig
+    prefill_pool: BackendPool
+    decode_pool: BackendPool
+    metrics: ProxyMetrics
+    forwarder: Forwarder
+    monitor: HealthMonitor
+    discoveries: list[DnsDiscovery] = field(default_factory=list)
+
+    def all_backends(self) -> list[Backend]:
+        return [*self.prefill_pool.backends(), *self.decode_pool.backends()]
+
+    def is_ready(self) -> bool:
+        """Serving is possible: a decode worker, and a prefill worker unless there is no prefill tier."""
+        if not self.decode_pool.available():
+            return False
+        return not self.config.has_prefill or bool(self.prefill_pool.available())
+
+
+def build_components(config: ProxyConfig, resolver: Optional[Resolver] = None,
+                     make_client: Optional[ClientFactory] = None) -> ProxyComponents:
+    make_client = make_client or client_factory(config)
+    prefill_pool = BackendPool(Role.PREFILL, config, make_client)
+    decode_pool = BackendPool(Role.DECODE, config, make_client)
+    for url in config.prefill_urls:
+        prefill_pool.add(url)
+    for url in config.decode_urls:
+        decode_pool.add(url)
+    metrics = create_proxy_metrics(lambda: [*prefill_pool.backends(), *decode_pool.backends()])
+    components = ProxyComponents(
+        config=config, prefill_pool=prefill_pool, decode_pool=decode_pool, metrics=metrics,
+        forwarder=Forwarder(config, prefill_pool, decode_pool, metrics),
+        monitor=HealthMonitor((prefill_pool, decode_pool), config.health),
+    )
+    discovery = config.discovery
+    for pool, target in ((prefill_pool, discovery.prefill_dns), (decode_pool, discovery.decode_dns)):
+        if target is not None:
+            components.discoveries.append(
+                DnsDiscovery(pool, target, resolver or resolve_with_getaddrinfo, discovery.scheme))
+    return components
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(components: ProxyComponents) -> AsyncIterator[None]:
+    for discovery in components.discoveries:
+        await discovery.refresh()
+    tasks = [asyncio.create_task(components.monitor.run_forever(), name="proxy-health")]
+    for discovery in components.discoveries:
+        tasks.append(asyncio.create_task(
+            discovery.run_forever(components.config.discovery.interval_s, components.monitor.poll_all),
+            name="proxy-discovery"))
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await components.prefill_pool.aclose()
+        await components.decode_pool.aclose()
+
+
+def _backend_state(backend: Backend) -> dict:
+    return {"url": backend.url, "healthy": backend.healthy, "breaker": backend.breaker.state.name.lower(),
+            "in_flight": backend.num_in_flight, "available": backend.is_available()}
+
+
+def _routes(components: ProxyComponents) -> list[Route]:
+    forwarder = components.forwarder
+
+    async def completions(request: Request) -> Response:
+        return await forwarder.handle(request, COMPLETIONS_PATH)
+
+    async def chat_completions(request: Request) -> Response:
+        return await forwarder.handle(request, CHAT_COMPLETIONS_PATH)
+
+    async def models(request: Request) -> Response:
+        return await _relay_models(components)
+
+    async def health(request: Request) -> Response:
+        body = {
+            "status": "ok" if components.is_ready() else "unavailable",
+            "prefill": [_backend_state(b) for b in components.prefill_pool.backends()],
+            "decode": [_backend_state(b) for b in components.decode_pool.backends()],
+        }
+        return JSONResponse(body, status_code=200 if components.is_ready() else 503)
+
+    async def live(request: Request) -> Response:
+        return JSONResponse({"status": "alive"})
+
+    async def metrics(request: Request) -> Response:
+        return Response(components.metrics.render(), media_type=CONTENT_TYPE)
+
+    return [
+        Route(COMPLETIONS_PATH, completions, methods=["POST"]),
+        Route(CHAT_COMPLETIONS_PATH, chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", health, methods=["GET"]),
+        Route("/live", live, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+
+
+async def _relay_models(components: ProxyComponents) -> Response:
+    """The model list of a decode worker (every worker serves the same model)."""
+    retry_after_s = components.config.retry_after_s
+    for backend in components.decode_pool.available():
+        try:
+            response = await backend.client.get("/v1/models", timeout=components.config.health.timeout_s * 5)
+        except httpx.HTTPError as exc:
+            logger.warning("GET /v1/models on %s failed: %s", backend.url, type(exc).__name__)
+            continue
+        return Response(response.content, response.status_code,
+                        media_type=response.headers.get("content-type", "application/json"))
+    return error_response(NoBackendAvailable("no decode worker is available; retry later"), None, retry_after_s)
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    error_type = "not_found_error" if status == 404 else "invalid_request_error"
+    return Response(error_body(status, str(getattr(exc, "detail", "error")), error_type), status,
+                    media_type="application/json")
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    logger.exception("unexpected error on %s", request.url.path, exc_info=exc)
+    return Response(error_body(500, "internal proxy error", "internal_error"), 500, media_type="application/json")
+
+
+def create_app(config: ProxyConfig, *, resolver: Optional[Resolver] = None,
+               components: Optional[ProxyComponents] = None) -> Starlette:
+    """The proxy app; pass `components` (from `build_components`) to watch its internals."""
+    components = components or build_components(config, resolver)
+    app = Starlette(routes=_routes(components), lifespan=lambda app: _lifespan(components),
+                    exception_handlers={HTTPException: _on_http_exception, Exception: _on_unexpected})
+    app.state.components = components
+    return app

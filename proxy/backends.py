@@ -1,0 +1,206 @@
+"""Backends (worker endpoints) of one role: their pooled HTTP client, health, load and breaker.
+
+Invariant: a backend is offered to routing only while its last health poll
+said ready, its breaker lets a request through and it is not saturated;
+every request sent to it is bracketed by `begin()` and exactly one `end()`,
+so the in-flight count (the freshest load signal the proxy has) never drifts.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import httpx
+
+from proxy.breaker import CircuitBreaker
+from proxy.client_request import REQUEST_ID_HEADER
+from proxy.config import ProxyConfig
+from proxy.transport import LeanTransport
+
+logger = logging.getLogger(__name__)
+
+INTERNAL_TOKEN_HEADER = "X-Pdserve-Internal-Token"
+# A KV usage of 100% weighs as much as this many queued requests in the load score.
+KV_USAGE_WEIGHT = 4.0
+KEEPALIVE_EXPIRY_S = 4.0
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Outcome(enum.Enum):
+    SUCCESS = "success"  # the backend answered sensibly (including a 4xx about the request)
+    FAILURE = "failure"  # unreachable, timed out, 5xx, or nonsense: counts towards the breaker
+    NEUTRAL = "neutral"  # says nothing about the backend: client gone, backend busy (503)
+
+
+@dataclass(slots=True)
+class LoadReport:
+    """What a worker's GET /load said last time."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_for_kv: int = 0
+    kv_usage: float = 0.0
+
+    @classmethod
+    def from_json(cls, body: dict) -> "LoadReport":
+        def number(key: str) -> float:
+            value = body.get(key, 0)
+            return value if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+        return cls(int(number("num_running")), int(number("num_waiting")),
+                   int(number("num_waiting_for_kv")), float(number("kv_usage")))
+
+    @property
+    def num_queued(self) -> int:
+        return self.num_running + self.num_waiting + self.num_waiting_for_kv
+
+
+@dataclass(slots=True, eq=False)
+class Backend:
+    url: str
+    role: Role
+    client: httpx.AsyncClient
+    breaker: CircuitBreaker
+    max_in_flight: int = 0  # 0 = no cap
+    healthy: bool = False  # pessimistic until the first poll says ready
+    load: LoadReport = field(default_factory=LoadReport)
+    num_in_flight: int = 0
+    num_failed_polls: int = 0
+
+    def is_available(self) -> bool:
+        if not self.healthy or not self.breaker.allows_request():
+            return False
+        return self.max_in_flight == 0 or self.num_in_flight < self.max_in_flight
+
+    def load_score(self) -> float:
+        """Queued + running requests (the proxy's own count when fresher than the poll), plus KV pressure."""
+        return max(self.num_in_flight, self.load.num_queued) + KV_USAGE_WEIGHT * self.load.kv_usage
+
+    def begin(self) -> None:
+        self.num_in_flight += 1
+        self.breaker.on_request_start()
+
+    def end(self, outcome: Outcome) -> None:
+        self.num_in_flight -= 1
+        if outcome is Outcome.SUCCESS:
+            self.breaker.record_success()
+        elif outcome is Outcome.FAILURE:
+            self.breaker.record_failure()
+        else:
+            self.breaker.record_neutral()
+
+
+class BackendClient(httpx.AsyncClient):
+    """The pooled client of one backend. Health polls use the plain httpx API; the legs, which
+    are the hot path, go straight to the transport (httpx's client layer of auth, redirects and
+    cookies costs more than the proxy's whole budget and does nothing for a worker)."""
+
+    def __init__(self, url: str, *, leg_headers: dict[str, str], lean: Optional[LeanTransport], **kwargs):
+        super().__init__(base_url=url, headers=leg_headers, transport=lean, **kwargs)
+        self._lean = lean
+        self._leg_headers = leg_headers
+        self._urls: dict[str, httpx.URL] = {}
+
+    def leg_request(self, path: str, body: bytes, request_id: str, timeout: dict[str, float]) -> httpx.Request:
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = self.base_url.join(path)
+        headers = {**self._leg_headers, REQUEST_ID_HEADER: request_id, "Content-Type": "application/json"}
+        return httpx.Request("POST", url, headers=headers, content=body, extensions={"timeout": timeout})
+
+    async def send_leg(self, request: httpx.Request) -> httpx.Response:
+        """The answer streams: the caller reads and closes it."""
+        if self._lean is not None:
+            return await self._lean.handle_async_request(request)
+        return await self.send(request, stream=True)
+
+
+ClientFactory = Callable[[str], httpx.AsyncClient]
+
+
+def client_factory(config: ProxyConfig) -> ClientFactory:
+    """One pooled client per backend: keep-alive connections, per-hop timeouts, no env proxies."""
+    timeouts = config.timeouts
+    headers = {"Accept-Encoding": "identity"}  # relay bytes unchanged: never let a worker compress
+    if config.internal_token is not None:
+        headers[INTERNAL_TOKEN_HEADER] = config.internal_token
+    timeout = httpx.Timeout(connect=timeouts.connect_s, read=timeouts.decode_s,
+                            write=timeouts.write_s, pool=timeouts.pool_s)
+    limits = httpx.Limits(max_connections=config.max_connections_per_backend, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+
+    def make(url: str) -> httpx.AsyncClient:
+        # Plain HTTP (the cluster-internal case) gets the lean transport; https keeps httpx's own.
+        # Idle connections are dropped before uvicorn's 5 s keep-alive closes them from the
+        # worker's side, so a request is rarely sent on a connection being closed.
+        lean = LeanTransport(config.max_connections_per_backend, KEEPALIVE_EXPIRY_S) \
+            if url.startswith("http://") else None
+        return BackendClient(url, leg_headers=headers, lean=lean, timeout=timeout, limits=limits, trust_env=False)
+
+    return make
+
+
+class BackendPool:
+    """The backends of one role; discovery adds and retires them while requests run."""
+
+    def __init__(self, role: Role, config: ProxyConfig, make_client: ClientFactory):
+        self.role = role
+        self._config = config
+        self._make_client = make_client
+        self._backends: dict[str, Backend] = {}
+        self._retired: list[Backend] = []  # removed, closed once their last request ends
+
+    def __len__(self) -> int:
+        return len(self._backends)
+
+    def backends(self) -> list[Backend]:
+        return list(self._backends.values())
+
+    def get(self, url: str) -> Optional[Backend]:
+        return self._backends.get(url)
+
+    def available(self, exclude_urls: Iterable[str] = ()) -> list[Backend]:
+        excluded = set(exclude_urls)
+        return [b for b in self._backends.values() if b.url not in excluded and b.is_available()]
+
+    def add(self, url: str) -> Backend:
+        existing = self._backends.get(url)
+        if existing is not None:
+            return existing
+        health = self._config.health
+        backend = Backend(
+            url=url, role=self.role, client=self._make_client(url),
+            breaker=CircuitBreaker(health.breaker_failures, health.breaker_cooldown_s),
+            max_in_flight=self._config.routing.max_in_flight_per_backend,
+        )
+        self._backends[url] = backend
+        logger.info("%s backend added: %s", self.role.value, url)
+        return backend
+
+    def retire(self, url: str) -> None:
+        backend = self._backends.pop(url, None)
+        if backend is not None:
+            logger.info("%s backend removed: %s", self.role.value, url)
+            self._retired.append(backend)
+
+    async def close_idle_retired(self) -> None:
+        """Close retired backends' clients once no request uses them (never under a live stream)."""
+        still_busy = []
+        for backend in self._retired:
+            if backend.num_in_flight > 0:
+                still_busy.append(backend)
+            else:
+                await backend.client.aclose()
+        self._retired = still_busy
+
+    async def aclose(self) -> None:
+        for backend in [*self._backends.values(), *self._retired]:
+            await backend.client.aclose()
+        self._backends.clear()
+        self._retired.clear()

@@ -1,0 +1,131 @@
+"""Command line of `pdserve proxy`: flags -> `ProxyConfig` -> uvicorn.
+
+Importing this module is cheap (argparse and pydantic only): `pdserve/cli.py`
+builds its parser from it, and the server stack is imported only to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Optional
+
+from pydantic import ValidationError
+
+from proxy.config import DiscoveryConfig, HealthConfig, ProxyConfig, RoutingConfig, TimeoutConfig
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("round_robin", "least_loaded", "prefix")
+INTERNAL_TOKEN_ENV = "PDSERVE_INTERNAL_TOKEN"  # the workers read the same variable
+
+
+def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
+    backends = parser.add_argument_group("backends")
+    backends.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL",
+                          help="prefill worker URL(s); repeat or list several")
+    backends.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL",
+                          help="decode worker URL(s); repeat or list several")
+    backends.add_argument("--prefill-dns", default=None, metavar="HOST:PORT",
+                          help="DNS name resolving to one address per prefill worker (headless service)")
+    backends.add_argument("--decode-dns", default=None, metavar="HOST:PORT",
+                          help="DNS name resolving to one address per decode worker")
+    backends.add_argument("--dns-interval-s", type=float, default=10.0, help="re-resolve DNS names this often")
+    backends.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
+                          help=f"shared token the workers require on kv_transfer_params (default: ${INTERNAL_TOKEN_ENV};"
+                               " prefer the variable: flags show in process listings)")
+    _add_routing_arguments(parser)
+    _add_failure_arguments(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    routing = parser.add_argument_group("routing")
+    routing.add_argument("--policy", choices=POLICIES, default=None,
+                         help="policy for both roles (default least_loaded)")
+    routing.add_argument("--prefill-policy", choices=POLICIES, default=None, help="overrides --policy for prefill")
+    routing.add_argument("--decode-policy", choices=POLICIES, default=None, help="overrides --policy for decode")
+    routing.add_argument("--prefix-chars", type=int, default=256,
+                         help="prefix policy: leading characters of the prompt that name its prefix")
+    routing.add_argument("--prefix-max-load", type=int, default=8,
+                         help="prefix policy: past this many queued+running requests the least loaded worker wins")
+    routing.add_argument("--disagg-min-prompt-tokens", type=int, default=0,
+                         help="prompts estimated under this many tokens go straight to decode (0: never)")
+    routing.add_argument("--chars-per-token", type=float, default=4.0,
+                         help="the estimate for text prompts: tokens = ceil(characters / this)")
+    routing.add_argument("--max-in-flight-per-backend", type=int, default=0,
+                         help="a backend with this many proxy requests in flight is saturated (0: no cap)")
+
+
+def _add_failure_arguments(parser: argparse.ArgumentParser) -> None:
+    failures = parser.add_argument_group("health, failures and timeouts")
+    failures.add_argument("--health-interval-s", type=float, default=1.0, help="poll GET /load this often")
+    failures.add_argument("--health-timeout-s", type=float, default=1.0)
+    failures.add_argument("--unhealthy-after", type=int, default=1, help="failed polls before a backend is out")
+    failures.add_argument("--breaker-failures", type=int, default=3,
+                          help="consecutive failed requests that open a backend's circuit breaker")
+    failures.add_argument("--breaker-cooldown-s", type=float, default=5.0,
+                          help="an open breaker lets one trial request through after this long")
+    failures.add_argument("--max-prefill-attempts", type=int, default=3)
+    failures.add_argument("--max-decode-attempts", type=int, default=2)
+    failures.add_argument("--retry-after-s", type=int, default=2, help="Retry-After of the proxy's 503s")
+    failures.add_argument("--connect-timeout-s", type=float, default=2.0)
+    failures.add_argument("--prefill-timeout-s", type=float, default=120.0, help="the whole prefill leg")
+    failures.add_argument("--decode-timeout-s", type=float, default=120.0,
+                          help="decode's first byte, and any gap between two bytes of its stream")
+    failures.add_argument("--max-connections-per-backend", type=int, default=1024)
+
+
+def _policy(args: argparse.Namespace, specific: Optional[str]) -> str:
+    return specific or args.policy or "least_loaded"
+
+
+def proxy_config(args: argparse.Namespace) -> ProxyConfig:
+    """Flags -> config; raises `ValueError` (pydantic's) with the offending flag's field."""
+    return ProxyConfig(
+        host=args.host, port=args.port, prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
+        internal_token=args.internal_token, log_level=args.log_level,
+        routing=RoutingConfig(
+            prefill_policy=_policy(args, args.prefill_policy), decode_policy=_policy(args, args.decode_policy),
+            prefix_chars=args.prefix_chars, prefix_max_load=args.prefix_max_load,
+            disagg_min_prompt_tokens=args.disagg_min_prompt_tokens, chars_per_token=args.chars_per_token,
+            max_in_flight_per_backend=args.max_in_flight_per_backend,
+        ),
+        health=HealthConfig(
+            interval_s=args.health_interval_s, timeout_s=args.health_timeout_s, unhealthy_after=args.unhealthy_after,
+            breaker_failures=args.breaker_failures, breaker_cooldown_s=args.breaker_cooldown_s,
+        ),
+        timeouts=TimeoutConfig(connect_s=args.connect_timeout_s, prefill_s=args.prefill_timeout_s,
+                               decode_s=args.decode_timeout_s),
+        discovery=DiscoveryConfig(prefill_dns=args.prefill_dns, decode_dns=args.decode_dns,
+                                  interval_s=args.dns_interval_s),
+        max_prefill_attempts=args.max_prefill_attempts, max_decode_attempts=args.max_decode_attempts,
+        retry_after_s=args.retry_after_s, max_connections_per_backend=args.max_connections_per_backend,
+    )
+
+
+def run_proxy(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; returns the process exit status."""
+    try:
+        config = proxy_config(args)
+    except ValidationError as exc:
+        logger.error("invalid proxy configuration: %s", exc)
+        return 2
+    import uvicorn  # the server stack only when serving
+
+    from proxy.app import create_app
+
+    if config.log_level != "debug":
+        # httpx logs every request at INFO: the health polls alone would flood the log.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    logger.info("proxy on http://%s:%d: prefill %s, decode %s", config.host, config.port,
+                list(config.prefill_urls) or config.discovery.prefill_dns or "none",
+                list(config.decode_urls) or config.discovery.decode_dns)
+    # uvicorn's access log costs more than the forwarding itself; per-request lines are ours.
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
+                access_log=False, timeout_keep_alive=30)
+    return 0

@@ -1,0 +1,115 @@
+"""A client's request as the proxy sees it, and the bodies of the two legs built from it.
+
+Invariant: whatever `kv_transfer_params` a client sends is dropped before
+anything is forwarded (only the proxy may tell a worker to pin or pull KV),
+and the prefill leg never streams and never generates more than one token.
+The proxy has no tokenizer: prompt sizes are estimated (see `estimate_prompt_tokens`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from proxy.errors import InvalidClientRequest
+
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_CHARS = 256
+# A chat template wraps each message in a few tokens of markup (role, separators).
+CHAT_TOKENS_PER_MESSAGE = 4
+REMOTE_DECODE_PARAMS = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}
+_DROPPED_ON_PREFILL = ("stream_options", "min_tokens", "kv_transfer_params")
+
+
+@dataclass(slots=True)
+class ClientRequest:
+    path: str  # "/v1/completions" or "/v1/chat/completions"
+    body: dict[str, Any]  # the client's body without kv_transfer_params
+    request_id: str
+    stream: bool
+    prompt_text: str  # what prefix routing and the size estimate look at
+    num_prompt_tokens: int  # exact for token-id prompts, estimated for text
+
+    def prefix_key(self, num_chars: int) -> bytes:
+        return self.prompt_text[:num_chars].encode("utf-8", "surrogatepass")
+
+
+def choose_request_id(client_value: Optional[str]) -> str:
+    """The client's X-Request-Id when a worker would accept it, else a fresh one."""
+    if client_value and len(client_value) <= MAX_REQUEST_ID_CHARS and all(" " < c <= "~" for c in client_value):
+        return client_value
+    return uuid.uuid4().hex
+
+
+def parse_client_request(path: str, raw_body: bytes, request_id: str, chars_per_token: float) -> ClientRequest:
+    try:
+        body = json.loads(raw_body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidClientRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidClientRequest("the request body must be a JSON object")
+    body.pop("kv_transfer_params", None)
+    if path.endswith("/chat/completions"):
+        text, num_tokens = _chat_prompt(body.get("messages"), chars_per_token)
+    else:
+        text, num_tokens = _completion_prompt(body.get("prompt"), chars_per_token)
+    return ClientRequest(path, body, request_id, body.get("stream") is True, text, num_tokens)
+
+
+def estimate_text_tokens(text: str, chars_per_token: float) -> int:
+    """English BPE vocabularies average about 4 characters per token; round up."""
+    return math.ceil(len(text) / chars_per_token)
+
+
+def _completion_prompt(prompt: Any, chars_per_token: float) -> tuple[str, int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt, estimate_text_tokens(prompt, chars_per_token)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        # Token ids: the count is exact, and their decimal spelling is a fine prefix key.
+        return ",".join(map(str, prompt)), len(prompt)
+    return "", 0  # malformed: the worker will say why
+
+
+def _chat_prompt(messages: Any, chars_per_token: float) -> tuple[str, int]:
+    if not isinstance(messages, list):
+        return "", 0
+    pieces: list[str] = []
+    for message in messages:
+        if isinstance(message, dict):
+            pieces.append(f"{message.get('role', '')}\n{_content_text(message.get('content'))}\n")
+    text = "".join(pieces)
+    return text, estimate_text_tokens(text, chars_per_token) + CHAT_TOKENS_PER_MESSAGE * len(pieces)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return ""
+
+
+def prefill_body(body: dict[str, Any]) -> bytes:
+    """The first leg: compute the prompt's KV, keep it for a decode worker, answer in one piece."""
+    leg = {key: value for key, value in body.items() if key not in _DROPPED_ON_PREFILL}
+    leg["stream"] = False
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg["kv_transfer_params"] = REMOTE_DECODE_PARAMS
+    return json.dumps(leg).encode()
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: Optional[dict[str, Any]]) -> bytes:
+    """The second leg: the client's request, plus where its KV is (None: decode prefills itself)."""
+    if kv_transfer_params is None:
+        return json.dumps(body).encode()
+    return json.dumps({**body, "kv_transfer_params": kv_transfer_params}).encode()

@@ -1,0 +1,218 @@
+"""The two-leg trip of one client request: pick workers, prefill, decode, retry, relay.
+
+Invariants: a decode worker is chosen before any prefill work starts (no
+decode, no wasted prefill: a quick 503); a failed prefill leg is retried on
+another prefill worker; decode's "the KV never arrived" answer re-runs the
+prefill (on another worker when there is one) and retries exactly once; the
+client's `X-Request-Id` (or a fresh one) goes on both legs and back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Collection, Optional
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy.backends import Backend, BackendPool, Outcome, Role
+from proxy.client_request import REQUEST_ID_HEADER, ClientRequest, choose_request_id, parse_client_request
+from proxy.config import ProxyConfig
+from proxy.errors import NoBackendAvailable, ProxyError, error_response
+from proxy.legs import KVRetry, LegFailed, LegSender, OpenLeg, PassThrough
+from proxy.metrics import ProxyMetrics, status_class
+from proxy.policies import RoutingPolicy, build_policy
+from proxy.relay import ClientGone, RelayStreamResponse, until_client_disconnects
+
+logger = logging.getLogger(__name__)
+
+DISAGGREGATED = "disaggregated"
+DECODE_ONLY = "decode_only"
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """Where a request's time to first byte went (perf_counter seconds)."""
+
+    arrival_s: float
+    mode: str
+    prefill_s: float = 0.0  # the prefill leg(s), retries included
+    wasted_s: float = 0.0  # decode legs that ended in a KV retry
+
+
+class Forwarder:
+    def __init__(self, config: ProxyConfig, prefill_pool: BackendPool, decode_pool: BackendPool,
+                 metrics: ProxyMetrics):
+        self._config = config
+        self._prefill_pool = prefill_pool
+        self._decode_pool = decode_pool
+        routing = config.routing
+        self._prefill_policy = build_policy(routing.prefill_policy, routing)
+        self._decode_policy = build_policy(routing.decode_policy, routing)
+        self._sender = LegSender(metrics, config.timeouts)
+        self._metrics = metrics
+
+    async def handle(self, raw: Request, path: str) -> Response:
+        arrival_s = time.perf_counter()
+        request_id = choose_request_id(raw.headers.get(REQUEST_ID_HEADER))
+        mode = DECODE_ONLY
+        try:
+            request = parse_client_request(path, await raw.body(), request_id, self._config.routing.chars_per_token)
+            mode = self._mode(request)
+            timing = RequestTiming(arrival_s, mode)
+            leg = await until_client_disconnects(raw.receive, self._run_legs(request, timing))
+        except ProxyError as exc:
+            return self._counted(mode, error_response(exc, request_id, self._config.retry_after_s))
+        except PassThrough as exc:
+            answer = exc.answer
+            headers = {REQUEST_ID_HEADER: request_id}
+            if answer.status_code == 503:
+                headers["Retry-After"] = str(self._config.retry_after_s)
+            return self._counted(mode, Response(answer.content, answer.status_code,
+                                                media_type=answer.content_type, headers=headers))
+        except ClientGone:
+            logger.info("request %s: client disconnected before the answer started", request_id)
+            return self._counted(mode, Response(status_code=499))
+        return self._counted(mode, self._respond(request, leg, timing))
+
+    def _counted(self, mode: str, response: Response) -> Response:
+        self._metrics.requests.labels(mode, status_class(response.status_code)).inc()
+        return response
+
+    def _mode(self, request: ClientRequest) -> str:
+        if not self._config.has_prefill:
+            return DECODE_ONLY  # no prefill tier at all: a load balancer over decode workers
+        if request.num_prompt_tokens < self._config.routing.disagg_min_prompt_tokens:
+            return DECODE_ONLY
+        return DISAGGREGATED
+
+    def _pick(self, role: Role, request: ClientRequest, exclude_urls: Collection[str] = ()) -> Optional[Backend]:
+        pool, policy = self._pool_and_policy(role)
+        candidates = pool.available(exclude_urls)
+        if not candidates:
+            return None
+        return policy.choose(candidates, request.prefix_key(self._config.routing.prefix_chars))
+
+    def _pool_and_policy(self, role: Role) -> tuple[BackendPool, RoutingPolicy]:
+        if role is Role.PREFILL:
+            return self._prefill_pool, self._prefill_policy
+        return self._decode_pool, self._decode_policy
+
+    def _unavailable(self, role: Role) -> NoBackendAvailable:
+        self._metrics.rejected.labels(role.value).inc()
+        return NoBackendAvailable(f"no {role.value} worker is available; retry later")
+
+    async def _run_legs(self, request: ClientRequest, timing: RequestTiming) -> OpenLeg:
+        decode = self._pick(Role.DECODE, request)
+        if decode is None:
+            raise self._unavailable(Role.DECODE)
+        if timing.mode == DECODE_ONLY:
+            return await self._decode(request, decode, None)
+        prefill, params = await self._prefill(request, (), timing)
+        decode_started_s = time.perf_counter()
+        try:
+            return await self._decode(request, decode, params)
+        except KVRetry as exc:
+            timing.wasted_s += time.perf_counter() - decode_started_s
+            logger.warning("request %s: decode answered %s for KV from %s; prefilling again",
+                           request.request_id, exc.reason, prefill.url)
+            if exc.reason == "kv_pull_failed":
+                prefill.breaker.record_failure()  # its blocks could not be read: suspect the worker
+            self._metrics.retries.labels(Role.PREFILL.value, exc.reason).inc()
+        _, params = await self._prefill(request, (prefill.url,), timing)
+        try:
+            return await self._decode(request, None, params)
+        except KVRetry as again:
+            raise PassThrough(again.answer) from None
+
+    async def _prefill(self, request: ClientRequest, avoid_urls: Collection[str],
+                       timing: RequestTiming) -> tuple[Backend, dict[str, Any]]:
+        started_s = time.perf_counter()
+        tried: set[str] = set()
+        last: Optional[LegFailed] = None
+        try:
+            for _ in range(self._config.max_prefill_attempts):
+                backend = self._pick_prefill(request, tried, avoid_urls, last)
+                if backend is None:
+                    break
+                if last is not None:
+                    self._metrics.retries.labels(Role.PREFILL.value, last.reason).inc()
+                try:
+                    return backend, await self._sender.prefill(backend, request)
+                except LegFailed as exc:
+                    logger.warning("request %s: prefill leg on %s failed (%s)", request.request_id,
+                                   backend.url, exc.reason)
+                    tried.add(backend.url)
+                    last = exc
+        finally:
+            timing.prefill_s += time.perf_counter() - started_s
+        if last is None:
+            raise self._unavailable(Role.PREFILL)
+        raise last.error
+
+    def _pick_prefill(self, request: ClientRequest, tried: set[str], avoid_urls: Collection[str],
+                      last: Optional[LegFailed]) -> Optional[Backend]:
+        """An untried worker, preferably not one to avoid; a tried one again only after a quick
+        failure (a dropped keep-alive connection), never after a timeout."""
+        backend = self._pick(Role.PREFILL, request, tried.union(avoid_urls))
+        if backend is None:
+            backend = self._pick(Role.PREFILL, request, tried)
+        if backend is None and last is not None and last.reason != "timeout":
+            backend = self._pick(Role.PREFILL, request)
+        return backend
+
+    async def _decode(self, request: ClientRequest, first: Optional[Backend],
+                      params: Optional[dict[str, Any]]) -> OpenLeg:
+        """Open the decode leg; a worker that never saw the request is replaced by another one."""
+        tried: set[str] = set()
+        last: Optional[LegFailed] = None
+        backend = first
+        for _ in range(self._config.max_decode_attempts):
+            if backend is None:
+                backend = self._pick(Role.DECODE, request, tried)
+                if backend is None:
+                    break
+            if last is not None:
+                self._metrics.retries.labels(Role.DECODE.value, last.reason).inc()
+            try:
+                return await self._sender.open_decode(backend, request, params)
+            except LegFailed as exc:
+                logger.warning("request %s: decode leg on %s failed (%s)", request.request_id,
+                               backend.url, exc.reason)
+                if exc.delivered:  # it may have pulled the KV already: not safe to replay
+                    raise exc.error from None
+                tried.add(backend.url)
+                last = exc
+                backend = None
+        if last is None:
+            raise self._unavailable(Role.DECODE)
+        raise last.error
+
+    def _respond(self, request: ClientRequest, leg: OpenLeg, timing: RequestTiming) -> Response:
+        headers = {REQUEST_ID_HEADER: request.request_id}
+        if request.stream:
+            errors = self._metrics.backend_errors
+
+            def on_broken(reason: str) -> None:
+                errors.labels(Role.DECODE.value, leg.backend.url, reason).inc()
+
+            return RelayStreamResponse(leg, lambda now_s: self._observe(timing, leg, now_s, True), on_broken, headers)
+        leg.finish(Outcome.SUCCESS)  # the whole body is in: the leg is over
+        self._observe(timing, leg, time.perf_counter(), False)
+        media_type = leg.response.headers.get("content-type", "application/json")
+        return Response(leg.response.content, status_code=200, media_type=media_type, headers=headers)
+
+    def _observe(self, timing: RequestTiming, leg: OpenLeg, first_byte_s: float, streamed: bool) -> None:
+        """Split the time to first byte into prefill, decode (transfer + first token) and proxy overhead."""
+        metrics = self._metrics
+        to_first_byte_s = first_byte_s - timing.arrival_s
+        decode_s = first_byte_s - leg.started_s
+        metrics.overhead_s.labels(timing.mode).observe(
+            max(0.0, to_first_byte_s - timing.prefill_s - timing.wasted_s - decode_s))
+        if streamed:
+            metrics.ttft_s.labels(timing.mode).observe(to_first_byte_s)
+            metrics.ttft_decode_s.labels(timing.mode).observe(decode_s)
+            if timing.mode == DISAGGREGATED:
+                metrics.ttft_prefill_s.observe(timing.prefill_s)

@@ -1,0 +1,228 @@
+"""One leg to one backend: send it, time it, and sort its answer into what the forwarder may do next.
+
+Invariant: every leg is bracketed by `Backend.begin()` and exactly one
+`Backend.end(outcome)`; for a streamed decode answer that end happens when
+the stream is closed (`OpenLeg.finish`), not when its headers arrive.
+Nothing here decides where to retry: it only raises the typed reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import httpx
+
+from proxy.backends import Backend, Outcome
+from proxy.client_request import ClientRequest, decode_body, prefill_body
+from proxy.config import TimeoutConfig
+from proxy.errors import NoBackendAvailable, ProxyError, UpstreamFailed, UpstreamTimeout
+from proxy.metrics import ProxyMetrics, status_class
+
+logger = logging.getLogger(__name__)
+
+# Decode's answers that mean "the KV never arrived": prefill again (elsewhere) and retry.
+KV_RETRY_ERROR_TYPES = {503: "kv_pull_failed", 409: "kv_params_stale"}
+
+
+class LegFailed(Exception):
+    """The backend failed this leg; another backend may succeed. `error` is what the client gets
+    if no other one does. `delivered` is False when the backend never saw the request."""
+
+    def __init__(self, reason: str, error: ProxyError, delivered: bool = True):
+        super().__init__(error.message)
+        self.reason = reason
+        self.error = error
+        self.delivered = delivered
+
+
+class KVRetry(Exception):
+    """Decode could not get the prompt's KV (pull failed, or the params went stale)."""
+
+    def __init__(self, reason: str, answer: "RelayedAnswer"):
+        super().__init__(reason)
+        self.reason = reason
+        self.answer = answer
+
+
+@dataclass(slots=True)
+class RelayedAnswer:
+    """A backend's complete non-200 answer, relayed to the client as it is."""
+
+    status_code: int
+    content: bytes
+    content_type: str
+
+
+class PassThrough(Exception):
+    """The backend judged the request itself (a 4xx): no other backend would answer differently."""
+
+    def __init__(self, answer: RelayedAnswer):
+        super().__init__(answer.status_code)
+        self.answer = answer
+
+
+@dataclass(slots=True, eq=False)
+class OpenLeg:
+    """A decode answer whose headers arrived; for a stream, the body is still to come."""
+
+    backend: Backend
+    response: httpx.Response
+    started_s: float
+    headers_s: float
+    ended: bool = False
+
+    def finish(self, outcome: Outcome) -> None:
+        if not self.ended:
+            self.ended = True
+            self.backend.end(outcome)
+
+
+def _error_type(content: bytes) -> Optional[str]:
+    try:
+        error = json.loads(content).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("type") if isinstance(error, dict) else None
+
+
+def _answer(response: httpx.Response) -> RelayedAnswer:
+    return RelayedAnswer(response.status_code, response.content,
+                         response.headers.get("content-type", "application/json"))
+
+
+def _transport_failure(exc: httpx.HTTPError, leg: str) -> LegFailed:
+    """Map an httpx exception to a reason; connect-phase failures never reached the worker."""
+    never_sent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
+    if isinstance(exc, httpx.TimeoutException) and not never_sent:
+        return LegFailed("timeout", UpstreamTimeout(f"the {leg} worker did not answer in time"))
+    reason = "connect" if never_sent else "transport"
+    error = NoBackendAvailable(f"no {leg} worker could be reached") if never_sent else \
+        UpstreamFailed(f"the {leg} worker dropped the connection ({type(exc).__name__})")
+    return LegFailed(reason, error, delivered=not never_sent)
+
+
+def _status_failure(answer: RelayedAnswer, leg: str) -> tuple[Outcome, Exception]:
+    """Non-200 answers: a 4xx is about the request; 503/429 is a busy worker; other 5xx a failing one."""
+    status = answer.status_code
+    if 400 <= status < 500 and status not in (408, 429):
+        return Outcome.SUCCESS, PassThrough(answer)
+    if status in (503, 429):
+        return Outcome.NEUTRAL, LegFailed("busy", NoBackendAvailable(f"the {leg} worker is busy"))
+    return Outcome.FAILURE, LegFailed(f"http_{status}", UpstreamFailed(f"the {leg} worker failed (HTTP {status})"))
+
+
+class LegSender:
+    """Sends legs and keeps the per-backend counters; one per proxy app."""
+
+    def __init__(self, metrics: ProxyMetrics, timeouts: TimeoutConfig):
+        self._metrics = metrics
+        hop = {"connect": timeouts.connect_s, "write": timeouts.write_s, "pool": timeouts.pool_s}
+        self._prefill_timeout = {**hop, "read": timeouts.prefill_s}
+        self._decode_timeout = {**hop, "read": timeouts.decode_s}
+
+    def _count(self, backend: Backend, status: str, reason: Optional[str] = None) -> None:
+        role = backend.role.value
+        self._metrics.backend_requests.labels(role, backend.url, status).inc()
+        if reason is not None:
+            self._metrics.backend_errors.labels(role, backend.url, reason).inc()
+
+    async def prefill(self, backend: Backend, request: ClientRequest) -> dict[str, Any]:
+        """The first leg; returns the `kv_transfer_params` that tell decode where the KV is."""
+        outcome = Outcome.NEUTRAL  # if cancelled (client gone), the leg says nothing about the worker
+        backend.begin()
+        started_s = time.perf_counter()
+        try:
+            try:
+                response = await _send_and_read(backend, backend.client.leg_request(
+                    request.path, prefill_body(request.body), request.request_id, self._prefill_timeout))
+            except httpx.HTTPError as exc:
+                failure = _transport_failure(exc, "prefill")
+                outcome = Outcome.FAILURE
+                self._count(backend, "error", failure.reason)
+                raise failure from None
+            self._metrics.backend_latency_s.labels("prefill", backend.url).observe(time.perf_counter() - started_s)
+            self._count(backend, status_class(response.status_code))
+            if response.status_code != 200:
+                outcome, exc = _status_failure(_answer(response), "prefill")
+                if outcome is Outcome.FAILURE:
+                    self._count_error(backend, exc)
+                raise exc
+            params = _kv_params(response)
+            if params is None:
+                outcome = Outcome.FAILURE
+                self._metrics.backend_errors.labels("prefill", backend.url, "no_kv_params").inc()
+                raise LegFailed("no_kv_params", UpstreamFailed("the prefill worker returned no kv_transfer_params"))
+            outcome = Outcome.SUCCESS
+            return params
+        finally:
+            backend.end(outcome)
+
+    def _count_error(self, backend: Backend, exc: Exception) -> None:
+        if isinstance(exc, LegFailed):
+            self._metrics.backend_errors.labels(backend.role.value, backend.url, exc.reason).inc()
+
+    async def open_decode(self, backend: Backend, request: ClientRequest,
+                          params: Optional[dict[str, Any]]) -> OpenLeg:
+        """The second leg, up to its headers (and, unless streamed, its whole body)."""
+        backend.begin()
+        started_s = time.perf_counter()
+        handed_over = False
+        outcome = Outcome.NEUTRAL
+        response: Optional[httpx.Response] = None
+        try:
+            try:
+                response = await backend.client.send_leg(backend.client.leg_request(
+                    request.path, decode_body(request.body, params), request.request_id, self._decode_timeout))
+                if not request.stream or response.status_code != 200:
+                    await response.aread()
+            except httpx.HTTPError as exc:
+                failure = _transport_failure(exc, "decode")
+                outcome = Outcome.FAILURE
+                self._count(backend, "error", failure.reason)
+                raise failure from None
+            headers_s = time.perf_counter()
+            self._metrics.backend_latency_s.labels("decode", backend.url).observe(headers_s - started_s)
+            self._count(backend, status_class(response.status_code))
+            if response.status_code == 200:
+                handed_over = True
+                return OpenLeg(backend, response, started_s, headers_s)
+            outcome, exc = self._decode_refusal(backend, response)
+            raise exc
+        finally:
+            if not handed_over:
+                if response is not None:
+                    await response.aclose()
+                backend.end(outcome)
+
+    def _decode_refusal(self, backend: Backend, response: httpx.Response) -> tuple[Outcome, Exception]:
+        answer = _answer(response)
+        kv_error = KV_RETRY_ERROR_TYPES.get(answer.status_code)
+        if kv_error is not None and _error_type(answer.content) == kv_error:
+            # Decode itself is fine: the prefill side lost (or never had) the blocks.
+            self._metrics.backend_errors.labels("decode", backend.url, kv_error).inc()
+            return Outcome.SUCCESS, KVRetry(kv_error, answer)
+        outcome, exc = _status_failure(answer, "decode")
+        if outcome is Outcome.FAILURE:
+            self._count_error(backend, exc)
+        return outcome, exc
+
+
+async def _send_and_read(backend: Backend, request: httpx.Request) -> httpx.Response:
+    response = await backend.client.send_leg(request)
+    try:
+        await response.aread()
+    finally:
+        await response.aclose()
+    return response
+
+
+def _kv_params(response: httpx.Response) -> Optional[dict[str, Any]]:
+    try:
+        params = response.json().get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        return None
+    return params if isinstance(params, dict) else None

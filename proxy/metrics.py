@@ -1,0 +1,103 @@
+"""Prometheus metrics of the proxy (`pdserve_proxy_*`), on a registry of its own.
+
+No globals: each `ProxyMetrics` owns its `CollectorRegistry`. Labels are of low
+cardinality: a role, a backend URL (one per worker), a reason, a status class;
+never a request id. Backend state gauges are read from the live pools at
+scrape time, so a backend that discovery removed simply disappears.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from proxy.backends import Backend
+
+# A proxy leg or its overhead ranges from tens of microseconds (the proxy's own
+# work) to minutes (a long prompt queued behind others).
+LATENCY_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def status_class(status_code: int) -> str:
+    return f"{status_code // 100}xx"
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+        self.requests = Counter(
+            "pdserve_proxy_requests_total", "Client requests answered, by route mode and status class",
+            ["mode", "status"], registry=registry)
+        self.backend_requests = Counter(
+            "pdserve_proxy_backend_requests_total", "Requests sent to a backend, by status class (or 'error')",
+            ["role", "backend", "status"], registry=registry)
+        self.backend_errors = Counter(
+            "pdserve_proxy_backend_errors_total", "Failed requests to a backend, by reason",
+            ["role", "backend", "reason"], registry=registry)
+        self.retries = Counter(
+            "pdserve_proxy_retries_total", "Legs re-sent to another backend, by role and reason",
+            ["role", "reason"], registry=registry)
+        self.rejected = Counter(
+            "pdserve_proxy_rejected_total", "503s because no backend of a role was available",
+            ["role"], registry=registry)
+        self.backend_latency_s = Histogram(
+            "pdserve_proxy_backend_latency_seconds",
+            "Backend answer time: the whole prefill leg; decode until its first byte",
+            ["role", "backend"], buckets=LATENCY_BUCKETS_S, registry=registry)
+        self._init_ttft(registry)
+
+    def _init_ttft(self, registry: CollectorRegistry) -> None:
+        # The client-visible TTFT of a streamed request = prefill leg + decode's
+        # transfer-and-first-token + the proxy's own overhead.
+        self.ttft_s = Histogram(
+            "pdserve_proxy_ttft_seconds", "Client-visible time to first byte of a streamed answer",
+            ["mode"], buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.ttft_prefill_s = Histogram(
+            "pdserve_proxy_ttft_prefill_seconds", "TTFT share: the prefill leg, retries included",
+            buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.ttft_decode_s = Histogram(
+            "pdserve_proxy_ttft_decode_first_token_seconds",
+            "TTFT share: decode leg until its first byte (KV transfer + first token)",
+            ["mode"], buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.overhead_s = Histogram(
+            "pdserve_proxy_overhead_seconds",
+            "Time to first byte minus the time spent waiting on backends (every request)",
+            ["mode"], buckets=LATENCY_BUCKETS_S, registry=registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class BackendStateCollector(Collector):
+    """Health, breaker state and in-flight requests of every backend currently known."""
+
+    def __init__(self, list_backends: Callable[[], Iterable[Backend]]):
+        self._list_backends = list_backends
+
+    def collect(self):
+        healthy = GaugeMetricFamily("pdserve_proxy_backend_healthy", "1 if the last health poll said ready",
+                                    labels=["role", "backend"])
+        breaker = GaugeMetricFamily("pdserve_proxy_backend_breaker_state",
+                                    "Circuit breaker: 0 closed, 1 half-open, 2 open", labels=["role", "backend"])
+        in_flight = GaugeMetricFamily("pdserve_proxy_backend_in_flight_requests",
+                                      "Requests the proxy has outstanding on the backend", labels=["role", "backend"])
+        for backend in self._list_backends():
+            labels = [backend.role.value, backend.url]
+            healthy.add_metric(labels, 1.0 if backend.healthy else 0.0)
+            breaker.add_metric(labels, float(backend.breaker.state))
+            in_flight.add_metric(labels, float(backend.num_in_flight))
+        return [healthy, breaker, in_flight]
+
+
+def create_proxy_metrics(list_backends: Callable[[], Iterable[Backend]]) -> ProxyMetrics:
+    registry = CollectorRegistry(auto_describe=False)
+    metrics = ProxyMetrics(registry)
+    registry.register(BackendStateCollector(list_backends))
+    return metrics

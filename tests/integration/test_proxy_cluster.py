@@ -1,0 +1,175 @@
+"""`pdserve up` as a real process tree (prefill + decode + proxy on the embedded model), driven by
+the official openai client: chat and completions, streamed or not, greedy answers equal to a
+single worker's; Ctrl-C stops all three."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.cluster import REPO_ROOT, free_port, wait_for
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+PROMPT = "The three primary colours are"
+
+
+class UpProcess:
+    """`pdserve up` on free ports, its combined output in a log file."""
+
+    def __init__(self, log_path: str):
+        self.ports = {"proxy": free_port(), "prefill": free_port(), "decode": free_port()}
+        self.log_path = log_path
+        command = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(self.ports["proxy"]),
+                   "--prefill-port", str(self.ports["prefill"]), "--decode-port", str(self.ports["decode"]),
+                   "--num-blocks", "400"]
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.log = open(log_path, "wb")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def output(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 150.0) -> None:
+        if not wait_for(lambda: "[up] ready" in self.output() or self.process.poll() is not None, timeout_s, 0.5):
+            raise TimeoutError(f"pdserve up not ready in {timeout_s}s:\n{self.output()[-4000:]}")
+        if self.process.poll() is not None:
+            raise RuntimeError(f"pdserve up exited with {self.process.returncode}:\n{self.output()[-4000:]}")
+
+    def child_pids(self) -> dict[str, int]:
+        return {name: int(pid) for name, pid in re.findall(r"\[up\] (\w+)\s+http://\S+\s+\(pid (\d+)", self.output())}
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        for pid in self.child_pids().values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    process = UpProcess(str(tmp_path_factory.mktemp("logs") / "up.log"))
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(up):
+    return openai.OpenAI(base_url=up.url("proxy") + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def local_chat(up: UpProcess) -> str:
+    """The decode worker alone (no kv_transfer_params): the single-worker reference."""
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 24, "temperature": 0}
+    response = httpx.post(up.url("decode") + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def local_completion(up: UpProcess) -> str:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    response = httpx.post(up.url("decode") + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def proxy_metric(up: UpProcess, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(up.url("proxy") + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_up_prints_every_port_and_prefixes_each_process_log(up):
+    output = up.output()
+    for name in ("prefill", "decode", "proxy"):
+        assert f"http://127.0.0.1:{up.ports[name]}" in output
+        assert f"[{name}] " in output
+    assert f"[up] ready: OpenAI API at {up.url('proxy')}/v1" in output
+
+
+def test_models_list_through_the_proxy(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_through_the_proxy_equals_the_single_worker_answer(up, client):
+    expected = local_chat(up)
+    full = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+    assert full.choices[0].message.content == expected and "Paris" in expected
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    pieces, usage = [], None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        usage = chunk.usage or usage
+    assert "".join(pieces) == expected
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completions_through_the_proxy_equal_the_single_worker_answer(up, client):
+    expected = local_completion(up)
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True))
+    assert full.choices[0].text == streamed == expected and expected.strip()
+
+
+def test_requests_took_both_legs_and_the_ttft_split_is_recorded(up, client):
+    before = proxy_metric(up, "pdserve_proxy_ttft_prefill_seconds_count")
+    list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stream=True))
+    assert proxy_metric(up, "pdserve_proxy_ttft_prefill_seconds_count") == before + 1
+    assert proxy_metric(up, "pdserve_proxy_requests_total") >= 5
+    assert proxy_metric(up, "pdserve_proxy_backend_errors_total") == 0
+    pulled = httpx.get(up.url("decode") + "/metrics", timeout=5).text
+    assert re.search(r"^pdserve_transfer_bytes_total\S* [1-9]", pulled, re.M), "decode pulled no KV"
+
+
+def test_client_kv_transfer_params_are_dropped_not_forwarded(up):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+            "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.9.9.9"}}
+    response = httpx.post(up.url("proxy") + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    # Straight to the worker, the same body needs the internal token `up` generated.
+    assert httpx.post(up.url("decode") + "/v1/completions", json=body, timeout=120).status_code == 401
+
+
+def test_ctrl_c_stops_all_three_processes(up):
+    pids = up.child_pids()
+    assert set(pids) == {"prefill", "decode", "proxy"}
+    up.process.send_signal(signal.SIGINT)
+    assert up.process.wait(40) == 0
+    for name, pid in pids.items():
+        assert wait_for(lambda: not _alive(pid), 5), f"{name} still running"
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(up.url(name) + "/live", timeout=2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

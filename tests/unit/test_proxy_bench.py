@@ -1,0 +1,26 @@
+"""bench/proxy.py still runs end to end (tiny sizes): stubs, two proxies, the table and the JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_proxy_benchmark_runs_and_writes_every_path(tmp_path):
+    out = tmp_path / "proxy.json"
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "bench", "proxy.py"), "--requests", "20", "--warmup", "5",
+         "--rounds", "2", "--duration-s", "0.5", "--concurrency", "4", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(out.read_text())
+    rows = {(row["path"], row["kind"]): row for row in summary["rows"]}
+    assert set(rows) == {(p, k) for p in ("direct", "proxy (1 leg)", "proxy (P/D)") for k in ("completion", "stream")}
+    assert all(row["p50_ms"] > 0 for row in rows.values())
+    assert rows[("proxy (P/D)", "completion")]["proxy_cpu_ms_per_request"] >= 0
+    assert rows[("direct", "completion")]["max_requests_per_s"] > 0
+    assert "proxy (P/D)" in result.stdout

@@ -1,0 +1,320 @@
+"""The two-leg forwarder over real HTTP: stub workers in uvicorn threads, the real proxy app in front."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from proxy.config import HealthConfig, RoutingConfig, TimeoutConfig
+from tests.unit.proxy_stubs import Served, ServedProxy, StubWorker, fast_config, unused_url
+
+SLOW_POLLS = HealthConfig(interval_s=60)  # the first poll only: the test plays the backend's death itself
+BODY = {"model": "m", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def stubs():
+    workers = {"p0": StubWorker("prefill", "p0"), "p1": StubWorker("prefill", "p1"), "d0": StubWorker("decode", "d0")}
+    served = {name: Served(worker.app()).__enter__() for name, worker in workers.items()}
+    yield workers, {name: s.url for name, s in served.items()}
+    for s in served.values():
+        s.__exit__(None, None, None)
+
+
+@pytest.fixture
+def cluster(stubs):
+    workers, urls = stubs
+    for name, worker in workers.items():
+        fresh = StubWorker(worker.role, name)
+        worker.__dict__.update({k: v for k, v in fresh.__dict__.items()})
+    return workers, urls
+
+
+def start_proxy(prefill_urls, decode_urls, **overrides) -> ServedProxy:
+    overrides.setdefault("routing", RoutingConfig(prefill_policy="round_robin"))
+    proxy = ServedProxy(fast_config(prefill_urls, decode_urls, **overrides)).__enter__()
+    return proxy.wait_ready()
+
+
+@pytest.fixture
+def proxy(cluster):
+    _, urls = cluster
+    served = start_proxy([urls["p0"], urls["p1"]], [urls["d0"]], internal_token="s3cret")
+    yield served
+    served.__exit__(None, None, None)
+
+
+def test_legs_follow_the_wire_protocol_with_one_request_id(cluster, proxy):
+    workers, _ = cluster
+    body = {**BODY, "stream_options": None, "min_tokens": 2, "max_completion_tokens": 8,
+            "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "evil"}}
+    response = httpx.post(proxy.url + "/v1/completions", json=body, headers={"X-Request-Id": "req-42"})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-request-id"] == "req-42"
+    prefill_call = (workers["p0"].calls + workers["p1"].calls)[0]
+    decode_call = workers["d0"].calls[0]
+    assert prefill_call.body["stream"] is False and prefill_call.body["max_tokens"] == 1
+    assert prefill_call.body["max_completion_tokens"] == 1
+    assert "stream_options" not in prefill_call.body and "min_tokens" not in prefill_call.body
+    assert prefill_call.body["kv_transfer_params"] == {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    engine = decode_call.body["kv_transfer_params"]["remote_engine_id"]
+    assert engine in ("p0", "p1") and decode_call.body["kv_transfer_params"]["remote_host"] == "127.0.0.1"
+    assert decode_call.body["min_tokens"] == 2 and decode_call.body["max_tokens"] == 8
+    assert prefill_call.headers["x-request-id"] == decode_call.headers["x-request-id"] == "req-42"
+    assert prefill_call.headers["x-pdserve-internal-token"] == decode_call.headers["x-pdserve-internal-token"] == "s3cret"
+    assert response.json()["choices"][0]["text"] == f"from {engine}"
+
+
+def test_streamed_answer_is_decodes_bytes_unchanged(cluster, proxy):
+    _, urls = cluster
+    direct = httpx.post(urls["d0"] + "/v1/completions", json={**BODY, "stream": True,
+                        "kv_transfer_params": {"remote_engine_id": "p0"}})
+    with httpx.stream("POST", proxy.url + "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "hi"}], "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        relayed = b"".join(response.iter_raw())
+    assert relayed.replace(b"p1-", b"p0-") == direct.content
+    assert proxy.metric("pdserve_proxy_ttft_seconds_count", mode="disaggregated") == 1
+    assert proxy.metric("pdserve_proxy_ttft_prefill_seconds_count") == 1
+    assert proxy.metric("pdserve_proxy_overhead_seconds_count", mode="disaggregated") == 1
+
+
+def test_round_robin_alternates_prefill_workers(cluster, proxy):
+    workers, _ = cluster
+    for _ in range(4):
+        assert httpx.post(proxy.url + "/v1/completions", json=BODY).status_code == 200
+    assert len(workers["p0"].calls) == len(workers["p1"].calls) == 2
+
+
+def test_failed_prefill_leg_is_retried_on_the_other_worker(cluster, proxy):
+    workers, _ = cluster
+    workers["p0"].fail_status = 500
+    texts = [httpx.post(proxy.url + "/v1/completions", json=BODY).json()["choices"][0]["text"] for _ in range(4)]
+    assert texts == ["from p1"] * 4
+    assert proxy.metric("pdserve_proxy_retries_total", role="prefill", reason="http_500") >= 1
+    assert proxy.metric("pdserve_proxy_backend_errors_total", role="prefill", reason="http_500") >= 1
+
+
+def test_breaker_opens_after_consecutive_failures_and_traffic_moves(cluster):
+    workers, urls = cluster
+    workers["p0"].fail_status = 500
+    health = HealthConfig(interval_s=0.05, breaker_failures=3, breaker_cooldown_s=60)
+    served = start_proxy([urls["p0"], urls["p1"]], [urls["d0"]], health=health)
+    try:
+        for _ in range(8):
+            assert httpx.post(served.url + "/v1/completions", json=BODY).status_code == 200
+        assert served.components.prefill_pool.get(urls["p0"]).breaker.state.name == "OPEN"
+        assert served.metric("pdserve_proxy_backend_breaker_state", backend=urls["p0"]) == 2
+    finally:
+        served.__exit__(None, None, None)
+    assert len(workers["p0"].calls) == 3  # the breaker's threshold, then no more
+
+
+def test_breaker_half_opens_and_closes_when_the_worker_recovers(cluster, proxy):
+    workers, urls = cluster
+    workers["p0"].fail_status = 500
+    for _ in range(6):
+        httpx.post(proxy.url + "/v1/completions", json=BODY)
+    workers["p0"].fail_status = None
+    time.sleep(0.6)  # the breaker's cool-down
+    for _ in range(4):
+        assert httpx.post(proxy.url + "/v1/completions", json=BODY).status_code == 200
+    assert proxy.components.prefill_pool.get(urls["p0"]).breaker.state.name == "CLOSED"
+
+
+def test_unreachable_prefill_worker_costs_no_request(cluster):
+    _, urls = cluster
+    served = start_proxy([urls["p0"]], [urls["d0"]], health=SLOW_POLLS)
+    served.components.prefill_pool.add(unused_url()).healthy = True  # died since the last poll
+    try:
+        for _ in range(6):
+            assert httpx.post(served.url + "/v1/completions", json=BODY).status_code == 200
+        assert served.metric("pdserve_proxy_retries_total", role="prefill", reason="connect") >= 1
+    finally:
+        served.__exit__(None, None, None)
+
+
+def test_kv_pull_failure_reprefills_on_another_worker_once(cluster, proxy):
+    workers, _ = cluster
+    workers["d0"].num_kv_failures = 1
+    response = httpx.post(proxy.url + "/v1/completions", json=BODY)
+    assert response.status_code == 200, response.text
+    first, second = workers["d0"].calls
+    assert first.body["kv_transfer_params"]["remote_engine_id"] != second.body["kv_transfer_params"]["remote_engine_id"]
+    assert proxy.metric("pdserve_proxy_retries_total", role="prefill", reason="kv_pull_failed") == 1
+
+
+def test_second_kv_pull_failure_reaches_the_client(cluster, proxy):
+    workers, _ = cluster
+    workers["d0"].num_kv_failures = 2
+    response = httpx.post(proxy.url + "/v1/completions", json=BODY)
+    assert response.status_code == 503
+    assert response.json()["error"]["type"] == "kv_pull_failed"
+    assert "retry-after" in response.headers
+    assert len(workers["d0"].calls) == 2
+
+
+def test_client_error_from_prefill_is_passed_through_without_retry(cluster, proxy):
+    workers, _ = cluster
+    workers["p0"].fail_status = workers["p1"].fail_status = 400
+    workers["p0"].fail_type = workers["p1"].fail_type = "invalid_request_error"
+    response = httpx.post(proxy.url + "/v1/completions", json=BODY)
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert len(workers["p0"].calls) + len(workers["p1"].calls) == 1
+    assert workers["d0"].calls == []
+
+
+def test_no_ready_decode_worker_is_a_quick_503_before_any_prefill(cluster, proxy):
+    workers, urls = cluster
+    workers["d0"].ready = False
+    assert wait_until(lambda: not proxy.components.decode_pool.get(urls["d0"]).healthy)
+    started = time.monotonic()
+    response = httpx.post(proxy.url + "/v1/completions", json=BODY)
+    assert time.monotonic() - started < 1.0
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "2"
+    assert response.json()["error"] == {"message": "no decode worker is available; retry later",
+                                        "type": "service_unavailable", "param": None, "code": 503}
+    assert proxy.metric("pdserve_proxy_rejected_total", role="decode") == 1
+    assert workers["p0"].calls == workers["p1"].calls == []  # no prefill work wasted
+    assert httpx.get(proxy.url + "/health").status_code == 503
+    workers["d0"].ready = True
+    assert wait_until(lambda: httpx.post(proxy.url + "/v1/completions", json=BODY).status_code == 200)
+
+
+def test_decode_refusing_connections_gives_503_after_prefill(cluster):
+    _, urls = cluster
+    dead = unused_url()
+    served = start_proxy([urls["p0"]], [urls["d0"]], health=SLOW_POLLS)
+    served.components.decode_pool.retire(urls["d0"])
+    served.components.decode_pool.add(dead).healthy = True  # died since the last poll
+    try:
+        response = httpx.post(served.url + "/v1/completions", json=BODY)
+        assert response.status_code == 503 and "retry-after" in response.headers
+        assert served.metric("pdserve_proxy_backend_errors_total", role="decode", reason="connect") == 1
+    finally:
+        served.__exit__(None, None, None)
+
+
+def test_unready_worker_is_skipped_until_it_reports_ready(cluster, proxy):
+    workers, urls = cluster
+    workers["p1"].ready = False
+    deadline = time.monotonic() + 2
+    while proxy.components.prefill_pool.get(urls["p1"]).healthy and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for _ in range(4):
+        assert httpx.post(proxy.url + "/v1/completions", json=BODY).status_code == 200
+    assert workers["p1"].calls == [] and len(workers["p0"].calls) == 4
+
+
+def test_short_prompt_goes_straight_to_decode(cluster):
+    workers, urls = cluster
+    served = start_proxy([urls["p0"]], [urls["d0"]], routing=RoutingConfig(disagg_min_prompt_tokens=50))
+    try:
+        short = httpx.post(served.url + "/v1/completions", json=BODY)
+        long = httpx.post(served.url + "/v1/completions", json={**BODY, "prompt": "word " * 100})
+    finally:
+        served.__exit__(None, None, None)
+    assert short.json()["choices"][0]["text"] == "from local"
+    assert long.json()["choices"][0]["text"] == "from p0"
+    assert len(workers["p0"].calls) == 1
+    assert "kv_transfer_params" not in workers["d0"].calls[0].body
+
+
+def test_prefill_timeout_moves_to_the_other_worker(cluster):
+    workers, urls = cluster
+    workers["p0"].delay_s = 5.0
+    served = start_proxy([urls["p0"], urls["p1"]], [urls["d0"]], timeouts=TimeoutConfig(prefill_s=0.3))
+    try:
+        texts = [httpx.post(served.url + "/v1/completions", json=BODY).json()["choices"][0]["text"] for _ in range(2)]
+        assert texts == ["from p1", "from p1"]
+        assert served.metric("pdserve_proxy_backend_errors_total", role="prefill", reason="timeout") >= 1
+        assert served.metric("pdserve_proxy_retries_total", role="prefill", reason="timeout") >= 1
+    finally:
+        served.__exit__(None, None, None)
+
+
+def test_client_gone_during_prefill_cancels_the_prefill_leg(cluster, proxy):
+    workers, _ = cluster
+    workers["p0"].delay_s = workers["p1"].delay_s = 5.0
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(proxy.url + "/v1/completions", json=BODY, headers={"X-Request-Id": "gone-1"}, timeout=0.3)
+    deadline = time.monotonic() + 3
+    while not (workers["p0"].disconnects + workers["p1"].disconnects) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert workers["p0"].disconnects + workers["p1"].disconnects == ["gone-1"]
+    assert workers["d0"].calls == []
+
+
+def test_client_gone_mid_stream_cancels_the_decode_leg(cluster, proxy):
+    workers, urls = cluster
+    workers["d0"].num_chunks, workers["d0"].chunk_delay_s = 50, 0.05
+    with httpx.stream("POST", proxy.url + "/v1/completions", json={**BODY, "stream": True},
+                      headers={"X-Request-Id": "gone-2"}) as response:
+        next(response.iter_raw())
+    deadline = time.monotonic() + 3
+    while not workers["d0"].disconnects and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert workers["d0"].disconnects == ["gone-2"]
+    decode = proxy.components.decode_pool.get(urls["d0"])
+    assert wait_until(lambda: decode.num_in_flight == 0)
+
+
+def wait_until(predicate, timeout_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_invalid_json_is_an_openai_style_400(proxy):
+    response = httpx.post(proxy.url + "/v1/completions", content=b"{not json", headers={"X-Request-Id": "bad"})
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert response.headers["x-request-id"] == "bad"
+
+
+def test_models_health_and_metrics_routes(cluster, proxy):
+    models = httpx.get(proxy.url + "/v1/models")
+    assert models.json()["data"][0]["id"] == "stub-model"
+    health = httpx.get(proxy.url + "/health").json()
+    assert health["status"] == "ok" and len(health["prefill"]) == 2 and health["decode"][0]["breaker"] == "closed"
+    httpx.post(proxy.url + "/v1/completions", json=BODY)
+    text = httpx.get(proxy.url + "/metrics").text
+    for name in ("pdserve_proxy_requests_total", "pdserve_proxy_backend_requests_total",
+                 "pdserve_proxy_backend_latency_seconds_bucket", "pdserve_proxy_overhead_seconds_bucket",
+                 "pdserve_proxy_backend_healthy", "pdserve_proxy_backend_breaker_state"):
+        assert name in text
+    assert httpx.get(proxy.url + "/nope").json()["error"]["type"] == "not_found_error"
+
+
+def test_prefix_policy_pins_a_prompt_to_one_prefill_worker(cluster):
+    workers, urls = cluster
+    served = start_proxy([urls["p0"], urls["p1"]], [urls["d0"]], routing=RoutingConfig(prefill_policy="prefix"))
+    try:
+        for _ in range(4):
+            assert httpx.post(served.url + "/v1/completions", json=BODY).status_code == 200
+    finally:
+        served.__exit__(None, None, None)
+    assert sorted([len(workers["p0"].calls), len(workers["p1"].calls)]) == [0, 4]
+
+
+def test_decode_breaking_mid_stream_ends_with_an_error_event(cluster, proxy):
+    workers, urls = cluster
+    workers["d0"].break_after_chunks = 2
+    with httpx.stream("POST", proxy.url + "/v1/completions", json={**BODY, "stream": True}) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert len(events) == 3
+    assert json.loads(events[-1][len("data: "):])["error"]["type"] == "bad_gateway"
+    assert proxy.metric("pdserve_proxy_backend_errors_total", role="decode", reason="stream_broken") == 1
+    assert proxy.components.decode_pool.get(urls["d0"]).breaker.num_consecutive_failures == 1

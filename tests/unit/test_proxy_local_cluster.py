@@ -1,0 +1,178 @@
+"""`pdserve up` without models: core planning, the command lines, and supervising real child processes."""
+
+from __future__ import annotations
+
+import io
+import sys
+import time
+
+import pytest
+
+from pdserve.cli import build_parser
+from pdserve.local_cluster import ChildSpec, CorePlan, LocalCluster, PrefixedOutput, build_specs, plan_cores
+
+
+def test_two_cores_give_each_worker_its_own():
+    assert plan_cores([0, 1]) == CorePlan((0,), (1,), 1, 1)
+
+
+def test_odd_core_goes_to_decode():
+    assert plan_cores([4, 5, 6, 7, 8]) == CorePlan((4, 5), (6, 7, 8), 2, 3)
+
+
+def test_one_core_pins_nothing():
+    assert plan_cores([3]) == CorePlan(None, None, 1, 1)
+
+
+def specs_for(*argv: str, cores=(0, 1, 2, 3)) -> dict[str, ChildSpec]:
+    args = build_parser().parse_args(["up", *argv])
+    return {spec.name: spec for spec in build_specs(args, list(cores))}
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_specs_start_prefill_decode_then_proxy_wired_together():
+    specs = specs_for("--port", "9000", "--prefill-port", "9100", "--decode-port", "9200", "--policy", "prefix")
+    assert list(specs) == ["prefill", "decode", "proxy"]
+    assert specs["prefill"].argv[3:5] == ["prefill", "--port"] and flag(specs["prefill"].argv, "--port") == "9100"
+    proxy = specs["proxy"].argv
+    assert flag(proxy, "--prefill") == "http://127.0.0.1:9100" and flag(proxy, "--decode") == "http://127.0.0.1:9200"
+    assert flag(proxy, "--policy") == "prefix"
+    tokens = {spec.env["PDSERVE_INTERNAL_TOKEN"] for spec in specs.values()}
+    assert len(tokens) == 1 and len(tokens.pop()) == 32  # one random token shared by all three
+    assert all("--internal-token" not in spec.argv for spec in specs.values())  # argv is world-readable
+
+
+def test_workers_get_thread_counts_and_cores_from_the_plan():
+    specs = specs_for(cores=(0, 1, 2, 3))
+    assert (specs["prefill"].cores, flag(specs["prefill"].argv, "--num-threads")) == ((0, 1), "2")
+    assert (specs["decode"].cores, flag(specs["decode"].argv, "--num-threads")) == ((2, 3), "2")
+    assert specs["proxy"].cores is None
+    unpinned = specs_for("--no-pin", "--num-threads", "3")
+    assert unpinned["decode"].cores is None and flag(unpinned["decode"].argv, "--num-threads") == "3"
+
+
+def test_port_zero_picks_distinct_free_ports():
+    specs = specs_for("--port", "0", "--prefill-port", "0", "--decode-port", "0")
+    ports = {spec.port for spec in specs.values()}
+    assert len(ports) == 3 and 0 not in ports
+
+
+def test_model_flags_are_passed_to_both_workers_only():
+    specs = specs_for("--model", "/m.gguf", "--kv-memory", "256MiB", "--max-model-len", "512")
+    for name in ("prefill", "decode"):
+        assert flag(specs[name].argv, "--model") == "/m.gguf" and flag(specs[name].argv, "--kv-memory") == "256MiB"
+    assert "--model" not in specs["proxy"].argv
+
+
+def child(name: str, code: str, cores=None) -> ChildSpec:
+    return ChildSpec(name, [sys.executable, "-c", code], port=0, cores=cores)
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_children_logs_are_prefixed_pinned_and_stopped_cleanly():
+    out = io.StringIO()
+    pinned = "import os, time; print(sorted(os.sched_getaffinity(0))); time.sleep(60)"
+    cluster = LocalCluster([child("prefill", pinned, cores=(0,)), child("proxy", "import time; time.sleep(60)")],
+                           PrefixedOutput(out))
+    cluster.start()
+    try:
+        assert wait_for(lambda: "[prefill] [0]" in out.getvalue())
+        assert cluster.exited() is None
+    finally:
+        started = time.monotonic()
+        cluster.stop(timeout_s=10)
+    assert time.monotonic() - started < 5  # SIGTERM, not the kill timeout
+    assert all(process.poll() is not None for process in cluster.processes.values())
+
+
+def test_a_dead_child_is_reported():
+    out = io.StringIO()
+    cluster = LocalCluster([child("decode", "import sys; print('boom'); sys.exit(3)"),
+                            child("proxy", "import time; time.sleep(60)")], PrefixedOutput(out))
+    cluster.start()
+    try:
+        assert wait_for(lambda: cluster.exited() is not None)
+        assert cluster.exited() == ("decode", 3)
+    finally:
+        cluster.stop(timeout_s=10)
+    assert "[decode] boom" in out.getvalue()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_children_die_with_their_parent(tmp_path):
+    import os
+    import signal
+    import subprocess
+
+    pid_file = tmp_path / "pid"
+    script = (
+        "import io, sys, time\n"
+        "from pdserve.local_cluster import ChildSpec, LocalCluster, PrefixedOutput\n"
+        f"spec = ChildSpec('proxy', [sys.executable, '-c', 'import time; time.sleep(60)'], 0)\n"
+        "cluster = LocalCluster([spec], PrefixedOutput(io.StringIO()))\n"
+        "cluster.start()\n"
+        f"open({str(pid_file)!r}, 'w').write(str(cluster.processes['proxy'].pid))\n"
+        "time.sleep(60)\n"
+    )
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=repo_root)
+    try:
+        assert wait_for(lambda: pid_file.exists() and pid_file.read_text() != "")
+        child_pid = int(pid_file.read_text())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+
+        def gone() -> bool:
+            try:
+                os.kill(child_pid, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+        assert wait_for(gone)
+    finally:
+        parent.kill()
+
+
+def test_supervisor_exits_non_zero_when_a_child_dies_and_zero_on_request():
+    import threading
+
+    from pdserve.local_cluster import supervise
+
+    out = io.StringIO()
+    dying = LocalCluster([child("decode", "import sys; sys.exit(2)"), child("proxy", "import time; time.sleep(60)")],
+                         PrefixedOutput(out))
+    dying.start()
+    try:
+        assert supervise(dying, "127.0.0.1", threading.Event()) == 1
+    finally:
+        dying.stop(timeout_s=10)
+    assert "[up] decode exited with status 2; stopping the others" in out.getvalue()
+
+    calm = LocalCluster([child("proxy", "import time; time.sleep(60)")], PrefixedOutput(io.StringIO()))
+    calm.start()
+    stop = threading.Event()
+    stop.set()
+    try:
+        assert supervise(calm, "127.0.0.1", stop) == 0
+    finally:
+        calm.stop(timeout_s=10)
+
+
+def test_health_poll_access_lines_are_kept_off_the_console():
+    out = io.StringIO()
+    output = PrefixedOutput(out)
+    output.write_line("decode", 'INFO:     127.0.0.1:4242 - "GET /load HTTP/1.1" 200 OK')
+    output.write_line("decode", 'INFO:     127.0.0.1:4242 - "POST /v1/completions HTTP/1.1" 200 OK')
+    assert out.getvalue() == '[decode] INFO:     127.0.0.1:4242 - "POST /v1/completions HTTP/1.1" 200 OK\n'
