@@ -27,7 +27,7 @@ from pdserve.models.hf_config import (
     require,
     standard_rope,
 )
-from pdserve.models.layers import GatedMLP, activation_named, copy_rows, empty_linear, empty_param, rms_norm_fp32_scale
+from pdserve.models.layers import GatedMLP, linear, activation_named, copy_rows, empty_linear, empty_param, rms_norm_fp32_scale
 from pdserve.models.rope import RotaryTable, apply_rotary
 from pdserve.models.weights import WeightSource
 
@@ -229,7 +229,7 @@ class Gemma3ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = F.linear(hidden, head).float()
+        logits = linear(hidden, head).float()
         cap = self.args.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -25,7 +25,7 @@ from pdserve.models.hf_config import (
     layer_specs_from_types,
     require,
 )
-from pdserve.models.layers import GatedMLP, activation_named, copy_rows, empty_linear, empty_param, rms_norm
+from pdserve.models.layers import GatedMLP, linear, activation_named, copy_rows, empty_linear, empty_param, rms_norm
 from pdserve.models.rope import RotaryTable, apply_rotary
 from pdserve.models.weights import WeightSource
 
@@ -231,7 +231,7 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return linear(hidden, head).float()
 
     @torch.no_grad()
     def load_weights(self, source: WeightSource) -> None:
