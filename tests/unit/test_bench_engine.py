@@ -1,0 +1,194 @@
+"""The engine benchmark's bookkeeping: workload, stream parsing, ratios, targets, table and JSON (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import httpx
+import pytest
+
+from bench._hf_peers import transformers_serve_argv, transformers_serve_extra_body
+from bench._loadgen import BenchError, HttpTarget, stream_one
+from bench._report import (
+    BenchReport, PhaseResult, RequestSample, Roofline, check_targets, format_table, percentile,
+    ratio_vs_best_peer, summarize, write_json,
+)
+from bench._workload import chat_messages, full_workload, quick_workload
+
+GENERATE = "transformers generate"
+SERVE = "transformers serve --continuous-batching"
+
+
+def _phase(system: str, concurrency: int, tokens_per_s: float) -> PhaseResult:
+    return PhaseResult(system=system, concurrency=concurrency, num_requests=1,
+                       num_output_tokens=int(tokens_per_s * 10), wall_s=10.0, ttft_p50_s=0.1)
+
+
+def _results(pdserve_c1: float, pdserve_c16: float) -> list[PhaseResult]:
+    return [
+        _phase(GENERATE, 1, 60.0), _phase(SERVE, 1, 13.0), _phase("pdserve", 1, pdserve_c1),
+        _phase(GENERATE, 16, 80.0), _phase(SERVE, 16, 100.0), _phase("pdserve", 16, pdserve_c16),
+    ]
+
+
+def _roofline() -> Roofline:
+    return Roofline(weight_bytes=500_000_000, read_bandwidth_bytes_per_s=10e9, matmul_params=100_000_000,
+                    matmul_concurrency=16, matmul_flops_per_s=50e9, matvec_flops_per_s=10e9)
+
+
+def test_phases_and_their_repeats_never_share_a_prompt_and_warmup_prompts_come_after_all_of_them():
+    for workload in (full_workload(), quick_workload()):
+        phases = [workload.prompt_indices(c, attempt) for attempt in range(3) for c in workload.concurrencies]
+        flat = [i for phase in phases for i in phase]
+        assert len(flat) == len(set(flat)) == 3 * workload.num_requests
+        assert [len(p) for p in phases[:3]] == [workload.num_requests_by_concurrency[c] for c in workload.concurrencies]
+        assert min(workload.warmup_indices(16)) > max(flat)
+    with pytest.raises(KeyError):
+        full_workload().prompt_indices(3)
+
+
+def test_prompts_differ_from_their_first_words():
+    first_words = {chat_messages(i)[0]["content"].split(",")[0] for i in range(64)}
+    assert len(first_words) == 64
+
+
+def test_percentile_interpolates_and_handles_empty_input():
+    assert percentile([], 0.5) is None
+    assert percentile([3.0], 0.9) == 3.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0], 1.0) == 3.0
+
+
+def test_summary_throughput_is_total_tokens_over_phase_wall_time():
+    samples = [RequestSample(ttft_s=0.2, e2e_s=2.2, num_output_tokens=21), RequestSample(0.4, 4.4, 41)]
+    result = summarize("pdserve", 4, samples, wall_s=5.0)
+    assert result.output_tokens_per_s == pytest.approx(62 / 5.0)
+    assert result.ttft_p50_s == pytest.approx(0.3)
+    assert result.tpot_p50_s == pytest.approx(0.1)
+    assert RequestSample(0.2, 0.2, 1).tpot_s is None
+
+
+def test_ratio_compares_with_the_best_peer_at_the_same_concurrency_only():
+    results = _results(pdserve_c1=66.0, pdserve_c16=300.0)
+    by_key = {(r.system, r.concurrency): r for r in results}
+    assert ratio_vs_best_peer(results, by_key[("pdserve", 1)]) == pytest.approx(66.0 / 60.0)
+    assert ratio_vs_best_peer(results, by_key[("pdserve", 16)]) == pytest.approx(3.0)
+    assert ratio_vs_best_peer(results, by_key[(SERVE, 16)]) == pytest.approx(1.0)
+    assert ratio_vs_best_peer(results, by_key[(GENERATE, 16)]) == pytest.approx(0.8)
+
+
+def test_targets_met_and_missed():
+    met = {check.name: check.met for check in check_targets(_results(pdserve_c1=61.0, pdserve_c16=251.0))}
+    missed = {check.name: check.met for check in check_targets(_results(pdserve_c1=59.0, pdserve_c16=249.0))}
+    assert list(met.values()) == [True, True]
+    assert list(missed.values()) == [False, False]
+
+
+def test_failed_peer_is_a_reason_not_a_zero_and_does_not_count_as_best():
+    results = _results(pdserve_c1=66.0, pdserve_c16=300.0)
+    results[4] = PhaseResult(system=SERVE, concurrency=16, error="exited with 1: no module named uvicorn")
+    assert results[4].output_tokens_per_s is None
+    assert ratio_vs_best_peer(results, results[5]) == pytest.approx(300.0 / 80.0)
+    table = format_table(results)
+    assert "not run: exited with 1: no module named uvicorn" in table
+
+
+def test_table_has_one_row_per_system_and_concurrency_plus_ceilings():
+    table = format_table(_results(pdserve_c1=66.0, pdserve_c16=300.0), _roofline())
+    rows = [line for line in table.splitlines()[2:]]
+    assert len(rows) == 9
+    assert "| 1 | pdserve | 66.0 | 100 | - | 1.10x | - |" in rows
+    assert "| 1 | ceiling: weight bytes / read bandwidth | 20.0 | - | - | - | - |" in rows
+    assert "| 1 | ceiling: measured matmul FLOP/s at M=1 | 50.0 | - | - | - | - |" in rows
+    assert "| 16 | ceiling: measured matmul FLOP/s at M=16 | 250.0 | - | - | - | - |" in rows
+
+
+def test_json_holds_rows_ratios_roofline_and_targets(tmp_path):
+    report = BenchReport(command="python3 bench/engine.py --quick", machine={"num_cpus": 2},
+                         workload={"max_tokens": 32}, results=_results(66.0, 300.0), roofline=_roofline())
+    path = tmp_path / "nested" / "engine.json"
+    write_json(report, str(path))
+    data = json.loads(path.read_text())
+    assert data["command"] == "python3 bench/engine.py --quick"
+    assert len(data["results"]) == 6
+    pdserve_c16 = next(r for r in data["results"] if r["system"] == "pdserve" and r["concurrency"] == 16)
+    assert pdserve_c16["output_tokens_per_s"] == pytest.approx(300.0)
+    assert pdserve_c16["ratio_vs_best_peer"] == pytest.approx(3.0)
+    assert data["roofline"]["bandwidth_tokens_per_s"] == pytest.approx(20.0)
+    assert data["roofline"]["matmul_tokens_per_s"] == pytest.approx(250.0)
+    assert data["roofline"]["matvec_tokens_per_s"] == pytest.approx(50.0)
+    assert [t["met"] for t in data["targets"]] == [True, True]
+
+
+def _sse(*events: dict) -> bytes:
+    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+
+
+def _stream(body: bytes, status_code: int = 200) -> RequestSample:
+    seen: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(status_code, content=body, headers={"content-type": "text/event-stream"})
+
+    async def go() -> RequestSample:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            target = HttpTarget("http://bench", "m", {"ignore_eos": True})
+            return await stream_one(client, target, 7, max_tokens=3)
+
+    sample = asyncio.run(go())
+    assert seen[0]["ignore_eos"] is True and seen[0]["max_tokens"] == 3 and seen[0]["stream"] is True
+    return sample
+
+
+def test_stream_counts_usage_tokens_over_content_events():
+    role = {"choices": [{"delta": {"role": "assistant"}}]}
+    content = {"choices": [{"delta": {"content": "ab"}}]}
+    usage = {"choices": [], "usage": {"completion_tokens": 3}}
+    assert _stream(_sse(role, content, content, usage)).num_output_tokens == 3
+    without_usage = _stream(_sse(role, content, content))
+    assert without_usage.num_output_tokens == 2
+    assert 0 < without_usage.ttft_s <= without_usage.e2e_s
+
+
+def test_stream_raises_on_http_error_and_on_error_events():
+    with pytest.raises(BenchError, match="HTTP 503"):
+        _stream(b"busy", status_code=503)
+    with pytest.raises(BenchError, match="mid-stream"):
+        _stream(_sse({"error": {"message": "boom"}}))
+    with pytest.raises(BenchError, match="not a JSON event"):
+        _stream(b"data: {truncated\n\n")
+
+
+def test_transformers_serve_gets_pdserve_kv_capacity_and_no_eos():
+    argv = transformers_serve_argv("/tmp/hf", 8123, num_kv_tokens=16384)
+    assert argv[argv.index("--cb-num-blocks") + 1] == "64"
+    assert argv[argv.index("serve") + 1] == "/tmp/hf" and "--continuous-batching" in argv
+    assert json.loads(transformers_serve_extra_body()["generation_config"])["eos_token_id"] == -1
+
+
+def test_cpu_meter_counts_this_process_as_its_own_and_reports_a_fraction():
+    from bench._cpu import CpuMeter, _process_ticks
+
+    before = _process_ticks(os.getpid())
+    meter = CpuMeter(pids=[])
+    meter.start()
+    deadline_s = time.monotonic() + 0.3
+    while time.monotonic() < deadline_s:  # burn CPU in the measured process
+        pass
+    fraction = meter.foreign_fraction()
+    assert _process_ticks(os.getpid()) > before
+    assert fraction is not None and 0.0 <= fraction <= 1.0
+    assert _process_ticks(2**22 + 12345) == 0  # a process that does not exist
+
+
+def test_wait_for_quiet_gives_up_after_its_budget():
+    from bench._cpu import wait_for_quiet
+
+    started_s = time.monotonic()
+    fraction = wait_for_quiet([], max_foreign_fraction=-1.0, max_wait_s=0.0, window_s=0.05)  # never quiet enough
+    assert time.monotonic() - started_s < 1.0
+    assert fraction is not None and 0.0 <= fraction <= 1.0
