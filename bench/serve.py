@@ -1,0 +1,229 @@
+"""Serving benchmark: open-loop streaming load with synthetic prompts against an OpenAI-compatible
+server, or P/D (`pdserve up`) against one colocated `pdserve serve` given the same cores.
+
+    python3 bench/serve.py run --base-url http://127.0.0.1:8000 --request-rate 0.5 --num-prompts 40 \\
+        --mix "long:2000:32:0.2,short:128:128:0.8" --out run.json --plot-dir plots/
+    python3 bench/serve.py compare            # the P/D vs colocated comparison of docs/benchmarks.md
+
+Both print a throughput and a latency table (mean, p50, p90, p99, max of TTFT,
+TPOT, ITL and end-to-end), write JSON (`--out`) and PNG plots (`--plot-dir`).
+Invariant: every system sees the same requests (prompts, output lengths and
+arrival times come from the seed), one system at a time, never two at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import shlex
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as a script: make `bench` importable
+    sys.path.insert(0, REPO_ROOT)
+
+from tqdm import tqdm  # noqa: E402
+
+from bench._cpu import CpuMeter  # noqa: E402
+from bench.serving.client import Endpoint, RequestRecord, run_load  # noqa: E402
+from bench.serving.launch import (  # noqa: E402
+    LaunchError, ServerProcess, colocated_argv, free_port, pd_cluster_argv,
+)
+from bench.serving.machine import wait_for_idle  # noqa: E402
+from bench.serving.report import format_report, write_json  # noqa: E402
+from bench.serving.stats import RunSummary, summarize_run  # noqa: E402
+from bench.serving.workload import (  # noqa: E402
+    RequestClass, WorkloadError, build_requests, long_class_name, parse_mix, single_class, warmup_requests,
+)
+
+logger = logging.getLogger("bench.serve")
+
+# The comparison's workload, sized for two cores and under ten minutes for both
+# systems: one prompt in four is long (three prefill chunks of 512 tokens), and
+# arrivals keep a few short streams decoding whenever a long prompt lands, while
+# neither system is pushed past what it can serve.
+COMPARE_MIX = "long:1536:32:0.25,short:128:96:0.75"
+COMPARE_NUM_PROMPTS = 32
+COMPARE_REQUEST_RATE = 0.2
+QUICK_MIX = "long:512:8:0.25,short:32:16:0.75"
+_NUM_BLOCKS = 1024  # 16k tokens per worker: room for every request of the workload at once
+_READY_TIMEOUT_S = 300.0
+_NOISY_FOREIGN_FRACTION = 0.15
+
+
+def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--num-prompts", type=int, default=None,
+                       help=f"requests in the measured run (default: 100; compare: {COMPARE_NUM_PROMPTS})")
+    group.add_argument("--request-rate", type=float, default=None,
+                       help=f"Poisson arrivals per second (default: inf, all at once; compare: {COMPARE_REQUEST_RATE})")
+    group.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
+    group.add_argument("--seed", type=int, default=0, help="prompts, lengths, class order and arrivals")
+    group.add_argument("--input-len", default=None, help="prompt tokens: 128 (default) or a uniform range 64-256")
+    group.add_argument("--output-len", default=None, help="output tokens (ignore_eos): 128 (default) or 64-256")
+    group.add_argument("--mix", default=None,
+                       help="name:input:output:fraction,...; overrides --input-len/--output-len "
+                            f"(compare's default: {COMPARE_MIX})")
+    group.add_argument("--num-warmups", type=int, default=2, help="short requests before measuring (not counted)")
+    group.add_argument("--model", default=None, help="model name to send (default: the server's only model)")
+    group.add_argument("--no-logprobs", action="store_true",
+                       help="do not ask for logprobs=0 (then a chunk may hold more than one token)")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="benchmark one running server")
+    run.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    run.add_argument("--label", default=None, help="the system's name in tables and plots (default: the URL)")
+    run.add_argument("--out", default=None, help="JSON report path")
+    run.add_argument("--plot-dir", default=None, help="write PNG plots here")
+    _add_workload_flags(run)
+    compare = commands.add_parser("compare", help="`pdserve up` vs one colocated `pdserve serve`, same cores")
+    compare.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "serve_pd_vs_colocated.json"))
+    compare.add_argument("--plot-dir", default=os.path.join(REPO_ROOT, "docs", "figures", "serving"))
+    compare.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
+    compare.add_argument("--num-blocks", type=int, default=_NUM_BLOCKS, help="KV pool of each worker, in blocks")
+    compare.add_argument("--colocated-threads", type=int, default=None,
+                         help="torch threads of the colocated worker (default: every usable core)")
+    compare.add_argument("--wait-for-idle-s", type=float, default=0.0,
+                         help="before each system's run, wait up to this long for the machine to go idle "
+                              "(for shared machines; 0: do not wait)")
+    compare.add_argument("--quick", action="store_true", help="a tiny workload, to check the plumbing")
+    _add_workload_flags(compare)
+    args = parser.parse_args(argv)
+    _apply_workload_defaults(parser, args)
+    return args
+
+
+def _apply_workload_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The comparison's defaults are its reference workload; a single run defaults to a plain burst."""
+    if args.command == "compare":
+        if args.mix is None and args.input_len is None and args.output_len is None:
+            args.mix = QUICK_MIX if args.quick else COMPARE_MIX
+        if args.num_prompts is None:
+            args.num_prompts = 8 if args.quick else COMPARE_NUM_PROMPTS
+        if args.request_rate is None:
+            args.request_rate = 1.0 if args.quick else COMPARE_REQUEST_RATE
+    args.num_prompts = 100 if args.num_prompts is None else args.num_prompts
+    args.request_rate = math.inf if args.request_rate is None else args.request_rate
+    try:
+        args.classes = parse_mix(args.mix) if args.mix else single_class(args.input_len or "128",
+                                                                            args.output_len or "128")
+        build_requests(args.classes, args.num_prompts, args.request_rate, args.seed)  # fail now, not mid-run
+    except WorkloadError as exc:
+        parser.error(str(exc))
+    if args.concurrency is not None and args.concurrency < 1:
+        parser.error("--concurrency must be at least 1")
+
+
+def workload_dict(args: argparse.Namespace) -> dict:
+    classes: Sequence[RequestClass] = args.classes
+    return {
+        "classes": [c.describe() for c in classes], "num_prompts": args.num_prompts,
+        "request_rate_per_s": None if math.isinf(args.request_rate) else args.request_rate,
+        "max_concurrency": args.concurrency, "seed": args.seed, "logprobs": not args.no_logprobs,
+        "long_class": long_class_name(classes), "num_warmups": args.num_warmups,
+    }
+
+
+def measure(label: str, endpoint: Endpoint, args: argparse.Namespace,
+            server_pids: Sequence[int] = ()) -> tuple[RunSummary, list[RequestRecord]]:
+    """Warm up, then the measured run with a progress bar; other processes' CPU share when pids are known."""
+    if args.num_warmups:
+        warm = run_load(endpoint, warmup_requests(args.num_warmups, args.seed))
+        failed = [r.error for r in warm.records if not r.ok]
+        if failed:
+            logger.warning("%s: %d warm-up requests failed, first: %s", label, len(failed), failed[0])
+    requests = build_requests(args.classes, args.num_prompts, args.request_rate, args.seed)
+    meter = CpuMeter(server_pids) if server_pids else None
+    if meter is not None:
+        meter.start()
+    with tqdm(total=len(requests), desc=label, unit="req", file=sys.stderr, mininterval=1.0) as bar:
+        result = run_load(endpoint, requests, args.concurrency, on_done=lambda record: bar.update(1))
+    summary = summarize_run(label, result.records, result.duration_s, long_class_name(args.classes))
+    summary.foreign_cpu_fraction = meter.foreign_fraction() if meter is not None else None
+    if (summary.foreign_cpu_fraction or 0.0) > _NOISY_FOREIGN_FRACTION:
+        logger.warning("%s: other processes used %.0f%% of the CPUs meanwhile; its latencies are not clean",
+                       label, summary.foreign_cpu_fraction * 100)
+    for record in result.records:
+        if record.error is not None:
+            logger.warning("%s: request %d failed: %s", label, record.index, record.error)
+    return summary, result.records
+
+
+def emit(args: argparse.Namespace, runs: list[tuple[RunSummary, list[RequestRecord]]], command: str,
+         extra: Optional[dict] = None) -> None:
+    print(format_report([summary for summary, _ in runs]))
+    if args.out:
+        write_json(args.out, command, workload_dict(args), runs, extra)
+        logger.info("wrote %s", args.out)
+    if args.plot_dir:
+        from bench.serving.plots import plot_all  # matplotlib only when plots are asked for
+
+        for path in plot_all(runs, args.plot_dir):
+            logger.info("wrote %s", path)
+
+
+def run_single(args: argparse.Namespace, command: str) -> int:
+    endpoint = Endpoint(args.base_url.rstrip("/"), args.model, with_logprobs=not args.no_logprobs)
+    runs = [measure(args.label or args.base_url, endpoint, args)]
+    emit(args, runs, command)
+    return 0 if runs[0][0].num_failed == 0 else 1
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def run_compare(args: argparse.Namespace, command: str) -> int:
+    num_cores = _usable_cores()
+    threads = args.colocated_threads or num_cores
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-serve-bench-")
+    os.makedirs(log_dir, exist_ok=True)
+    systems = []
+    for name, log_name, argv_of in (
+        (f"P/D: pdserve up (cores: P {num_cores // 2}, D {num_cores - num_cores // 2})", "up.log",
+         lambda port: pd_cluster_argv(port, args.num_blocks)),
+        (f"colocated: pdserve serve ({threads} threads, unpinned)", "serve.log",
+         lambda port: colocated_argv(port, args.num_blocks, threads)),
+    ):
+        port = free_port()
+        systems.append(ServerProcess(name, argv_of(port), port, os.path.join(log_dir, log_name)))
+    runs, idle_before = [], []
+    for server in systems:  # one at a time: a system never shares the cores with the other
+        try:
+            server.start()
+            server.wait_ready(_READY_TIMEOUT_S)
+            idle_before.append(wait_for_idle(args.wait_for_idle_s) if args.wait_for_idle_s > 0 else None)
+            endpoint = Endpoint(server.base_url, args.model, with_logprobs=not args.no_logprobs)
+            runs.append(measure(server.name, endpoint, args, server.pids()))
+        except LaunchError as exc:
+            logger.error("%s could not be benchmarked: %s", server.name, exc)
+            return 2
+        finally:
+            server.stop()
+    extra = {"systems": [{"name": s.name, "argv": list(s.argv[1:]), "machine_idle_before_run": idle}
+                         for s, idle in zip(systems, idle_before)], "log_dir": log_dir}
+    emit(args, runs, command, extra)
+    return 0 if all(summary.num_failed == 0 for summary, _ in runs) else 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bar
+    args = parse_args(argv)
+    command = shlex.join(["python3", "bench/serve.py", *(argv if argv is not None else sys.argv[1:])])
+    started_s = time.monotonic()
+    status = run_compare(args, command) if args.command == "compare" else run_single(args, command)
+    logger.info("done in %.0f s", time.monotonic() - started_s)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The serving benchmark's parts: workload, load generator, statistics, report, plots and launchers."""
