@@ -3,7 +3,7 @@ server, or P/D (`pdserve up`) against one colocated `pdserve serve` given the sa
 
     python3 bench/serve.py run --base-url http://127.0.0.1:8000 --request-rate 0.5 --num-prompts 40 \\
         --mix "long:2000:32:0.2,short:128:128:0.8" --out run.json --plot-dir plots/
-    python3 bench/serve.py compare            # the P/D vs colocated comparison of docs/benchmarks.md
+    python3 bench/serve.py compare --wait-for-idle-s 600   # the P/D vs colocated run of docs/benchmarks.md
 
 Both print a throughput and a latency table (mean, p50, p90, p99, max of TTFT,
 TPOT, ITL and end-to-end), write JSON (`--out`) and PNG plots (`--plot-dir`).

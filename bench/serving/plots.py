@@ -27,6 +27,10 @@ def _ok(records: Sequence[RequestRecord]) -> list[RequestRecord]:
     return [r for r in records if r.ok]
 
 
+def _ttfts_ms(records: Sequence[RequestRecord]) -> list[float]:
+    return [ttft_s(r) * 1000 for r in _ok(records)]
+
+
 def _gaps_ms(records: Sequence[RequestRecord]) -> list[float]:
     return [(end - start) * 1000 for r in _ok(records) for start, end in itl_gaps(r)]
 
@@ -83,13 +87,14 @@ def _log_bins(values: Sequence[float], num_bins: int = 40) -> list[float]:
 
 def plot_histograms(runs: Sequence[Run], path: str) -> None:
     figure, axes = plt.subplots(1, 2, figsize=(12, 4))
-    panels = ((axes[0], "TTFT", lambda rs: [ttft_s(r) * 1000 for r in _ok(rs)]), (axes[1], "inter-token latency", _gaps_ms))
+    panels = ((axes[0], "TTFT", _ttfts_ms), (axes[1], "inter-token latency", _gaps_ms))
     for axis, title, values_of in panels:
         every = [v for _, records in runs for v in values_of(records)]
         if every:
             bins = _log_bins(every)
             for (summary, records), color in zip(runs, _colors(len(runs))):
-                axis.hist(values_of(records), bins=bins, histtype="step", color=color, label=summary.label, linewidth=1.5)
+                axis.hist(values_of(records), bins=bins, histtype="step", color=color, label=summary.label,
+                          linewidth=1.5)
             axis.legend(fontsize=8)
         axis.set(title=title, xlabel="ms (log)", ylabel="count", xscale="log")
         axis.grid(True, alpha=0.3)
