@@ -89,7 +89,6 @@ class HandshakeClient:
         self.token = token
         self.timeout_s = timeout_s
         self._by_address: dict[tuple[str, int], AgentInfo] = {}
-        self.num_handshakes = 0
 
     async def _fetch(self, host: str, port: int) -> AgentInfo:
         headers = {TOKEN_HEADER: self.token} if self.token else {}
@@ -102,7 +101,6 @@ class HandshakeClient:
         if response.status_code != 200:
             raise KVPullFailed(f"prefill worker {host}:{port} refused the handshake (HTTP {response.status_code})")
         info = AgentInfo.model_validate(response.json())
-        self.num_handshakes += 1
         self.on_handshake()
         logger.info("handshake with %s:%d: engine %s epoch %s", host, port, info.engine_id, info.epoch)
         return info
@@ -124,6 +122,3 @@ class HandshakeClient:
         if info.epoch != params.remote_epoch:
             raise KVParamsStale(f"kv_transfer_params.remote_epoch {params.remote_epoch!r} is stale: the prefill worker restarted")
         return info
-
-    def forget(self, host: str, port: int) -> None:
-        self._by_address.pop((host, port), None)

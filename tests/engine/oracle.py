@@ -1,24 +1,9 @@
-"""Hugging Face `transformers` as the correctness oracle (test-only dependency)."""
+"""Loads the embedded GGUF through `transformers`' own GGUF path: the engine tests' oracle.
+Greedy decoding with it is `tests.models.hf_oracle.hf_greedy_generate`."""
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
-
-
-@torch.inference_mode()
-def hf_greedy(model, prompt_ids: Sequence[int], num_tokens: int) -> list[int]:
-    """Plain greedy decoding with the HF model's own KV cache; no EOS handling,
-    so it can be compared with `ignore_eos=True` runs token for token."""
-    input_ids = torch.tensor([list(prompt_ids)])
-    out = model(input_ids=input_ids, use_cache=True)
-    generated: list[int] = []
-    for _ in range(num_tokens):
-        next_id = int(out.logits[0, -1].argmax())
-        generated.append(next_id)
-        out = model(input_ids=torch.tensor([[next_id]]), past_key_values=out.past_key_values, use_cache=True)
-    return generated
 
 
 def load_hf_gguf(path: str):
