@@ -25,6 +25,8 @@ from typing import IO, Callable, Optional, Sequence
 
 import httpx
 
+from pdserve.config import DEFAULT_PORTS
+from pdserve.config_cli import FORWARDED_ARGS, add_worker_flags
 from proxy.cli import INTERNAL_TOKEN_ENV
 
 _PR_SET_PDEATHSIG = 1
@@ -58,16 +60,15 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+# Settings `up` decides per child (ports, cores, threads, token, identity) rather than forwarding.
+_UP_OWNS = ("--host", "--port", "--num-threads", "--internal-token", "--log-level", "--engine-id", "--advertise-host")
+
+
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address all three processes listen on")
     parser.add_argument("--port", type=int, default=8000, help="the proxy's port (0: any free port)")
-    parser.add_argument("--prefill-port", type=int, default=8100, help="0: any free port")
-    parser.add_argument("--decode-port", type=int, default=8200, help="0: any free port")
-    parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--kv-memory", default=None, help="each worker's KV pool size, e.g. 512MiB")
-    parser.add_argument("--num-blocks", type=int, default=None, help="each worker's KV pool size in blocks")
+    parser.add_argument("--prefill-port", type=int, default=DEFAULT_PORTS["prefill"], help="0: any free port")
+    parser.add_argument("--decode-port", type=int, default=DEFAULT_PORTS["decode"], help="0: any free port")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads per worker (default: the worker's share of the cores)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin the workers to separate cores")
@@ -75,6 +76,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"shared worker token (default: ${INTERNAL_TOKEN_ENV}, else a random one)")
     parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix"])
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # Every other worker setting, declared once in pdserve/config.py, goes to both workers as given.
+    add_worker_flags(parser, "decode", forward=True, exclude=_UP_OWNS)
 
 
 @dataclass(slots=True)
@@ -99,11 +102,7 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int]) -> list[ChildSpe
     env = {INTERNAL_TOKEN_ENV: args.internal_token or secrets.token_hex(16)}
     base = [sys.executable, "-m", "pdserve.cli"]
     common = ["--host", args.host, "--log-level", args.log_level]
-    model = ["--device", args.device]
-    for flag, value in (("--model", args.model), ("--max-model-len", args.max_model_len),
-                        ("--kv-memory", args.kv_memory), ("--num-blocks", args.num_blocks)):
-        if value is not None:
-            model += [flag, str(value)]
+    model = list(getattr(args, FORWARDED_ARGS, None) or [])
     prefill_port = _resolve_port(args.host, args.prefill_port)
     decode_port = _resolve_port(args.host, args.decode_port)
     proxy_port = _resolve_port(args.host, args.port)
