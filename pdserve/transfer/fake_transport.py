@@ -9,6 +9,7 @@ Torch-free: a view is anything with `.shape` and row get/set (torch or numpy).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -71,7 +72,7 @@ class FakeTransport:
         self._connecting: dict[str, PeerInfo] = {}
         self._connect_failures: dict[str, str] = {}
         self._reads: dict[int, _FakeRead] = {}
-        self._inbox: list[bytes] = []
+        self._inbox: collections.deque[bytes] = collections.deque()  # appended by readers' threads
         self._handle_ids = itertools.count(1)
         self.fail_reads = False
         self.hold_reads = False
@@ -186,7 +187,9 @@ class FakeTransport:
         return True
 
     def poll_notifications(self) -> list[bytes]:
-        messages, self._inbox = self._inbox, []
+        messages = []
+        while self._inbox:
+            messages.append(self._inbox.popleft())
         return messages
 
     def send_message(self, peer_key: str, payload: bytes) -> None:

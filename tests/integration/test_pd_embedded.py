@@ -59,6 +59,8 @@ def test_pd_greedy_answers_equal_single_worker_answers_and_pull_only_needed_bloc
         bytes_before = decode.metric("pdserve_transfer_bytes_total")
         params, response = two_legs(prefill, decode, "/v1/chat/completions", body, f"pd-{index}", AUTH)
         assert answer_text(response) == local
+        # One id follows the request through P and D: P's lease table and the answers use the client's.
+        assert params["remote_request_id"] == f"pd-{index}" == response.headers["x-request-id"]
         num_blocks_sent = sum(len(ids) for ids in params["remote_block_ids"])
         assert decode.metric("pdserve_transfer_descriptors_total") - descriptors_before == num_blocks_sent
         assert decode.metric("pdserve_transfer_bytes_total") - bytes_before > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdserve.pd.params import RemoteDecodeRequest, RemotePrefillParams
 from tests.unit.fake_engine import BOS_ID, FakeEngine, FakeTokenizer, asgi_client, make_app, sse_payloads
 
