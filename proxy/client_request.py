@@ -17,7 +17,7 @@ from typing import Any, Optional
 from proxy.errors import InvalidClientRequest
 
 REQUEST_ID_HEADER = "X-Request-Id"
-MAX_REQUEST_ID_CHARS = 256
+MAX_REQUEST_ID_CHARS = 240  # what a worker accepts (pdserve/engine/request_ids.py)
 # A chat template wraps each message in a few tokens of markup (role, separators).
 CHAT_TOKENS_PER_MESSAGE = 4
 REMOTE_DECODE_PARAMS = {
