@@ -14,6 +14,7 @@ from typing import Sequence
 # The personalisation string versions the hashing scheme: changing the encoding
 # below must change it, so old and new workers never share keys by accident.
 _PERSON = b"pdserve-kv-v1"
+HASH_SCHEME = _PERSON.decode()  # advertised to proxies that compute the same hashes
 HASH_BYTES = 32
 
 

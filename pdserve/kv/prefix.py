@@ -36,6 +36,12 @@ class PrefixCacheStats:
     num_hit_tokens: int = 0  # tokens they found cached
 
 
+def max_hit_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Most blocks a prompt can take from the cache: never its last token, which is always
+    computed for its logits. One rule for the workers and for the proxy's predictions."""
+    return max(0, num_prompt_tokens - 1) // block_size
+
+
 def first_live_block(group: KVGroup, num_tokens: int, block_size: int) -> int:
     """Index of the first block a query at position `num_tokens` still reads:
     every block before it lies wholly outside the group's attention window."""
