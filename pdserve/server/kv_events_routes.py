@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.errors import EngineNotReady
 from pdserve.kv.hashing import HASH_SCHEME
+from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.routing_info import EVENTS_PATH, RESET_PREFIX_CACHE_PATH, ROUTING_INFO_PATH, RoutingInfo, describe_groups
 from pdserve.metrics import Metrics
 from pdserve.server.errors import check_internal_token
@@ -24,17 +25,18 @@ from pdserve.server.kv_events import KVEventHub, KVEventMetrics, KVEventSource, 
 if TYPE_CHECKING:
     from pdserve.engine.api import EngineClient
     from pdserve.engine.factory import BuiltEngine
+    from pdserve.models.tokenizer import Tokenizer
 
 NDJSON = "application/x-ndjson"
 
 
-def routing_info(built: "BuiltEngine") -> RoutingInfo:
-    tokenizer = built.loaded.tokenizer
+def routing_info(tokenizer: "Tokenizer", model: str, epoch: str, kv_manager: KVCacheManager) -> RoutingInfo:
+    """Everything a proxy needs to hash this worker's prompt blocks itself."""
     return RoutingInfo(
-        model=built.engine.model_name, epoch=built.epoch, hash_scheme=HASH_SCHEME,
-        block_size=built.kv_manager.block_size, prefix_caching=built.kv_manager.enable_prefix_caching,
-        groups=describe_groups(built.plan), tokenizer_json=tokenizer.backend.to_str(),
-        chat_template=tokenizer.chat_template, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+        model=model, epoch=epoch, hash_scheme=HASH_SCHEME, block_size=kv_manager.block_size,
+        prefix_caching=kv_manager.enable_prefix_caching, groups=describe_groups(kv_manager.plan),
+        tokenizer_json=tokenizer.backend.to_str(), chat_template=tokenizer.chat_template,
+        bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
     )
 
 
@@ -67,7 +69,11 @@ class _KVEventsService:
         if self._info is None:
             built = self.loaded()
             # Serializing a tokenizer takes tens of milliseconds: not on the event loop.
-            self._info = await asyncio.to_thread(lambda: routing_info(built).model_dump_json().encode())
+            def build() -> bytes:
+                info = routing_info(built.loaded.tokenizer, built.engine.model_name, built.epoch, built.kv_manager)
+                return info.model_dump_json().encode()
+
+            self._info = await asyncio.to_thread(build)
         return self._info
 
     async def reset_prefix_cache(self) -> int:
