@@ -74,7 +74,7 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pin", action="store_true", help="do not pin the workers to separate cores")
     parser.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                         help=f"shared worker token (default: ${INTERNAL_TOKEN_ENV}, else a random one)")
-    parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix"])
+    parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix", "kv_aware"])
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     # Every other worker setting, declared once in pdserve/config.py, goes to both workers as given.
     add_worker_flags(parser, "decode", forward=True, exclude=_UP_OWNS)

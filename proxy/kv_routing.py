@@ -76,7 +76,11 @@ class KVRouting:
     async def prepare(self, request: "ClientRequest") -> None:
         blocks = None
         if self.hasher is not None:
-            blocks = await self.hasher.prompt_blocks(request.path, request.body)
+            try:
+                blocks = await self.hasher.prompt_blocks(request.path, request.body)
+            except Exception:  # noqa: BLE001 - routing by cache must never fail a request
+                logger.exception("request %s: computing its prompt blocks failed; routing by load",
+                                 request.request_id)
         request.kv_route = KVRoute(blocks)
 
     def choose(self, role: Role, candidates: Sequence[Backend], request: "ClientRequest") -> Backend:
