@@ -60,7 +60,8 @@ def _sixth_turn() -> list[dict]:
 
 
 CHAT_BODY = json.dumps({"model": "stub", "messages": _sixth_turn(), "max_tokens": 2, "temperature": 0}).encode()
-KINDS = (("completion", BODY), ("stream", STREAM_BODY), ("chat (6 turns)", CHAT_BODY))
+KINDS = (("completion", "/v1/completions", BODY), ("stream", "/v1/completions", STREAM_BODY),
+         ("chat (6 turns)", "/v1/chat/completions", CHAT_BODY))
 PATHS = ("direct", "proxy (1 leg)", "proxy (P/D)", "proxy (P/D, kv_aware)")
 KV_PATH = PATHS[3]
 TARGET_ADDED_P50_MS = 1.0
@@ -81,7 +82,7 @@ def make_stub_app(kv: Optional[dict] = None):
             message = await receive()
             body, more = body + message.get("body", b""), message.get("more_body", False)
         if kv is not None and scope["path"] == "/internal/kv/events":
-            await _stream_events(kv, send)
+            await _stream_events(kv, receive, send)
             return
         content_type = b"application/json"
         if scope["path"] in ("/load", "/health"):
@@ -103,13 +104,18 @@ def make_stub_app(kv: Optional[dict] = None):
     return stub_app
 
 
-async def _stream_events(kv: dict, send) -> None:
+async def _stream_events(kv: dict, receive, send) -> None:
     """The snapshot, then a heartbeat a second, until the proxy hangs up."""
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/x-ndjson")]})
     await send({"type": "http.response.body", "body": kv["snapshot"].encode(), "more_body": True})
-    while True:
-        await asyncio.sleep(1.0)
-        await send({"type": "http.response.body", "body": kv["heartbeat"].encode(), "more_body": True})
+    hung_up = asyncio.ensure_future(receive())  # the body was read: the next message is the disconnect
+    try:
+        while not hung_up.done():
+            await asyncio.wait({hung_up}, timeout=1.0)
+            if not hung_up.done():
+                await send({"type": "http.response.body", "body": kv["heartbeat"].encode(), "more_body": True})
+    finally:
+        hung_up.cancel()
 
 
 def kv_stub_data() -> dict:
@@ -181,7 +187,7 @@ def percentile_ms(samples_s: list[float], q: float) -> float:
     return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def measure_latency(targets: dict[str, tuple[int, Optional[int]]], body: bytes, num_requests: int,
+async def measure_latency(targets: dict[str, tuple[int, Optional[int]]], path: str, body: bytes, num_requests: int,
                           num_warmup: int, num_rounds: int) -> dict[str, dict]:
     """Sequential requests, the paths interleaved in rounds so that load drifting on the machine
     hits every path alike; also the proxy's CPU time per request, which scheduling noise cannot inflate."""
@@ -192,13 +198,13 @@ async def measure_latency(targets: dict[str, tuple[int, Optional[int]]], body: b
     try:
         for name, client in clients.items():
             for _ in range(num_warmup):
-                await client.post("/v1/completions", body)
+                await client.post(path, body)
         for _ in range(num_rounds):
             for name, (port, pid) in targets.items():
                 cpu_before_s = cpu_seconds(pid) if pid is not None else 0.0
                 for _ in range(per_round):
                     started = time.perf_counter()
-                    status, _ = await clients[name].post("/v1/completions", body)
+                    status, _ = await clients[name].post(path, body)
                     if status != 200:
                         raise RuntimeError(f"HTTP {status} from {name}")
                     samples[name].append(time.perf_counter() - started)
@@ -315,8 +321,8 @@ async def run(args: argparse.Namespace, kv_file: str) -> dict:
         targets = dict(zip(PATHS, ((ports["decode"], None), (ports["proxy_1leg"], processes[3].pid),
                                    (ports["proxy_pd"], processes[2].pid), (ports["proxy_kv"], processes[4].pid))))
         results: dict[str, dict] = {name: {} for name in PATHS}
-        for kind, body in KINDS:
-            for name, measured in (await measure_latency(targets, body, args.requests, args.warmup,
+        for kind, path, body in KINDS:
+            for name, measured in (await measure_latency(targets, path, body, args.requests, args.warmup,
                                                          args.rounds)).items():
                 results[name][kind] = measured
         for name, (port, _) in targets.items():
@@ -325,9 +331,8 @@ async def run(args: argparse.Namespace, kv_file: str) -> dict:
             results[name]["proxy_overhead_histogram"] = overhead_from_metrics(port)
         return results
     finally:
-        for process in processes:
+        for process in reversed(processes):  # the proxies first: they hold the stubs' event streams
             process.terminate()
-        for process in processes:
             process.wait(10)
 
 
@@ -337,7 +342,7 @@ def report(results: dict, args: argparse.Namespace) -> dict:
     print(f"{'path':22s} {'kind':15s} {'p50 ms':>8s} {'p99 ms':>8s} {'+p50 ms':>8s} {'+p99 ms':>8s} "
           f"{'proxy CPU ms/req':>16s} {'max req/s':>10s}")
     for name in PATHS:
-        for kind, _ in KINDS:
+        for kind, _, _ in KINDS:
             r, d = results[name][kind], direct[kind]
             added = {"added_p50_ms": r["p50_ms"] - d["p50_ms"], "added_p99_ms": r["p99_ms"] - d["p99_ms"]}
             rate = results[name]["max_requests_per_s"] if kind == "completion" else None
@@ -348,7 +353,7 @@ def report(results: dict, args: argparse.Namespace) -> dict:
     overhead = {name: results[name].get("proxy_overhead_histogram", {}) for name in ("proxy (P/D)", KV_PATH)}
     one_leg_added = results["proxy (1 leg)"]["completion"]["p50_ms"] - direct["completion"]["p50_ms"]
     kv_share = overhead[KV_PATH].get("share_le_0.001s", 0.0)
-    kv_added = {kind: results[KV_PATH][kind]["p50_ms"] - results["proxy (P/D)"][kind]["p50_ms"] for kind, _ in KINDS}
+    kv_added = {kind: results[KV_PATH][kind]["p50_ms"] - results["proxy (P/D)"][kind]["p50_ms"] for kind, _, _ in KINDS}
     print(f"proxy's own overhead histogram: {overhead}")
     print(f"target: < {TARGET_ADDED_P50_MS} ms added at p50 by forwarding (1 leg): "
           f"{'met' if one_leg_added < TARGET_ADDED_P50_MS else 'NOT met'} ({one_leg_added:.3f} ms)")
@@ -382,7 +387,9 @@ def main() -> int:
         if args.kv_file:
             with open(args.kv_file) as f:
                 kv = json.load(f)
-        uvicorn.run(make_stub_app(kv), host="127.0.0.1", port=args.serve_stub, log_level="warning", access_log=False)
+        # Keep-alive past a whole round of the other paths: the direct client reuses its connection.
+        uvicorn.run(make_stub_app(kv), host="127.0.0.1", port=args.serve_stub, log_level="warning", access_log=False,
+                    timeout_keep_alive=120)
         return 0
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(kv_stub_data(), f)

@@ -30,6 +30,7 @@ if REPO_ROOT not in sys.path:  # run as a script: make `bench` importable
 from bench._cpu import CpuMeter  # noqa: E402
 from bench.multiturn.client import run_conversations  # noqa: E402
 from bench.multiturn.cluster import ClusterSpec, RoutingCluster, scrape  # noqa: E402
+from bench.multiturn.events import event_rate_under_load, recording_cost_us  # noqa: E402
 from bench.multiturn.report import PolicyResult, format_table, plot, summarize, verdict, write_json  # noqa: E402
 from bench.multiturn.workload import WorkloadSpec, build_conversations  # noqa: E402
 from bench.serving.launch import LaunchError  # noqa: E402
@@ -127,31 +128,6 @@ def scrape_mode(proxy_url: str, mode: str) -> float:
                if line.startswith("pdserve_proxy_requests_total{") and f'mode="{mode}"' in line)
 
 
-def event_cost_us(num_blocks: int = 20_000) -> dict:
-    """What recording costs the engine thread: committing blocks with the recorder on vs off, per block."""
-    from pdserve.kv.events import KVEventRecorder
-    from pdserve.kv.hashing import hash_full_blocks
-    from pdserve.kv.manager import KVCacheManager
-    from pdserve.kv.specs import FullAttentionSpec, plan_groups
-
-    tokens = list(range(num_blocks * 16))
-    hashes = hash_full_blocks(tokens, 16, [])
-    timings = {}
-    for enabled in (False, True, False, True):
-        recorder = KVEventRecorder(capacity=num_blocks * 2)
-        recorder.enabled = enabled
-        manager = KVCacheManager(plan_groups([FullAttentionSpec()]), num_blocks + 1, 16, events=recorder)
-        manager.allocate("r", 0, len(tokens))
-        started = time.perf_counter()
-        manager.commit("r", hashes, len(tokens))
-        manager.free("r")
-        manager.clear_prefix_cache()
-        elapsed_us = (time.perf_counter() - started) * 1e6 / num_blocks
-        timings[enabled] = min(timings.get(enabled, elapsed_us), elapsed_us)
-    return {"commit_us_per_block_recording_off": timings[False], "commit_us_per_block_recording_on": timings[True],
-            "recording_us_per_event": timings[True] - timings[False]}
-
-
 def run(args: argparse.Namespace, command: str) -> int:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-routing-bench-")
     os.makedirs(log_dir, exist_ok=True)
@@ -164,17 +140,21 @@ def run(args: argparse.Namespace, command: str) -> int:
         for policy in args.policy_list:
             logger.info("policy %s", policy)
             results.append(measure_policy(cluster, policy, spec, args.wait_for_idle_s))
+        cluster.reset()
+        logger.info("KV events under a saturating load on %s", cluster.prefills[0].name)
+        events = {"saturated_prefill_worker": event_rate_under_load(cluster.prefills[0].base_url, cluster.spec.token)}
     except LaunchError as exc:
         logger.error("benchmark aborted: %s", exc)
         return 2
     finally:
         cluster.stop()
-    events = event_cost_us()
+    events.update(recording_cost_us())
+    events["engine_thread_share_saturated"] = (events["saturated_prefill_worker"]["events_per_s"]
+                                               * events["engine_thread_us_per_event"] / 1e6)
     kv_run = next((r for r in results if r.policy == "kv_aware"), None)
     if kv_run is not None and kv_run.summary.duration_s:
-        per_worker = kv_run.kv_events / len(cluster.workers) / kv_run.summary.duration_s
-        events["kv_aware_run_events_per_s_per_worker"] = per_worker
-        events["engine_thread_share"] = per_worker * events["recording_us_per_event"] / 1e6
+        num_workers = len(cluster.workers)
+        events["kv_aware_run_events_per_s_per_worker"] = kv_run.kv_events / num_workers / kv_run.summary.duration_s
     print(format_table(results))
     for line in verdict(results):
         print(line)

@@ -29,6 +29,9 @@ WORKER_COUNTERS = (
     "pdserve_request_prompt_tokens_total",
 )
 _READY_TIMEOUT_S = 300.0
+# Four workers on two cores take seconds per step under load: give the P/D data path's set-up and
+# reads room (the defaults fall back to local prefill after 5 and 10 s, which would blur the comparison).
+PATIENT_PD = ("--kv-connect-timeout-s", "30", "--kv-handshake-timeout-s", "30", "--kv-pull-timeout-s", "15")
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class RoutingCluster:
         port = free_port()
         argv = [sys.executable, "-m", "pdserve.cli", role, "--port", str(port), "--num-blocks",
                 str(self.spec.num_blocks), "--num-threads", str(self.spec.num_threads), "--log-level", "warning",
-                "--internal-token", self.spec.token]
+                "--internal-token", self.spec.token, *PATIENT_PD]
         return ServerProcess(f"{role}{index}", argv, port, os.path.join(self.spec.log_dir, f"{role}{index}.log"))
 
     def start(self) -> None:
@@ -74,12 +77,26 @@ class RoutingCluster:
             worker.start()
         for worker in self.workers:
             worker.wait_ready(_READY_TIMEOUT_S)  # a real completion: each worker is warm after it
+        self._connect_data_paths()
 
-    def start_proxy(self, policy: str, extra: tuple[str, ...] = ()) -> ServerProcess:
+    def _connect_data_paths(self) -> None:
+        """Every decode worker handshakes with and connects to every prefill worker before measuring:
+        one proxy per prefill worker, whose round robin over the decode workers visits each of them."""
+        for prefill in self.prefills:
+            proxy = self.start_proxy("round_robin", prefills=[prefill])
+            try:
+                for index in range(len(self.decodes)):
+                    body = {"prompt": [1000 + index] * 40, "max_tokens": 2, "temperature": 0}
+                    httpx.post(proxy.base_url + "/v1/completions", json=body, timeout=120).raise_for_status()
+            finally:
+                self.stop_proxy()
+
+    def start_proxy(self, policy: str, prefills: Optional[list[ServerProcess]] = None) -> ServerProcess:
         port = free_port()
         argv = [sys.executable, "-m", "pdserve.cli", "proxy", "--port", str(port), "--policy", policy,
-                "--prefill", *(w.base_url for w in self.prefills), "--decode", *(w.base_url for w in self.decodes),
-                "--internal-token", self.spec.token, "--log-level", "warning", *extra]
+                "--prefill", *(w.base_url for w in prefills or self.prefills),
+                "--decode", *(w.base_url for w in self.decodes),
+                "--internal-token", self.spec.token, "--log-level", "warning"]
         self.proxy = ServerProcess(f"proxy-{policy}", argv, port, os.path.join(self.spec.log_dir, f"proxy-{policy}.log"))
         self.proxy.start()
         self.proxy.wait_ready(60.0)
