@@ -190,8 +190,13 @@ class EngineLoop:
         scheduled = self.scheduler.schedule()
         try:
             sampled = self.runner.execute(scheduled)
+            # KV complete: from here the step's blocks may be freed, evicted,
+            # read by a decode worker (update() publishes kv_transfer_params on
+            # a prefill worker) or overwritten by the next NIXL READ.
+            self.runner.synchronize()
         except Exception:  # a model failure must not take the worker down
             logger.exception("engine step failed; failing its %d requests", len(scheduled.chunks))
+            self._settle_device()
             for chunk in scheduled.chunks:
                 self._finish(chunk.request_id, FinishReason.ERROR, "internal error while running the model")
             return
@@ -201,6 +206,13 @@ class EngineLoop:
         for request in changed:
             self._emit(request, logprobs, now)
         self.stats.record_step(self.scheduler, scheduled, now - started)
+
+    def _settle_device(self) -> None:
+        """After a failed step: wait for its queued kernels before its blocks are freed."""
+        try:
+            self.runner.synchronize()
+        except Exception:  # a sticky device error: every later step fails too, and says so
+            logger.exception("device synchronisation after a failed step failed")
 
     def _emit(self, request: Request, logprobs: dict[str, float], now: float) -> None:
         if request.first_token_time_s is None:
