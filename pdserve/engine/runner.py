@@ -86,4 +86,5 @@ class ModelRunner:
             if chunk.sample:
                 rows.append(offset - 1)
                 sampled.append(chunk)
-        return torch.tensor(rows, dtype=torch.int64, device=self.device), sampled
+        # Asynchronous copy: `torch.tensor(..., device=cuda)` would wait for the device.
+        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True), sampled
