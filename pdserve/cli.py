@@ -28,6 +28,11 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+def parse_size_or_auto(text: str) -> Optional[int]:
+    """A size (see parse_bytes), or 'auto' -> None."""
+    return None if text.strip().lower() == "auto" else parse_bytes(text)
+
+
 def _add_worker_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
@@ -39,7 +44,11 @@ def _add_worker_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     cache = parser.add_argument_group("KV pool")
     cache.add_argument("--block-size", type=int, default=16)
     cache.add_argument("--num-blocks", type=int, default=None, help="pool size in blocks (wins over --kv-memory)")
-    cache.add_argument("--kv-memory", type=parse_bytes, default=1 << 30, help="pool size in bytes (default 1GiB)")
+    cache.add_argument("--kv-memory", type=parse_size_or_auto, default=None,
+                       help="pool size in bytes, e.g. 4GiB; auto (default): sized from free GPU memory on CUDA"
+                            " (see --gpu-memory-utilization), 1GiB on CPU")
+    cache.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="CUDA, pool sized automatically: fraction of the GPU this worker may hold in all")
     cache.add_argument("--no-prefix-caching", action="store_true")
     sched = parser.add_argument_group("scheduler")
     sched.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -76,7 +85,7 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         ),
         cache=CacheConfig(
             block_size=args.block_size, num_blocks=args.num_blocks, kv_memory_bytes=args.kv_memory,
-            enable_prefix_caching=not args.no_prefix_caching,
+            gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_running=args.max_num_running,

@@ -29,7 +29,11 @@ class ModelConfig(_Frozen):
 class CacheConfig(_Frozen):
     block_size: int = Field(16, ge=1, le=1024)
     num_blocks: Optional[int] = Field(None, ge=2)  # wins over kv_memory_bytes
-    kv_memory_bytes: int = Field(1 << 30, ge=1 << 20)
+    # None: on CUDA, sized from the GPU's free memory (below); on CPU, 1 GiB.
+    kv_memory_bytes: Optional[int] = Field(None, ge=1 << 20)
+    # On CUDA without a size: the fraction of the GPU this worker may hold in all
+    # (weights, step workspace, pool); 1 - it always stays free. See docs/kv-layout.md.
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enable_prefix_caching: bool = True
 
 

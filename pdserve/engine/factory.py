@@ -21,7 +21,8 @@ from pdserve.engine.outputs import OutputProcessor
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
-from pdserve.kv.layout import KVPoolLayout, num_blocks_for_budget, page_bytes_for
+from pdserve.engine.memory_budget import StepLimits, free_device_bytes, pool_num_blocks
+from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan, plan_groups
 from pdserve.metrics import Metrics
@@ -94,16 +95,17 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     dtype = pick_dtype(config.model.dtype, device)
     if config.model.num_threads is not None:
         torch.set_num_threads(config.model.num_threads)
+    free_before_load = None if loaded is not None else free_device_bytes(device)
     loaded = loaded or load_model(config.model.path, dtype, device)
     spec = loaded.model.spec
     plan = plan_groups(spec.layer_specs)
     cache = config.cache
-    num_blocks = cache.num_blocks or num_blocks_for_budget(
-        cache.kv_memory_bytes,
-        page_bytes_for(plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype),
-    )
-    layout = KVPoolLayout(num_blocks, plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
     max_model_len = min(config.model.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    limits = StepLimits(max_model_len, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_running,
+                        cache.block_size, len(plan.groups))
+    page_bytes = page_bytes_for(plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+    num_blocks = pool_num_blocks(config, loaded.model, plan, page_bytes, limits, dtype, device, free_before_load)
+    layout = KVPoolLayout(num_blocks, plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
     pool_limit = max_tokens_in_pool(plan, num_blocks, cache.block_size)
     if pool_limit < max_model_len:
         logger.warning("KV pool holds at most %d tokens per request; capping the context from %d", pool_limit, max_model_len)
