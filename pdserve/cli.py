@@ -13,7 +13,8 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, TransferConfig, WorkerConfig
+from pdserve.config import (
+    CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, TransferConfig, WorkerConfig, parse_device)
 from pdserve.local_cluster import add_up_arguments, run_local_cluster
 from proxy.cli import add_proxy_arguments, run_proxy
 
@@ -38,7 +39,8 @@ def _add_worker_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     model.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     model.add_argument("--served-model-name", default=None)
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    model.add_argument("--device", type=parse_device, default="auto",
+                       help="auto (CUDA if present), cpu, cuda or cuda:N; the KV pool and NIXL registration follow")
     model.add_argument("--max-model-len", type=int, default=None)
     model.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     cache = parser.add_argument_group("KV pool")

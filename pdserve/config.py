@@ -6,9 +6,21 @@ environment variables after start-up.
 
 from __future__ import annotations
 
+import argparse
+import re
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# "auto" (CUDA if present, else CPU), "cpu", "cuda" (the current CUDA device) or "cuda:N".
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+
+
+def parse_device(text: str) -> str:
+    """A --device value, checked (the CLI's and `pdserve up`'s argparse type)."""
+    if re.fullmatch(DEVICE_PATTERN, text) is None:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (use auto, cpu, cuda or cuda:N)")
+    return text
 
 
 class _Frozen(BaseModel):
@@ -19,7 +31,7 @@ class ModelConfig(_Frozen):
     path: Optional[str] = None  # HF directory or .gguf file; None = embedded SmolLM2
     served_name: Optional[str] = None  # id in /v1/models; defaults to the model's own name
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on CUDA
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: str = Field("auto", pattern=DEVICE_PATTERN)
     max_model_len: Optional[int] = None  # defaults to the model's max positions
     # CPU threads for torch; None keeps torch's default (all cores). Set it when
     # several workers share one host, or they fight over the same cores.

@@ -25,6 +25,7 @@ from typing import IO, Callable, Optional, Sequence
 
 import httpx
 
+from pdserve.config import parse_device
 from proxy.cli import INTERNAL_TOKEN_ENV
 
 _PR_SET_PDEATHSIG = 1
@@ -65,8 +66,15 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-port", type=int, default=8200, help="0: any free port")
     parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--kv-memory", default=None, help="each worker's KV pool size, e.g. 512MiB")
+    parser.add_argument("--device", type=parse_device, default="auto",
+                        help="both workers' device: auto, cpu, cuda or cuda:N")
+    parser.add_argument("--prefill-device", type=parse_device, default=None,
+                        help="the prefill worker's device (default: --device), e.g. cuda:0")
+    parser.add_argument("--decode-device", type=parse_device, default=None,
+                        help="the decode worker's device (default: --device), e.g. cuda:1")
+    parser.add_argument("--kv-memory", default=None, help="each worker's KV pool size, e.g. 512MiB (default: auto)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of a GPU the workers on it hold together; split evenly when they share one")
     parser.add_argument("--num-blocks", type=int, default=None, help="each worker's KV pool size in blocks")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads per worker (default: the worker's share of the cores)")
@@ -99,7 +107,8 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int]) -> list[ChildSpe
     env = {INTERNAL_TOKEN_ENV: args.internal_token or secrets.token_hex(16)}
     base = [sys.executable, "-m", "pdserve.cli"]
     common = ["--host", args.host, "--log-level", args.log_level]
-    model = ["--device", args.device]
+    devices = role_devices(args)
+    model = []
     for flag, value in (("--model", args.model), ("--max-model-len", args.max_model_len),
                         ("--kv-memory", args.kv_memory), ("--num-blocks", args.num_blocks)):
         if value is not None:
@@ -110,7 +119,8 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int]) -> list[ChildSpe
     specs = []
     for role, port, cores_of, threads in (("prefill", prefill_port, plan.prefill_cores, plan.prefill_threads),
                                           ("decode", decode_port, plan.decode_cores, plan.decode_threads)):
-        argv = [*base, role, "--port", str(port), "--num-threads", str(args.num_threads or threads), *common, *model]
+        argv = [*base, role, "--port", str(port), "--num-threads", str(args.num_threads or threads), *common, *model,
+                "--device", devices[role], "--gpu-memory-utilization", str(gpu_share(args, devices))]
         specs.append(ChildSpec(role, argv, port, cores_of, env))
     proxy = [*base, "proxy", "--port", str(proxy_port), *common,
              "--prefill", f"http://{args.host}:{prefill_port}", "--decode", f"http://{args.host}:{decode_port}"]
@@ -118,6 +128,19 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int]) -> list[ChildSpe
         proxy += ["--policy", args.policy]
     specs.append(ChildSpec("proxy", proxy, proxy_port, None, env))
     return specs
+
+
+def role_devices(args: argparse.Namespace) -> dict[str, str]:
+    """Each worker's --device: its own flag, else the shared --device."""
+    return {"prefill": args.prefill_device or args.device, "decode": args.decode_device or args.device}
+
+
+def gpu_share(args: argparse.Namespace, devices: dict[str, str]) -> float:
+    """Each worker's --gpu-memory-utilization: the whole share on a GPU of its own, half
+    of it when both name the same device (`cuda` is `cuda:0` unless CUDA_VISIBLE_DEVICES says
+    otherwise; "auto" is the same device for both)."""
+    same = {device if device != "cuda" else "cuda:0" for device in devices.values()}
+    return args.gpu_memory_utilization / 2 if len(same) == 1 else args.gpu_memory_utilization
 
 
 def _child_setup(cores: Optional[tuple[int, ...]], libc: Optional[ctypes.CDLL]) -> Callable[[], None]:

@@ -35,9 +35,20 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def pick_device(choice: str) -> torch.device:
+    """auto, cpu, cuda or cuda:N -> a device with an index on CUDA (the pool's NIXL device id)."""
     if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(choice)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {choice}: CUDA is not available (torch {torch.__version__})")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"--device {choice}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    # Library handles and kernels launched without an explicit device land here too.
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def pick_dtype(choice: str, device: torch.device) -> torch.dtype:

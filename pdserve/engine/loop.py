@@ -116,6 +116,7 @@ class EngineLoop:
     # ---- the engine thread -------------------------------------------------------
 
     def run_forever(self) -> None:
+        self.runner.bind_thread()
         while not self._stopping:
             self._drain_inbox(block=not self.scheduler.has_work())
             self._tick_role()

@@ -34,6 +34,13 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.synchronize()  # the pool's zeros land before NIXL registers it or a peer reads it
 
+    def bind_thread(self) -> None:
+        """Make this runner's GPU the calling thread's current CUDA device (it is per
+        thread): what runs on the engine thread without naming a device, such as UCX
+        copies started by NIXL calls, then uses the pool's GPU. A no-op on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def synchronize(self) -> None:
         """Block until every kernel this runner queued has finished.
 

@@ -20,6 +20,7 @@ import torch
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.transfer.nixl_transport import NixlTransport
 from pdserve.transfer.transport import PeerInfo, TransferError, TransferState
+from tests.devices import cuda_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -185,3 +186,27 @@ def test_pool_is_registered_with_its_memory_type_and_device_index(prefill, decod
     assert (info.mem_type, info.device_id) == (("VRAM", view.get_device()) if device == "cuda" else ("DRAM", 0))
     assert info.base_address == view.data_ptr()
     assert (prefill.peer_info.mem_type, prefill.peer_info.device_id) == (info.mem_type, info.device_id)
+
+
+def _two_gpus() -> bool:
+    return cuda_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs two CUDA devices")
+def test_pools_on_two_gpus_carry_their_own_device_ids_and_read_across():
+    """Prefill on cuda:0, decode on cuda:1 (as `pdserve up --prefill-device cuda:0 --decode-device cuda:1`)."""
+    child = PrefillProcess("prefill-agent-gpu0", epoch="epoch-1", seed=4, device="cuda:0")
+    layout = KVPoolLayout(num_blocks=NUM_DECODE_BLOCKS, **LAYOUT)
+    view = layout.canonical_view(layout.allocate("cuda:1"))
+    transport = NixlTransport(view, f"decode-agent-gpu1-{os.getpid()}")
+    try:
+        assert (child.peer_info.mem_type, child.peer_info.device_id) == ("VRAM", 0)
+        assert transport.local_peer_info("d", "e").device_id == 1
+        handle = transport.start_read(transport.connect(child.peer_info), [2, 7], [9, 30], b"")
+        assert wait(transport, handle) is TransferState.DONE, handle.error
+        expected = pattern(NUM_PREFILL_BLOCKS, transport.page_bytes, seed=4)
+        assert torch.equal(view[2].cpu(), expected[9]) and torch.equal(view[7].cpu(), expected[30])
+    finally:
+        transport.close()
+        child.shutdown()

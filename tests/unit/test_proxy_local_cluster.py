@@ -176,3 +176,18 @@ def test_health_poll_access_lines_are_kept_off_the_console():
     output.write_line("decode", 'INFO:     127.0.0.1:4242 - "GET /load HTTP/1.1" 200 OK')
     output.write_line("decode", 'INFO:     127.0.0.1:4242 - "POST /v1/completions HTTP/1.1" 200 OK')
     assert out.getvalue() == '[decode] INFO:     127.0.0.1:4242 - "POST /v1/completions HTTP/1.1" 200 OK\n'
+
+
+def test_each_worker_gets_its_own_device_and_workers_sharing_a_gpu_split_its_share():
+    split = specs_for("--prefill-device", "cuda:0", "--decode-device", "cuda:1")
+    assert flag(split["prefill"].argv, "--device") == "cuda:0" and flag(split["decode"].argv, "--device") == "cuda:1"
+    assert flag(split["prefill"].argv, "--gpu-memory-utilization") == "0.9"
+    assert "--device" not in split["proxy"].argv
+    shared = specs_for("--device", "cuda", "--decode-device", "cuda:0", "--gpu-memory-utilization", "0.8")
+    for name in ("prefill", "decode"):
+        assert flag(shared[name].argv, "--gpu-memory-utilization") == "0.4"
+    one_overridden = specs_for("--device", "cuda:1", "--prefill-device", "cuda:0")
+    assert [flag(one_overridden[n].argv, "--device") for n in ("prefill", "decode")] == ["cuda:0", "cuda:1"]
+    for spec in specs_for().values():  # the default: auto for both, one device, split share
+        if spec.name != "proxy":
+            assert flag(spec.argv, "--device") == "auto" and flag(spec.argv, "--gpu-memory-utilization") == "0.45"
