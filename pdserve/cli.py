@@ -8,124 +8,28 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import re
 import sys
 from typing import Optional, Sequence
 
-from pdserve.config import (
-    CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, TransferConfig, WorkerConfig, parse_device)
+from pdserve.config_cli import ConfigError, add_worker_flags, worker_config
 from pdserve.local_cluster import add_up_arguments, run_local_cluster
 from proxy.cli import add_proxy_arguments, run_proxy
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    """'512MiB', '2g', '1073741824' -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB or 2GiB)")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-
-
-def parse_size_or_auto(text: str) -> Optional[int]:
-    """A size (see parse_bytes), or 'auto' -> None."""
-    return None if text.strip().lower() == "auto" else parse_bytes(text)
-
-
-def _add_worker_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    model.add_argument("--served-model-name", default=None)
-    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    model.add_argument("--device", type=parse_device, default="auto",
-                       help="auto (CUDA if present), cpu, cuda or cuda:N; the KV pool and NIXL registration follow")
-    model.add_argument("--max-model-len", type=int, default=None)
-    model.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    cache = parser.add_argument_group("KV pool")
-    cache.add_argument("--block-size", type=int, default=16)
-    cache.add_argument("--num-blocks", type=int, default=None, help="pool size in blocks (wins over --kv-memory)")
-    cache.add_argument("--kv-memory", type=parse_size_or_auto, default=None,
-                       help="pool size in bytes, e.g. 4GiB; auto (default): sized from free GPU memory on CUDA"
-                            " (see --gpu-memory-utilization), 1GiB on CPU")
-    cache.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="CUDA, pool sized automatically: fraction of the GPU this worker may hold in all")
-    cache.add_argument("--no-prefix-caching", action="store_true")
-    sched = parser.add_argument_group("scheduler")
-    sched.add_argument("--max-num-batched-tokens", type=int, default=512)
-    sched.add_argument("--max-num-running", type=int, default=64)
-    sched.add_argument("--max-num-waiting", type=int, default=1024)
-    server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=default_port)
-    server.add_argument("--internal-token", default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),
-                        help="shared token guarding internal endpoints (default: $PDSERVE_INTERNAL_TOKEN;"
-                             " prefer the variable: flags show in process listings)")
-    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    server.add_argument("--drain-timeout-s", type=float, default=60.0,
-                        help="on SIGTERM, wait this long for in-flight work (and pinned KV) before exiting")
-
-
-def _add_transfer_flags(parser: argparse.ArgumentParser) -> None:
-    kv = parser.add_argument_group("P/D KV transfer")
-    kv.add_argument("--engine-id", default=None, help="stable worker name (default: role-hostname-port)")
-    kv.add_argument("--advertise-host", default=None, help="address peers reach this worker on (default: --host)")
-    kv.add_argument("--kv-lease-s", type=float, default=30.0, help="P: keep unread blocks this long")
-    kv.add_argument("--kv-heartbeat-s", type=float, default=5.0, help="D: renew leases of queued requests this often")
-    kv.add_argument("--kv-pull-timeout-s", type=float, default=30.0, help="D: give up on a KV read after this long")
-    kv.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
-                    help="D: on a failed pull, prefill locally (recompute) or return a distinct 503 (fail)")
-
-
-def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
-    return WorkerConfig(
-        role=role,
-        model=ModelConfig(
-            path=args.model, served_name=args.served_model_name, dtype=args.dtype,
-            device=args.device, max_model_len=args.max_model_len, num_threads=args.num_threads,
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size, num_blocks=args.num_blocks, kv_memory_bytes=args.kv_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_running=args.max_num_running,
-            max_num_waiting=args.max_num_waiting,
-        ),
-        server=ServerConfig(host=args.host, port=args.port, internal_token=args.internal_token,
-                            log_level=args.log_level, drain_timeout_s=args.drain_timeout_s),
-        transfer=_transfer_config(args),
-    )
-
-
-def _transfer_config(args: argparse.Namespace) -> TransferConfig:
-    if not hasattr(args, "kv_lease_s"):
-        return TransferConfig()
-    return TransferConfig(
-        engine_id=args.engine_id, advertise_host=args.advertise_host, lease_s=args.kv_lease_s,
-        heartbeat_s=args.kv_heartbeat_s, pull_timeout_s=args.kv_pull_timeout_s, failure_policy=args.kv_failure_policy,
-    )
+_ROLES = {"serve": "colocated", "prefill": "prefill", "decode": "decode"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="one colocated worker: the OpenAI API, no KV transfer")
-    _add_worker_flags(serve, default_port=8000)
-    for name, port, help_text in (
-        ("prefill", 8100, "prefill worker: computes prompts' KV and keeps it for decode workers"),
-        ("decode", 8200, "decode worker: pulls prompts' KV from prefill workers over NIXL, then generates"),
+    for name, help_text in (
+        ("serve", "one colocated worker: the OpenAI API, no KV transfer"),
+        ("prefill", "prefill worker: computes prompts' KV and keeps it for decode workers"),
+        ("decode", "decode worker: pulls prompts' KV from prefill workers over NIXL, then generates"),
     ):
-        worker = commands.add_parser(name, help=help_text)
-        _add_worker_flags(worker, default_port=port)
-        _add_transfer_flags(worker)
+        add_worker_flags(commands.add_parser(name, help=help_text), _ROLES[name])
     add_proxy_arguments(commands.add_parser("proxy", help="routing proxy: the OpenAI endpoint in front of the workers"))
     add_up_arguments(commands.add_parser("up", help="local cluster: one prefill, one decode and the proxy"))
     return parser
-
-
-_ROLES = {"serve": "colocated", "prefill": "prefill", "decode": "decode"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -139,10 +43,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_proxy(args)  # never imports torch: the proxy ships without it
     if args.command == "up":
         return run_local_cluster(args)
+    try:
+        config = worker_config(args, _ROLES[args.command])
+    except ConfigError as error:
+        print(f"pdserve {args.command}: error: {error}", file=sys.stderr)
+        return 2
     from pdserve.worker import serve_worker  # heavy imports (torch) only when serving
 
-    serve_worker(worker_config(args, _ROLES[args.command]))
-    return 0
+    return serve_worker(config)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,31 @@
-"""Frozen configuration of a worker, one sub-config per component.
+"""Frozen configuration of a worker, one sub-config per component: the single home of every setting.
 
-Built once by the CLI (or a test) and passed down; nothing reads flags or
-environment variables after start-up.
+Each field declares its default, its constraints, its help text and (where
+it differs from the field name) its command-line flag; `pdserve/config_cli.py`
+builds the flags of `pdserve serve|prefill|decode|up` from these models, so a
+setting is written once. Built once at start-up and passed down; nothing
+reads flags or environment variables afterwards.
 """
 
 from __future__ import annotations
 
-import argparse
-import re
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+Role = Literal["colocated", "decode", "prefill"]
+DEFAULT_PORTS: dict[str, int] = {"colocated": 8000, "prefill": 8100, "decode": 8200}
 # "auto" (CUDA if present, else CPU), "cpu", "cuda" (the current CUDA device) or "cuda:N".
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
 
 
-def parse_device(text: str) -> str:
-    """A --device value, checked (the CLI's and `pdserve up`'s argparse type)."""
-    if re.fullmatch(DEVICE_PATTERN, text) is None:
-        raise argparse.ArgumentTypeError(f"not a device: {text!r} (use auto, cpu, cuda or cuda:N)")
-    return text
+def setting(default: Any, help: str, *, flag: Optional[str] = None, env: Optional[str] = None,
+            parse: Optional[str] = None, **constraints: Any) -> Any:
+    """A config field with its CLI metadata: `flag` overrides the derived --field-name,
+    `env` names a variable that supplies the value when the flag is absent,
+    `parse` names a special parser ("bytes", "size_or_auto", "device": see config_cli.PARSERS)."""
+    extra = {key: value for key, value in (("flag", flag), ("env", env), ("parse", parse)) if value is not None}
+    return Field(default, description=help, json_schema_extra=extra or None, **constraints)
 
 
 class _Frozen(BaseModel):
@@ -28,58 +33,90 @@ class _Frozen(BaseModel):
 
 
 class ModelConfig(_Frozen):
-    path: Optional[str] = None  # HF directory or .gguf file; None = embedded SmolLM2
-    served_name: Optional[str] = None  # id in /v1/models; defaults to the model's own name
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on CUDA
-    device: str = Field("auto", pattern=DEVICE_PATTERN)
-    max_model_len: Optional[int] = None  # defaults to the model's max positions
-    # CPU threads for torch; None keeps torch's default (all cores). Set it when
-    # several workers share one host, or they fight over the same cores.
-    num_threads: Optional[int] = Field(None, ge=1)
+    path: Optional[str] = setting(None, "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+                                  flag="--model")
+    served_name: Optional[str] = setting(None, "model id in /v1/models (default: the model's own name)",
+                                         flag="--served-model-name")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+        "auto", "weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    device: str = setting("auto", "where the model and the KV pool live: auto (CUDA if present), cpu, cuda or "
+                                  "cuda:N; NIXL registers the pool under that device", parse="device",
+                          pattern=DEVICE_PATTERN)
+    max_model_len: Optional[int] = setting(None, "context limit in tokens (default: the model's max positions)",
+                                           ge=1)
+    num_threads: Optional[int] = setting(
+        None, "torch CPU threads (default: all cores); set it when several workers share a host", ge=1)
 
 
 class CacheConfig(_Frozen):
-    block_size: int = Field(16, ge=1, le=1024)
-    num_blocks: Optional[int] = Field(None, ge=2)  # wins over kv_memory_bytes
-    # None: on CUDA, sized from the GPU's free memory (below); on CPU, 1 GiB.
-    kv_memory_bytes: Optional[int] = Field(None, ge=1 << 20)
-    # On CUDA without a size: the fraction of the GPU this worker may hold in all
-    # (weights, step workspace, pool); 1 - it always stays free. See docs/kv-layout.md.
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    enable_prefix_caching: bool = True
+    block_size: int = setting(16, "tokens per KV block", ge=1, le=1024)
+    num_blocks: Optional[int] = setting(None, "pool size in blocks (wins over --kv-memory)", ge=2)
+    kv_memory_bytes: Optional[int] = setting(
+        None, "pool size in bytes, e.g. 512MiB or 2GiB; auto (the default): on CUDA sized from the GPU's free "
+              "memory after the weights (see --gpu-memory-utilization and docs/kv-layout.md), 1GiB on CPU",
+        flag="--kv-memory", parse="size_or_auto", ge=1 << 20)
+    gpu_memory_utilization: float = setting(
+        0.9, "CUDA with --kv-memory auto: the share of the whole GPU this worker may hold (weights, step "
+             "workspace, pool)", gt=0, le=1)
+    enable_prefix_caching: bool = setting(True, "reuse the KV of prompt prefixes seen before", flag="--prefix-caching")
 
 
 class SchedulerConfig(_Frozen):
-    max_num_batched_tokens: int = Field(512, ge=1)  # per-step token budget (chunked prefill)
-    max_num_running: int = Field(64, ge=1)
-    max_num_waiting: int = Field(1024, ge=1)  # past this, new requests get 503
+    max_num_batched_tokens: int = setting(512, "per-step token budget (longer prompts are chunked)", ge=1)
+    max_num_running: int = setting(64, "requests computed together (including those waiting for remote KV)", ge=1)
+    max_num_waiting: int = setting(1024, "queued requests past which new ones get 503", ge=1)
 
 
 class ServerConfig(_Frozen):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    internal_token: Optional[str] = None  # guards internal (KV) endpoints
-    log_level: str = "info"
-    # On SIGTERM: how long to wait for in-flight requests (and, on a prefill
-    # worker, pinned blocks) before aborting them and exiting.
-    drain_timeout_s: float = Field(60.0, ge=0)
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on (default per role: serve 8000, prefill 8100, decode 8200)",
+                        ge=0, le=65535)
+    internal_token: Optional[str] = setting(
+        None, "shared token guarding internal endpoints and kv_transfer_params (prefer the variable: flags show "
+              "in process listings)", env="PDSERVE_INTERNAL_TOKEN")
+    log_level: Literal["debug", "info", "warning", "error"] = setting("info", "log verbosity")
+    drain_timeout_s: float = setting(
+        60.0, "on SIGTERM, wait this long for in-flight work (and pinned KV) before exiting", ge=0)
 
 
 class TransferConfig(_Frozen):
-    engine_id: Optional[str] = None  # stable name of this worker; default host:port
-    advertise_host: Optional[str] = None  # address decode workers reach us on; default server.host
-    lease_s: float = Field(30.0, gt=0)  # P keeps unread blocks this long without a heartbeat
-    heartbeat_s: float = Field(5.0, gt=0)  # D renews leases of queued requests this often
-    pull_timeout_s: float = Field(30.0, gt=0)  # D gives up on a READ after this long
-    handshake_timeout_s: float = Field(5.0, gt=0)
-    failure_policy: Literal["recompute", "fail"] = "recompute"
+    engine_id: Optional[str] = setting(None, "stable worker name (default: role-hostname-port)")
+    advertise_host: Optional[str] = setting(None, "address peers reach this worker on (default: --host)")
+    lease_s: float = setting(30.0, "how long a prefill worker keeps unread KV without news from its reader "
+                                   "(set the same value on decode workers: it bounds their pull timeout)",
+                             flag="--kv-lease-s", gt=0)
+    heartbeat_s: float = setting(5.0, "D: renew leases of queued and in-flight pulls this often",
+                                 flag="--kv-heartbeat-s", gt=0)
+    pull_timeout_s: float = setting(10.0, "D: give up on a KV read after this long (at most half the lease)",
+                                    flag="--kv-pull-timeout-s", gt=0)
+    handshake_timeout_s: float = setting(5.0, "D: give up on a prefill worker's handshake after this long",
+                                         flag="--kv-handshake-timeout-s", gt=0)
+    connect_timeout_s: float = setting(5.0, "D: give up setting up a prefill worker's data path after this long",
+                                       flag="--kv-connect-timeout-s", gt=0)
+    failure_policy: Literal["recompute", "fail"] = setting(
+        "recompute", "D: on a failed pull, prefill locally (recompute) or answer 503 kv_pull_failed (fail)",
+        flag="--kv-failure-policy")
 
 
 class WorkerConfig(_Frozen):
     # colocated: one worker, no KV transport; decode/prefill: the two P/D halves.
-    role: Literal["colocated", "decode", "prefill"] = "colocated"
+    role: Role = "colocated"
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     server: ServerConfig = ServerConfig()
     transfer: TransferConfig = TransferConfig()
+
+    @model_validator(mode="after")
+    def _decode_timeouts_fit_in_the_lease(self) -> "WorkerConfig":
+        # A READ that outlives half the lease might land after P freed and reused
+        # its pages; D would then treat it as failed, so a longer timeout is useless.
+        transfer = self.transfer
+        if self.role == "decode" and transfer.pull_timeout_s > transfer.lease_s / 2:
+            raise ValueError(f"--kv-pull-timeout-s ({transfer.pull_timeout_s:g}) must be at most half of "
+                             f"--kv-lease-s ({transfer.lease_s:g}): a slower read could land after the prefill "
+                             "worker freed its pages")
+        if self.role == "decode" and transfer.heartbeat_s >= transfer.lease_s / 2:
+            raise ValueError(f"--kv-heartbeat-s ({transfer.heartbeat_s:g}) must be under half of "
+                             f"--kv-lease-s ({transfer.lease_s:g})")
+        return self

@@ -46,13 +46,26 @@ def drain(engine: Optional[Drainable], timeout_s: float, poll_s: float = 0.1) ->
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn server whose first SIGTERM/SIGINT drains before shutting down."""
+    """uvicorn server whose first SIGTERM/SIGINT drains before shutting down, and
+    that shuts down on its own (`died` = True) once the worker cannot serve any more."""
 
-    def __init__(self, config: uvicorn.Config, engine: Callable[[], Optional[Drainable]], timeout_s: float):
+    def __init__(self, config: uvicorn.Config, engine: Callable[[], Optional[Drainable]], timeout_s: float,
+                 is_alive: Callable[[], bool] = lambda: True):
         super().__init__(config)
         self._engine = engine
         self._timeout_s = timeout_s
+        self._is_alive = is_alive
         self._draining = False
+        self.died = False
+
+    async def on_tick(self, counter: int) -> bool:
+        # uvicorn ticks every 0.1 s; a worker that cannot serve exits so that
+        # its orchestrator (or `pdserve up`) restarts it, after /live said so.
+        if not self.died and not self._is_alive():
+            self.died = True
+            logger.critical("this worker cannot serve any more; exiting")
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame) -> None:  # type: ignore[override]
         if self._draining:

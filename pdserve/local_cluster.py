@@ -25,7 +25,8 @@ from typing import IO, Callable, Optional, Sequence
 
 import httpx
 
-from pdserve.config import parse_device
+from pdserve.config import DEFAULT_PORTS, CacheConfig
+from pdserve.config_cli import FORWARDED_ARGS, add_worker_flags, parse_device
 from proxy.cli import INTERNAL_TOKEN_ENV
 
 _PR_SET_PDEATHSIG = 1
@@ -59,23 +60,15 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+# Settings `up` decides per child (ports, cores, threads, token, identity) rather than forwarding.
+_UP_OWNS = ("--host", "--port", "--num-threads", "--internal-token", "--log-level", "--engine-id", "--advertise-host")
+
+
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address all three processes listen on")
     parser.add_argument("--port", type=int, default=8000, help="the proxy's port (0: any free port)")
-    parser.add_argument("--prefill-port", type=int, default=8100, help="0: any free port")
-    parser.add_argument("--decode-port", type=int, default=8200, help="0: any free port")
-    parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--device", type=parse_device, default="auto",
-                        help="both workers' device: auto, cpu, cuda or cuda:N")
-    parser.add_argument("--prefill-device", type=parse_device, default=None,
-                        help="the prefill worker's device (default: --device), e.g. cuda:0")
-    parser.add_argument("--decode-device", type=parse_device, default=None,
-                        help="the decode worker's device (default: --device), e.g. cuda:1")
-    parser.add_argument("--kv-memory", default=None, help="each worker's KV pool size, e.g. 512MiB (default: auto)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="share of a GPU the workers on it hold together; split evenly when they share one")
-    parser.add_argument("--num-blocks", type=int, default=None, help="each worker's KV pool size in blocks")
+    parser.add_argument("--prefill-port", type=int, default=DEFAULT_PORTS["prefill"], help="0: any free port")
+    parser.add_argument("--decode-port", type=int, default=DEFAULT_PORTS["decode"], help="0: any free port")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads per worker (default: the worker's share of the cores)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin the workers to separate cores")
@@ -83,6 +76,13 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"shared worker token (default: ${INTERNAL_TOKEN_ENV}, else a random one)")
     parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix"])
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--prefill-device", type=parse_device, default=None,
+                        help="the prefill worker's device, e.g. cuda:0 (default: --device)")
+    parser.add_argument("--decode-device", type=parse_device, default=None,
+                        help="the decode worker's device, e.g. cuda:1 (default: --device); two workers on one "
+                             "GPU split --gpu-memory-utilization between them")
+    # Every other worker setting, declared once in pdserve/config.py, goes to both workers as given.
+    add_worker_flags(parser, "decode", forward=True, exclude=_UP_OWNS)
 
 
 @dataclass(slots=True)
@@ -107,20 +107,15 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int]) -> list[ChildSpe
     env = {INTERNAL_TOKEN_ENV: args.internal_token or secrets.token_hex(16)}
     base = [sys.executable, "-m", "pdserve.cli"]
     common = ["--host", args.host, "--log-level", args.log_level]
-    devices = role_devices(args)
-    model = []
-    for flag, value in (("--model", args.model), ("--max-model-len", args.max_model_len),
-                        ("--kv-memory", args.kv_memory), ("--num-blocks", args.num_blocks)):
-        if value is not None:
-            model += [flag, str(value)]
+    worker_args = role_worker_args(args, list(getattr(args, FORWARDED_ARGS, None) or []))
     prefill_port = _resolve_port(args.host, args.prefill_port)
     decode_port = _resolve_port(args.host, args.decode_port)
     proxy_port = _resolve_port(args.host, args.port)
     specs = []
     for role, port, cores_of, threads in (("prefill", prefill_port, plan.prefill_cores, plan.prefill_threads),
                                           ("decode", decode_port, plan.decode_cores, plan.decode_threads)):
-        argv = [*base, role, "--port", str(port), "--num-threads", str(args.num_threads or threads), *common, *model,
-                "--device", devices[role], "--gpu-memory-utilization", str(gpu_share(args, devices))]
+        argv = [*base, role, "--port", str(port), "--num-threads", str(args.num_threads or threads), *common,
+                *worker_args[role]]
         specs.append(ChildSpec(role, argv, port, cores_of, env))
     proxy = [*base, "proxy", "--port", str(proxy_port), *common,
              "--prefill", f"http://{args.host}:{prefill_port}", "--decode", f"http://{args.host}:{decode_port}"]
@@ -130,17 +125,38 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int]) -> list[ChildSpe
     return specs
 
 
-def role_devices(args: argparse.Namespace) -> dict[str, str]:
-    """Each worker's --device: its own flag, else the shared --device."""
-    return {"prefill": args.prefill_device or args.device, "decode": args.decode_device or args.device}
+def _last_value(argv: Sequence[str], flag: str) -> Optional[str]:
+    values = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == flag]
+    return values[-1] if values else None
 
 
-def gpu_share(args: argparse.Namespace, devices: dict[str, str]) -> float:
-    """Each worker's --gpu-memory-utilization: the whole share on a GPU of its own, half
-    of it when both name the same device (`cuda` is `cuda:0` unless CUDA_VISIBLE_DEVICES says
-    otherwise; "auto" is the same device for both)."""
-    same = {device if device != "cuda" else "cuda:0" for device in devices.values()}
-    return args.gpu_memory_utilization / 2 if len(same) == 1 else args.gpu_memory_utilization
+def _with_value(argv: Sequence[str], flag: str, value: str) -> list[str]:
+    """`argv` without any `flag VALUE` pair, then `flag value`."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg == flag:
+            skip = not skip
+            continue
+        kept.append(arg)
+    return [*kept, flag, value]
+
+
+def role_worker_args(args: argparse.Namespace, forwarded: list[str]) -> dict[str, list[str]]:
+    """Each worker's flags: the forwarded ones, its own --device when `--prefill-device` or
+    `--decode-device` names one, and half the GPU share each when both land on one GPU
+    (auto and cuda mean cuda:0 there; on the CPU the share is unused)."""
+    shared = _last_value(forwarded, "--device") or "auto"
+    per_role, devices = {}, {}
+    for role in ("prefill", "decode"):
+        own = getattr(args, f"{role}_device", None)
+        per_role[role] = _with_value(forwarded, "--device", own) if own else list(forwarded)
+        devices[role] = {"auto": "cuda:0", "cuda": "cuda:0"}.get(own or shared, own or shared)
+    if devices["prefill"] == devices["decode"]:
+        share = float(_last_value(forwarded, "--gpu-memory-utilization")
+                      or CacheConfig.model_fields["gpu_memory_utilization"].default)
+        for role in per_role:
+            per_role[role] = _with_value(per_role[role], "--gpu-memory-utilization", f"{share / 2:g}")
+    return per_role
 
 
 def _child_setup(cores: Optional[tuple[int, ...]], libc: Optional[ctypes.CDLL]) -> Callable[[], None]:

@@ -2,11 +2,15 @@
 
 No globals: every `Metrics` owns its `CollectorRegistry`, so two workers (or
 two tests) in one process never share or clash on a series. Labels stay of low
-cardinality (a finish reason, a status code, a KV group index), never an id.
+cardinality (a finish reason, a status code, a KV group index), never an id;
+request ids ride on latency observations as exemplars (OpenMetrics only).
 """
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Bucket edges chosen for LLM serving: a first token takes milliseconds (prefix
@@ -26,6 +30,17 @@ E2E_BUCKETS_S = (
 QUEUE_BUCKETS_S = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )
+_EXEMPLAR_MAX_RUNES = 128  # OpenMetrics' limit on an exemplar's label names and values together
+_EXEMPLAR_LABEL = "request_id"
+
+
+def request_exemplar(request_id: Optional[str]) -> Optional[dict[str, str]]:
+    """The request id as an exemplar, cut to what OpenMetrics allows."""
+    if not request_id:
+        return None
+    return {_EXEMPLAR_LABEL: request_id[: _EXEMPLAR_MAX_RUNES - len(_EXEMPLAR_LABEL)]}
+
+
 STEP_BUCKETS_S = (
     0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
     0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -68,17 +83,18 @@ class RequestMetrics:
             ["status"], registry=registry,
         )
 
-    def observe_first_token(self, latency_s: float) -> None:
-        self.time_to_first_token_s.observe(latency_s)
+    def observe_first_token(self, latency_s: float, request_id: Optional[str] = None) -> None:
+        self.time_to_first_token_s.observe(latency_s, exemplar=request_exemplar(request_id))
 
     def observe_inter_token(self, latency_s: float) -> None:
         self.inter_token_latency_s.observe(latency_s)
 
     def observe_finished(
-        self, reason: str, e2e_latency_s: float, num_prompt_tokens: int, num_generation_tokens: int
+        self, reason: str, e2e_latency_s: float, num_prompt_tokens: int, num_generation_tokens: int,
+        request_id: Optional[str] = None,
     ) -> None:
         self.finished.labels(reason=reason).inc()
-        self.e2e_latency_s.observe(e2e_latency_s)
+        self.e2e_latency_s.observe(e2e_latency_s, exemplar=request_exemplar(request_id))
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generation_tokens)
 
@@ -156,9 +172,18 @@ class EngineMetrics:
             "Prompt tokens the model actually computed (prefix-cache hits and pulled KV excluded).",
             registry=registry,
         )
+        self.progress_age_s = Gauge(
+            "pdserve_engine_progress_age_seconds",
+            "Seconds since the engine loop last completed an iteration (grows while a step runs or the loop is stuck).",
+            registry=registry,
+        )
 
     def observe_step(self, duration_s: float) -> None:
         self.step_duration_s.observe(duration_s)
+
+    def watch_progress(self, progress_age_s: Callable[[], float]) -> None:
+        """Export the engine loop's last-progress age (a stuck loop shows as a growing value)."""
+        self.progress_age_s.set_function(progress_age_s)
 
     def count_computed_prompt_tokens(self, num_tokens: int) -> None:
         self.computed_prompt_tokens.inc(num_tokens)
@@ -237,6 +262,10 @@ class Metrics:
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format."""
         return generate_latest(self.registry)
+
+    def render_openmetrics(self) -> bytes:
+        """The registry in OpenMetrics format, which carries the request-id exemplars."""
+        return openmetrics.generate_latest(self.registry)
 
 
 def create_metrics() -> Metrics:

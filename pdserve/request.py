@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # torch-free, but kept out of import time: request.py sits below pd/
+    from pdserve.errors import PdserveError
+    from pdserve.pd.connector import RemoteSource
+    from pdserve.pd.params import KVTransferRequest, RemotePrefillParams
 
 
 class RequestStatus(enum.Enum):
@@ -50,11 +55,11 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
-    # Opaque to everything but the P/D role hooks; validated there.
-    kv_transfer_params: Optional[dict[str, Any]] = None
-    # Set by the decode worker's front end once params and peer are verified
-    # (a `pdserve.engine.decode_role.RemotePrefill`).
-    remote_prefill: Optional[Any] = None
+    # kv_transfer_params as parsed at the HTTP edge; the worker's P/D admission
+    # turns them into `remote_decode` (P) or `remote` (D) before the engine sees them.
+    kv_params: Optional["KVTransferRequest"] = None
+    remote_decode: bool = False  # P: keep the prompt's KV for a decode worker
+    remote: Optional["RemoteSource"] = None  # D: verified source of the prompt's KV
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +75,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    error: Optional[str] = None  # set with FinishReason.ERROR
-    kv_transfer_params: Optional[dict[str, Any]] = None
+    error: Optional["PdserveError"] = None  # set with FinishReason.ERROR
+    kv_transfer_params: Optional["RemotePrefillParams"] = None  # P's answer for the decode worker
 
 
 @dataclass(slots=True)
@@ -92,9 +97,10 @@ class Request:
     first_scheduled_time_s: Optional[float] = None
     first_token_time_s: Optional[float] = None
     finish_reason: Optional[FinishReason] = None
-    kv_transfer_params: Optional[dict[str, Any]] = None  # in: from the client; out (P): for the decode worker
-    remote_prefill: Optional[Any] = None  # D: where to pull this prompt's KV from (see GenerationRequest)
-    error: Optional[str] = None  # message for FinishReason.ERROR
+    remote_decode: bool = False  # P: keep the prompt's KV for a decode worker (input)
+    remote: Optional["RemoteSource"] = None  # D: where to pull the prompt's KV; None once consumed
+    kv_transfer_params: Optional["RemotePrefillParams"] = None  # P: the finish hook's answer (output)
+    error: Optional["PdserveError"] = None  # why it ended with FinishReason.ERROR
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,7 +17,9 @@ from pdserve.config import WorkerConfig
 from pdserve.drain import DrainingServer
 from pdserve.engine.async_engine import LoadingEngine
 from pdserve.engine.factory import BuiltEngine, build_engine
+from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.metrics import Metrics
+from pdserve.pd.wiring import TransportFactory, nixl_transport
 from pdserve.server.app import create_app
 from pdserve.server.kv_routes import create_kv_router
 
@@ -29,14 +31,15 @@ class _Loaded:
     built: Optional[BuiltEngine] = None
 
 
-def _load_in_background(config: WorkerConfig, metrics: Metrics, handle: LoadingEngine, loaded: _Loaded) -> threading.Thread:
+def _load_in_background(config: WorkerConfig, metrics: Metrics, handle: LoadingEngine, loaded: _Loaded,
+                        transport_factory: TransportFactory) -> threading.Thread:
     def load() -> None:
         try:
-            built = build_engine(config, metrics)
+            built = build_engine(config, metrics, request_ids=handle.request_ids, transport_factory=transport_factory)
             built.engine.start()
             loaded.built = built
             handle.inner = built.engine
-        except Exception as error:  # reported on every request and in the log
+        except Exception as error:  # /live turns 503 and the process exits non-zero
             logger.exception("model load failed")
             handle.load_error = f"model failed to load: {error}"
 
@@ -45,21 +48,24 @@ def _load_in_background(config: WorkerConfig, metrics: Metrics, handle: LoadingE
     return thread
 
 
-def serve_worker(config: WorkerConfig) -> None:
+def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nixl_transport) -> int:
+    """Serve until told to stop; returns the process exit status (1 when the worker could not serve)."""
     metrics = Metrics()
-    handle = LoadingEngine(config.model.served_name or "default")
+    handle = LoadingEngine(config.model.served_name or "default", RequestIdRegistry())
     loaded = _Loaded()
     routers = []
     if config.role != "colocated":
         routers.append(create_kv_router(lambda: loaded.built.agent_info if loaded.built else None,
                                         config.server.internal_token))
     app = create_app(handle, metrics, config.server, extra_routers=routers)
-    _load_in_background(config, metrics, handle, loaded)
+    _load_in_background(config, metrics, handle, loaded, transport_factory)
     uvicorn_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                     log_level=config.server.log_level)
-    server = DrainingServer(uvicorn_config, lambda: handle.inner, config.server.drain_timeout_s)
+    server = DrainingServer(uvicorn_config, lambda: handle.inner, config.server.drain_timeout_s,
+                            is_alive=handle.is_alive)
     try:
         server.run()
     finally:
         if loaded.built is not None:
             loaded.built.close()
+    return 1 if server.died else 0

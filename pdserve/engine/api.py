@@ -8,24 +8,45 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol
 
+from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.request import GenerationRequest, LoadReport, RequestOutput
+
+
+class OutputStream(Protocol):
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    async def aclose(self) -> None: ...
 
 
 class EngineClient(Protocol):
     model_name: str  # the id served in /v1/models and checked against `model`
     max_model_len: int  # prompt + generated tokens may not exceed it
     tokenizer: Tokenizer
+    request_ids: RequestIdRegistry  # shared with the engine loop: reserve before `generate`
 
     def is_ready(self) -> bool:
-        """False while weights load or the engine is draining."""
+        """False while weights load, while draining, or once the engine stopped."""
         ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    def is_alive(self) -> bool:
+        """False once the worker cannot serve any more (engine loop dead, load failed)."""
+        ...
+
+    def progress_age_s(self) -> float:
+        """Seconds since the engine loop last completed an iteration."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> OutputStream:
         """Submit a request and iterate its outputs; the last one has finished=True.
 
-        Closing the iterator early (client disconnect) aborts the request and
-        frees its blocks. Raises `EngineOverloaded` when the queue is full.
+        From this call on the engine owns `request.request_id` (reserved in
+        `request_ids`) and releases it; if the call raises, the caller does.
+        Closing the stream early (client disconnect) aborts the request and
+        frees its blocks. Iterating raises `EngineOverloaded` when the queue is
+        full, and the P/D admission's typed errors.
         """
         ...
 

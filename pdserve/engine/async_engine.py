@@ -1,39 +1,80 @@
 """The async face of the engine loop (implements `EngineClient`).
 
-Invariant: every request submitted is either finished by the engine or aborted
-when its consumer stops iterating, so a vanished client never strands blocks.
+Invariants: every request submitted is either finished by the engine or
+aborted when its consumer stops iterating, so a vanished client never strands
+blocks; a request id reserved for a request is released exactly once (by the
+stream if the request never reached the engine, else by the engine loop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import dataclasses
-import itertools
-from typing import AsyncIterator, Optional, Protocol
+from typing import Optional
 
 from pdserve.engine.loop import EngineLoop
+from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.errors import EngineNotReady, EngineOverloaded
 from pdserve.models.tokenizer import Tokenizer
+from pdserve.pd.admission import KVAdmission, LocalAdmission
 from pdserve.request import GenerationRequest, LoadReport, RequestOutput
 
 logger = logging.getLogger(__name__)
 
 
-class RequestFrontend(Protocol):
-    async def prepare(self, request: GenerationRequest) -> GenerationRequest:
-        """Validate and complete a request on the async side (may raise a typed 4xx)."""
-        ...
+class RequestStream:
+    """One request's outputs. Submits on the first `__anext__`; `aclose` aborts an unfinished request."""
+
+    def __init__(self, engine: "AsyncEngine", request: GenerationRequest):
+        self._engine = engine
+        self.request = request
+        self._outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._submitted = False
+        self._finished = False
+        self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished or self._closed:
+            raise StopAsyncIteration
+        if not self._submitted:
+            await self._submit()
+        output = await self._outputs.get()
+        self._finished = output.finished
+        return output
+
+    async def _submit(self) -> None:
+        engine = self._engine
+        engine.check_can_accept()
+        self.request = await engine.admission.admit(self.request)
+        engine.check_can_accept()  # admission awaits: the world may have changed
+        event_loop = asyncio.get_running_loop()
+        sink = lambda output: event_loop.call_soon_threadsafe(self._outputs.put_nowait, output)  # noqa: E731
+        engine.engine_loop.submit(self.request, sink)
+        engine.num_in_flight += 1
+        self._submitted = True  # from here on the engine loop owns the request id
+
+    async def aclose(self) -> None:
+        """Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._submitted:
+            self._engine.request_ids.release(self.request.request_id)
+            return
+        self._engine.num_in_flight -= 1
+        if not self._finished:
+            self._engine.engine_loop.abort(self.request.request_id)
 
 
 class AsyncEngine:
     def __init__(self, loop: EngineLoop, model_name: str, max_model_len: int, tokenizer: Tokenizer,
-                 max_in_flight: int, frontend: Optional[RequestFrontend] = None):
+                 max_in_flight: int, admission: Optional[KVAdmission] = None):
         self.engine_loop = loop
-        self.frontend = frontend
-        # Engine-side ids are unique for the life of the process even when a
-        # caller reuses an id (a prefill's blocks stay pinned under its id).
-        self._sequence = itertools.count()
+        self.admission: KVAdmission = admission or LocalAdmission()
+        self.request_ids: RequestIdRegistry = loop.request_ids
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
@@ -42,7 +83,18 @@ class AsyncEngine:
         self.draining = False
 
     def is_ready(self) -> bool:
-        return not self.draining
+        return not self.draining and self.is_alive()
+
+    def is_alive(self) -> bool:
+        return self.engine_loop.is_alive()
+
+    def check_can_accept(self) -> None:
+        if not self.is_alive():
+            raise EngineNotReady("the engine has stopped; this worker is restarting")
+        if self.draining:
+            raise EngineNotReady("this worker is draining; send the request to another one")
+        if self.num_in_flight >= self.max_in_flight:
+            raise EngineOverloaded(f"too many requests in flight ({self.num_in_flight}); retry later")
 
     # ---- drain (see pdserve/drain.py) ------------------------------------------------
 
@@ -64,49 +116,39 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self.engine_loop.shutdown()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        if self.draining:
-            raise EngineNotReady("this worker is draining; send the request to another one")
-        if self.num_in_flight >= self.max_in_flight:
-            raise EngineOverloaded(f"too many requests in flight ({self.num_in_flight}); retry later")
-        if self.frontend is not None:
-            request = await self.frontend.prepare(request)
-        request = dataclasses.replace(request, request_id=f"{request.request_id}.{next(self._sequence)}")
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        event_loop = asyncio.get_running_loop()
-        self.num_in_flight += 1
-        self.engine_loop.submit(request, lambda output: event_loop.call_soon_threadsafe(outputs.put_nowait, output))
-        finished = False
-        try:
-            while not finished:
-                output = await outputs.get()
-                finished = output.finished
-                yield output
-        finally:
-            self.num_in_flight -= 1
-            if not finished:
-                self.engine_loop.abort(request.request_id)
+    def generate(self, request: GenerationRequest) -> RequestStream:
+        """From this call on the engine owns `request.request_id` (a reserved id)."""
+        return RequestStream(self, request)
 
     def load_report(self) -> LoadReport:
         # Read from the HTTP thread without locks: plain ints, a step stale at worst.
         return self.engine_loop.load_report()
 
+    def progress_age_s(self) -> float:
+        return self.engine_loop.progress_age_s()
+
     async def abort(self, request_id: str) -> None:
-        """Callers abort by closing `generate`'s iterator; ids given here are
-        engine-side ids as seen in outputs."""
+        """Callers abort by closing `generate`'s stream; this is for ids seen in outputs."""
         self.engine_loop.abort(request_id)
 
 
 class LoadingEngine:
     """Stands in for the engine while weights load, so /health can say 503."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, request_ids: RequestIdRegistry):
         self._model_name = model_name
+        self.request_ids = request_ids
         self.inner: Optional[AsyncEngine] = None
         self.load_error: Optional[str] = None
 
     def is_ready(self) -> bool:
         return self.inner is not None and self.inner.is_ready()
+
+    def is_alive(self) -> bool:
+        """Alive while loading; afterwards as long as the engine loop runs."""
+        if self.load_error is not None:
+            return False
+        return self.inner is None or self.inner.is_alive()
 
     def _engine(self) -> AsyncEngine:
         if self.inner is None:
@@ -125,11 +167,14 @@ class LoadingEngine:
     def tokenizer(self) -> Tokenizer:
         return self._engine().tokenizer
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        return self._engine().generate(request)
+    def generate(self, request: GenerationRequest) -> RequestStream:
+        return self._engine().generate(request)  # raising leaves the id with the caller
 
     async def abort(self, request_id: str) -> None:
         await self._engine().abort(request_id)
 
     def load_report(self) -> LoadReport:
         return self.inner.load_report() if self.inner is not None else LoadReport()
+
+    def progress_age_s(self) -> float:
+        return self.inner.progress_age_s() if self.inner is not None else 0.0

@@ -10,24 +10,27 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+import httpx
 import torch
 
 from pdserve.config import WorkerConfig
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.decode_role import DecodeRole
-from pdserve.engine.kv_roles import KVRoleParts, build_kv_role
+from pdserve.engine.emitter import OutputEmitter
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.outputs import OutputProcessor
+from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
 from pdserve.engine.memory_budget import StepLimits, free_device_bytes, pool_num_blocks
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.manager import KVCacheManager
-from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan, plan_groups
+from pdserve.kv.specs import KVGroupPlan, plan_groups
 from pdserve.metrics import Metrics
+from pdserve.models.base import ModelSpec
 from pdserve.models.loader import LoadedModel, load_model
-from pdserve.transfer.handshake import AgentInfo
+from pdserve.pd.handshake import AgentInfo, compatibility_hash
+from pdserve.pd.wiring import KVSide, PoolDescription, TransportFactory, build_admission, build_kv_side, nixl_transport
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +65,7 @@ def max_tokens_in_pool(plan: KVGroupPlan, num_blocks: int, block_size: int) -> i
     usable = num_blocks - 1  # block 0 is the null block
 
     def blocks_needed(num_tokens: int) -> int:
-        per_full = -(-num_tokens // block_size)
-        total = 0
-        for group in plan.groups:
-            if isinstance(group.spec, FullAttentionSpec):
-                total += per_full
-            else:
-                total += min(per_full, -(-group.spec.window_tokens // block_size) + 1)
-        return total
+        return sum(group.spec.max_blocks_held(num_tokens, block_size) for group in plan.groups)
 
     low, high = 0, usable * block_size
     while low < high:  # largest n with blocks_needed(n) <= usable
@@ -86,22 +82,50 @@ class BuiltEngine:
     layout: KVPoolLayout
     kv_manager: KVCacheManager
     runner: ModelRunner
-    kv_role: Optional[KVRoleParts] = None  # None for a colocated worker
+    kv_side: KVSide
 
     @property
     def agent_info(self) -> Optional[AgentInfo]:
-        return None if self.kv_role is None else self.kv_role.agent_info
+        return self.kv_side.agent_info
 
     def close(self) -> None:
         """Stop the engine thread, then release the transport (never the other way round)."""
         self.engine.shutdown()
-        if self.kv_role is not None:
-            self.kv_role.transport.close()
+        self.kv_side.close()
 
 
-def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | None = None) -> BuiltEngine:
+def _fingerprint(model_name: str, spec: ModelSpec) -> str:
+    return f"{model_name}|{spec.architecture}|{spec.num_layers}|{spec.hidden_size}|{spec.vocab_size}"
+
+
+def _pool_description(model_name: str, spec: ModelSpec, plan: KVGroupPlan, layout: KVPoolLayout,
+                      dtype: torch.dtype) -> PoolDescription:
+    compat_hash = compatibility_hash(_fingerprint(model_name, spec), str(dtype), spec.num_kv_heads, spec.head_dim,
+                                     layout.block_size, plan)
+    return PoolDescription(plan, layout.num_blocks, layout.block_size, layout.page_bytes, compat_hash)
+
+
+def _configured_context(config: WorkerConfig, spec: ModelSpec) -> int:
+    return min(config.model.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+
+
+def _context_limit(config: WorkerConfig, spec: ModelSpec, plan: KVGroupPlan, num_blocks: int) -> int:
+    max_model_len = _configured_context(config, spec)
+    pool_limit = max_tokens_in_pool(plan, num_blocks, config.cache.block_size)
+    if pool_limit < max_model_len:
+        logger.warning("KV pool holds at most %d tokens per request; capping the context from %d", pool_limit, max_model_len)
+        max_model_len = pool_limit
+    return max_model_len
+
+
+def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | None = None, *,
+                 request_ids: Optional[RequestIdRegistry] = None,
+                 transport_factory: TransportFactory = nixl_transport,
+                 http_transport: Optional[httpx.AsyncBaseTransport] = None) -> BuiltEngine:
     """`loaded` lets tests and benchmarks share one set of weights between engines;
-    it must have been loaded with the device and dtype `config` implies."""
+    it must have been loaded with the device and dtype `config` implies. The
+    transport factory and the handshake's HTTP transport let in-process tests
+    replace NIXL and the network."""
     device = pick_device(config.model.device)
     dtype = pick_dtype(config.model.dtype, device)
     if config.model.num_threads is not None:
@@ -111,35 +135,29 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     spec = loaded.model.spec
     plan = plan_groups(spec.layer_specs)
     cache = config.cache
-    max_model_len = min(config.model.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-    limits = StepLimits(max_model_len, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_running,
-                        cache.block_size, len(plan.groups))
+    limits = StepLimits(_configured_context(config, spec), config.scheduler.max_num_batched_tokens,
+                        config.scheduler.max_num_running, cache.block_size, len(plan.groups))
     page_bytes = page_bytes_for(plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
     num_blocks = pool_num_blocks(config, loaded.model, plan, page_bytes, limits, dtype, device, free_before_load)
     layout = KVPoolLayout(num_blocks, plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
-    pool_limit = max_tokens_in_pool(plan, num_blocks, cache.block_size)
-    if pool_limit < max_model_len:
-        logger.warning("KV pool holds at most %d tokens per request; capping the context from %d", pool_limit, max_model_len)
-        max_model_len = pool_limit
+    max_model_len = _context_limit(config, spec, plan, num_blocks)
     kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching)
     runner = ModelRunner(loaded.model, plan, layout, device)
     model_name = config.model.served_name or loaded.name
-    kv_role = None
-    if config.role != "colocated":
-        kv_role = build_kv_role(config, metrics, kv_manager, plan, layout, runner.pool, spec, model_name, str(dtype))
-    role = kv_role.role if kv_role is not None else None
+    pool = _pool_description(model_name, spec, plan, layout, dtype)
+    kv_side = build_kv_side(config, metrics, pool, layout.canonical_view(runner.pool), transport_factory)
     stats = EngineStats(metrics, kv_manager)
     scheduler = Scheduler(config.scheduler, kv_manager, cache.block_size, max_model_len,
-                          on_preempt=stats.record_preemption, role_hooks=role)
-    if isinstance(role, DecodeRole):
-        role.bind(scheduler)
-    loop = EngineLoop(scheduler, runner, OutputProcessor(loaded.tokenizer), loaded.tokenizer.eos_token_ids, stats, role)
+                          connector=kv_side.connector, on_preempt=stats.record_preemption)
+    loop = EngineLoop(scheduler, runner, OutputEmitter(OutputProcessor(loaded.tokenizer)),
+                      loaded.tokenizer.eos_token_ids, stats, request_ids)
+    metrics.engine.watch_progress(loop.progress_age_s)
+    admission = build_admission(config, metrics, pool, kv_side, loop.call_soon, http_transport)
     max_in_flight = config.scheduler.max_num_running + config.scheduler.max_num_waiting
-    engine = AsyncEngine(loop, model_name, max_model_len, loaded.tokenizer, max_in_flight,
-                         frontend=kv_role.frontend if kv_role is not None else None)
+    engine = AsyncEngine(loop, model_name, max_model_len, loaded.tokenizer, max_in_flight, admission)
     logger.info(
         "engine ready: role=%s model=%s device=%s dtype=%s groups=%d group_size=%d blocks=%d block_size=%d page_bytes=%d max_model_len=%d",
         config.role, engine.model_name, device, dtype, len(plan.groups), plan.group_size, num_blocks, cache.block_size,
         layout.page_bytes, max_model_len,
     )
-    return BuiltEngine(engine, loaded, plan, layout, kv_manager, runner, kv_role)
+    return BuiltEngine(engine, loaded, plan, layout, kv_manager, runner, kv_side)

@@ -1,9 +1,13 @@
-"""The engine loop: one thread, synchronous steps.
+"""The engine loop: one thread, synchronous steps, supervised.
 
-schedule -> run the model -> update requests -> emit outputs, repeated while
-there is work; it sleeps on its inbox when idle. Invariant: only this thread
-touches the scheduler, the KV manager and the runner; other threads talk to it
-through the inbox and receive outputs through per-request sinks.
+poll the P/D connector -> schedule -> run the model -> update requests -> emit
+outputs, repeated while there is work; it sleeps on its inbox when idle.
+Invariants: only this thread touches the scheduler, the KV manager, the
+connector and the runner; other threads talk to it through the inbox and
+receive outputs through per-request sinks. A fault while serving some
+requests fails those requests only; a fault of the loop itself stops it,
+fails every request it held, and is reported by `is_alive()` so the worker
+can say so on /live and exit.
 """
 
 from __future__ import annotations
@@ -13,34 +17,21 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Union
+from typing import Callable, Optional, Union
 
-from pdserve.engine.outputs import OutputProcessor
+from pdserve.engine.emitter import OutputEmitter, OutputSink
+from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.engine.runner import ModelRunner
+from pdserve.engine.schedule_types import SampledToken, SchedulerOutput
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
-from pdserve.request import FinishReason, GenerationRequest, LoadReport, Request, RequestOutput
+from pdserve.errors import EngineFailure
+from pdserve.request import FinishReason, GenerationRequest, LoadReport, Request
 
 logger = logging.getLogger(__name__)
 
-OutputSink = Callable[[RequestOutput], None]
-
-
-class KVRole(Protocol):
-    """The P or D side of disaggregation, ticked by the loop every iteration."""
-
-    def has_pending(self) -> bool:
-        """True while pinned blocks or pulls need polling even with no step to run."""
-        ...
-
-    def tick(self) -> list[tuple[str, str]]:
-        """Poll the transport; returns (request id, message) of requests to end with an error."""
-        ...
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        """Blocks held for remote readers (prefill side; 0 on the decode side)."""
-        ...
+IDLE_WAIT_S = 1.0  # inbox wait with nothing to do
+POLL_WAIT_S = 0.005  # inbox wait while transfers or leases need polling
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,31 +47,30 @@ class _Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class _Call:
+    function: Callable[[], None]  # runs on the engine thread; must not block
+
+
+@dataclass(frozen=True, slots=True)
 class _Shutdown:
     pass
 
 
-_Command = Union[_Submit, _Abort, _Shutdown]
+_Command = Union[_Submit, _Abort, _Call, _Shutdown]
 
 
 class EngineLoop:
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        runner: ModelRunner,
-        outputs: OutputProcessor,
-        eos_token_ids: tuple[int, ...],
-        stats: EngineStats,
-        role: Optional[KVRole] = None,
-    ):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, emitter: OutputEmitter,
+                 eos_token_ids: tuple[int, ...], stats: EngineStats, request_ids: Optional[RequestIdRegistry] = None):
         self.scheduler = scheduler
         self.runner = runner
-        self.outputs = outputs
+        self.emitter = emitter
         self.eos_token_ids = eos_token_ids
         self.stats = stats
-        self.role = role
+        self.request_ids = request_ids or RequestIdRegistry()
         self.inbox: queue.Queue[_Command] = queue.Queue()
-        self.sinks: dict[str, OutputSink] = {}
+        self.fatal_error: Optional[BaseException] = None
+        self.last_progress_s = time.monotonic()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
 
@@ -95,14 +85,25 @@ class EngineLoop:
     def abort_all(self) -> None:
         self.inbox.put(_Abort(None))
 
+    def call_soon(self, function: Callable[[], None]) -> None:
+        """Run `function` on the engine thread at its next iteration (it must not block)."""
+        self.inbox.put(_Call(function))
+
     def load_report(self) -> LoadReport:
         scheduler = self.scheduler
         return LoadReport(
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             num_waiting_for_kv=scheduler.num_waiting_for_kv,
             kv_usage=sum(scheduler.kv.usage_by_group()),
-            num_pinned_blocks=self.role.num_pinned_blocks if self.role is not None else 0,
+            num_pinned_blocks=scheduler.connector.num_pinned_blocks,
         )
+
+    def is_alive(self) -> bool:
+        """False once the loop died (or was never started)."""
+        return self.fatal_error is None and self._thread is not None and self._thread.is_alive()
+
+    def progress_age_s(self) -> float:
+        return time.monotonic() - self.last_progress_s
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run_forever, name="pdserve-engine", daemon=True)
@@ -116,36 +117,41 @@ class EngineLoop:
     # ---- the engine thread -------------------------------------------------------
 
     def run_forever(self) -> None:
-        self.runner.bind_thread()
-        while not self._stopping:
-            self._drain_inbox(block=not self.scheduler.has_work())
-            self._tick_role()
-            if self.scheduler.has_work():
-                self.step()
-
-    def _tick_role(self) -> None:
-        if self.role is None:
-            return
         try:
-            failed = self.role.tick()
-        except Exception:  # a transport fault must not take the worker down
-            logger.exception("KV role tick failed")
-            return
-        for request_id, message in failed:
-            self._finish(request_id, FinishReason.ERROR, message)
+            self.runner.bind_thread()
+            while not self._stopping:
+                self.iterate()
+        except BaseException as error:  # noqa: BLE001 - the loop itself is broken: stop and say so
+            self._die(error)
+
+    def iterate(self) -> None:
+        """One turn of the loop: commands, P/D events, at most one step."""
+        self._drain_inbox(block=not self.scheduler.has_work())
+        self._poll_connector()
+        if self.scheduler.has_work():
+            self.step()
+        self._settle()
+        self.last_progress_s = time.monotonic()
 
     def run_until_idle(self) -> None:
         """Drive the loop on the calling thread until no request is left
         (tests and offline benchmarks; never while the thread runs)."""
         self._drain_inbox(block=False)
-        while self.scheduler.has_work():
-            self._tick_role()
-            self.step()
+        while self.scheduler.has_work() or self.scheduler.num_waiting_for_kv:
+            self._poll_connector()
+            if self.scheduler.has_work():
+                self.step()
+            self._settle()
             self._drain_inbox(block=False)
+        self._settle()
+
+    def _die(self, error: BaseException) -> None:
+        self.fatal_error = error
+        logger.critical("the engine loop stopped: %r", error, exc_info=error)
+        self.emitter.fail_all(EngineFailure("the engine stopped unexpectedly; the worker will restart"))
 
     def _drain_inbox(self, block: bool) -> None:
-        # With pinned blocks or pulls in flight the loop must keep polling them.
-        timeout_s = 0.005 if self.role is not None and self.role.has_pending() else 1.0
+        timeout_s = POLL_WAIT_S if self.scheduler.connector.has_pending() else IDLE_WAIT_S
         while True:
             try:
                 command = self.inbox.get(block=block, timeout=timeout_s if block else None)
@@ -158,8 +164,10 @@ class EngineLoop:
         if isinstance(command, _Submit):
             self._add(command)
         elif isinstance(command, _Abort):
-            for request_id in [command.request_id] if command.request_id is not None else list(self.sinks):
+            for request_id in [command.request_id] if command.request_id is not None else self.emitter.request_ids():
                 self._finish(request_id, FinishReason.ABORT)
+        elif isinstance(command, _Call):
+            command.function()
         else:
             self._stopping = True
 
@@ -171,42 +179,73 @@ class EngineLoop:
             sampling=generation.sampling,
             eos_token_ids=self.eos_token_ids,
             arrival_time_s=command.arrival_time_s,
-            kv_transfer_params=generation.kv_transfer_params,
-            remote_prefill=generation.remote_prefill,
+            remote_decode=generation.remote_decode,
+            remote=generation.remote,
         )
-        self.sinks[request.request_id] = command.sink
+        self.emitter.register(request.request_id, command.sink)
         self.scheduler.add_request(request)
 
-    def _finish(self, request_id: str, reason: FinishReason, error: Optional[str] = None) -> None:
-        request = self.scheduler.finish(request_id, reason)
-        sink = self.sinks.pop(request_id, None)
-        self.outputs.forget(request_id)
-        if request is not None and sink is not None:
-            sink(RequestOutput(request_id, (), "", finished=True, finish_reason=reason, error=error or request.error,
-                               num_prompt_tokens=request.num_prompt_tokens,
-                               num_output_tokens=len(request.output_token_ids)))
+    def _poll_connector(self) -> None:
+        try:
+            events = self.scheduler.connector.poll()
+        except Exception:  # a transport fault must not take the worker down; the next poll retries
+            logger.exception("the P/D connector's poll failed")
+            return
+        if events:
+            self.scheduler.apply_kv_events(events)
+
+    def _finish(self, request_id: str, reason: FinishReason, error: Optional[EngineFailure] = None) -> None:
+        request = self.scheduler.finish(request_id, reason, error)
+        if request is not None:
+            self.emitter.emit_final(request)
+        elif error is not None:  # already finished in the scheduler; its final output never left
+            self.emitter.fail(request_id, error)
+
+    def _settle(self) -> None:
+        """Report requests the scheduler ended on its own; free the ids nothing refers to any more."""
+        for request in self.scheduler.take_ended():
+            self.emitter.emit_final(request)
+        for request_id in self.scheduler.take_released_ids():
+            self.request_ids.release(request_id)
 
     def step(self) -> None:
         started = time.monotonic()
         scheduled = self.scheduler.schedule()
-        try:
-            sampled = self.runner.execute(scheduled)
-            # KV complete: from here the step's blocks may be freed, evicted,
-            # read by a decode worker (update() publishes kv_transfer_params on
-            # a prefill worker) or overwritten by the next NIXL READ.
-            self.runner.synchronize()
-        except Exception:  # a model failure must not take the worker down
-            logger.exception("engine step failed; failing its %d requests", len(scheduled.chunks))
-            self._settle_device()
-            for chunk in scheduled.chunks:
-                self._finish(chunk.request_id, FinishReason.ERROR, "internal error while running the model")
-            return
+        sampled = self._execute(scheduled)
         changed = self.scheduler.update(scheduled, sampled)
         logprobs = {token.request_id: token.logprob for token in sampled}
         now = time.monotonic()
         for request in changed:
             self._emit(request, logprobs, now)
         self.stats.record_step(self.scheduler, scheduled, now - started)
+
+    def _execute(self, scheduled: SchedulerOutput) -> list[SampledToken]:
+        try:
+            return self._execute_synchronized(scheduled)
+        except Exception:
+            self._settle_device()
+            if len(scheduled.chunks) <= 1:
+                self._fail_chunks(scheduled, "while running the model")
+                return []
+        # Find the culprit: run each chunk alone, fail those that fail alone.
+        logger.warning("engine step of %d requests failed; retrying them one by one", len(scheduled.chunks))
+        sampled: list[SampledToken] = []
+        for chunk in scheduled.chunks:
+            alone = SchedulerOutput(chunks=[chunk])
+            try:
+                sampled.extend(self._execute_synchronized(alone))
+            except Exception:
+                self._settle_device()
+                self._fail_chunks(alone, "while running the model")
+        return sampled
+
+    def _execute_synchronized(self, scheduled: SchedulerOutput) -> list[SampledToken]:
+        sampled = self.runner.execute(scheduled)
+        # KV complete: from here the step's blocks may be freed, evicted, read by a
+        # decode worker (update() publishes kv_transfer_params on a prefill worker)
+        # or overwritten by the next NIXL READ.
+        self.runner.synchronize()
+        return sampled
 
     def _settle_device(self) -> None:
         """After a failed step: wait for its queued kernels before its blocks are freed."""
@@ -215,16 +254,20 @@ class EngineLoop:
         except Exception:  # a sticky device error: every later step fails too, and says so
             logger.exception("device synchronisation after a failed step failed")
 
+    def _fail_chunks(self, scheduled: SchedulerOutput, where: str) -> None:
+        for chunk in scheduled.chunks:
+            logger.exception("request %s failed %s", chunk.request_id, where)
+            self._finish(chunk.request_id, FinishReason.ERROR, EngineFailure(f"internal error {where}"))
+
     def _emit(self, request: Request, logprobs: dict[str, float], now: float) -> None:
-        if request.first_token_time_s is None:
-            request.first_token_time_s = now
-            self.stats.record_first_token(request)
-        new_logprobs = (logprobs[request.request_id],) if request.sampling.logprobs else ()
-        output, stop_reason = self.outputs.process(request, new_logprobs)
+        try:
+            if request.first_token_time_s is None:
+                request.first_token_time_s = now
+                self.stats.record_first_token(request)
+            stop_reason = self.emitter.emit(request, logprobs.get(request.request_id))
+        except Exception:
+            logger.exception("request %s: producing its output failed", request.request_id)
+            self._finish(request.request_id, FinishReason.ERROR, EngineFailure("internal error while producing the output"))
+            return
         if stop_reason is not None:
             self.scheduler.finish(request.request_id, stop_reason)
-        sink = self.sinks.get(request.request_id)
-        if output.finished:
-            self.sinks.pop(request.request_id, None)
-        if sink is not None:
-            sink(output)

@@ -73,6 +73,7 @@ class OutputProcessor:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=len(request.output_token_ids),
             num_cached_tokens=request.num_cached_tokens,
+            error=request.error if finished else None,
             kv_transfer_params=request.kv_transfer_params if finished else None,
         )
         return output, stop_reason

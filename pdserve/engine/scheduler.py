@@ -1,9 +1,13 @@
 """Continuous batching: decides, each step, which tokens of which requests to compute.
 
-Invariants: a step never exceeds the token budget or the running-request cap;
-a request is scheduled only when every block its chunk writes is allocated;
-when blocks run out the latest-arrived running request is preempted (blocks
-freed, recomputed later) so earlier requests always make progress. Torch-free.
+Invariants: a step never exceeds the token budget; running plus loading
+(waiting for remote KV) requests never exceed the running cap; a request is
+scheduled only when every block its chunk writes is allocated; when blocks
+run out the latest-arrived running request is preempted (blocks freed,
+recomputed later) so earlier requests always make progress. The scheduler
+owns every request-state change: the P/D connector only answers its
+questions and reports events (pdserve/pd/connector.py). A fault while
+handling one request fails that request only. Torch-free.
 """
 
 from __future__ import annotations
@@ -11,30 +15,18 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Callable, Iterable, Optional, Protocol
+from typing import Callable, Iterable, Optional
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.schedule_types import SampledToken, ScheduledChunk, SchedulerOutput
 from pdserve.engine.stop_rules import check_stop
+from pdserve.errors import EngineFailure, PdserveError
 from pdserve.kv.hashing import hash_full_blocks
 from pdserve.kv.manager import KVCacheManager
+from pdserve.pd.connector import FREE_NOW, AdmissionKind, KVConnector, KVEvents, NoConnector
 from pdserve.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-
-class KVRoleHooks(Protocol):
-    """What a P/D role adds to scheduling (see engine/prefill_role.py, decode_role.py)."""
-
-    def retain(self, request: Request, reason: FinishReason) -> bool:
-        """Called as a request finishes; True = the role now owns its blocks
-        (pinned for a remote reader, or under an in-flight READ) and frees them later."""
-        ...
-
-    def admit_remote(self, request: Request, budget: int) -> Optional[bool]:
-        """None: an ordinary request. True: admitted as a remote-KV request
-        (blocks allocated, now WAITING_FOR_REMOTE_KV). False: no room yet."""
-        ...
 
 
 class Scheduler:
@@ -44,20 +36,22 @@ class Scheduler:
         kv_manager: KVCacheManager,
         block_size: int,
         max_model_len: int,
+        connector: Optional[KVConnector] = None,
         on_preempt: Optional[Callable[[Request], None]] = None,
-        role_hooks: Optional[KVRoleHooks] = None,
     ):
         self.config = config
         self.kv = kv_manager
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.connector: KVConnector = connector or NoConnector()
         self.on_preempt = on_preempt or (lambda request: None)
         self.requests: dict[str, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.role_hooks = role_hooks
-        self.num_waiting_for_kv = 0  # maintained by the decode role
+        self.loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV: blocks allocated, a pull in flight
         self._finished_since_last_step: list[str] = []
+        self._ended: list[Request] = []  # ended here with an error, for the engine loop to report
+        self._released_ids: list[str] = []  # requests whose blocks are all back in the pool
 
     # ---- queue management -------------------------------------------------
 
@@ -69,16 +63,21 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return len(self.loading)
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.num_waiting_for_kv)
+        return bool(self.waiting or self.running)
 
     def add_request(self, request: Request) -> None:
         request.block_hashes = hash_full_blocks(request.all_token_ids, self.block_size, [])
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.connector.request_added(request)
 
-    def finish(self, request_id: str, reason: FinishReason) -> Optional[Request]:
-        """Finish a request now (abort, stop string, error) and free its blocks."""
+    def finish(self, request_id: str, reason: FinishReason, error: Optional[PdserveError] = None) -> Optional[Request]:
+        """Finish a request now (abort, stop string, error) and free its blocks (or let the connector hold them)."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -86,29 +85,73 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._release(request, reason)  # a request waiting for remote KV: the role hook decides
+        self.loading.pop(request_id, None)
+        if error is not None:
+            request.error = error
+        self._release(request, reason)
         return request
 
+    def take_ended(self) -> list[Request]:
+        """Requests the scheduler ended on its own (failed admission or load, internal fault) since the last call."""
+        ended, self._ended = self._ended, []
+        return ended
+
+    def take_released_ids(self) -> list[str]:
+        """Ids whose blocks were all freed since the last call: nothing refers to them any more."""
+        released, self._released_ids = self._released_ids, []
+        return released
+
     def _release(self, request: Request, reason: FinishReason) -> None:
-        retained = self.role_hooks is not None and self.role_hooks.retain(request, reason)
+        try:
+            action = self.connector.request_finished(request, reason, self.kv.block_ids(request.request_id))
+        except Exception:
+            logger.exception("request %s: the P/D finish hook failed", request.request_id)
+            action = FREE_NOW
+            if reason in (FinishReason.STOP, FinishReason.LENGTH):
+                reason = FinishReason.ERROR
+                request.error = EngineFailure("internal error while handing the request's KV over")
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if not retained:
-            self.kv.free(request.request_id)
+        request.kv_transfer_params = action.kv_transfer_params
+        if action.free_blocks:
+            self._free(request.request_id)
         self._finished_since_last_step.append(request.request_id)
 
-    def resume_after_remote_kv(self, request: Request, num_computed_tokens: int) -> None:
-        """The decode role landed a request's KV: it runs from the next step."""
+    def _free(self, request_id: str) -> None:
+        self.kv.free(request_id)
+        self._released_ids.append(request_id)
+
+    def _fail(self, request: Request, error: PdserveError) -> None:
+        """End a request the scheduler cannot serve; the engine loop reports it."""
+        if self.finish(request.request_id, FinishReason.ERROR, error) is not None:
+            self._ended.append(request)
+
+    # ---- P/D events ------------------------------------------------------------
+
+    def apply_kv_events(self, events: KVEvents) -> None:
+        """What the connector reported: held blocks to free, loads that landed or failed."""
+        for request_id in events.released:
+            self._free(request_id)
+        for request_id in events.landed:
+            request = self.loading.pop(request_id, None)
+            if request is not None:  # within the cap: it was counted while loading
+                self._start_running(request, request.num_prompt_tokens - 1)
+        for failure in events.failed:
+            request = self.loading.pop(failure.request_id, None)
+            if request is None:
+                continue
+            if failure.recompute:  # start over as an ordinary local request
+                self.kv.free(request.request_id)
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+            else:
+                self._fail(request, failure.error)
+
+    def _start_running(self, request: Request, num_computed_tokens: int) -> None:
         request.num_computed_tokens = num_computed_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-
-    def requeue_for_local_prefill(self, request: Request) -> None:
-        """The KV pull failed and the policy is recompute: start over locally."""
-        self.kv.free(request.request_id)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
 
     # ---- scheduling ---------------------------------------------------------
 
@@ -127,24 +170,37 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
-                index += 1
-                continue
-            while not (num_new := self._allocate_fitting(request, request.num_computed_tokens, num_new)):
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                victim = self._pick_victim(scheduled_ids)
-                self._preempt(victim, output)
-                preempted = True
-                if victim is request:
-                    break
+            try:
+                num_new, preempted_now = self._fit_running(request, output, budget, scheduled_ids)
+            except Exception:
+                logger.exception("request %s: scheduling failed", request.request_id)
+                self._fail(request, EngineFailure("internal error while scheduling the request"))
+                continue  # the list shrank under index
+            preempted |= preempted_now
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted itself; the list shrank under index
-            output.chunks.append(self._chunk(request, num_new))
-            scheduled_ids.add(request.request_id)
-            budget -= num_new
+            if num_new:
+                output.chunks.append(self._chunk(request, num_new))
+                scheduled_ids.add(request.request_id)
+                budget -= num_new
             index += 1
         return budget, preempted
+
+    def _fit_running(self, request: Request, output: SchedulerOutput, budget: int,
+                     scheduled_ids: set[str]) -> tuple[int, bool]:
+        """Allocate for the request's next chunk, preempting later arrivals while the pool is full."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        preempted = False
+        if num_new <= 0:
+            return 0, preempted
+        while not (num_new := self._allocate_fitting(request, request.num_computed_tokens, num_new)):
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            victim = self._pick_victim(scheduled_ids)
+            self._preempt(victim, output)
+            preempted = True
+            if victim is request:
+                return 0, preempted
+        return num_new, preempted
 
     def _allocate_fitting(self, request: Request, num_computed: int, num_new: int, prefix=None) -> int:
         """Allocate for the largest chunk of at most `num_new` tokens the pool can take
@@ -178,37 +234,69 @@ class Scheduler:
         logger.info("request %s preempted (pool exhausted), will recompute", request.request_id)
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_running:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_running:
             request = self.waiting[0]
-            if self.role_hooks is not None:
-                admitted = self.role_hooks.admit_remote(request, budget)
-                if admitted is False:
-                    break
-                if admitted:
-                    self.waiting.popleft()
-                    continue
-            prefix = self.kv.find_prefix(request.block_hashes, request.num_tokens)
-            num_new = self._allocate_fitting(request, prefix.num_tokens, min(request.num_tokens - prefix.num_tokens, budget), prefix)
-            if not num_new:
+            try:
+                num_scheduled = self._admit(request, output, budget)
+            except Exception:
+                logger.exception("request %s: admission failed", request.request_id)
+                self._fail(request, EngineFailure("internal error while scheduling the request"))
+                continue
+            if num_scheduled is None:
                 break  # first come first served: do not let later requests jump the queue
-            self.waiting.popleft()
-            request.num_computed_tokens = prefix.num_tokens
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = prefix.num_tokens
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time_s is None:
-                request.first_scheduled_time_s = time.monotonic()
-            self.running.append(request)
-            output.chunks.append(self._chunk(request, num_new))
-            budget -= num_new
+            budget -= num_scheduled
+
+    def _admit(self, request: Request, output: SchedulerOutput, budget: int) -> Optional[int]:
+        """Admit the head of the queue; returns the tokens it takes from the budget, None if it must wait."""
+        if request.remote is not None:
+            admission = self.connector.plan_admission(request)
+            if admission.kind is AdmissionKind.FAIL:
+                self._fail(request, admission.error or EngineFailure("the prompt's KV cannot be used"))
+                return 0
+            if admission.kind is AdmissionKind.REMOTE:
+                return self._admit_remote(request)
+            request.remote = None  # given up: the prompt is computed here
+        prefix = self.kv.find_prefix(request.block_hashes, request.num_tokens)
+        num_new = self._allocate_fitting(request, prefix.num_tokens, min(request.num_tokens - prefix.num_tokens, budget), prefix)
+        if not num_new:
+            return None
+        self.waiting.popleft()
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = prefix.num_tokens
+        self._mark_scheduled(request)
+        self._start_running(request, prefix.num_tokens)
+        output.chunks.append(self._chunk(request, num_new))
+        return num_new
+
+    def _admit_remote(self, request: Request) -> Optional[int]:
+        """Allocate the whole prompt, then let the connector pull what the prefix cache lacks.
+        The last prompt token is computed here (its logits give the first output token)."""
+        prefix = self.kv.find_prefix(request.block_hashes, request.num_prompt_tokens)
+        if not self.kv.allocate(request.request_id, request.num_prompt_tokens - 1, 1, prefix):
+            return None
+        self.waiting.popleft()
+        request.num_cached_tokens = prefix.num_tokens
+        self._mark_scheduled(request)
+        loading = self.connector.start_load(request, self.kv.block_ids(request.request_id), prefix.num_tokens)
+        request.remote = None  # consumed: a later preemption recomputes locally
+        if loading:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            self.loading[request.request_id] = request
+        else:
+            self._start_running(request, request.num_prompt_tokens - 1)
+        return 0
+
+    @staticmethod
+    def _mark_scheduled(request: Request) -> None:
+        if request.first_scheduled_time_s is None:
+            request.first_scheduled_time_s = time.monotonic()
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_new
-        token_ids = request.all_token_ids[start:end]
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=token_ids,
+            token_ids=request.all_token_ids[start:end],
             start_position=start,
             block_ids=tuple(list(ids) for ids in self.kv.block_ids(request.request_id)),
             sample=end == request.num_tokens,
@@ -230,20 +318,25 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = chunk.end_position
-            # Commit before a possible finish frees the blocks, so they stay cached.
-            self.kv.commit(request.request_id, request.block_hashes, request.num_computed_tokens)
-            token = by_id.get(chunk.request_id)
-            if token is not None:
-                self._append_token(request, token.token_id)
-                changed.append(request)
+            try:
+                if self._advance(request, chunk, by_id.get(chunk.request_id)):
+                    changed.append(request)
+            except Exception:
+                logger.exception("request %s: updating after the step failed", request.request_id)
+                self._fail(request, EngineFailure("internal error while updating the request"))
         return changed
 
-    def _append_token(self, request: Request, token_id: int) -> None:
-        request.output_token_ids.append(token_id)
+    def _advance(self, request: Request, chunk: ScheduledChunk, token: Optional[SampledToken]) -> bool:
+        request.num_computed_tokens = chunk.end_position
+        # Commit before a possible finish frees the blocks, so they stay cached.
+        self.kv.commit(request.request_id, request.block_hashes, request.num_computed_tokens)
+        if token is None:
+            return False
+        request.output_token_ids.append(token.token_id)
         request.block_hashes = hash_full_blocks(request.all_token_ids, self.block_size, request.block_hashes)
         reason = check_stop(request, self.max_model_len)
         if reason is not None:
             self.requests.pop(request.request_id, None)
             self.running.remove(request)
             self._release(request, reason)
+        return True

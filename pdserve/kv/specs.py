@@ -20,6 +20,10 @@ class FullAttentionSpec:
         """First key position a query at `position` attends to."""
         return 0
 
+    def max_blocks_held(self, num_tokens: int, block_size: int) -> int:
+        """Most blocks one sequence of `num_tokens` tokens holds in a group of this spec."""
+        return -(-num_tokens // block_size)
+
 
 @dataclass(frozen=True, slots=True)
 class SlidingWindowSpec:
@@ -30,6 +34,11 @@ class SlidingWindowSpec:
 
     def needed_from(self, position: int) -> int:
         return max(0, position - self.window_tokens + 1)
+
+    def max_blocks_held(self, num_tokens: int, block_size: int) -> int:
+        """The live window spans at most ceil(W / block_size) + 1 blocks (it
+        rarely starts on a block boundary); older blocks are released."""
+        return min(-(-num_tokens // block_size), -(-self.window_tokens // block_size) + 1)
 
 
 AttentionSpec = Union[FullAttentionSpec, SlidingWindowSpec]

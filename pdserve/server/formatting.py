@@ -7,7 +7,7 @@ completions and chat share one serving path and differ only here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from pydantic import BaseModel
 
@@ -26,6 +26,7 @@ from pdserve.protocol import (
     UsageInfo,
     openai_finish_reason,
 )
+from pdserve.pd.params import RemotePrefillParams
 from pdserve.request import RequestOutput
 from pdserve.server.generation import GenerationResult, usage_info
 
@@ -72,7 +73,7 @@ class CompletionFormat:
         )
         return CompletionResponse(
             id=self.response_id, created=self.created, model=self.model, choices=[choice],
-            usage=_result_usage(result), kv_transfer_params=result.kv_transfer_params,
+            usage=_result_usage(result), kv_transfer_params=_wire(result.kv_transfer_params),
         )
 
     def opening_chunks(self) -> list[BaseModel]:
@@ -117,7 +118,7 @@ class ChatFormat:
         )
         return ChatCompletionResponse(
             id=self.response_id, created=self.created, model=self.model, choices=[choice],
-            usage=_result_usage(result), kv_transfer_params=result.kv_transfer_params,
+            usage=_result_usage(result), kv_transfer_params=_wire(result.kv_transfer_params),
         )
 
     def opening_chunks(self) -> list[BaseModel]:
@@ -150,3 +151,7 @@ class ChatFormat:
                 for token, logprob in zip(tokens, logprobs)
             ]
         )
+
+
+def _wire(params: Optional[RemotePrefillParams]) -> Optional[dict]:
+    return None if params is None else params.to_wire()

@@ -1,9 +1,10 @@
 """One request's trip through the engine, as the HTTP layer sees it.
 
-`GenerationStream` wraps the engine's output iterator and owns the request's
-cleanup: whatever way the HTTP exchange ends, `aclose()` runs once, aborts the
-engine request if it had not finished, records the request's metrics and
-frees its request id. Engine-side failures come out as typed `PdserveError`s.
+`GenerationStream` wraps the engine's output stream and owns the request's
+cleanup: whatever way the HTTP exchange ends, `aclose()` runs once, closes the
+engine stream (which aborts an unfinished request and releases its id) and
+records the request's metrics. Engine-side failures come out as the typed
+`PdserveError`s the engine attached to the final output.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import anyio
 from starlette.requests import Request
 
 from pdserve.errors import EngineFailure, PdserveError
-from pdserve.transfer.params import KV_PULL_FAILED_PREFIX, KVPullFailed
+from pdserve.pd.params import RemotePrefillParams
 from pdserve.protocol import PromptTokensDetails, UsageInfo
 from pdserve.request import FinishReason, GenerationRequest, RequestOutput
 from pdserve.server.context import ServingContext
@@ -66,20 +67,12 @@ class GenerationStream:
         if self._closed:
             return
         self._closed = True
-        aborted = not self._finished
-        if aborted:
+        if not self._finished:
             self._finish("abort")
-        try:
-            close = getattr(self._outputs, "aclose", None)
-            # Shielded: this often runs inside a cancelled scope (client gone),
-            # and the abort must still reach the engine.
-            with anyio.CancelScope(shield=True):
-                if close is not None:
-                    await close()  # the engine's contract: closing its iterator aborts
-                elif aborted:
-                    await self._ctx.engine.abort(self.request.request_id)
-        finally:
-            self._ctx.request_ids.release(self.request.request_id)
+        # Shielded: this often runs inside a cancelled scope (client gone), and
+        # the abort must still reach the engine.
+        with anyio.CancelScope(shield=True):
+            await self._outputs.aclose()
 
     def _record_tokens(self, output: RequestOutput) -> None:
         num_new = len(output.new_token_ids)
@@ -88,7 +81,7 @@ class GenerationStream:
         now = time.monotonic()
         metrics = self._ctx.metrics.request
         if self._last_token_s is None:
-            metrics.observe_first_token(now - self._arrival_s)
+            metrics.observe_first_token(now - self._arrival_s, self.request.request_id)
         else:
             metrics.observe_inter_token(now - self._last_token_s)
         self._last_token_s = now
@@ -98,13 +91,10 @@ class GenerationStream:
         reason = output.finish_reason
         if reason is FinishReason.ERROR:
             self._finish("error")
-            message = output.error or "the engine failed to serve the request"
-            if message.startswith(KV_PULL_FAILED_PREFIX):
-                raise KVPullFailed(message)  # distinct 503: the proxy retries on another prefill worker
-            raise EngineFailure(message)
+            raise output.error or EngineFailure("the engine failed to serve the request")
         if reason is FinishReason.ABORT:
             self._finish("abort")
-            raise RequestAbortedByEngine(output.error or "the server aborted the request; retry later")
+            raise RequestAbortedByEngine("the server aborted the request; retry later")
         self._finish(reason.value if reason is not None else FinishReason.STOP.value)
 
     def _finish(self, reason: str) -> None:
@@ -113,7 +103,8 @@ class GenerationStream:
         self._finished = True
         e2e_s = time.monotonic() - self._arrival_s
         num_prompt_tokens = len(self.request.prompt_token_ids)
-        self._ctx.metrics.request.observe_finished(reason, e2e_s, num_prompt_tokens, self._num_generated_tokens)
+        self._ctx.metrics.request.observe_finished(reason, e2e_s, num_prompt_tokens, self._num_generated_tokens,
+                                                   self.request.request_id)
         logger.debug(
             "request %s ended (%s): %d prompt + %d generated tokens in %.3f s",
             self.request.request_id, reason, num_prompt_tokens, self._num_generated_tokens, e2e_s,
@@ -130,7 +121,7 @@ class GenerationResult:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: Optional[FinishReason] = None
     num_cached_tokens: int = 0
-    kv_transfer_params: Optional[dict[str, Any]] = None
+    kv_transfer_params: Optional[RemotePrefillParams] = None
 
     @property
     def text(self) -> str:

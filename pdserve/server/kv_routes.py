@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from pdserve.errors import EngineNotReady
 from pdserve.server.errors import check_internal_token
-from pdserve.transfer.handshake import AGENT_INFO_PATH, AgentInfo
+from pdserve.pd.handshake import AGENT_INFO_PATH, AgentInfo
 
 
 def create_kv_router(agent_info: Callable[[], Optional[AgentInfo]], internal_token: Optional[str]) -> APIRouter:

@@ -2,16 +2,18 @@
 
 `/health` and `/ready` are 200 only while the engine accepts requests, so an
 orchestrator never routes traffic to a worker that is loading or draining;
-`/live` is 200 as long as the process serves HTTP (a loading or draining
-worker must not be restarted). `/load` is what routing proxies poll.
+`/live` is 200 while the worker can still serve (a loading or draining
+worker must not be restarted) and 503 once its engine loop died or its model
+failed to load, so an orchestrator restarts it. `/load` is what routing proxies poll.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
 
 from pdserve.server.context import ServingContext
 
@@ -31,7 +33,9 @@ def build_ops_router(ctx: ServingContext) -> APIRouter:
 
     @router.get("/live")
     async def live() -> Response:
-        return JSONResponse({"status": "alive"})
+        if ctx.engine.is_alive():
+            return JSONResponse({"status": "alive"})
+        return JSONResponse({"status": "dead", "reason": "the engine stopped; restart this worker"}, status_code=503)
 
     @router.get("/load")
     async def load() -> Response:
@@ -39,7 +43,9 @@ def build_ops_router(ctx: ServingContext) -> APIRouter:
         return JSONResponse({"ready": ctx.engine.is_ready(), **dataclasses.asdict(report)})
 
     @router.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if "application/openmetrics-text" in request.headers.get("accept", ""):
+            return Response(ctx.metrics.render_openmetrics(), media_type=OPENMETRICS_CONTENT_TYPE)
         return Response(ctx.metrics.render(), media_type=ctx.metrics.content_type)
 
     return router

@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from pdserve.errors import EngineNotReady, InvalidRequest, ModelNotFound, PdserveError
+from pdserve.pd.params import parse_kv_transfer_params
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest, to_sampling_params
 from pdserve.request import GenerationRequest
 
@@ -100,5 +101,5 @@ def _build(
         request_id=request_id,
         prompt_token_ids=tuple(token_ids),
         sampling=sampling,
-        kv_transfer_params=body.kv_transfer_params,
+        kv_params=parse_kv_transfer_params(body.kv_transfer_params),
     )

@@ -9,13 +9,14 @@ Torch-free: a view is anything with `.shape` and row get/set (torch or numpy).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pdserve.transfer.transport import PeerInfo, TransferError, TransferHandle, TransferState
+from pdserve.transfer.transport import PeerInfo, TransferError, TransferHandle, TransferState, wait_connected
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class FakeTransport:
       fail_reads  -- the next polls of pending reads report FAILED, copying nothing
       hold_reads  -- pending reads stay PENDING (the copy has not happened yet)
       cancellable -- when False, `release` of a PENDING read returns False
+      hold_connects -- connections being set up stay PENDING (a data path that never answers)
     """
 
     def __init__(self, pool_canonical_view: Any, agent_name: str, fabric: FakeFabric):
@@ -67,12 +69,15 @@ class FakeTransport:
         self.agent_name = agent_name
         self._fabric = fabric
         self._peers: dict[str, PeerInfo] = {}
+        self._connecting: dict[str, PeerInfo] = {}
+        self._connect_failures: dict[str, str] = {}
         self._reads: dict[int, _FakeRead] = {}
-        self._inbox: list[bytes] = []
+        self._inbox: collections.deque[bytes] = collections.deque()  # appended by readers' threads
         self._handle_ids = itertools.count(1)
         self.fail_reads = False
         self.hold_reads = False
         self.cancellable = True
+        self.hold_connects = False
         fabric.attach(self)
 
     @property
@@ -93,22 +98,42 @@ class FakeTransport:
                         agent_metadata=self.agent_name.encode(), mem_type="DRAM", device_id=0,
                         base_address=0, num_blocks=self.num_blocks, page_bytes=self.page_bytes)
 
-    def connect(self, peer: PeerInfo) -> str:
-        if peer.key in self._peers:
+    def begin_connect(self, peer: PeerInfo) -> str:
+        if peer.key in self._peers or peer.key in self._connecting:
             return peer.key
         if peer.page_bytes != self.page_bytes:
             raise TransferError(f"peer {peer.key} has pages of {peer.page_bytes} bytes, this pool {self.page_bytes}")
-        if self._fabric.lookup(peer.agent_name) is None:
-            raise TransferError(f"peer agent {peer.agent_name!r} is not reachable")
-        for stale_key in [k for k, p in self._peers.items()
+        for stale_key in [k for k, p in {**self._peers, **self._connecting}.items()
                           if p.engine_id == peer.engine_id or p.agent_name == peer.agent_name]:
             self.disconnect(stale_key)
-        self._peers[peer.key] = peer
+        self._connect_failures.pop(peer.key, None)
+        self._connecting[peer.key] = peer
         return peer.key
+
+    def poll_connect(self, peer_key: str) -> TransferState:
+        if peer_key in self._peers:
+            return TransferState.DONE
+        peer = self._connecting.get(peer_key)
+        if peer is None:
+            return TransferState.FAILED
+        if self.hold_connects:
+            return TransferState.PENDING
+        del self._connecting[peer_key]
+        if self._fabric.lookup(peer.agent_name) is None:
+            self._connect_failures[peer_key] = f"peer agent {peer.agent_name!r} is not reachable"
+            return TransferState.FAILED
+        self._peers[peer_key] = peer
+        return TransferState.DONE
+
+    def connect_failure(self, peer_key: str) -> str | None:
+        return self._connect_failures.get(peer_key)
+
+    def connect(self, peer: PeerInfo) -> str:
+        return wait_connected(self, peer, timeout_s=1.0)
 
     def disconnect(self, peer_key: str) -> None:
         self._peers.pop(peer_key, None)
-
+        self._connecting.pop(peer_key, None)
     def start_read(self, peer_key: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
                    notification: bytes) -> TransferHandle:
         peer = self._peers.get(peer_key)
@@ -162,7 +187,9 @@ class FakeTransport:
         return True
 
     def poll_notifications(self) -> list[bytes]:
-        messages, self._inbox = self._inbox, []
+        messages = []
+        while self._inbox:
+            messages.append(self._inbox.popleft())
         return messages
 
     def send_message(self, peer_key: str, payload: bytes) -> None:
@@ -176,6 +203,7 @@ class FakeTransport:
 
     def close(self) -> None:
         self._peers.clear()
+        self._connecting.clear()
         self._reads.clear()
         self._fabric.detach(self)
 

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
-from pdserve.transfer.transport import PeerInfo, TransferError, TransferHandle, TransferState
+from pdserve.transfer.transport import PeerInfo, TransferError, TransferHandle, TransferState, wait_connected
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class _Peer:
     info: PeerInfo
     remote_name: str
     dlist: Any  # nixl_prepped_dlist_handle over the peer's pages
+    warm_up: Any = None  # the warm-up read while connecting, None once connected
 
 
 @dataclass(slots=True)
@@ -77,7 +78,8 @@ class NixlTransport:
     default because it keeps a CPU core half busy even when idle; without it,
     NIXL makes progress only inside calls into the agent, so the engine loop
     must call `poll_notifications` every step on both roles (and `poll` while
-    reads are pending). `connect_timeout_s` bounds the warm-up read of `connect`.
+    reads are pending). `connect_timeout_s` bounds the blocking `connect` (tools and tests);
+    the engine uses `begin_connect`/`poll_connect` and its own deadline.
     """
 
     def __init__(self, pool_canonical_view: torch.Tensor, agent_name: str, *, progress_thread: bool = False,
@@ -93,6 +95,9 @@ class NixlTransport:
         self._mem_type = "VRAM" if view.is_cuda else "DRAM"
         self._device_id = view.get_device() if view.is_cuda else 0
         self._peers: dict[str, _Peer] = {}
+        self._connecting: dict[str, _Peer] = {}
+        self._connect_failures: dict[str, str] = {}
+        self._unreleased: list[Any] = []  # transfers NIXL could not release yet
         self._in_flight: dict[int, _InFlight] = {}
         self._handle_ids = itertools.count(1)
         self._closed = False
@@ -135,15 +140,16 @@ class NixlTransport:
 
     # ---- peers -----------------------------------------------------------------------
 
-    def connect(self, peer: PeerInfo) -> str:
+    def begin_connect(self, peer: PeerInfo) -> str:
         key = peer.key
-        if key in self._peers:
+        if key in self._peers or key in self._connecting:
             return key
         if peer.page_bytes != self.page_bytes:
             raise TransferError(f"peer {key} has pages of {peer.page_bytes} bytes, this pool {self.page_bytes}")
         if peer.agent_name == self._agent_name:
             raise TransferError(f"peer {key} uses this agent's own name {peer.agent_name!r}")
-        for stale_key in [k for k, p in self._peers.items()
+        self._connect_failures.pop(key, None)
+        for stale_key in [k for k, p in {**self._peers, **self._connecting}.items()
                           if p.info.engine_id == peer.engine_id or p.info.agent_name == peer.agent_name]:
             logger.info("peer %s replaced by %s (restart)", stale_key, key)
             self.disconnect(stale_key)
@@ -155,14 +161,42 @@ class NixlTransport:
             self._forget_remote(remote_name)
             raise TransferError(f"cannot describe the pool of peer {key}: {exc!r}") from exc
         try:
-            self._warm_up(peer, remote_name)
+            warm_up = self._start_warm_up(peer, remote_name)
         except TransferError:
             dlist.release()
             self._forget_remote(remote_name)
             raise
-        self._peers[key] = _Peer(peer, remote_name, dlist)
-        logger.info("connected to peer %s (agent %s, %d pages)", key, remote_name, peer.num_blocks)
+        self._connecting[key] = _Peer(peer, remote_name, dlist, warm_up)
         return key
+
+    def poll_connect(self, peer_key: str) -> TransferState:
+        if peer_key in self._peers:
+            return TransferState.DONE
+        pending = self._connecting.get(peer_key)
+        if pending is None:
+            return TransferState.FAILED
+        try:
+            status = self._agent.check_xfer_state(pending.warm_up)
+        except Exception as exc:
+            status = f"ERR ({exc!r})"
+        if status == "PROC":
+            return TransferState.PENDING
+        del self._connecting[peer_key]
+        self._release_xfer(pending.warm_up)
+        pending.warm_up = None
+        if status != "DONE":
+            self._connect_failures[peer_key] = f"peer {peer_key} is not reachable: warm-up read ended in {status}"
+            self._drop(pending)
+            return TransferState.FAILED
+        self._peers[peer_key] = pending
+        logger.info("connected to peer %s (agent %s, %d pages)", peer_key, pending.remote_name, pending.info.num_blocks)
+        return TransferState.DONE
+
+    def connect_failure(self, peer_key: str) -> str | None:
+        return self._connect_failures.get(peer_key)
+
+    def connect(self, peer: PeerInfo) -> str:
+        return wait_connected(self, peer, self._connect_timeout_s)
 
     def _load_remote(self, peer: PeerInfo) -> str:
         try:
@@ -177,8 +211,8 @@ class NixlTransport:
                                 f"names {remote_name!r}")
         return remote_name
 
-    def _warm_up(self, peer: PeerInfo, remote_name: str) -> None:
-        """Read a few bytes of the peer's page 0 and wait for them (bounded).
+    def _start_warm_up(self, peer: PeerInfo, remote_name: str) -> Any:
+        """Start reading a few bytes of the peer's page 0 into our scratch buffer.
 
         Proves the peer is reachable now rather than at the first request, and
         completes UCX's connection set-up: without a progress thread, a
@@ -190,15 +224,20 @@ class NixlTransport:
             remote = self._agent.get_xfer_descs([(peer.base_address, size, peer.device_id)], peer.mem_type)
             xfer = self._agent.initialize_xfer("READ", local, remote, remote_name, b"")
             status = self._agent.transfer(xfer)
-            deadline_s = time.monotonic() + self._connect_timeout_s
-            while status == "PROC" and time.monotonic() < deadline_s:
-                status = self._agent.check_xfer_state(xfer)
-            xfer.release()
         except Exception as exc:
             raise TransferError(f"peer {peer.key} is not reachable: {exc!r}") from exc
-        if status != "DONE":
-            raise TransferError(f"peer {peer.key} is not reachable: warm-up read ended in {status} "
-                                f"(timeout {self._connect_timeout_s} s)")
+        if status not in ("PROC", "DONE"):
+            self._release_xfer(xfer)
+            raise TransferError(f"peer {peer.key} is not reachable: warm-up read ended in {status}")
+        return xfer
+
+    def _release_xfer(self, xfer: Any) -> None:
+        """Release a transfer handle; one NIXL cannot cancel yet is retried at the next close."""
+        try:
+            xfer.release()
+        except Exception as exc:
+            logger.warning("a NIXL transfer could not be released yet: %r", exc)
+            self._unreleased.append(xfer)
 
     def _forget_remote(self, remote_name: str) -> None:
         try:
@@ -207,15 +246,21 @@ class NixlTransport:
             logger.warning("removing NIXL agent %s failed: %r", remote_name, exc)
 
     def disconnect(self, peer_key: str) -> None:
-        peer = self._peers.pop(peer_key, None)
+        peer = self._peers.pop(peer_key, None) or self._connecting.pop(peer_key, None)
         if peer is None:
             return
+        if peer.warm_up is not None:
+            self._release_xfer(peer.warm_up)
+            peer.warm_up = None
+        self._drop(peer)
+        logger.info("disconnected from peer %s", peer_key)
+
+    def _drop(self, peer: _Peer) -> None:
         try:
             peer.dlist.release()
         except Exception as exc:
-            logger.warning("releasing the descriptors of peer %s failed: %r", peer_key, exc)
+            logger.warning("releasing the descriptors of peer %s failed: %r", peer.info.key, exc)
         self._forget_remote(peer.remote_name)
-        logger.info("disconnected from peer %s", peer_key)
 
     # ---- reads -----------------------------------------------------------------------
 
@@ -318,8 +363,14 @@ class NixlTransport:
             except Exception as exc:
                 logger.warning("read %d still active at close: %r", handle_id, exc)
         self._in_flight.clear()
-        for peer_key in list(self._peers):
+        for peer_key in [*self._peers, *self._connecting]:
             self.disconnect(peer_key)
+        for xfer in self._unreleased:
+            try:
+                xfer.release()
+            except Exception as exc:
+                logger.warning("a NIXL transfer still active at close: %r", exc)
+        self._unreleased.clear()
         try:
             self._local_dlist.release()
             self._agent.deregister_memory(self._registration)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -144,17 +145,34 @@ class KVTransport(Protocol):
         """What a reader needs to pull from this process's pool."""
         ...
 
-    def connect(self, peer: PeerInfo) -> str:
-        """Load the peer and prepare its page descriptors; returns the peer key.
+    def begin_connect(self, peer: PeerInfo) -> str:
+        """Start connecting to a peer without waiting; returns the peer key.
 
-        Idempotent per (engine_id, epoch). A peer with the same engine id or
-        agent name but another epoch (a restart) replaces the old connection.
-        Raises TransferError when the peer cannot be used (page size mismatch,
+        Loads the peer's metadata and starts a small warm-up read that proves
+        its data path works; `poll_connect` reports when it has. Idempotent per
+        (engine_id, epoch). A peer with the same engine id or agent name but
+        another epoch (a restart) replaces the old connection. Raises
+        TransferError when the peer cannot be used (page size mismatch,
         metadata the backend rejects)."""
         ...
 
+    def poll_connect(self, peer_key: str) -> TransferState:
+        """PENDING while the warm-up read is in flight, DONE once reads and
+        messages to the peer may be used, FAILED (final; the attempt is
+        forgotten) when it cannot be reached. Never blocks. Unknown key: FAILED."""
+        ...
+
+    def connect_failure(self, peer_key: str) -> str | None:
+        """Why the last connection attempt to `peer_key` failed (None if it did not)."""
+        ...
+
+    def connect(self, peer: PeerInfo) -> str:
+        """`begin_connect`, then wait for it (bounded). Blocks: tools and tests
+        only, never the engine thread. Raises TransferError when it fails."""
+        ...
+
     def disconnect(self, peer_key: str) -> None:
-        """Forget a peer (no-op when unknown). Reads still in flight to it fail."""
+        """Forget a peer, connected or connecting (no-op when unknown). Reads still in flight to it fail."""
         ...
 
     def start_read(self, peer_key: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
@@ -194,3 +212,17 @@ class KVTransport(Protocol):
     def close(self) -> None:
         """Disconnect all peers and unregister the pool. Idempotent."""
         ...
+
+
+def wait_connected(transport: KVTransport, peer: PeerInfo, timeout_s: float, poll_interval_s: float = 0.0005) -> str:
+    """Blocking connect for tools and tests: `begin_connect`, then poll until done or `timeout_s`."""
+    key = transport.begin_connect(peer)
+    deadline_s = time.monotonic() + timeout_s
+    while (state := transport.poll_connect(key)) is TransferState.PENDING:
+        if time.monotonic() > deadline_s:
+            transport.disconnect(key)
+            raise TransferError(f"peer {key} is not reachable: no answer within {timeout_s} s")
+        time.sleep(poll_interval_s)
+    if state is TransferState.FAILED:
+        raise TransferError(transport.connect_failure(key) or f"peer {key} is not reachable")
+    return key

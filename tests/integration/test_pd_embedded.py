@@ -67,6 +67,8 @@ def test_pd_tokens_and_logprobs_equal_the_same_kv_on_the_same_path_and_pull_only
         got, want = response.json()["choices"][0], expected["choices"][0]
         assert got["text"] == want["text"]
         assert got["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]  # exactly, bit for bit
+        # One id follows the request through P and D: P's lease table and the answers use the client's.
+        assert params["remote_request_id"] == f"pd-{index}" == response.headers["x-request-id"]
         num_blocks_sent = sum(len(ids) for ids in params["remote_block_ids"])
         assert num_blocks_sent == -(-len(body["prompt"]) // 16)
         assert decode.metric("pdserve_transfer_descriptors_total") - descriptors_before == num_blocks_sent

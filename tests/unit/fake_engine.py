@@ -17,8 +17,10 @@ import httpx
 from fastapi import FastAPI
 
 from pdserve.config import ServerConfig
-from pdserve.errors import PdserveError
+from pdserve.engine.request_ids import RequestIdRegistry
+from pdserve.errors import EngineFailure, PdserveError
 from pdserve.metrics import Metrics, create_metrics
+from pdserve.pd.params import RemotePrefillParams
 from pdserve.request import FinishReason, GenerationRequest, LoadReport, RequestOutput
 from pdserve.server.app import create_app
 
@@ -58,21 +60,30 @@ class FakeEngine:
     raise_on_start: Optional[PdserveError] = None  # raised from the first iteration
     error_after_tokens: Optional[int] = None  # then a FinishReason.ERROR output
     error_message: str = "KV transfer failed"
-    kv_transfer_params_out: Optional[dict] = None  # attached to the final output
+    kv_transfer_params_out: Optional[RemotePrefillParams] = None  # attached to the final output
     num_cached_tokens: int = 0
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     requests: list[GenerationRequest] = field(default_factory=list)
     aborted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
 
+    request_ids: RequestIdRegistry = field(default_factory=RequestIdRegistry)
+    alive: bool = True
+
     def is_ready(self) -> bool:
-        return self.ready
+        return self.ready and self.alive
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def progress_age_s(self) -> float:
+        return 0.0
 
     def load_report(self) -> LoadReport:
         return LoadReport()
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        return self._run(request)
+    def generate(self, request: GenerationRequest) -> "_FakeStream":
+        return _FakeStream(self, request)
 
     async def abort(self, request_id: str) -> None:
         if request_id not in self.aborted_ids and request_id not in self.finished_ids:
@@ -111,6 +122,7 @@ class FakeEngine:
                 self.finished_ids.append(request.request_id)
             else:
                 self.aborted_ids.append(request.request_id)
+            self.request_ids.release(request.request_id)  # like the engine loop, once the request is gone
 
     async def _pace(self, index: int) -> None:
         if self.stall_after_tokens is not None and index >= self.stall_after_tokens:
@@ -131,9 +143,33 @@ class FakeEngine:
             num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=num_output,
             num_cached_tokens=self.num_cached_tokens,
-            error=self.error_message if reason is FinishReason.ERROR else None,
+            error=EngineFailure(self.error_message) if reason is FinishReason.ERROR else None,
             kv_transfer_params=self.kv_transfer_params_out if reason is not None else None,
         )
+
+
+class _FakeStream:
+    """The engine's stream contract: the id is released once, also when iteration never started."""
+
+    def __init__(self, engine: FakeEngine, request: GenerationRequest):
+        self._engine = engine
+        self._request = request
+        self._run: Optional[AsyncIterator[RequestOutput]] = None
+
+    def __aiter__(self) -> "_FakeStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._run is None:
+            self._run = self._engine._run(self._request)
+        return await self._run.__anext__()
+
+    async def aclose(self) -> None:
+        if self._run is None:
+            self._run = self._engine._run(self._request)  # never started: nothing ran, nothing to abort
+            self._engine.request_ids.release(self._request.request_id)
+            return
+        await self._run.aclose()
 
 
 # ------------------------------------------------------------- test helpers

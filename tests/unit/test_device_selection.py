@@ -6,7 +6,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from pdserve.cli import build_parser, worker_config
+from pdserve.cli import build_parser
+from pdserve.config_cli import worker_config
 from pdserve.config import ModelConfig
 from pdserve.engine.factory import pick_device
 from tests.devices import cuda_available

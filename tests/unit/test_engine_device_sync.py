@@ -2,7 +2,7 @@
 freed, evicted, published to a decode worker or reused: on success and on failure.
 
 A recording runner stands in for the model (the loop's contract with the device is
-`execute` then `synchronize`); the scheduler, KV manager and prefill role are real.
+`execute` then `synchronize`); the scheduler, KV manager and prefill connector are real.
 """
 
 from __future__ import annotations
@@ -11,18 +11,19 @@ import pytest
 import torch
 
 from pdserve.config import SchedulerConfig
+from pdserve.engine.emitter import OutputEmitter
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.outputs import OutputProcessor
-from pdserve.engine.prefill_role import PrefillIdentity, PrefillRole
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, plan_groups
 from pdserve.metrics import Metrics
+from pdserve.pd.leases import LeaseTable
+from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
 from pdserve.request import FinishReason, GenerationRequest, SamplingParams
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
-from pdserve.transfer.leases import LeaseTable
 from tests.devices import cuda_available
 from tests.unit.fake_engine import FakeTokenizer
 
@@ -66,25 +67,30 @@ class RecordingKV(KVCacheManager):
         super().free(request_id)
 
 
-class RecordingPrefillRole(PrefillRole):
-    def retain(self, request, reason) -> bool:
-        retained = super().retain(request, reason)
-        if retained:
-            self.kv.events.append(f"publish {request.request_id}")
-        return retained
+class RecordingPrefillConnector(PrefillConnector):
+    def __init__(self, events: list[str], *args):
+        super().__init__(*args)
+        self.events = events
+
+    def request_finished(self, request, reason, block_tables):
+        action = super().request_finished(request, reason, block_tables)
+        if action.kv_transfer_params is not None:
+            self.events.append(f"publish {request.request_id}")
+        return action
 
 
 def make_loop(runner_kwargs: dict, prefill: bool = False) -> tuple[EngineLoop, list[str], list]:
     events: list[str] = []
     kv = RecordingKV(events)
-    role = None
+    connector = None
     if prefill:
         transport = FakeTransport(torch.zeros(NUM_BLOCKS, 8, dtype=torch.int8), "P", FakeFabric())
-        role = RecordingPrefillRole(kv, transport, LeaseTable(30.0), PrefillIdentity("P", "e", "127.0.0.1", 1),
-                                    Metrics().transfer)
-    scheduler = Scheduler(SchedulerConfig(), kv, BLOCK_SIZE, 1000, role_hooks=role)
-    loop = EngineLoop(scheduler, RecordingRunner(events, **runner_kwargs), OutputProcessor(Tokenizer()),
-                      (2,), EngineStats(Metrics(), kv), role)
+        connector = RecordingPrefillConnector(events, transport, LeaseTable(30.0),
+                                              PrefillIdentity("P", "e", "127.0.0.1", 1), PLAN, BLOCK_SIZE,
+                                              Metrics().transfer)
+    scheduler = Scheduler(SchedulerConfig(), kv, BLOCK_SIZE, 1000, connector=connector)
+    loop = EngineLoop(scheduler, RecordingRunner(events, **runner_kwargs), OutputEmitter(OutputProcessor(Tokenizer())),
+                      (2,), EngineStats(Metrics(), kv))
     outputs: list = []
     return loop, events, outputs
 
@@ -104,10 +110,10 @@ def test_a_finishing_request_frees_its_blocks_only_after_the_step_synchronized()
 
 def test_prefill_publishes_kv_transfer_params_only_after_the_step_synchronized():
     loop, events, outputs = make_loop({}, prefill=True)
-    submit(loop, outputs, "r1", kv_transfer_params={"do_remote_decode": True})
+    submit(loop, outputs, "r1", remote_decode=True)
     loop.run_until_idle()
     assert events == ["execute", "synchronize", "publish r1"]
-    assert outputs[-1].kv_transfer_params["do_remote_prefill"] is True
+    assert outputs[-1].kv_transfer_params.do_remote_prefill is True
 
 
 @pytest.mark.parametrize("fail_sync", [False, True], ids=["execute-raises", "sync-raises-too"])

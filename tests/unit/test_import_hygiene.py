@@ -22,10 +22,13 @@ TORCH_AND_NIXL_FREE_MODULES = [
     "pdserve.kv.manager", "pdserve.kv.sizing",
     # scheduling and the P/D logic around the transport
     "pdserve.engine.schedule_types", "pdserve.engine.scheduler", "pdserve.engine.stop_rules",
-    "pdserve.engine.prefill_role", "pdserve.engine.decode_role", "pdserve.engine.kv_frontend",
-    # the transport contract, handshake, planner and fake
+    "pdserve.engine.request_ids",
+    # the P/D package: params, handshake, geometry, both sides, admission, wiring
+    "pdserve.pd", "pdserve.pd.params", "pdserve.pd.handshake", "pdserve.pd.leases", "pdserve.pd.messages",
+    "pdserve.pd.geometry", "pdserve.pd.connector", "pdserve.pd.prefill", "pdserve.pd.decode", "pdserve.pd.peers",
+    "pdserve.pd.admission", "pdserve.pd.wiring",
+    # the transport contract, planner and fake
     "pdserve.transfer", "pdserve.transfer.transport", "pdserve.transfer.planner", "pdserve.transfer.fake_transport",
-    "pdserve.transfer.params", "pdserve.transfer.handshake", "pdserve.transfer.leases", "pdserve.transfer.messages",
     # the HTTP layer
     "pdserve.server.app",
 ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from pdserve.pd.params import RemoteDecodeRequest, RemotePrefillParams
 from tests.unit.fake_engine import BOS_ID, FakeEngine, FakeTokenizer, asgi_client, make_app, sse_payloads
 
 pytestmark = pytest.mark.anyio
@@ -67,13 +69,15 @@ async def test_completion_logprobs_zero_returns_the_sampled_tokens_logprobs():
     assert logprobs["text_offset"] == [0, 1, 2]
 
 
-async def test_kv_transfer_params_go_to_the_engine_and_come_back_top_level():
+async def test_kv_transfer_params_are_parsed_at_the_edge_and_come_back_top_level():
     sent = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}
-    returned = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [[1, 2]]}
+    returned = RemotePrefillParams(
+        do_remote_prefill=True, remote_engine_id="p0", remote_request_id="r", remote_block_ids=[[1, 2]],
+        remote_host="127.0.0.1", remote_port=8100, remote_epoch="e1", num_prompt_tokens=3, lease_s=30.0)
     engine = FakeEngine(kv_transfer_params_out=returned)
     response = await post(engine, "/v1/completions", {"prompt": "x", "max_tokens": 1, "kv_transfer_params": sent})
-    assert engine.requests[0].kv_transfer_params == sent
-    assert response.json()["kv_transfer_params"] == returned
+    assert engine.requests[0].kv_params == RemoteDecodeRequest(do_remote_decode=True)
+    assert response.json()["kv_transfer_params"] == returned.to_wire()
 
 
 async def test_chat_applies_the_template_and_answers_as_assistant():

@@ -18,7 +18,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict
 
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan
-from pdserve.transfer.params import PROTOCOL_VERSION, KVParamsInvalid, KVParamsStale, KVPullFailed, RemotePrefillParams
+from pdserve.pd.params import PROTOCOL_VERSION, KVParamsInvalid, KVParamsStale, KVPullFailed, RemotePrefillParams
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,10 @@ class HandshakeClient:
     """Fetches and caches peers' agent info; refreshes when a peer restarts."""
 
     def __init__(self, own_hash: str, token: Optional[str], timeout_s: float = 5.0,
-                 on_handshake: Callable[[], None] = lambda: None):
+                 on_handshake: Callable[[], None] = lambda: None,
+                 http_transport: Optional[httpx.AsyncBaseTransport] = None):
+        """`http_transport` replaces the network (in-process tests route to a prefill app)."""
+        self.http_transport = http_transport
         self.own_hash = own_hash
         self.on_handshake = on_handshake
         self.token = token
@@ -94,13 +97,16 @@ class HandshakeClient:
         headers = {TOKEN_HEADER: self.token} if self.token else {}
         url = f"http://{host}:{port}{AGENT_INFO_PATH}"
         try:
-            async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+            async with httpx.AsyncClient(timeout=self.timeout_s, transport=self.http_transport) as client:
                 response = await client.get(url, headers=headers)
         except httpx.HTTPError as error:
             raise KVPullFailed(f"prefill worker {host}:{port} unreachable for handshake: {error!r}") from None
         if response.status_code != 200:
             raise KVPullFailed(f"prefill worker {host}:{port} refused the handshake (HTTP {response.status_code})")
-        info = AgentInfo.model_validate(response.json())
+        try:
+            info = AgentInfo.model_validate_json(response.content)
+        except ValueError:  # pydantic's ValidationError included
+            raise KVPullFailed(f"prefill worker {host}:{port} answered the handshake with malformed agent info") from None
         self.on_handshake()
         logger.info("handshake with %s:%d: engine %s epoch %s", host, port, info.engine_id, info.epoch)
         return info

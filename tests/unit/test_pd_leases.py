@@ -1,4 +1,4 @@
-from pdserve.transfer.leases import LeaseTable
+from pdserve.pd.leases import LeaseTable
 
 
 class FakeClock:

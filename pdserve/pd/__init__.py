@@ -1,0 +1,31 @@
+"""P/D disaggregation: everything about a prompt's KV moving from a prefill worker to a decode worker.
+
+Read in this order: `params` (the wire dict, parsed once), `handshake` (who a
+prefill worker is), `geometry` (which blocks travel), `connector` (the
+contract with the scheduler), `prefill` and `decode` (the two sides, engine
+thread), `peers` (decode-side connections, never waited on), `admission`
+(async-side checks before the engine sees a request), `leases` and `messages`
+(P's pins and D's notes to P), `wiring` (building it all for a worker).
+Torch-free and nixl-free: pages move through `pdserve.transfer`.
+
+Block lifetime on both sides (one request; time flows down):
+
+    prefill worker (P)                                 decode worker (D)
+    ------------------                                 -----------------
+    prompt computed, first token sampled
+    request_finished -> pin blocks, lease = now+L
+    params {engine, epoch, block ids} --proxy------->  admission: parse, handshake,
+                                                       check block ids, connect peer
+                                                       request queued      (renew every H s)
+    lease renewed <------------------ "renew" -------  scheduler allocates the whole prompt,
+                                                       start_load: READ of the blocks
+    (pages must not change: still pinned)              READ in flight      (renew every H s)
+    lease renewed <------------------ "renew" -------
+    released -> scheduler frees <---- "done" --------  READ landed -> landed -> RUNNING
+                                                       (computes the last prompt token)
+
+    D ends the request before reading:  "free" -> P releases at once
+    D aborts during the READ:           D keeps its blocks until the READ ends, then frees them
+    D never answers:                    P's lease runs out -> released -> freed
+    READ fails or lands after half the lease: policy recompute (prefill on D) or fail (503 kv_pull_failed)
+"""

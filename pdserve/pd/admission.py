@@ -1,0 +1,169 @@
+"""Async side of P/D: turn a request's parsed `kv_transfer_params` into what the engine may act on.
+
+Invariant: the engine thread only ever sees a decode request whose params are
+well formed, whose peer answered the handshake with a matching compatibility
+hash, engine id and epoch, whose block lists fit that peer's pool and the
+prompt, and whose peer's data path is connected. Everything else is a typed
+4xx, or (for a peer that cannot be reached) the failure policy's outcome; a
+peer that failed is remembered per (engine id, epoch) with a backoff so later
+requests get that outcome at once. Torch-free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Awaitable, Callable, Literal, Optional, Protocol
+
+from pdserve.kv.block_pool import NULL_BLOCK_ID
+from pdserve.kv.specs import KVGroupPlan
+from pdserve.pd.connector import RemoteSource
+from pdserve.pd.geometry import handoff_ranges
+from pdserve.pd.handshake import AgentInfo, HandshakeClient
+from pdserve.pd.params import KVParamsInvalid, KVPullFailed, RemoteDecodeRequest, RemotePrefillParams
+from pdserve.request import GenerationRequest
+from pdserve.transfer.planner import validate_remote_block_ids
+from pdserve.transfer.transport import PeerInfo, TransferError
+
+logger = logging.getLogger(__name__)
+
+ConnectPeer = Callable[[PeerInfo], Awaitable[Optional[str]]]  # None: connected; else why not
+
+
+class KVAdmission(Protocol):
+    async def admit(self, request: GenerationRequest) -> GenerationRequest:
+        """Check and resolve `request.kv_params`; the result carries none (may raise a typed error)."""
+        ...
+
+
+class LocalAdmission:
+    """A colocated worker: kv_transfer_params are accepted and ignored (vLLM does the same without a connector)."""
+
+    async def admit(self, request: GenerationRequest) -> GenerationRequest:
+        return dataclasses.replace(request, kv_params=None)
+
+
+class PrefillAdmission:
+    """P: a do_remote_decode request computes the prompt and one token, then keeps its KV."""
+
+    async def admit(self, request: GenerationRequest) -> GenerationRequest:
+        if not isinstance(request.kv_params, RemoteDecodeRequest):
+            return dataclasses.replace(request, kv_params=None)
+        sampling = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=0)
+        return dataclasses.replace(request, kv_params=None, remote_decode=True, sampling=sampling)
+
+
+class PeerFailureMemory:
+    """Peers (by `<engine id>@<epoch>`) that failed recently: asked again only after a growing backoff."""
+
+    def __init__(self, initial_backoff_s: float = 1.0, max_backoff_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.initial_backoff_s = initial_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.clock = clock
+        self._failures: dict[str, tuple[float, float, str]] = {}  # key -> (retry at, backoff, reason)
+
+    def reason_to_skip(self, peer_key: str) -> Optional[str]:
+        entry = self._failures.get(peer_key)
+        if entry is None or self.clock() >= entry[0]:
+            return None
+        return f"{entry[2]} (retried in {entry[0] - self.clock():.1f} s)"
+
+    def record_failure(self, peer_key: str, reason: str) -> None:
+        previous = self._failures.get(peer_key)
+        backoff = self.initial_backoff_s if previous is None else min(previous[1] * 2, self.max_backoff_s)
+        self._failures[peer_key] = (self.clock() + backoff, backoff, reason)
+
+    def record_success(self, peer_key: str) -> None:
+        self._failures.pop(peer_key, None)
+
+
+def check_block_ids(params: RemotePrefillParams, agent: AgentInfo, plan: KVGroupPlan, block_size: int) -> None:
+    """Shape and range of the block lists against the peer's pool and this prompt.
+    Our prefill workers never send null entries, so none is accepted."""
+    expected = [len(r) for r in handoff_ranges(plan, params.num_prompt_tokens, block_size)]
+    lists = validate_remote_block_ids(params.remote_block_ids, len(expected), agent.geometry.num_blocks, max(expected))
+    for group_id, (ids, count) in enumerate(zip(lists, expected)):
+        if len(ids) != count or NULL_BLOCK_ID in ids:
+            raise KVParamsInvalid(
+                f"kv_transfer_params.remote_block_ids[{group_id}] must name {count} non-null blocks "
+                f"for {params.num_prompt_tokens} prompt tokens; got {len(ids)}"
+            )
+
+
+class DecodeAdmission:
+    """D: verify params and peer, connect its data path, attach a `RemoteSource`."""
+
+    def __init__(self, handshake: HandshakeClient, plan: KVGroupPlan, block_size: int,
+                 policy: Literal["recompute", "fail"], connect_peer: ConnectPeer,
+                 failures: Optional[PeerFailureMemory] = None):
+        self.handshake = handshake
+        self.plan = plan
+        self.block_size = block_size
+        self.policy = policy
+        self.connect_peer = connect_peer
+        self.failures = failures or PeerFailureMemory()
+
+    async def admit(self, request: GenerationRequest) -> GenerationRequest:
+        params = request.kv_params
+        local = dataclasses.replace(request, kv_params=None)
+        if not isinstance(params, RemotePrefillParams):
+            return local
+        if params.num_prompt_tokens != len(request.prompt_token_ids):
+            raise KVParamsInvalid(
+                f"kv_transfer_params.num_prompt_tokens is {params.num_prompt_tokens} but the prompt has "
+                f"{len(request.prompt_token_ids)} tokens here (different prompt or tokenizer)"
+            )
+        peer_key = f"{params.remote_engine_id}@{params.remote_epoch}"
+        reason = self.failures.reason_to_skip(peer_key)
+        if reason is not None:
+            return self._unreachable(local, reason)
+        try:
+            agent = await self.handshake.peer_for(params)
+        except KVPullFailed as error:
+            return self._unreachable(local, error.message, peer_key)
+        check_block_ids(params, agent, self.plan, self.block_size)
+        try:
+            error_text = await self.connect_peer(PeerInfo.from_dict(agent.transport))
+        except TransferError as error:  # the peer's transport record is malformed
+            error_text = error.message
+        if error_text is not None:
+            return self._unreachable(local, error_text, peer_key)
+        self.failures.record_success(peer_key)
+        return dataclasses.replace(local, remote=RemoteSource(params, agent))
+
+    def _unreachable(self, local: GenerationRequest, reason: str, peer_key: Optional[str] = None) -> GenerationRequest:
+        if peer_key is not None:
+            self.failures.record_failure(peer_key, reason)
+        if self.policy == "fail":
+            raise KVPullFailed(f"prefill worker unreachable: {reason}")
+        logger.warning("request %s: prefill worker unreachable (%s); prefilling locally", local.request_id, reason)
+        return local
+
+
+def engine_thread_connector(run_on_engine_thread: Callable[[Callable[[], None]], None],
+                            ensure: Callable[[PeerInfo, Callable[[Optional[str]], None]], None],
+                            timeout_s: float) -> ConnectPeer:
+    """A `ConnectPeer` that asks the engine thread to connect (never waiting there) and awaits the outcome."""
+
+    async def connect(peer: PeerInfo) -> Optional[str]:
+        event_loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[Optional[str]] = event_loop.create_future()
+
+        def resolve(error: Optional[str]) -> None:  # called on the engine thread
+            event_loop.call_soon_threadsafe(_settle, outcome, error)
+
+        run_on_engine_thread(lambda: ensure(peer, resolve))
+        try:
+            return await asyncio.wait_for(asyncio.shield(outcome), timeout_s)
+        except asyncio.TimeoutError:
+            return f"no connection outcome from the engine within {timeout_s:g} s"
+
+    return connect
+
+
+def _settle(future: "asyncio.Future[Optional[str]]", error: Optional[str]) -> None:
+    if not future.done():
+        future.set_result(error)

@@ -1,0 +1,205 @@
+"""Decode side of P/D, engine thread: pull a remote prompt's KV into blocks the scheduler allocated.
+
+Invariants: a block under an in-flight READ is never handed back for freeing,
+even when its request is aborted (it is released when the READ ends); a READ
+whose result could postdate the prefill worker's lease is treated as failed,
+so D never computes with pages P may have reused; a failed pull never yields
+tokens from partial KV (policy `recompute` prefills locally, `fail` ends the
+request with `KVPullFailed`); P hears "free" whenever D will not read.
+Leases are renewed for queued requests and for those whose READ is in flight.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional, Sequence
+
+from pdserve.metrics import TransferMetrics
+from pdserve.pd.connector import (ADMIT_LOCAL, ADMIT_REMOTE, FREE_NOW, Admission, AdmissionKind, FinishAction,
+                                  KVEvents, LoadFailure, RemoteSource)
+from pdserve.pd.geometry import blocks_already_held, handoff_ranges, handoff_slices
+from pdserve.pd.messages import KVMessage
+from pdserve.pd.params import KVPullFailed
+from pdserve.pd.peers import PeerConnections
+from pdserve.kv.specs import KVGroupPlan
+from pdserve.request import FinishReason, Request
+from pdserve.transfer.planner import plan_pull
+from pdserve.transfer.transport import KVTransport, TransferError, TransferHandle, TransferState
+
+logger = logging.getLogger(__name__)
+
+FailurePolicy = Literal["recompute", "fail"]
+
+
+@dataclass(slots=True)
+class _Remote:
+    """A remote request D knows of: queued (no READ yet) or pulling."""
+
+    source: RemoteSource
+    lease_fresh_s: float  # monotonic: when P's lease was last known (or renewed) to be fresh
+    handle: Optional[TransferHandle] = None  # set once the READ started
+    aborted: bool = False  # the request ended while its READ was in flight
+
+    @property
+    def peer_key(self) -> str:
+        return f"{self.source.agent.engine_id}@{self.source.agent.epoch}"
+
+    def lease_deadline_s(self) -> float:
+        # Half the lease as margin: P's clock started before ours, and a
+        # renewal in flight may not have landed yet.
+        return self.lease_fresh_s + self.source.params.lease_s / 2
+
+
+class DecodeConnector:
+    """The decode worker's `KVConnector`."""
+
+    num_pinned_blocks = 0  # a decode worker holds nothing for others
+
+    def __init__(self, transport: KVTransport, peers: PeerConnections, plan: KVGroupPlan, block_size: int,
+                 metrics: TransferMetrics, policy: FailurePolicy = "recompute", pull_timeout_s: float = 10.0,
+                 heartbeat_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+        self.transport = transport
+        self.peers = peers
+        self.plan = plan
+        self.block_size = block_size
+        self.metrics = metrics
+        self.policy = policy
+        self.pull_timeout_s = pull_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.clock = clock
+        self._remotes: dict[str, _Remote] = {}
+        self._failed_to_start: list[LoadFailure] = []
+        self._last_heartbeat_s = clock()
+
+    @property
+    def num_loading(self) -> int:
+        return sum(1 for remote in self._remotes.values() if remote.handle is not None)
+
+    # ---- the scheduler's questions --------------------------------------------------
+
+    def request_added(self, request: Request) -> None:
+        if request.remote is not None:
+            self._remotes[request.request_id] = _Remote(request.remote, request.remote.received_s)
+
+    def plan_admission(self, request: Request) -> Admission:
+        remote = self._remotes.get(request.request_id)
+        if request.remote is None or remote is None:
+            return ADMIT_LOCAL
+        if self.clock() > remote.lease_deadline_s():
+            return self._unusable(request, remote, "the prefill worker's lease may have expired before the pull")
+        if self.peers.key_for(remote.peer_key) is None:
+            return self._unusable(request, remote, f"prefill worker {remote.peer_key} is no longer connected")
+        return ADMIT_REMOTE
+
+    def start_load(self, request: Request, block_tables: Sequence[Sequence[int]], num_cached_tokens: int) -> bool:
+        remote = self._remotes[request.request_id]
+        params = remote.source.params
+        ranges = handoff_ranges(self.plan, request.num_prompt_tokens, self.block_size)
+        pull = plan_pull(params.remote_block_ids, handoff_slices(block_tables, ranges),
+                         blocks_already_held(ranges, num_cached_tokens, self.block_size))
+        if not pull.local_ids:  # D's prefix cache holds everything it needs
+            del self._remotes[request.request_id]
+            self._send(remote, "free")
+            return False
+        try:
+            remote.handle = self.transport.start_read(remote.peer_key, pull.local_ids, pull.remote_ids,
+                                                      KVMessage("done", params.remote_request_id).encode())
+        except TransferError as error:
+            del self._remotes[request.request_id]
+            self._failed_to_start.append(self._failure(request.request_id, f"KV read could not start: {error.message}"))
+        self.metrics.waiting_for_kv.set(self.num_loading)
+        return True
+
+    def request_finished(self, request: Request, reason: FinishReason,
+                         block_tables: Sequence[Sequence[int]]) -> FinishAction:
+        remote = self._remotes.get(request.request_id)
+        if remote is None:
+            return FREE_NOW
+        if remote.handle is not None:  # a READ is writing into its blocks: free them when it ends
+            remote.aborted = True
+            return FinishAction(free_blocks=False)
+        del self._remotes[request.request_id]  # ended before pulling: P can free at once
+        self._send(remote, "free")
+        return FREE_NOW
+
+    # ---- the engine loop's tick -------------------------------------------------------
+
+    def has_pending(self) -> bool:
+        return bool(self._remotes) or self.peers.has_pending()
+
+    def poll(self) -> KVEvents:
+        events = KVEvents(failed=self._failed_to_start)
+        self._failed_to_start = []
+        self.peers.poll()
+        now = self.clock()
+        for request_id, remote in list(self._remotes.items()):
+            if remote.handle is not None:
+                self._poll_read(request_id, remote, now, events)
+        self._heartbeat(now)
+        self.metrics.waiting_for_kv.set(self.num_loading)
+        return events
+
+    def _poll_read(self, request_id: str, remote: _Remote, now: float, events: KVEvents) -> None:
+        handle = remote.handle
+        state = self.transport.poll(handle)
+        deadline_s = min(handle.started_at_s + self.pull_timeout_s, remote.lease_deadline_s())
+        if state is TransferState.PENDING and now > deadline_s:
+            logger.warning("request %s: KV pull gave up after %.1f s", request_id, now - handle.started_at_s)
+            state = TransferState.FAILED
+        if state is TransferState.DONE and now > remote.lease_deadline_s():
+            state = TransferState.FAILED  # landed too late to trust: P may have reused the pages
+        if state is TransferState.PENDING or not self.transport.release(handle):
+            return  # still running, or could not be cancelled: its pages stay ours until it ends
+        del self._remotes[request_id]
+        if remote.aborted:  # the request is gone; its blocks were kept only for the READ
+            events.released.append(request_id)
+        elif state is TransferState.DONE:
+            self.metrics.observe_pull(handle.num_bytes, handle.num_blocks, now - handle.started_at_s)
+            events.landed.append(request_id)
+        else:
+            self.peers.forget(remote.peer_key)
+            events.failed.append(self._failure(request_id, "could not read the prompt's KV from the prefill worker"
+                                                           + (f": {handle.error}" if handle.error else "")))
+
+    def _heartbeat(self, now: float) -> None:
+        """Renew P's leases of every remote request D still needs: queued or pulling."""
+        if now - self._last_heartbeat_s < self.heartbeat_s:
+            return
+        self._last_heartbeat_s = now
+        for remote in self._remotes.values():
+            if not remote.aborted and self._send(remote, "renew"):
+                remote.lease_fresh_s = now
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _unusable(self, request: Request, remote: _Remote, reason: str) -> Admission:
+        """The remote KV cannot be used: per policy, compute locally or fail; P may free at once."""
+        logger.warning("request %s: %s", request.request_id, reason)
+        del self._remotes[request.request_id]
+        self._send(remote, "free")
+        self.metrics.failures.labels(policy=self.policy).inc()
+        if self.policy == "recompute":
+            return ADMIT_LOCAL
+        return Admission(AdmissionKind.FAIL, KVPullFailed(reason))
+
+    def _failure(self, request_id: str, reason: str) -> LoadFailure:
+        self.metrics.failures.labels(policy=self.policy).inc()
+        if self.policy == "recompute":
+            logger.warning("request %s: %s; prefilling locally", request_id, reason)
+        return LoadFailure(request_id, KVPullFailed(reason), recompute=self.policy == "recompute")
+
+    def _send(self, remote: _Remote, kind: str) -> bool:
+        """True when the message left; a lost one is covered by P's lease."""
+        peer_key = self.peers.key_for(remote.peer_key)
+        if peer_key is None:
+            return False
+        try:
+            self.transport.send_message(peer_key, KVMessage(kind, remote.source.params.remote_request_id).encode())
+            return True
+        except TransferError:
+            self.metrics.notification_failures.inc()
+            logger.warning("could not send %s for %s", kind, remote.source.params.remote_request_id)
+            return False

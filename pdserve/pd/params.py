@@ -1,0 +1,114 @@
+"""`kv_transfer_params`: the dict that travels P -> proxy -> D, parsed once at the edge into typed records.
+
+Field names follow vLLM's NIXL P/D proxy protocol so its proxy can drive us;
+fields of our own are documented in docs/protocol.md. Invariant: past the
+HTTP layer nothing handles the raw dict: a request carries a
+`RemoteDecodeRequest` (P: keep the KV for a decode worker) or a
+`RemotePrefillParams` (D: pull the KV from there), and every failure is a
+typed error with its HTTP status. Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from pdserve.errors import InvalidRequest, PdserveError
+
+PROTOCOL_VERSION = 1
+_PARAM = "kv_transfer_params"
+
+
+class KVParamsInvalid(InvalidRequest):
+    """Malformed or forged kv_transfer_params (400)."""
+
+
+class KVParamsStale(PdserveError):
+    """Params name a prefill engine or epoch that is no longer there (409)."""
+
+    status_code = 409
+    error_type = "kv_params_stale"
+
+
+class KVPullFailed(PdserveError):
+    """The prompt's KV could not be pulled and the policy is `fail`; the proxy may
+    retry the request on another prefill worker (503, distinct type)."""
+
+    status_code = 503
+    error_type = "kv_pull_failed"
+
+
+class RemoteDecodeRequest(BaseModel):
+    """What the proxy sends P: 'prefill this, keep the KV for a decode worker'."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    do_remote_decode: StrictBool
+    do_remote_prefill: StrictBool = False
+
+
+class RemotePrefillParams(BaseModel):
+    """What P returns and D receives: where the prompt's KV blocks are."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    do_remote_prefill: StrictBool
+    do_remote_decode: StrictBool = False
+    remote_engine_id: StrictStr = Field(min_length=1, max_length=128)
+    remote_request_id: StrictStr = Field(min_length=1, max_length=256)
+    remote_block_ids: list[list[StrictInt]]
+    remote_host: StrictStr = Field(min_length=1, max_length=255)
+    remote_port: StrictInt = Field(ge=1, le=65535)
+    tp_size: StrictInt = Field(1, ge=1)
+    # Our own fields.
+    remote_epoch: StrictStr = Field(min_length=1, max_length=64)
+    num_prompt_tokens: StrictInt = Field(ge=1)
+    lease_s: float = Field(gt=0)
+    protocol_version: StrictInt = PROTOCOL_VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+KVTransferRequest = Union[RemoteDecodeRequest, RemotePrefillParams]
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or _PARAM
+    return f"{_PARAM}.{where}: {first['msg']}"
+
+
+def _validate(schema: type[BaseModel], params: dict[str, Any]) -> Any:
+    try:
+        return schema.model_validate(params)
+    except ValidationError as error:
+        raise KVParamsInvalid(_describe(error), param=_PARAM) from None
+
+
+def parse_kv_transfer_params(params: Any) -> Optional[KVTransferRequest]:
+    """The one parser of the wire dict. None: an ordinary request (no field set,
+    or both flags false). A malformed dict, or one asking for both directions, is a 400."""
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise KVParamsInvalid(f"{_PARAM} must be an object", param=_PARAM)
+    if params.get("do_remote_prefill") is True:
+        parsed = _validate(RemotePrefillParams, params)
+        if parsed.do_remote_decode:
+            raise KVParamsInvalid(f"{_PARAM}: do_remote_prefill and do_remote_decode cannot both be true", param=_PARAM)
+        _check_version(parsed)
+        return parsed
+    if "do_remote_decode" not in params:
+        return None
+    decode = _validate(RemoteDecodeRequest, params)
+    return decode if decode.do_remote_decode else None
+
+
+def _check_version(parsed: RemotePrefillParams) -> None:
+    if parsed.protocol_version != PROTOCOL_VERSION:
+        raise KVParamsInvalid(
+            f"{_PARAM}.protocol_version {parsed.protocol_version} is not supported "
+            f"(this worker speaks {PROTOCOL_VERSION})", param=_PARAM,
+        )
+    if parsed.tp_size != 1:
+        raise KVParamsInvalid(f"{_PARAM}.tp_size: only tp_size=1 is supported", param=_PARAM)

@@ -1,0 +1,123 @@
+"""Prefill side of P/D, engine thread: keep a finished remote-decode prefill's blocks for the decode worker.
+
+Invariant: a pinned request's blocks stay allocated (nothing can reuse them
+under a remote READ) until exactly one of: the reader's completion
+notification, an early-release message, or lease expiry; only then are they
+reported `released` for the scheduler to free. Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+from pdserve.kv.block_pool import NULL_BLOCK_ID, KVInvariantError
+from pdserve.kv.specs import KVGroupPlan
+from pdserve.metrics import TransferMetrics
+from pdserve.pd.connector import ADMIT_LOCAL, FREE_NOW, Admission, FinishAction, KVEvents
+from pdserve.pd.geometry import handoff_ranges, handoff_slices
+from pdserve.pd.leases import LeaseTable
+from pdserve.pd.messages import parse_message
+from pdserve.pd.params import RemotePrefillParams
+from pdserve.request import FinishReason, Request
+from pdserve.transfer.transport import KVTransport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillIdentity:
+    """What a decode worker needs to find and verify this prefill worker."""
+
+    engine_id: str
+    epoch: str
+    host: str  # the address decode workers reach this worker's HTTP server on
+    port: int
+
+
+class PrefillConnector:
+    """The prefill worker's `KVConnector`."""
+
+    def __init__(self, transport: KVTransport, leases: LeaseTable, identity: PrefillIdentity, plan: KVGroupPlan,
+                 block_size: int, metrics: TransferMetrics):
+        self.transport = transport
+        self.leases = leases
+        self.identity = identity
+        self.plan = plan
+        self.block_size = block_size
+        self.metrics = metrics
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return self.leases.num_pinned_blocks
+
+    # ---- the scheduler's questions --------------------------------------------------
+
+    def request_added(self, request: Request) -> None:
+        pass
+
+    def plan_admission(self, request: Request) -> Admission:
+        return ADMIT_LOCAL  # a prefill worker computes every prompt itself
+
+    def start_load(self, request: Request, block_tables: Sequence[Sequence[int]], num_cached_tokens: int) -> bool:
+        return False
+
+    def request_finished(self, request: Request, reason: FinishReason,
+                         block_tables: Sequence[Sequence[int]]) -> FinishAction:
+        if not request.remote_decode or reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            return FREE_NOW
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            return FREE_NOW
+        ranges = handoff_ranges(self.plan, request.num_prompt_tokens, self.block_size)
+        block_ids = handoff_slices(block_tables, ranges)
+        if any(NULL_BLOCK_ID in ids for ids in block_ids):
+            raise KVInvariantError(f"request {request.request_id}: a block the decode worker needs was released")
+        lease = self.leases.pin(request.request_id, sum(len(ids) for ids in block_ids))
+        self.metrics.pinned_blocks.set(self.leases.num_pinned_blocks)
+        logger.info("request %s: %d blocks pinned for a decode worker (lease %.0fs)",
+                    request.request_id, lease.num_blocks, self.leases.lease_s)
+        return FinishAction(free_blocks=False, kv_transfer_params=self._params(request, block_ids))
+
+    def _params(self, request: Request, block_ids: list[list[int]]) -> RemotePrefillParams:
+        return RemotePrefillParams(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.identity.engine_id,
+            remote_request_id=request.request_id,
+            remote_block_ids=block_ids,
+            remote_host=self.identity.host,
+            remote_port=self.identity.port,
+            tp_size=1,
+            remote_epoch=self.identity.epoch,
+            num_prompt_tokens=request.num_prompt_tokens,
+            lease_s=self.leases.lease_s,
+        )
+
+    # ---- the engine loop's tick -------------------------------------------------------
+
+    def has_pending(self) -> bool:
+        return self.leases.num_pinned_requests > 0
+
+    def poll(self) -> KVEvents:
+        """Apply readers' messages, then expire leases that ran out."""
+        events = KVEvents()
+        for payload in self.transport.poll_notifications():
+            self._apply_message(payload, events)
+        for request_id in self.leases.expire():
+            events.released.append(request_id)
+            self.metrics.expired_leases.inc()
+            logger.warning("request %s: lease expired before a decode worker read it; blocks freed", request_id)
+        self.metrics.pinned_blocks.set(self.leases.num_pinned_blocks)
+        return events
+
+    def _apply_message(self, payload: bytes, events: KVEvents) -> None:
+        message = parse_message(payload)
+        if message is None:
+            logger.warning("ignoring malformed KV message %r", payload[:80])
+            return
+        if message.kind == "renew":
+            self.leases.renew([message.request_id])
+        elif self.leases.release(message.request_id):  # "done" or "free"
+            events.released.append(message.request_id)
+            logger.info("request %s: blocks released (%s)", message.request_id, message.kind)

@@ -1,0 +1,102 @@
+"""Builds a worker's P/D side from its config: transport, identity, connector, admission.
+
+Invariant: one transport per P or D worker, registered over the whole pool's
+canonical view before any request arrives; a colocated worker gets no
+transport and a connector that frees everything at finish. The transport is
+made by an injected factory (NIXL by default; the in-process fake in tests).
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import httpx
+
+from pdserve.config import WorkerConfig
+from pdserve.kv.specs import KVGroupPlan
+from pdserve.metrics import Metrics
+from pdserve.pd.admission import DecodeAdmission, KVAdmission, LocalAdmission, PrefillAdmission, engine_thread_connector
+from pdserve.pd.connector import KVConnector, NoConnector
+from pdserve.pd.decode import DecodeConnector
+from pdserve.pd.handshake import PROTOCOL_VERSION, AgentInfo, HandshakeClient, PoolGeometry, groups_to_wire
+from pdserve.pd.leases import LeaseTable
+from pdserve.pd.peers import PeerConnections
+from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
+from pdserve.transfer.transport import KVTransport
+
+# (pool's canonical int8 view [num_blocks, page_bytes], agent name) -> transport
+TransportFactory = Callable[[Any, str], KVTransport]
+
+
+def nixl_transport(pool_view: Any, agent_name: str) -> KVTransport:
+    from pdserve.transfer.nixl_transport import NixlTransport  # the one module that imports nixl
+
+    return NixlTransport(pool_view, agent_name=agent_name)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolDescription:
+    """What the P/D side needs to know of the pool it moves pages of."""
+
+    plan: KVGroupPlan
+    num_blocks: int
+    block_size: int
+    page_bytes: int
+    compat_hash: str  # see pdserve/pd/handshake.py: equal on both sides or no sharing
+
+
+@dataclass
+class KVSide:
+    connector: KVConnector
+    transport: Optional[KVTransport] = None
+    agent_info: Optional[AgentInfo] = None
+    peers: Optional[PeerConnections] = None  # decode workers only
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def build_kv_side(config: WorkerConfig, metrics: Metrics, pool: PoolDescription, pool_view: Any,
+                  transport_factory: TransportFactory = nixl_transport) -> KVSide:
+    """The connector (and, for P and D, the transport and handshake identity) of a worker."""
+    if config.role == "colocated":
+        return KVSide(NoConnector())
+    transfer = config.transfer
+    engine_id = transfer.engine_id or f"{config.role}-{socket.gethostname()}-{config.server.port}"
+    epoch = uuid.uuid4().hex[:16]
+    transport = transport_factory(pool_view, f"{engine_id}-{epoch}")
+    agent_info = AgentInfo(
+        protocol_version=PROTOCOL_VERSION, compat_hash=pool.compat_hash, engine_id=engine_id, epoch=epoch,
+        geometry=PoolGeometry(num_blocks=pool.num_blocks, page_bytes=pool.page_bytes, block_size=pool.block_size,
+                              group_size=pool.plan.group_size, groups=groups_to_wire(pool.plan)),
+        transport=transport.local_peer_info(engine_id, epoch).to_dict(),
+    )
+    if config.role == "prefill":
+        identity = PrefillIdentity(engine_id, epoch, transfer.advertise_host or config.server.host, config.server.port)
+        connector = PrefillConnector(transport, LeaseTable(transfer.lease_s), identity, pool.plan, pool.block_size,
+                                     metrics.transfer)
+        return KVSide(connector, transport, agent_info)
+    peers = PeerConnections(transport, transfer.connect_timeout_s)
+    connector = DecodeConnector(transport, peers, pool.plan, pool.block_size, metrics.transfer,
+                                transfer.failure_policy, transfer.pull_timeout_s, transfer.heartbeat_s)
+    return KVSide(connector, transport, agent_info, peers)
+
+
+def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescription, side: KVSide,
+                    run_on_engine_thread: Callable[[Callable[[], None]], None],
+                    http_transport: Optional[httpx.AsyncBaseTransport] = None) -> KVAdmission:
+    """The async-side checks of a worker's kv_transfer_params (needs the engine loop to connect peers)."""
+    if config.role == "colocated":
+        return LocalAdmission()
+    if config.role == "prefill":
+        return PrefillAdmission()
+    transfer = config.transfer
+    handshake = HandshakeClient(pool.compat_hash, config.server.internal_token, transfer.handshake_timeout_s,
+                                on_handshake=metrics.transfer.handshakes.inc, http_transport=http_transport)
+    # The engine thread abandons a connection after connect_timeout_s; wait a little longer for its word.
+    connect = engine_thread_connector(run_on_engine_thread, side.peers.ensure, transfer.connect_timeout_s + 1.0)
+    return DecodeAdmission(handshake, pool.plan, pool.block_size, transfer.failure_policy, connect)

@@ -1,0 +1,156 @@
+"""The whole decode path in one process: HTTP app -> engine -> P/D side -> fake transport, against a
+real prefill worker's app and a colocated run of the same tiny model (the real-NIXL tests stay in
+tests/integration)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import pytest
+
+from pdserve.request import GenerationRequest, SamplingParams
+from pdserve.transfer.fake_transport import FakeFabric
+from tests.engine.inprocess import DECODE_REQUEST, metric_value, start_worker
+from tests.tiny_models import make_tiny_qwen3
+
+PROMPTS = [[11 + (7 * i + j) % 250 for j in range(30 + 5 * i)] for i in range(4)]
+BODY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("qwen3"))
+    make_tiny_qwen3(directory)
+    return directory
+
+
+@pytest.fixture
+def fabric():
+    return FakeFabric()
+
+
+@pytest.fixture
+def colocated(qwen_dir, fabric):
+    worker = start_worker("colocated", qwen_dir, fabric)
+    yield worker
+    worker.close()
+
+
+@pytest.fixture
+def prefill(qwen_dir, fabric):
+    worker = start_worker("prefill", qwen_dir, fabric)
+    yield worker
+    worker.close()
+
+
+async def local_text(worker, prompt, **extra) -> str:
+    async with worker.client() as client:
+        response = await client.post("/v1/completions", json={**BODY, "prompt": prompt, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+async def prefill_params(prefill, prompt, request_id: str) -> dict:
+    async with prefill.client() as client:
+        response = await client.post("/v1/completions", headers={"X-Request-Id": request_id},
+                                     json={**BODY, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": DECODE_REQUEST})
+    assert response.status_code == 200, response.text
+    return response.json()["kv_transfer_params"]
+
+
+async def wait_until(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
+async def test_full_decode_path_in_process_equals_a_local_run(qwen_dir, fabric, colocated, prefill):
+    decode = start_worker("decode", qwen_dir, fabric, prefill_app=prefill.app)
+    try:
+        for index, prompt in enumerate(PROMPTS[:2]):
+            request_id = f"trace-{index}"
+            params = await prefill_params(prefill, prompt, request_id)
+            assert params["remote_request_id"] == request_id, "P's lease table must use the client's id"
+            async with decode.client() as client:
+                response = await client.post("/v1/completions", headers={"X-Request-Id": request_id},
+                                             json={**BODY, "prompt": prompt, "kv_transfer_params": params})
+            assert response.status_code == 200, response.text
+            assert response.headers["x-request-id"] == request_id
+            assert response.json()["choices"][0]["text"] == await local_text(colocated, prompt)
+        assert metric_value(decode.metrics, "pdserve_transfer_descriptors_total") > 0
+        assert await wait_until(lambda: prefill.built.engine.load_report().num_pinned_blocks == 0)
+        assert metric_value(decode.metrics, "pdserve_transfer_failures_total") == 0
+        assert metric_value(decode.metrics, "pdserve_engine_computed_prompt_tokens_total") == 2  # one per prompt
+    finally:
+        decode.close()
+
+
+async def _stream_gaps(worker, prompt, max_tokens: int, started: asyncio.Event) -> list[float]:
+    """Inter-token gaps of one local request read straight from the engine's stream (an in-memory
+    HTTP transport would buffer the SSE body); `started` is set after its fifth token."""
+    engine = worker.built.engine
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    request = GenerationRequest(engine.request_ids.reserve(None), tuple(prompt), sampling)
+    gaps, last = [], None
+    stream = engine.generate(request)
+    try:
+        async for output in stream:
+            now = time.monotonic()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            if len(gaps) == 5:
+                started.set()
+    finally:
+        await stream.aclose()
+    assert len(gaps) == max_tokens - 1
+    return gaps
+
+
+async def test_a_prefill_worker_whose_data_path_never_connects_does_not_delay_local_streams(
+        qwen_dir, fabric, prefill):
+    connect_timeout_s = 0.6
+    decode = start_worker("decode", qwen_dir, fabric, prefill_app=prefill.app,
+                          transfer={"connect_timeout_s": connect_timeout_s, "failure_policy": "fail"})
+    decode.transport.hold_connects = True  # P's HTTP answers, its data path never does
+    try:
+        params = [await prefill_params(prefill, prompt, f"dead-{i}") for i, prompt in enumerate(PROMPTS)]
+        baseline = await _stream_gaps(decode, PROMPTS[0], 200, asyncio.Event())
+
+        started = asyncio.Event()
+        stream = asyncio.create_task(_stream_gaps(decode, PROMPTS[0], 200, started))
+        await started.wait()
+
+        async def remote(index: int):
+            async with decode.client() as client:
+                began = time.monotonic()
+                response = await client.post("/v1/completions", json={**BODY, "prompt": PROMPTS[index],
+                                                                       "kv_transfer_params": params[index]})
+                return response, time.monotonic() - began
+
+        answers = await asyncio.gather(*(remote(i) for i in range(len(PROMPTS))))
+        gaps = await stream
+        for response, _ in answers:
+            assert response.status_code == 503 and response.json()["error"]["type"] == "kv_pull_failed"
+        assert max(elapsed for _, elapsed in answers) < connect_timeout_s + 1.0
+        normal_step_s = statistics.median(baseline)
+        # The old engine-thread connect stalled every stream for the whole connect timeout.
+        assert max(gaps) <= max(baseline) + normal_step_s + 0.25, (max(gaps), max(baseline), normal_step_s)
+        # The dead peer is remembered: the next request fails at once, without another attempt.
+        began = time.monotonic()
+        response, _ = await remote(0)
+        assert response.status_code == 503 and time.monotonic() - began < connect_timeout_s
+    finally:
+        decode.close()

@@ -1,0 +1,116 @@
+"""A prefill and a decode worker's P/D sides in one process: real KV managers, schedulers and
+connectors, with the fake transport (in-process page copies) standing in for NIXL."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.schedule_types import SampledToken
+from pdserve.engine.scheduler import Scheduler
+from pdserve.kv.manager import KVCacheManager
+from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
+from pdserve.metrics import Metrics
+from pdserve.pd.connector import RemoteSource
+from pdserve.pd.decode import DecodeConnector
+from pdserve.pd.handshake import AgentInfo, PoolGeometry, groups_to_wire
+from pdserve.pd.leases import LeaseTable
+from pdserve.pd.params import RemotePrefillParams
+from pdserve.pd.peers import PeerConnections
+from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
+from pdserve.request import FinishReason, Request, SamplingParams
+from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
+
+BLOCK = 4
+NUM_BLOCKS = 64
+PAGE_BYTES = 32
+PLAN = plan_groups([FullAttentionSpec(), SlidingWindowSpec(8), FullAttentionSpec(), SlidingWindowSpec(8)])
+
+
+class FakeClock:
+    def __init__(self, now_s: float = 1000.0):
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+class PrefillSide:
+    def __init__(self, fabric: FakeFabric, clock: FakeClock, name: str = "P", lease_s: float = 30.0):
+        self.kv = KVCacheManager(PLAN, NUM_BLOCKS, BLOCK)
+        self.pool = torch.zeros(NUM_BLOCKS, PAGE_BYTES, dtype=torch.int8)
+        self.transport = FakeTransport(self.pool, name, fabric)
+        self.metrics = Metrics()
+        self.name = name
+        self.connector = PrefillConnector(self.transport, LeaseTable(lease_s, clock=clock),
+                                          PrefillIdentity(name, "epoch-1", "127.0.0.1", 1), PLAN, BLOCK,
+                                          self.metrics.transfer)
+        self.scheduler = Scheduler(SchedulerConfig(), self.kv, BLOCK, 10_000, connector=self.connector)
+
+    def prefill(self, request_id: str, num_prompt: int) -> RemotePrefillParams:
+        """Run a remote-decode prefill (no model: the test writes a recognisable pattern per page)."""
+        request = make_request(request_id, num_prompt, remote_decode=True, sampling=SamplingParams(max_tokens=1, temperature=0))
+        self.scheduler.add_request(request)
+        step = self.scheduler.schedule()
+        for table in step.chunks[0].block_ids:
+            for block_id in table:
+                if block_id:
+                    self.pool[block_id] = block_id
+        self.scheduler.update(step, [SampledToken(request_id, 5, 0.0)])
+        assert request.finish_reason is FinishReason.LENGTH
+        return request.kv_transfer_params
+
+    def tick(self) -> None:
+        self.scheduler.apply_kv_events(self.connector.poll())
+
+    def agent_info(self) -> AgentInfo:
+        return AgentInfo(
+            protocol_version=1, compat_hash="h", engine_id=self.name, epoch="epoch-1",
+            geometry=PoolGeometry(num_blocks=NUM_BLOCKS, page_bytes=PAGE_BYTES, block_size=BLOCK,
+                                  group_size=PLAN.group_size, groups=groups_to_wire(PLAN)),
+            transport=self.transport.local_peer_info(self.name, "epoch-1").to_dict(),
+        )
+
+
+class DecodeSide:
+    def __init__(self, fabric: FakeFabric, clock: FakeClock, policy: str = "recompute", max_running: int = 64,
+                 pull_timeout_s: float = 60.0, heartbeat_s: float = 5.0):
+        self.kv = KVCacheManager(PLAN, NUM_BLOCKS, BLOCK)
+        self.pool = torch.zeros(NUM_BLOCKS, PAGE_BYTES, dtype=torch.int8)
+        self.transport = FakeTransport(self.pool, "D", fabric)
+        self.metrics = Metrics()
+        self.peers = PeerConnections(self.transport, connect_timeout_s=5.0, clock=clock)
+        self.connector = DecodeConnector(self.transport, self.peers, PLAN, BLOCK, self.metrics.transfer, policy,
+                                         pull_timeout_s=pull_timeout_s, heartbeat_s=heartbeat_s, clock=clock)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_running=max_running), self.kv, BLOCK, 10_000,
+                                   connector=self.connector)
+
+    def connect(self, p: PrefillSide) -> Optional[str]:
+        outcome: list[Optional[str]] = []
+        from pdserve.transfer.transport import PeerInfo
+
+        self.peers.ensure(PeerInfo.from_dict(p.agent_info().transport), outcome.append)
+        self.peers.poll()
+        return outcome[0]
+
+    def submit(self, request_id: str, num_prompt: int, source: RemoteSource) -> Request:
+        request = make_request(request_id, num_prompt, remote=source)
+        self.scheduler.add_request(request)
+        return request
+
+    def tick(self) -> None:
+        self.scheduler.apply_kv_events(self.connector.poll())
+
+
+def make_request(request_id: str, num_prompt: int, sampling: Optional[SamplingParams] = None, **fields) -> Request:
+    prompt = list(range(10, 10 + num_prompt))
+    return Request(request_id, prompt, sampling or SamplingParams(max_tokens=4, temperature=0), (0,), 0.0, **fields)
+
+
+def source_for(p: PrefillSide, params: RemotePrefillParams, received_s: float) -> RemoteSource:
+    return RemoteSource(params, p.agent_info(), received_s)

@@ -1,0 +1,270 @@
+"""The prefill and decode connectors driven by real schedulers and KV managers over the fake
+transport: block lifetime on both sides, failure policies, leases, the running cap."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.schedule_types import SampledToken
+from pdserve.pd.geometry import handoff_ranges, handoff_slices
+from pdserve.pd.params import KVPullFailed
+from pdserve.request import FinishReason, Request, RequestStatus, SamplingParams
+from pdserve.transfer.fake_transport import FakeFabric
+from tests.unit.pd_pair import BLOCK, PLAN, DecodeSide, FakeClock, PrefillSide, make_request, source_for
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def fabric():
+    return FakeFabric()
+
+
+@pytest.fixture
+def p(fabric, clock):
+    return PrefillSide(fabric, clock)
+
+
+@pytest.fixture
+def d(fabric, clock, p):
+    side = DecodeSide(fabric, clock)
+    assert side.connect(p) is None
+    return side
+
+
+def admit(d: DecodeSide, p: PrefillSide, clock: FakeClock, request_id: str, num_prompt: int, params):
+    request = d.submit(request_id, num_prompt, source_for(p, params, clock()))
+    d.scheduler.schedule()
+    return request
+
+
+def test_prefill_pins_blocks_until_the_readers_notification(p, d, clock):
+    params = p.prefill("r1", 30)
+    assert p.connector.num_pinned_blocks == sum(len(ids) for ids in params.remote_block_ids) > 0
+    assert p.kv.has_request("r1")
+    request = admit(d, p, clock, "r1-d", 30, params)
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    d.tick()
+    assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == 29
+    p.tick()
+    assert p.connector.num_pinned_blocks == 0 and not p.kv.has_request("r1")
+    assert p.scheduler.take_released_ids() == ["r1"]
+    p.kv.check_invariants()
+    d.kv.check_invariants()
+
+
+def test_decode_receives_exactly_the_remote_pages_and_sliding_groups_only_their_window(p, d, clock):
+    params = p.prefill("r1", 30)
+    full_ids, sliding_ids = params.remote_block_ids[0], params.remote_block_ids[1]
+    assert len(full_ids) == 8 and len(sliding_ids) <= 8 // BLOCK + 1
+    request = admit(d, p, clock, "r1-d", 30, params)
+    d.tick()
+    local = handoff_slices(d.kv.block_ids(request.request_id), handoff_ranges(PLAN, 30, BLOCK))
+    for local_ids, remote_ids in zip(local, params.remote_block_ids):
+        assert len(local_ids) == len(remote_ids)
+        for local_id, remote_id in zip(local_ids, remote_ids):
+            assert int(d.pool[local_id][0]) == remote_id
+
+
+def test_decode_never_frees_blocks_under_an_inflight_read_even_when_aborted(p, d, clock):
+    params = p.prefill("r1", 30)
+    d.transport.hold_reads = True
+    request = admit(d, p, clock, "r1-d", 30, params)
+    d.scheduler.finish(request.request_id, FinishReason.ABORT)
+    assert d.kv.has_request("r1-d"), "blocks were freed under an in-flight READ"
+    d.tick()
+    assert d.kv.has_request("r1-d")
+    d.transport.hold_reads = False
+    d.tick()
+    assert not d.kv.has_request("r1-d")
+    assert "r1-d" in d.scheduler.take_released_ids()
+    d.kv.check_invariants()
+
+
+def test_uncancellable_timed_out_read_keeps_its_pages(fabric, clock, p):
+    d = DecodeSide(fabric, clock, pull_timeout_s=1.0)
+    d.connect(p)
+    params = p.prefill("r1", 30)
+    d.transport.hold_reads = True
+    d.transport.cancellable = False
+    request = admit(d, p, clock, "r1-d", 30, params)
+    clock.advance(2.0)
+    d.tick()
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV and d.kv.has_request("r1-d")
+
+
+def test_failed_pull_under_recompute_policy_prefills_locally(p, d, clock):
+    params = p.prefill("r1", 30)
+    d.transport.fail_reads = True
+    request = admit(d, p, clock, "r1-d", 30, params)
+    d.tick()
+    assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
+    assert request in d.scheduler.waiting
+    step = d.scheduler.schedule()  # admitted again as an ordinary local request
+    assert step.chunks[0].start_position == 0 and step.chunks[0].num_tokens == 30
+    d.kv.check_invariants()
+
+
+def test_failed_pull_under_fail_policy_ends_the_request_with_a_typed_error(fabric, clock, p):
+    d = DecodeSide(fabric, clock, policy="fail")
+    d.connect(p)
+    params = p.prefill("r1", 30)
+    d.transport.fail_reads = True
+    admit(d, p, clock, "r1-d", 30, params)
+    d.tick()
+    [ended] = d.scheduler.take_ended()
+    assert ended.request_id == "r1-d" and ended.finish_reason is FinishReason.ERROR
+    assert isinstance(ended.error, KVPullFailed)
+    assert d.metrics.transfer.failures.labels(policy="fail")._value.get() == 1
+    assert not d.kv.has_request("r1-d")
+
+
+def test_dead_prefill_peer_is_handled_per_policy(p, d, clock, fabric):
+    params = p.prefill("r1", 30)
+    fabric.kill("P")
+    request = admit(d, p, clock, "r1-d", 30, params)
+    d.tick()
+    assert request.status in (RequestStatus.WAITING, RequestStatus.RUNNING)  # recomputed locally
+    d.kv.check_invariants()
+
+
+def test_request_ended_before_its_pull_tells_prefill_to_free_at_once(p, d, clock):
+    params = p.prefill("r1", 30)
+    request = d.submit("r1-d", 30, source_for(p, params, clock()))
+    d.scheduler.finish(request.request_id, FinishReason.ABORT)  # still queued: nothing was read
+    p.tick()
+    assert p.connector.num_pinned_blocks == 0 and not p.kv.has_request("r1")
+
+
+def test_partial_prefix_hit_on_decode_pulls_only_the_missing_blocks(p, d, clock):
+    # D already computed the same 30-token prompt once (blocks committed to its cache).
+    d.scheduler.add_request(make_request("warm", 30))
+    step = d.scheduler.schedule()
+    d.scheduler.update(step, [SampledToken("warm", 5, 0.0)])
+    d.scheduler.finish("warm", FinishReason.LENGTH)
+    params = p.prefill("r1", 30)
+    request = admit(d, p, clock, "r1-d", 30, params)
+    assert request.num_cached_tokens == 28  # 7 full blocks of 4
+    d.tick()
+    # The full groups lack only block 7; the sliding groups have their window cached too.
+    assert d.metrics.transfer.descriptors._value.get() == 2
+    p.tick()
+    assert p.connector.num_pinned_blocks == 0
+
+
+def test_heartbeat_renews_leases_of_queued_remote_requests(fabric, clock, p):
+    d = DecodeSide(fabric, clock, max_running=1, heartbeat_s=5.0)
+    d.connect(p)
+    params = p.prefill("r1", 30)
+    d.scheduler.add_request(make_request("blocker", 5))
+    d.scheduler.schedule()  # the running cap keeps the remote request queued
+    d.submit("r1-d", 30, source_for(p, params, clock()))
+    d.scheduler.schedule()
+    for _ in range(8):  # 40 s, past P's 30 s lease, with a renewal every 5 s
+        clock.advance(5.0)
+        d.tick()
+        p.tick()
+    assert p.connector.num_pinned_blocks > 0, "the queued request's lease ran out despite renewals"
+
+
+def test_prefill_cannot_free_pages_while_a_decode_read_of_them_is_in_flight(p, d, clock):
+    params = p.prefill("r1", 30)
+    d.transport.hold_reads = True
+    d.connector.pull_timeout_s = 1e9
+    request = admit(d, p, clock, "r1-d", 30, params)
+    pinned = handoff_slices(p.kv.block_ids("r1"), handoff_ranges(PLAN, 30, BLOCK))
+    for _ in range(12):  # 60 s with the READ in flight: D renews, P keeps the pages
+        clock.advance(5.0)
+        d.tick()
+        p.tick()
+        assert p.kv.block_ids("r1") and handoff_slices(p.kv.block_ids("r1"), handoff_ranges(PLAN, 30, BLOCK)) == pinned
+        assert p.connector.num_pinned_blocks > 0
+    # A new request on P (another prompt: no prefix to share) cannot be handed those pages either.
+    p.scheduler.add_request(Request("other", list(range(500, 540)), SamplingParams(max_tokens=1), (0,), 0.0))
+    step = p.scheduler.schedule()
+    taken = {block for table in step.chunks[0].block_ids for block in table if block}
+    assert not taken & {block for ids in pinned for block in ids}
+    d.transport.hold_reads = False
+    d.tick()
+    assert request.status is RequestStatus.RUNNING
+    p.tick()
+    assert not p.kv.has_request("r1")
+
+
+def test_a_read_landing_after_half_the_lease_is_not_trusted(fabric, clock, p):
+    d = DecodeSide(fabric, clock, heartbeat_s=1e9)  # no renewals reach P
+    d.connect(p)
+    params = p.prefill("r1", 30)
+    d.transport.hold_reads = True
+    request = admit(d, p, clock, "r1-d", 30, params)
+    clock.advance(params.lease_s / 2 + 1)
+    d.transport.hold_reads = False
+    d.tick()
+    assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0  # recompute policy
+
+
+def test_remote_block_ids_are_clipped_to_the_window_for_sliding_groups(p):
+    params = p.prefill("r1", 40)
+    tables = p.kv.block_ids("r1")
+    assert params.remote_block_ids[0] == tables[0][:10]
+    assert 0 < len(params.remote_block_ids[1]) <= 8 // BLOCK + 1
+    assert params.remote_block_ids == handoff_slices(tables, handoff_ranges(PLAN, 40, BLOCK))
+
+
+def test_decode_does_not_read_blocks_whose_lease_may_have_expired(p, d, clock):
+    params = p.prefill("r1", 30)
+    request = d.submit("r1-d", 30, source_for(p, params, clock() - params.lease_s))  # queued far too long
+    d.scheduler.schedule()
+    assert d.metrics.transfer.descriptors._value.get() == 0
+    assert d.transport.num_unreleased_handles == 0
+    # Recompute policy: admitted as an ordinary local prefill of the whole prompt.
+    assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == 0
+    p.tick()
+    assert p.connector.num_pinned_blocks == 0, "P was not told to free blocks D will not read"
+
+
+def test_running_cap_holds_when_many_remote_loads_land_at_once(fabric, clock, p):
+    d = DecodeSide(fabric, clock, max_running=3)
+    d.connect(p)
+    d.transport.hold_reads = True
+    requests = []
+    for index in range(6):
+        params = p.prefill(f"r{index}", 9)
+        requests.append(d.submit(f"r{index}-d", 9, source_for(p, params, clock())))
+    d.scheduler.schedule()
+    assert d.scheduler.num_waiting_for_kv == 3 and d.scheduler.num_waiting == 3
+    d.transport.hold_reads = False
+    d.tick()  # all three land in one poll
+    assert d.scheduler.num_running == 3 and d.scheduler.num_waiting_for_kv == 0
+    for _ in range(40):
+        step = d.scheduler.schedule()
+        assert d.scheduler.num_running + d.scheduler.num_waiting_for_kv <= 3
+        d.scheduler.update(step, [SampledToken(chunk.request_id, 1, 0.0) for chunk in step.chunks if chunk.sample])
+        d.tick()
+    assert all(request.finished for request in requests)
+    d.kv.check_invariants()
+
+
+def test_an_exception_in_the_finish_hook_fails_that_request_only(p):
+    original = p.connector.request_finished
+
+    def broken(request, reason, tables):
+        if request.request_id == "bad":
+            raise RuntimeError("injected")
+        return original(request, reason, tables)
+
+    p.connector.request_finished = broken
+    one_token = SamplingParams(max_tokens=1, temperature=0)
+    good = make_request("good", 9, one_token, remote_decode=True)
+    bad = make_request("bad", 9, one_token, remote_decode=True)
+    for request in (good, bad):
+        p.scheduler.add_request(request)
+    step = p.scheduler.schedule()
+    p.scheduler.update(step, [SampledToken(chunk.request_id, 5, 0.0) for chunk in step.chunks])
+    assert good.finish_reason is FinishReason.LENGTH and good.kv_transfer_params is not None
+    assert bad.finish_reason is FinishReason.ERROR and bad.error is not None and bad.kv_transfer_params is None
+    assert not p.kv.has_request("bad") and p.kv.has_request("good")
+    p.kv.check_invariants()
