@@ -116,7 +116,10 @@ class _Forward(argparse.Action):
         if self.spec.converter is None:
             forwarded.append(option_string)
         else:
-            self.spec.converter(values)  # raises ArgumentTypeError -> a clean usage error
+            try:
+                self.spec.converter(values)
+            except (argparse.ArgumentTypeError, ValueError) as error:
+                parser.error(f"argument {option_string}: {error}")
             forwarded += [option_string, values]
         setattr(namespace, FORWARDED_ARGS, forwarded)
 

@@ -98,7 +98,8 @@ class DecodeAdmission:
 
     def __init__(self, handshake: HandshakeClient, plan: KVGroupPlan, block_size: int,
                  policy: Literal["recompute", "fail"], connect_peer: ConnectPeer,
-                 failures: Optional[PeerFailureMemory] = None):
+                 failures: Optional[PeerFailureMemory] = None, count_failure: Callable[[], None] = lambda: None):
+        self.count_failure = count_failure
         self.handshake = handshake
         self.plan = plan
         self.block_size = block_size
@@ -135,6 +136,7 @@ class DecodeAdmission:
         return dataclasses.replace(local, remote=RemoteSource(params, agent))
 
     def _unreachable(self, local: GenerationRequest, reason: str, peer_key: Optional[str] = None) -> GenerationRequest:
+        self.count_failure()
         if peer_key is not None:
             self.failures.record_failure(peer_key, reason)
         if self.policy == "fail":

@@ -99,4 +99,6 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
                                 on_handshake=metrics.transfer.handshakes.inc, http_transport=http_transport)
     # The engine thread abandons a connection after connect_timeout_s; wait a little longer for its word.
     connect = engine_thread_connector(run_on_engine_thread, side.peers.ensure, transfer.connect_timeout_s + 1.0)
-    return DecodeAdmission(handshake, pool.plan, pool.block_size, transfer.failure_policy, connect)
+    failures = metrics.transfer.failures.labels(policy=transfer.failure_policy)
+    return DecodeAdmission(handshake, pool.plan, pool.block_size, transfer.failure_policy, connect,
+                           count_failure=failures.inc)

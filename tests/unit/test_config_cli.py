@@ -1,0 +1,79 @@
+"""Flags generated from the config models: one declaration per setting, used by every command."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cli import build_parser, main
+from pdserve.config import DEFAULT_PORTS, CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, TransferConfig
+from pdserve.config_cli import ConfigError, flag_specs, worker_config
+from pdserve.local_cluster import build_specs
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+def test_every_config_field_has_exactly_one_flag_on_p_and_d():
+    fields = {(section, name) for section, model in (("model", ModelConfig), ("cache", CacheConfig),
+                                                     ("scheduler", SchedulerConfig), ("server", ServerConfig),
+                                                     ("transfer", TransferConfig))
+              for name in model.model_fields}
+    specs = flag_specs("decode")
+    assert {(spec.section, spec.name) for spec in specs} == fields
+    assert len({spec.flag for spec in specs}) == len(specs)
+    assert all(spec.help for spec in specs)
+
+
+@pytest.mark.parametrize("command, role", [("serve", "colocated"), ("prefill", "prefill"), ("decode", "decode")])
+def test_defaults_come_from_the_config_with_the_role_port(command, role):
+    config = worker_config(parse(command), role)
+    assert config.server.port == DEFAULT_PORTS[role]
+    assert config.cache == CacheConfig() and config.scheduler == SchedulerConfig() and config.transfer == TransferConfig()
+
+
+def test_flags_map_onto_their_fields_with_their_parsers():
+    config = worker_config(parse("decode", "--kv-memory", "256MiB", "--no-prefix-caching", "--kv-lease-s", "40",
+                                 "--kv-pull-timeout-s", "20", "--served-model-name", "m", "--max-num-running", "3"),
+                           "decode")
+    assert config.cache.kv_memory_bytes == 256 << 20 and not config.cache.enable_prefix_caching
+    assert (config.transfer.lease_s, config.transfer.pull_timeout_s) == (40, 20)
+    assert config.model.served_name == "m" and config.scheduler.max_num_running == 3
+
+
+def test_the_internal_token_falls_back_to_its_environment_variable(monkeypatch):
+    monkeypatch.setenv("PDSERVE_INTERNAL_TOKEN", "from-env")
+    assert worker_config(parse("prefill"), "prefill").server.internal_token == "from-env"
+    assert worker_config(parse("prefill", "--internal-token", "flag"), "prefill").server.internal_token == "flag"
+
+
+def test_a_decode_pull_timeout_longer_than_half_the_lease_is_refused_with_the_flags_named(capsys):
+    with pytest.raises(ConfigError, match="--kv-pull-timeout-s.*--kv-lease-s"):
+        worker_config(parse("decode", "--kv-pull-timeout-s", "20"), "decode")
+    assert main(["decode", "--kv-pull-timeout-s", "20"]) == 2
+    assert "must be at most half" in capsys.readouterr().err
+    worker_config(parse("prefill", "--kv-lease-s", "4"), "prefill")  # only a decode worker pulls
+
+
+def test_out_of_range_values_name_their_flag():
+    with pytest.raises(ConfigError, match="--max-num-running"):
+        worker_config(parse("serve", "--max-num-running", "0"), "colocated")
+
+
+def test_up_forwards_exactly_the_worker_flags_it_was_given_verbatim():
+    args = parse("up", "--kv-memory", "256MiB", "--no-prefix-caching", "--kv-failure-policy", "fail",
+                 "--max-num-batched-tokens", "64")
+    specs = {spec.name: spec for spec in build_specs(args, [0, 1])}
+    for role in ("prefill", "decode"):
+        argv = specs[role].argv
+        for given in (["--kv-memory", "256MiB"], ["--no-prefix-caching"], ["--kv-failure-policy", "fail"],
+                      ["--max-num-batched-tokens", "64"]):
+            assert any(argv[i:i + len(given)] == given for i in range(len(argv))), (given, argv)
+        assert "--kv-lease-s" not in argv, "a flag not given must not be forwarded (the worker's default applies)"
+    assert "--kv-memory" not in specs["proxy"].argv
+
+
+def test_up_checks_forwarded_values_like_the_worker_would(capsys):
+    with pytest.raises(SystemExit):
+        parse("up", "--kv-memory", "lots")
+    assert "not a size" in capsys.readouterr().err

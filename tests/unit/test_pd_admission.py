@@ -1,0 +1,140 @@
+"""D's and P's async-side admission: params checked against the handshake, peers connected before the
+engine sees a request, failed peers remembered with a backoff, outcomes per failure policy."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from pdserve.pd.admission import DecodeAdmission, PeerFailureMemory, PrefillAdmission
+from pdserve.pd.handshake import HandshakeClient
+from pdserve.pd.params import KVParamsInvalid, KVParamsStale, KVPullFailed, RemoteDecodeRequest, RemotePrefillParams
+from pdserve.request import GenerationRequest, SamplingParams
+from tests.unit.pd_pair import BLOCK, PLAN, FakeClock, PrefillSide
+from pdserve.transfer.fake_transport import FakeFabric
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class StubPrefill:
+    """Answers the handshake like a prefill worker (or fails as told); counts the calls."""
+
+    def __init__(self):
+        self.side = PrefillSide(FakeFabric(), FakeClock())
+        self.status = 200
+        self.calls = 0
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        if self.status != 200:
+            return httpx.Response(self.status)
+        return httpx.Response(200, content=self.side.agent_info().model_dump_json())
+
+    def params(self, num_prompt: int = 30, **changes) -> RemotePrefillParams:
+        params = self.side.prefill(f"r{self.calls}-{num_prompt}", num_prompt)
+        return params.model_copy(update=changes)
+
+
+class Connector:
+    def __init__(self):
+        self.error = None
+        self.calls = 0
+
+    async def __call__(self, peer):
+        self.calls += 1
+        return self.error
+
+
+def admission(stub: StubPrefill, connect: Connector, policy: str = "recompute", clock=None) -> DecodeAdmission:
+    handshake = HandshakeClient("h", None, http_transport=httpx.MockTransport(stub.handler))
+    memory = PeerFailureMemory(clock=clock or FakeClock())
+    return DecodeAdmission(handshake, PLAN, BLOCK, policy, connect, memory)
+
+
+def request(params, num_prompt: int = 30) -> GenerationRequest:
+    return GenerationRequest("req", tuple(range(10, 10 + num_prompt)), SamplingParams(), kv_params=params)
+
+
+async def test_valid_params_from_a_connected_peer_become_a_remote_source():
+    stub, connect = StubPrefill(), Connector()
+    admitted = await admission(stub, connect).admit(request(stub.params()))
+    assert admitted.kv_params is None and admitted.remote is not None
+    assert admitted.remote.agent.engine_id == "P" and connect.calls == 1
+
+
+async def test_a_prompt_of_another_length_is_a_400():
+    stub = StubPrefill()
+    with pytest.raises(KVParamsInvalid, match="num_prompt_tokens"):
+        await admission(stub, Connector()).admit(request(stub.params(30), num_prompt=31))
+
+
+async def test_block_lists_that_do_not_fit_the_prompt_are_a_400():
+    stub = StubPrefill()
+    params = stub.params()
+    short = params.model_copy(update={"remote_block_ids": [ids[1:] for ids in params.remote_block_ids]})
+    with pytest.raises(KVParamsInvalid, match="non-null blocks"):
+        await admission(stub, Connector()).admit(request(short))
+
+
+async def test_a_stale_epoch_is_a_409_and_not_remembered_as_a_dead_peer():
+    stub, connect = StubPrefill(), Connector()
+    gate = admission(stub, connect)
+    with pytest.raises(KVParamsStale):
+        await gate.admit(request(stub.params(remote_epoch="gone")))
+    assert (await gate.admit(request(stub.params()))).remote is not None
+
+
+async def test_an_unreachable_peer_is_served_locally_under_recompute_and_then_skipped_for_a_while():
+    stub, connect, clock = StubPrefill(), Connector(), FakeClock()
+    gate = admission(stub, connect, clock=clock)
+    params = stub.params()
+    stub.status = 503
+    calls = stub.calls
+    first = await gate.admit(request(params))
+    assert first.remote is None and first.kv_params is None and stub.calls == calls + 1
+    second = await gate.admit(request(params))
+    assert second.remote is None and stub.calls == calls + 1, "a remembered dead peer was asked again"
+    stub.status = 200
+    clock.advance(1.01)  # first backoff is one second
+    assert (await gate.admit(request(params))).remote is not None
+
+
+async def test_a_peer_whose_data_path_fails_gets_the_fail_policy_at_once_next_time():
+    stub, connect, clock = StubPrefill(), Connector(), FakeClock()
+    gate = admission(stub, connect, policy="fail", clock=clock)
+    connect.error = "warm-up read never landed"
+    with pytest.raises(KVPullFailed, match="warm-up"):
+        await gate.admit(request(stub.params()))
+    with pytest.raises(KVPullFailed, match="retried in"):
+        await gate.admit(request(stub.params()))
+    assert connect.calls == 1
+
+
+def test_the_failure_backoff_doubles_up_to_its_cap_and_a_success_resets_it():
+    clock = FakeClock()
+    memory = PeerFailureMemory(initial_backoff_s=1.0, max_backoff_s=4.0, clock=clock)
+    waits = []
+    for _ in range(4):
+        memory.record_failure("P@e1", "down")
+        started = clock()
+        while memory.reason_to_skip("P@e1") is not None:
+            clock.advance(0.25)
+        waits.append(clock() - started)
+    assert waits == [1.0, 2.0, 4.0, 4.0]
+    memory.record_failure("P@e1", "down")
+    memory.record_success("P@e1")
+    assert memory.reason_to_skip("P@e1") is None
+
+
+async def test_prefill_admission_keeps_the_kv_only_when_asked_and_computes_one_token():
+    gate = PrefillAdmission()
+    asked = await gate.admit(request(RemoteDecodeRequest(do_remote_decode=True)))
+    assert asked.remote_decode and asked.sampling.max_tokens == 1 and asked.kv_params is None
+    stub = StubPrefill()
+    other = await gate.admit(request(stub.params()))  # params meant for a decode worker: served locally
+    assert not other.remote_decode and other.kv_params is None
