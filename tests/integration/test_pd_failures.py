@@ -34,9 +34,10 @@ def cluster(tmp_path_factory, device):
                        device)
     fail = Worker("decode", free_port(), str(logs / "decode-fail.log"),
                   [*common, "--no-prefix-caching", "--kv-failure-policy", "fail", "--kv-pull-timeout-s", "5"], device)
-    workers = start_workers(prefill, recompute, fail)
-    yield {"prefill": prefill, "recompute": recompute, "fail": fail}
-    for worker in workers:
+    start_workers(prefill, recompute, fail)
+    current = {"prefill": prefill, "recompute": recompute, "fail": fail}
+    yield current
+    for worker in current.values():  # tests replace a restarted prefill worker here: stop that one too
         worker.stop()
 
 
