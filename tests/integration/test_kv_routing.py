@@ -22,11 +22,11 @@ TOKEN = "kv-routing-token"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, device):
     logs = tmp_path_factory.mktemp("logs")
     common = ["--num-blocks", "300", "--internal-token", TOKEN]
-    prefills = [Worker("prefill", free_port(), str(logs / f"prefill{i}.log"), common) for i in range(2)]
-    decode = Worker("decode", free_port(), str(logs / "decode.log"), common)
+    prefills = [Worker("prefill", free_port(), str(logs / f"prefill{i}.log"), common, device) for i in range(2)]
+    decode = Worker("decode", free_port(), str(logs / "decode.log"), common, device)
     workers = start_workers(*prefills, decode)
     backends = ["--prefill", *(p.url for p in prefills), "--decode", decode.url, "--internal-token", TOKEN,
                 "--policy", "kv_aware", "--health-interval-s", "0.2"]
@@ -102,7 +102,7 @@ def test_later_turns_follow_the_cache_and_a_restart_empties_it(cluster, tmp_path
     killed_s = time.monotonic()
     assert wait_for(lambda: metric(proxy, "pdserve_proxy_kv_index_blocks", role="prefill") < blocks_before, 1.0)
     assert time.monotonic() - killed_s < 1.0
-    restarted = Worker("prefill", first.port, str(tmp_path / "restarted.log"), first.extra_args)
+    restarted = Worker("prefill", first.port, str(tmp_path / "restarted.log"), first.extra_args, first.device)
     cluster["prefills"][prefills.index(first)] = restarted
     start_workers(restarted)
     ready_s = time.monotonic()
