@@ -85,10 +85,11 @@ class KVRouting:
 
     def choose(self, role: Role, candidates: Sequence[Backend], request: "ClientRequest") -> Backend:
         route: Optional[KVRoute] = request.kv_route
-        if route is None or route.blocks is None:
+        hasher = self.hasher
+        if route is None or route.blocks is None or hasher is None:
             self.metrics.decisions.labels(role.value, NO_BLOCKS).inc()
             return self._fallback[role].choose(candidates, b"")
-        choice, reason = self._policies[role].choose(self._score(candidates, route.blocks, self.hasher))
+        choice, reason = self._policies[role].choose(self._score(candidates, route.blocks, hasher))
         route.predicted[choice.backend.url] = choice.cached_tokens
         self.metrics.decisions.labels(role.value, reason).inc()
         logger.debug("request %s: %s -> %s (%s, %d of %d tokens cached)", request.request_id, role.value,
