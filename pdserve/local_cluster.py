@@ -74,7 +74,7 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pin", action="store_true", help="do not pin the workers to separate cores")
     parser.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                         help=f"shared worker token (default: ${INTERNAL_TOKEN_ENV}, else a random one)")
-    parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix"])
+    parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix", "kv_aware"])
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--prefill-device", type=parse_device, default=None,
                         help="the prefill worker's device, e.g. cuda:0 (default: --device)")

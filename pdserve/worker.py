@@ -21,6 +21,7 @@ from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.metrics import Metrics
 from pdserve.pd.wiring import TransportFactory, nixl_transport
 from pdserve.server.app import create_app
+from pdserve.server.kv_events_routes import create_kv_events_router
 from pdserve.server.kv_routes import create_kv_router
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nix
     metrics = Metrics()
     handle = LoadingEngine(config.model.served_name or "default", RequestIdRegistry())
     loaded = _Loaded()
-    routers = []
+    routers = [create_kv_events_router(handle, lambda: loaded.built, metrics, config.server.internal_token)]
     if config.role != "colocated":
         routers.append(create_kv_router(lambda: loaded.built.agent_info if loaded.built else None,
                                         config.server.internal_token))

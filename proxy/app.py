@@ -27,6 +27,8 @@ from proxy.discovery import DnsDiscovery, Resolver, resolve_with_getaddrinfo
 from proxy.errors import NoBackendAvailable, error_body, error_response
 from proxy.forwarder import Forwarder
 from proxy.health import HealthMonitor
+from proxy.kv_routes import explain_route
+from proxy.kv_routing import KV_AWARE, KVRouting
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics, create_proxy_metrics
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class ProxyComponents:
     forwarder: Forwarder
     monitor: HealthMonitor
     discoveries: list[DnsDiscovery] = field(default_factory=list)
+    kv: Optional[KVRouting] = None  # when a role's policy is kv_aware
 
     def all_backends(self) -> list[Backend]:
         return [*self.prefill_pool.backends(), *self.decode_pool.backends()]
@@ -67,10 +70,13 @@ def build_components(config: ProxyConfig, resolver: Optional[Resolver] = None,
     for url in config.decode_urls:
         decode_pool.add(url)
     metrics = create_proxy_metrics(lambda: [*prefill_pool.backends(), *decode_pool.backends()])
+    kv = None
+    if KV_AWARE in (config.routing.prefill_policy, config.routing.decode_policy):
+        kv = KVRouting(config.routing, {Role.PREFILL: prefill_pool, Role.DECODE: decode_pool}, metrics.registry)
     components = ProxyComponents(
         config=config, prefill_pool=prefill_pool, decode_pool=decode_pool, metrics=metrics,
-        forwarder=Forwarder(config, prefill_pool, decode_pool, metrics),
-        monitor=HealthMonitor((prefill_pool, decode_pool), config.health),
+        forwarder=Forwarder(config, prefill_pool, decode_pool, metrics, kv),
+        monitor=HealthMonitor((prefill_pool, decode_pool), config.health), kv=kv,
     )
     discovery = config.discovery
     for pool, target in ((prefill_pool, discovery.prefill_dns), (decode_pool, discovery.decode_dns)):
@@ -85,6 +91,8 @@ async def _lifespan(components: ProxyComponents) -> AsyncIterator[None]:
     for discovery in components.discoveries:
         await discovery.refresh()
     tasks = [asyncio.create_task(components.monitor.run_forever(), name="proxy-health")]
+    if components.kv is not None:
+        tasks.append(asyncio.create_task(components.kv.run_forever(), name="proxy-kv-routing"))
     for discovery in components.discoveries:
         tasks.append(asyncio.create_task(
             discovery.run_forever(components.config.discovery.interval_s, components.monitor.poll_all),
@@ -138,6 +146,7 @@ def _routes(components: ProxyComponents) -> list[Route]:
         Route("/ready", health, methods=["GET"]),
         Route("/live", live, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        explain_route(components.kv, components.config.internal_token),
     ]
 
 

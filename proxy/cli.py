@@ -17,7 +17,7 @@ from proxy.config import DiscoveryConfig, HealthConfig, ProxyConfig, RoutingConf
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("round_robin", "least_loaded", "prefix")
+POLICIES = ("round_robin", "least_loaded", "prefix", "kv_aware")
 INTERNAL_TOKEN_ENV = "PDSERVE_INTERNAL_TOKEN"  # the workers read the same variable
 
 
@@ -59,6 +59,11 @@ def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                          help="the estimate for text prompts: tokens = ceil(characters / this)")
     routing.add_argument("--max-in-flight-per-backend", type=int, default=0,
                          help="a backend with this many proxy requests in flight is saturated (0: no cap)")
+    routing.add_argument("--kv-load-tokens", type=float, default=128.0,
+                         help="kv_aware: prompt tokens one unit of load (a queued request) is worth in the score")
+    routing.add_argument("--kv-decode-only-max-tokens", type=int, default=64,
+                         help="kv_aware decode: skip the prefill leg when the decode worker's cache leaves at most "
+                              "this many prompt tokens to compute (0: never)")
 
 
 def _add_failure_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +98,8 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
             prefill_policy=_policy(args, args.prefill_policy), decode_policy=_policy(args, args.decode_policy),
             prefix_chars=args.prefix_chars, prefix_max_load=args.prefix_max_load,
             disagg_min_prompt_tokens=args.disagg_min_prompt_tokens, chars_per_token=args.chars_per_token,
-            max_in_flight_per_backend=args.max_in_flight_per_backend,
+            max_in_flight_per_backend=args.max_in_flight_per_backend, kv_load_tokens=args.kv_load_tokens,
+            kv_decode_only_max_tokens=args.kv_decode_only_max_tokens,
         ),
         health=HealthConfig(
             interval_s=args.health_interval_s, timeout_s=args.health_timeout_s, unhealthy_after=args.unhealthy_after,

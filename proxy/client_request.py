@@ -12,9 +12,12 @@ import json
 import math
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from proxy.errors import InvalidClientRequest
+
+if TYPE_CHECKING:
+    from proxy.kv_routing import KVRoute
 
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_CHARS = 240  # what a worker accepts (pdserve/engine/request_ids.py)
@@ -35,6 +38,7 @@ class ClientRequest:
     stream: bool
     prompt_text: str  # what prefix routing and the size estimate look at
     num_prompt_tokens: int  # exact for token-id prompts, estimated for text
+    kv_route: Optional["KVRoute"] = None  # set by kv_aware routing (proxy/kv_routing.py)
 
     def prefix_key(self, num_chars: int) -> bytes:
         return self.prompt_text[:num_chars].encode("utf-8", "surrogatepass")

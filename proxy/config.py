@@ -11,7 +11,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-PolicyName = Literal["round_robin", "least_loaded", "prefix"]
+PolicyName = Literal["round_robin", "least_loaded", "prefix", "kv_aware"]
 
 
 def normalize_url(url: str) -> str:
@@ -50,6 +50,11 @@ class RoutingConfig(_Frozen):
     chars_per_token: float = Field(4.0, gt=0)
     # 0 = no cap; otherwise a backend with this many proxy requests in flight is saturated.
     max_in_flight_per_backend: int = Field(0, ge=0)
+    # kv_aware (proxy/policies_kv.py): one unit of load costs as much as computing this many prompt tokens.
+    kv_load_tokens: float = Field(128.0, ge=0)
+    # Cache-aware disaggregation: with a kv_aware decode policy, skip the prefill leg when the chosen
+    # decode worker's cache leaves at most this many prompt tokens for it to compute (0 = never).
+    kv_decode_only_max_tokens: int = Field(64, ge=0)
 
 
 class HealthConfig(_Frozen):

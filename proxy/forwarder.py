@@ -9,6 +9,7 @@ client's `X-Request-Id` (or a fresh one) goes on both legs and back.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ from proxy.backends import Backend, BackendPool, Outcome, Role
 from proxy.client_request import REQUEST_ID_HEADER, ClientRequest, choose_request_id, parse_client_request
 from proxy.config import ProxyConfig
 from proxy.errors import NoBackendAvailable, ProxyError, error_response
-from proxy.legs import KVRetry, LegFailed, LegSender, OpenLeg, PassThrough
+from proxy.kv_routing import KVRouting
+from proxy.legs import KVRetry, LegFailed, LegSender, OpenLeg, PassThrough, cached_tokens_of
 from proxy.metrics import ProxyMetrics, status_class
 from proxy.policies import RoutingPolicy, build_policy
 from proxy.relay import ClientGone, RelayStreamResponse, until_client_disconnects
@@ -44,7 +46,7 @@ class RequestTiming:
 
 class Forwarder:
     def __init__(self, config: ProxyConfig, prefill_pool: BackendPool, decode_pool: BackendPool,
-                 metrics: ProxyMetrics):
+                 metrics: ProxyMetrics, kv: Optional[KVRouting] = None):
         self._config = config
         self._prefill_pool = prefill_pool
         self._decode_pool = decode_pool
@@ -53,29 +55,31 @@ class Forwarder:
         self._decode_policy = build_policy(routing.decode_policy, routing)
         self._sender = LegSender(metrics, config.timeouts)
         self._metrics = metrics
+        self._kv = kv  # set when a role's policy is kv_aware
 
     async def handle(self, raw: Request, path: str) -> Response:
         arrival_s = time.perf_counter()
         request_id = choose_request_id(raw.headers.get(REQUEST_ID_HEADER))
-        mode = DECODE_ONLY
+        timing = RequestTiming(arrival_s, DECODE_ONLY)
         try:
             request = parse_client_request(path, await raw.body(), request_id, self._config.routing.chars_per_token)
-            mode = self._mode(request)
-            timing = RequestTiming(arrival_s, mode)
+            if self._kv is not None:
+                await self._kv.prepare(request)
+            timing.mode = self._mode(request)
             leg = await until_client_disconnects(raw.receive, self._run_legs(request, timing))
         except ProxyError as exc:
-            return self._counted(mode, error_response(exc, request_id, self._config.retry_after_s))
+            return self._counted(timing.mode, error_response(exc, request_id, self._config.retry_after_s))
         except PassThrough as exc:
             answer = exc.answer
             headers = {REQUEST_ID_HEADER: request_id}
             if answer.status_code == 503:
                 headers["Retry-After"] = str(self._config.retry_after_s)
-            return self._counted(mode, Response(answer.content, answer.status_code,
-                                                media_type=answer.content_type, headers=headers))
+            return self._counted(timing.mode, Response(answer.content, answer.status_code,
+                                                       media_type=answer.content_type, headers=headers))
         except ClientGone:
             logger.info("request %s: client disconnected before the answer started", request_id)
-            return self._counted(mode, Response(status_code=499))
-        return self._counted(mode, self._respond(request, leg, timing))
+            return self._counted(timing.mode, Response(status_code=499))
+        return self._counted(timing.mode, self._respond(request, leg, timing))
 
     def _counted(self, mode: str, response: Response) -> Response:
         self._metrics.requests.labels(mode, status_class(response.status_code)).inc()
@@ -84,7 +88,9 @@ class Forwarder:
     def _mode(self, request: ClientRequest) -> str:
         if not self._config.has_prefill:
             return DECODE_ONLY  # no prefill tier at all: a load balancer over decode workers
-        if request.num_prompt_tokens < self._config.routing.disagg_min_prompt_tokens:
+        blocks = request.kv_route.blocks if request.kv_route is not None else None
+        num_prompt_tokens = blocks.num_tokens if blocks is not None else request.num_prompt_tokens  # exact if known
+        if num_prompt_tokens < self._config.routing.disagg_min_prompt_tokens:
             return DECODE_ONLY
         return DISAGGREGATED
 
@@ -93,6 +99,8 @@ class Forwarder:
         candidates = pool.available(exclude_urls)
         if not candidates:
             return None
+        if self._kv is not None and self._kv.handles(role):
+            return self._kv.choose(role, candidates, request)
         return policy.choose(candidates, request.prefix_key(self._config.routing.prefix_chars))
 
     def _pool_and_policy(self, role: Role) -> tuple[BackendPool, RoutingPolicy]:
@@ -108,6 +116,8 @@ class Forwarder:
         decode = self._pick(Role.DECODE, request)
         if decode is None:
             raise self._unavailable(Role.DECODE)
+        if timing.mode == DISAGGREGATED and self._kv is not None and self._kv.skips_prefill(request, decode):
+            timing.mode = DECODE_ONLY  # cache-aware disaggregation: decode holds nearly all of the prompt
         if timing.mode == DECODE_ONLY:
             return await self._decode(request, decode, None)
         prefill, params = await self._prefill(request, (), timing)
@@ -140,12 +150,16 @@ class Forwarder:
                 if last is not None:
                     self._metrics.retries.labels(Role.PREFILL.value, last.reason).inc()
                 try:
-                    return backend, await self._sender.prefill(backend, request)
+                    answer = await self._sender.prefill(backend, request)
                 except LegFailed as exc:
                     logger.warning("request %s: prefill leg on %s failed (%s)", request.request_id,
                                    backend.url, exc.reason)
                     tried.add(backend.url)
                     last = exc
+                    continue
+                if self._kv is not None:
+                    self._kv.observe(Role.PREFILL, request, backend, answer.num_cached_tokens)
+                return backend, answer.kv_transfer_params
         finally:
             timing.prefill_s += time.perf_counter() - started_s
         if last is None:
@@ -201,8 +215,18 @@ class Forwarder:
             return RelayStreamResponse(leg, lambda now_s: self._observe(timing, leg, now_s, True), on_broken, headers)
         leg.finish(Outcome.SUCCESS)  # the whole body is in: the leg is over
         self._observe(timing, leg, time.perf_counter(), False)
+        if self._kv is not None and self._kv.handles(Role.DECODE):
+            self._observe_decode_cache(request, leg)
         media_type = leg.response.headers.get("content-type", "application/json")
         return Response(leg.response.content, status_code=200, media_type=media_type, headers=headers)
+
+    def _observe_decode_cache(self, request: ClientRequest, leg: OpenLeg) -> None:
+        """Decode's own cached-token count (a non-streamed answer is in memory already)."""
+        try:
+            answer = json.loads(leg.response.content)
+        except ValueError:
+            return
+        self._kv.observe(Role.DECODE, request, leg.backend, cached_tokens_of(answer))
 
     def _observe(self, timing: RequestTiming, leg: OpenLeg, first_byte_s: float, streamed: bool) -> None:
         """Split the time to first byte into prefill, decode (transfer + first token) and proxy overhead."""

@@ -65,6 +65,21 @@ class PassThrough(Exception):
         self.answer = answer
 
 
+@dataclass(slots=True)
+class PrefillAnswer:
+    kv_transfer_params: dict[str, Any]
+    num_cached_tokens: Optional[int]  # the worker's usage.prompt_tokens_details.cached_tokens
+
+
+def cached_tokens_of(answer: Any) -> Optional[int]:
+    """usage.prompt_tokens_details.cached_tokens of an OpenAI response body, if it has one."""
+    try:
+        value = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    except (KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 @dataclass(slots=True, eq=False)
 class OpenLeg:
     """A decode answer whose headers arrived; for a stream, the body is still to come."""
@@ -130,7 +145,7 @@ class LegSender:
         if reason is not None:
             self._metrics.backend_errors.labels(role, backend.url, reason).inc()
 
-    async def prefill(self, backend: Backend, request: ClientRequest) -> dict[str, Any]:
+    async def prefill(self, backend: Backend, request: ClientRequest) -> PrefillAnswer:
         """The first leg; returns the `kv_transfer_params` that tell decode where the KV is."""
         outcome = Outcome.NEUTRAL  # if cancelled (client gone), the leg says nothing about the worker
         backend.begin()
@@ -151,13 +166,13 @@ class LegSender:
                 if outcome is Outcome.FAILURE:
                     self._count_error(backend, exc)
                 raise exc
-            params = _kv_params(response)
-            if params is None:
+            answer = _prefill_answer(response)
+            if answer is None:
                 outcome = Outcome.FAILURE
                 self._metrics.backend_errors.labels("prefill", backend.url, "no_kv_params").inc()
                 raise LegFailed("no_kv_params", UpstreamFailed("the prefill worker returned no kv_transfer_params"))
             outcome = Outcome.SUCCESS
-            return params
+            return answer
         finally:
             backend.end(outcome)
 
@@ -220,9 +235,10 @@ async def _send_and_read(backend: Backend, request: httpx.Request) -> httpx.Resp
     return response
 
 
-def _kv_params(response: httpx.Response) -> Optional[dict[str, Any]]:
+def _prefill_answer(response: httpx.Response) -> Optional[PrefillAnswer]:
     try:
-        params = response.json().get("kv_transfer_params")
+        body = response.json()
+        params = body.get("kv_transfer_params")
     except (ValueError, AttributeError):
         return None
-    return params if isinstance(params, dict) else None
+    return PrefillAnswer(params, cached_tokens_of(body)) if isinstance(params, dict) else None

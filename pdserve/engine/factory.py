@@ -7,6 +7,7 @@ one request, so a lone request can always run to completion.
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,6 +24,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
 from pdserve.engine.memory_budget import StepLimits, free_device_bytes, pool_num_blocks
+from pdserve.kv.events import KVEventRecorder
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import KVGroupPlan, plan_groups
@@ -83,6 +85,8 @@ class BuiltEngine:
     kv_manager: KVCacheManager
     runner: ModelRunner
     kv_side: KVSide
+    kv_events: KVEventRecorder
+    epoch: str  # fresh at every start: the P/D handshake's epoch, or its own for a colocated worker
 
     @property
     def agent_info(self) -> Optional[AgentInfo]:
@@ -141,7 +145,8 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     num_blocks = pool_num_blocks(config, loaded.model, plan, page_bytes, limits, dtype, device, free_before_load)
     layout = KVPoolLayout(num_blocks, plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
     max_model_len = _context_limit(config, spec, plan, num_blocks)
-    kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching)
+    kv_events = KVEventRecorder()
+    kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching, kv_events)
     runner = ModelRunner(loaded.model, plan, layout, device)
     model_name = config.model.served_name or loaded.name
     pool = _pool_description(model_name, spec, plan, layout, dtype)
@@ -160,4 +165,5 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
         config.role, engine.model_name, device, dtype, len(plan.groups), plan.group_size, num_blocks, cache.block_size,
         layout.page_bytes, max_model_len,
     )
-    return BuiltEngine(engine, loaded, plan, layout, kv_manager, runner, kv_side)
+    epoch = kv_side.agent_info.epoch if kv_side.agent_info is not None else uuid.uuid4().hex[:16]
+    return BuiltEngine(engine, loaded, plan, layout, kv_manager, runner, kv_side, kv_events, epoch)
