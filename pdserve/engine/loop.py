@@ -25,7 +25,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
-from pdserve.errors import EngineFailure
+from pdserve.errors import EngineFailure, RequestFailed
 from pdserve.request import FinishReason, GenerationRequest, LoadReport, Request
 
 logger = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ class EngineLoop:
     def _fail_chunks(self, scheduled: SchedulerOutput, where: str) -> None:
         for chunk in scheduled.chunks:
             logger.exception("request %s failed %s", chunk.request_id, where)
-            self._finish(chunk.request_id, FinishReason.ERROR, EngineFailure(f"internal error {where}"))
+            self._finish(chunk.request_id, FinishReason.ERROR, RequestFailed(f"internal error {where}"))
 
     def _emit(self, request: Request, logprobs: dict[str, float], now: float) -> None:
         try:
@@ -249,7 +249,7 @@ class EngineLoop:
             stop_reason = self.emitter.emit(request, logprobs.get(request.request_id))
         except Exception:
             logger.exception("request %s: producing its output failed", request.request_id)
-            self._finish(request.request_id, FinishReason.ERROR, EngineFailure("internal error while producing the output"))
+            self._finish(request.request_id, FinishReason.ERROR, RequestFailed("internal error while producing the output"))
             return
         if stop_reason is not None:
             self.scheduler.finish(request.request_id, stop_reason)
