@@ -3,7 +3,7 @@
 Invariants: a request body is read only up to `max_body_bytes` (413 past it,
 without reading the rest) and within `body_timeout_s` (408); a connection
 that has not sent a complete request head within `header_timeout_s` of
-opening (or of its previous answer) is closed, so a client trickling bytes
+opening (or of its keep-alive wait after an answer) is closed, so a client trickling bytes
 cannot hold a connection, a task or memory for ever. Torch-free; the proxy
 imports it.
 """
@@ -65,7 +65,9 @@ class _HeaderDeadline:
             self._disarm()  # a new request's head is complete
 
     def on_response_complete(self) -> None:
-        self._arm()  # before the base class handles a pipelined request, which disarms again
+        # The next head may come after an idle keep-alive wait (which uvicorn bounds itself).
+        # Armed before the base class handles a pipelined request, which disarms again.
+        self._arm(getattr(self, "timeout_keep_alive", 0))
         super().on_response_complete()  # type: ignore[misc]
         if self.cycle is not self._cycle_when_armed:  # type: ignore[attr-defined]
             self._disarm()
@@ -74,10 +76,11 @@ class _HeaderDeadline:
         self._disarm()
         super().connection_lost(exc)  # type: ignore[misc]
 
-    def _arm(self) -> None:
+    def _arm(self, idle_allowance_s: float = 0.0) -> None:
         self._disarm()
         self._cycle_when_armed = self.cycle  # type: ignore[attr-defined]
-        self._deadline = self.loop.call_later(self.header_timeout_s, self._on_deadline)  # type: ignore[attr-defined]
+        self._deadline = self.loop.call_later(  # type: ignore[attr-defined]
+            idle_allowance_s + self.header_timeout_s, self._on_deadline)
 
     def _disarm(self) -> None:
         if self._deadline is not None:

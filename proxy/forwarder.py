@@ -14,13 +14,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Collection, Optional
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+
+from pdserve.errors import PdserveError
+from pdserve.http_bounds import read_body
 
 from proxy.backends import Backend, BackendPool, Outcome, Role
 from proxy.client_request import REQUEST_ID_HEADER, ClientRequest, choose_request_id, parse_client_request
 from proxy.config import ProxyConfig
-from proxy.errors import NoBackendAvailable, ProxyError, error_response
+from proxy.errors import NoBackendAvailable, ProxyError, RejectedRequest, error_response
 from proxy.legs import KVRetry, LegFailed, LegSender, OpenLeg, PassThrough
 from proxy.metrics import ProxyMetrics, status_class
 from proxy.policies import RoutingPolicy, build_policy
@@ -56,10 +59,12 @@ class Forwarder:
 
     async def handle(self, raw: Request, path: str) -> Response:
         arrival_s = time.perf_counter()
-        request_id = choose_request_id(raw.headers.get(REQUEST_ID_HEADER))
+        request_id: Optional[str] = None
         mode = DECODE_ONLY
         try:
-            request = parse_client_request(path, await raw.body(), request_id, self._config.routing.chars_per_token)
+            request_id = choose_request_id(raw.headers.get(REQUEST_ID_HEADER))
+            request = parse_client_request(path, await self._read_body(raw), request_id,
+                                           self._config.routing.chars_per_token, self._config.limits)
             mode = self._mode(request)
             timing = RequestTiming(arrival_s, mode)
             leg = await until_client_disconnects(raw.receive, self._run_legs(request, timing))
@@ -76,6 +81,14 @@ class Forwarder:
             logger.info("request %s: client disconnected before the answer started", request_id)
             return self._counted(mode, Response(status_code=499))
         return self._counted(mode, self._respond(request, leg, timing))
+
+    async def _read_body(self, raw: Request) -> bytes:
+        try:
+            return await read_body(raw, self._config.limits)
+        except PdserveError as error:  # too large (413) or too slow (408): as a worker would answer
+            raise RejectedRequest(error) from None
+        except ClientDisconnect:
+            raise ClientGone() from None
 
     def _counted(self, mode: str, response: Response) -> Response:
         self._metrics.requests.labels(mode, status_class(response.status_code)).inc()

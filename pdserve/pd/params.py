@@ -40,11 +40,14 @@ class KVPullFailed(PdserveError):
 
 
 class RemoteDecodeRequest(BaseModel):
-    """What the proxy sends P: 'prefill this, keep the KV for a decode worker'."""
+    """What the proxy sends P: 'prefill this, keep the KV for a decode worker'. Our proxy adds
+    the decode leg's token budget, so P refuses what D would refuse before computing anything."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
     do_remote_decode: StrictBool
     do_remote_prefill: StrictBool = False
+    decode_max_tokens: Optional[StrictInt] = Field(None, ge=1)
+    decode_min_tokens: Optional[StrictInt] = Field(None, ge=0)
 
 
 class RemotePrefillParams(BaseModel):

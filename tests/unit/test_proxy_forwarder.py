@@ -61,7 +61,8 @@ def test_legs_follow_the_wire_protocol_with_one_request_id(cluster, proxy):
     assert "stream_options" not in prefill_call.body and "min_tokens" not in prefill_call.body
     assert prefill_call.body["kv_transfer_params"] == {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        "remote_block_ids": None, "remote_host": None, "remote_port": None,
+        "decode_max_tokens": 8, "decode_min_tokens": 2}
     engine = decode_call.body["kv_transfer_params"]["remote_engine_id"]
     assert engine in ("p0", "p1") and decode_call.body["kv_transfer_params"]["remote_host"] == "127.0.0.1"
     assert decode_call.body["min_tokens"] == 2 and decode_call.body["max_tokens"] == 8
@@ -318,3 +319,31 @@ def test_decode_breaking_mid_stream_ends_with_an_error_event(cluster, proxy):
     assert json.loads(events[-1][len("data: "):])["error"]["type"] == "bad_gateway"
     assert proxy.metric("pdserve_proxy_backend_errors_total", role="decode", reason="stream_broken") == 1
     assert proxy.components.decode_pool.get(urls["d0"]).breaker.num_consecutive_failures == 1
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({**BODY, "max_tokens": 0}, 400, "max_tokens"),
+    ({**BODY, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ({**BODY, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({**BODY, "stream": "yes"}, 400, "stream"),
+    ({**BODY, "temperature": 2.5}, 400, "temperature"),
+])
+def test_requests_the_workers_would_refuse_never_reach_a_worker(cluster, proxy, body, status, param):
+    workers, _ = cluster
+    response = httpx.post(proxy.url + "/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+    assert all(worker.calls == [] for worker in workers.values())
+
+
+def test_deep_large_and_misnamed_requests_get_the_workers_answers(cluster, proxy):
+    workers, _ = cluster
+    deep = httpx.post(proxy.url + "/v1/completions",
+                      content=b'{"prompt": "x", "user": ' + b"[" * 20000 + b"]" * 20000 + b"}")
+    assert deep.status_code == 400 and "nested deeper" in deep.json()["error"]["message"]
+    large = httpx.post(proxy.url + "/v1/completions", content=b'{"prompt": "' + b"x" * (9 << 20) + b'"}')
+    assert large.status_code == 413
+    bad_id = httpx.post(proxy.url + "/v1/completions", json=BODY, headers={"X-Request-Id": "x" * 241})
+    assert bad_id.status_code == 400 and bad_id.json()["error"]["param"] == "X-Request-Id"
+    assert all(worker.calls == [] for worker in workers.values())
+    assert proxy.metric("pdserve_proxy_requests_total", status="4xx") == 3

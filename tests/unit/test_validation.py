@@ -132,3 +132,21 @@ async def test_the_worker_rejects_an_oversized_prompt_before_tokenizing_it(anyio
     assert deep.status_code == 400 and "nested deeper" in deep.json()["error"]["message"]
     assert large.status_code == 413 and large.json()["error"]["code"] == 413
     assert calls == [] and engine.requests == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_prefill_leg_whose_decode_leg_would_not_fit_is_refused_before_computing(anyio_backend):
+    engine = FakeEngine(max_model_len=128)
+    leg = {"prompt": "hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    async with asgi_client(make_app(engine)) as client:
+        too_long = await client.post("/v1/completions", json={
+            **leg, "kv_transfer_params": {"do_remote_decode": True, "decode_max_tokens": 200}})
+        too_many_min = await client.post("/v1/completions", json={
+            **leg, "kv_transfer_params": {"do_remote_decode": True, "decode_min_tokens": 125}})
+        fits = await client.post("/v1/completions", json={
+            **leg, "kv_transfer_params": {"do_remote_decode": True, "decode_max_tokens": 100, "decode_min_tokens": 5}})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+    assert too_many_min.status_code == 400 and too_many_min.json()["error"]["param"] == "min_tokens"
+    assert fits.status_code == 200
+    assert len(engine.requests) == 1
