@@ -56,8 +56,12 @@ def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nix
     loaded = _Loaded()
     routers = []
     if config.role != "colocated":
+        def release(request_id: str) -> None:  # the route answers 503 until the engine is built
+            if loaded.built is not None:
+                loaded.built.release_pinned(request_id)
+
         routers.append(create_kv_router(lambda: loaded.built.agent_info if loaded.built else None,
-                                        config.server.internal_token))
+                                        config.server.internal_token, release if config.role == "prefill" else None))
     app = create_app(handle, metrics, config.server, extra_routers=routers, limits=config.limits)
     _load_in_background(config, metrics, handle, loaded, transport_factory)
     uvicorn_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,

@@ -95,6 +95,7 @@ async def _lifespan(components: ProxyComponents) -> AsyncIterator[None]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await components.forwarder.aclose()
         await components.prefill_pool.aclose()
         await components.decode_pool.aclose()
 

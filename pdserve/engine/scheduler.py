@@ -110,6 +110,9 @@ class Scheduler:
             if reason in (FinishReason.STOP, FinishReason.LENGTH):
                 reason = FinishReason.ERROR
                 request.error = RequestFailed("internal error while handing the request's KV over")
+        if action.error is not None:
+            reason = FinishReason.ERROR
+            request.error = action.error
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.kv_transfer_params = action.kv_transfer_params

@@ -22,7 +22,7 @@ from pdserve.kv.specs import KVGroupPlan
 from pdserve.pd.connector import RemoteSource
 from pdserve.pd.geometry import handoff_ranges
 from pdserve.pd.handshake import AgentInfo, HandshakeClient
-from pdserve.pd.params import KVParamsInvalid, KVPullFailed, RemoteDecodeRequest, RemotePrefillParams
+from pdserve.pd.params import KVParamsInvalid, KVPinnedFull, KVPullFailed, RemoteDecodeRequest, RemotePrefillParams
 from pdserve.request import GenerationRequest
 from pdserve.transfer.planner import validate_remote_block_ids
 from pdserve.transfer.transport import PeerInfo, TransferError
@@ -46,11 +46,24 @@ class LocalAdmission:
 
 
 class PrefillAdmission:
-    """P: a do_remote_decode request computes the prompt and one token, then keeps its KV."""
+    """P: a do_remote_decode request computes the prompt and one token, then keeps its KV;
+    refused at once (503) when its blocks would not fit under the pinned-blocks limit."""
+
+    def __init__(self, plan: Optional[KVGroupPlan] = None, block_size: int = 16,
+                 has_room_to_pin: Callable[[int], bool] = lambda num_blocks: True):
+        self.plan = plan
+        self.block_size = block_size
+        self.has_room_to_pin = has_room_to_pin
 
     async def admit(self, request: GenerationRequest) -> GenerationRequest:
         if not isinstance(request.kv_params, RemoteDecodeRequest):
             return dataclasses.replace(request, kv_params=None)
+        if self.plan is not None:
+            num_prompt_tokens = len(request.prompt_token_ids)
+            num_blocks = sum(len(r) for r in handoff_ranges(self.plan, num_prompt_tokens, self.block_size))
+            if not self.has_room_to_pin(num_blocks):
+                raise KVPinnedFull(f"this prefill worker holds as many blocks for decode workers as it may "
+                                   f"({num_blocks} more needed): retry later or elsewhere")
         sampling = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=0)
         return dataclasses.replace(request, kv_params=None, remote_decode=True, sampling=sampling)
 

@@ -39,6 +39,23 @@ class KVPullFailed(PdserveError):
     error_type = "kv_pull_failed"
 
 
+class KVPinnedFull(PdserveError):
+    """P holds as many blocks for decode workers as it may: another prefill worker (or later) (503)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    retry_after_s = 1
+
+
+class KVReleaseRequest(BaseModel):
+    """`POST /internal/kv/release` on P: the proxy gives up on a prefill's KV (its decode leg failed)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    remote_request_id: StrictStr = Field(min_length=1, max_length=256)
+    remote_engine_id: StrictStr = Field(min_length=1, max_length=128)
+    remote_epoch: StrictStr = Field(min_length=1, max_length=64)
+
+
 class RemoteDecodeRequest(BaseModel):
     """What the proxy sends P: 'prefill this, keep the KV for a decode worker'. Our proxy adds
     the decode leg's token budget, so P refuses what D would refuse before computing anything."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import httpx
 
@@ -77,13 +77,26 @@ def build_kv_side(config: WorkerConfig, metrics: Metrics, pool: PoolDescription,
     )
     if config.role == "prefill":
         identity = PrefillIdentity(engine_id, epoch, transfer.advertise_host or config.server.host, config.server.port)
+        max_pinned = int(transfer.max_pinned_share * (pool.num_blocks - 1))  # block 0 is the null block
         connector = PrefillConnector(transport, LeaseTable(transfer.lease_s), identity, pool.plan, pool.block_size,
-                                     metrics.transfer)
+                                     metrics.transfer, max_pinned_blocks=max_pinned)
         return KVSide(connector, transport, agent_info)
     peers = PeerConnections(transport, transfer.connect_timeout_s)
     connector = DecodeConnector(transport, peers, pool.plan, pool.block_size, metrics.transfer,
                                 transfer.failure_policy, transfer.pull_timeout_s, transfer.heartbeat_s)
     return KVSide(connector, transport, agent_info, peers)
+
+
+def _counted_room_check(connector: PrefillConnector, metrics: Metrics) -> Callable[[int], bool]:
+    """The prefill admission's question, with refusals counted."""
+
+    def has_room_to_pin(num_blocks: int) -> bool:
+        if connector.has_room_to_pin(num_blocks):
+            return True
+        metrics.transfer.pinned_refusals.inc()
+        return False
+
+    return has_room_to_pin
 
 
 def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescription, side: KVSide,
@@ -93,7 +106,8 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
     if config.role == "colocated":
         return LocalAdmission()
     if config.role == "prefill":
-        return PrefillAdmission()
+        return PrefillAdmission(pool.plan, pool.block_size, _counted_room_check(cast(PrefillConnector, side.connector),
+                                                                               metrics))
     transfer = config.transfer
     handshake = HandshakeClient(pool.compat_hash, config.server.internal_token, transfer.handshake_timeout_s,
                                 on_handshake=metrics.transfer.handshakes.inc, http_transport=http_transport)

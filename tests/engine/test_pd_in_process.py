@@ -154,3 +154,41 @@ async def test_a_prefill_worker_whose_data_path_never_connects_does_not_delay_lo
         assert response.status_code == 503 and time.monotonic() - began < connect_timeout_s
     finally:
         decode.close()
+
+
+async def test_the_proxys_release_call_frees_a_pinned_prefill_at_once(prefill):
+    params = await prefill_params(prefill, PROMPTS[0], "released-early")
+    assert metric_value(prefill.metrics, "pdserve_transfer_pinned_blocks") > 0
+    release = {"remote_request_id": params["remote_request_id"], "remote_engine_id": params["remote_engine_id"],
+               "remote_epoch": params["remote_epoch"]}
+    async with prefill.client() as client:
+        stale = await client.post("/internal/kv/release", json={**release, "remote_epoch": "0" * 16})
+        malformed = await client.post("/internal/kv/release", json={"remote_request_id": 5})
+        accepted = await client.post("/internal/kv/release", json=release)
+    assert stale.status_code == 409 and malformed.status_code == 400
+    assert accepted.status_code == 202
+    assert await wait_until(lambda: metric_value(prefill.metrics, "pdserve_transfer_pinned_blocks") == 0)
+    assert await wait_until(lambda: prefill.built.kv_manager.pool.num_in_use_by_group(0) == 0)
+    assert "released-early" not in prefill.built.engine.request_ids
+
+
+async def test_a_prefill_worker_refuses_remote_decode_prefills_past_its_pinned_limit(qwen_dir, fabric):
+    prefill = start_worker("prefill", qwen_dir, fabric, num_blocks=64, transfer={"max_pinned_share": 0.25})
+    try:
+        limit = metric_value(prefill.metrics, "pdserve_transfer_pinned_limit_blocks")
+        assert limit == int(0.25 * 63)
+        pinned = []
+        async with prefill.client() as client:
+            for index in range(10):
+                response = await client.post("/v1/completions", headers={"X-Request-Id": f"pin-{index}"}, json={
+                    **BODY, "prompt": PROMPTS[3], "max_tokens": 1, "kv_transfer_params": DECODE_REQUEST})
+                if response.status_code != 200:
+                    break
+                pinned.append(response.json()["kv_transfer_params"])
+                assert metric_value(prefill.metrics, "pdserve_transfer_pinned_blocks") <= limit
+        assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
+        assert pinned and metric_value(prefill.metrics, "pdserve_transfer_pinned_refusals_total") >= 1
+        async with prefill.client() as client:  # local requests still run
+            assert (await client.post("/v1/completions", json={**BODY, "prompt": PROMPTS[0]})).status_code == 200
+    finally:
+        prefill.close()

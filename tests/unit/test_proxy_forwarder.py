@@ -347,3 +347,67 @@ def test_deep_large_and_misnamed_requests_get_the_workers_answers(cluster, proxy
     assert bad_id.status_code == 400 and bad_id.json()["error"]["param"] == "X-Request-Id"
     assert all(worker.calls == [] for worker in workers.values())
     assert proxy.metric("pdserve_proxy_requests_total", status="4xx") == 3
+
+
+def released(workers) -> list[dict]:
+    return workers["p0"].releases + workers["p1"].releases
+
+
+def released_soon(workers, count: int) -> list[dict]:
+    wait_until(lambda: len(released(workers)) >= count)
+    time.sleep(0.1)  # and no more than that
+    return released(workers)
+
+
+@pytest.mark.parametrize("status, error_type", [(400, "invalid_request_error"), (503, "service_unavailable"),
+                                                (500, "internal_error")])
+def test_a_refused_decode_leg_frees_the_prefill_workers_kv_at_once(cluster, proxy, status, error_type):
+    workers, _ = cluster
+    workers["d0"].fail_status, workers["d0"].fail_type = status, error_type
+    response = httpx.post(proxy.url + "/v1/completions", json=BODY, headers={"X-Request-Id": "refused"})
+    assert response.status_code in (status, 502)
+    [release] = released_soon(workers, 1)
+    engine = workers["d0"].calls[0].body["kv_transfer_params"]["remote_engine_id"]
+    assert release == {"remote_request_id": "p-1", "remote_engine_id": engine, "remote_epoch": f"{engine}-epoch"}
+    assert proxy.metric("pdserve_proxy_kv_releases_total", result="sent") == 1
+
+
+def test_both_prefills_of_a_kv_retry_are_freed_when_decode_cannot_read_either(cluster, proxy):
+    workers, _ = cluster
+    workers["d0"].num_kv_failures = 2
+    assert httpx.post(proxy.url + "/v1/completions", json=BODY).status_code == 503
+    assert sorted(r["remote_engine_id"] for r in released_soon(workers, 2)) == ["p0", "p1"]
+
+
+def test_kv_is_freed_when_no_decode_worker_can_be_reached(cluster):
+    workers, urls = cluster
+    served = start_proxy([urls["p0"]], [urls["d0"]], health=SLOW_POLLS)
+    served.components.decode_pool.retire(urls["d0"])
+    served.components.decode_pool.add(unused_url()).healthy = True
+    try:
+        assert httpx.post(served.url + "/v1/completions", json=BODY).status_code == 503
+        assert len(released_soon(workers, 1)) == 1
+    finally:
+        served.__exit__(None, None, None)
+
+
+def test_kv_is_kept_after_a_decode_leg_that_may_still_be_reading(cluster):
+    workers, urls = cluster
+    workers["d0"].delay_s = 5.0  # answers too late: the decode worker has the request and may be reading
+    served = start_proxy([urls["p0"]], [urls["d0"]], timeouts=TimeoutConfig(decode_s=0.3))
+    try:
+        assert httpx.post(served.url + "/v1/completions", json=BODY).status_code == 504
+        ok = httpx.post(served.url + "/v1/completions", json={**BODY, "stream": True})
+        assert ok.status_code == 504 or ok.status_code == 200
+        time.sleep(0.3)
+        assert released(workers) == []
+    finally:
+        served.__exit__(None, None, None)
+
+
+def test_served_requests_release_nothing(cluster, proxy):
+    workers, _ = cluster
+    for stream in (False, True):
+        assert httpx.post(proxy.url + "/v1/completions", json={**BODY, "stream": stream}).status_code == 200
+    time.sleep(0.2)
+    assert released(workers) == []
