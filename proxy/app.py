@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
@@ -21,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from proxy.backends import Backend, BackendPool, ClientFactory, Role, client_factory
+from proxy.backends import INTERNAL_TOKEN_HEADER, Backend, BackendPool, ClientFactory, Role, client_factory
 from proxy.config import ProxyConfig
 from proxy.discovery import DnsDiscovery, Resolver, resolve_with_getaddrinfo
 from proxy.errors import NoBackendAvailable, error_body, error_response
@@ -105,6 +106,12 @@ def _backend_state(backend: Backend) -> dict:
             "in_flight": backend.num_in_flight, "available": backend.is_available()}
 
 
+def _is_internal_caller(request: Request, token: Optional[str]) -> bool:
+    """Only a caller with the internal token sees the backends (never anyone when there is no token)."""
+    given = request.headers.get(INTERNAL_TOKEN_HEADER)
+    return token is not None and given is not None and hmac.compare_digest(given.encode(), token.encode())
+
+
 def _routes(components: ProxyComponents) -> list[Route]:
     forwarder = components.forwarder
 
@@ -118,11 +125,10 @@ def _routes(components: ProxyComponents) -> list[Route]:
         return await _relay_models(components)
 
     async def health(request: Request) -> Response:
-        body = {
-            "status": "ok" if components.is_ready() else "unavailable",
-            "prefill": [_backend_state(b) for b in components.prefill_pool.backends()],
-            "decode": [_backend_state(b) for b in components.decode_pool.backends()],
-        }
+        body: dict = {"status": "ok" if components.is_ready() else "unavailable"}
+        if _is_internal_caller(request, components.config.internal_token):  # backend addresses are internal
+            body["prefill"] = [_backend_state(b) for b in components.prefill_pool.backends()]
+            body["decode"] = [_backend_state(b) for b in components.decode_pool.backends()]
         return JSONResponse(body, status_code=200 if components.is_ready() else 503)
 
     async def live(request: Request) -> Response:

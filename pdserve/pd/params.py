@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
 from pdserve.errors import InvalidRequest, PdserveError
+from pdserve.pd.peer_trust import bare_host
 
 PROTOCOL_VERSION = 1
 _PARAM = "kv_transfer_params"
@@ -84,6 +85,11 @@ class RemotePrefillParams(BaseModel):
     num_prompt_tokens: StrictInt = Field(ge=1)
     lease_s: float = Field(gt=0)
     protocol_version: StrictInt = PROTOCOL_VERSION
+
+    @field_validator("remote_host")
+    @classmethod
+    def _bare_host(cls, host: str) -> str:
+        return bare_host(host)  # it becomes part of the handshake URL: nothing but a host may hide in it
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump()

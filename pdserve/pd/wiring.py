@@ -23,6 +23,7 @@ from pdserve.pd.connector import KVConnector, NoConnector
 from pdserve.pd.decode import DecodeConnector
 from pdserve.pd.handshake import PROTOCOL_VERSION, AgentInfo, HandshakeClient, PoolGeometry, groups_to_wire
 from pdserve.pd.leases import LeaseTable
+from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.pd.peers import PeerConnections
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
 from pdserve.transfer.transport import KVTransport
@@ -115,4 +116,4 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
     connect = engine_thread_connector(run_on_engine_thread, side.peers.ensure, transfer.connect_timeout_s + 1.0)
     failures = metrics.transfer.failures.labels(policy=transfer.failure_policy)
     return DecodeAdmission(handshake, pool.plan, pool.block_size, transfer.failure_policy, connect,
-                           count_failure=failures.inc)
+                           count_failure=failures.inc, allowed_peers=PeerAllowList.parse(transfer.allowed_peers))

@@ -32,7 +32,7 @@ class ProxyProcess:
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
 
     def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=2).json()
+        return httpx.get(self.url + "/health", headers={"X-Pdserve-Internal-Token": TOKEN}, timeout=2).json()
 
     def stop(self) -> None:
         self.process.terminate()

@@ -287,7 +287,11 @@ def test_invalid_json_is_an_openai_style_400(proxy):
 def test_models_health_and_metrics_routes(cluster, proxy):
     models = httpx.get(proxy.url + "/v1/models")
     assert models.json()["data"][0]["id"] == "stub-model"
-    health = httpx.get(proxy.url + "/health").json()
+    public = httpx.get(proxy.url + "/health").json()
+    assert public == {"status": "ok"}  # no backend addresses for just anyone
+    wrong = httpx.get(proxy.url + "/health", headers={"X-Pdserve-Internal-Token": "guess"}).json()
+    assert wrong == {"status": "ok"}
+    health = httpx.get(proxy.url + "/health", headers={"X-Pdserve-Internal-Token": "s3cret"}).json()
     assert health["status"] == "ok" and len(health["prefill"]) == 2 and health["decode"][0]["breaker"] == "closed"
     httpx.post(proxy.url + "/v1/completions", json=BODY)
     text = httpx.get(proxy.url + "/metrics").text
