@@ -36,6 +36,8 @@ DISAGGREGATED = "disaggregated"
 DECODE_ONLY = "decode_only"
 # A decode leg that failed these ways reached its worker, which may still be reading the KV.
 _MAY_STILL_READ = ("timeout", "transport")
+# Failures of the connection, not of the worker's answer: the same worker may be tried again.
+_CONNECTION_FAILURES = ("connect", "transport")
 
 
 @dataclass(slots=True)
@@ -183,12 +185,12 @@ class Forwarder:
 
     def _pick_prefill(self, request: ClientRequest, tried: set[str], avoid_urls: Collection[str],
                       last: Optional[LegFailed]) -> Optional[Backend]:
-        """An untried worker, preferably not one to avoid; a tried one again only after a quick
-        failure (a dropped keep-alive connection), never after a timeout."""
+        """An untried worker, preferably not one to avoid; a tried one again only after its
+        connection failed (a dropped keep-alive connection), never after it answered or timed out."""
         backend = self._pick(Role.PREFILL, request, tried.union(avoid_urls))
         if backend is None:
             backend = self._pick(Role.PREFILL, request, tried)
-        if backend is None and last is not None and last.reason != "timeout":
+        if backend is None and last is not None and last.reason in _CONNECTION_FAILURES:
             backend = self._pick(Role.PREFILL, request)
         return backend
 

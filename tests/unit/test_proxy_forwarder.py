@@ -415,3 +415,48 @@ def test_served_requests_release_nothing(cluster, proxy):
         assert httpx.post(proxy.url + "/v1/completions", json={**BODY, "stream": stream}).status_code == 200
     time.sleep(0.2)
     assert released(workers) == []
+
+
+@pytest.mark.parametrize("status, error_type", [(400, "invalid_request_error"), (500, "request_failed")])
+def test_errors_the_request_caused_pass_through_unretried_and_never_trip_the_breaker(cluster, status, error_type):
+    workers, urls = cluster
+    for name in ("p0", "p1"):
+        workers[name].fail_status, workers[name].fail_type = status, error_type
+    health = HealthConfig(interval_s=0.05, breaker_failures=2, breaker_cooldown_s=60)
+    served = start_proxy([urls["p0"], urls["p1"]], [urls["d0"]], health=health)
+    try:
+        for _ in range(6):
+            response = httpx.post(served.url + "/v1/completions", json=BODY)
+            assert response.status_code == status and response.json()["error"]["type"] == error_type
+        assert len(workers["p0"].calls) + len(workers["p1"].calls) == 6  # one leg each, no retry
+        assert all(b.breaker.state.name == "CLOSED" for b in served.components.prefill_pool.backends())
+        for name in ("p0", "p1"):
+            workers[name].fail_status = None
+        assert httpx.post(served.url + "/v1/completions", json=BODY).status_code == 200  # nobody got a 503
+    finally:
+        served.__exit__(None, None, None)
+
+
+def test_a_half_open_decode_breaker_admits_exactly_one_trial(cluster):
+    import concurrent.futures
+
+    workers, urls = cluster
+    workers["d0"].fail_status = 500
+    health = HealthConfig(interval_s=0.05, breaker_failures=2, breaker_cooldown_s=0.5)
+    served = start_proxy([urls["p0"], urls["p1"]], [urls["d0"]], health=health)
+    try:
+        for _ in range(2):
+            assert httpx.post(served.url + "/v1/completions", json=BODY).status_code == 502
+        breaker = served.components.decode_pool.get(urls["d0"]).breaker
+        assert breaker.state.name == "OPEN"
+        workers["d0"].fail_status, workers["d0"].delay_s = None, 0.8
+        num_calls_before = len(workers["d0"].calls)
+        wait_until(lambda: breaker.state.name == "HALF_OPEN", 2.0)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            statuses = sorted(pool.map(lambda _: httpx.post(served.url + "/v1/completions", json=BODY,
+                                                            timeout=10).status_code, range(4)))
+        assert statuses == [200, 503, 503, 503]
+        assert len(workers["d0"].calls) - num_calls_before == 1
+        assert breaker.state.name == "CLOSED"
+    finally:
+        served.__exit__(None, None, None)
