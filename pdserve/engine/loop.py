@@ -1,7 +1,9 @@
 """The engine loop: one thread, synchronous steps, supervised.
 
 poll the P/D connector -> schedule -> run the model -> update requests -> emit
-outputs, repeated while there is work; it sleeps on its inbox when idle.
+outputs, repeated while there is work; it sleeps on its inbox when idle and
+when its last step could schedule nothing (queued work that cannot run until a
+command or a P/D event changes something), so it never spins a core.
 Invariants: only this thread touches the scheduler, the KV manager, the
 connector and the runner; other threads talk to it through the inbox and
 receive outputs through per-request sinks. A fault while serving some
@@ -73,6 +75,7 @@ class EngineLoop:
         self.last_progress_s = time.monotonic()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self._stalled = False  # the last step scheduled nothing: wait for news before trying again
 
     # ---- called from other threads ---------------------------------------------
 
@@ -125,10 +128,9 @@ class EngineLoop:
 
     def iterate(self) -> None:
         """One turn of the loop: commands, P/D events, at most one step."""
-        self._drain_inbox(block=not self.scheduler.has_work())
+        self._drain_inbox(block=self._stalled or not self.scheduler.has_work())
         self._poll_connector()
-        if self.scheduler.has_work():
-            self.step()
+        self._stalled = self.scheduler.has_work() and not self.step()
         self._settle()
         self.last_progress_s = time.monotonic()
 
@@ -207,8 +209,11 @@ class EngineLoop:
         for request_id in self.scheduler.take_released_ids():
             self.request_ids.release(request_id)
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """Schedule, run, update, emit. False when nothing could be scheduled: no request was
+        computed, admitted, preempted or ended (only a command or a P/D event can change that)."""
         started = time.monotonic()
+        queues = self._queue_sizes()
         scheduled = self.scheduler.schedule()
         sampled = self._execute(scheduled)
         changed = self.scheduler.update(scheduled, sampled)
@@ -217,6 +222,11 @@ class EngineLoop:
         for request in changed:
             self._emit(request, logprobs, now)
         self.stats.record_step(self.scheduler, scheduled, now - started)
+        return bool(scheduled.chunks or scheduled.preempted_request_ids) or self._queue_sizes() != queues
+
+    def _queue_sizes(self) -> tuple[int, int, int]:
+        scheduler = self.scheduler
+        return scheduler.num_waiting, scheduler.num_waiting_for_kv, scheduler.num_running
 
     def _execute(self, scheduled: SchedulerOutput) -> list[SampledToken]:
         try:
