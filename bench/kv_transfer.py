@@ -1,7 +1,11 @@
 """KV transfer benchmark: NIXL pull bandwidth, one descriptor per page vs per (layer, K|V) piece,
 against an in-process memcpy; plus bytes saved by sliding-window clipping (Gemma 3 1B).
 
-    python3 bench/kv_transfer.py [--out bench/results/kv_transfer.json] [--reps 5]
+    python3 bench/kv_transfer.py [--out bench/results/kv_transfer.json] [--reps 5] [--device cpu|cuda|cuda:N]
+
+On CUDA both pools (and the memcpy baseline's buffers) are GPU memory on that device,
+so the pull goes over whatever UCX picks between two processes on one GPU (cuda_ipc
+unless UCX_TLS says otherwise).
 
 Invariant: both descriptor layouts move the very same bytes between the same two
 processes (a prefill child and this process) over the same registered memory;
@@ -40,7 +44,8 @@ logger = logging.getLogger("bench.kv_transfer")
 SMOL = dict(group_size=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.float32)
 NUM_PIECES = SMOL["group_size"] * 2  # per-layer split-K/V layout: one piece per (layer, K|V)
 PROMPT_TOKENS = (512, 2048, 4096, 8192)
-MEMORY_MODES = ("4k-pages", "huge-pages")  # how the pools (and memcpy buffers) are backed
+MEMORY_MODES = ("4k-pages", "huge-pages")  # how host pools (and memcpy buffers) are backed
+GPU_MODE = "vram"  # the one memory mode on CUDA
 MADV_HUGEPAGE = 14  # <sys/mman.h>
 NUM_POOL_BLOCKS = 600  # > 8192 / 16 = 512 blocks, room to scatter block ids
 TIMEOUT_S = 30.0
@@ -55,11 +60,14 @@ GEMMA_PROMPT_TOKENS = (4096, 16384)
 # ---- memory ----------------------------------------------------------------------------------
 
 
-def allocate_bytes(num_bytes: int, huge_pages: bool) -> torch.Tensor:
-    """A zeroed int8 buffer; with `huge_pages`, advised to transparent huge pages
-    before its first touch (what THP_MEM_ALLOC_ENABLE=1 does for every big tensor)."""
+def allocate_bytes(num_bytes: int, mode: str, device: str = "cpu") -> torch.Tensor:
+    """A zeroed int8 buffer: GPU memory in mode "vram"; host memory otherwise, advised to
+    transparent huge pages before its first touch in mode "huge-pages" (what
+    THP_MEM_ALLOC_ENABLE=1 does for every big tensor)."""
+    if mode == GPU_MODE:
+        return torch.zeros(num_bytes, dtype=torch.int8, device=device)
     buffer = torch.empty(num_bytes, dtype=torch.int8)  # large: fresh mmap, not touched yet
-    if huge_pages:
+    if mode == "huge-pages":
         page_size = os.sysconf("SC_PAGE_SIZE")
         start = -(-buffer.data_ptr() // page_size) * page_size
         length = (buffer.data_ptr() + num_bytes - start) // page_size * page_size
@@ -70,10 +78,10 @@ def allocate_bytes(num_bytes: int, huge_pages: bool) -> torch.Tensor:
     return buffer
 
 
-def allocate_views(huge_pages: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def allocate_views(mode: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(pages, pieces): two row views of one pool, [blocks, page_bytes] and [blocks*pieces, piece_bytes]."""
     layout = KVPoolLayout(num_blocks=NUM_POOL_BLOCKS, **SMOL)
-    pool = allocate_bytes(layout.pool_bytes, huge_pages).view(layout.dtype).view(layout.shape)
+    pool = allocate_bytes(layout.pool_bytes, mode, device).view(layout.dtype).view(layout.shape)
     pages = layout.canonical_view(pool)
     return pages, pages.view(NUM_POOL_BLOCKS * NUM_PIECES, layout.page_bytes // NUM_PIECES)
 
@@ -93,10 +101,11 @@ def huge_page_kib() -> int:
 # ---- the prefill child ---------------------------------------------------------------------
 
 
-def serve_pool(mode: str, out: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+def serve_pool(mode: str, device: str, out: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
     """Child: a patterned pool, published twice: as pages and as per-layer pieces."""
-    pages, pieces = allocate_views(huge_pages=mode == "huge-pages")
+    pages, pieces = allocate_views(mode, device)
     pages.view(torch.int64).copy_(torch.arange(pages.numel() // 8, dtype=torch.int64).view(pages.shape[0], -1))
+    synchronize(device)
     by_page = NixlTransport(pages, f"bench-prefill-pages-{mode}")
     by_piece = NixlTransport(pieces, f"bench-prefill-pieces-{mode}")
     out.put([json.dumps(t.local_peer_info("bench-prefill", mode).to_dict()) for t in (by_page, by_piece)])
@@ -116,6 +125,11 @@ def piece_rows(block_ids: Sequence[int]) -> list[int]:
     """Rows of the per-layer layout holding `block_ids`: piece p of block b sits at
     row p * NUM_POOL_BLOCKS + b, as in a layer-major pool of NUM_PIECES tensors."""
     return [piece * NUM_POOL_BLOCKS + block_id for block_id in block_ids for piece in range(NUM_PIECES)]
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def time_read(transport: NixlTransport, key: str, local_ids: list[int], remote_ids: list[int]) -> float:
@@ -144,13 +158,15 @@ def interleaved_medians(runs: Sequence[Callable[[], float]], reps: int) -> list[
     return [statistics.median(times) for times in samples]
 
 
-def memcpy_run(num_bytes: int, huge_pages: bool) -> Callable[[], float]:
-    source, target = allocate_bytes(num_bytes, huge_pages), allocate_bytes(num_bytes, huge_pages)
+def memcpy_run(num_bytes: int, mode: str, device: str) -> Callable[[], float]:
+    source, target = allocate_bytes(num_bytes, mode, device), allocate_bytes(num_bytes, mode, device)
     source.fill_(1)
+    synchronize(device)
 
     def run() -> float:
         started_s = time.perf_counter()
         target.copy_(source)
+        synchronize(device)
         return time.perf_counter() - started_s
 
     return run
@@ -162,24 +178,24 @@ def check_bytes(view: torch.Tensor, local_rows: list[int], remote_rows: list[int
     per_row = words.shape[1]
     for local_row, remote_row in zip(local_rows[:4] + local_rows[-4:], remote_rows[:4] + remote_rows[-4:]):
         expected = torch.arange(remote_row * per_row, (remote_row + 1) * per_row, dtype=torch.int64)
-        if not torch.equal(words[local_row], expected):
+        if not torch.equal(words[local_row].cpu(), expected):
             raise RuntimeError(f"local row {local_row} does not hold remote row {remote_row}")
 
 
-def measure_pulls(mode: str, reps: int) -> list[dict]:
+def measure_pulls(mode: str, device: str, prompt_tokens: Sequence[int], reps: int) -> list[dict]:
     """Every prompt size in one memory mode, against a fresh prefill child."""
     context = multiprocessing.get_context("spawn")
     published, stop = context.Queue(), context.Event()
-    child = context.Process(target=serve_pool, args=(mode, published, stop), daemon=True)
+    child = context.Process(target=serve_pool, args=(mode, device, published, stop), daemon=True)
     child.start()
     try:
         page_info, piece_info = (PeerInfo.from_dict(json.loads(d)) for d in published.get(timeout=120))
-        pages, pieces = allocate_views(huge_pages=mode == "huge-pages")
+        pages, pieces = allocate_views(mode, device)
         by_page = NixlTransport(pages, f"bench-decode-pages-{mode}")
         by_piece = NixlTransport(pieces, f"bench-decode-pieces-{mode}")
         keys = by_page.connect(page_info), by_piece.connect(piece_info)
-        rows = [measure_prompt(mode, num_tokens, (by_page, by_piece), keys, (pages, pieces), reps)
-                for num_tokens in PROMPT_TOKENS]
+        rows = [measure_prompt(mode, device, num_tokens, (by_page, by_piece), keys, (pages, pieces), reps)
+                for num_tokens in prompt_tokens]
         by_page.close()
         by_piece.close()
         return rows
@@ -190,7 +206,7 @@ def measure_pulls(mode: str, reps: int) -> list[dict]:
             child.kill()
 
 
-def measure_prompt(mode: str, num_tokens: int, transports: tuple[NixlTransport, NixlTransport],
+def measure_prompt(mode: str, device: str, num_tokens: int, transports: tuple[NixlTransport, NixlTransport],
                    keys: tuple[str, str], views: tuple[torch.Tensor, torch.Tensor], reps: int) -> dict:
     (by_page, by_piece), (page_key, piece_key), (pages, pieces) = transports, keys, views
     num_blocks = math.ceil(num_tokens / SMOL["block_size"])
@@ -203,12 +219,13 @@ def measure_prompt(mode: str, num_tokens: int, transports: tuple[NixlTransport, 
     page_s, piece_s, memcpy_s = interleaved_medians([
         lambda: time_read(by_page, page_key, local_ids, remote_ids),
         lambda: time_read(by_piece, piece_key, local_rows, remote_rows),
-        memcpy_run(num_bytes, huge_pages=mode == "huge-pages"),
+        memcpy_run(num_bytes, mode, device),
     ], reps)
     # The timed reads overwrite each other's rows: verify each layout on a clean pool.
     for transport, key, view, local, remote in ((by_page, page_key, pages, local_ids, remote_ids),
                                                 (by_piece, piece_key, pieces, local_rows, remote_rows)):
         pages.zero_()
+        synchronize(device)
         time_read(transport, key, local, remote)
         check_bytes(view, local, remote)
     return {"memory": mode, **pull_row(num_tokens, num_blocks, num_bytes, page_s, piece_s, memcpy_s),
@@ -280,21 +297,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="bench/results/kv_transfer.json")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--memory", choices=[*MEMORY_MODES, "both"], default="both",
-                        help="back pools and memcpy buffers with 4 KiB pages, huge pages, or run both")
+                        help="CPU: back pools and memcpy buffers with 4 KiB pages, huge pages, or run both")
+    parser.add_argument("--device", default="cpu",
+                        help="where both pools live: cpu (default), or cuda / cuda:N (GPU memory; --memory is ignored)")
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=list(PROMPT_TOKENS),
+                        help=f"prompt sizes to pull (default {' '.join(map(str, PROMPT_TOKENS))})")
     parser.add_argument("--memcpy-threads", type=int, default=1,
                         help="torch threads for the memcpy baseline (UCX copies on one core)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.memcpy_threads)
     started_s = time.perf_counter()
-    modes = MEMORY_MODES if args.memory == "both" else (args.memory,)
-    pulls = [row for mode in modes for row in measure_pulls(mode, args.reps)]
+    if args.device.startswith("cuda"):
+        modes = (GPU_MODE,)
+    else:
+        modes = MEMORY_MODES if args.memory == "both" else (args.memory,)
+    if max(args.prompt_tokens) > (NUM_POOL_BLOCKS - 1) * SMOL["block_size"]:
+        parser.error(f"--prompt-tokens must fit the bench pool: at most {(NUM_POOL_BLOCKS - 1) * SMOL['block_size']}")
+    pulls = [row for mode in modes for row in measure_pulls(mode, args.device, args.prompt_tokens, args.reps)]
     clipping = clipping_rows()
     print(format_tables(pulls, clipping))
     report = {
         "command": " ".join(["python3", "bench/kv_transfer.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "memcpy_threads": args.memcpy_threads, "load_average": os.getloadavg()},
+                    "memcpy_threads": args.memcpy_threads, "load_average": os.getloadavg(),
+                    "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device)},
         "reps": args.reps, "pulls": pulls, "clipping": clipping,
         "wall_s": time.perf_counter() - started_s,
     }

@@ -103,7 +103,7 @@ else
 fi
 
 check "yamllint deploy/" "$PYTHON" -m yamllint --strict -c deploy/yamllint.yaml deploy/
-for overlay in cpu gpu; do
+for overlay in cpu gpu gpu-rdma; do
   rendered="$WORK/$overlay.yaml"
   check "render overlays/$overlay" render "deploy/kubernetes/overlays/$overlay" "$rendered"
   check "schemas overlays/$overlay ($K8S_VERSIONS)" validate_core "$rendered"

@@ -16,13 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 Role = Literal["colocated", "decode", "prefill"]
 DEFAULT_PORTS: dict[str, int] = {"colocated": 8000, "prefill": 8100, "decode": 8200}
+# "auto" (CUDA if present, else CPU), "cpu", "cuda" (the current CUDA device) or "cuda:N".
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
 
 
 def setting(default: Any, help: str, *, flag: Optional[str] = None, env: Optional[str] = None,
             parse: Optional[str] = None, **constraints: Any) -> Any:
     """A config field with its CLI metadata: `flag` overrides the derived --field-name,
     `env` names a variable that supplies the value when the flag is absent,
-    `parse` names a special parser ("bytes")."""
+    `parse` names a special parser ("bytes", "size_or_auto", "device": see config_cli.PARSERS)."""
     extra = {key: value for key, value in (("flag", flag), ("env", env), ("parse", parse)) if value is not None}
     return Field(default, description=help, json_schema_extra=extra or None, **constraints)
 
@@ -38,7 +40,9 @@ class ModelConfig(_Frozen):
                                          flag="--served-model-name")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
         "auto", "weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
-    device: Literal["auto", "cpu", "cuda"] = setting("auto", "where the model and the KV pool live")
+    device: str = setting("auto", "where the model and the KV pool live: auto (CUDA if present), cpu, cuda or "
+                                  "cuda:N; NIXL registers the pool under that device", parse="device",
+                          pattern=DEVICE_PATTERN)
     max_model_len: Optional[int] = setting(None, "context limit in tokens (default: the model's max positions)",
                                            ge=1)
     num_threads: Optional[int] = setting(
@@ -48,8 +52,13 @@ class ModelConfig(_Frozen):
 class CacheConfig(_Frozen):
     block_size: int = setting(16, "tokens per KV block", ge=1, le=1024)
     num_blocks: Optional[int] = setting(None, "pool size in blocks (wins over --kv-memory)", ge=2)
-    kv_memory_bytes: int = setting(1 << 30, "pool size in bytes, e.g. 512MiB or 2GiB", flag="--kv-memory",
-                                   parse="bytes", ge=1 << 20)
+    kv_memory_bytes: Optional[int] = setting(
+        None, "pool size in bytes, e.g. 512MiB or 2GiB; auto (the default): on CUDA sized from the GPU's free "
+              "memory after the weights (see --gpu-memory-utilization and docs/kv-layout.md), 1GiB on CPU",
+        flag="--kv-memory", parse="size_or_auto", ge=1 << 20)
+    gpu_memory_utilization: float = setting(
+        0.9, "CUDA with --kv-memory auto: the share of the whole GPU this worker may hold (weights, step "
+             "workspace, pool)", gt=0, le=1)
     enable_prefix_caching: bool = setting(True, "reuse the KV of prompt prefixes seen before", flag="--prefix-caching")
 
 

@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterable, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from pdserve.config import (DEFAULT_PORTS, CacheConfig, LimitsConfig, ModelConfig, SchedulerConfig, ServerConfig,
-                            TransferConfig, WorkerConfig)
+from pdserve.config import (
+    DEFAULT_PORTS, DEVICE_PATTERN, CacheConfig, LimitsConfig, ModelConfig, SchedulerConfig, ServerConfig,
+    TransferConfig, WorkerConfig)
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
@@ -40,6 +41,23 @@ def parse_bytes(text: str) -> int:
     if match is None or match.group(2).lower() not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB or 2GiB)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def parse_size_or_auto(text: str) -> Optional[int]:
+    """A size (see parse_bytes), or 'auto' -> None."""
+    return None if text.strip().lower() == "auto" else parse_bytes(text)
+
+
+def parse_device(text: str) -> str:
+    """auto, cpu, cuda or cuda:N."""
+    if re.fullmatch(DEVICE_PATTERN, text) is None:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (use auto, cpu, cuda or cuda:N)")
+    return text
+
+
+# The special parsers a setting can name with `parse=` (pdserve/config.py).
+PARSERS: dict[str, Callable[[str], Any]] = {
+    "bytes": parse_bytes, "size_or_auto": parse_size_or_auto, "device": parse_device}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +104,8 @@ def section_flag_specs(section: str, model: type[BaseModel], role: str = "coloca
     for name, field in model.model_fields.items():
         extra = field.json_schema_extra or {}
         converter, choices = _value_type(field.annotation)
-        if extra.get("parse") == "bytes":
-            converter = parse_bytes
+        if extra.get("parse") is not None:
+            converter = PARSERS[extra["parse"]]
         default = DEFAULT_PORTS[role] if (section, name) == ("server", "port") else field.default
         specs.append(FlagSpec(section, name, extra.get("flag") or "--" + name.replace("_", "-"), default,
                               field.description or "", converter, choices, extra.get("env")))

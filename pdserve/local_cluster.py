@@ -25,8 +25,8 @@ from typing import IO, Callable, Optional, Sequence
 
 import httpx
 
-from pdserve.config import DEFAULT_PORTS
-from pdserve.config_cli import FORWARDED_ARGS, add_worker_flags
+from pdserve.config import DEFAULT_PORTS, CacheConfig
+from pdserve.config_cli import FORWARDED_ARGS, add_worker_flags, parse_device
 from proxy.cli import INTERNAL_TOKEN_ENV, LIMIT_FLAGS
 
 _PR_SET_PDEATHSIG = 1
@@ -76,6 +76,11 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"shared worker token (default: ${INTERNAL_TOKEN_ENV}, else a random one)")
     parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix"])
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--prefill-device", type=parse_device, default=None,
+                        help="the prefill worker's device, e.g. cuda:0 (default: --device)")
+    parser.add_argument("--decode-device", type=parse_device, default=None,
+                        help="the decode worker's device, e.g. cuda:1 (default: --device); two workers on one "
+                             "GPU split --gpu-memory-utilization between them")
     # Every other worker setting, declared once in pdserve/config.py, goes to both workers as given.
     add_worker_flags(parser, "decode", forward=True, exclude=_UP_OWNS)
 
@@ -102,16 +107,18 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int]) -> list[ChildSpe
     env = {INTERNAL_TOKEN_ENV: args.internal_token or secrets.token_hex(16)}
     base = [sys.executable, "-m", "pdserve.cli"]
     common = ["--host", args.host, "--log-level", args.log_level]
-    model = list(getattr(args, FORWARDED_ARGS, None) or [])
+    forwarded = list(getattr(args, FORWARDED_ARGS, None) or [])
+    worker_args = role_worker_args(args, forwarded)
     prefill_port = _resolve_port(args.host, args.prefill_port)
     decode_port = _resolve_port(args.host, args.decode_port)
     proxy_port = _resolve_port(args.host, args.port)
     specs = []
     for role, port, cores_of, threads in (("prefill", prefill_port, plan.prefill_cores, plan.prefill_threads),
                                           ("decode", decode_port, plan.decode_cores, plan.decode_threads)):
-        argv = [*base, role, "--port", str(port), "--num-threads", str(args.num_threads or threads), *common, *model]
+        argv = [*base, role, "--port", str(port), "--num-threads", str(args.num_threads or threads), *common,
+                *worker_args[role]]
         specs.append(ChildSpec(role, argv, port, cores_of, env))
-    proxy = [*base, "proxy", "--port", str(proxy_port), *common, *_limit_args(model),
+    proxy = [*base, "proxy", "--port", str(proxy_port), *common, *_limit_args(forwarded),
              "--prefill", f"http://{args.host}:{prefill_port}", "--decode", f"http://{args.host}:{decode_port}"]
     if args.policy is not None:
         proxy += ["--policy", args.policy]
@@ -124,6 +131,40 @@ def _limit_args(forwarded: list[str]) -> list[str]:
     limit_flags = {spec.flag for spec in LIMIT_FLAGS}  # all take a value
     pairs = zip(forwarded, forwarded[1:])
     return [item for flag, value in pairs if flag in limit_flags for item in (flag, value)]
+
+
+def _last_value(argv: Sequence[str], flag: str) -> Optional[str]:
+    values = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == flag]
+    return values[-1] if values else None
+
+
+def _with_value(argv: Sequence[str], flag: str, value: str) -> list[str]:
+    """`argv` without any `flag VALUE` pair, then `flag value`."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg == flag:
+            skip = not skip
+            continue
+        kept.append(arg)
+    return [*kept, flag, value]
+
+
+def role_worker_args(args: argparse.Namespace, forwarded: list[str]) -> dict[str, list[str]]:
+    """Each worker's flags: the forwarded ones, its own --device when `--prefill-device` or
+    `--decode-device` names one, and half the GPU share each when both land on one GPU
+    (auto and cuda mean cuda:0 there; on the CPU the share is unused)."""
+    shared = _last_value(forwarded, "--device") or "auto"
+    per_role, devices = {}, {}
+    for role in ("prefill", "decode"):
+        own = getattr(args, f"{role}_device", None)
+        per_role[role] = _with_value(forwarded, "--device", own) if own else list(forwarded)
+        devices[role] = {"auto": "cuda:0", "cuda": "cuda:0"}.get(own or shared, own or shared)
+    if devices["prefill"] == devices["decode"]:
+        share = float(_last_value(forwarded, "--gpu-memory-utilization")
+                      or CacheConfig.model_fields["gpu_memory_utilization"].default)
+        for role in per_role:
+            per_role[role] = _with_value(per_role[role], "--gpu-memory-utilization", f"{share / 2:g}")
+    return per_role
 
 
 def _child_setup(cores: Optional[tuple[int, ...]], libc: Optional[ctypes.CDLL]) -> Callable[[], None]:

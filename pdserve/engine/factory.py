@@ -23,7 +23,8 @@ from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
-from pdserve.kv.layout import KVPoolLayout, num_blocks_for_budget, page_bytes_for
+from pdserve.engine.memory_budget import StepLimits, free_device_bytes, pool_num_blocks
+from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import KVGroupPlan, plan_groups
 from pdserve.metrics import Metrics
@@ -39,9 +40,20 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def pick_device(choice: str) -> torch.device:
+    """auto, cpu, cuda or cuda:N -> a device with an index on CUDA (the pool's NIXL device id)."""
     if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(choice)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {choice}: CUDA is not available (torch {torch.__version__})")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"--device {choice}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    # Library handles and kernels launched without an explicit device land here too.
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
@@ -101,8 +113,12 @@ def _pool_description(model_name: str, spec: ModelSpec, plan: KVGroupPlan, layou
     return PoolDescription(plan, layout.num_blocks, layout.block_size, layout.page_bytes, compat_hash)
 
 
+def _configured_context(config: WorkerConfig, spec: ModelSpec) -> int:
+    return min(config.model.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+
+
 def _context_limit(config: WorkerConfig, spec: ModelSpec, plan: KVGroupPlan, num_blocks: int) -> int:
-    max_model_len = min(config.model.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    max_model_len = _configured_context(config, spec)
     pool_limit = max_tokens_in_pool(plan, num_blocks, config.cache.block_size)
     if pool_limit < max_model_len:
         logger.warning("KV pool holds at most %d tokens per request; capping the context from %d", pool_limit, max_model_len)
@@ -122,14 +138,15 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     dtype = pick_dtype(config.model.dtype, device)
     if config.model.num_threads is not None:
         torch.set_num_threads(config.model.num_threads)
+    free_before_load = None if loaded is not None else free_device_bytes(device)
     loaded = loaded or load_model(config.model.path, dtype, device)
     spec = loaded.model.spec
     plan = plan_groups(spec.layer_specs)
     cache = config.cache
-    num_blocks = cache.num_blocks or num_blocks_for_budget(
-        cache.kv_memory_bytes,
-        page_bytes_for(plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype),
-    )
+    limits = StepLimits(_configured_context(config, spec), config.scheduler.max_num_batched_tokens,
+                        config.scheduler.max_num_running, cache.block_size, len(plan.groups))
+    page_bytes = page_bytes_for(plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+    num_blocks = pool_num_blocks(config, loaded.model, plan, page_bytes, limits, dtype, device, free_before_load)
     layout = KVPoolLayout(num_blocks, plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
     max_model_len = _context_limit(config, spec, plan, num_blocks)
     kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching)

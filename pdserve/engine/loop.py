@@ -121,6 +121,7 @@ class EngineLoop:
 
     def run_forever(self) -> None:
         try:
+            self.runner.bind_thread()
             while not self._stopping:
                 self.iterate()
         except BaseException as error:  # noqa: BLE001 - the loop itself is broken: stop and say so
@@ -230,8 +231,9 @@ class EngineLoop:
 
     def _execute(self, scheduled: SchedulerOutput) -> list[SampledToken]:
         try:
-            return self.runner.execute(scheduled)
+            return self._execute_synchronized(scheduled)
         except Exception:
+            self._settle_device()
             if len(scheduled.chunks) <= 1:
                 self._fail_chunks(scheduled, "while running the model")
                 return []
@@ -241,10 +243,26 @@ class EngineLoop:
         for chunk in scheduled.chunks:
             alone = SchedulerOutput(chunks=[chunk])
             try:
-                sampled.extend(self.runner.execute(alone))
+                sampled.extend(self._execute_synchronized(alone))
             except Exception:
+                self._settle_device()
                 self._fail_chunks(alone, "while running the model")
         return sampled
+
+    def _execute_synchronized(self, scheduled: SchedulerOutput) -> list[SampledToken]:
+        sampled = self.runner.execute(scheduled)
+        # KV complete: from here the step's blocks may be freed, evicted, read by a
+        # decode worker (update() publishes kv_transfer_params on a prefill worker)
+        # or overwritten by the next NIXL READ.
+        self.runner.synchronize()
+        return sampled
+
+    def _settle_device(self) -> None:
+        """After a failed step: wait for its queued kernels before its blocks are freed."""
+        try:
+            self.runner.synchronize()
+        except Exception:  # a sticky device error: every later step fails too, and says so
+            logger.exception("device synchronisation after a failed step failed")
 
     def _fail_chunks(self, scheduled: SchedulerOutput, where: str) -> None:
         for chunk in scheduled.chunks:

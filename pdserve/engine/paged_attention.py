@@ -8,6 +8,17 @@ padding blocks is always masked out.
 Token order in the flat batch: single-token chunks first (one batched gather
 and one SDPA call for all of them), then each multi-token chunk.
 
+No SDPA call here ever needs `enable_gqa`: on CUDA, flash attention takes no
+mask and the memory-efficient kernel has no GQA, so a masked GQA call falls to
+the math kernel (float32 scores heads x n x L, K/V repeated per head). Masked
+calls fold the query heads of each KV head into the query axis; the one
+unmasked call (a chunk that starts its sequence) repeats its own K/V per head.
+
+    folding, 2 KV heads x 2 query heads each, chunk of n queries:
+      q [n, 4 heads, d] -> [1, 2 kv heads, n*2, d]   row i*2+j = query i, head 2*kv+j
+      mask [n, L]       -> [1, 1, n*2, L]            row i*2+j = mask row i
+      K/V stay          [1, 2 kv heads, L, d]        (never repeated)
+
     block table of one request, one group (block_size = 4, window = 6):
       positions  0..3   4..7   8..11  12..15
       table     [  0  |  17  |  42  |  9   ]   0 = null (slid out of the window)
@@ -36,11 +47,26 @@ class _GatherPlan:
 
 
 @dataclass(slots=True)
+class _ChunkPlan:
+    """Keys of one multi-token chunk; its mask folded for the query heads on first use."""
+
+    block_table: torch.Tensor | None  # [1, gathered_blocks]; None: keys are the chunk's own new k/v
+    mask: torch.Tensor | None  # [1, n, keys] bool; None: plain causal over the chunk itself
+    folded_mask: torch.Tensor | None = None  # [1, 1, n * queries_per_kv, keys], built by `fold_mask`
+
+    def fold_mask(self, queries_per_kv: int) -> torch.Tensor:
+        # Every layer of a group shares it: fold once per step, not per layer.
+        if self.folded_mask is None:
+            self.folded_mask = self.mask.repeat_interleave(queries_per_kv, dim=1).unsqueeze(1)
+        return self.folded_mask
+
+
+@dataclass(slots=True)
 class _GroupStepData:
     write_block_ids: torch.Tensor  # [num_tokens] block id of each new token
     write_offsets: torch.Tensor  # [num_tokens] slot inside that block
     decode: _GatherPlan | None  # all single-token chunks at once
-    prefill: list[_GatherPlan]  # one per multi-token chunk
+    prefill: list[_ChunkPlan]  # one per multi-token chunk
 
 
 def _key_window(spec: AttentionSpec, first_query: int, last_query: int, block_size: int) -> tuple[int, int]:
@@ -114,19 +140,20 @@ class PagedAttention:
             to(torch.tensor(write_blocks, dtype=torch.int64)),
             to(torch.tensor(write_offsets, dtype=torch.int64)),
             None if decode is None else _GatherPlan(to(decode.block_table), to(decode.mask)),
-            [_GatherPlan(to(p.block_table), to(p.mask)) for p in prefill],
+            [_ChunkPlan(to(p.block_table), to(p.mask)) for p in prefill],
         )
 
     @staticmethod
-    def _chunk_plan(spec: AttentionSpec, chunk: ScheduledChunk, group_id: int, block_size: int) -> _GatherPlan:
+    def _chunk_plan(spec: AttentionSpec, chunk: ScheduledChunk, group_id: int, block_size: int) -> _ChunkPlan:
         if chunk.start_position > 0:
             positions = range(chunk.start_position, chunk.end_position)
-            return _gather_plan(spec, [chunk.block_ids[group_id]], [positions], block_size)
+            gather = _gather_plan(spec, [chunk.block_ids[group_id]], [positions], block_size)
+            return _ChunkPlan(gather.block_table, gather.mask)
         # The chunk starts the sequence: its own new k/v are all the keys, no gather.
         if isinstance(spec, FullAttentionSpec):
-            return _GatherPlan(None, None)
+            return _ChunkPlan(None, None)
         positions = torch.arange(chunk.num_tokens)
-        return _GatherPlan(None, _mask(spec, positions, positions).unsqueeze(0))
+        return _ChunkPlan(None, _mask(spec, positions, positions).unsqueeze(0))
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         group_id, k_cache, v_cache = self.layer_caches[layer_id]
@@ -157,16 +184,42 @@ class PagedAttention:
         return out.reshape(num_rows, num_heads, head_dim)
 
     @staticmethod
-    def _attend_chunk(q, k, v, k_cache, v_cache, gather: _GatherPlan, scale: float) -> torch.Tensor:
-        q_heads = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
-        if gather.block_table is None:
+    def _attend_chunk(q, k, v, k_cache, v_cache, plan: _ChunkPlan, scale: float) -> torch.Tensor:
+        """q: [n, heads, dim]; k, v: [n, kv_heads, dim] -> [n, heads, dim]."""
+        num_queries, num_heads, _ = q.shape
+        num_kv_heads = k.shape[1]
+        queries_per_kv = num_heads // num_kv_heads
+        if plan.mask is None:
+            # Causal over the chunk's own n keys: repeating them per head costs
+            # what q costs and keeps the call free of GQA for flash attention.
+            keys = k.repeat_interleave(queries_per_kv, dim=1).transpose(0, 1).unsqueeze(0)
+            values = v.repeat_interleave(queries_per_kv, dim=1).transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values,
+                                                 is_causal=True, scale=scale)
+            return out.squeeze(0).transpose(0, 1)
+        if plan.block_table is None:
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         else:
-            keys = k_cache[gather.block_table].flatten(1, 2).transpose(1, 2)
-            values = v_cache[gather.block_table].flatten(1, 2).transpose(1, 2)
-        if gather.mask is None:
-            kwargs = {"is_causal": True}
-        else:
-            kwargs = {"attn_mask": gather.mask.unsqueeze(1)}
-        out = F.scaled_dot_product_attention(q_heads, keys, values, scale=scale, enable_gqa=True, **kwargs)
-        return out.squeeze(0).transpose(0, 1)
+            keys = k_cache[plan.block_table].flatten(1, 2).transpose(1, 2)  # [1, kv_heads, L, dim]
+            values = v_cache[plan.block_table].flatten(1, 2).transpose(1, 2)
+        folded_q = fold_query_heads(q, num_kv_heads)
+        out = F.scaled_dot_product_attention(folded_q, keys, values, attn_mask=plan.fold_mask(queries_per_kv),
+                                             scale=scale)
+        return unfold_query_heads(out, num_queries, num_heads)
+
+
+def fold_query_heads(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[n, heads, dim] -> [1, kv_heads, n * heads/kv_heads, dim]: row i*g+j is query i of
+    the j-th head sharing that KV head (heads are grouped as in GQA's repeat_interleave)."""
+    num_queries, num_heads, head_dim = q.shape
+    per_kv = num_heads // num_kv_heads
+    return q.view(num_queries, num_kv_heads, per_kv, head_dim).transpose(0, 1).reshape(
+        1, num_kv_heads, num_queries * per_kv, head_dim)
+
+
+def unfold_query_heads(out: torch.Tensor, num_queries: int, num_heads: int) -> torch.Tensor:
+    """Inverse of `fold_query_heads`: [1, kv_heads, n * g, dim] -> [n, heads, dim]."""
+    num_kv_heads, head_dim = out.shape[1], out.shape[-1]
+    per_kv = num_heads // num_kv_heads
+    return out.view(num_kv_heads, num_queries, per_kv, head_dim).transpose(0, 1).reshape(
+        num_queries, num_heads, head_dim)

@@ -1,8 +1,9 @@
 """Runs one scheduled step on the device: the only engine code that touches torch.
 
-Owns the model, the KV pool tensor and the sampler. Invariant: it writes K/V
+Owns the model, the KV pool tensor and the sampler. Invariants: it writes K/V
 only into the blocks the scheduler's chunks name, and returns exactly one
-sampled token per chunk that asked for one.
+sampled token per chunk that asked for one; after `synchronize()` no kernel
+it queued is still running, so any block may be freed, reused or read remotely.
 """
 
 from __future__ import annotations
@@ -31,6 +32,25 @@ class ModelRunner:
         self.pool = layout.allocate(device)
         self.layer_caches = self._layer_caches()
         self.sampler = Sampler(device, seed)
+        self.synchronize()  # the pool's zeros land before NIXL registers it or a peer reads it
+
+    def bind_thread(self) -> None:
+        """Make this runner's GPU the calling thread's current CUDA device (it is per
+        thread): what runs on the engine thread without naming a device, such as UCX
+        copies started by NIXL calls, then uses the pool's GPU. A no-op on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def synchronize(self) -> None:
+        """Block until every kernel this runner queued has finished.
+
+        Kernels run asynchronously on CUDA: without this, a block freed after a
+        step (finished, aborted, preempted or evicted request) could be handed
+        to a NIXL READ, or published to a decode worker, while the step's
+        kernels still write it. Waits on this thread's compute stream only,
+        never on NIXL's own copies. A no-op on the CPU, where work is synchronous."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _layer_caches(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         caches = []
@@ -73,4 +93,5 @@ class ModelRunner:
             if chunk.sample:
                 rows.append(offset - 1)
                 sampled.append(chunk)
-        return torch.tensor(rows, dtype=torch.int64, device=self.device), sampled
+        # Asynchronous copy: `torch.tensor(..., device=cuda)` would wait for the device.
+        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True), sampled

@@ -28,6 +28,7 @@ class Worker:
     port: int
     log_path: str
     extra_args: list[str] = field(default_factory=list)
+    device: str = "cpu"  # tests take it from the `device` fixture (tests/conftest.py)
     process: Optional[subprocess.Popen] = None
 
     @property
@@ -37,7 +38,7 @@ class Worker:
     def start(self) -> "Worker":
         # One torch thread each: several workers share this host's few cores.
         command = [sys.executable, "-m", "pdserve.cli", self.role, "--host", "127.0.0.1", "--port", str(self.port),
-                   "--log-level", "info", "--num-threads", "1", *self.extra_args]
+                   "--log-level", "info", "--num-threads", "1", "--device", self.device, *self.extra_args]
         env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
@@ -132,3 +133,26 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+def same_path_reference(worker: Worker, path: str, body: dict, request_id: str, headers: Optional[dict] = None,
+                        block_size: int = 16) -> dict:
+    """What a P/D answer must equal bit for bit (tokens and logprobs), on any device and dtype.
+
+    `worker` (the prefill worker, prefix caching on) answers `body` twice by itself. The
+    prompt ends one token past a block boundary, so the second time every prompt token
+    but the last is a prefix-cache hit and the last one is computed as a single-token
+    step over cached KV: the same KV bytes a decode worker pulls, the same attention
+    path and dtype it computes that token with. An independent run (the prompt as one
+    chunk) would take another attention path, and in bf16 may round differently."""
+    first = httpx.post(worker.url + path, json=body, timeout=120,
+                       headers={"X-Request-Id": f"{request_id}-warm", **(headers or {})})
+    first.raise_for_status()
+    second = httpx.post(worker.url + path, json=body, headers={"X-Request-Id": request_id, **(headers or {})},
+                        timeout=120)
+    second.raise_for_status()
+    answer = second.json()
+    num_prompt = answer["usage"]["prompt_tokens"]
+    assert (num_prompt - 1) % block_size == 0, f"a {num_prompt}-token prompt does not end one past a block"
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == num_prompt - 1, answer["usage"]
+    return answer

@@ -1,4 +1,5 @@
-"""NixlTransport between two real processes on one host: real NIXL over UCX on host memory.
+"""NixlTransport between two real processes on one host: real NIXL over UCX, on host memory
+in CI and on GPU memory too where CUDA is present (the `device` fixture).
 
 The prefill side runs in a spawned child that owns a pool filled with a known
 pattern, publishes its PeerInfo as JSON (as the HTTP handshake would) and
@@ -19,6 +20,7 @@ import torch
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.transfer.nixl_transport import NixlTransport
 from pdserve.transfer.transport import PeerInfo, TransferError, TransferState
+from tests.devices import cuda_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -36,12 +38,14 @@ def pattern(num_blocks: int, page_bytes: int, seed: int) -> torch.Tensor:
     return values.remainder(251).to(torch.int8).view(num_blocks, page_bytes)
 
 
-def run_prefill(agent_name: str, epoch: str, seed: int, out: multiprocessing.Queue,
+def run_prefill(agent_name: str, epoch: str, seed: int, device: str, out: multiprocessing.Queue,
                 stop: multiprocessing.Event) -> None:
     """Child process: serve a patterned pool and forward notifications until told to stop."""
     layout = KVPoolLayout(num_blocks=NUM_PREFILL_BLOCKS, **LAYOUT)
-    view = layout.canonical_view(layout.allocate("cpu"))
+    view = layout.canonical_view(layout.allocate(device))
     view.copy_(pattern(layout.num_blocks, layout.page_bytes, seed))
+    if view.is_cuda:
+        torch.cuda.synchronize()  # the pattern is in place before a peer can read it
     transport = NixlTransport(view, agent_name)
     out.put(json.dumps(transport.local_peer_info("prefill-engine", epoch).to_dict()))
     while not stop.is_set():
@@ -52,12 +56,12 @@ def run_prefill(agent_name: str, epoch: str, seed: int, out: multiprocessing.Que
 
 
 class PrefillProcess:
-    def __init__(self, agent_name: str, epoch: str, seed: int):
+    def __init__(self, agent_name: str, epoch: str, seed: int, device: str):
         context = multiprocessing.get_context("spawn")
         self.messages = context.Queue()
         self.stop = context.Event()
-        self.process = context.Process(target=run_prefill, args=(agent_name, epoch, seed, self.messages, self.stop),
-                                       daemon=True)
+        self.process = context.Process(target=run_prefill, daemon=True,
+                                       args=(agent_name, epoch, seed, device, self.messages, self.stop))
         self.process.start()
         self.peer_info = PeerInfo.from_dict(json.loads(self.messages.get(timeout=CHILD_START_TIMEOUT_S)))
 
@@ -76,16 +80,16 @@ class PrefillProcess:
 
 
 @pytest.fixture(scope="module")
-def prefill():
-    child = PrefillProcess("prefill-agent-a", epoch="epoch-1", seed=1)
+def prefill(device):
+    child = PrefillProcess(f"prefill-agent-a-{device}", epoch="epoch-1", seed=1, device=device)
     yield child
     child.shutdown()
 
 
 @pytest.fixture
-def decode():
+def decode(device):
     layout = KVPoolLayout(num_blocks=NUM_DECODE_BLOCKS, **LAYOUT)
-    view = layout.canonical_view(layout.allocate("cpu"))
+    view = layout.canonical_view(layout.allocate(device))
     transport = NixlTransport(view, f"decode-agent-{os.getpid()}-{time.monotonic_ns()}")
     yield transport, view
     transport.close()
@@ -107,7 +111,7 @@ def test_read_copies_scattered_remote_pages_into_other_local_pages_exactly(prefi
     assert transport.release(handle)
     expected = pattern(NUM_PREFILL_BLOCKS, transport.page_bytes, seed=1)
     for local_id, remote_id in zip(local_ids, remote_ids):
-        assert torch.equal(view[local_id], expected[remote_id]), f"local {local_id} <- remote {remote_id}"
+        assert torch.equal(view[local_id].cpu(), expected[remote_id]), f"local {local_id} <- remote {remote_id}"
     untouched = [b for b in range(NUM_DECODE_BLOCKS) if b not in local_ids]
     assert not view[untouched].any()
 
@@ -142,9 +146,9 @@ def test_connect_is_idempotent_and_checks_page_size(prefill, decode):
         transport.connect(PeerInfo.from_dict(info))
 
 
-def test_read_from_a_killed_peer_fails_within_bounded_time_and_a_restart_is_readable(decode):
+def test_read_from_a_killed_peer_fails_within_bounded_time_and_a_restart_is_readable(decode, device):
     transport, view = decode
-    doomed = PrefillProcess("prefill-agent-b", epoch="epoch-1", seed=2)
+    doomed = PrefillProcess("prefill-agent-b", epoch="epoch-1", seed=2, device=device)
     key = transport.connect(doomed.peer_info)
     doomed.kill()
     started_s = time.monotonic()
@@ -165,12 +169,44 @@ def test_read_from_a_killed_peer_fails_within_bounded_time_and_a_restart_is_read
     assert time.monotonic() - started_s < MAX_WAIT_S
     # Same engine and agent name, new epoch: the old connection is replaced
     # (NIXL refuses to load new metadata under a name it already holds).
-    restarted = PrefillProcess("prefill-agent-b", epoch="epoch-2", seed=3)
+    restarted = PrefillProcess("prefill-agent-b", epoch="epoch-2", seed=3, device=device)
     try:
         new_key = transport.connect(restarted.peer_info)
         assert new_key != key
         handle = transport.start_read(new_key, [1], [3], b"")
         assert wait(transport, handle) is TransferState.DONE, handle.error
-        assert torch.equal(view[1], pattern(NUM_PREFILL_BLOCKS, transport.page_bytes, seed=3)[3])
+        assert torch.equal(view[1].cpu(), pattern(NUM_PREFILL_BLOCKS, transport.page_bytes, seed=3)[3])
     finally:
         restarted.shutdown()
+
+
+def test_pool_is_registered_with_its_memory_type_and_device_index(prefill, decode, device):
+    transport, view = decode
+    info = transport.local_peer_info("decode-engine", "epoch")
+    assert (info.mem_type, info.device_id) == (("VRAM", view.get_device()) if device == "cuda" else ("DRAM", 0))
+    assert info.base_address == view.data_ptr()
+    assert (prefill.peer_info.mem_type, prefill.peer_info.device_id) == (info.mem_type, info.device_id)
+
+
+def _two_gpus() -> bool:
+    return cuda_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs two CUDA devices")
+def test_pools_on_two_gpus_carry_their_own_device_ids_and_read_across():
+    """Prefill on cuda:0, decode on cuda:1 (as `pdserve up --prefill-device cuda:0 --decode-device cuda:1`)."""
+    child = PrefillProcess("prefill-agent-gpu0", epoch="epoch-1", seed=4, device="cuda:0")
+    layout = KVPoolLayout(num_blocks=NUM_DECODE_BLOCKS, **LAYOUT)
+    view = layout.canonical_view(layout.allocate("cuda:1"))
+    transport = NixlTransport(view, f"decode-agent-gpu1-{os.getpid()}")
+    try:
+        assert (child.peer_info.mem_type, child.peer_info.device_id) == ("VRAM", 0)
+        assert transport.local_peer_info("d", "e").device_id == 1
+        handle = transport.start_read(transport.connect(child.peer_info), [2, 7], [9, 30], b"")
+        assert wait(transport, handle) is TransferState.DONE, handle.error
+        expected = pattern(NUM_PREFILL_BLOCKS, transport.page_bytes, seed=4)
+        assert torch.equal(view[2].cpu(), expected[9]) and torch.equal(view[7].cpu(), expected[30])
+    finally:
+        transport.close()
+        child.shutdown()

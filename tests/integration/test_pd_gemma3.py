@@ -1,12 +1,13 @@
-"""P/D on a tiny random Gemma 3 whose sliding window is shorter than the prompt:
-same tokens as a single worker, and sliding-window groups move only their live window."""
+"""P/D on a tiny random Gemma 3 whose sliding window is shorter than the prompt: the same
+tokens and logprobs as the prefill worker's own answer over the same KV, and sliding-window
+groups move only their live window."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from tests.integration.cluster import Worker, free_port, start_workers, two_legs
+from tests.integration.cluster import Worker, free_port, same_path_reference, start_workers, two_legs
 from tests.tiny_models import GEMMA_VOCAB, GEMMA_WINDOW, make_tiny_gemma3, random_prompt
 
 pytestmark = pytest.mark.slow
@@ -15,31 +16,33 @@ BLOCK_SIZE = 4
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, device):
     model_dir = str(tmp_path_factory.mktemp("gemma3"))
     make_tiny_gemma3(model_dir)
     logs = tmp_path_factory.mktemp("logs")
     common = ["--model", model_dir, "--block-size", str(BLOCK_SIZE), "--num-blocks", "300"]
-    prefill = Worker("prefill", free_port(), str(logs / "prefill.log"), common)
-    decode = Worker("decode", free_port(), str(logs / "decode.log"), [*common, "--no-prefix-caching"])
+    prefill = Worker("prefill", free_port(), str(logs / "prefill.log"), common, device)
+    decode = Worker("decode", free_port(), str(logs / "decode.log"), [*common, "--no-prefix-caching"], device)
     workers = start_workers(prefill, decode)
     yield prefill, decode
     for worker in workers:
         worker.stop()
 
 
-def test_gemma3_pd_matches_single_worker_and_moves_only_the_live_window(cluster):
+def test_gemma3_pd_matches_the_same_kv_on_the_same_path_and_moves_only_the_live_window(cluster):
     prefill, decode = cluster
     model = httpx.get(decode.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    for seed, length in ((1, 100), (2, 61)):
+    for seed, length in ((1, 97), (2, 61)):  # one token past a block boundary: see same_path_reference
         prompt = random_prompt(length, GEMMA_VOCAB, seed)
-        body = {"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
-        local = httpx.post(decode.url + "/v1/completions", json=body, timeout=120)
-        assert local.status_code == 200, local.text
+        body = {"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0}
+        expected = same_path_reference(prefill, "/v1/completions", body, f"gemma-ref-{seed}", block_size=BLOCK_SIZE)
         descriptors_before = decode.metric("pdserve_transfer_descriptors_total")
         params, response = two_legs(prefill, decode, "/v1/completions", body, f"gemma-{seed}")
         assert response.status_code == 200, response.text
-        assert response.json()["choices"][0]["text"] == local.json()["choices"][0]["text"]
+        got, want = response.json()["choices"][0], expected["choices"][0]
+        assert got["text"] == want["text"]
+        assert got["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
         assert response.json()["usage"]["completion_tokens"] == 32
 
         info = httpx.get(prefill.url + "/internal/kv/agent_info", timeout=10).json()

@@ -22,14 +22,14 @@ from proxy.metrics import create_proxy_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-OVERLAYS = ["cpu", "gpu"]
+OVERLAYS = ["cpu", "gpu", "gpu-rdma"]
 WORKER_ROLES = {"prefill": 8100, "decode": 8200}
 VAR_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 METRIC_NAME = re.compile(r"\b(pdserve_[a-z0-9_]+)")
 
 
 def _load_module(name: str):
-    spec = importlib.util.spec_from_file_location(name, DEPLOY / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name.replace("/", "."), DEPLOY / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -182,12 +182,58 @@ def test_each_role_has_a_disruption_budget_matching_its_pods(overlay):
 
 
 def test_gpu_overlay_requests_one_gpu_per_worker_and_cpu_overlay_none():
-    for overlay, num_gpus in (("gpu", 1), ("cpu", 0)):
+    for overlay, num_gpus in (("gpu", 1), ("gpu-rdma", 1), ("cpu", 0)):
         objects = _objects(overlay)
         for role in WORKER_ROLES:
             limits = _container(_deployments(objects)[f"pdserve-{role}"])["resources"]["limits"]
             assert int(limits.get("nvidia.com/gpu", 0)) == num_gpus
         assert objects[("ConfigMap", "pdserve-config")]["data"]["PDSERVE_DEVICE"] == ("cuda" if num_gpus else "cpu")
+
+
+def _ucx_transports(overlay: str) -> list[str]:
+    return _objects(overlay)[("ConfigMap", "pdserve-config")]["data"]["UCX_TLS"].split(",")
+
+
+# UCX transports that need a shared IPC or PID namespace, or that read host memory
+# only: none can move a GPU pool's pages between two pods.
+_SAME_NAMESPACE_TRANSPORTS = {"cuda_ipc", "cuda", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "all"}
+
+
+@pytest.mark.parametrize("overlay, network", [("gpu", "tcp"), ("gpu-rdma", "rc")])
+def test_gpu_overlays_give_ucx_a_network_transport_and_cuda_copy_never_plain_tcp(overlay, network):
+    transports = _ucx_transports(overlay)
+    assert transports != ["tcp"], "plain tcp cannot read GPU memory"
+    assert network in transports and "cuda_copy" in transports
+    assert not _SAME_NAMESPACE_TRANSPORTS & set(transports), "pods share no IPC or PID namespace"
+
+
+def test_cpu_overlay_moves_host_memory_over_tcp_only():
+    assert _ucx_transports("cpu") == ["tcp"]
+
+
+def test_rdma_overlay_gives_workers_an_rdma_device_and_ipc_lock_only():
+    objects = _objects("gpu-rdma")
+    for role in WORKER_ROLES:
+        container = _container(_deployments(objects)[f"pdserve-{role}"])
+        rdma = {key for key in container["resources"]["limits"] if key.startswith("rdma/")}
+        assert len(rdma) == 1
+        resource = rdma.pop()
+        assert container["resources"]["requests"][resource] == container["resources"]["limits"][resource] == 1
+        security = container["securityContext"]
+        assert security["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        # A capability added to a non-root container never reaches its process.
+        assert security["runAsUser"] == 0 and security["runAsNonRoot"] is False
+        assert security["allowPrivilegeEscalation"] is False and security["readOnlyRootFilesystem"] is True
+    proxy = _container(_deployments(objects)["pdserve-proxy"])
+    assert "runAsUser" not in proxy.get("securityContext", {}), "only the workers need RDMA"
+
+
+def test_gpu_overlays_size_the_pool_from_gpu_memory_with_a_share_below_one():
+    for overlay in ("gpu", "gpu-rdma"):
+        objects = _objects(overlay)
+        for role in WORKER_ROLES:
+            args = build_parser().parse_args(_expanded_args(objects, _container(_deployments(objects)[f"pdserve-{role}"])))
+            assert args.kv_memory is None and 0 < args.gpu_memory_utilization < 1
 
 
 def test_pod_monitor_scrapes_the_named_port_of_every_pdserve_pod():
@@ -304,8 +350,46 @@ def test_renderer_refuses_kustomize_features_it_does_not_implement(tmp_path):
 
 
 def test_overlays_set_the_image_tag_of_each_role():
-    for overlay, worker_tag in (("cpu", "cpu"), ("gpu", "cuda")):
+    for overlay, worker_tag in (("cpu", "cpu"), ("gpu", "cuda"), ("gpu-rdma", "cuda")):
         deployments = _deployments(_objects(overlay))
         assert _container(deployments["pdserve-prefill"])["image"] == f"pdserve-worker:{worker_tag}"
         assert _container(deployments["pdserve-decode"])["image"] == f"pdserve-worker:{worker_tag}"
         assert _container(deployments["pdserve-proxy"])["image"].startswith("pdserve-proxy:")
+
+
+# ---- the worker image's torch and nixl builds ------------------------------------------------
+
+check_build = _load_module("docker/check_build")
+
+
+def test_worker_image_pins_the_cuda_wheel_index_and_checks_the_build():
+    dockerfile = (DEPLOY / "docker" / "Dockerfile.worker").read_text()
+    for variant in ("CPU", "CUDA"):
+        assert re.search(rf"^ARG TORCH_{variant}_INDEX_URL=https://\S+$", dockerfile, re.MULTILINE), variant
+        assert f'--index-url "${{TORCH_{variant}_INDEX_URL}}" "torch==${{TORCH_VERSION}}"' in dockerfile, variant
+    assert 'python check_build.py --variant "${TORCH_VARIANT}"' in dockerfile
+    assert "COPY deploy/docker/check_build.py" in dockerfile
+    assert "!deploy/docker/check_build.py" in (DEPLOY / "docker" / "Dockerfile.worker.dockerignore").read_text()
+
+
+def test_build_check_accepts_this_cpu_environment_and_refuses_it_as_a_cuda_image():
+    import subprocess
+    import sys
+
+    script = str(DEPLOY / "docker" / "check_build.py")
+    as_cpu = subprocess.run([sys.executable, script, "--variant", "cpu"], capture_output=True, text=True, timeout=120)
+    assert as_cpu.returncode == 0, as_cpu.stderr
+    assert "torch.version.cuda = None" in as_cpu.stdout and "nixl build selected: nixl_cu" in as_cpu.stdout
+    as_cuda = subprocess.run([sys.executable, script, "--variant", "cuda"], capture_output=True, text=True, timeout=120)
+    assert as_cuda.returncode == 1 and "has no CUDA" in as_cuda.stderr
+
+
+def test_build_check_refuses_a_nixl_build_for_another_cuda_major_or_without_cuda_transports():
+    report = {"torch": "2.13.0+cu130", "torch_cuda": "13.0", "nixl_build": "nixl_cu13",
+              "ucx_plugins": {"libuct_cuda": True, "libuct_ib": True}}
+    assert check_build.problems(report, "cuda") == []
+    assert check_build.problems(report, "cpu") == ["TORCH_VARIANT=cpu but torch 2.13.0+cu130 is built for CUDA 13.0"]
+    mismatched = {**report, "torch_cuda": "12.8"}
+    assert check_build.problems(mismatched, "cuda") == ["torch is built for CUDA 12.8 but nixl selected nixl_cu13"]
+    no_cuda_ucx = {**report, "ucx_plugins": {"libuct_cuda": False, "libuct_ib": True}}
+    assert "no UCX CUDA transports" in check_build.problems(no_cuda_ucx, "cuda")[0]

@@ -19,7 +19,7 @@ TORCH_AND_NIXL_FREE_MODULES = [
     "pdserve.config", "pdserve.request", "pdserve.errors", "pdserve.protocol", "pdserve.metrics",
     # the allocator
     "pdserve.kv", "pdserve.kv.specs", "pdserve.kv.hashing", "pdserve.kv.block_pool", "pdserve.kv.prefix",
-    "pdserve.kv.manager",
+    "pdserve.kv.manager", "pdserve.kv.sizing",
     # scheduling and the P/D logic around the transport
     "pdserve.engine.schedule_types", "pdserve.engine.scheduler", "pdserve.engine.stop_rules",
     "pdserve.engine.request_ids",

@@ -187,3 +187,24 @@ def test_health_poll_access_lines_are_kept_off_the_console():
     output.write_line("decode", 'INFO:     127.0.0.1:4242 - "GET /load HTTP/1.1" 200 OK')
     output.write_line("decode", 'INFO:     127.0.0.1:4242 - "POST /v1/completions HTTP/1.1" 200 OK')
     assert out.getvalue() == '[decode] INFO:     127.0.0.1:4242 - "POST /v1/completions HTTP/1.1" 200 OK\n'
+
+
+def test_each_worker_gets_its_own_device_and_workers_sharing_a_gpu_split_its_share():
+    split = specs_for("--prefill-device", "cuda:0", "--decode-device", "cuda:1")
+    assert flag(split["prefill"].argv, "--device") == "cuda:0" and flag(split["decode"].argv, "--device") == "cuda:1"
+    assert "--gpu-memory-utilization" not in split["prefill"].argv  # a GPU each: the worker's own default
+    assert "--device" not in split["proxy"].argv
+    given = specs_for("--prefill-device", "cuda:0", "--decode-device", "cuda:1", "--gpu-memory-utilization", "0.7")
+    assert flag(given["decode"].argv, "--gpu-memory-utilization") == "0.7"
+    shared = specs_for("--device", "cuda", "--decode-device", "cuda:0", "--gpu-memory-utilization", "0.8")
+    for name in ("prefill", "decode"):
+        assert shared[name].argv.count("--gpu-memory-utilization") == 1
+        assert flag(shared[name].argv, "--gpu-memory-utilization") == "0.4"
+    one_overridden = specs_for("--device", "cuda:1", "--prefill-device", "cuda:0")
+    assert [flag(one_overridden[n].argv, "--device") for n in ("prefill", "decode")] == ["cuda:0", "cuda:1"]
+    assert one_overridden["prefill"].argv.count("--device") == 1
+    for spec in specs_for().values():  # the default: auto for both, one device, the default share split
+        if spec.name != "proxy":
+            assert "--device" not in spec.argv and flag(spec.argv, "--gpu-memory-utilization") == "0.45"
+    with pytest.raises(SystemExit):
+        specs_for("--decode-device", "gpu1")
