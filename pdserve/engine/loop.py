@@ -216,7 +216,7 @@ class EngineLoop:
         started = time.monotonic()
         queues = self._queue_sizes()
         scheduled = self.scheduler.schedule()
-        sampled = self._execute(scheduled)
+        sampled = self._drop_failed_rows(self._execute(scheduled))
         changed = self.scheduler.update(scheduled, sampled)
         logprobs = {token.request_id: token.logprob for token in sampled}
         now = time.monotonic()
@@ -224,6 +224,15 @@ class EngineLoop:
             self._emit(request, logprobs, now)
         self.stats.record_step(self.scheduler, scheduled, now - started)
         return bool(scheduled.chunks or scheduled.preempted_request_ids) or self._queue_sizes() != queues
+
+    def _drop_failed_rows(self, sampled: list[SampledToken]) -> list[SampledToken]:
+        """Rows the sampler could not draw from fail their own requests; the rest go on."""
+        for token in sampled:
+            if token.failed:
+                logger.error("request %s: the model produced non-finite logits; failing it", token.request_id)
+                self._finish(token.request_id, FinishReason.ERROR,
+                             RequestFailed("internal error: the model produced invalid logits for this request"))
+        return [token for token in sampled if not token.failed]
 
     def _queue_sizes(self) -> tuple[int, int, int]:
         scheduler = self.scheduler
