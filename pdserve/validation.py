@@ -56,7 +56,7 @@ def parse_json_body(raw: bytes, limits: LimitsConfig) -> Any:
 
 def check_json_depth(value: Any, max_depth: int) -> None:
     """Iterative (a deep document must not exhaust the stack); the top-level value is depth 1."""
-    stack = [(value, 1)]
+    stack = [(value, 1)] if type(value) in _CONTAINER_TYPES else []
     while stack:
         node, depth = stack.pop()
         children = node.values() if isinstance(node, dict) else node

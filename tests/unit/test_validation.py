@@ -64,7 +64,7 @@ def test_a_body_over_the_size_limit_is_a_413():
 
 
 @pytest.mark.parametrize("raw", [b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": Infinity}',
-                                 b'{"prompt": "a\\ud800b"}', b"\xff", b"", b"[1, 2]"])
+                                 b'{"prompt": "a\\ud800b"}', b"\xff", b"", b"[1, 2]", b"1", b"null", b'"x"'])
 def test_bodies_that_are_not_strict_json_objects_are_400s(raw):
     rejected(CompletionRequest, raw)
 
