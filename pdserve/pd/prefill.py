@@ -5,8 +5,8 @@ under a remote READ) until exactly one of: the reader's completion
 notification, an early-release message (D's "free", or the proxy's release
 call once the decode leg failed), or lease expiry; only then are they
 reported `released` for the scheduler to free. Pinned blocks never exceed
-`max_pinned_blocks`: a prefill that would pass it ends with 503 instead of
-pinning. Torch-free.
+`max_pinned_blocks` (but for one request larger than that, pinned alone): a
+prefill that would pass it ends with 503 instead of pinning. Torch-free.
 """
 
 from __future__ import annotations
@@ -91,9 +91,10 @@ class PrefillConnector:
         return FinishAction(free_blocks=False, kv_transfer_params=self._params(request, block_ids))
 
     def has_room_to_pin(self, num_blocks: int) -> bool:
-        """Whether `num_blocks` more may be pinned (read from other threads too: a plain int compare)."""
-        cap = self.max_pinned_blocks
-        return cap is None or self.leases.num_pinned_blocks + num_blocks <= cap
+        """Whether `num_blocks` more may be pinned (read from other threads too: plain int compares).
+        A request larger than the whole limit may pin when nothing else is, or it could never run."""
+        cap, pinned = self.max_pinned_blocks, self.leases.num_pinned_blocks
+        return cap is None or pinned + num_blocks <= cap or pinned == 0
 
     def _full_error(self, num_blocks: int) -> KVPinnedFull:
         return KVPinnedFull(f"this prefill worker holds {self.leases.num_pinned_blocks} blocks for decode workers; "

@@ -301,3 +301,11 @@ def test_pinned_blocks_never_pass_their_limit(fabric, clock):
     assert not side.kv.has_request("r2")  # its blocks were freed at once
     assert side.metrics.registry.get_sample_value("pdserve_transfer_pinned_refusals_total") == 1
     side.kv.check_invariants()
+
+
+def test_a_prefill_larger_than_the_whole_limit_pins_alone(fabric, clock):
+    side = PrefillSide(fabric, clock)
+    side.connector.max_pinned_blocks = 2
+    first = side.prefill("big", 30)  # more blocks than the limit, but nothing else is pinned
+    assert first is not None and side.connector.num_pinned_blocks > 2
+    assert not side.connector.has_room_to_pin(1)
