@@ -86,6 +86,13 @@ class LimitsConfig(_Frozen):
                                     gt=0)
 
 
+def check_token(token: Optional[str]) -> Optional[str]:
+    """An unset token means none; an empty one is a mistake (it would look set and guard nothing)."""
+    if token is not None and not token.strip():
+        raise ValueError("the internal token must not be empty (leave it unset for none)")
+    return token
+
+
 def is_loopback_host(host: str) -> bool:
     """True for addresses only this machine can reach (`localhost`, 127.0.0.0/8, ::1)."""
     if host == "localhost":
@@ -117,9 +124,7 @@ class ServerConfig(_Frozen):
     @field_validator("internal_token")
     @classmethod
     def _token_not_empty(cls, token: Optional[str]) -> Optional[str]:
-        if token is not None and not token.strip():
-            raise ValueError("the internal token must not be empty (leave it unset for none)")
-        return token
+        return check_token(token)
 
 
 class TransferConfig(_Frozen):

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # The same bounds, defaults and flags as every worker's: a request the proxy
 # accepts is one the workers accept (pdserve/validation.py).
-from pdserve.config import LimitsConfig
+from pdserve.config import LimitsConfig, check_token
 
 PolicyName = Literal["round_robin", "least_loaded", "prefix"]
 
@@ -114,9 +114,7 @@ class ProxyConfig(_Frozen):
     @field_validator("internal_token")
     @classmethod
     def _token_not_empty(cls, token: Optional[str]) -> Optional[str]:
-        if token is not None and not token.strip():
-            raise ValueError("the internal token must not be empty (leave it unset for none)")
-        return token
+        return check_token(token)
 
     @model_validator(mode="after")
     def _check_backends(self) -> "ProxyConfig":
