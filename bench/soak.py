@@ -148,9 +148,12 @@ def soak(args: argparse.Namespace, log_dir: str) -> dict:
         seen = Watch()
         seen.rss_mib["start"] = {role: rss_mib(pid) for role, pid in pids.items()}
         done = [0]
+        tenth = max(1, args.num_requests // 10)
 
         def on_done(result: Result) -> None:
             done[0] += 1
+            if done[0] % tenth == 0:  # a timeline, so growth can be told from a one-off step
+                seen.rss_mib[f"{done[0]}"] = {role: rss_mib(pid) for role, pid in pids.items()}
             if done[0] == args.num_requests // 2:
                 seen.rss_mib["half"] = {role: rss_mib(pid) for role, pid in pids.items()}
 
@@ -197,6 +200,11 @@ def report(run: dict) -> str:
     for role in _PROCESS_ROLES:
         half, end = rss.get("half", {}).get(role, 0.0), rss["end"].get(role, 0.0)
         lines.append(f"| {role} | {rss['start'].get(role, 0.0):.1f} | {half:.1f} | {end:.1f} | {end - half:+.1f} |")
+    marks = [key for key in rss if key.isdigit()]
+    lines += ["", "RSS (MiB) after every tenth of the requests:", "| process | " + " | ".join(marks) + " |",
+              "|---|" + "---:|" * len(marks)]
+    for role in _PROCESS_ROLES:
+        lines.append(f"| {role} | " + " | ".join(f"{rss[mark].get(role, 0.0):.0f}" for mark in marks) + " |")
     return "\n".join(lines)
 
 
