@@ -262,14 +262,9 @@ def to_sampling_params(
     requested tokens, does not fit `max_model_len`. Absent max tokens means
     "the rest of the context".
     """
-    max_tokens = request.requested_max_tokens
-    check_context_length(num_prompt_tokens, max_tokens, max_model_len, prompt_param=prompt_param)
-    if max_tokens is None:
-        max_tokens = max_model_len - num_prompt_tokens
+    max_tokens = check_token_budget(num_prompt_tokens, request.requested_max_tokens, request.min_tokens,
+                                    max_model_len, prompt_param=prompt_param)
     min_tokens = request.min_tokens or 0
-    _reject_unless(
-        min_tokens <= max_tokens, f"min_tokens ({min_tokens}) exceeds the {max_tokens} tokens left", "min_tokens"
-    )
     stop = request.stop
     return SamplingParams(
         max_tokens=max_tokens,
@@ -283,6 +278,21 @@ def to_sampling_params(
         min_tokens=min_tokens,
         logprobs=request.wants_logprobs,
     )
+
+
+def check_token_budget(num_prompt_tokens: int, max_tokens: Optional[int], min_tokens: Optional[int],
+                       max_model_len: int, *, prompt_param: str = "prompt") -> int:
+    """The tokens a request may generate (absent max_tokens: the rest of the context), or a 400 when
+    the prompt and what it asks for do not fit. A prefill worker runs this on the decode leg's
+    budget too, so it never computes a prompt the decode worker would refuse."""
+    check_context_length(num_prompt_tokens, max_tokens, max_model_len, prompt_param=prompt_param)
+    if max_tokens is None:
+        max_tokens = max_model_len - num_prompt_tokens
+    min_tokens = min_tokens or 0
+    _reject_unless(
+        min_tokens <= max_tokens, f"min_tokens ({min_tokens}) exceeds the {max_tokens} tokens left", "min_tokens"
+    )
+    return max_tokens
 
 
 def check_context_length(

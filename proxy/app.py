@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
@@ -21,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from proxy.backends import Backend, BackendPool, ClientFactory, Role, client_factory
+from proxy.backends import INTERNAL_TOKEN_HEADER, Backend, BackendPool, ClientFactory, Role, client_factory
 from proxy.config import ProxyConfig
 from proxy.discovery import DnsDiscovery, Resolver, resolve_with_getaddrinfo
 from proxy.errors import NoBackendAvailable, error_body, error_response
@@ -103,6 +104,7 @@ async def _lifespan(components: ProxyComponents) -> AsyncIterator[None]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await components.forwarder.aclose()
         await components.prefill_pool.aclose()
         await components.decode_pool.aclose()
 
@@ -110,6 +112,12 @@ async def _lifespan(components: ProxyComponents) -> AsyncIterator[None]:
 def _backend_state(backend: Backend) -> dict:
     return {"url": backend.url, "healthy": backend.healthy, "breaker": backend.breaker.state.name.lower(),
             "in_flight": backend.num_in_flight, "available": backend.is_available()}
+
+
+def _is_internal_caller(request: Request, token: Optional[str]) -> bool:
+    """Only a caller with the internal token sees the backends (never anyone when there is no token)."""
+    given = request.headers.get(INTERNAL_TOKEN_HEADER)
+    return token is not None and given is not None and hmac.compare_digest(given.encode(), token.encode())
 
 
 def _routes(components: ProxyComponents) -> list[Route]:
@@ -125,11 +133,10 @@ def _routes(components: ProxyComponents) -> list[Route]:
         return await _relay_models(components)
 
     async def health(request: Request) -> Response:
-        body = {
-            "status": "ok" if components.is_ready() else "unavailable",
-            "prefill": [_backend_state(b) for b in components.prefill_pool.backends()],
-            "decode": [_backend_state(b) for b in components.decode_pool.backends()],
-        }
+        body: dict = {"status": "ok" if components.is_ready() else "unavailable"}
+        if _is_internal_caller(request, components.config.internal_token):  # backend addresses are internal
+            body["prefill"] = [_backend_state(b) for b in components.prefill_pool.backends()]
+            body["decode"] = [_backend_state(b) for b in components.decode_pool.backends()]
         return JSONResponse(body, status_code=200 if components.is_ready() else 503)
 
     async def live(request: Request) -> Response:

@@ -13,11 +13,14 @@ from typing import Optional
 
 from pydantic import ValidationError
 
+from pdserve.config import LimitsConfig
+from pdserve.config_cli import add_flags, section_flag_specs, section_values
 from proxy.config import DiscoveryConfig, HealthConfig, ProxyConfig, RoutingConfig, TimeoutConfig
 
 logger = logging.getLogger(__name__)
 
 POLICIES = ("round_robin", "least_loaded", "prefix", "kv_aware")
+LIMIT_FLAGS = section_flag_specs("limits", LimitsConfig)
 INTERNAL_TOKEN_ENV = "PDSERVE_INTERNAL_TOKEN"  # the workers read the same variable
 
 
@@ -37,6 +40,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                                " prefer the variable: flags show in process listings)")
     _add_routing_arguments(parser)
     _add_failure_arguments(parser)
+    add_flags(parser, LIMIT_FLAGS)  # the workers' own request bounds, same flags and defaults
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
@@ -109,6 +113,7 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                                decode_s=args.decode_timeout_s),
         discovery=DiscoveryConfig(prefill_dns=args.prefill_dns, decode_dns=args.decode_dns,
                                   interval_s=args.dns_interval_s),
+        limits=LimitsConfig(**section_values(args, LIMIT_FLAGS)),
         max_prefill_attempts=args.max_prefill_attempts, max_decode_attempts=args.max_decode_attempts,
         retry_after_s=args.retry_after_s, max_connections_per_backend=args.max_connections_per_backend,
     )
@@ -123,6 +128,7 @@ def run_proxy(args: argparse.Namespace) -> int:
         return 2
     import uvicorn  # the server stack only when serving
 
+    from pdserve.http_bounds import http_protocol_with_header_deadline
     from proxy.app import create_app
 
     if config.log_level != "debug":
@@ -133,5 +139,6 @@ def run_proxy(args: argparse.Namespace) -> int:
                 list(config.decode_urls) or config.discovery.decode_dns)
     # uvicorn's access log costs more than the forwarding itself; per-request lines are ours.
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
-                access_log=False, timeout_keep_alive=30)
+                access_log=False, timeout_keep_alive=30,
+                http=http_protocol_with_header_deadline(config.limits.header_timeout_s))
     return 0

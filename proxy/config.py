@@ -11,6 +11,10 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# The same bounds, defaults and flags as every worker's: a request the proxy
+# accepts is one the workers accept (pdserve/validation.py).
+from pdserve.config import LimitsConfig, check_token
+
 PolicyName = Literal["round_robin", "least_loaded", "prefix", "kv_aware"]
 
 
@@ -93,11 +97,12 @@ class ProxyConfig(_Frozen):
     port: int = Field(8000, ge=0, le=65535)
     prefill_urls: tuple[str, ...] = ()
     decode_urls: tuple[str, ...] = ()
-    internal_token: Optional[str] = None  # sent to workers as X-Pdserve-Internal-Token
+    internal_token: Optional[str] = None  # sent to workers as X-Pdserve-Internal-Token; unlocks /health details
     routing: RoutingConfig = RoutingConfig()
     health: HealthConfig = HealthConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    limits: LimitsConfig = LimitsConfig()
     max_prefill_attempts: int = Field(3, ge=1)  # prefill legs tried per request (on distinct workers)
     max_decode_attempts: int = Field(2, ge=1)  # decode workers tried when one refuses before starting
     retry_after_s: int = Field(2, ge=1)  # the Retry-After of a 503
@@ -110,6 +115,11 @@ class ProxyConfig(_Frozen):
         if isinstance(value, (list, tuple)):
             return tuple(dict.fromkeys(normalize_url(str(url)) for url in value))
         return value
+
+    @field_validator("internal_token")
+    @classmethod
+    def _token_not_empty(cls, token: Optional[str]) -> Optional[str]:
+        return check_token(token)
 
     @model_validator(mode="after")
     def _check_backends(self) -> "ProxyConfig":

@@ -15,13 +15,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Collection, Optional
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+
+from pdserve.errors import PdserveError
+from pdserve.http_bounds import read_body
 
 from proxy.backends import Backend, BackendPool, Outcome, Role
 from proxy.client_request import REQUEST_ID_HEADER, ClientRequest, choose_request_id, parse_client_request
 from proxy.config import ProxyConfig
-from proxy.errors import NoBackendAvailable, ProxyError, error_response
+from proxy.errors import NoBackendAvailable, ProxyError, RejectedRequest, error_response
+from proxy.kv_release import KVReleaser, PrefillHold
 from proxy.kv_routing import KVRouting
 from proxy.legs import KVRetry, LegFailed, LegSender, OpenLeg, PassThrough, cached_tokens_of
 from proxy.metrics import ProxyMetrics, status_class
@@ -32,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 DISAGGREGATED = "disaggregated"
 DECODE_ONLY = "decode_only"
+# A decode leg that failed these ways reached its worker, which may still be reading the KV.
+_MAY_STILL_READ = ("timeout", "transport")
+# Failures of the connection, not of the worker's answer: the same worker may be tried again.
+_CONNECTION_FAILURES = ("connect", "transport")
 
 
 @dataclass(slots=True)
@@ -54,15 +62,18 @@ class Forwarder:
         self._prefill_policy = build_policy(routing.prefill_policy, routing)
         self._decode_policy = build_policy(routing.decode_policy, routing)
         self._sender = LegSender(metrics, config.timeouts)
+        self._releaser = KVReleaser(metrics, config.health.timeout_s)
         self._metrics = metrics
         self._kv = kv  # set when a role's policy is kv_aware
 
     async def handle(self, raw: Request, path: str) -> Response:
         arrival_s = time.perf_counter()
-        request_id = choose_request_id(raw.headers.get(REQUEST_ID_HEADER))
+        request_id: Optional[str] = None
         timing = RequestTiming(arrival_s, DECODE_ONLY)
         try:
-            request = parse_client_request(path, await raw.body(), request_id, self._config.routing.chars_per_token)
+            request_id = choose_request_id(raw.headers.get(REQUEST_ID_HEADER))
+            request = parse_client_request(path, await self._read_body(raw), request_id,
+                                           self._config.routing.chars_per_token, self._config.limits)
             if self._kv is not None:
                 await self._kv.prepare(request)
             timing.mode = self._mode(request)
@@ -80,6 +91,17 @@ class Forwarder:
             logger.info("request %s: client disconnected before the answer started", request_id)
             return self._counted(timing.mode, Response(status_code=499))
         return self._counted(timing.mode, self._respond(request, leg, timing))
+
+    async def _read_body(self, raw: Request) -> bytes:
+        try:
+            return await read_body(raw, self._config.limits)
+        except PdserveError as error:  # too large (413) or too slow (408): as a worker would answer
+            raise RejectedRequest(error) from None
+        except ClientDisconnect:
+            raise ClientGone() from None
+
+    async def aclose(self) -> None:
+        await self._releaser.aclose()
 
     def _counted(self, mode: str, response: Response) -> Response:
         self._metrics.requests.labels(mode, status_class(response.status_code)).inc()
@@ -123,7 +145,7 @@ class Forwarder:
         prefill, params = await self._prefill(request, (), timing)
         decode_started_s = time.perf_counter()
         try:
-            return await self._decode(request, decode, params)
+            return await self._decode_holding(request, decode, PrefillHold(prefill, params))
         except KVRetry as exc:
             timing.wasted_s += time.perf_counter() - decode_started_s
             logger.warning("request %s: decode answered %s for KV from %s; prefilling again",
@@ -131,11 +153,20 @@ class Forwarder:
             if exc.reason == "kv_pull_failed":
                 prefill.breaker.record_failure()  # its blocks could not be read: suspect the worker
             self._metrics.retries.labels(Role.PREFILL.value, exc.reason).inc()
-        _, params = await self._prefill(request, (prefill.url,), timing)
+        second, params = await self._prefill(request, (prefill.url,), timing)
         try:
-            return await self._decode(request, None, params)
+            return await self._decode_holding(request, None, PrefillHold(second, params))
         except KVRetry as again:
             raise PassThrough(again.answer) from None
+
+    async def _decode_holding(self, request: ClientRequest, first: Optional[Backend], hold: PrefillHold) -> OpenLeg:
+        """The decode leg of a prefill's KV; if it ends without a decode worker reading the KV (refused,
+        answered with an error, never sent, or the client left first), the prefill worker frees it now."""
+        try:
+            return await self._decode(request, first, hold.params, hold)
+        except BaseException:
+            self._releaser.release_unless_read(hold, request.request_id)
+            raise
 
     async def _prefill(self, request: ClientRequest, avoid_urls: Collection[str],
                        timing: RequestTiming) -> tuple[Backend, dict[str, Any]]:
@@ -168,17 +199,17 @@ class Forwarder:
 
     def _pick_prefill(self, request: ClientRequest, tried: set[str], avoid_urls: Collection[str],
                       last: Optional[LegFailed]) -> Optional[Backend]:
-        """An untried worker, preferably not one to avoid; a tried one again only after a quick
-        failure (a dropped keep-alive connection), never after a timeout."""
+        """An untried worker, preferably not one to avoid; a tried one again only after its
+        connection failed (a dropped keep-alive connection), never after it answered or timed out."""
         backend = self._pick(Role.PREFILL, request, tried.union(avoid_urls))
         if backend is None:
             backend = self._pick(Role.PREFILL, request, tried)
-        if backend is None and last is not None and last.reason != "timeout":
+        if backend is None and last is not None and last.reason in _CONNECTION_FAILURES:
             backend = self._pick(Role.PREFILL, request)
         return backend
 
     async def _decode(self, request: ClientRequest, first: Optional[Backend],
-                      params: Optional[dict[str, Any]]) -> OpenLeg:
+                      params: Optional[dict[str, Any]], hold: Optional[PrefillHold] = None) -> OpenLeg:
         """Open the decode leg; a worker that never saw the request is replaced by another one."""
         tried: set[str] = set()
         last: Optional[LegFailed] = None
@@ -191,7 +222,7 @@ class Forwarder:
             if last is not None:
                 self._metrics.retries.labels(Role.DECODE.value, last.reason).inc()
             try:
-                return await self._sender.open_decode(backend, request, params)
+                return await self._open_decode(backend, request, params, hold)
             except LegFailed as exc:
                 logger.warning("request %s: decode leg on %s failed (%s)", request.request_id,
                                backend.url, exc.reason)
@@ -203,6 +234,20 @@ class Forwarder:
         if last is None:
             raise self._unavailable(Role.DECODE)
         raise last.error
+
+    async def _open_decode(self, backend: Backend, request: ClientRequest, params: Optional[dict[str, Any]],
+                           hold: Optional[PrefillHold]) -> OpenLeg:
+        """One decode leg; `hold.decode_may_read` is true from its sending until a definite refusal."""
+        hold = hold or PrefillHold(backend, {})  # decode-only: nothing pinned, the flag is unused
+        hold.decode_may_read = True
+        try:
+            return await self._sender.open_decode(backend, request, params)
+        except (KVRetry, PassThrough):
+            hold.decode_may_read = False  # the decode worker answered: it ended the request
+            raise
+        except LegFailed as exc:
+            hold.decode_may_read = exc.reason in _MAY_STILL_READ
+            raise
 
     def _respond(self, request: ClientRequest, leg: OpenLeg, timing: RequestTiming) -> Response:
         headers = {REQUEST_ID_HEADER: request.request_id}

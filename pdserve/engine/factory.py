@@ -6,6 +6,7 @@ one request, so a lone request can always run to completion.
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from pdserve.metrics import Metrics
 from pdserve.models.base import ModelSpec
 from pdserve.models.loader import LoadedModel, load_model
 from pdserve.pd.handshake import AgentInfo, compatibility_hash
+from pdserve.pd.prefill import PrefillConnector
 from pdserve.pd.wiring import KVSide, PoolDescription, TransportFactory, build_admission, build_kv_side, nixl_transport
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,12 @@ class BuiltEngine:
     @property
     def agent_info(self) -> Optional[AgentInfo]:
         return self.kv_side.agent_info
+
+    def release_pinned(self, request_id: str) -> None:
+        """Prefill workers: free a pinned prefill's blocks now (on the engine thread, at its next turn)."""
+        connector = self.kv_side.connector
+        if isinstance(connector, PrefillConnector):
+            self.engine.engine_loop.call_soon(functools.partial(connector.release_early, request_id))
 
     def close(self) -> None:
         """Stop the engine thread, then release the transport (never the other way round)."""

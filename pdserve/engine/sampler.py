@@ -4,7 +4,11 @@ Invariants: one device-to-host transfer per step (the sampled ids, with their
 logprobs when asked); a request with a seed draws from its own generator, so its
 tokens depend only on its seed, its logits and how many tokens it sampled before,
 never on what else shares the batch, on a preemption, or on which worker drew
-its earlier tokens.
+its earlier tokens. Every parameter the API accepts gives a token of the
+filtered distribution (a temperature that underflows float32 is the limit
+T -> 0, the argmax; a top_p that rounds to 0 keeps the top token; a top_k past
+the vocabulary keeps all); a row whose logits are not finite comes back
+`failed`, failing its request alone.
 
     logits [rows, vocab] ──argmax──────────────────────────────────▶ greedy ids ─┐
         │ random rows only (index_select)                                         ├─ where(greedy) ─▶ ids
@@ -47,14 +51,22 @@ class _SeededState:
     num_draws: int  # rows of noise drawn so far = tokens the request sampled
 
 
+# Temperatures are floored here: dividing by a smaller float32 (or by a float64 that
+# rounds to 0) would turn logits into inf/nan; at this floor the distribution is
+# already the argmax's one-hot (ties shared), which is the limit T -> 0.
+MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
+FAILED_TOKEN_ID = -1  # marks a row whose logits were not finite (see `SampledToken.failed`)
+
+
 def _top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """-inf outside each row's top-k and, within those, its top-p nucleus (always >= 1 token)."""
+    """-inf outside each row's top-k and, within those, its top-p nucleus (always >= 1 token:
+    the top one is kept even when top_p rounds to 0)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)
     drop = ranks >= top_k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p
+    drop |= (mass_before >= top_p) & (ranks > 0)
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
@@ -75,7 +87,8 @@ class Sampler:
             ids, values = token_ids.tolist(), [0.0] * len(chunks)
         else:  # one transfer for both: ids are exact in float64
             ids, values = torch.stack([token_ids.double(), logprobs.double()]).tolist()
-        return [SampledToken(chunk.request_id, int(token_id), value if chunk.sampling.logprobs else 0.0)
+        return [SampledToken(chunk.request_id, int(token_id), value if chunk.sampling.logprobs else 0.0,
+                             failed=token_id == FAILED_TOKEN_ID)
                 for chunk, token_id, value in zip(chunks, ids, values)]
 
     def sample_on_device(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]
@@ -89,6 +102,8 @@ class Sampler:
         if batch.wants_logprobs:  # of the chosen token under the unscaled distribution
             chosen = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
             logprobs = chosen - logits.logsumexp(dim=-1)
+        # A row the model computed nan/inf logits for has no meaningful token: fail it alone.
+        token_ids = token_ids.masked_fill(~logits.isfinite().all(dim=-1), FAILED_TOKEN_ID)
         return token_ids, logprobs
 
     def batch(self, chunks: Sequence[ScheduledChunk], vocab_size: int) -> SamplingBatch:
@@ -103,16 +118,17 @@ class Sampler:
                   if chunk.sampling.seed is not None]
         return SamplingBatch(
             random_rows=self._on_device([row for row, _ in random], torch.int64),
-            temperatures=self._on_device([[p.temperature] for p in params], torch.float32),
-            top_k=self._on_device([[p.top_k if p.top_k > 0 else vocab_size] for p in params], torch.int64)
-            if filtered else None,
+            temperatures=self._on_device([[max(p.temperature, MIN_TEMPERATURE)] for p in params], torch.float32),
+            top_k=self._on_device([[min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size] for p in params],
+                                  torch.int64) if filtered else None,
             top_p=self._on_device([[p.top_p if p.top_p < 1.0 else float("inf")] for p in params], torch.float32)
             if filtered else None,
             seeded=seeded, wants_logprobs=wants_logprobs,
         )
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        scaled = logits / batch.temperatures
+        # Shifted so the top logit is 0: however small the temperature, nothing overflows to +inf.
+        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / batch.temperatures
         if batch.top_k is not None:
             scaled = _top_k_top_p_mask(scaled, batch.top_k, batch.top_p)
         probs = scaled.softmax(dim=-1)

@@ -63,3 +63,4 @@ class SampledToken:
     request_id: str
     token_id: int
     logprob: float
+    failed: bool = False  # no token could be drawn for this row (its logits were not finite)

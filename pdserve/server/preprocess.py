@@ -12,8 +12,9 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from pdserve.errors import EngineNotReady, InvalidRequest, ModelNotFound, PdserveError
-from pdserve.pd.params import parse_kv_transfer_params
-from pdserve.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest, to_sampling_params
+from pdserve.pd.params import RemoteDecodeRequest, parse_kv_transfer_params
+from pdserve.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIRequest, check_token_budget,
+                              to_sampling_params)
 from pdserve.request import GenerationRequest
 
 if TYPE_CHECKING:
@@ -97,9 +98,13 @@ def _build(
     sampling = to_sampling_params(
         body, num_prompt_tokens=len(token_ids), max_model_len=engine.max_model_len, prompt_param=prompt_param
     )
+    kv_params = parse_kv_transfer_params(body.kv_transfer_params)
+    if isinstance(kv_params, RemoteDecodeRequest):  # P: would the decode leg fit? Ask before computing.
+        check_token_budget(len(token_ids), kv_params.decode_max_tokens, kv_params.decode_min_tokens,
+                           engine.max_model_len, prompt_param=prompt_param)
     return GenerationRequest(
         request_id=request_id,
         prompt_token_ids=tuple(token_ids),
         sampling=sampling,
-        kv_params=parse_kv_transfer_params(body.kv_transfer_params),
+        kv_params=kv_params,
     )

@@ -1,5 +1,6 @@
 """The proxy ships without torch and nixl (slim image): it must import and serve where importing them fails,
-and of pdserve it imports only the torch-free modules allow-listed here."""
+and of pdserve it may import only an explicit allow-list of torch-free modules (the validation it shares with
+the workers and what that needs; the KV hashing, prefix rule and event format kv_aware routing needs)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,16 @@ BLOCKER = textwrap.dedent("""
 """)
 
 
-# The torch-free pdserve modules the proxy may share with the workers (one implementation on both sides).
-PROXY_PDSERVE_ALLOW_LIST = {
-    "pdserve", "pdserve.errors", "pdserve.request", "pdserve.protocol",
+# Every pdserve module the proxy may load. Add to it only torch- and nixl-free modules the proxy
+# must share with the workers; each entry is a module the slim image has to carry.
+PROXY_PDSERVE_ALLOW_LIST = frozenset({
+    "pdserve", "pdserve.config", "pdserve.config_cli", "pdserve.errors", "pdserve.request", "pdserve.protocol",
+    "pdserve.validation", "pdserve.http_bounds",
     # KV-aware routing: the hash chain, the prefix rule, the event wire format, the routing info
     "pdserve.kv", "pdserve.kv.hashing", "pdserve.kv.prefix", "pdserve.kv.block_pool", "pdserve.kv.specs",
     "pdserve.kv.events", "pdserve.kv.events_wire", "pdserve.kv.routing_info",
     "pdserve.models", "pdserve.models.chat_template",
-}
+})
 
 
 def run_blocked(blocked: tuple[str, ...], body: str) -> subprocess.CompletedProcess:
@@ -58,7 +61,9 @@ def test_proxy_serves_a_request_where_torch_and_nixl_cannot_be_imported():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.split("\n")
     assert lines[:3] == ["from p0", "4", "[]"]
-    assert set(lines[3].split(",")) <= PROXY_PDSERVE_ALLOW_LIST, set(lines[3].split(",")) - PROXY_PDSERVE_ALLOW_LIST
+    imported = set(lines[3].split(","))
+    assert imported <= PROXY_PDSERVE_ALLOW_LIST, f"not allow-listed: {sorted(imported - PROXY_PDSERVE_ALLOW_LIST)}"
+    assert "pdserve.validation" in imported  # it validates with the workers' own code
 
 
 def test_pdserve_proxy_command_line_parses_without_torch():
