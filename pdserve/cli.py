@@ -36,6 +36,11 @@ def _add_worker_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     model.add_argument("--max-model-len", type=int, default=None)
     model.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    model.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                       help="auto: keep a GGUF's Q4_0/Q4_1/Q8_0 weights packed (dequantize all with --dtype float32);"
+                            " int8/int4: also quantize float weights at load")
+    model.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
+                       help="compile the decode step (default: on where supported, CPU with native kernels)")
     cache = parser.add_argument_group("KV pool")
     cache.add_argument("--block-size", type=int, default=16)
     cache.add_argument("--num-blocks", type=int, default=None, help="pool size in blocks (wins over --kv-memory)")
@@ -73,6 +78,7 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         model=ModelConfig(
             path=args.model, served_name=args.served_model_name, dtype=args.dtype,
             device=args.device, max_model_len=args.max_model_len, num_threads=args.num_threads,
+            quantization=args.quantization, compile=args.compile,
         ),
         cache=CacheConfig(
             block_size=args.block_size, num_blocks=args.num_blocks, kv_memory_bytes=args.kv_memory,

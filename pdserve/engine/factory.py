@@ -15,6 +15,7 @@ import torch
 from pdserve.config import WorkerConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.decode_role import DecodeRole
+from pdserve.engine.decode_step import should_compile
 from pdserve.engine.kv_roles import KVRoleParts, build_kv_role
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.outputs import OutputProcessor
@@ -25,7 +26,7 @@ from pdserve.kv.layout import KVPoolLayout, num_blocks_for_budget, page_bytes_fo
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan, plan_groups
 from pdserve.metrics import Metrics
-from pdserve.models.loader import LoadedModel, load_model
+from pdserve.models.loader import LoadedModel, load_model, resolve_quantization
 from pdserve.transfer.handshake import AgentInfo
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,8 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     dtype = pick_dtype(config.model.dtype, device)
     if config.model.num_threads is not None:
         torch.set_num_threads(config.model.num_threads)
-    loaded = loaded or load_model(config.model.path, dtype, device)
+    quantization = resolve_quantization(config.model.quantization, config.model.dtype)
+    loaded = loaded or load_model(config.model.path, dtype, device, quantization)
     spec = loaded.model.spec
     plan = plan_groups(spec.layer_specs)
     cache = config.cache
@@ -109,7 +111,9 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
         logger.warning("KV pool holds at most %d tokens per request; capping the context from %d", pool_limit, max_model_len)
         max_model_len = pool_limit
     kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching)
-    runner = ModelRunner(loaded.model, plan, layout, device)
+    compile_decode = should_compile(config.model.compile, device, dtype)
+    runner = ModelRunner(loaded.model, plan, layout, device, compile_decode=compile_decode)
+    runner.warm_up(config.scheduler.max_num_running)
     model_name = config.model.served_name or loaded.name
     kv_role = None
     if config.role != "colocated":

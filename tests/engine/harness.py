@@ -38,9 +38,10 @@ def make_engine(
     max_running: int = 64,
     prefix_caching: bool = True,
     loaded: Optional[LoadedModel] = None,
+    compile_decode: bool = False,
 ) -> BuiltEngine:
     config = WorkerConfig(
-        model=ModelConfig(path=model_path, device="cpu", dtype="float32"),
+        model=ModelConfig(path=model_path, device="cpu", dtype="float32", compile=compile_decode),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_running=max_running),
     )
