@@ -151,3 +151,29 @@ def attend_decode_torch(
         own_scores = (grouped_q * k_new.float().unsqueeze(2)).sum(-1, keepdim=True) * scale  # [R, kv, group, 1]
         state.add(every_row, own_scores, v_new.float().unsqueeze(2))
     return state.result().reshape(num_rows, num_heads, head_dim).to(q.dtype)
+
+
+def attend_decode_static(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: DecodeRows, scale: float,
+    k_new: torch.Tensor, v_new: torch.Tensor, slice_blocks: int = DECODE_SLICE_BLOCKS,
+) -> torch.Tensor:
+    """The torch path over tensors only, for graphs with fixed shapes (CUDA graphs): every row
+    walks every column slice of the table, masked, so the slices are known at trace time; the
+    workspace stays one slice. Needs the rows' own new keys, so that no row sees nothing."""
+    num_rows, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    grouped_q = q.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    every_row = torch.arange(num_rows, device=q.device)
+    state = _OnlineSoftmax(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim, q.device)
+    own_scores = (grouped_q * k_new.float().unsqueeze(2)).sum(-1, keepdim=True) * scale
+    state.add(every_row, own_scores, v_new.float().unsqueeze(2))  # first, so every row's max is finite
+    key_start, key_end = rows.key_start.long()[:, None], rows.key_end.long()[:, None]
+    for first_column in range(0, rows.block_table.shape[1], slice_blocks):
+        table = rows.block_table[:, first_column : first_column + slice_blocks].long()
+        keys = k_cache[table].flatten(1, 2).transpose(1, 2).float()
+        values = v_cache[table].flatten(1, 2).transpose(1, 2).float()
+        positions = first_column * block_size + torch.arange(keys.shape[2], device=q.device)
+        visible = (positions >= key_start) & (positions < key_end)
+        scores = (grouped_q @ keys.transpose(-1, -2)) * scale
+        state.add(every_row, scores.masked_fill(~visible[:, None, None, :], float("-inf")), values)
+    return state.result().reshape(num_rows, num_heads, head_dim).to(q.dtype)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.engine.decode_step import DecodeStep, _layer_step_static
 from pdserve.engine.paged_attention import PagedAttention
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.schedule_types import ScheduledChunk
@@ -86,6 +87,30 @@ def test_decode_step_matches_the_eager_paged_path_logits_and_stored_kv(request, 
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(runner.pool, expected_pool, rtol=1e-5, atol=1e-5)
     assert not torch.equal(runner.pool, before)  # the new tokens' K/V did land
+
+
+def test_static_shape_step_for_cuda_graphs_matches_the_eager_paged_path(tiny_gemma):
+    """The padded, fixed-shape path other devices compile (into CUDA graphs on a GPU), traced
+    whole by dynamo on the CPU (its eager backend: no inductor build): padding rows and columns
+    change nothing, and only real rows are stored."""
+    runner = _runner(tiny_gemma)
+    step = DecodeStep(runner.model, runner.plan, runner.pool, runner.layer_caches, BLOCK_SIZE, runner.device,
+                      compile_step=True, native=False)
+    step._compiled_layer = torch.compile(_layer_step_static, backend="eager", fullgraph=True, dynamic=False)
+    prompts = [random_prompt(n, GEMMA_VOCAB, seed) for seed, n in enumerate((6, 29, 44))]  # 3 rows -> bucket of 4
+    tables = _prefilled(runner, prompts)
+    chunks = [_chunk(i, [9 + i], len(prompt), tables[i]) for i, prompt in enumerate(prompts)]
+    inputs = step.inputs(chunks)
+    assert inputs.input_ids.shape == (4,) and all(r.block_table.shape[1] in (2, 4, 8, 16) for r in inputs.rows)
+    before = runner.pool.clone()
+    expected_logits = _eager_decode_logits(runner, chunks)
+    expected_pool = runner.pool.clone()
+    runner.pool.copy_(before)
+    with torch.inference_mode():
+        logits = step.run(chunks)
+    assert logits.shape[0] == 3
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runner.pool, expected_pool, rtol=1e-5, atol=1e-5)
 
 
 def test_compiled_decode_step_generates_what_the_eager_one_does(tiny_qwen):
