@@ -24,9 +24,10 @@ class ModelConfig(_Frozen):
     # CPU threads for torch; None keeps torch's default (all cores). Set it when
     # several workers share one host, or they fight over the same cores.
     num_threads: Optional[int] = Field(None, ge=1)
-    # Weights kept as quantized blocks. auto: a GGUF's Q4_0/Q4_1/Q8_0 tensors stay
-    # packed, unless dtype is "float32" (the exact mode: everything dequantized);
-    # int8 / int4: float weights of linear layers are quantized at load as well.
+    # Weights kept as quantized blocks. auto: on the CPU a GGUF's Q4_0/Q4_1/Q8_0
+    # tensors stay packed, unless dtype is "float32" (the exact mode: everything
+    # dequantized); int8 / int4: float weights of linear layers are quantized at
+    # load as well.
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     # Compile the decode step (torch.compile). None: on where supported (CPU with
     # the native kernels and float32 activations), off elsewhere.

@@ -95,7 +95,7 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     dtype = pick_dtype(config.model.dtype, device)
     if config.model.num_threads is not None:
         torch.set_num_threads(config.model.num_threads)
-    quantization = resolve_quantization(config.model.quantization, config.model.dtype)
+    quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
     loaded = loaded or load_model(config.model.path, dtype, device, quantization)
     spec = loaded.model.spec
     plan = plan_groups(spec.layer_specs)

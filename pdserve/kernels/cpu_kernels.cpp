@@ -43,7 +43,7 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kQ41Bytes = 20;
 constexpr int64_t kQ80Bytes = 34;
-constexpr int64_t kRowTile = 4;  // activation rows that share one unpacked weight block
+constexpr int64_t kRowTile = 8;  // activation rows that share one unpacked weight block
 // Past this many rows (prefill) a float matmul over the dequantized weight beats the block
 // kernels: BLAS reuses each weight from cache across rows far better than a row tile can.
 constexpr int64_t kKernelMaxRows = 32;
@@ -161,23 +161,33 @@ inline BlockWeights load_q8_0(const uint8_t* block) {
                        _mm256_mul_ps(bytes_to_floats_s8(_mm_srli_si128(second, 8)), d)}};
 }
 
+// Independent FMA chains per row: enough in flight to cover the FMA latency (4 cycles, two
+// units) whatever the tile height, without running out of the 16 vector registers.
+constexpr int accumulators_per_row(int rows) { return rows == 1 ? 4 : (rows <= 3 ? 2 : 1); }
+
 // out[r * out_stride] = dot(x row r, weight row) for r < kRows: each block is dequantized into
-// registers once and multiplied with every row; two accumulators per row halve the FMA chains.
+// registers once and multiplied with every row of the tile.
 template <int kRows, BlockWeights (*kLoad)(const uint8_t*)>
 void row_tile(const uint8_t* w, int64_t block_bytes, const float* x, int64_t k, float* out, int64_t out_stride) {
-  __m256 acc[kRows][2];
-  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  constexpr int kAccs = accumulators_per_row(kRows);
+  __m256 acc[kRows][kAccs];
+  for (int r = 0; r < kRows; ++r) {
+    for (int a = 0; a < kAccs; ++a) acc[r][a] = _mm256_setzero_ps();
+  }
   for (int64_t g = 0; g < k / kGroup; ++g) {
     const BlockWeights b = kLoad(w + g * block_bytes);
     for (int r = 0; r < kRows; ++r) {
       const float* xs = x + r * k + g * kGroup;
-      acc[r][0] = _mm256_fmadd_ps(b.w[0], _mm256_loadu_ps(xs), acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(b.w[1], _mm256_loadu_ps(xs + 8), acc[r][1]);
-      acc[r][0] = _mm256_fmadd_ps(b.w[2], _mm256_loadu_ps(xs + 16), acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(b.w[3], _mm256_loadu_ps(xs + 24), acc[r][1]);
+      for (int part = 0; part < 4; ++part) {
+        acc[r][part % kAccs] = _mm256_fmadd_ps(b.w[part], _mm256_loadu_ps(xs + 8 * part), acc[r][part % kAccs]);
+      }
     }
   }
-  for (int r = 0; r < kRows; ++r) out[r * out_stride] = horizontal_sum(_mm256_add_ps(acc[r][0], acc[r][1]));
+  for (int r = 0; r < kRows; ++r) {
+    __m256 total = acc[r][0];
+    for (int a = 1; a < kAccs; ++a) total = _mm256_add_ps(total, acc[r][a]);
+    out[r * out_stride] = horizontal_sum(total);
+  }
 }
 #endif
 
@@ -204,9 +214,11 @@ template <int kBlockBytes>
 RowTileKernels row_tile_kernels() {
 #if PDSERVE_AVX2
   constexpr auto load = kBlockBytes == kQ41Bytes ? load_q4_1 : load_q8_0;
-  return RowTileKernels{{row_tile<1, load>, row_tile<2, load>, row_tile<3, load>, row_tile<4, load>}};
+  return RowTileKernels{{row_tile<1, load>, row_tile<2, load>, row_tile<3, load>, row_tile<4, load>,
+                         row_tile<5, load>, row_tile<6, load>, row_tile<7, load>, row_tile<8, load>}};
 #else
-  return RowTileKernels{{row_tile_portable<1>, row_tile_portable<2>, row_tile_portable<3>, row_tile_portable<4>}};
+  return RowTileKernels{{row_tile_portable<1>, row_tile_portable<2>, row_tile_portable<3>, row_tile_portable<4>,
+                         row_tile_portable<5>, row_tile_portable<6>, row_tile_portable<7>, row_tile_portable<8>}};
 #endif
 }
 
@@ -258,6 +270,7 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
 
 constexpr int64_t kKeyTile = 64;  // keys scored at once; bounds the per-task scratch
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+constexpr int64_t kParallelAttentionWork = 1 << 21;  // multiply-adds below which one thread attends
 
 inline float dot(const float* a, const float* b, int64_t n) {
 #if PDSERVE_AVX2
@@ -411,7 +424,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const float* kn_data = kn.defined() ? kn.data_ptr<float>() : nullptr;
   const float* vn_data = vn.defined() ? vn.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Split (row, KV head) tasks among threads only when there is enough work to pay for waking
+  // them: a parallel region costs microseconds, and far more on a loaded machine.
+  int64_t work = 0;
+  for (int64_t r = 0; r < rows; ++r) work += (end_data[r] - start_data[r] + 1) * heads * head_dim * 2;
+  const int64_t grain = work < kParallelAttentionWork ? rows * kv_heads : 1;
+  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads;
       const int64_t offset = (r * heads + h * group) * head_dim;

@@ -56,11 +56,13 @@ def embedded_model_path() -> str:
     return path
 
 
-def resolve_quantization(choice: str, dtype_choice: str) -> QuantizationChoice:
-    """The configured `quantization` made concrete: auto keeps a GGUF's quantized blocks, except
-    in the exact mode (dtype "float32", the one parity tests use), which dequantizes everything."""
+def resolve_quantization(choice: str, dtype_choice: str, device: torch.device) -> QuantizationChoice:
+    """The configured `quantization` made concrete: auto keeps a GGUF's quantized blocks on the
+    CPU (where the native kernels multiply them), except in the exact mode (dtype "float32", the
+    one parity tests use); on other devices blocks would be dequantized on every call, so auto
+    dequantizes once at load there."""
     if choice == "auto":
-        return "none" if dtype_choice == "float32" else "gguf"
+        return "gguf" if dtype_choice != "float32" and torch.device(device).type == "cpu" else "none"
     if choice not in ("none", "int8", "int4"):
         raise ValueError(f"unknown quantization {choice!r}")
     return choice  # type: ignore[return-value]

@@ -118,3 +118,45 @@ def test_native_ops_reject_bad_shapes_with_an_error_not_a_crash():
         ops.q8_0_linear(torch.randn(2, 48), blocks)
     with pytest.raises(RuntimeError, match="float32"):
         ops.q8_0_linear(torch.randn(2, 64, dtype=torch.float64), blocks)
+
+
+def test_auto_quantization_keeps_gguf_blocks_on_the_cpu_except_in_the_exact_mode():
+    from pdserve.models.loader import resolve_quantization
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_quantization("auto", "auto", cpu) == "gguf"
+    assert resolve_quantization("auto", "float32", cpu) == "none"  # what parity tests use
+    assert resolve_quantization("auto", "auto", cuda) == "none"
+    assert resolve_quantization("int4", "float32", cpu) == "int4"
+    with pytest.raises(ValueError):
+        resolve_quantization("int3", "auto", cpu)
+
+
+def test_cli_quantization_and_compile_flags_reach_the_model_config():
+    from pdserve.cli import build_parser, worker_config
+
+    args = build_parser().parse_args(["serve", "--quantization", "int8", "--no-compile"])
+    model = worker_config(args, "colocated").model
+    assert (model.quantization, model.compile) == ("int8", False)
+    defaults = worker_config(build_parser().parse_args(["serve"]), "colocated").model
+    assert (defaults.quantization, defaults.compile) == ("auto", None)
+
+
+@pytest.mark.parametrize("choice, head_format, min_cosine", [("int8", "q8_0", 0.999), ("int4", "q8_0", 0.97)])
+def test_float_checkpoints_are_quantized_at_load(tmp_path, choice, head_format, min_cosine):
+    from pdserve.models.loader import load_model
+    from tests.models.contiguous_attention import ContiguousAttention, forward_chunk
+    from tests.tiny_models import QWEN_VOCAB, make_tiny_qwen3, random_prompt
+
+    make_tiny_qwen3(str(tmp_path))
+    exact = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    quantized = load_model(str(tmp_path), torch.float32, torch.device("cpu"), quantization=choice)
+    layer = quantized.model.layers[0]
+    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    assert all(isinstance(linear, QuantizedLinear) for linear in linears)
+    assert linears[0].format.label == ("q8_0" if choice == "int8" else "q4_1")
+    assert quantized.model.lm_head.format.label == head_format  # output heads keep 8 bits
+    prompt = random_prompt(24, QWEN_VOCAB, 3)
+    ours = forward_chunk(quantized.model, ContiguousAttention(quantized.model.spec.layer_specs), "s", prompt)
+    reference = forward_chunk(exact.model, ContiguousAttention(exact.model.spec.layer_specs), "s", prompt)
+    assert F.cosine_similarity(ours, reference, dim=-1).min() > min_cosine
