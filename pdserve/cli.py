@@ -40,7 +40,7 @@ def _add_worker_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
                        help="auto: keep a GGUF's Q4_0/Q4_1/Q8_0 weights packed (dequantize all with --dtype float32);"
                             " int8/int4: also quantize float weights at load")
     model.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
-                       help="compile the decode step (default: on where supported, CPU with native kernels)")
+                       help="compile the decode step (default: on CUDA; on the CPU only when asked)")
     cache = parser.add_argument_group("KV pool")
     cache.add_argument("--block-size", type=int, default=16)
     cache.add_argument("--num-blocks", type=int, default=None, help="pool size in blocks (wins over --kv-memory)")

@@ -29,8 +29,9 @@ class ModelConfig(_Frozen):
     # dequantized); int8 / int4: float weights of linear layers are quantized at
     # load as well.
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
-    # Compile the decode step (torch.compile). None: on where supported (CPU with
-    # the native kernels and float32 activations), off elsewhere.
+    # Compile the decode step (torch.compile). None: on for CUDA (graphs); off on
+    # the CPU, where a cold compile costs more start-up than its steps save back
+    # soon (True compiles there too, given the native kernels and float32).
     compile: Optional[bool] = None
 
 

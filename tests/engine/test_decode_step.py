@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.decode_step import DecodeStep, _layer_step_static
+from pdserve.engine.decode_step import DecodeStep, _layer_step_static, should_compile
 from pdserve.engine.paged_attention import PagedAttention
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.schedule_types import ScheduledChunk
@@ -124,3 +124,11 @@ def test_compiled_decode_step_generates_what_the_eager_one_does(tiny_qwen):
     assert [r.token_ids for r in compiled] == [r.token_ids for r in eager]
     single = generate(compiled_engine, prompts[:1], sampling, prefix="alone")  # the one-row graph
     assert single[0].token_ids == eager[0].token_ids
+
+
+def test_compilation_is_on_by_default_on_cuda_and_opt_in_on_the_cpu():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert should_compile(None, cuda, torch.float32) and not should_compile(False, cuda, torch.float32)
+    assert not should_compile(None, cpu, torch.float32)  # a cold compile costs more start-up than it saves
+    require_native_kernels()
+    assert should_compile(True, cpu, torch.float32)

@@ -3,6 +3,8 @@ reference, and our reading of GGUF's formats against the `gguf` package's own de
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -33,6 +35,8 @@ def require_native_kernels() -> None:
     missing = [flag for flag in ("avx2", "fma", "f16c") if flag not in native._cpu_flags()]
     if missing:
         pytest.skip(f"this CPU lacks {missing}")
+    if shutil.which(native._compiler()) is None:
+        pytest.skip(f"no C++ compiler ({native._compiler()}) to build the kernels with")
     assert native.cpu_kernels_error() is None
 
 
@@ -94,6 +98,29 @@ def test_native_linear_matches_the_dequantized_reference(make, rows):
     expected = F.linear(x, dequantize(packed), layer.bias)
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x.reshape(rows, 1, 160)), expected.reshape(rows, 1, 72), rtol=1e-5, atol=1e-5)
+
+
+def _from_gguf(raw: np.ndarray, qtype: str, in_features: int) -> PackedWeight:
+    blocks = torch.from_numpy(raw.copy())
+    if qtype == "Q4_0":
+        return q4_0_as_q4_1(blocks, in_features)
+    return PackedWeight(blocks, BlockFormat[qtype], in_features)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 37, 96), (3, 37, 224), (7, 13, 32), (33, 41, 64)])
+def test_native_linear_on_gguf_blocks_matches_torch_dequantize_and_matmul(qtype, rows, out_features, in_features):
+    """Blocks packed by the `gguf` package, odd output widths (no full row tile), odd batch sizes:
+    the native kernel against the `gguf` package's own dequantizer followed by a torch matmul."""
+    require_native_kernels()
+    weight = _weights(out_features, in_features, seed=out_features + rows)
+    raw = _gguf_packed(weight, gguf.GGMLQuantizationType[qtype])
+    reference_weight = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(out_features, in_features)
+    layer = QuantizedLinear(_from_gguf(raw, qtype, in_features))
+    assert layer.native
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    expected = x @ torch.from_numpy(reference_weight).T
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_torch_fallback_linear_and_embedding_match_the_native_ones():
