@@ -1,7 +1,7 @@
 """Decode-step time of the in-process engine, split into matmuls, attention and the rest
 (Python, dispatch and the small ops), for fp32 and quantized weights, eager and compiled.
 
-    python3 bench/decode_step.py [--rounds 3] [--steps 16] [--out bench/results/decode_step.json]
+    python3 bench/decode_step.py [--rounds 3] [--steps 16] [--variant NAME] [--out bench/results/decode_step.json]
 
 All variants run in one process on the same prompts, rounds interleaved so that background
 load hits them alike; the table shows medians. "other" is wall time minus the time the
@@ -97,12 +97,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--concurrency", type=int, action="append", default=None)
+    parser.add_argument("--variant", action="append", choices=list(VARIANTS), default=None,
+                        help="run only these variants (repeatable; default: all)")
     parser.add_argument("--out", default="bench/results/decode_step.json")
     args = parser.parse_args()
     concurrencies = args.concurrency or [1, 16]
-    engines = {name: make(dtype, compile_step) for name, (dtype, compile_step) in VARIANTS.items()}
+    variants = {name: VARIANTS[name] for name in (args.variant or VARIANTS)}
+    engines = {name: make(dtype, compile_step) for name, (dtype, compile_step) in variants.items()}
     prompt = list(range(1000, 1180))
-    times: dict[str, dict[int, list[float]]] = {name: {c: [] for c in concurrencies} for name in VARIANTS}
+    times: dict[str, dict[int, list[float]]] = {name: {c: [] for c in concurrencies} for name in variants}
     for _ in range(args.rounds):  # interleaved so background load hits every variant alike
         for name, engine in engines.items():
             for c in concurrencies:
@@ -112,7 +115,7 @@ def main() -> int:
     print("| variant | c | ms/step (median) | matmul ms | attention ms | other ms | ops/step |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     summary = {}
-    for name in VARIANTS:
+    for name in variants:
         summary[name] = {}
         for c in concurrencies:
             median = statistics.median(times[name][c])
