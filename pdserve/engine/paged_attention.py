@@ -5,8 +5,9 @@ Invariant: a query at position p sees exactly the keys its layer's spec allows
 (causal, same request, inside the sliding window); stale data in null or
 padding blocks is always masked out.
 
-Token order in the flat batch: single-token chunks first (one batched gather
-and one SDPA call for all of them), then each multi-token chunk.
+Token order in the flat batch: single-token chunks first (one decode attention
+call for all of them, reading the pages in place: see decode_attention.py),
+then each multi-token chunk.
 
 No SDPA call here ever needs `enable_gqa`: on CUDA, flash attention takes no
 mask and the memory-efficient kernel has no GQA, so a masked GQA call falls to
@@ -34,6 +35,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.decode_attention import DecodeRows, attend_decode, build_decode_rows
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.kv.specs import AttentionSpec, FullAttentionSpec, KVGroupPlan
 
@@ -65,7 +67,7 @@ class _ChunkPlan:
 class _GroupStepData:
     write_block_ids: torch.Tensor  # [num_tokens] block id of each new token
     write_offsets: torch.Tensor  # [num_tokens] slot inside that block
-    decode: _GatherPlan | None  # all single-token chunks at once
+    decode: DecodeRows | None  # all single-token chunks at once
     prefill: list[_ChunkPlan]  # one per multi-token chunk
 
 
@@ -128,18 +130,16 @@ class PagedAttention:
         decode_chunks = chunks[: self.num_decode]
         decode = None
         if decode_chunks:
-            decode = _gather_plan(
-                spec,
-                [c.block_ids[group_id] for c in decode_chunks],
-                [range(c.start_position, c.end_position) for c in decode_chunks],
-                block_size,
+            decode = build_decode_rows(
+                spec, [c.block_ids[group_id] for c in decode_chunks], [c.start_position for c in decode_chunks],
+                block_size, device, include_query_key=True,
             )
         prefill = [self._chunk_plan(spec, chunk, group_id, block_size) for chunk in self.prefill_chunks]
         to = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return _GroupStepData(
             to(torch.tensor(write_blocks, dtype=torch.int64)),
             to(torch.tensor(write_offsets, dtype=torch.int64)),
-            None if decode is None else _GatherPlan(to(decode.block_table), to(decode.mask)),
+            decode,
             [_ChunkPlan(to(p.block_table), to(p.mask)) for p in prefill],
         )
 
@@ -171,17 +171,9 @@ class PagedAttention:
         return out
 
     @staticmethod
-    def _attend_decode(q, k_cache, v_cache, gather: _GatherPlan, scale: float) -> torch.Tensor:
-        # One query per row: fold the query heads that share a KV head into the
-        # "query length" axis, so SDPA needs no GQA expansion of the keys.
-        num_rows, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
-        keys = k_cache[gather.block_table].flatten(1, 2).transpose(1, 2)  # [rows, kv_heads, L, dim]
-        values = v_cache[gather.block_table].flatten(1, 2).transpose(1, 2)
-        grouped_q = q.view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        mask = gather.mask.unsqueeze(1)  # [rows, 1, 1, L]
-        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask, scale=scale)
-        return out.reshape(num_rows, num_heads, head_dim)
+    def _attend_decode(q, k_cache, v_cache, rows: DecodeRows, scale: float) -> torch.Tensor:
+        # The new keys were written above, so each row's range already ends at its own key.
+        return attend_decode(q, k_cache, v_cache, rows, scale)
 
     @staticmethod
     def _attend_chunk(q, k, v, k_cache, v_cache, plan: _ChunkPlan, scale: float) -> torch.Tensor:
