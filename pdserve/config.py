@@ -52,8 +52,9 @@ class ModelConfig(_Frozen):
                 "unless --dtype float32 (the exact mode: everything dequantized); int8/int4: float weights of "
                 "linear layers are quantized at load as well")
     compile: Optional[bool] = setting(
-        None, "compile the decode step (torch.compile; CUDA graphs on a GPU). Default: on for CUDA, off on the "
-              "CPU, where a cold compile costs more start-up than its steps save back soon")
+        None, "compile the decode step (torch.compile; CUDA graphs on a GPU). Off unless asked: on the CPU a cold "
+              "compile costs more start-up than its steps save back soon, and the CUDA-graph variant does not "
+              "yet run on a GPU (docs/benchmarks.md, GPU)")
 
 
 class CacheConfig(_Frozen):

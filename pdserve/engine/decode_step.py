@@ -223,11 +223,13 @@ def compile_unsupported_reason(device: torch.device, dtype: torch.dtype) -> Opti
 
 
 def should_compile(choice: Optional[bool], device: torch.device, dtype: torch.dtype) -> bool:
-    """The configured `compile` made concrete for this device and dtype. None compiles on CUDA
-    only: on a 2-core CPU a cold compile took 26 s quiet and 115 s under load, which every
-    fresh worker (and every CI run) would pay before its first request (docs/benchmarks.md)."""
+    """The configured `compile` made concrete for this device and dtype. None compiles nowhere
+    yet. On a 2-core CPU a cold compile took 26 s quiet and 115 s under load, which every fresh
+    worker (and every CI run) would pay before its first request; on an H100 the CUDA-graph
+    variant failed its requests (one graph's outputs overwritten by the next layer's replay,
+    then dynamo's recompile limit: docs/benchmarks.md "GPU"), so it stays opt-in until fixed."""
     reason = compile_unsupported_reason(device, dtype)
     if choice and reason is not None:
         logger.warning("not compiling the decode step: %s", reason)
-    wanted = choice if choice is not None else device.type == "cuda"
+    wanted = bool(choice)
     return wanted and reason is None
