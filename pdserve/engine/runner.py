@@ -1,8 +1,9 @@
 """Runs one scheduled step on the device: the only engine code that touches torch.
 
 Owns the model, the KV pool tensor and the sampler. Steps made only of
-single-token chunks go through `DecodeStep` (a pure, optionally compiled pass);
-any step with a multi-token chunk runs eagerly over `PagedAttention`.
+single-token chunks go through `DecodeStep` (a pure, optionally compiled pass)
+where the native kernel runs or compilation was asked for; every other step
+runs eagerly over `PagedAttention`.
 Invariants: it writes K/V only into the blocks the scheduler's chunks name, and
 returns exactly one sampled token per chunk that asked for one; after
 `synchronize()` no kernel it queued is still running, so any block may be freed,
@@ -78,7 +79,7 @@ class ModelRunner:
             return []
         # Single-token chunks first: they share one decode attention call per layer.
         chunks = sorted(step.chunks, key=lambda chunk: chunk.num_tokens != 1)
-        if chunks[-1].num_tokens == 1:
+        if chunks[-1].num_tokens == 1 and (self.decode_step.native or self.decode_step.compiled):
             return self._execute_decode(chunks)
         input_ids, positions = self._inputs(chunks)
         attention = PagedAttention(self.plan, self.layer_caches, chunks, self.layout.block_size, self.device)
