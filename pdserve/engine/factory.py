@@ -17,6 +17,7 @@ import torch
 
 from pdserve.config import WorkerConfig
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.decode_step import should_compile
 from pdserve.engine.emitter import OutputEmitter
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.outputs import OutputProcessor
@@ -31,7 +32,7 @@ from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import KVGroupPlan, plan_groups
 from pdserve.metrics import Metrics
 from pdserve.models.base import ModelSpec
-from pdserve.models.loader import LoadedModel, load_model
+from pdserve.models.loader import LoadedModel, load_model, resolve_quantization
 from pdserve.pd.handshake import AgentInfo, compatibility_hash
 from pdserve.pd.prefill import PrefillConnector
 from pdserve.pd.wiring import KVSide, PoolDescription, TransportFactory, build_admission, build_kv_side, nixl_transport
@@ -142,8 +143,9 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     dtype = pick_dtype(config.model.dtype, device)
     if config.model.num_threads is not None:
         torch.set_num_threads(config.model.num_threads)
+    quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
     free_before_load = None if loaded is not None else free_device_bytes(device)
-    loaded = loaded or load_model(config.model.path, dtype, device)
+    loaded = loaded or load_model(config.model.path, dtype, device, quantization)
     spec = loaded.model.spec
     plan = plan_groups(spec.layer_specs)
     cache = config.cache
@@ -155,7 +157,9 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     max_model_len = _context_limit(config, spec, plan, num_blocks)
     kv_events = KVEventRecorder()
     kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching, kv_events)
-    runner = ModelRunner(loaded.model, plan, layout, device)
+    compile_decode = should_compile(config.model.compile, device, dtype)
+    runner = ModelRunner(loaded.model, plan, layout, device, compile_decode=compile_decode)
+    runner.warm_up(config.scheduler.max_num_running)
     model_name = config.model.served_name or loaded.name
     pool = _pool_description(model_name, spec, plan, layout, dtype)
     kv_side = build_kv_side(config, metrics, pool, layout.canonical_view(runner.pool), transport_factory)

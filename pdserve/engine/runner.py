@@ -1,18 +1,23 @@
 """Runs one scheduled step on the device: the only engine code that touches torch.
 
-Owns the model, the KV pool tensor and the sampler. Invariants: it writes K/V
-only into the blocks the scheduler's chunks name, and returns exactly one
-sampled token per chunk that asked for one; after `synchronize()` no kernel
-it queued is still running, so any block may be freed, reused or read remotely.
+Owns the model, the KV pool tensor and the sampler. Steps made only of
+single-token chunks go through `DecodeStep` (a pure, optionally compiled pass)
+where the native kernel runs or compilation was asked for; every other step
+runs eagerly over `PagedAttention`.
+Invariants: it writes K/V only into the blocks the scheduler's chunks name, and
+returns exactly one sampled token per chunk that asked for one; after
+`synchronize()` no kernel it queued is still running, so any block may be freed,
+reused or read remotely.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from pdserve.engine.decode_step import DecodeStep
 from pdserve.engine.paged_attention import PagedAttention
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_types import SampledToken, ScheduledChunk, SchedulerOutput
@@ -24,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, plan: KVGroupPlan, layout: KVPoolLayout, device: torch.device, seed: int = 0):
+    def __init__(self, model: CausalLM, plan: KVGroupPlan, layout: KVPoolLayout, device: torch.device, seed: int = 0,
+                 compile_decode: bool = False):
         self.model = model
         self.plan = plan
         self.layout = layout
@@ -32,6 +38,8 @@ class ModelRunner:
         self.pool = layout.allocate(device)
         self.layer_caches = self._layer_caches()
         self.sampler = Sampler(device, seed)
+        self.decode_step = DecodeStep(model, plan, self.pool, self.layer_caches, layout.block_size, device,
+                                      compile_step=compile_decode)
         self.synchronize()  # the pool's zeros land before NIXL registers it or a peer reads it
 
     def bind_thread(self) -> None:
@@ -52,6 +60,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    def warm_up(self, max_rows: int) -> Optional[float]:
+        """Compile what runs per step before serving; seconds spent, None when nothing is compiled."""
+        return self.decode_step.warm_up(max_rows)
+
     def _layer_caches(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         caches = []
         for layer_id in range(self.plan.num_layers):
@@ -65,8 +77,10 @@ class ModelRunner:
         self.sampler.forget(step.finished_request_ids)
         if step.is_empty:
             return []
-        # Single-token chunks first: they share one batched gather per layer.
+        # Single-token chunks first: they share one decode attention call per layer.
         chunks = sorted(step.chunks, key=lambda chunk: chunk.num_tokens != 1)
+        if chunks[-1].num_tokens == 1 and (self.decode_step.native or self.decode_step.compiled):
+            return self._execute_decode(chunks)
         input_ids, positions = self._inputs(chunks)
         attention = PagedAttention(self.plan, self.layer_caches, chunks, self.layout.block_size, self.device)
         hidden = self.model(input_ids, positions, attention)
@@ -74,6 +88,16 @@ class ModelRunner:
         if not sample_chunks:
             return []
         logits = self.model.compute_logits(hidden[sample_rows])
+        return self.sampler.sample(logits, sample_chunks)
+
+    def _execute_decode(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:
+        logits = self.decode_step.run(chunks)
+        sample_chunks = [chunk for chunk in chunks if chunk.sample]
+        if not sample_chunks:
+            return []
+        if len(sample_chunks) != len(chunks):
+            rows = [row for row, chunk in enumerate(chunks) if chunk.sample]
+            logits = logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
         return self.sampler.sample(logits, sample_chunks)
 
     def _inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
