@@ -15,6 +15,10 @@ from pathlib import Path
 import pytest
 
 GRACE_S = 5.0  # processes told to stop just before the session ended get this long to go
+# Helpers Python's multiprocessing starts for this very process (a test that used a spawn
+# context in-process): they live exactly as long as their parent, so they are no leak.
+INTERPRETER_HELPERS = ("from multiprocessing.resource_tracker import main",
+                       "from multiprocessing.forkserver import main")
 
 
 def _children_by_parent() -> dict[int, list[int]]:
@@ -50,12 +54,17 @@ def _command_line(pid: int) -> str:
         return "?"
 
 
+def _leftovers(pid: int) -> list[int]:
+    return [child for child in living_descendants(pid)
+            if not any(helper in _command_line(child) for helper in INTERPRETER_HELPERS)]
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not Path("/proc/self/stat").exists():
         return
     deadline = time.monotonic() + GRACE_S
-    while (left := living_descendants(os.getpid())) and time.monotonic() < deadline:
+    while (left := _leftovers(os.getpid())) and time.monotonic() < deadline:
         time.sleep(0.1)
     if not left:
         return

@@ -54,3 +54,20 @@ def test_a_leaked_process_fails_the_session_and_is_killed(tmp_path):
 def test_a_tidy_session_passes(tmp_path):
     result = run_pytest(tmp_path, TIDY)
     assert result.returncode == 0, result.stdout
+
+
+USES_MULTIPROCESSING = '''
+import multiprocessing
+
+def test_uses_a_spawn_queue_in_process():
+    queue = multiprocessing.get_context("spawn").Queue()  # starts the resource tracker, which outlives the test
+    queue.put(1)
+    assert queue.get(timeout=10) == 1
+'''
+
+
+def test_the_multiprocessing_resource_tracker_is_not_a_leak(tmp_path):
+    """It lives exactly as long as the pytest process that started it."""
+    result = run_pytest(tmp_path, USES_MULTIPROCESSING)
+    assert result.returncode == 0, result.stdout
+    assert "still alive" not in result.stdout
