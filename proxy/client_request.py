@@ -35,6 +35,7 @@ class ClientRequest:
     stream: bool
     prompt_text: str  # what prefix routing and the size estimate look at
     num_prompt_tokens: int  # exact for token-id prompts, estimated for text
+    needs_local_prompt: bool = False  # the decode worker must compute the prompt itself (see below)
 
     def prefix_key(self, num_chars: int) -> bytes:
         return self.prompt_text[:num_chars].encode("utf-8", "surrogatepass")
@@ -59,7 +60,16 @@ def parse_client_request(path: str, raw_body: bytes, request_id: str, chars_per_
         text, num_tokens = _chat_prompt(body.get("messages"), chars_per_token)
     else:
         text, num_tokens = _completion_prompt(body.get("prompt"), chars_per_token)
-    return ClientRequest(path, body, request_id, body.get("stream") is True, text, num_tokens)
+    return ClientRequest(path, body, request_id, body.get("stream") is True, text, num_tokens,
+                         needs_local_prompt=_needs_local_prompt(body))
+
+
+def _needs_local_prompt(body: dict[str, Any]) -> bool:
+    """Requests one prefill leg cannot serve: a batch of prompts (one kv_transfer_params per leg),
+    and echo with logprobs (the prompt's logprobs come from the worker that computes it)."""
+    prompt = body.get("prompt")
+    batched = isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)
+    return batched or (body.get("echo") is True and body.get("logprobs") is not None)
 
 
 def estimate_text_tokens(text: str, chars_per_token: float) -> int:

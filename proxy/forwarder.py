@@ -86,6 +86,8 @@ class Forwarder:
             return DECODE_ONLY  # no prefill tier at all: a load balancer over decode workers
         if request.num_prompt_tokens < self._config.routing.disagg_min_prompt_tokens:
             return DECODE_ONLY
+        if request.needs_local_prompt:
+            return DECODE_ONLY
         return DISAGGREGATED
 
     def _pick(self, role: Role, request: ClientRequest, exclude_urls: Collection[str] = ()) -> Optional[Backend]:

@@ -9,13 +9,15 @@ it queued is still running, so any block may be freed, reused or read remotely.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from pdserve.engine import prompt_logprobs
 from pdserve.engine.paged_attention import PagedAttention
-from pdserve.engine.sampler import Sampler
-from pdserve.engine.schedule_types import SampledToken, ScheduledChunk, SchedulerOutput
+from pdserve.engine.sampler import Sampler, unpack_sampled
+from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
+from pdserve.grammar.matchers import GrammarMatchers, bitmask_to_allowed
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.models.base import CausalLM
@@ -24,8 +26,10 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, plan: KVGroupPlan, layout: KVPoolLayout, device: torch.device, seed: int = 0):
+    def __init__(self, model: CausalLM, plan: KVGroupPlan, layout: KVPoolLayout, device: torch.device, seed: int = 0,
+                 grammar: Optional[GrammarMatchers] = None):
         self.model = model
+        self.grammar = grammar  # None: this runner serves no structured outputs
         self.plan = plan
         self.layout = layout
         self.device = device
@@ -61,20 +65,35 @@ class ModelRunner:
         return caches
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> list[SampledToken]:
+    def execute(self, step: SchedulerOutput) -> StepResult:
         self.sampler.forget(step.finished_request_ids)
+        if self.grammar is not None:
+            self.grammar.forget(step.finished_request_ids)
         if step.is_empty:
-            return []
+            return StepResult()
         # Single-token chunks first: they share one batched gather per layer.
         chunks = sorted(step.chunks, key=lambda chunk: chunk.num_tokens != 1)
+        sample_rows, sample_chunks = self._sample_rows(chunks)
+        # Grammar masks are computed on a helper thread while the model runs.
+        masks = self.grammar.start_masks(sample_chunks) if self.grammar is not None and sample_chunks else None
         input_ids, positions = self._inputs(chunks)
         attention = PagedAttention(self.plan, self.layer_caches, chunks, self.layout.block_size, self.device)
         hidden = self.model(input_ids, positions, attention)
-        sample_rows, sample_chunks = self._sample_rows(chunks)
-        if not sample_chunks:
-            return []
-        logits = self.model.compute_logits(hidden[sample_rows])
-        return self.sampler.sample(logits, sample_chunks)
+        packed: list[torch.Tensor] = []
+        if sample_chunks:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            allowed = bitmask_to_allowed(masks.result(), logits.shape[-1], self.device) if masks else None
+            packed.append(self.sampler.sample_packed(logits, sample_chunks, allowed))
+        prompt_rows = prompt_logprobs.wanted_rows(chunks)
+        if prompt_rows:
+            packed.append(prompt_logprobs.compute_packed(hidden, prompt_rows, self.model.compute_logits))
+        if not packed:
+            return StepResult()
+        sampled_values, prompt_values = _to_host(packed, bool(sample_chunks))
+        sampled = unpack_sampled(sampled_values, sample_chunks)
+        if self.grammar is not None:
+            self.grammar.consume(sample_chunks, sampled)
+        return StepResult(sampled, prompt_logprobs.unpack(prompt_values, prompt_rows) if prompt_rows else [])
 
     def _inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         token_ids: list[int] = []
@@ -95,3 +114,17 @@ class ModelRunner:
                 sampled.append(chunk)
         # Asynchronous copy: `torch.tensor(..., device=cuda)` would wait for the device.
         return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True), sampled
+
+
+def _to_host(packed: list[torch.Tensor], has_sampled: bool) -> tuple[list[list[float]], list[list[float]]]:
+    """The step's one device-to-host transfer: every packed result flattened into one tensor."""
+    shapes = [tuple(tensor.shape) for tensor in packed]
+    flat = torch.cat([tensor.flatten() for tensor in packed]).tolist() if len(packed) > 1 else None
+    parts, offset = [], 0
+    for index, (num_rows, width) in enumerate(shapes):
+        values = flat[offset : offset + num_rows * width] if flat is not None else packed[index].flatten().tolist()
+        offset += num_rows * width
+        parts.append([values[row * width : (row + 1) * width] for row in range(num_rows)])
+    if has_sampled:
+        return parts[0], parts[1] if len(parts) > 1 else []
+    return [], parts[0]

@@ -51,7 +51,9 @@ class PrefillAdmission:
     async def admit(self, request: GenerationRequest) -> GenerationRequest:
         if not isinstance(request.kv_params, RemoteDecodeRequest):
             return dataclasses.replace(request, kv_params=None)
-        sampling = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=0)
+        # Its one token is thrown away: skip what only shapes the answer (the decode worker applies it).
+        sampling = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=0, grammar=None, logprobs=False,
+                                       top_logprobs=0, prompt_logprobs=None)
         return dataclasses.replace(request, kv_params=None, remote_decode=True, sampling=sampling)
 
 

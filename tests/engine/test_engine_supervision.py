@@ -55,7 +55,7 @@ def assert_only_the_bad_request_failed(built, clean: Collected, good: Collected,
 def test_a_sampler_fault_for_one_request_fails_only_that_request(engine, monkeypatch):
     clean = generate(engine, [PROMPT], greedy(8), prefix="clean")[0]
     sampler = engine.runner.sampler
-    original = sampler.sample
+    original = sampler.sample_packed
 
     def faulty(*args, **kwargs):
         chunks = [item for arg in args if isinstance(arg, list) for item in arg if isinstance(item, ScheduledChunk)]
@@ -63,7 +63,7 @@ def test_a_sampler_fault_for_one_request_fails_only_that_request(engine, monkeyp
             raise RuntimeError("injected sampler fault")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(sampler, "sample", faulty)
+    monkeypatch.setattr(sampler, "sample_packed", faulty)
     for request_id in ("good-s", "bad-s"):
         engine.engine.request_ids.reserve(request_id)
     good, bad = run_pair(engine, "good-s", "bad-s")

@@ -80,3 +80,17 @@ def test_request_id_is_kept_when_valid_and_replaced_otherwise():
     for bad in (None, "", "has space", "x" * 300):
         fresh = choose_request_id(bad)
         assert fresh != bad and len(fresh) == 32
+
+
+@pytest.mark.parametrize("body, local", [
+    ({"prompt": ["a", "b"]}, True),
+    ({"prompt": [[1, 2], [3]]}, True),
+    ({"prompt": ["a"]}, False),
+    ({"prompt": [1, 2, 3]}, False),
+    ({"prompt": "a", "echo": True, "logprobs": 0}, True),
+    ({"prompt": "a", "echo": True}, False),
+    ({"prompt": "a", "logprobs": 2, "n": 3}, False),
+])
+def test_batches_and_echoed_logprobs_are_computed_by_the_decode_worker(body, local):
+    request = parse_client_request("/v1/completions", json.dumps(body).encode(), "r", 4.0)
+    assert request.needs_local_prompt is local
