@@ -1,4 +1,5 @@
-"""The proxy's ASGI app: OpenAI routes forwarded in two legs, plus /v1/models, /health and /metrics.
+"""The proxy's ASGI app: OpenAI routes forwarded in two legs, plus /v1/models, /tokenize, /detokenize,
+/health and /metrics.
 
 Everything (pools, clients, metrics, background loops) comes from
 `create_app` and lives as long as the app: no module-level state. The health
@@ -114,7 +115,11 @@ def _routes(components: ProxyComponents) -> list[Route]:
         return await forwarder.handle(request, CHAT_COMPLETIONS_PATH)
 
     async def models(request: Request) -> Response:
-        return await _relay_models(components)
+        return await _relay_to_decode(components, "GET", "/v1/models")
+
+    async def tokenizer_route(request: Request) -> Response:
+        # Every worker serves the same tokenizer: any decode worker answers.
+        return await _relay_to_decode(components, "POST", request.url.path, await request.body())
 
     async def health(request: Request) -> Response:
         body = {
@@ -134,6 +139,8 @@ def _routes(components: ProxyComponents) -> list[Route]:
         Route(COMPLETIONS_PATH, completions, methods=["POST"]),
         Route(CHAT_COMPLETIONS_PATH, chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenizer_route, methods=["POST"]),
+        Route("/detokenize", tokenizer_route, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", health, methods=["GET"]),
         Route("/live", live, methods=["GET"]),
@@ -141,14 +148,16 @@ def _routes(components: ProxyComponents) -> list[Route]:
     ]
 
 
-async def _relay_models(components: ProxyComponents) -> Response:
-    """The model list of a decode worker (every worker serves the same model)."""
+async def _relay_to_decode(components: ProxyComponents, method: str, path: str, body: bytes = b"") -> Response:
+    """A decode worker's answer to a model-wide question (every worker serves the same model and tokenizer)."""
     retry_after_s = components.config.retry_after_s
     for backend in components.decode_pool.available():
         try:
-            response = await backend.client.get("/v1/models", timeout=components.config.health.timeout_s * 5)
+            response = await backend.client.request(method, path, content=body or None,
+                                                    headers={"Content-Type": "application/json"} if body else None,
+                                                    timeout=components.config.health.timeout_s * 5)
         except httpx.HTTPError as exc:
-            logger.warning("GET /v1/models on %s failed: %s", backend.url, type(exc).__name__)
+            logger.warning("%s %s on %s failed: %s", method, path, backend.url, type(exc).__name__)
             continue
         return Response(response.content, response.status_code,
                         media_type=response.headers.get("content-type", "application/json"))

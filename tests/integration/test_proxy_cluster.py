@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from tests.integration.openai_features import CHECKS
 from tests.integration.cluster import REPO_ROOT, free_port, wait_for
 
 pytestmark = pytest.mark.slow
@@ -173,3 +174,8 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__.removeprefix("check_"))
+def test_openai_client_feature(client, up, check):
+    check(client, up.url("proxy"))
