@@ -7,22 +7,9 @@ import pytest
 
 from pdserve.transfer.fake_transport import FakeFabric
 from tests.engine.inprocess import metric_value, start_worker
-from tests.engine.test_pd_in_process import BODY, PROMPTS, prefill_params
-from tests.tiny_models import make_tiny_qwen3
+from tests.engine.test_pd_in_process import BODY, PROMPTS, anyio_backend, prefill_params, qwen_dir  # noqa: F401
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("qwen3"))
-    make_tiny_qwen3(directory)
-    return directory
 
 
 async def test_one_pull_serves_all_choices_and_they_equal_the_colocated_answer(qwen_dir):

@@ -140,3 +140,27 @@ async def test_auto_tool_choice_parses_the_templates_native_format_and_streams_t
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed)
     assert content == "Let me check."
     assert streamed[-1]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+REMOTE_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p0",
+                 "remote_request_id": "r", "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1",
+                 "remote_port": 8100, "remote_epoch": "e1", "num_prompt_tokens": 3, "lease_s": 30.0}
+
+
+async def test_a_prefill_leg_computes_one_choice_without_a_grammar_whatever_n():
+    engine = FakeEngine(reply="ok")
+    body = {"messages": USER, "n": 3, "max_tokens": 1, "tools": [WEATHER], "tool_choice": "required",
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    response = await post(engine, "/v1/chat/completions", body)
+    assert response.status_code == 200 and len(engine.requests) == 1
+    assert engine.requests[0].sampling.grammar is None
+
+
+async def test_a_decode_worker_refuses_echoed_logprobs_of_a_prompt_it_did_not_compute():
+    engine = FakeEngine()
+    body = {"prompt": "x", "echo": True, "logprobs": 1, "kv_transfer_params": REMOTE_PARAMS}
+    response = await post(engine, "/v1/completions", body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
+    batched = await post(engine, "/v1/completions", {"prompt": ["a", "b"], "kv_transfer_params": REMOTE_PARAMS})
+    assert batched.status_code == 400 and batched.json()["error"]["param"] == "prompt"
+    assert engine.requests == []
