@@ -1,4 +1,4 @@
-"""Per-row logit adjustments before the choice of a token: penalties and logit bias, batched.
+"""Per-row logit adjustments before the choice of a token: penalties, logit bias, min_tokens, batched.
 
 Invariant: a row that asks for none of these is left exactly as it was, and no
 Python loop runs over the vocabulary: the host builds one padded index tensor
@@ -10,6 +10,7 @@ batched kernels on the device.
     logits       -= frequency_penalty * counts + presence_penalty * (counts > 0)      (OpenAI)
     logits[seen]  = logits / repetition_penalty  where > 0, * repetition_penalty else  (HF / CTRL)
     logits[r, v] += logit_bias[v]
+    logits[r, v]  = -inf   for v in EOS and stop_token_ids while row r has < min_tokens outputs  (vLLM)
 """
 
 from __future__ import annotations
@@ -22,17 +23,19 @@ from pdserve.engine.schedule_types import ScheduledChunk
 
 
 def needs_adjustment(chunks: Sequence[ScheduledChunk]) -> bool:
-    return any(chunk.sampling.has_penalties or chunk.sampling.logit_bias for chunk in chunks)
+    return any(chunk.sampling.has_penalties or chunk.sampling.logit_bias or chunk.suppressed_stop_ids
+               for chunk in chunks)
 
 
 def adjust_logits(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-    """A copy of `logits` [rows, vocab] with every row's penalties and bias applied (the input is kept
-    intact: logprobs are reported under the model's own distribution)."""
+    """A copy of `logits` [rows, vocab] with every row's penalties, bias and stop suppression applied (the
+    input is kept intact: logprobs are reported under the model's own distribution)."""
     adjusted = logits.clone()
     penalized = [row for row, chunk in enumerate(chunks) if chunk.sampling.has_penalties]
     if penalized:
         _apply_penalties(adjusted, [chunks[row] for row in penalized], _rows(penalized, logits.device))
     _apply_bias(adjusted, chunks)
+    _suppress_stops(adjusted, chunks)
     return adjusted
 
 
@@ -78,10 +81,23 @@ def _apply_penalties(logits: torch.Tensor, chunks: list[ScheduledChunk], rows: t
 def _apply_bias(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> None:
     entries = [(row, token_id, bias) for row, chunk in enumerate(chunks) for token_id, bias in chunk.sampling.logit_bias
                if token_id < logits.shape[-1]]
-    if not entries:
-        return
-    rows, token_ids, biases = zip(*entries)
-    device = logits.device
-    index = (torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
-             torch.tensor(token_ids, dtype=torch.int64).to(device, non_blocking=True))
-    logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype).to(device, non_blocking=True), accumulate=True)
+    if entries:
+        rows, token_ids, biases = zip(*entries)
+        logits.index_put_(_cells(rows, token_ids, logits.device),
+                          torch.tensor(biases, dtype=logits.dtype).to(logits.device, non_blocking=True),
+                          accumulate=True)
+
+
+def _suppress_stops(logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> None:
+    entries = [(row, token_id) for row, chunk in enumerate(chunks) for token_id in chunk.suppressed_stop_ids
+               if token_id < logits.shape[-1]]
+    if entries:
+        rows, token_ids = zip(*entries)
+        logits.index_put_(_cells(rows, token_ids, logits.device),
+                          torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+
+def _cells(rows: Sequence[int], token_ids: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, column index) tensors for `index_put_`, copied to the device asynchronously."""
+    return (torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+            torch.tensor(token_ids, dtype=torch.int64).to(device, non_blocking=True))

@@ -33,6 +33,18 @@ class ScheduledChunk:
     # grammar replays and prompt logprobs need the history, not just this chunk.
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    eos_token_ids: Sequence[int] = ()  # the model's; min_tokens keeps them (and stop_token_ids) from being drawn
+
+    @property
+    def suppressed_stop_ids(self) -> tuple[int, ...]:
+        """Token ids that may not be drawn yet: while fewer than `min_tokens` tokens are out, EOS (unless
+        ignored) and the stop token ids (vLLM). Rows under a grammar are left to the grammar, which
+        allows EOS only where the answer is complete."""
+        sampling = self.sampling
+        if self.num_sampled_so_far >= sampling.min_tokens or sampling.grammar is not None:
+            return ()
+        eos = () if sampling.ignore_eos else tuple(self.eos_token_ids)
+        return tuple(sampling.stop_token_ids) + eos
 
     @property
     def num_prompt_tokens_computed(self) -> int:

@@ -312,6 +312,7 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
         )
 
     # ---- results -------------------------------------------------------------

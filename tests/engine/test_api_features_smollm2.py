@@ -16,6 +16,7 @@ from pdserve.config import CacheConfig, ModelConfig, ServerConfig, WorkerConfig
 from pdserve.engine.factory import build_engine
 from pdserve.metrics import Metrics
 from pdserve.models.loader import embedded_model_path, load_model
+from pdserve.request import FinishReason
 from pdserve.server.app import create_app
 from tests.engine.harness import generate, greedy, make_engine
 from tests.engine.oracle import load_hf_gguf
@@ -124,6 +125,30 @@ async def test_n3_at_temperature_0_gives_three_copies_of_the_n1_answer(app):
     usage, single_usage = triple["usage"], single["usage"]
     assert usage["prompt_tokens"] == single_usage["prompt_tokens"]
     assert usage["completion_tokens"] == 3 * single_usage["completion_tokens"]
+
+
+async def test_seeded_n3_is_reproducible_and_choice_j_is_the_n1_answer_with_seed_plus_j(app):
+    request = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    first, again = await asyncio.gather(post(app, "/v1/completions", {**request, "n": 3}),
+                                        post(app, "/v1/completions", {**request, "n": 3}))
+    texts = [choice["text"] for choice in first["choices"]]
+    assert [choice["text"] for choice in again["choices"]] == texts  # batched together, same draws
+    assert len(set(texts)) > 1  # each choice draws from its own generator
+    for index in range(3):
+        single = await post(app, "/v1/completions", {**request, "seed": 11 + index})
+        assert single["choices"][0]["text"] == texts[index]
+
+
+def test_min_tokens_keeps_the_model_from_stopping_early(loaded):
+    prompt = chat_ids(loaded, "Reply with one word: yes or no?")
+    built = make_engine(loaded=loaded)
+    free, held = generate(built, [prompt], greedy(24), prefix="free")[0], None
+    assert free.final.finish_reason is FinishReason.STOP  # the model ends on EOS by itself...
+    minimum = len(free.token_ids) + 3
+    held = generate(built, [prompt], greedy(24, min_tokens=minimum), prefix="held")[0]
+    assert len(held.token_ids) >= minimum  # ... and is held past it, never drawing EOS before
+    assert not set(held.token_ids[:minimum]) & set(loaded.tokenizer.eos_token_ids)
+    assert held.token_ids[:len(free.token_ids) - 1] == free.token_ids[:-1]  # the same answer up to the EOS
 
 
 async def test_echo_with_logprobs_returns_the_prompt_logprobs_of_transformers(app, loaded, hf_model):

@@ -135,3 +135,82 @@ def _byte_tokenizer_json() -> str:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(["<eos>"])
     return tokenizer.to_str()
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.8, frequency_penalty=0.9, presence_penalty=0.4),
+    dict(temperature=1.2, repetition_penalty=1.6, logit_bias=((9, 2.5), (0, -100.0))),
+    dict(temperature=1.0, top_k=5, frequency_penalty=-0.8, logit_bias=((6, 1.0),)),
+], ids=["openai-penalties", "repetition-and-bias", "top-k-after-penalties"])
+def test_random_rows_sample_from_the_adjusted_distribution(device, params):
+    """Penalties and bias change what is drawn, not only the argmax: frequencies follow the softmax of the
+    reference-adjusted logits (then top-k), within 5 binomial standard deviations."""
+    num_rows, prompt, output = 20_000, [1, 2, 2], [0, 3, 3, 3, 7]
+    row = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.5, 0.2, 0.0, -0.5, -1.0, -3.0])
+    chunks = [chunk(f"r{i}", prompt, output, **params) for i in range(num_rows)]
+    tokens = [s.token_id for s in Sampler(torch.device(device), seed=5).sample(
+        row.expand(num_rows, -1).contiguous().to(device), chunks)]
+    adjusted = reference_adjusted(row, chunks[0].sampling, prompt, output).double() / params["temperature"]
+    if params.get("top_k"):
+        adjusted[adjusted < adjusted.topk(params["top_k"]).values[-1]] = float("-inf")
+    expected = adjusted.softmax(-1)
+    frequencies = torch.bincount(torch.tensor(tokens), minlength=len(row)).double() / num_rows
+    for token, (frequency, probability) in enumerate(zip(frequencies.tolist(), expected.tolist())):
+        bound = 5 * (probability * (1 - probability) / num_rows) ** 0.5 + 1e-9
+        assert abs(frequency - probability) <= bound, f"token {token}: {frequency:.4f} vs {probability:.4f}"
+
+
+def test_a_seeded_penalised_row_draws_the_same_tokens_whatever_shares_its_batch(device):
+    """Sibling choices of `n > 1` run as seeded rows next to each other: each one's draws depend on its seed
+    and history only, not on its neighbours' penalties, bias or seeds."""
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(4)).to(device)
+    own = dict(temperature=1.0, seed=42, frequency_penalty=0.5, logit_bias=((2, 3.0),))
+
+    def draws(neighbours: list[dict]) -> list[int]:
+        sampler = Sampler(torch.device(device), seed=len(neighbours))
+        tokens, output = [], []
+        for step in range(10):
+            chunks = [chunk("own", (1, 2), tuple(output), **own),
+                      *(chunk(f"n{i}", (1,), (3,) * step, **params) for i, params in enumerate(neighbours))]
+            chunks[0].num_sampled_so_far = step
+            token = sampler.sample(logits[:len(chunks)], chunks)[0].token_id
+            tokens.append(token)
+            output.append(token)
+        return tokens
+
+    alone = draws([])
+    crowded = draws([dict(temperature=0.7, seed=43, presence_penalty=1.0), dict(temperature=1.5),
+                     dict(temperature=0, repetition_penalty=2.0), dict(temperature=1.0, seed=42)])
+    assert alone == crowded
+    assert len(set(alone)) > 1  # really drawn, not one fixed token
+
+
+def test_min_tokens_keeps_eos_and_stop_ids_from_being_drawn_until_enough_tokens_are_out(device):
+    eos, stop = 7, 11
+    logits = torch.zeros(5, VOCAB)
+    logits[:, eos], logits[:, stop], logits[:, 20] = 9.0, 8.0, 1.0  # EOS first, the stop id second
+    logits = logits.to(device)
+
+    def row(name: str, num_sampled: int, **params) -> ScheduledChunk:
+        made = chunk(name, output=(20,) * num_sampled, temperature=0, stop_token_ids=(stop,), **params)
+        made.num_sampled_so_far, made.eos_token_ids = num_sampled, (eos,)
+        return made
+
+    chunks = [row("early", 1, min_tokens=3), row("done", 3, min_tokens=3), row("no-minimum", 0),
+              row("ignoring-eos", 0, min_tokens=2, ignore_eos=True), row("random", 2, min_tokens=4)]
+    chunks[4].sampling = SamplingParams(temperature=5.0, seed=1, min_tokens=4, stop_token_ids=(stop,))
+    sampler = Sampler(torch.device(device))
+    assert [s.token_id for s in sampler.sample(logits, chunks)[:4]] == [20, eos, eos, eos]
+    for _ in range(30):  # hot random draws never land on a suppressed id
+        assert sampler.sample(logits, chunks)[4].token_id not in (eos, stop)
+    adjusted = adjust_logits(logits, chunks).cpu()
+    expected = logits.cpu().clone()
+    expected[[0, 0, 3, 4, 4], [eos, stop, stop, eos, stop]] = float("-inf")
+    torch.testing.assert_close(adjusted, expected, rtol=0, atol=0)
+
+
+def test_min_tokens_leaves_a_grammar_row_to_its_grammar(device):
+    grammar = compile_constraint(OutputConstraint("json_object", param="response_format"))
+    made = chunk("g", temperature=0, min_tokens=5, grammar=grammar)
+    made.eos_token_ids = (3,)
+    assert made.suppressed_stop_ids == ()
