@@ -66,9 +66,14 @@ def check_batched_prompts_logprobs_and_echo(client: openai.OpenAI, base_url: str
     choice = echo.choices[0]
     assert choice.text.startswith(prompts[0]) and choice.logprobs.token_logprobs[0] is None
     assert all(lp is not None for lp in choice.logprobs.token_logprobs[1:])
-    texts, _ = _stream_texts(client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, temperature=0,
-                                                       stream=True))
+    texts, chunks = _stream_texts(client.completions.create(model=MODEL, prompt=prompts, max_tokens=3,
+                                                            temperature=0, logprobs=2, stream=True))
     assert texts == {0: batch.choices[0].text, 1: batch.choices[1].text}
+    streamed = {0: [], 1: []}
+    for chunk in chunks:
+        for piece in chunk.choices:
+            streamed[piece.index] += piece.logprobs.token_logprobs if piece.logprobs else []
+    assert streamed == {index: choice.logprobs.token_logprobs for index, choice in enumerate(batch.choices)}
 
 
 def check_chat_top_logprobs(client: openai.OpenAI, base_url: str) -> None:
@@ -91,6 +96,9 @@ def check_penalties_and_logit_bias(client: openai.OpenAI, base_url: str) -> None
     biased = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
                                        logit_bias={str(forced[0]): 100})
     assert biased.choices[0].text == " yes" * 3
+    texts, _ = _stream_texts(client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
+                                                       logit_bias={str(forced[0]): 100}, stream=True))
+    assert texts == {0: " yes" * 3}
     prompt = "1 1 1 1 1 1 1 1"
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     penalized = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
@@ -114,6 +122,9 @@ def check_structured_output(client: openai.OpenAI, base_url: str) -> None:
     choice = client.completions.create(model=MODEL, prompt="Is the sky blue?", max_tokens=4,
                                        extra_body={"guided_choice": ["yes", "no"]})
     assert choice.choices[0].text in ("yes", "no")
+    anything = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=40, temperature=0.7, seed=2,
+                                              response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
 
 
 def check_tools(client: openai.OpenAI, base_url: str) -> None:
@@ -132,6 +143,9 @@ def check_tools(client: openai.OpenAI, base_url: str) -> None:
     jsonschema.validate(json.loads(arguments), TOOL["function"]["parameters"])
     plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, tools=[TOOL], tool_choice="none")
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+    # SmolLM2's template defines no native call format: under "auto" it answers as plain content.
+    auto = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, tools=[TOOL], tool_choice="auto")
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content
 
 
 def check_unsupported_is_a_precise_400(client: openai.OpenAI, base_url: str) -> None:
