@@ -2,6 +2,7 @@
 against an in-process memcpy; plus bytes saved by sliding-window clipping (Gemma 3 1B).
 
     python3 bench/kv_transfer.py [--out bench/results/kv_transfer.json] [--reps 5] [--device cpu|cuda|cuda:N]
+                                 [--shape smollm2|llama3-8b] [--prompt-tokens 2048 8192 ...]
 
 On CUDA both pools (and the memcpy baseline's buffers) are GPU memory on that device,
 so the pull goes over whatever UCX picks between two processes on one GPU (cuda_ipc
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import logging
 import math
@@ -40,14 +42,40 @@ from pdserve.transfer.transport import PeerInfo, TransferState  # noqa: E402
 
 logger = logging.getLogger("bench.kv_transfer")
 
-# SmolLM2-135M: 30 layers, one full-attention group of 30 slots, 3 KV heads x 64, fp32, block 16.
-SMOL = dict(group_size=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.float32)
-NUM_PIECES = SMOL["group_size"] * 2  # per-layer split-K/V layout: one piece per (layer, K|V)
+@dataclasses.dataclass(frozen=True)
+class PoolShape:
+    """One full-attention group's page geometry, and how many blocks each side's pool holds."""
+
+    label: str
+    group_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    num_pool_blocks: int  # > the largest prompt's blocks: room to scatter block ids
+    block_size: int = 16
+
+    @property
+    def num_pieces(self) -> int:
+        """Per-layer split-K/V layout: one piece per (layer, K|V)."""
+        return self.group_size * 2
+
+    def layout(self) -> KVPoolLayout:
+        return KVPoolLayout(num_blocks=self.num_pool_blocks, group_size=self.group_size, block_size=self.block_size,
+                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype)
+
+
+SHAPES = {
+    # SmolLM2-135M: 30 layers, 3 KV heads x 64, fp32 (page 737,280 B).
+    "smollm2": PoolShape("SmolLM2-135M", group_size=30, num_kv_heads=3, head_dim=64, dtype=torch.float32,
+                         num_pool_blocks=600),
+    # Llama-3-8B: 32 layers, 8 KV heads x 128, bf16 (page 2 MiB); 32k tokens = 2,048 blocks = 4 GiB.
+    "llama3-8b": PoolShape("Llama-3-8B", group_size=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                           num_pool_blocks=2100),
+}
 PROMPT_TOKENS = (512, 2048, 4096, 8192)
 MEMORY_MODES = ("4k-pages", "huge-pages")  # how host pools (and memcpy buffers) are backed
 GPU_MODE = "vram"  # the one memory mode on CUDA
 MADV_HUGEPAGE = 14  # <sys/mman.h>
-NUM_POOL_BLOCKS = 600  # > 8192 / 16 = 512 blocks, room to scatter block ids
 TIMEOUT_S = 30.0
 SEED = 1234
 
@@ -78,12 +106,12 @@ def allocate_bytes(num_bytes: int, mode: str, device: str = "cpu") -> torch.Tens
     return buffer
 
 
-def allocate_views(mode: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def allocate_views(shape: PoolShape, mode: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(pages, pieces): two row views of one pool, [blocks, page_bytes] and [blocks*pieces, piece_bytes]."""
-    layout = KVPoolLayout(num_blocks=NUM_POOL_BLOCKS, **SMOL)
+    layout = shape.layout()
     pool = allocate_bytes(layout.pool_bytes, mode, device).view(layout.dtype).view(layout.shape)
     pages = layout.canonical_view(pool)
-    return pages, pages.view(NUM_POOL_BLOCKS * NUM_PIECES, layout.page_bytes // NUM_PIECES)
+    return pages, pages.view(shape.num_pool_blocks * shape.num_pieces, layout.page_bytes // shape.num_pieces)
 
 
 def huge_page_kib() -> int:
@@ -101,9 +129,10 @@ def huge_page_kib() -> int:
 # ---- the prefill child ---------------------------------------------------------------------
 
 
-def serve_pool(mode: str, device: str, out: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+def serve_pool(shape_name: str, mode: str, device: str, out: multiprocessing.Queue,
+               stop: multiprocessing.Event) -> None:
     """Child: a patterned pool, published twice: as pages and as per-layer pieces."""
-    pages, pieces = allocate_views(mode, device)
+    pages, pieces = allocate_views(SHAPES[shape_name], mode, device)
     pages.view(torch.int64).copy_(torch.arange(pages.numel() // 8, dtype=torch.int64).view(pages.shape[0], -1))
     synchronize(device)
     by_page = NixlTransport(pages, f"bench-prefill-pages-{mode}")
@@ -121,10 +150,10 @@ def serve_pool(mode: str, device: str, out: multiprocessing.Queue, stop: multipr
 # ---- measurements --------------------------------------------------------------------------
 
 
-def piece_rows(block_ids: Sequence[int]) -> list[int]:
+def piece_rows(shape: PoolShape, block_ids: Sequence[int]) -> list[int]:
     """Rows of the per-layer layout holding `block_ids`: piece p of block b sits at
-    row p * NUM_POOL_BLOCKS + b, as in a layer-major pool of NUM_PIECES tensors."""
-    return [piece * NUM_POOL_BLOCKS + block_id for block_id in block_ids for piece in range(NUM_PIECES)]
+    row p * num_pool_blocks + b, as in a layer-major pool of num_pieces tensors."""
+    return [piece * shape.num_pool_blocks + block_id for block_id in block_ids for piece in range(shape.num_pieces)]
 
 
 def synchronize(device: str) -> None:
@@ -182,19 +211,20 @@ def check_bytes(view: torch.Tensor, local_rows: list[int], remote_rows: list[int
             raise RuntimeError(f"local row {local_row} does not hold remote row {remote_row}")
 
 
-def measure_pulls(mode: str, device: str, prompt_tokens: Sequence[int], reps: int) -> list[dict]:
+def measure_pulls(shape_name: str, mode: str, device: str, prompt_tokens: Sequence[int], reps: int) -> list[dict]:
     """Every prompt size in one memory mode, against a fresh prefill child."""
     context = multiprocessing.get_context("spawn")
     published, stop = context.Queue(), context.Event()
-    child = context.Process(target=serve_pool, args=(mode, device, published, stop), daemon=True)
+    child = context.Process(target=serve_pool, args=(shape_name, mode, device, published, stop), daemon=True)
     child.start()
     try:
         page_info, piece_info = (PeerInfo.from_dict(json.loads(d)) for d in published.get(timeout=120))
-        pages, pieces = allocate_views(mode, device)
+        shape = SHAPES[shape_name]
+        pages, pieces = allocate_views(shape, mode, device)
         by_page = NixlTransport(pages, f"bench-decode-pages-{mode}")
         by_piece = NixlTransport(pieces, f"bench-decode-pieces-{mode}")
         keys = by_page.connect(page_info), by_piece.connect(piece_info)
-        rows = [measure_prompt(mode, device, num_tokens, (by_page, by_piece), keys, (pages, pieces), reps)
+        rows = [measure_prompt(shape, mode, device, num_tokens, (by_page, by_piece), keys, (pages, pieces), reps)
                 for num_tokens in prompt_tokens]
         by_page.close()
         by_piece.close()
@@ -206,15 +236,15 @@ def measure_pulls(mode: str, device: str, prompt_tokens: Sequence[int], reps: in
             child.kill()
 
 
-def measure_prompt(mode: str, device: str, num_tokens: int, transports: tuple[NixlTransport, NixlTransport],
+def measure_prompt(shape: PoolShape, mode: str, device: str, num_tokens: int, transports: tuple[NixlTransport, NixlTransport],
                    keys: tuple[str, str], views: tuple[torch.Tensor, torch.Tensor], reps: int) -> dict:
     (by_page, by_piece), (page_key, piece_key), (pages, pieces) = transports, keys, views
-    num_blocks = math.ceil(num_tokens / SMOL["block_size"])
+    num_blocks = math.ceil(num_tokens / shape.block_size)
     generator = torch.Generator().manual_seed(SEED + num_tokens)
     # Scattered ids, as after allocator churn; never the null block 0.
-    remote_ids = (torch.randperm(NUM_POOL_BLOCKS - 1, generator=generator)[:num_blocks] + 1).tolist()
-    local_ids = (torch.randperm(NUM_POOL_BLOCKS - 1, generator=generator)[:num_blocks] + 1).tolist()
-    local_rows, remote_rows = piece_rows(local_ids), piece_rows(remote_ids)
+    remote_ids = (torch.randperm(shape.num_pool_blocks - 1, generator=generator)[:num_blocks] + 1).tolist()
+    local_ids = (torch.randperm(shape.num_pool_blocks - 1, generator=generator)[:num_blocks] + 1).tolist()
+    local_rows, remote_rows = piece_rows(shape, local_ids), piece_rows(shape, remote_ids)
     num_bytes = num_blocks * by_page.page_bytes
     page_s, piece_s, memcpy_s = interleaved_medians([
         lambda: time_read(by_page, page_key, local_ids, remote_ids),
@@ -228,16 +258,17 @@ def measure_prompt(mode: str, device: str, num_tokens: int, transports: tuple[Ni
         synchronize(device)
         time_read(transport, key, local, remote)
         check_bytes(view, local, remote)
-    return {"memory": mode, **pull_row(num_tokens, num_blocks, num_bytes, page_s, piece_s, memcpy_s),
+    return {"memory": mode, "shape": shape.label,
+            **pull_row(shape, num_tokens, num_blocks, num_bytes, page_s, piece_s, memcpy_s),
             "huge_page_kib": huge_page_kib()}
 
 
-def pull_row(num_tokens: int, num_blocks: int, num_bytes: int, page_s: float, piece_s: float,
+def pull_row(shape: PoolShape, num_tokens: int, num_blocks: int, num_bytes: int, page_s: float, piece_s: float,
              memcpy_s: float) -> dict:
     page_gbps, piece_gbps, memcpy_gbps = (num_bytes / s / 1e9 for s in (page_s, piece_s, memcpy_s))
     return {
         "prompt_tokens": num_tokens, "num_blocks": num_blocks, "num_bytes": num_bytes,
-        "page_descriptors": num_blocks, "piece_descriptors": num_blocks * NUM_PIECES,
+        "page_descriptors": num_blocks, "piece_descriptors": num_blocks * shape.num_pieces,
         "page_pull_s": page_s, "piece_pull_s": piece_s, "memcpy_s": memcpy_s,
         "page_pull_gbps": page_gbps, "piece_pull_gbps": piece_gbps, "memcpy_gbps": memcpy_gbps,
         "page_vs_memcpy": page_gbps / memcpy_gbps, "piece_vs_memcpy": piece_gbps / memcpy_gbps,
@@ -273,14 +304,14 @@ def clipping_rows() -> list[dict]:
 # ---- report --------------------------------------------------------------------------------
 
 
-def format_tables(pulls: list[dict], clipping: list[dict]) -> str:
-    lines = ["SmolLM2-135M pool (page 737,280 B), scattered block ids, median of reps",
+def format_tables(shape: PoolShape, pulls: list[dict], clipping: list[dict]) -> str:
+    lines = [f"{shape.label} pool (page {shape.layout().page_bytes:,} B), scattered block ids, median of reps",
              f"{'memory':>10} {'tokens':>6} {'blocks':>6} {'MB':>6} | {'page GB/s':>9} {'descs':>5} | "
-             f"{'layer GB/s':>10} {'descs':>5} | {'memcpy GB/s':>11} | {'page/memcpy':>11} {'layer/memcpy':>12}"]
+             f"{'layer GB/s':>10} {'descs':>7} | {'memcpy GB/s':>11} | {'page/memcpy':>11} {'layer/memcpy':>12}"]
     for r in pulls:
         lines.append(f"{r['memory']:>10} {r['prompt_tokens']:>6} {r['num_blocks']:>6} {r['num_bytes'] / 1e6:>6.1f} | "
-                     f"{r['page_pull_gbps']:>9.2f} {r['page_descriptors']:>5} | {r['piece_pull_gbps']:>10.2f} "
-                     f"{r['piece_descriptors']:>5} | {r['memcpy_gbps']:>11.2f} | {r['page_vs_memcpy']:>11.2f} "
+                     f"{r['page_pull_gbps']:>9.2f} {r['page_descriptors']:>6} | {r['piece_pull_gbps']:>10.2f} "
+                     f"{r['piece_descriptors']:>7} | {r['memcpy_gbps']:>11.2f} | {r['page_vs_memcpy']:>11.2f} "
                      f"{r['piece_vs_memcpy']:>12.2f}")
     lines += ["", "Gemma 3 1B sliding-window clipping (bytes D pulls)",
               f"{'tokens':>7} {'groups':>6} | {'blocks clipped':>14} {'MB clipped':>10} | "
@@ -302,6 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="where both pools live: cpu (default), or cuda / cuda:N (GPU memory; --memory is ignored)")
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=list(PROMPT_TOKENS),
                         help=f"prompt sizes to pull (default {' '.join(map(str, PROMPT_TOKENS))})")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2",
+                        help="pool geometry: smollm2 (the embedded model, fp32) or llama3-8b (32 layers, 8x128, bf16)")
     parser.add_argument("--memcpy-threads", type=int, default=1,
                         help="torch threads for the memcpy baseline (UCX copies on one core)")
     args = parser.parse_args(argv)
@@ -312,17 +345,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         modes = (GPU_MODE,)
     else:
         modes = MEMORY_MODES if args.memory == "both" else (args.memory,)
-    if max(args.prompt_tokens) > (NUM_POOL_BLOCKS - 1) * SMOL["block_size"]:
-        parser.error(f"--prompt-tokens must fit the bench pool: at most {(NUM_POOL_BLOCKS - 1) * SMOL['block_size']}")
-    pulls = [row for mode in modes for row in measure_pulls(mode, args.device, args.prompt_tokens, args.reps)]
+    shape = SHAPES[args.shape]
+    if max(args.prompt_tokens) > (shape.num_pool_blocks - 1) * shape.block_size:
+        parser.error(f"--prompt-tokens must fit the bench pool: at most {(shape.num_pool_blocks - 1) * shape.block_size}")
+    pulls = [row for mode in modes
+             for row in measure_pulls(args.shape, mode, args.device, args.prompt_tokens, args.reps)]
     clipping = clipping_rows()
-    print(format_tables(pulls, clipping))
+    print(format_tables(shape, pulls, clipping))
     report = {
         "command": " ".join(["python3", "bench/kv_transfer.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "memcpy_threads": args.memcpy_threads, "load_average": os.getloadavg(),
                     "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device)},
-        "reps": args.reps, "pulls": pulls, "clipping": clipping,
+        "reps": args.reps, "shape": dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}, "pulls": pulls, "clipping": clipping,
         "wall_s": time.perf_counter() - started_s,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -9,9 +9,10 @@ reads flags or environment variables afterwards.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Role = Literal["colocated", "decode", "prefill"]
 DEFAULT_PORTS: dict[str, int] = {"colocated": 8000, "prefill": 8100, "decode": 8200}
@@ -67,16 +68,70 @@ class SchedulerConfig(_Frozen):
     max_num_waiting: int = setting(1024, "queued requests past which new ones get 503", ge=1)
 
 
+class LimitsConfig(_Frozen):
+    """Bounds on what one request may ask, checked before any work (pdserve/validation.py).
+    The proxy applies the same model with the same defaults (proxy/config.py)."""
+
+    max_body_bytes: int = setting(8 << 20, "largest request body; larger ones get 413", parse="bytes", ge=1 << 10)
+    max_json_depth: int = setting(32, "deepest nesting of a request's JSON (400 beyond)", ge=4, le=128)
+    max_prompt_chars: int = setting(
+        1_000_000, "longest text prompt (chat: all message texts together), checked before tokenizing", ge=1)
+    max_messages: int = setting(1024, "most messages in one chat request", ge=1)
+    max_stop_strings: int = setting(16, "most stop strings in one request", ge=0)
+    max_stop_string_chars: int = setting(256, "longest stop string", ge=1)
+    max_stop_token_ids: int = setting(64, "most stop_token_ids in one request", ge=0)
+    max_prompts: int = setting(256, "most prompts in one batched completion request", ge=1)
+    max_choices: int = setting(
+        256, "most answers one request may ask for (n times its prompts): each is an engine request", ge=1)
+    max_logit_bias_entries: int = setting(1024, "most logit_bias entries in one request", ge=0)
+    max_tools: int = setting(128, "most tools in one chat request", ge=0)
+    max_constraint_chars: int = setting(
+        65_536, "largest output constraint (response_format, guided_*, tools as JSON text), before compiling", ge=1)
+    header_timeout_s: float = setting(
+        10.0, "a client must send a request's headers within this long, or its connection is closed", gt=0)
+    body_timeout_s: float = setting(30.0, "a client must send a request's body within this long (408 otherwise)",
+                                    gt=0)
+
+
+def check_token(token: Optional[str]) -> Optional[str]:
+    """An unset token means none; an empty one is a mistake (it would look set and guard nothing)."""
+    if token is not None and not token.strip():
+        raise ValueError("the internal token must not be empty (leave it unset for none)")
+    return token
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for addresses only this machine can reach (`localhost`, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class ServerConfig(_Frozen):
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "port to listen on (default per role: serve 8000, prefill 8100, decode 8200)",
                         ge=0, le=65535)
     internal_token: Optional[str] = setting(
         None, "shared token guarding internal endpoints and kv_transfer_params (prefer the variable: flags show "
-              "in process listings)", env="PDSERVE_INTERNAL_TOKEN")
+              "in process listings); P and D bound to a non-loopback --host refuse to start without it",
+        env="PDSERVE_INTERNAL_TOKEN")
+    insecure_no_token: bool = setting(
+        False, "let a prefill or decode worker listen on a non-loopback address without an internal token (anyone "
+               "who reaches its port can then make it pin, read or release KV memory)",
+        flag="--insecure-no-token")
+    max_concurrent_streams: int = setting(
+        256, "streamed answers open at once; past this a new streamed request gets 503", ge=1)
     log_level: Literal["debug", "info", "warning", "error"] = setting("info", "log verbosity")
     drain_timeout_s: float = setting(
         60.0, "on SIGTERM, wait this long for in-flight work (and pinned KV) before exiting", ge=0)
+
+    @field_validator("internal_token")
+    @classmethod
+    def _token_not_empty(cls, token: Optional[str]) -> Optional[str]:
+        return check_token(token)
 
 
 class TransferConfig(_Frozen):
@@ -96,6 +151,34 @@ class TransferConfig(_Frozen):
     failure_policy: Literal["recompute", "fail"] = setting(
         "recompute", "D: on a failed pull, prefill locally (recompute) or answer 503 kv_pull_failed (fail)",
         flag="--kv-failure-policy")
+    max_pinned_share: float = setting(
+        0.5, "P: refuse new remote-decode prefills (503 + Retry-After) while blocks pinned for decode workers "
+             "exceed this share of the pool", flag="--kv-max-pinned-share", gt=0, le=1)
+    allowed_peers: Optional[str] = setting(
+        None, "D: comma-separated prefill hosts and CIDRs this worker may fetch KV from (default: any); a host "
+              "name matches only itself, an IP literal must lie in a listed address or CIDR",
+        flag="--kv-allowed-peers")
+
+    @field_validator("allowed_peers")
+    @classmethod
+    def _check_allowed_peers(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            parse_peer_allow_list(value)
+        return value
+
+
+def parse_peer_allow_list(text: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """'p0.svc, 10.0.0.0/24, 10.1.2.3' -> (host names, ip networks); raises ValueError on an empty entry."""
+    names: list[str] = []
+    networks: list[Any] = []
+    for entry in (part.strip() for part in text.split(",")):
+        if not entry:
+            raise ValueError(f"--kv-allowed-peers has an empty entry: {text!r}")
+        try:
+            networks.append(ipaddress.ip_network(entry.strip("[]"), strict=False))
+        except ValueError:
+            names.append(entry.lower())
+    return tuple(names), tuple(networks)
 
 
 class WorkerConfig(_Frozen):
@@ -106,6 +189,19 @@ class WorkerConfig(_Frozen):
     scheduler: SchedulerConfig = SchedulerConfig()
     server: ServerConfig = ServerConfig()
     transfer: TransferConfig = TransferConfig()
+    limits: LimitsConfig = LimitsConfig()
+
+    @model_validator(mode="after")
+    def _internal_endpoints_need_a_token_off_loopback(self) -> "WorkerConfig":
+        # P and D expose endpoints that pin, read and release KV memory; on an
+        # address others can reach, that needs the shared token.
+        server = self.server
+        if self.role != "colocated" and server.internal_token is None and not server.insecure_no_token \
+                and not is_loopback_host(server.host):
+            raise ValueError(f"a {self.role} worker listening on {server.host} needs an internal token "
+                             "($PDSERVE_INTERNAL_TOKEN or --internal-token); pass --insecure-no-token to run "
+                             "without one anyway")
+        return self
 
     @model_validator(mode="after")
     def _decode_timeouts_fit_in_the_lease(self) -> "WorkerConfig":

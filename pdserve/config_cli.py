@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable, Optional
 from pydantic import BaseModel, ValidationError
 
 from pdserve.config import (
-    DEFAULT_PORTS, DEVICE_PATTERN, CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, TransferConfig,
-    WorkerConfig)
+    DEFAULT_PORTS, DEVICE_PATTERN, CacheConfig, LimitsConfig, ModelConfig, SchedulerConfig, ServerConfig,
+    TransferConfig, WorkerConfig)
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
@@ -30,6 +30,7 @@ SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("scheduler", SchedulerConfig, "scheduler"),
     ("server", ServerConfig, "server"),
     ("transfer", TransferConfig, "P/D KV transfer"),
+    ("limits", LimitsConfig, "request bounds"),
 )
 FORWARDED_ARGS = "forwarded_worker_args"  # where `up` collects the worker flags it was given
 
@@ -93,14 +94,21 @@ def flag_specs(role: str) -> list[FlagSpec]:
     for section, model, _ in SECTIONS:
         if section == "transfer" and role == "colocated":
             continue
-        for name, field in model.model_fields.items():
-            extra = field.json_schema_extra or {}
-            converter, choices = _value_type(field.annotation)
-            if extra.get("parse") is not None:
-                converter = PARSERS[extra["parse"]]
-            default = DEFAULT_PORTS[role] if (section, name) == ("server", "port") else field.default
-            specs.append(FlagSpec(section, name, extra.get("flag") or "--" + name.replace("_", "-"), default,
-                                  field.description or "", converter, choices, extra.get("env")))
+        specs += section_flag_specs(section, model, role)
+    return specs
+
+
+def section_flag_specs(section: str, model: type[BaseModel], role: str = "colocated") -> list[FlagSpec]:
+    """The flags of one config model (also used by the proxy for the shared `LimitsConfig`)."""
+    specs = []
+    for name, field in model.model_fields.items():
+        extra = field.json_schema_extra or {}
+        converter, choices = _value_type(field.annotation)
+        if extra.get("parse") is not None:
+            converter = PARSERS[extra["parse"]]
+        default = DEFAULT_PORTS[role] if (section, name) == ("server", "port") else field.default
+        specs.append(FlagSpec(section, name, extra.get("flag") or "--" + name.replace("_", "-"), default,
+                              field.description or "", converter, choices, extra.get("env")))
     return specs
 
 
@@ -127,12 +135,13 @@ class _Forward(argparse.Action):
 def add_worker_flags(parser: argparse.ArgumentParser, role: str, *, forward: bool = False,
                      exclude: Iterable[str] = ()) -> None:
     """Add the flags of a `role` worker. With `forward`, they are collected verbatim for child workers."""
-    excluded = set(exclude)
+    add_flags(parser, [spec for spec in flag_specs(role) if spec.flag not in set(exclude)], forward=forward)
+
+
+def add_flags(parser: argparse.ArgumentParser, specs: Iterable[FlagSpec], *, forward: bool = False) -> None:
     groups: dict[str, Any] = {}
     titles = {section: title for section, _, title in SECTIONS}
-    for spec in flag_specs(role):
-        if spec.flag in excluded:
-            continue
+    for spec in specs:
         group = groups.get(spec.section) or groups.setdefault(spec.section, parser.add_argument_group(titles[spec.section]))
         shown = f"{spec.default >> 20}MiB" if spec.converter is parse_bytes else spec.default
         help_text = f"{spec.help} (default: {shown})" if spec.default not in (None, "") else spec.help
@@ -151,6 +160,17 @@ def add_worker_flags(parser: argparse.ArgumentParser, role: str, *, forward: boo
                                default=spec.default, help=help_text)
 
 
+def section_values(args: argparse.Namespace, specs: Iterable[FlagSpec]) -> dict[str, Any]:
+    """{field: value} of one section's parsed flags (environment fallbacks applied)."""
+    values = {}
+    for spec in specs:
+        value = getattr(args, spec.dest, spec.default)
+        if value is None and spec.env:
+            value = os.environ.get(spec.env) or None
+        values[spec.name] = value
+    return values
+
+
 class ConfigError(ValueError):
     """The flags given do not make a valid configuration (the message says why)."""
 
@@ -159,10 +179,7 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
     """The WorkerConfig the parsed flags describe (environment fallbacks applied)."""
     sections: dict[str, dict[str, Any]] = {}
     for spec in flag_specs(role):
-        value = getattr(args, spec.dest, spec.default)
-        if value is None and spec.env:
-            value = os.environ.get(spec.env) or None
-        sections.setdefault(spec.section, {})[spec.name] = value
+        sections.setdefault(spec.section, {}).update(section_values(args, [spec]))
     try:
         return WorkerConfig(role=role, **sections)
     except ValidationError as error:

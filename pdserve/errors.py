@@ -10,6 +10,7 @@ from __future__ import annotations
 class PdserveError(Exception):
     status_code = 500
     error_type = "internal_error"
+    retry_after_s: int | None = None  # sent as Retry-After (every 503 has one)
 
     def __init__(self, message: str, *, param: str | None = None):
         super().__init__(message)
@@ -26,6 +27,18 @@ class ContextLengthExceeded(InvalidRequest):
     """Prompt (plus requested tokens) does not fit the model's context."""
 
 
+class RequestTooLarge(PdserveError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class RequestTimeout(PdserveError):
+    """The client did not send its whole body in time."""
+
+    status_code = 408
+    error_type = "invalid_request_error"
+
+
 class ModelNotFound(PdserveError):
     status_code = 404
     error_type = "not_found_error"
@@ -39,13 +52,25 @@ class Unauthorized(PdserveError):
 class EngineNotReady(PdserveError):
     status_code = 503
     error_type = "service_unavailable"
+    retry_after_s = 1
 
 
 class EngineOverloaded(PdserveError):
     status_code = 503
     error_type = "service_unavailable"
+    retry_after_s = 1
 
 
 class EngineFailure(PdserveError):
+    """The worker itself failed (its engine loop stopped): another worker may succeed."""
+
     status_code = 500
     error_type = "internal_error"
+
+
+class RequestFailed(EngineFailure):
+    """The engine failed this request alone and keeps serving others: whatever caused it
+    travels with the request, so a proxy passes it through instead of retrying or
+    blaming the worker."""
+
+    error_type = "request_failed"

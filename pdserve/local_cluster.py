@@ -27,7 +27,7 @@ import httpx
 
 from pdserve.config import DEFAULT_PORTS, CacheConfig
 from pdserve.config_cli import FORWARDED_ARGS, add_worker_flags, parse_device
-from proxy.cli import INTERNAL_TOKEN_ENV
+from proxy.cli import INTERNAL_TOKEN_ENV, LIMIT_FLAGS
 
 _PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 20.0  # workers drain in-flight requests on SIGTERM; past this they are killed
@@ -74,7 +74,7 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pin", action="store_true", help="do not pin the workers to separate cores")
     parser.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                         help=f"shared worker token (default: ${INTERNAL_TOKEN_ENV}, else a random one)")
-    parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix"])
+    parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix", "kv_aware"])
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--prefill-device", type=parse_device, default=None,
                         help="the prefill worker's device, e.g. cuda:0 (default: --device)")
@@ -107,7 +107,8 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int]) -> list[ChildSpe
     env = {INTERNAL_TOKEN_ENV: args.internal_token or secrets.token_hex(16)}
     base = [sys.executable, "-m", "pdserve.cli"]
     common = ["--host", args.host, "--log-level", args.log_level]
-    worker_args = role_worker_args(args, list(getattr(args, FORWARDED_ARGS, None) or []))
+    forwarded = list(getattr(args, FORWARDED_ARGS, None) or [])
+    worker_args = role_worker_args(args, forwarded)
     prefill_port = _resolve_port(args.host, args.prefill_port)
     decode_port = _resolve_port(args.host, args.decode_port)
     proxy_port = _resolve_port(args.host, args.port)
@@ -117,12 +118,19 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int]) -> list[ChildSpe
         argv = [*base, role, "--port", str(port), "--num-threads", str(args.num_threads or threads), *common,
                 *worker_args[role]]
         specs.append(ChildSpec(role, argv, port, cores_of, env))
-    proxy = [*base, "proxy", "--port", str(proxy_port), *common,
+    proxy = [*base, "proxy", "--port", str(proxy_port), *common, *_limit_args(forwarded),
              "--prefill", f"http://{args.host}:{prefill_port}", "--decode", f"http://{args.host}:{decode_port}"]
     if args.policy is not None:
         proxy += ["--policy", args.policy]
     specs.append(ChildSpec("proxy", proxy, proxy_port, None, env))
     return specs
+
+
+def _limit_args(forwarded: list[str]) -> list[str]:
+    """The request bounds among the forwarded worker flags: the proxy applies the same ones."""
+    limit_flags = {spec.flag for spec in LIMIT_FLAGS}  # all take a value
+    pairs = zip(forwarded, forwarded[1:])
+    return [item for flag, value in pairs if flag in limit_flags for item in (flag, value)]
 
 
 def _last_value(argv: Sequence[str], flag: str) -> Optional[str]:

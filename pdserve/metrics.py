@@ -229,6 +229,15 @@ class TransferMetrics:
         self.pinned_blocks = Gauge(
             "pdserve_transfer_pinned_blocks", "Blocks a prefill worker holds for remote readers.", registry=registry
         )
+        self.pinned_blocks_limit = Gauge(
+            "pdserve_transfer_pinned_limit_blocks",
+            "Most blocks a prefill worker may hold for remote readers (--kv-max-pinned-share of its pool).",
+            registry=registry,
+        )
+        self.pinned_refusals = Counter(
+            "pdserve_transfer_pinned_refusals_total",
+            "Remote-decode prefills refused (503) because pinned blocks reached their limit.", registry=registry,
+        )
         self.waiting_for_kv = Gauge(
             "pdserve_transfer_waiting_for_kv_requests", "Decode requests whose KV pull is in flight.",
             registry=registry,

@@ -27,9 +27,7 @@ from pdserve.structured_protocol import (
     tool_constraint,
 )
 
-MAX_CHOICES = 128  # OpenAI's bound on n
-MAX_BATCHED_PROMPTS = 256
-MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_CHOICES = 128  # OpenAI's bound on n; n times the prompts is bounded by `LimitsConfig.max_choices`
 
 # Validators raise `InvalidRequest` (not ValueError) for semantic rejections:
 # pydantic lets non-ValueError exceptions propagate unchanged, so they reach the
@@ -101,8 +99,6 @@ class OpenAIRequest(_WireModel):
     def _check_logit_bias(cls, value: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
         if not value:
             return value
-        _reject_unless(len(value) <= MAX_LOGIT_BIAS_ENTRIES,
-                       f"logit_bias has more than {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias")
         for key, bias in value.items():
             _reject_unless(key.isdigit(), f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
             _reject_unless(-100.0 <= bias <= 100.0, f"logit_bias values must be in [-100, 100], got {bias}",
@@ -172,10 +168,7 @@ class CompletionRequest(OpenAIRequest):
             prompt = handler(value)
         except ValidationError:
             raise ValueError("must be a string, a list of strings, a list of token ids or a list of such lists") from None
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            _reject_unless(len(prompt) <= MAX_BATCHED_PROMPTS,
-                           f"at most {MAX_BATCHED_PROMPTS} prompts per request", "prompt")
-        return prompt
+        return prompt  # how many prompts and how long: `LimitsConfig` (pdserve/validation.py)
 
     @field_validator("suffix")
     @classmethod
@@ -333,14 +326,9 @@ def to_sampling_params(
     requested tokens, does not fit `max_model_len`. Absent max tokens means
     "the rest of the context".
     """
-    max_tokens = request.requested_max_tokens
-    check_context_length(num_prompt_tokens, max_tokens, max_model_len, prompt_param=prompt_param)
-    if max_tokens is None:
-        max_tokens = max_model_len - num_prompt_tokens
+    max_tokens = check_token_budget(num_prompt_tokens, request.requested_max_tokens, request.min_tokens,
+                                    max_model_len, prompt_param=prompt_param)
     min_tokens = request.min_tokens or 0
-    _reject_unless(
-        min_tokens <= max_tokens, f"min_tokens ({min_tokens}) exceeds the {max_tokens} tokens left", "min_tokens"
-    )
     stop = request.stop
     return SamplingParams(
         max_tokens=max_tokens,
@@ -361,6 +349,21 @@ def to_sampling_params(
         logit_bias=request.logit_bias_pairs(),
         grammar=grammar,
     )
+
+
+def check_token_budget(num_prompt_tokens: int, max_tokens: Optional[int], min_tokens: Optional[int],
+                       max_model_len: int, *, prompt_param: str = "prompt") -> int:
+    """The tokens a request may generate (absent max_tokens: the rest of the context), or a 400 when
+    the prompt and what it asks for do not fit. A prefill worker runs this on the decode leg's
+    budget too, so it never computes a prompt the decode worker would refuse."""
+    check_context_length(num_prompt_tokens, max_tokens, max_model_len, prompt_param=prompt_param)
+    if max_tokens is None:
+        max_tokens = max_model_len - num_prompt_tokens
+    min_tokens = min_tokens or 0
+    _reject_unless(
+        min_tokens <= max_tokens, f"min_tokens ({min_tokens}) exceeds the {max_tokens} tokens left", "min_tokens"
+    )
+    return max_tokens
 
 
 def check_context_length(

@@ -17,8 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.errors import InvalidRequest
 
-MAX_TOOLS = 128
-
 
 class _WireModel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
@@ -144,8 +142,6 @@ def tool_constraint(tools: Optional[list[Tool]], tool_choice: Optional[ToolChoic
         raise _reject("tool_choice needs tools", "tool_choice")
     if not tools or tool_choice in (None, "none", "auto"):
         return None
-    if len(tools) > MAX_TOOLS:
-        raise _reject(f"at most {MAX_TOOLS} tools are supported", "tools")
     if tool_choice == "required":
         return OutputConstraint("tool_calls", tools=tuple(tools), allow_many=parallel_tool_calls is not False)
     if not isinstance(tool_choice, NamedToolChoice):

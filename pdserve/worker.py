@@ -18,9 +18,11 @@ from pdserve.drain import DrainingServer
 from pdserve.engine.async_engine import LoadingEngine
 from pdserve.engine.factory import BuiltEngine, build_engine
 from pdserve.engine.request_ids import RequestIdRegistry
+from pdserve.http_bounds import http_protocol_with_header_deadline
 from pdserve.metrics import Metrics
 from pdserve.pd.wiring import TransportFactory, nixl_transport
 from pdserve.server.app import create_app
+from pdserve.server.kv_events_routes import create_kv_events_router
 from pdserve.server.kv_routes import create_kv_router
 
 logger = logging.getLogger(__name__)
@@ -53,14 +55,19 @@ def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nix
     metrics = Metrics()
     handle = LoadingEngine(config.model.served_name or "default", RequestIdRegistry())
     loaded = _Loaded()
-    routers = []
+    routers = [create_kv_events_router(handle, lambda: loaded.built, metrics, config.server.internal_token)]
     if config.role != "colocated":
+        def release(request_id: str) -> None:  # the route answers 503 until the engine is built
+            if loaded.built is not None:
+                loaded.built.release_pinned(request_id)
+
         routers.append(create_kv_router(lambda: loaded.built.agent_info if loaded.built else None,
-                                        config.server.internal_token))
-    app = create_app(handle, metrics, config.server, extra_routers=routers)
+                                        config.server.internal_token, release if config.role == "prefill" else None))
+    app = create_app(handle, metrics, config.server, extra_routers=routers, limits=config.limits)
     _load_in_background(config, metrics, handle, loaded, transport_factory)
     uvicorn_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
-                                    log_level=config.server.log_level)
+                                    log_level=config.server.log_level,
+                                    http=http_protocol_with_header_deadline(config.limits.header_timeout_s))
     server = DrainingServer(uvicorn_config, lambda: handle.inner, config.server.drain_timeout_s,
                             is_alive=handle.is_alive)
     try:

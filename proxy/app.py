@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
@@ -18,16 +19,20 @@ from typing import AsyncIterator, Optional
 import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from proxy.backends import Backend, BackendPool, ClientFactory, Role, client_factory
+from pdserve.errors import PdserveError
+from pdserve.http_bounds import read_body
+from proxy.backends import INTERNAL_TOKEN_HEADER, Backend, BackendPool, ClientFactory, Role, client_factory
 from proxy.config import ProxyConfig
 from proxy.discovery import DnsDiscovery, Resolver, resolve_with_getaddrinfo
-from proxy.errors import NoBackendAvailable, error_body, error_response
+from proxy.errors import NoBackendAvailable, RejectedRequest, error_body, error_response
 from proxy.forwarder import Forwarder
 from proxy.health import HealthMonitor
+from proxy.kv_routes import explain_route
+from proxy.kv_routing import KV_AWARE, KVRouting
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics, create_proxy_metrics
 
 logger = logging.getLogger(__name__)
@@ -47,6 +52,7 @@ class ProxyComponents:
     forwarder: Forwarder
     monitor: HealthMonitor
     discoveries: list[DnsDiscovery] = field(default_factory=list)
+    kv: Optional[KVRouting] = None  # when a role's policy is kv_aware
 
     def all_backends(self) -> list[Backend]:
         return [*self.prefill_pool.backends(), *self.decode_pool.backends()]
@@ -68,10 +74,13 @@ def build_components(config: ProxyConfig, resolver: Optional[Resolver] = None,
     for url in config.decode_urls:
         decode_pool.add(url)
     metrics = create_proxy_metrics(lambda: [*prefill_pool.backends(), *decode_pool.backends()])
+    kv = None
+    if KV_AWARE in (config.routing.prefill_policy, config.routing.decode_policy):
+        kv = KVRouting(config.routing, {Role.PREFILL: prefill_pool, Role.DECODE: decode_pool}, metrics.registry)
     components = ProxyComponents(
         config=config, prefill_pool=prefill_pool, decode_pool=decode_pool, metrics=metrics,
-        forwarder=Forwarder(config, prefill_pool, decode_pool, metrics),
-        monitor=HealthMonitor((prefill_pool, decode_pool), config.health),
+        forwarder=Forwarder(config, prefill_pool, decode_pool, metrics, kv),
+        monitor=HealthMonitor((prefill_pool, decode_pool), config.health), kv=kv,
     )
     discovery = config.discovery
     for pool, target in ((prefill_pool, discovery.prefill_dns), (decode_pool, discovery.decode_dns)):
@@ -86,6 +95,8 @@ async def _lifespan(components: ProxyComponents) -> AsyncIterator[None]:
     for discovery in components.discoveries:
         await discovery.refresh()
     tasks = [asyncio.create_task(components.monitor.run_forever(), name="proxy-health")]
+    if components.kv is not None:
+        tasks.append(asyncio.create_task(components.kv.run_forever(), name="proxy-kv-routing"))
     for discovery in components.discoveries:
         tasks.append(asyncio.create_task(
             discovery.run_forever(components.config.discovery.interval_s, components.monitor.poll_all),
@@ -96,6 +107,7 @@ async def _lifespan(components: ProxyComponents) -> AsyncIterator[None]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await components.forwarder.aclose()
         await components.prefill_pool.aclose()
         await components.decode_pool.aclose()
 
@@ -103,6 +115,12 @@ async def _lifespan(components: ProxyComponents) -> AsyncIterator[None]:
 def _backend_state(backend: Backend) -> dict:
     return {"url": backend.url, "healthy": backend.healthy, "breaker": backend.breaker.state.name.lower(),
             "in_flight": backend.num_in_flight, "available": backend.is_available()}
+
+
+def _is_internal_caller(request: Request, token: Optional[str]) -> bool:
+    """Only a caller with the internal token sees the backends (never anyone when there is no token)."""
+    given = request.headers.get(INTERNAL_TOKEN_HEADER)
+    return token is not None and given is not None and hmac.compare_digest(given.encode(), token.encode())
 
 
 def _routes(components: ProxyComponents) -> list[Route]:
@@ -118,15 +136,13 @@ def _routes(components: ProxyComponents) -> list[Route]:
         return await _relay_to_decode(components, "GET", "/v1/models")
 
     async def tokenizer_route(request: Request) -> Response:
-        # Every worker serves the same tokenizer: any decode worker answers.
-        return await _relay_to_decode(components, "POST", request.url.path, await request.body())
+        return await _relay_tokenizer(components, request)
 
     async def health(request: Request) -> Response:
-        body = {
-            "status": "ok" if components.is_ready() else "unavailable",
-            "prefill": [_backend_state(b) for b in components.prefill_pool.backends()],
-            "decode": [_backend_state(b) for b in components.decode_pool.backends()],
-        }
+        body: dict = {"status": "ok" if components.is_ready() else "unavailable"}
+        if _is_internal_caller(request, components.config.internal_token):  # backend addresses are internal
+            body["prefill"] = [_backend_state(b) for b in components.prefill_pool.backends()]
+            body["decode"] = [_backend_state(b) for b in components.decode_pool.backends()]
         return JSONResponse(body, status_code=200 if components.is_ready() else 503)
 
     async def live(request: Request) -> Response:
@@ -145,7 +161,20 @@ def _routes(components: ProxyComponents) -> list[Route]:
         Route("/ready", health, methods=["GET"]),
         Route("/live", live, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        explain_route(components.kv, components.config.internal_token),
     ]
+
+
+async def _relay_tokenizer(components: ProxyComponents, request: Request) -> Response:
+    """Every worker serves the same tokenizer: any decode worker answers. The body is read as
+    bounded as the workers read theirs (413/408); the worker validates the rest."""
+    try:
+        body = await read_body(request, components.config.limits)
+    except PdserveError as error:
+        return error_response(RejectedRequest(error), None, components.config.retry_after_s)
+    except ClientDisconnect:
+        return Response(status_code=499)
+    return await _relay_to_decode(components, "POST", request.url.path, body)
 
 
 async def _relay_to_decode(components: ProxyComponents, method: str, path: str, body: bytes = b"") -> Response:

@@ -34,9 +34,13 @@ class Role(str, enum.Enum):
 
 
 class Outcome(enum.Enum):
-    SUCCESS = "success"  # the backend answered sensibly (including a 4xx about the request)
+    SUCCESS = "success"  # the backend served the request
     FAILURE = "failure"  # unreachable, timed out, 5xx, or nonsense: counts towards the breaker
-    NEUTRAL = "neutral"  # says nothing about the backend: client gone, backend busy (503)
+    NEUTRAL = "neutral"  # says nothing about the backend: client gone, backend busy (503), the request's own fault
+
+
+class BreakerOpen(Exception):
+    """The backend was picked while its breaker let requests through, but by sending time it does not."""
 
 
 @dataclass(slots=True)
@@ -83,18 +87,22 @@ class Backend:
         """Queued + running requests (the proxy's own count when fresher than the poll), plus KV pressure."""
         return max(self.num_in_flight, self.load.num_queued) + KV_USAGE_WEIGHT * self.load.kv_usage
 
-    def begin(self) -> None:
+    def begin(self) -> bool:
+        """Count a request about to be sent; True when it is the breaker's half-open trial.
+        Raises `BreakerOpen` (nothing counted) when the breaker lets no request through now."""
+        if not self.breaker.allows_request():
+            raise BreakerOpen(self.url)
         self.num_in_flight += 1
-        self.breaker.on_request_start()
+        return self.breaker.on_request_start()
 
-    def end(self, outcome: Outcome) -> None:
+    def end(self, outcome: Outcome, trial: bool = False) -> None:
         self.num_in_flight -= 1
         if outcome is Outcome.SUCCESS:
-            self.breaker.record_success()
+            self.breaker.record_success(trial)
         elif outcome is Outcome.FAILURE:
-            self.breaker.record_failure()
+            self.breaker.record_failure(trial)
         else:
-            self.breaker.record_neutral()
+            self.breaker.record_neutral(trial)
 
 
 class BackendClient(httpx.AsyncClient):

@@ -2,7 +2,9 @@
 
 Invariant: while open no request is let through; while half-open exactly one
 trial request is in flight at a time, and its outcome alone decides whether
-the breaker closes or opens for another cool-down.
+the breaker closes or opens for another cool-down (requests sent before the
+breaker opened change nothing when they end). Only backend faults count as
+failures; what the request itself caused is neutral (see proxy/legs.py).
 """
 
 from __future__ import annotations
@@ -46,25 +48,30 @@ class CircuitBreaker:
             return True
         return state is BreakerState.HALF_OPEN and not self._trial_in_flight
 
-    def on_request_start(self) -> None:
-        """Call when a request is actually sent; in half-open it becomes the trial."""
-        if self.state is BreakerState.HALF_OPEN:
+    def on_request_start(self) -> bool:
+        """Call when a request the breaker allows is actually sent; True when it is the half-open trial
+        (pass that to the `record_*` call of its outcome)."""
+        if self.state is BreakerState.HALF_OPEN and not self._trial_in_flight:
             self._trial_in_flight = True
+            return True
+        return False
 
-    def record_success(self) -> None:
-        self._num_consecutive_failures = 0
-        self._opened_at_s = None
-        self._trial_in_flight = False
+    def record_success(self, trial: bool = False) -> None:
+        if trial or self._opened_at_s is None:
+            self._num_consecutive_failures = 0
+            self._opened_at_s = None
+            self._trial_in_flight = False
 
-    def record_failure(self) -> None:
-        self._num_consecutive_failures += 1
-        was_trial = self._trial_in_flight
-        self._trial_in_flight = False
-        if was_trial or self.state is BreakerState.HALF_OPEN:
+    def record_failure(self, trial: bool = False) -> None:
+        if trial:
+            self._trial_in_flight = False
             self._opened_at_s = self._clock()  # the trial failed: another full cool-down
-        elif self._opened_at_s is None and self._num_consecutive_failures >= self._failure_threshold:
-            self._opened_at_s = self._clock()
+        elif self._opened_at_s is None:
+            self._num_consecutive_failures += 1
+            if self._num_consecutive_failures >= self._failure_threshold:
+                self._opened_at_s = self._clock()
 
-    def record_neutral(self) -> None:
-        """A request ended without telling anything about the backend (client gone, 4xx)."""
-        self._trial_in_flight = False
+    def record_neutral(self, trial: bool = False) -> None:
+        """A request ended without telling anything about the backend (client gone, its own fault)."""
+        if trial:
+            self._trial_in_flight = False

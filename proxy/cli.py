@@ -13,11 +13,14 @@ from typing import Optional
 
 from pydantic import ValidationError
 
+from pdserve.config import LimitsConfig
+from pdserve.config_cli import add_flags, section_flag_specs, section_values
 from proxy.config import DiscoveryConfig, HealthConfig, ProxyConfig, RoutingConfig, TimeoutConfig
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("round_robin", "least_loaded", "prefix")
+POLICIES = ("round_robin", "least_loaded", "prefix", "kv_aware")
+LIMIT_FLAGS = section_flag_specs("limits", LimitsConfig)
 INTERNAL_TOKEN_ENV = "PDSERVE_INTERNAL_TOKEN"  # the workers read the same variable
 
 
@@ -37,6 +40,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                                " prefer the variable: flags show in process listings)")
     _add_routing_arguments(parser)
     _add_failure_arguments(parser)
+    add_flags(parser, LIMIT_FLAGS)  # the workers' own request bounds, same flags and defaults
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
@@ -59,6 +63,11 @@ def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                          help="the estimate for text prompts: tokens = ceil(characters / this)")
     routing.add_argument("--max-in-flight-per-backend", type=int, default=0,
                          help="a backend with this many proxy requests in flight is saturated (0: no cap)")
+    routing.add_argument("--kv-load-tokens", type=float, default=128.0,
+                         help="kv_aware: prompt tokens one unit of load (a queued request) is worth in the score")
+    routing.add_argument("--kv-decode-only-max-tokens", type=int, default=64,
+                         help="kv_aware decode: skip the prefill leg when the decode worker's cache leaves at most "
+                              "this many prompt tokens to compute (0: never)")
 
 
 def _add_failure_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +102,8 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
             prefill_policy=_policy(args, args.prefill_policy), decode_policy=_policy(args, args.decode_policy),
             prefix_chars=args.prefix_chars, prefix_max_load=args.prefix_max_load,
             disagg_min_prompt_tokens=args.disagg_min_prompt_tokens, chars_per_token=args.chars_per_token,
-            max_in_flight_per_backend=args.max_in_flight_per_backend,
+            max_in_flight_per_backend=args.max_in_flight_per_backend, kv_load_tokens=args.kv_load_tokens,
+            kv_decode_only_max_tokens=args.kv_decode_only_max_tokens,
         ),
         health=HealthConfig(
             interval_s=args.health_interval_s, timeout_s=args.health_timeout_s, unhealthy_after=args.unhealthy_after,
@@ -103,6 +113,7 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                                decode_s=args.decode_timeout_s),
         discovery=DiscoveryConfig(prefill_dns=args.prefill_dns, decode_dns=args.decode_dns,
                                   interval_s=args.dns_interval_s),
+        limits=LimitsConfig(**section_values(args, LIMIT_FLAGS)),
         max_prefill_attempts=args.max_prefill_attempts, max_decode_attempts=args.max_decode_attempts,
         retry_after_s=args.retry_after_s, max_connections_per_backend=args.max_connections_per_backend,
     )
@@ -117,6 +128,7 @@ def run_proxy(args: argparse.Namespace) -> int:
         return 2
     import uvicorn  # the server stack only when serving
 
+    from pdserve.http_bounds import http_protocol_with_header_deadline
     from proxy.app import create_app
 
     if config.log_level != "debug":
@@ -127,5 +139,6 @@ def run_proxy(args: argparse.Namespace) -> int:
                 list(config.decode_urls) or config.discovery.decode_dns)
     # uvicorn's access log costs more than the forwarding itself; per-request lines are ours.
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
-                access_log=False, timeout_keep_alive=30)
+                access_log=False, timeout_keep_alive=30,
+                http=http_protocol_with_header_deadline(config.limits.header_timeout_s))
     return 0

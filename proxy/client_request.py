@@ -1,9 +1,12 @@
 """A client's request as the proxy sees it, and the bodies of the two legs built from it.
 
-Invariant: whatever `kv_transfer_params` a client sends is dropped before
-anything is forwarded (only the proxy may tell a worker to pin or pull KV),
-and the prefill leg never streams and never generates more than one token.
-The proxy has no tokenizer: prompt sizes are estimated (see `estimate_prompt_tokens`).
+Invariants: a request is validated by the workers' own rules
+(`pdserve/validation.py`) before any leg is sent, so a prefill worker never
+computes a request the decode worker would refuse; whatever
+`kv_transfer_params` a client sends is dropped before anything is forwarded
+(only the proxy may tell a worker to pin or pull KV), and the prefill leg
+never streams and never generates more than one token. The proxy has no
+tokenizer: prompt sizes are estimated (see `estimate_text_tokens`).
 """
 
 from __future__ import annotations
@@ -12,12 +15,18 @@ import json
 import math
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from proxy.errors import InvalidClientRequest
+from pdserve.config import LimitsConfig
+from pdserve.errors import PdserveError
+from pdserve.validation import (MAX_REQUEST_ID_CHARS, REQUEST_ID_HEADER, check_request_id, parse_json_body,
+                                schema_for_path, validate_request)
+from proxy.errors import RejectedRequest
 
-REQUEST_ID_HEADER = "X-Request-Id"
-MAX_REQUEST_ID_CHARS = 240  # what a worker accepts (pdserve/engine/request_ids.py)
+if TYPE_CHECKING:
+    from proxy.kv_routing import KVRoute
+
+__all__ = ["MAX_REQUEST_ID_CHARS", "REQUEST_ID_HEADER"]
 # A chat template wraps each message in a few tokens of markup (role, separators).
 CHAT_TOKENS_PER_MESSAGE = 4
 REMOTE_DECODE_PARAMS = {
@@ -35,33 +44,42 @@ class ClientRequest:
     stream: bool
     prompt_text: str  # what prefix routing and the size estimate look at
     num_prompt_tokens: int  # exact for token-id prompts, estimated for text
+    max_tokens: Optional[int] = None  # what decode will be asked for: the prefill worker checks it fits
+    min_tokens: Optional[int] = None
     needs_local_prompt: bool = False  # the decode worker must compute the prompt itself (see below)
+    kv_route: Optional["KVRoute"] = None  # set by kv_aware routing (proxy/kv_routing.py)
 
     def prefix_key(self, num_chars: int) -> bytes:
         return self.prompt_text[:num_chars].encode("utf-8", "surrogatepass")
 
 
 def choose_request_id(client_value: Optional[str]) -> str:
-    """The client's X-Request-Id when a worker would accept it, else a fresh one."""
-    if client_value and len(client_value) <= MAX_REQUEST_ID_CHARS and all(" " < c <= "~" for c in client_value):
-        return client_value
-    return uuid.uuid4().hex
-
-
-def parse_client_request(path: str, raw_body: bytes, request_id: str, chars_per_token: float) -> ClientRequest:
+    """The client's X-Request-Id (rejected by the workers' rule, 400, when they would refuse it),
+    or a fresh one when it sent none."""
+    if not client_value:
+        return uuid.uuid4().hex
     try:
-        body = json.loads(raw_body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidClientRequest(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidClientRequest("the request body must be a JSON object")
+        check_request_id(client_value)
+    except PdserveError as error:
+        raise RejectedRequest(error) from None
+    return client_value
+
+
+def parse_client_request(path: str, raw_body: bytes, request_id: str, chars_per_token: float,
+                         limits: LimitsConfig = LimitsConfig()) -> ClientRequest:
+    """Validate with the workers' rules (400/413 as they would answer), then keep the body as sent."""
+    try:
+        body = parse_json_body(raw_body, limits)
+        typed = validate_request(schema_for_path(path), body, limits)
+    except PdserveError as error:
+        raise RejectedRequest(error) from None
     body.pop("kv_transfer_params", None)
     if path.endswith("/chat/completions"):
         text, num_tokens = _chat_prompt(body.get("messages"), chars_per_token)
     else:
         text, num_tokens = _completion_prompt(body.get("prompt"), chars_per_token)
-    return ClientRequest(path, body, request_id, body.get("stream") is True, text, num_tokens,
-                         needs_local_prompt=_needs_local_prompt(body))
+    return ClientRequest(path, body, request_id, typed.stream is True, text, num_tokens,
+                         typed.requested_max_tokens, typed.min_tokens, needs_local_prompt=_needs_local_prompt(body))
 
 
 def _needs_local_prompt(body: dict[str, Any]) -> bool:
@@ -107,14 +125,21 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def prefill_body(body: dict[str, Any]) -> bytes:
-    """The first leg: compute the prompt's KV, keep it for a decode worker, answer in one piece."""
-    leg = {key: value for key, value in body.items() if key not in _DROPPED_ON_PREFILL}
+def prefill_body(request: ClientRequest) -> bytes:
+    """The first leg: compute the prompt's KV, keep it for a decode worker, answer in one piece.
+    `decode_max_tokens`/`decode_min_tokens` (our extension) let the prefill worker refuse a
+    request whose decode leg would not fit the context before computing anything."""
+    leg = {key: value for key, value in request.body.items() if key not in _DROPPED_ON_PREFILL}
     leg["stream"] = False
     leg["max_tokens"] = 1
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
-    leg["kv_transfer_params"] = REMOTE_DECODE_PARAMS
+    params = dict(REMOTE_DECODE_PARAMS)
+    if request.max_tokens is not None:
+        params["decode_max_tokens"] = request.max_tokens
+    if request.min_tokens:
+        params["decode_min_tokens"] = request.min_tokens
+    leg["kv_transfer_params"] = params
     return json.dumps(leg).encode()
 
 

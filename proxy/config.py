@@ -11,7 +11,11 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-PolicyName = Literal["round_robin", "least_loaded", "prefix"]
+# The same bounds, defaults and flags as every worker's: a request the proxy
+# accepts is one the workers accept (pdserve/validation.py).
+from pdserve.config import LimitsConfig, check_token
+
+PolicyName = Literal["round_robin", "least_loaded", "prefix", "kv_aware"]
 
 
 def normalize_url(url: str) -> str:
@@ -50,6 +54,11 @@ class RoutingConfig(_Frozen):
     chars_per_token: float = Field(4.0, gt=0)
     # 0 = no cap; otherwise a backend with this many proxy requests in flight is saturated.
     max_in_flight_per_backend: int = Field(0, ge=0)
+    # kv_aware (proxy/policies_kv.py): one unit of load costs as much as computing this many prompt tokens.
+    kv_load_tokens: float = Field(128.0, ge=0)
+    # Cache-aware disaggregation: with a kv_aware decode policy, skip the prefill leg when the chosen
+    # decode worker's cache leaves at most this many prompt tokens for it to compute (0 = never).
+    kv_decode_only_max_tokens: int = Field(64, ge=0)
 
 
 class HealthConfig(_Frozen):
@@ -88,11 +97,12 @@ class ProxyConfig(_Frozen):
     port: int = Field(8000, ge=0, le=65535)
     prefill_urls: tuple[str, ...] = ()
     decode_urls: tuple[str, ...] = ()
-    internal_token: Optional[str] = None  # sent to workers as X-Pdserve-Internal-Token
+    internal_token: Optional[str] = None  # sent to workers as X-Pdserve-Internal-Token; unlocks /health details
     routing: RoutingConfig = RoutingConfig()
     health: HealthConfig = HealthConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    limits: LimitsConfig = LimitsConfig()
     max_prefill_attempts: int = Field(3, ge=1)  # prefill legs tried per request (on distinct workers)
     max_decode_attempts: int = Field(2, ge=1)  # decode workers tried when one refuses before starting
     retry_after_s: int = Field(2, ge=1)  # the Retry-After of a 503
@@ -105,6 +115,11 @@ class ProxyConfig(_Frozen):
         if isinstance(value, (list, tuple)):
             return tuple(dict.fromkeys(normalize_url(str(url)) for url in value))
         return value
+
+    @field_validator("internal_token")
+    @classmethod
+    def _token_not_empty(cls, token: Optional[str]) -> Optional[str]:
+        return check_token(token)
 
     @model_validator(mode="after")
     def _check_backends(self) -> "ProxyConfig":

@@ -12,6 +12,8 @@ from typing import Optional
 
 from starlette.responses import Response
 
+from pdserve.errors import PdserveError
+
 
 class ProxyError(Exception):
     status_code = 500
@@ -23,9 +25,14 @@ class ProxyError(Exception):
         self.param = param
 
 
-class InvalidClientRequest(ProxyError):
-    status_code = 400
-    error_type = "invalid_request_error"
+class RejectedRequest(ProxyError):
+    """The workers' own edge validation (pdserve/validation.py) refused the request:
+    the client gets exactly the status, type, message and param a worker would give."""
+
+    def __init__(self, error: "PdserveError"):
+        super().__init__(error.message, param=error.param)
+        self.status_code = error.status_code
+        self.error_type = error.error_type
 
 
 class NoBackendAvailable(ProxyError):

@@ -9,19 +9,25 @@ client's `X-Request-Id` (or a fresh one) goes on both legs and back.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Collection, Optional
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+
+from pdserve.errors import PdserveError
+from pdserve.http_bounds import read_body
 
 from proxy.backends import Backend, BackendPool, Outcome, Role
 from proxy.client_request import REQUEST_ID_HEADER, ClientRequest, choose_request_id, parse_client_request
 from proxy.config import ProxyConfig
-from proxy.errors import NoBackendAvailable, ProxyError, error_response
-from proxy.legs import KVRetry, LegFailed, LegSender, OpenLeg, PassThrough
+from proxy.errors import NoBackendAvailable, ProxyError, RejectedRequest, error_response
+from proxy.kv_release import KVReleaser, PrefillHold
+from proxy.kv_routing import KVRouting
+from proxy.legs import KVRetry, LegFailed, LegSender, OpenLeg, PassThrough, cached_tokens_of
 from proxy.metrics import ProxyMetrics, status_class
 from proxy.policies import RoutingPolicy, build_policy
 from proxy.relay import ClientGone, RelayStreamResponse, until_client_disconnects
@@ -30,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 DISAGGREGATED = "disaggregated"
 DECODE_ONLY = "decode_only"
+# A decode leg that failed these ways reached its worker, which may still be reading the KV.
+_MAY_STILL_READ = ("timeout", "transport")
+# Failures of the connection, not of the worker's answer: the same worker may be tried again.
+_CONNECTION_FAILURES = ("connect", "transport")
 
 
 @dataclass(slots=True)
@@ -44,7 +54,7 @@ class RequestTiming:
 
 class Forwarder:
     def __init__(self, config: ProxyConfig, prefill_pool: BackendPool, decode_pool: BackendPool,
-                 metrics: ProxyMetrics):
+                 metrics: ProxyMetrics, kv: Optional[KVRouting] = None):
         self._config = config
         self._prefill_pool = prefill_pool
         self._decode_pool = decode_pool
@@ -52,30 +62,46 @@ class Forwarder:
         self._prefill_policy = build_policy(routing.prefill_policy, routing)
         self._decode_policy = build_policy(routing.decode_policy, routing)
         self._sender = LegSender(metrics, config.timeouts)
+        self._releaser = KVReleaser(metrics, config.health.timeout_s)
         self._metrics = metrics
+        self._kv = kv  # set when a role's policy is kv_aware
 
     async def handle(self, raw: Request, path: str) -> Response:
         arrival_s = time.perf_counter()
-        request_id = choose_request_id(raw.headers.get(REQUEST_ID_HEADER))
-        mode = DECODE_ONLY
+        request_id: Optional[str] = None
+        timing = RequestTiming(arrival_s, DECODE_ONLY)
         try:
-            request = parse_client_request(path, await raw.body(), request_id, self._config.routing.chars_per_token)
-            mode = self._mode(request)
-            timing = RequestTiming(arrival_s, mode)
+            request_id = choose_request_id(raw.headers.get(REQUEST_ID_HEADER))
+            request = parse_client_request(path, await self._read_body(raw), request_id,
+                                           self._config.routing.chars_per_token, self._config.limits)
+            if self._kv is not None:
+                await self._kv.prepare(request)
+            timing.mode = self._mode(request)
             leg = await until_client_disconnects(raw.receive, self._run_legs(request, timing))
         except ProxyError as exc:
-            return self._counted(mode, error_response(exc, request_id, self._config.retry_after_s))
+            return self._counted(timing.mode, error_response(exc, request_id, self._config.retry_after_s))
         except PassThrough as exc:
             answer = exc.answer
             headers = {REQUEST_ID_HEADER: request_id}
             if answer.status_code == 503:
                 headers["Retry-After"] = str(self._config.retry_after_s)
-            return self._counted(mode, Response(answer.content, answer.status_code,
-                                                media_type=answer.content_type, headers=headers))
+            return self._counted(timing.mode, Response(answer.content, answer.status_code,
+                                                       media_type=answer.content_type, headers=headers))
         except ClientGone:
             logger.info("request %s: client disconnected before the answer started", request_id)
-            return self._counted(mode, Response(status_code=499))
-        return self._counted(mode, self._respond(request, leg, timing))
+            return self._counted(timing.mode, Response(status_code=499))
+        return self._counted(timing.mode, self._respond(request, leg, timing))
+
+    async def _read_body(self, raw: Request) -> bytes:
+        try:
+            return await read_body(raw, self._config.limits)
+        except PdserveError as error:  # too large (413) or too slow (408): as a worker would answer
+            raise RejectedRequest(error) from None
+        except ClientDisconnect:
+            raise ClientGone() from None
+
+    async def aclose(self) -> None:
+        await self._releaser.aclose()
 
     def _counted(self, mode: str, response: Response) -> Response:
         self._metrics.requests.labels(mode, status_class(response.status_code)).inc()
@@ -84,7 +110,9 @@ class Forwarder:
     def _mode(self, request: ClientRequest) -> str:
         if not self._config.has_prefill:
             return DECODE_ONLY  # no prefill tier at all: a load balancer over decode workers
-        if request.num_prompt_tokens < self._config.routing.disagg_min_prompt_tokens:
+        blocks = request.kv_route.blocks if request.kv_route is not None else None
+        num_prompt_tokens = blocks.num_tokens if blocks is not None else request.num_prompt_tokens  # exact if known
+        if num_prompt_tokens < self._config.routing.disagg_min_prompt_tokens:
             return DECODE_ONLY
         if request.needs_local_prompt:
             return DECODE_ONLY
@@ -95,6 +123,8 @@ class Forwarder:
         candidates = pool.available(exclude_urls)
         if not candidates:
             return None
+        if self._kv is not None and self._kv.handles(role):
+            return self._kv.choose(role, candidates, request)
         return policy.choose(candidates, request.prefix_key(self._config.routing.prefix_chars))
 
     def _pool_and_policy(self, role: Role) -> tuple[BackendPool, RoutingPolicy]:
@@ -110,12 +140,14 @@ class Forwarder:
         decode = self._pick(Role.DECODE, request)
         if decode is None:
             raise self._unavailable(Role.DECODE)
+        if timing.mode == DISAGGREGATED and self._kv is not None and self._kv.skips_prefill(request, decode):
+            timing.mode = DECODE_ONLY  # cache-aware disaggregation: decode holds nearly all of the prompt
         if timing.mode == DECODE_ONLY:
             return await self._decode(request, decode, None)
         prefill, params = await self._prefill(request, (), timing)
         decode_started_s = time.perf_counter()
         try:
-            return await self._decode(request, decode, params)
+            return await self._decode_holding(request, decode, PrefillHold(prefill, params))
         except KVRetry as exc:
             timing.wasted_s += time.perf_counter() - decode_started_s
             logger.warning("request %s: decode answered %s for KV from %s; prefilling again",
@@ -123,11 +155,20 @@ class Forwarder:
             if exc.reason == "kv_pull_failed":
                 prefill.breaker.record_failure()  # its blocks could not be read: suspect the worker
             self._metrics.retries.labels(Role.PREFILL.value, exc.reason).inc()
-        _, params = await self._prefill(request, (prefill.url,), timing)
+        second, params = await self._prefill(request, (prefill.url,), timing)
         try:
-            return await self._decode(request, None, params)
+            return await self._decode_holding(request, None, PrefillHold(second, params))
         except KVRetry as again:
             raise PassThrough(again.answer) from None
+
+    async def _decode_holding(self, request: ClientRequest, first: Optional[Backend], hold: PrefillHold) -> OpenLeg:
+        """The decode leg of a prefill's KV; if it ends without a decode worker reading the KV (refused,
+        answered with an error, never sent, or the client left first), the prefill worker frees it now."""
+        try:
+            return await self._decode(request, first, hold.params, hold)
+        except BaseException:
+            self._releaser.release_unless_read(hold, request.request_id)
+            raise
 
     async def _prefill(self, request: ClientRequest, avoid_urls: Collection[str],
                        timing: RequestTiming) -> tuple[Backend, dict[str, Any]]:
@@ -142,12 +183,16 @@ class Forwarder:
                 if last is not None:
                     self._metrics.retries.labels(Role.PREFILL.value, last.reason).inc()
                 try:
-                    return backend, await self._sender.prefill(backend, request)
+                    answer = await self._sender.prefill(backend, request)
                 except LegFailed as exc:
                     logger.warning("request %s: prefill leg on %s failed (%s)", request.request_id,
                                    backend.url, exc.reason)
                     tried.add(backend.url)
                     last = exc
+                    continue
+                if self._kv is not None:
+                    self._kv.observe(Role.PREFILL, request, backend, answer.num_cached_tokens)
+                return backend, answer.kv_transfer_params
         finally:
             timing.prefill_s += time.perf_counter() - started_s
         if last is None:
@@ -156,17 +201,17 @@ class Forwarder:
 
     def _pick_prefill(self, request: ClientRequest, tried: set[str], avoid_urls: Collection[str],
                       last: Optional[LegFailed]) -> Optional[Backend]:
-        """An untried worker, preferably not one to avoid; a tried one again only after a quick
-        failure (a dropped keep-alive connection), never after a timeout."""
+        """An untried worker, preferably not one to avoid; a tried one again only after its
+        connection failed (a dropped keep-alive connection), never after it answered or timed out."""
         backend = self._pick(Role.PREFILL, request, tried.union(avoid_urls))
         if backend is None:
             backend = self._pick(Role.PREFILL, request, tried)
-        if backend is None and last is not None and last.reason != "timeout":
+        if backend is None and last is not None and last.reason in _CONNECTION_FAILURES:
             backend = self._pick(Role.PREFILL, request)
         return backend
 
     async def _decode(self, request: ClientRequest, first: Optional[Backend],
-                      params: Optional[dict[str, Any]]) -> OpenLeg:
+                      params: Optional[dict[str, Any]], hold: Optional[PrefillHold] = None) -> OpenLeg:
         """Open the decode leg; a worker that never saw the request is replaced by another one."""
         tried: set[str] = set()
         last: Optional[LegFailed] = None
@@ -179,7 +224,7 @@ class Forwarder:
             if last is not None:
                 self._metrics.retries.labels(Role.DECODE.value, last.reason).inc()
             try:
-                return await self._sender.open_decode(backend, request, params)
+                return await self._open_decode(backend, request, params, hold)
             except LegFailed as exc:
                 logger.warning("request %s: decode leg on %s failed (%s)", request.request_id,
                                backend.url, exc.reason)
@@ -192,6 +237,20 @@ class Forwarder:
             raise self._unavailable(Role.DECODE)
         raise last.error
 
+    async def _open_decode(self, backend: Backend, request: ClientRequest, params: Optional[dict[str, Any]],
+                           hold: Optional[PrefillHold]) -> OpenLeg:
+        """One decode leg; `hold.decode_may_read` is true from its sending until a definite refusal."""
+        hold = hold or PrefillHold(backend, {})  # decode-only: nothing pinned, the flag is unused
+        hold.decode_may_read = True
+        try:
+            return await self._sender.open_decode(backend, request, params)
+        except (KVRetry, PassThrough):
+            hold.decode_may_read = False  # the decode worker answered: it ended the request
+            raise
+        except LegFailed as exc:
+            hold.decode_may_read = exc.reason in _MAY_STILL_READ
+            raise
+
     def _respond(self, request: ClientRequest, leg: OpenLeg, timing: RequestTiming) -> Response:
         headers = {REQUEST_ID_HEADER: request.request_id}
         if request.stream:
@@ -203,8 +262,18 @@ class Forwarder:
             return RelayStreamResponse(leg, lambda now_s: self._observe(timing, leg, now_s, True), on_broken, headers)
         leg.finish(Outcome.SUCCESS)  # the whole body is in: the leg is over
         self._observe(timing, leg, time.perf_counter(), False)
+        if self._kv is not None and self._kv.handles(Role.DECODE):
+            self._observe_decode_cache(request, leg)
         media_type = leg.response.headers.get("content-type", "application/json")
         return Response(leg.response.content, status_code=200, media_type=media_type, headers=headers)
+
+    def _observe_decode_cache(self, request: ClientRequest, leg: OpenLeg) -> None:
+        """Decode's own cached-token count (a non-streamed answer is in memory already)."""
+        try:
+            answer = json.loads(leg.response.content)
+        except ValueError:
+            return
+        self._kv.observe(Role.DECODE, request, leg.backend, cached_tokens_of(answer))
 
     def _observe(self, timing: RequestTiming, leg: OpenLeg, first_byte_s: float, streamed: bool) -> None:
         """Split the time to first byte into prefill, decode (transfer + first token) and proxy overhead."""

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import httpx
 
-from proxy.backends import Backend, Outcome
+from proxy.backends import Backend, BreakerOpen, Outcome
 from proxy.client_request import ClientRequest, decode_body, prefill_body
 from proxy.config import TimeoutConfig
 from proxy.errors import NoBackendAvailable, ProxyError, UpstreamFailed, UpstreamTimeout
@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 # Decode's answers that mean "the KV never arrived": prefill again (elsewhere) and retry.
 KV_RETRY_ERROR_TYPES = {503: "kv_pull_failed", 409: "kv_params_stale"}
+# 5xx error types a worker uses for a failure of this request alone (pdserve.errors.RequestFailed):
+# the same request would fail the same way anywhere, and the worker is fine.
+CLIENT_FAULT_TYPES = frozenset({"request_failed"})
 
 
 class LegFailed(Exception):
@@ -65,6 +68,21 @@ class PassThrough(Exception):
         self.answer = answer
 
 
+@dataclass(slots=True)
+class PrefillAnswer:
+    kv_transfer_params: dict[str, Any]
+    num_cached_tokens: Optional[int]  # the worker's usage.prompt_tokens_details.cached_tokens
+
+
+def cached_tokens_of(answer: Any) -> Optional[int]:
+    """usage.prompt_tokens_details.cached_tokens of an OpenAI response body, if it has one."""
+    try:
+        value = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    except (KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 @dataclass(slots=True, eq=False)
 class OpenLeg:
     """A decode answer whose headers arrived; for a stream, the body is still to come."""
@@ -73,12 +91,13 @@ class OpenLeg:
     response: httpx.Response
     started_s: float
     headers_s: float
+    trial: bool = False  # the backend's half-open breaker trial
     ended: bool = False
 
     def finish(self, outcome: Outcome) -> None:
         if not self.ended:
             self.ended = True
-            self.backend.end(outcome)
+            self.backend.end(outcome, self.trial)
 
 
 def _error_type(content: bytes) -> Optional[str]:
@@ -106,13 +125,24 @@ def _transport_failure(exc: httpx.HTTPError, leg: str) -> LegFailed:
 
 
 def _status_failure(answer: RelayedAnswer, leg: str) -> tuple[Outcome, Exception]:
-    """Non-200 answers: a 4xx is about the request; 503/429 is a busy worker; other 5xx a failing one."""
+    """Non-200 answers: a 4xx, or a failure the worker pins on the request alone (`request_failed`), is
+    about the request: passed through, never retried, never counted against the worker. 503/429 is a
+    busy worker; any other 5xx a failing one."""
     status = answer.status_code
-    if 400 <= status < 500 and status not in (408, 429):
-        return Outcome.SUCCESS, PassThrough(answer)
+    if (400 <= status < 500 and status not in (408, 429)) or _error_type(answer.content) in CLIENT_FAULT_TYPES:
+        return Outcome.NEUTRAL, PassThrough(answer)
     if status in (503, 429):
         return Outcome.NEUTRAL, LegFailed("busy", NoBackendAvailable(f"the {leg} worker is busy"))
     return Outcome.FAILURE, LegFailed(f"http_{status}", UpstreamFailed(f"the {leg} worker failed (HTTP {status})"))
+
+
+def _begin(backend: Backend, leg: str) -> bool:
+    """`Backend.begin()`; a breaker that closed its door since the pick makes the leg undelivered."""
+    try:
+        return backend.begin()
+    except BreakerOpen:
+        raise LegFailed("breaker_open", NoBackendAvailable(f"no {leg} worker is available; retry later"),
+                        delivered=False) from None
 
 
 class LegSender:
@@ -130,15 +160,15 @@ class LegSender:
         if reason is not None:
             self._metrics.backend_errors.labels(role, backend.url, reason).inc()
 
-    async def prefill(self, backend: Backend, request: ClientRequest) -> dict[str, Any]:
+    async def prefill(self, backend: Backend, request: ClientRequest) -> PrefillAnswer:
         """The first leg; returns the `kv_transfer_params` that tell decode where the KV is."""
         outcome = Outcome.NEUTRAL  # if cancelled (client gone), the leg says nothing about the worker
-        backend.begin()
+        trial = _begin(backend, "prefill")
         started_s = time.perf_counter()
         try:
             try:
                 response = await _send_and_read(backend, backend.client.leg_request(
-                    request.path, prefill_body(request.body), request.request_id, self._prefill_timeout))
+                    request.path, prefill_body(request), request.request_id, self._prefill_timeout))
             except httpx.HTTPError as exc:
                 failure = _transport_failure(exc, "prefill")
                 outcome = Outcome.FAILURE
@@ -151,15 +181,15 @@ class LegSender:
                 if outcome is Outcome.FAILURE:
                     self._count_error(backend, exc)
                 raise exc
-            params = _kv_params(response)
-            if params is None:
+            answer = _prefill_answer(response)
+            if answer is None:
                 outcome = Outcome.FAILURE
                 self._metrics.backend_errors.labels("prefill", backend.url, "no_kv_params").inc()
                 raise LegFailed("no_kv_params", UpstreamFailed("the prefill worker returned no kv_transfer_params"))
             outcome = Outcome.SUCCESS
-            return params
+            return answer
         finally:
-            backend.end(outcome)
+            backend.end(outcome, trial)
 
     def _count_error(self, backend: Backend, exc: Exception) -> None:
         if isinstance(exc, LegFailed):
@@ -168,7 +198,7 @@ class LegSender:
     async def open_decode(self, backend: Backend, request: ClientRequest,
                           params: Optional[dict[str, Any]]) -> OpenLeg:
         """The second leg, up to its headers (and, unless streamed, its whole body)."""
-        backend.begin()
+        trial = _begin(backend, "decode")
         started_s = time.perf_counter()
         handed_over = False
         outcome = Outcome.NEUTRAL
@@ -189,14 +219,14 @@ class LegSender:
             self._count(backend, status_class(response.status_code))
             if response.status_code == 200:
                 handed_over = True
-                return OpenLeg(backend, response, started_s, headers_s)
+                return OpenLeg(backend, response, started_s, headers_s, trial)
             outcome, exc = self._decode_refusal(backend, response)
             raise exc
         finally:
             if not handed_over:
                 if response is not None:
                     await response.aclose()
-                backend.end(outcome)
+                backend.end(outcome, trial)
 
     def _decode_refusal(self, backend: Backend, response: httpx.Response) -> tuple[Outcome, Exception]:
         answer = _answer(response)
@@ -220,9 +250,10 @@ async def _send_and_read(backend: Backend, request: httpx.Request) -> httpx.Resp
     return response
 
 
-def _kv_params(response: httpx.Response) -> Optional[dict[str, Any]]:
+def _prefill_answer(response: httpx.Response) -> Optional[PrefillAnswer]:
     try:
-        params = response.json().get("kv_transfer_params")
+        body = response.json()
+        params = body.get("kv_transfer_params")
     except (ValueError, AttributeError):
         return None
-    return params if isinstance(params, dict) else None
+    return PrefillAnswer(params, cached_tokens_of(body)) if isinstance(params, dict) else None

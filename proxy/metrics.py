@@ -47,6 +47,11 @@ class ProxyMetrics:
         self.rejected = Counter(
             "pdserve_proxy_rejected_total", "503s because no backend of a role was available",
             ["role"], registry=registry)
+        self.kv_releases = Counter(
+            "pdserve_proxy_kv_releases_total",
+            "Prefills whose pinned KV the proxy asked their prefill worker to free (the decode leg failed or "
+            "was refused), by result: sent, failed (the release call failed; the lease frees it) or skipped",
+            ["result"], registry=registry)
         self.backend_latency_s = Histogram(
             "pdserve_proxy_backend_latency_seconds",
             "Backend answer time: the whole prefill leg; decode until its first byte",

@@ -6,7 +6,9 @@ one request, so a lone request can always run to completion.
 
 from __future__ import annotations
 
+import functools
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,6 +26,7 @@ from pdserve.grammar.matchers import GrammarMatchers, GrammarTokenizer
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
 from pdserve.engine.memory_budget import StepLimits, free_device_bytes, pool_num_blocks
+from pdserve.kv.events import KVEventRecorder
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import KVGroupPlan, plan_groups
@@ -31,6 +34,7 @@ from pdserve.metrics import Metrics
 from pdserve.models.base import ModelSpec
 from pdserve.models.loader import LoadedModel, load_model
 from pdserve.pd.handshake import AgentInfo, compatibility_hash
+from pdserve.pd.prefill import PrefillConnector
 from pdserve.pd.wiring import KVSide, PoolDescription, TransportFactory, build_admission, build_kv_side, nixl_transport
 
 logger = logging.getLogger(__name__)
@@ -84,10 +88,18 @@ class BuiltEngine:
     kv_manager: KVCacheManager
     runner: ModelRunner
     kv_side: KVSide
+    kv_events: KVEventRecorder
+    epoch: str  # fresh at every start: the P/D handshake's epoch, or its own for a colocated worker
 
     @property
     def agent_info(self) -> Optional[AgentInfo]:
         return self.kv_side.agent_info
+
+    def release_pinned(self, request_id: str) -> None:
+        """Prefill workers: free a pinned prefill's blocks now (on the engine thread, at its next turn)."""
+        connector = self.kv_side.connector
+        if isinstance(connector, PrefillConnector):
+            self.engine.engine_loop.call_soon(functools.partial(connector.release_early, request_id))
 
     def close(self) -> None:
         """Stop the engine thread, then release the transport (never the other way round)."""
@@ -142,7 +154,8 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     num_blocks = pool_num_blocks(config, loaded.model, plan, page_bytes, limits, dtype, device, free_before_load)
     layout = KVPoolLayout(num_blocks, plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
     max_model_len = _context_limit(config, spec, plan, num_blocks)
-    kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching)
+    kv_events = KVEventRecorder()
+    kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching, kv_events)
     grammar_tokenizer = GrammarTokenizer(loaded.tokenizer, spec.vocab_size)
     runner = ModelRunner(loaded.model, plan, layout, device, grammar=GrammarMatchers(grammar_tokenizer))
     model_name = config.model.served_name or loaded.name
@@ -163,4 +176,5 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
         config.role, engine.model_name, device, dtype, len(plan.groups), plan.group_size, num_blocks, cache.block_size,
         layout.page_bytes, max_model_len,
     )
-    return BuiltEngine(engine, loaded, plan, layout, kv_manager, runner, kv_side)
+    epoch = kv_side.agent_info.epoch if kv_side.agent_info is not None else uuid.uuid4().hex[:16]
+    return BuiltEngine(engine, loaded, plan, layout, kv_manager, runner, kv_side, kv_events, epoch)

@@ -1,7 +1,9 @@
 """The engine loop: one thread, synchronous steps, supervised.
 
 poll the P/D connector -> schedule -> run the model -> update requests -> emit
-outputs, repeated while there is work; it sleeps on its inbox when idle.
+outputs, repeated while there is work; it sleeps on its inbox when idle and
+when its last step could schedule nothing (queued work that cannot run until a
+command or a P/D event changes something), so it never spins a core.
 Invariants: only this thread touches the scheduler, the KV manager, the
 connector and the runner; other threads talk to it through the inbox and
 receive outputs through per-request sinks. A fault while serving some
@@ -25,7 +27,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput, StepResult
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
-from pdserve.errors import EngineFailure
+from pdserve.errors import EngineFailure, RequestFailed
 from pdserve.request import FinishReason, GenerationRequest, LoadReport, Request
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ class EngineLoop:
         self.last_progress_s = time.monotonic()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self._stalled = False  # the last step scheduled nothing: wait for news before trying again
 
     # ---- called from other threads ---------------------------------------------
 
@@ -126,10 +129,9 @@ class EngineLoop:
 
     def iterate(self) -> None:
         """One turn of the loop: commands, P/D events, at most one step."""
-        self._drain_inbox(block=not self.scheduler.has_work())
+        self._drain_inbox(block=self._stalled or not self.scheduler.has_work())
         self._poll_connector()
-        if self.scheduler.has_work():
-            self.step()
+        self._stalled = self.scheduler.has_work() and not self.step()
         self._settle()
         self.last_progress_s = time.monotonic()
 
@@ -208,16 +210,34 @@ class EngineLoop:
         for request_id in self.scheduler.take_released_ids():
             self.request_ids.release(request_id)
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """Schedule, run, update, emit. False when nothing could be scheduled: no request was
+        computed, admitted, preempted or ended (only a command or a P/D event can change that)."""
         started = time.monotonic()
+        queues = self._queue_sizes()
         scheduled = self.scheduler.schedule()
         result = self._execute(scheduled)
+        result.sampled = self._drop_failed_rows(result.sampled)
         changed = self.scheduler.update(scheduled, result.sampled, result.prompt_logprobs)
         sampled = {token.request_id: token for token in result.sampled}
         now = time.monotonic()
         for request in changed:
             self._emit(request, sampled, now)
         self.stats.record_step(self.scheduler, scheduled, now - started)
+        return bool(scheduled.chunks or scheduled.preempted_request_ids) or self._queue_sizes() != queues
+
+    def _drop_failed_rows(self, sampled: list[SampledToken]) -> list[SampledToken]:
+        """Rows the sampler could not draw from fail their own requests; the rest go on."""
+        for token in sampled:
+            if token.failed:
+                logger.error("request %s: the model produced non-finite logits; failing it", token.request_id)
+                self._finish(token.request_id, FinishReason.ERROR,
+                             RequestFailed("internal error: the model produced invalid logits for this request"))
+        return [token for token in sampled if not token.failed]
+
+    def _queue_sizes(self) -> tuple[int, int, int]:
+        scheduler = self.scheduler
+        return scheduler.num_waiting, scheduler.num_waiting_for_kv, scheduler.num_running
 
     def _execute(self, scheduled: SchedulerOutput) -> StepResult:
         try:
@@ -257,7 +277,7 @@ class EngineLoop:
     def _fail_chunks(self, scheduled: SchedulerOutput, where: str) -> None:
         for chunk in scheduled.chunks:
             logger.exception("request %s failed %s", chunk.request_id, where)
-            self._finish(chunk.request_id, FinishReason.ERROR, EngineFailure(f"internal error {where}"))
+            self._finish(chunk.request_id, FinishReason.ERROR, RequestFailed(f"internal error {where}"))
 
     def _emit(self, request: Request, sampled: dict[str, SampledToken], now: float) -> None:
         try:
@@ -267,7 +287,7 @@ class EngineLoop:
             stop_reason = self.emitter.emit(request, sampled.get(request.request_id))
         except Exception:
             logger.exception("request %s: producing its output failed", request.request_id)
-            self._finish(request.request_id, FinishReason.ERROR, EngineFailure("internal error while producing the output"))
+            self._finish(request.request_id, FinishReason.ERROR, RequestFailed("internal error while producing the output"))
             return
         if stop_reason is not None:
             self.scheduler.finish(request.request_id, stop_reason)

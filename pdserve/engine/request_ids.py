@@ -16,23 +16,12 @@ import threading
 import uuid
 from typing import Optional
 
-from pdserve.errors import InvalidRequest
+# The rule itself lives with the rest of the edge validation, which the proxy shares.
+from pdserve.validation import MAX_REQUEST_ID_CHARS, REQUEST_ID_HEADER, check_request_id
 
-REQUEST_ID_HEADER = "X-Request-Id"
-MAX_REQUEST_ID_CHARS = 240  # what clients may send; internal records allow 256 (room for the suffix)
+__all__ = ["MAX_REQUEST_ID_CHARS", "REQUEST_ID_HEADER", "RequestIdRegistry", "check_request_id"]
+
 _SUFFIX_SEPARATOR = "#"
-
-
-def _is_printable_ascii(text: str) -> bool:
-    return all(" " < char <= "~" for char in text)
-
-
-def check_request_id(wanted: str) -> None:
-    if len(wanted) > MAX_REQUEST_ID_CHARS or not _is_printable_ascii(wanted):
-        raise InvalidRequest(
-            f"{REQUEST_ID_HEADER} must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters without spaces",
-            param=REQUEST_ID_HEADER,
-        )
 
 
 class RequestIdRegistry:

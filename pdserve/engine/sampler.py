@@ -4,7 +4,12 @@ Invariants: one device-to-host transfer per step (the sampled ids, with their
 logprobs and top alternatives when asked); a request with a seed draws from its own generator, so its
 tokens depend only on its seed, its logits and how many tokens it sampled before,
 never on what else shares the batch, on a preemption, or on which worker drew
-its earlier tokens.
+its earlier tokens. Every parameter the API accepts gives a token of the
+filtered distribution (a temperature that underflows float32 is the limit
+T -> 0, the argmax; a top_p that rounds to 0 keeps the top token; a top_k past
+the vocabulary keeps all; penalties and bias stay finite); a row whose logits
+are not finite, or that its grammar leaves no token, comes back `failed`,
+failing its request alone.
 
     logits ─ penalties, bias ─ grammar mask ─┬─argmax──────────────────────────────▶ greedy ids ─┐
     [rows, vocab]  (logits_processors)        │ random rows only (index_select)                   ├─ ids
@@ -48,14 +53,21 @@ class _SeededState:
     num_draws: int  # rows of noise drawn so far = tokens the request sampled
 
 
+# Temperatures are floored here: dividing by a smaller float32 (or by a float64 that
+# rounds to 0) would turn logits into inf/nan; at this floor the distribution is
+# already the argmax's one-hot (ties shared), which is the limit T -> 0.
+MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
+FAILED_TOKEN_ID = -1  # marks a row whose logits were not finite (see `SampledToken.failed`)
+
 def _top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """-inf outside each row's top-k and, within those, its top-p nucleus (always >= 1 token)."""
+    """-inf outside each row's top-k and, within those, its top-p nucleus (always >= 1 token:
+    the top one is kept even when top_p rounds to 0)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)
     drop = ranks >= top_k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p
+    drop |= (mass_before >= top_p) & (ranks > 0)
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
@@ -92,18 +104,20 @@ class Sampler:
         """(token ids [rows] int64, logprobs [rows] or None, (top ids, top logprobs) [rows, k] or None)
         without waiting for the device."""
         batch = self.batch(chunks, logits.shape[-1])
-        choosing = adjust_logits(logits, chunks) if needs_adjustment(chunks) else logits
-        if allowed is not None:
-            choosing = choosing.masked_fill(~allowed, float("-inf"))
+        choosing = _choosing_logits(logits, chunks, allowed)
         token_ids = choosing.argmax(dim=-1)
         if batch.random_rows is not None:
             drawn = self._draw(choosing.index_select(0, batch.random_rows), batch)
             token_ids.index_copy_(0, batch.random_rows, drawn)
+        # A row the model computed nan/inf logits for (or with no token left to choose) has no
+        # meaningful token: fail it alone.
+        failed = ~logits.isfinite().all(dim=-1) | (choosing.amax(dim=-1) == float("-inf"))
         if not batch.wants_logprobs:
-            return token_ids, None, None
+            return token_ids.masked_fill(failed, FAILED_TOKEN_ID), None, None
         log_probs = logits.log_softmax(dim=-1)  # of the model's own distribution
         logprobs = log_probs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
         top = log_probs.topk(batch.num_top_logprobs, dim=-1) if batch.num_top_logprobs else None
+        token_ids = token_ids.masked_fill(failed, FAILED_TOKEN_ID)
         return token_ids, logprobs, (top.indices, top.values) if top is not None else None
 
     def batch(self, chunks: Sequence[ScheduledChunk], vocab_size: int) -> SamplingBatch:
@@ -120,16 +134,17 @@ class Sampler:
                   if chunk.sampling.seed is not None]
         return SamplingBatch(
             random_rows=self._on_device([row for row, _ in random], torch.int64),
-            temperatures=self._on_device([[p.temperature] for p in params], torch.float32),
-            top_k=self._on_device([[p.top_k if p.top_k > 0 else vocab_size] for p in params], torch.int64)
-            if filtered else None,
+            temperatures=self._on_device([[max(p.temperature, MIN_TEMPERATURE)] for p in params], torch.float32),
+            top_k=self._on_device([[min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size] for p in params],
+                                  torch.int64) if filtered else None,
             top_p=self._on_device([[p.top_p if p.top_p < 1.0 else float("inf")] for p in params], torch.float32)
             if filtered else None,
             seeded=seeded, wants_logprobs=wants_logprobs, num_top_logprobs=num_top,
         )
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        scaled = logits / batch.temperatures
+        # Shifted so the top logit is 0: however small the temperature, nothing overflows to +inf.
+        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / batch.temperatures
         if batch.top_k is not None:
             scaled = _top_k_top_p_mask(scaled, batch.top_k, batch.top_p)
         probs = scaled.softmax(dim=-1)
@@ -160,11 +175,22 @@ class Sampler:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
 
+def _choosing_logits(logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
+                     allowed: Optional[torch.Tensor]) -> torch.Tensor:
+    """The logits a token is chosen from: penalties, bias and min_tokens applied, then the grammar mask
+    (min_tokens never hides the EOS a grammar row may need: see `ScheduledChunk.suppressed_stop_ids`)."""
+    adjusted = adjust_logits(logits, chunks) if needs_adjustment(chunks) else logits
+    return adjusted if allowed is None else adjusted.masked_fill(~allowed, float("-inf"))
+
+
 def unpack_sampled(rows: list[list[float]], chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:
     """The host side of `sample_packed`: one `SampledToken` per row, alternatives trimmed to what each asked."""
     sampled = []
     for chunk, values in zip(chunks, rows):
         token_id = int(values[0])
+        if token_id == FAILED_TOKEN_ID:
+            sampled.append(SampledToken(chunk.request_id, token_id, 0.0, failed=True))
+            continue
         if not chunk.sampling.logprobs or len(values) == 1:
             sampled.append(SampledToken(chunk.request_id, token_id, 0.0))
             continue

@@ -81,6 +81,7 @@ class SampledToken:
     token_id: int
     logprob: float
     top_logprobs: TopLogprobs = ()  # the most likely alternatives, when asked
+    failed: bool = False  # no token could be drawn for this row (its logits were not finite)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Optional
 from pdserve.config import SchedulerConfig
 from pdserve.engine.schedule_types import PromptLogprobs, SampledToken, ScheduledChunk, SchedulerOutput
 from pdserve.engine.stop_rules import check_stop
-from pdserve.errors import EngineFailure, PdserveError
+from pdserve.errors import EngineFailure, PdserveError, RequestFailed
 from pdserve.kv.hashing import hash_full_blocks
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.prefix import PrefixHit
@@ -110,7 +110,10 @@ class Scheduler:
             action = FREE_NOW
             if reason in (FinishReason.STOP, FinishReason.LENGTH):
                 reason = FinishReason.ERROR
-                request.error = EngineFailure("internal error while handing the request's KV over")
+                request.error = RequestFailed("internal error while handing the request's KV over")
+        if action.error is not None:
+            reason = FinishReason.ERROR
+            request.error = action.error
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.kv_transfer_params = action.kv_transfer_params
@@ -175,7 +178,7 @@ class Scheduler:
                 num_new, preempted_now = self._fit_running(request, output, budget, scheduled_ids)
             except Exception:
                 logger.exception("request %s: scheduling failed", request.request_id)
-                self._fail(request, EngineFailure("internal error while scheduling the request"))
+                self._fail(request, RequestFailed("internal error while scheduling the request"))
                 continue  # the list shrank under index
             preempted |= preempted_now
             if request.status is not RequestStatus.RUNNING:
@@ -241,7 +244,7 @@ class Scheduler:
                 num_scheduled = self._admit(request, output, budget)
             except Exception:
                 logger.exception("request %s: admission failed", request.request_id)
-                self._fail(request, EngineFailure("internal error while scheduling the request"))
+                self._fail(request, RequestFailed("internal error while scheduling the request"))
                 continue
             if num_scheduled is None:
                 break  # first come first served: do not let later requests jump the queue
@@ -339,7 +342,7 @@ class Scheduler:
                     changed.append(request)
             except Exception:
                 logger.exception("request %s: updating after the step failed", request.request_id)
-                self._fail(request, EngineFailure("internal error while updating the request"))
+                self._fail(request, RequestFailed("internal error while updating the request"))
         return changed
 
     def _advance(self, request: Request, chunk: ScheduledChunk, token: Optional[SampledToken]) -> bool:

@@ -24,6 +24,7 @@ import llguidance.torch as llguidance_torch
 import torch
 
 from pdserve.engine.schedule_types import SampledToken, ScheduledChunk
+from pdserve.grammar.errors import GrammarTokenizerUnavailable
 from pdserve.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -38,13 +39,21 @@ class GrammarTokenizer:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(tokenizer.eos_token_ids)
         self._built: Optional[llguidance.LLTokenizer] = None
+        self._failure: Optional[str] = None
         self._lock = threading.Lock()
 
     def get(self) -> llguidance.LLTokenizer:
+        """`GrammarTokenizerUnavailable` when llguidance cannot read this tokenizer (a request fault, a 400)."""
         with self._lock:
+            if self._built is None and self._failure is None:
+                try:
+                    self._built = llguidance.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                                         eos_token=self.eos_token_ids)
+                except Exception as exc:  # noqa: BLE001 - whatever llguidance says, the answer is the same
+                    logger.warning("structured outputs are unavailable: llguidance cannot read the tokenizer: %s", exc)
+                    self._failure = f"its tokenizer cannot be used for grammars ({exc})"
             if self._built is None:
-                self._built = llguidance.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
-                                                     eos_token=self.eos_token_ids)
+                raise GrammarTokenizerUnavailable(self._failure)
             return self._built
 
 
@@ -97,7 +106,7 @@ class GrammarMatchers:
     def consume(self, chunks: Sequence[ScheduledChunk], sampled: Sequence[SampledToken]) -> None:
         """Advance each grammar row's matcher by the token it sampled."""
         for chunk, token in zip(chunks, sampled):
-            if not chunk.sampling.grammar:
+            if not chunk.sampling.grammar or token.failed:  # a failed row's request ends here
                 continue
             state = self._matchers.get(chunk.request_id)
             if state is None:

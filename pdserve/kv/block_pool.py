@@ -3,13 +3,16 @@
 Invariant: every block but the null block 0 is in exactly one state: in use
 (ref > 0, owned by one group), free and cached (ref 0, in the LRU, still
 findable by its (hash, group) key) or free and uncached (ref 0, no owner).
-Torch-free: this module only hands out integers.
+Every key that enters or leaves the cache map is reported to the optional
+`KVEventRecorder`, in order. Torch-free: this module only hands out integers.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from typing import Iterable, Optional, Sequence
+
+from pdserve.kv.events import CachedBlock, KVEventRecorder
 
 NULL_BLOCK_ID = 0
 _NO_OWNER = -1
@@ -29,13 +32,15 @@ class BlockPool:
     """Block ids 1..num_blocks-1 shared by all KV groups; block 0 is the permanent
     null placeholder (never allocated, freed, cached or counted)."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, events: Optional[KVEventRecorder] = None):
         if num_blocks < 2:
             raise ValueError(f"a pool needs the null block plus at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
         self._owners = [_NO_OWNER] * num_blocks
         self._keys: list[Optional[CacheKey]] = [None] * num_blocks
+        self._parents: list[Optional[bytes]] = [None] * num_blocks  # parent hash of a cached block
+        self._events = events
         self._free_ids: deque[int] = deque(range(1, num_blocks))
         # Free blocks that still hold a cached prefix, least recently freed first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -153,8 +158,9 @@ class BlockPool:
                 self._owners[block_id] = _NO_OWNER
                 self._free_ids.append(block_id)
 
-    def cache(self, block_id: int, block_hash: bytes, group_id: int) -> bool:
-        """Register a full in-use block under (block_hash, group_id).
+    def cache(self, block_id: int, block_hash: bytes, group_id: int, parent_hash: Optional[bytes] = None) -> bool:
+        """Register a full in-use block under (block_hash, group_id); `parent_hash` is the hash
+        of the block before it in its sequence (None for the first), reported with the event.
 
         Returns False, leaving the block uncached, when another block already
         holds that key (two requests computed the same content at once).
@@ -172,10 +178,35 @@ class BlockPool:
             return False
         self._cached_ids[key] = block_id
         self._keys[block_id] = key
+        self._parents[block_id] = parent_hash
+        if self._events is not None:
+            self._events.stored(block_hash, parent_hash, group_id)
         return True
 
     def lookup(self, block_hash: bytes, group_id: int) -> Optional[int]:
         return self._cached_ids.get((block_hash, group_id))
+
+    def clear_cache(self) -> int:
+        """Drop every prefix-cache key; returns how many. Free cached blocks become free
+        uncached, blocks in use stay with their holders (and go to the free list when freed)."""
+        num_keys = len(self._cached_ids)
+        for block_id in self._cached_ids.values():
+            self._keys[block_id] = None
+            self._parents[block_id] = None
+        self._cached_ids.clear()
+        for block_id in self._evictable:
+            self._owners[block_id] = _NO_OWNER
+            self._free_ids.append(block_id)
+        self._evictable.clear()
+        if self._events is not None:
+            self._events.cleared()
+        return num_keys
+
+    def cached_blocks(self) -> list[CachedBlock]:
+        """Every key of the cache map, oldest first; O(cached blocks), for snapshots of the event stream."""
+        parents = self._parents
+        return [CachedBlock(block_hash, parents[block_id], group_id)
+                for (block_hash, group_id), block_id in self._cached_ids.items()]
 
     # ---- internals ------------------------------------------------------------------
 
@@ -188,6 +219,9 @@ class BlockPool:
         if key is not None:
             del self._cached_ids[key]
             self._keys[block_id] = None
+            self._parents[block_id] = None
+            if self._events is not None:
+                self._events.removed(key[0], key[1])
 
     def check_invariants(self) -> None:
         """Raise KVInvariantError if the bookkeeping is inconsistent (O(num_blocks))."""
@@ -240,6 +274,8 @@ class BlockPool:
                     for key, b in self._cached_ids.items() if self._keys[b] != key]
         for b, key in enumerate(self._keys):
             if key is None:
+                if self._parents[b] is not None:
+                    problems.append(f"uncached block {b} still records a parent hash")
                 continue
             if self._cached_ids.get(key) != b:
                 problems.append(f"block {b} has a key missing from the cache map")

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from pdserve.kv.block_pool import NULL_BLOCK_ID, BlockPool, KVInvariantError
-from pdserve.kv.prefix import PrefixCacheStats, PrefixHit, first_live_block, match_prefix
+from pdserve.kv.events import KVEventRecorder, KVSnapshot
+from pdserve.kv.prefix import PrefixCacheStats, PrefixHit, first_live_block, match_prefix, max_hit_blocks
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ class _RequestBlocks:
 class KVCacheManager:
     """Hybrid group allocator: one block table per (request, group), one pool."""
 
-    def __init__(self, plan: KVGroupPlan, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, plan: KVGroupPlan, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: Optional[KVEventRecorder] = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if [g.group_id for g in plan.groups] != list(range(len(plan.groups))):
@@ -50,7 +52,8 @@ class KVCacheManager:
         self.plan = plan
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.events = events
+        self.pool = BlockPool(num_blocks, events)
         self._requests: dict[str, _RequestBlocks] = {}
         self._stats = PrefixCacheStats()
 
@@ -79,8 +82,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return PrefixHit.empty(self.num_groups)
-        max_blocks = max(0, num_prompt_tokens - 1) // self.block_size
-        hit = match_prefix(self.pool, self.plan, block_hashes, max_blocks, self.block_size)
+        hit = match_prefix(self.pool, self.plan, block_hashes, max_hit_blocks(num_prompt_tokens, self.block_size),
+                           self.block_size)
         self._stats.num_queries += 1
         self._stats.num_query_tokens += max(0, num_prompt_tokens)
         self._stats.num_hit_tokens += hit.num_tokens
@@ -97,8 +100,18 @@ class KVCacheManager:
             end = min(num_full, len(table))
             for index in range(state.num_committed[group_id], end):
                 if table[index] != NULL_BLOCK_ID:
-                    self.pool.cache(table[index], block_hashes[index], group_id)
+                    parent = block_hashes[index - 1] if index > 0 else None
+                    self.pool.cache(table[index], block_hashes[index], group_id, parent)
             state.num_committed[group_id] = max(state.num_committed[group_id], end)
+
+    def clear_prefix_cache(self) -> int:
+        """Forget every cached prefix (blocks in use stay with their requests); returns the keys dropped."""
+        return self.pool.clear_cache()
+
+    def snapshot_cache(self) -> KVSnapshot:
+        """Every cached block as of the last recorded event (engine thread: both read the same state)."""
+        last_seq = self.events.last_seq if self.events is not None else 0
+        return KVSnapshot(last_seq, tuple(self.pool.cached_blocks()))
 
     # ---- allocation ------------------------------------------------------------------
 

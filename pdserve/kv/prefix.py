@@ -8,10 +8,17 @@ covering every key position the token at L attends to. Takes no references.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Protocol, Sequence
 
-from pdserve.kv.block_pool import NULL_BLOCK_ID, BlockPool, KVInvariantError
+from pdserve.kv.block_pool import NULL_BLOCK_ID, KVInvariantError
 from pdserve.kv.specs import FullAttentionSpec, KVGroup, KVGroupPlan
+
+
+class BlockLookup(Protocol):
+    """What matching reads: the block pool, or a router's view of one worker's cache."""
+
+    def lookup(self, block_hash: bytes, group_id: int) -> Optional[int]:
+        """The block cached under (block_hash, group_id), or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,13 +43,19 @@ class PrefixCacheStats:
     num_hit_tokens: int = 0  # tokens they found cached
 
 
+def max_hit_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Most blocks a prompt can take from the cache: never its last token, which is always
+    computed for its logits. One rule for the workers and for the proxy's predictions."""
+    return max(0, num_prompt_tokens - 1) // block_size
+
+
 def first_live_block(group: KVGroup, num_tokens: int, block_size: int) -> int:
     """Index of the first block a query at position `num_tokens` still reads:
     every block before it lies wholly outside the group's attention window."""
     return group.spec.needed_from(num_tokens) // block_size
 
 
-def match_prefix(pool: BlockPool, plan: KVGroupPlan, block_hashes: Sequence[bytes], max_blocks: int,
+def match_prefix(pool: BlockLookup, plan: KVGroupPlan, block_hashes: Sequence[bytes], max_blocks: int,
                  block_size: int) -> PrefixHit:
     """The longest prefix of at most `max_blocks` blocks every group can serve."""
     limit = max(0, min(max_blocks, len(block_hashes)))
@@ -61,7 +74,7 @@ def match_prefix(pool: BlockPool, plan: KVGroupPlan, block_hashes: Sequence[byte
     return PrefixHit(num_blocks * block_size, block_ids, tuple(block_hashes[:num_blocks]))
 
 
-def _match_run(pool: BlockPool, block_hashes: Sequence[bytes], group_id: int) -> list[int | None]:
+def _match_run(pool: BlockLookup, block_hashes: Sequence[bytes], group_id: int) -> list[int | None]:
     ids: list[int | None] = []
     for block_hash in block_hashes:
         block_id = pool.lookup(block_hash, group_id)

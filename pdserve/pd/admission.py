@@ -1,9 +1,10 @@
 """Async side of P/D: turn a request's parsed `kv_transfer_params` into what the engine may act on.
 
 Invariant: the engine thread only ever sees a decode request whose params are
-well formed, whose peer answered the handshake with a matching compatibility
-hash, engine id and epoch, whose block lists fit that peer's pool and the
-prompt, and whose peer's data path is connected. Everything else is a typed
+well formed, whose peer is a bare host on the allow-list (when there is one)
+and answered the handshake with a matching compatibility hash, engine id and
+epoch, whose block lists fit that peer's pool and the prompt, and whose
+peer's data path is connected. Everything else is a typed
 4xx, or (for a peer that cannot be reached) the failure policy's outcome; a
 peer that failed is remembered per (engine id, epoch) with a backoff so later
 requests get that outcome at once. Torch-free.
@@ -22,7 +23,8 @@ from pdserve.kv.specs import KVGroupPlan
 from pdserve.pd.connector import RemoteSource
 from pdserve.pd.geometry import handoff_ranges
 from pdserve.pd.handshake import AgentInfo, HandshakeClient
-from pdserve.pd.params import KVParamsInvalid, KVPullFailed, RemoteDecodeRequest, RemotePrefillParams
+from pdserve.pd.peer_trust import PeerAllowList
+from pdserve.pd.params import KVParamsInvalid, KVPinnedFull, KVPullFailed, RemoteDecodeRequest, RemotePrefillParams
 from pdserve.request import GenerationRequest
 from pdserve.transfer.planner import validate_remote_block_ids
 from pdserve.transfer.transport import PeerInfo, TransferError
@@ -46,11 +48,24 @@ class LocalAdmission:
 
 
 class PrefillAdmission:
-    """P: a do_remote_decode request computes the prompt and one token, then keeps its KV."""
+    """P: a do_remote_decode request computes the prompt and one token, then keeps its KV;
+    refused at once (503) when its blocks would not fit under the pinned-blocks limit."""
+
+    def __init__(self, plan: Optional[KVGroupPlan] = None, block_size: int = 16,
+                 has_room_to_pin: Callable[[int], bool] = lambda num_blocks: True):
+        self.plan = plan
+        self.block_size = block_size
+        self.has_room_to_pin = has_room_to_pin
 
     async def admit(self, request: GenerationRequest) -> GenerationRequest:
         if not isinstance(request.kv_params, RemoteDecodeRequest):
             return dataclasses.replace(request, kv_params=None)
+        if self.plan is not None:
+            num_prompt_tokens = len(request.prompt_token_ids)
+            num_blocks = sum(len(r) for r in handoff_ranges(self.plan, num_prompt_tokens, self.block_size))
+            if not self.has_room_to_pin(num_blocks):
+                raise KVPinnedFull(f"this prefill worker holds as many blocks for decode workers as it may "
+                                   f"({num_blocks} more needed): retry later or elsewhere")
         # Its one token is thrown away: skip what only shapes the answer (the decode worker applies it).
         sampling = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=0, grammar=None, logprobs=False,
                                        top_logprobs=0, prompt_logprobs=None)
@@ -100,8 +115,10 @@ class DecodeAdmission:
 
     def __init__(self, handshake: HandshakeClient, plan: KVGroupPlan, block_size: int,
                  policy: Literal["recompute", "fail"], connect_peer: ConnectPeer,
-                 failures: Optional[PeerFailureMemory] = None, count_failure: Callable[[], None] = lambda: None):
+                 failures: Optional[PeerFailureMemory] = None, count_failure: Callable[[], None] = lambda: None,
+                 allowed_peers: Optional[PeerAllowList] = None):
         self.count_failure = count_failure
+        self.allowed_peers = allowed_peers
         self.handshake = handshake
         self.plan = plan
         self.block_size = block_size
@@ -119,6 +136,8 @@ class DecodeAdmission:
                 f"kv_transfer_params.num_prompt_tokens is {params.num_prompt_tokens} but the prompt has "
                 f"{len(request.prompt_token_ids)} tokens here (different prompt or tokenizer)"
             )
+        if self.allowed_peers is not None:
+            self.allowed_peers.check(params.remote_host)  # before any connection to it
         peer_key = f"{params.remote_engine_id}@{params.remote_epoch}"
         reason = self.failures.reason_to_skip(peer_key)
         if reason is not None:

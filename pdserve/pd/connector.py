@@ -62,6 +62,7 @@ class FinishAction:
 
     free_blocks: bool = True  # False: the connector holds them until it reports them in `released`
     kv_transfer_params: Optional[RemotePrefillParams] = None  # P: what the decode worker needs
+    error: Optional[PdserveError] = None  # the request ends with this error instead (e.g. no room to pin)
 
 
 FREE_NOW = FinishAction()

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan
 from pdserve.pd.params import PROTOCOL_VERSION, KVParamsInvalid, KVParamsStale, KVPullFailed, RemotePrefillParams
+from pdserve.pd.peer_trust import url_host
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class HandshakeClient:
 
     async def _fetch(self, host: str, port: int) -> AgentInfo:
         headers = {TOKEN_HEADER: self.token} if self.token else {}
-        url = f"http://{host}:{port}{AGENT_INFO_PATH}"
+        url = f"http://{url_host(host)}:{port}{AGENT_INFO_PATH}"
         try:
             async with httpx.AsyncClient(timeout=self.timeout_s, transport=self.http_transport) as client:
                 response = await client.get(url, headers=headers)

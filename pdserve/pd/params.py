@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
 from pdserve.errors import InvalidRequest, PdserveError
+from pdserve.pd.peer_trust import bare_host
 
 PROTOCOL_VERSION = 1
 _PARAM = "kv_transfer_params"
@@ -39,12 +40,32 @@ class KVPullFailed(PdserveError):
     error_type = "kv_pull_failed"
 
 
+class KVPinnedFull(PdserveError):
+    """P holds as many blocks for decode workers as it may: another prefill worker (or later) (503)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    retry_after_s = 1
+
+
+class KVReleaseRequest(BaseModel):
+    """`POST /internal/kv/release` on P: the proxy gives up on a prefill's KV (its decode leg failed)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    remote_request_id: StrictStr = Field(min_length=1, max_length=256)
+    remote_engine_id: StrictStr = Field(min_length=1, max_length=128)
+    remote_epoch: StrictStr = Field(min_length=1, max_length=64)
+
+
 class RemoteDecodeRequest(BaseModel):
-    """What the proxy sends P: 'prefill this, keep the KV for a decode worker'."""
+    """What the proxy sends P: 'prefill this, keep the KV for a decode worker'. Our proxy adds
+    the decode leg's token budget, so P refuses what D would refuse before computing anything."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
     do_remote_decode: StrictBool
     do_remote_prefill: StrictBool = False
+    decode_max_tokens: Optional[StrictInt] = Field(None, ge=1)
+    decode_min_tokens: Optional[StrictInt] = Field(None, ge=0)
 
 
 class RemotePrefillParams(BaseModel):
@@ -64,6 +85,11 @@ class RemotePrefillParams(BaseModel):
     num_prompt_tokens: StrictInt = Field(ge=1)
     lease_s: float = Field(gt=0)
     protocol_version: StrictInt = PROTOCOL_VERSION
+
+    @field_validator("remote_host")
+    @classmethod
+    def _bare_host(cls, host: str) -> str:
+        return bare_host(host)  # it becomes part of the handshake URL: nothing but a host may hide in it
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump()

@@ -1,16 +1,19 @@
 """Prefill side of P/D, engine thread: keep a finished remote-decode prefill's blocks for the decode worker.
 
-Invariant: a pinned request's blocks stay allocated (nothing can reuse them
+Invariants: a pinned request's blocks stay allocated (nothing can reuse them
 under a remote READ) until exactly one of: the reader's completion
-notification, an early-release message, or lease expiry; only then are they
-reported `released` for the scheduler to free. Torch-free.
+notification, an early-release message (D's "free", or the proxy's release
+call once the decode leg failed), or lease expiry; only then are they
+reported `released` for the scheduler to free. Pinned blocks never exceed
+`max_pinned_blocks` (but for one request larger than that, pinned alone): a
+prefill that would pass it ends with 503 instead of pinning. Torch-free.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from pdserve.kv.block_pool import NULL_BLOCK_ID, KVInvariantError
 from pdserve.kv.specs import KVGroupPlan
@@ -19,7 +22,7 @@ from pdserve.pd.connector import ADMIT_LOCAL, FREE_NOW, Admission, FinishAction,
 from pdserve.pd.geometry import handoff_ranges, handoff_slices
 from pdserve.pd.leases import LeaseTable
 from pdserve.pd.messages import parse_message
-from pdserve.pd.params import RemotePrefillParams
+from pdserve.pd.params import KVPinnedFull, RemotePrefillParams
 from pdserve.request import FinishReason, Request
 from pdserve.transfer.transport import KVTransport
 
@@ -40,13 +43,17 @@ class PrefillConnector:
     """The prefill worker's `KVConnector`."""
 
     def __init__(self, transport: KVTransport, leases: LeaseTable, identity: PrefillIdentity, plan: KVGroupPlan,
-                 block_size: int, metrics: TransferMetrics):
+                 block_size: int, metrics: TransferMetrics, max_pinned_blocks: Optional[int] = None):
         self.transport = transport
         self.leases = leases
         self.identity = identity
         self.plan = plan
         self.block_size = block_size
         self.metrics = metrics
+        self.max_pinned_blocks = max_pinned_blocks  # None: no cap
+        self._released_early: list[str] = []
+        if max_pinned_blocks is not None:
+            metrics.pinned_blocks_limit.set(max_pinned_blocks)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -73,11 +80,31 @@ class PrefillConnector:
         block_ids = handoff_slices(block_tables, ranges)
         if any(NULL_BLOCK_ID in ids for ids in block_ids):
             raise KVInvariantError(f"request {request.request_id}: a block the decode worker needs was released")
-        lease = self.leases.pin(request.request_id, sum(len(ids) for ids in block_ids))
+        num_blocks = sum(len(ids) for ids in block_ids)
+        if not self.has_room_to_pin(num_blocks):
+            self.metrics.pinned_refusals.inc()
+            return FinishAction(error=self._full_error(num_blocks))
+        lease = self.leases.pin(request.request_id, num_blocks)
         self.metrics.pinned_blocks.set(self.leases.num_pinned_blocks)
         logger.info("request %s: %d blocks pinned for a decode worker (lease %.0fs)",
                     request.request_id, lease.num_blocks, self.leases.lease_s)
         return FinishAction(free_blocks=False, kv_transfer_params=self._params(request, block_ids))
+
+    def has_room_to_pin(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` more may be pinned (read from other threads too: plain int compares).
+        A request larger than the whole limit may pin when nothing else is, or it could never run."""
+        cap, pinned = self.max_pinned_blocks, self.leases.num_pinned_blocks
+        return cap is None or pinned + num_blocks <= cap or pinned == 0
+
+    def _full_error(self, num_blocks: int) -> KVPinnedFull:
+        return KVPinnedFull(f"this prefill worker holds {self.leases.num_pinned_blocks} blocks for decode workers; "
+                            f"{num_blocks} more would pass its limit of {self.max_pinned_blocks}: retry later")
+
+    def release_early(self, request_id: str) -> None:
+        """The proxy gave up on this prefill (its decode leg failed or was refused): free at the next poll."""
+        if self.leases.release(request_id):
+            self._released_early.append(request_id)
+            logger.info("request %s: blocks released (the proxy gave up on its decode leg)", request_id)
 
     def _params(self, request: Request, block_ids: list[list[int]]) -> RemotePrefillParams:
         return RemotePrefillParams(
@@ -97,11 +124,12 @@ class PrefillConnector:
     # ---- the engine loop's tick -------------------------------------------------------
 
     def has_pending(self) -> bool:
-        return self.leases.num_pinned_requests > 0
+        return self.leases.num_pinned_requests > 0 or bool(self._released_early)
 
     def poll(self) -> KVEvents:
-        """Apply readers' messages, then expire leases that ran out."""
-        events = KVEvents()
+        """Apply readers' messages and early releases, then expire leases that ran out."""
+        events = KVEvents(released=self._released_early)
+        self._released_early = []
         for payload in self.transport.poll_notifications():
             self._apply_message(payload, events)
         for request_id in self.leases.expire():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import httpx
 
@@ -23,6 +23,7 @@ from pdserve.pd.connector import KVConnector, NoConnector
 from pdserve.pd.decode import DecodeConnector
 from pdserve.pd.handshake import PROTOCOL_VERSION, AgentInfo, HandshakeClient, PoolGeometry, groups_to_wire
 from pdserve.pd.leases import LeaseTable
+from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.pd.peers import PeerConnections
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
 from pdserve.transfer.transport import KVTransport
@@ -77,13 +78,26 @@ def build_kv_side(config: WorkerConfig, metrics: Metrics, pool: PoolDescription,
     )
     if config.role == "prefill":
         identity = PrefillIdentity(engine_id, epoch, transfer.advertise_host or config.server.host, config.server.port)
+        max_pinned = int(transfer.max_pinned_share * (pool.num_blocks - 1))  # block 0 is the null block
         connector = PrefillConnector(transport, LeaseTable(transfer.lease_s), identity, pool.plan, pool.block_size,
-                                     metrics.transfer)
+                                     metrics.transfer, max_pinned_blocks=max_pinned)
         return KVSide(connector, transport, agent_info)
     peers = PeerConnections(transport, transfer.connect_timeout_s)
     connector = DecodeConnector(transport, peers, pool.plan, pool.block_size, metrics.transfer,
                                 transfer.failure_policy, transfer.pull_timeout_s, transfer.heartbeat_s)
     return KVSide(connector, transport, agent_info, peers)
+
+
+def _counted_room_check(connector: PrefillConnector, metrics: Metrics) -> Callable[[int], bool]:
+    """The prefill admission's question, with refusals counted."""
+
+    def has_room_to_pin(num_blocks: int) -> bool:
+        if connector.has_room_to_pin(num_blocks):
+            return True
+        metrics.transfer.pinned_refusals.inc()
+        return False
+
+    return has_room_to_pin
 
 
 def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescription, side: KVSide,
@@ -93,7 +107,8 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
     if config.role == "colocated":
         return LocalAdmission()
     if config.role == "prefill":
-        return PrefillAdmission()
+        return PrefillAdmission(pool.plan, pool.block_size, _counted_room_check(cast(PrefillConnector, side.connector),
+                                                                               metrics))
     transfer = config.transfer
     handshake = HandshakeClient(pool.compat_hash, config.server.internal_token, transfer.handshake_timeout_s,
                                 on_handshake=metrics.transfer.handshakes.inc, http_transport=http_transport)
@@ -101,4 +116,4 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
     connect = engine_thread_connector(run_on_engine_thread, side.peers.ensure, transfer.connect_timeout_s + 1.0)
     failures = metrics.transfer.failures.labels(policy=transfer.failure_policy)
     return DecodeAdmission(handshake, pool.plan, pool.block_size, transfer.failure_policy, connect,
-                           count_failure=failures.inc)
+                           count_failure=failures.inc, allowed_peers=PeerAllowList.parse(transfer.allowed_peers))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from fastapi import APIRouter, FastAPI
 
-from pdserve.config import ServerConfig
+from pdserve.config import LimitsConfig, ServerConfig
 from pdserve.metrics import Metrics
 from pdserve.server.context import ServingContext
 from pdserve.server.errors import install_error_handlers
@@ -28,9 +28,10 @@ def create_app(
     config: ServerConfig,
     *,
     extra_routers: Sequence[APIRouter] = (),
+    limits: LimitsConfig = LimitsConfig(),
 ) -> FastAPI:
     """Build the worker's app; `extra_routers` lets other subsystems (KV hand-off) mount their routes."""
-    ctx = ServingContext(engine=engine, metrics=metrics, config=config)
+    ctx = ServingContext(engine=engine, metrics=metrics, config=config, limits=limits)
     # The generation routes parse raw bodies themselves, so a generated OpenAPI
     # schema would be empty and misleading: leave it out.
     app = FastAPI(title="pdserve", openapi_url=None, docs_url=None, redoc_url=None)

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdserve.config import ServerConfig
+from pdserve.config import LimitsConfig, ServerConfig
 from pdserve.engine.request_ids import REQUEST_ID_HEADER, RequestIdRegistry
 from pdserve.metrics import Metrics
 
@@ -26,7 +26,9 @@ class ServingContext:
     engine: "EngineClient"
     metrics: Metrics
     config: ServerConfig
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     created_s: int = field(default_factory=lambda: int(time.time()))  # the `created` of /v1/models
+    num_open_streams: int = 0  # streamed answers under way (bounded by config.max_concurrent_streams)
 
     @property
     def request_ids(self) -> RequestIdRegistry:

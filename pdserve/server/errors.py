@@ -10,28 +10,30 @@ from __future__ import annotations
 import hmac
 
 import logging
-from typing import Any, Optional
+from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from pdserve.errors import InvalidRequest, PdserveError, Unauthorized
+from pdserve.errors import PdserveError, Unauthorized
 from pdserve.metrics import RequestMetrics
 from pdserve.protocol import ErrorInfo, ErrorResponse
 from pdserve.server.context import REQUEST_ID_HEADER
+from pdserve.validation import invalid_request_from_validation
 
 logger = logging.getLogger(__name__)
 
-_MAX_REPORTED_ERRORS = 3
+__all__ = ["invalid_request_from_validation", "install_error_handlers", "check_internal_token"]
+
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     503: "service_unavailable",
 }
@@ -70,43 +72,18 @@ def body_for_exception(exc: PdserveError) -> ErrorResponse:
     return error_response_body(exc.status_code, exc.message, exc.error_type, exc.param)
 
 
-def invalid_request_from_validation(exc: ValidationError | RequestValidationError) -> InvalidRequest:
-    """Summarise pydantic's errors into one readable message and the first offending field."""
-    errors = exc.errors()
-    params = [_location(error) for error in errors]
-    described = [_describe(error, param) for error, param in zip(errors, params)]
-    message = "; ".join(described[:_MAX_REPORTED_ERRORS])
-    if len(described) > _MAX_REPORTED_ERRORS:
-        message += f" (and {len(described) - _MAX_REPORTED_ERRORS} more)"
-    return InvalidRequest(message, param=params[0] if params and params[0] else None)
-
-
-def _location(error: Any) -> str:
-    # FastAPI prefixes locations with where the value came from ("body", "query").
-    parts = [str(part) for part in error.get("loc", ())]
-    if parts and parts[0] in ("body", "query", "path", "header"):
-        parts = parts[1:]
-    return ".".join(parts)
-
-
-def _describe(error: Any, param: str) -> str:
-    kind = error.get("type")
-    if kind == "json_invalid":
-        return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}"
-    if kind in ("model_type", "model_attributes_type", "dict_type") and not param:
-        return "the request body must be a JSON object"
-    text = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
-    return f"{param}: {text}" if param else text
-
-
 def _headers(request: Request) -> dict[str, str]:
     request_id = getattr(request.state, "request_id", None)
     return {REQUEST_ID_HEADER: request_id} if request_id else {}
 
 
-def _json_error(request: Request, metrics: RequestMetrics, body: ErrorResponse, status_code: int) -> JSONResponse:
+def _json_error(request: Request, metrics: RequestMetrics, body: ErrorResponse, status_code: int,
+                retry_after_s: Optional[int] = None) -> JSONResponse:
     metrics.count_error(status_code)
-    return JSONResponse(body.model_dump(), status_code=status_code, headers=_headers(request))
+    headers = _headers(request)
+    if status_code == 503:
+        headers["Retry-After"] = str(retry_after_s or 1)
+    return JSONResponse(body.model_dump(), status_code=status_code, headers=headers)
 
 
 def install_error_handlers(app: FastAPI, metrics: RequestMetrics) -> None:
@@ -118,7 +95,7 @@ def install_error_handlers(app: FastAPI, metrics: RequestMetrics) -> None:
         # Client mistakes are routine; an unavailable engine deserves attention; a 5xx is a fault.
         log = logger.info if exc.status_code < 500 else logger.warning if exc.status_code == 503 else logger.error
         log("request %s rejected (%d): %s", getattr(request.state, "request_id", "-"), exc.status_code, exc.message)
-        return _json_error(request, metrics, body_for_exception(exc), exc.status_code)
+        return _json_error(request, metrics, body_for_exception(exc), exc.status_code, exc.retry_after_s)
 
     async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
         return await on_pdserve_error(request, invalid_request_from_validation(exc))

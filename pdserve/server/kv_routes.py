@@ -1,7 +1,10 @@
-"""Internal routes of P/D workers: `GET /internal/kv/agent_info` (the handshake).
+"""Internal routes of P/D workers: `GET /internal/kv/agent_info` (the handshake) and, on a prefill
+worker, `POST /internal/kv/release` (the proxy gives up on a prefill's KV once its decode leg failed).
 
-Guarded by the shared internal token when one is configured: the reply lets a
-caller address this worker's memory.
+Guarded by the shared internal token when one is configured: the handshake
+lets a caller address this worker's memory, a release frees it. A release
+names the engine id and epoch the KV came from, so a stale one (this worker
+restarted since) frees nothing.
 """
 
 from __future__ import annotations
@@ -9,22 +12,47 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from pdserve.errors import EngineNotReady
-from pdserve.server.errors import check_internal_token
 from pdserve.pd.handshake import AGENT_INFO_PATH, AgentInfo
+from pdserve.pd.params import KVParamsStale, KVReleaseRequest
+from pdserve.server.errors import check_internal_token
+from pdserve.validation import invalid_request_from_validation
+
+RELEASE_PATH = "/internal/kv/release"
+_MAX_RELEASE_BODY_BYTES = 4096
 
 
-def create_kv_router(agent_info: Callable[[], Optional[AgentInfo]], internal_token: Optional[str]) -> APIRouter:
+def create_kv_router(agent_info: Callable[[], Optional[AgentInfo]], internal_token: Optional[str],
+                     release: Optional[Callable[[str], None]] = None) -> APIRouter:
+    """`release(request_id)` asks the engine thread to free a pinned prefill (prefill workers only)."""
     router = APIRouter()
+
+    def ready_agent() -> AgentInfo:
+        info = agent_info()
+        if info is None:
+            raise EngineNotReady("the KV pool is not registered yet (model loading)")
+        return info
 
     @router.get(AGENT_INFO_PATH)
     async def get_agent_info(request: Request) -> Response:
         check_internal_token(request, internal_token)
-        info = agent_info()
-        if info is None:
-            raise EngineNotReady("the KV pool is not registered yet (model loading)")
-        return Response(info.model_dump_json(), media_type="application/json")
+        return Response(ready_agent().model_dump_json(), media_type="application/json")
+
+    if release is not None:
+        @router.post(RELEASE_PATH)
+        async def release_pinned(request: Request) -> Response:
+            check_internal_token(request, internal_token)
+            try:
+                body = KVReleaseRequest.model_validate_json((await request.body())[:_MAX_RELEASE_BODY_BYTES])
+            except ValidationError as error:
+                raise invalid_request_from_validation(error) from None
+            info = ready_agent()
+            if (body.remote_engine_id, body.remote_epoch) != (info.engine_id, info.epoch):
+                raise KVParamsStale("the KV names another engine or an earlier start of this one: nothing to release")
+            release(body.remote_request_id)
+            return JSONResponse({"status": "accepted"}, status_code=202)
 
     return router

@@ -10,33 +10,36 @@ choices, metrics, id release).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
+from pdserve.config import LimitsConfig
+from pdserve.errors import EngineOverloaded
+from pdserve.http_bounds import read_body
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIRequest
 from pdserve.server.chat_formatting import ChatFormat, ToolMode
 from pdserve.server.choices import ChoiceStreams, plan_choices
 from pdserve.server.context import REQUEST_ID_HEADER, ServingContext
-from pdserve.server.errors import check_internal_token, invalid_request_from_validation
+from pdserve.server.errors import check_internal_token
 from pdserve.server.formatting import CompletionFormat, ResponseFormat, results_usage
 from pdserve.server.generation import GenerationResult, run_until_disconnected
 from pdserve.server.preprocess import PreparedRequest, check_model, ensure_ready, prepare_chat, prepare_completion
 from pdserve.server.streaming import EventStreamResponse, sse_events
 from pdserve.tools.parsers import parser_for_template
+from pdserve.validation import parse_request
 
-BodyT = TypeVar("BodyT", bound=OpenAIRequest)
+BodyT = TypeVar("BodyT", bound=BaseModel)
 Preparer = Callable[[Any, Any], Awaitable[PreparedRequest]]
 FormatFactory = Callable[[ServingContext, Any, str, PreparedRequest], ResponseFormat]
 
 
-def parse_body(schema: type[BodyT], raw_body: bytes) -> BodyT:
-    try:
-        return schema.model_validate_json(raw_body)
-    except ValidationError as exc:
-        raise invalid_request_from_validation(exc) from None
+def parse_body(schema: type[BodyT], raw_body: bytes, limits: LimitsConfig = LimitsConfig()) -> BodyT:
+    """The shared edge validation (pdserve/validation.py), the same the proxy runs."""
+    return parse_request(schema, raw_body, limits)
 
 
 def json_response(body: BaseModel, headers: dict[str, str] | None = None, status_code: int = 200) -> Response:
@@ -88,14 +91,17 @@ async def _serve(
     request_id = ctx.request_ids.reserve(raw.headers.get(REQUEST_ID_HEADER))
     raw.state.request_id = request_id  # lets the error handlers echo it
     streams: ChoiceStreams | None = None
+    holds_stream_slot = False
     handed_off = False
     try:
-        body = parse_body(schema, await raw.body())
+        body = parse_body(schema, await read_body(raw, ctx.limits), ctx.limits)
         if body.kv_transfer_params is not None:
             # Params make a worker pin (P) or read (D) memory: internal callers only.
             check_internal_token(raw, ctx.config.internal_token)
         ensure_ready(ctx.engine)
         check_model(ctx.engine, body.model)
+        if body.stream:
+            holds_stream_slot = _take_stream_slot(ctx)
         prepared = await prepare(ctx.engine, body)
         response_format = make_format(ctx, body, request_id, prepared)
         streams = ChoiceStreams(ctx, plan_choices(prepared, request_id, ctx.request_ids), arrival_s)
@@ -107,16 +113,42 @@ async def _serve(
             first = await run_until_disconnected(raw, streams.__anext__())
             events = sse_events(streams, first, response_format, body.include_usage, ctx.metrics.request)
             handed_off = True
-            return EventStreamResponse(events, on_close=streams.aclose, headers=headers)
+            return EventStreamResponse(events, on_close=_StreamCloser(ctx, streams), headers=headers)
         results = await run_until_disconnected(raw, _collect(streams))
         usage = results_usage(results, [len(p) for p in prepared.prompts], prepared.num_choices)
         return json_response(response_format.final_response(results, usage), headers)
     finally:
         if not handed_off:
+            if holds_stream_slot:
+                ctx.num_open_streams -= 1
             if streams is not None:
                 await streams.aclose()
             else:
                 ctx.request_ids.release(request_id)
+
+
+def _take_stream_slot(ctx: ServingContext) -> bool:
+    """Reserve one of the worker's concurrent streams, or refuse before any work (503)."""
+    if ctx.num_open_streams >= ctx.config.max_concurrent_streams:
+        raise EngineOverloaded(f"{ctx.num_open_streams} streamed answers are open, the most this worker serves; "
+                               "retry later")
+    ctx.num_open_streams += 1
+    return True
+
+
+@dataclass(slots=True)
+class _StreamCloser:
+    """Closes a streamed answer's engine stream and gives its slot back (the slot once, however often called)."""
+
+    ctx: ServingContext
+    streams: ChoiceStreams
+    holds_slot: bool = True
+
+    async def __call__(self) -> None:
+        if self.holds_slot:
+            self.holds_slot = False
+            self.ctx.num_open_streams -= 1
+        await self.streams.aclose()
 
 
 def build_openai_router(ctx: ServingContext) -> APIRouter:

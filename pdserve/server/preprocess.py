@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from pdserve.errors import EngineNotReady, InvalidRequest, ModelNotFound, PdserveError
 from pdserve.grammar.compiler import compile_constraint
+from pdserve.grammar.errors import GrammarTokenizerUnavailable
 from pdserve.pd.params import KVTransferRequest, RemoteDecodeRequest, RemotePrefillParams, parse_kv_transfer_params
-from pdserve.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest, to_sampling_params
+from pdserve.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIRequest, check_token_budget,
+                              to_sampling_params)
 from pdserve.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -104,13 +106,18 @@ async def _build(engine: "EngineClient", body: OpenAIRequest, prompts: list[list
     check_token_ids(body.stop_token_ids or (), _vocab_size(engine), "stop_token_ids")
     check_token_ids([token_id for token_id, _ in body.logit_bias_pairs()], _vocab_size(engine), "logit_bias")
     prefill_leg = isinstance(kv_params, RemoteDecodeRequest)
-    grammar = None if prefill_leg else await _grammar(engine, body)
+    # Compiled on a prefill leg too, though only decode runs it: a grammar the decode worker would
+    # refuse must be refused before the prompt is computed and pinned.
+    grammar = await _grammar(engine, body)
     sampling = []
     for token_ids in prompts:
         if not token_ids:
             raise InvalidRequest(f"{prompt_param} must not be empty", param=prompt_param)
         sampling.append(to_sampling_params(body, num_prompt_tokens=len(token_ids), max_model_len=engine.max_model_len,
-                                           prompt_param=prompt_param, grammar=grammar))
+                                           prompt_param=prompt_param, grammar=None if prefill_leg else grammar))
+        if isinstance(kv_params, RemoteDecodeRequest):  # P: would the decode leg fit? Ask before computing.
+            check_token_budget(len(token_ids), kv_params.decode_max_tokens, kv_params.decode_min_tokens,
+                               engine.max_model_len, prompt_param=prompt_param)
     # A prefill leg computes the prompt once, whatever n: the decode worker fans out.
     num_choices = 1 if prefill_leg else body.num_choices
     return PreparedRequest(tuple(tuple(ids) for ids in prompts), tuple(sampling), num_choices, kv_params)
@@ -132,5 +139,10 @@ async def _grammar(engine: "EngineClient", body: OpenAIRequest) -> Optional[str]
     grammar = await asyncio.to_thread(compile_constraint, constraint)
     tokenizer = getattr(engine, "grammar_tokenizer", None)
     if tokenizer is not None:  # built once, here rather than on the engine thread
-        await asyncio.to_thread(tokenizer.get)
+        try:
+            await asyncio.to_thread(tokenizer.get)
+        except GrammarTokenizerUnavailable as error:
+            param = constraint.param or "response_format"
+            raise InvalidRequest(f"{param}: structured outputs are not available for this model: {error}",
+                                 param=param) from None
     return grammar

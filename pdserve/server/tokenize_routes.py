@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from pdserve.errors import InvalidRequest
+from pdserve.http_bounds import read_body
 from pdserve.server.context import ServingContext
 from pdserve.server.openai_routes import json_response, parse_body
 from pdserve.server.preprocess import check_model, check_token_ids, ensure_ready, tokenize_chat
@@ -23,7 +24,7 @@ def build_tokenize_router(ctx: ServingContext) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
-        body = parse_body(TokenizeRequest, await raw.body())
+        body = parse_body(TokenizeRequest, await read_body(raw, ctx.limits), ctx.limits)
         ensure_ready(ctx.engine)
         check_model(ctx.engine, body.model)
         tokenizer = ctx.engine.tokenizer
@@ -39,7 +40,7 @@ def build_tokenize_router(ctx: ServingContext) -> APIRouter:
 
     @router.post("/detokenize")
     async def detokenize(raw: Request) -> Response:
-        body = parse_body(DetokenizeRequest, await raw.body())
+        body = parse_body(DetokenizeRequest, await read_body(raw, ctx.limits), ctx.limits)
         ensure_ready(ctx.engine)
         check_model(ctx.engine, body.model)
         check_token_ids(body.tokens, getattr(ctx.engine.tokenizer, "vocab_size", None), "tokens")

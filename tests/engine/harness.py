@@ -38,9 +38,11 @@ def make_engine(
     max_running: int = 64,
     prefix_caching: bool = True,
     loaded: Optional[LoadedModel] = None,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> BuiltEngine:
     config = WorkerConfig(
-        model=ModelConfig(path=model_path, device="cpu", dtype="float32"),
+        model=ModelConfig(path=model_path, device=device, dtype=dtype),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_running=max_running),
     )

@@ -40,10 +40,11 @@ class InProcessWorker:
 
 
 def start_worker(role: str, model_path: str, fabric: FakeFabric, *, prefill_app: Optional[FastAPI] = None,
-                 transfer: Optional[dict[str, Any]] = None, num_blocks: int = 256) -> InProcessWorker:
+                 transfer: Optional[dict[str, Any]] = None, num_blocks: int = 256,
+                 max_model_len: Optional[int] = None) -> InProcessWorker:
     config = WorkerConfig(
         role=role,
-        model=ModelConfig(path=model_path, device="cpu", dtype="float32", num_threads=1),
+        model=ModelConfig(path=model_path, device="cpu", dtype="float32", num_threads=1, max_model_len=max_model_len),
         cache=CacheConfig(block_size=4, num_blocks=num_blocks),
         server=ServerConfig(port=PREFILL_PORT if role == "prefill" else 8200),
         transfer=TransferConfig(**(transfer or {})),
@@ -58,7 +59,8 @@ def start_worker(role: str, model_path: str, fabric: FakeFabric, *, prefill_app:
     handshake_route = httpx.ASGITransport(app=prefill_app) if prefill_app is not None else None
     built = build_engine(config, metrics, transport_factory=fake_transport, http_transport=handshake_route)
     built.engine.start()
-    routers = [] if role == "colocated" else [create_kv_router(lambda: built.agent_info, None)]
+    release = built.release_pinned if role == "prefill" else None
+    routers = [] if role == "colocated" else [create_kv_router(lambda: built.agent_info, None, release)]
     app = create_app(built.engine, metrics, config.server, extra_routers=routers)
     return InProcessWorker(built, app, metrics, transports)
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pdserve.engine.schedule_types import ScheduledChunk
-from pdserve.errors import EngineFailure
+from pdserve.errors import EngineFailure, RequestFailed
 from pdserve.request import FinishReason, GenerationRequest
 from pdserve.transfer.fake_transport import FakeFabric
 from tests.engine.harness import Collected, generate, greedy, make_engine
@@ -68,6 +68,29 @@ def test_a_sampler_fault_for_one_request_fails_only_that_request(engine, monkeyp
         engine.engine.request_ids.reserve(request_id)
     good, bad = run_pair(engine, "good-s", "bad-s")
     monkeypatch.undo()
+    assert_only_the_bad_request_failed(engine, clean, good, bad)
+
+
+def test_invalid_logits_in_one_row_fail_only_that_request_in_one_pass(engine, monkeypatch):
+    clean = generate(engine, [PROMPT], greedy(8), prefix="clean")[0]
+    sampler = engine.runner.sampler
+    original = sampler.sample_on_device
+    batch_sizes = []
+
+    def poisoned(logits, chunks, allowed=None):
+        batch_sizes.append(len(chunks))
+        for row, chunk in enumerate(chunks):
+            if chunk.request_id.startswith("bad") and chunk.num_sampled_so_far == 2:
+                logits[row, 0] = float("nan")
+        return original(logits, chunks, allowed)
+
+    monkeypatch.setattr(sampler, "sample_on_device", poisoned)
+    for request_id in ("good-n", "bad-n"):
+        engine.engine.request_ids.reserve(request_id)
+    good, bad = run_pair(engine, "good-n", "bad-n")
+    monkeypatch.undo()
+    assert len(bad.token_ids) == 2 and isinstance(bad.final.error, RequestFailed)
+    assert 1 not in batch_sizes[:3], "the batch was not split up and retried: one failed row is not a failed step"
     assert_only_the_bad_request_failed(engine, clean, good, bad)
 
 

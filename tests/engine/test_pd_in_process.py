@@ -5,15 +5,21 @@ tests/integration)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import statistics
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 
 from pdserve.request import GenerationRequest, SamplingParams
 from pdserve.transfer.fake_transport import FakeFabric
 from tests.engine.inprocess import DECODE_REQUEST, metric_value, start_worker
 from tests.tiny_models import make_tiny_qwen3
+
+ALERTS_PATH = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml"
+METRIC_NAME = re.compile(r"\b(pdserve_[a-z0-9_]+)")
 
 PROMPTS = [[11 + (7 * i + j) % 250 for j in range(30 + 5 * i)] for i in range(4)]
 BODY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
@@ -154,3 +160,61 @@ async def test_a_prefill_worker_whose_data_path_never_connects_does_not_delay_lo
         assert response.status_code == 503 and time.monotonic() - began < connect_timeout_s
     finally:
         decode.close()
+
+
+async def test_the_proxys_release_call_frees_a_pinned_prefill_at_once(prefill):
+    params = await prefill_params(prefill, PROMPTS[0], "released-early")
+    assert metric_value(prefill.metrics, "pdserve_transfer_pinned_blocks") > 0
+    release = {"remote_request_id": params["remote_request_id"], "remote_engine_id": params["remote_engine_id"],
+               "remote_epoch": params["remote_epoch"]}
+    async with prefill.client() as client:
+        stale = await client.post("/internal/kv/release", json={**release, "remote_epoch": "0" * 16})
+        malformed = await client.post("/internal/kv/release", json={"remote_request_id": 5})
+        accepted = await client.post("/internal/kv/release", json=release)
+    assert stale.status_code == 409 and malformed.status_code == 400
+    assert accepted.status_code == 202
+    assert await wait_until(lambda: metric_value(prefill.metrics, "pdserve_transfer_pinned_blocks") == 0)
+    assert await wait_until(lambda: prefill.built.kv_manager.pool.num_in_use_by_group(0) == 0)
+    assert "released-early" not in prefill.built.engine.request_ids
+
+
+async def test_a_prefill_worker_refuses_remote_decode_prefills_past_its_pinned_limit(qwen_dir, fabric):
+    prefill = start_worker("prefill", qwen_dir, fabric, num_blocks=64, transfer={"max_pinned_share": 0.25})
+    try:
+        limit = metric_value(prefill.metrics, "pdserve_transfer_pinned_limit_blocks")
+        assert limit == int(0.25 * 63)
+        pinned = []
+        async with prefill.client() as client:
+            for index in range(10):
+                response = await client.post("/v1/completions", headers={"X-Request-Id": f"pin-{index}"}, json={
+                    **BODY, "prompt": PROMPTS[3], "max_tokens": 1, "kv_transfer_params": DECODE_REQUEST})
+                if response.status_code != 200:
+                    break
+                pinned.append(response.json()["kv_transfer_params"])
+                assert metric_value(prefill.metrics, "pdserve_transfer_pinned_blocks") <= limit
+        assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
+        assert pinned and metric_value(prefill.metrics, "pdserve_transfer_pinned_refusals_total") >= 1
+        async with prefill.client() as client:  # local requests still run
+            assert (await client.post("/v1/completions", json={**BODY, "prompt": PROMPTS[0]})).status_code == 200
+            scrape = (await client.get("/metrics")).text
+        assert_pinned_alert_would_fire(scrape, limit)
+    finally:
+        prefill.close()
+
+
+def assert_pinned_alert_would_fire(scrape: str, limit: float) -> None:
+    """The pinned alerts of deploy/prometheus/alerts.yml read series this worker's /metrics really serves,
+    and the one for the limit sees a refusal although pinned blocks sit below 90% of the limit (long prompts)."""
+    samples = {}
+    for line in scrape.splitlines():
+        if line and not line.startswith("#"):
+            name_and_labels, value = line.rsplit(" ", 1)
+            samples[name_and_labels.split("{", 1)[0]] = float(value)
+    rules = yaml.safe_load(ALERTS_PATH.read_text())
+    exprs = {rule["alert"]: rule["expr"] for group in rules["groups"] for rule in group["rules"]}
+    used = {name for alert, expr in exprs.items() if "Pinned" in alert for name in METRIC_NAME.findall(expr)}
+    assert "pdserve_transfer_pinned_refusals_total" in used and used <= samples.keys(), used - samples.keys()
+    assert samples["pdserve_transfer_pinned_limit_blocks"] == limit
+    assert samples["pdserve_transfer_pinned_refusals_total"] >= 1
+    assert 0 < samples["pdserve_transfer_pinned_blocks"] < 0.9 * limit, "a refusal below the limit's last 10%"
+    assert "pdserve_transfer_pinned_blocks" not in exprs["PdserveKVPinnedBlocksAtLimit"], "it would miss this refusal"

@@ -214,3 +214,18 @@ def test_min_tokens_leaves_a_grammar_row_to_its_grammar(device):
     made = chunk("g", temperature=0, min_tokens=5, grammar=grammar)
     made.eos_token_ids = (3,)
     assert made.suppressed_stop_ids == ()
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_a_remembered_request_fault():
+    from types import SimpleNamespace
+
+    from pdserve.grammar.errors import GrammarTokenizerUnavailable
+    from pdserve.grammar.matchers import GrammarTokenizer
+
+    calls = []
+    backend = SimpleNamespace(to_str=lambda: calls.append(1) or json.dumps({"model": {"type": "BPE"}}))
+    grammar_tokenizer = GrammarTokenizer(SimpleNamespace(backend=backend, eos_token_ids=(0,)), VOCAB)
+    for _ in range(2):
+        with pytest.raises(GrammarTokenizerUnavailable, match="cannot be used for grammars"):
+            grammar_tokenizer.get()
+    assert calls == [1]  # not rebuilt (about a second each) for every request

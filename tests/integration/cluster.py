@@ -29,6 +29,7 @@ class Worker:
     log_path: str
     extra_args: list[str] = field(default_factory=list)
     device: str = "cpu"  # tests take it from the `device` fixture (tests/conftest.py)
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     process: Optional[subprocess.Popen] = None
 
     @property
@@ -39,7 +40,7 @@ class Worker:
         # One torch thread each: several workers share this host's few cores.
         command = [sys.executable, "-m", "pdserve.cli", self.role, "--host", "127.0.0.1", "--port", str(self.port),
                    "--log-level", "info", "--num-threads", "1", "--device", self.device, *self.extra_args]
-        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **self.env)
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
         return self
@@ -79,6 +80,58 @@ class Worker:
         total = 0.0
         for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+class ProxyProcess:
+    """`pdserve proxy` as a real process, its output in a log file."""
+
+    def __init__(self, port: int, log_path: str, args: list[str]):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.args = args
+        self.process: Optional[subprocess.Popen] = None
+        self.start()
+
+    def start(self) -> "ProxyProcess":
+        command = [sys.executable, "-m", "pdserve.cli", "proxy", "--port", str(self.port), *self.args]
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        return self
+
+    def health(self, token: Optional[str] = None) -> dict:
+        headers = {"X-Pdserve-Internal-Token": token} if token else {}
+        return httpx.get(self.url + "/health", headers=headers, timeout=2).json()
+
+    def is_ready(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if not (line.startswith(name + " ") or line.startswith(name + "{")):
+                continue
+            if all(f'{key}="{value}"' in line for key, value in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])
         return total
 

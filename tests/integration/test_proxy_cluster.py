@@ -157,6 +157,12 @@ def test_client_kv_transfer_params_are_dropped_not_forwarded(up):
     assert httpx.post(up.url("decode") + "/v1/completions", json=body, timeout=120).status_code == 401
 
 
+@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__.removeprefix("check_"))
+def test_openai_client_feature(client, up, check):
+    check(client, up.url("proxy"))
+
+
+# Last: it stops the module's cluster.
 def test_ctrl_c_stops_all_three_processes(up):
     pids = up.child_pids()
     assert set(pids) == {"prefill", "decode", "proxy"}
@@ -174,8 +180,3 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__.removeprefix("check_"))
-def test_openai_client_feature(client, up, check):
-    check(client, up.url("proxy"))

@@ -4,16 +4,13 @@ decode worker gives quick 503s with Retry-After, and serving resumes when it is 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.integration.cluster import REPO_ROOT, Worker, free_port, start_workers, wait_for
+from tests.integration.cluster import ProxyProcess, Worker, free_port, start_workers, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -21,26 +18,6 @@ MODEL = "SmolLM2-135M-Instruct"
 TOKEN = "proxy-test-token"
 BODY = {"model": MODEL, "prompt": "Once upon a time in a small village by the sea, there lived",
         "max_tokens": 8, "temperature": 0}
-
-
-class ProxyProcess:
-    def __init__(self, port: int, log_path: str, args: list[str]):
-        self.url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "pdserve.cli", "proxy", "--port", str(port), *args]
-        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.log = open(log_path, "wb")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=2).json()
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +91,7 @@ def test_killing_one_of_two_prefill_workers_fails_no_request(cluster):
     failures = [result for result in results if result[0] != 200]
     assert failures == [], failures
     assert all(text == expected for _, text in results)
-    states = {b["url"]: b for b in proxy.health()["prefill"]}
+    states = {b["url"]: b for b in proxy.health(TOKEN)["prefill"]}
     assert states[victim.url]["available"] is False and states[survivor.url]["available"] is True
 
 

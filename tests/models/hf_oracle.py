@@ -14,15 +14,26 @@ from tokenizers import models, pre_tokenizers
 
 
 def hf_greedy_generate(hf_model: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-    """Plain greedy loop over transformers' model and cache (never stops at EOS)."""
+    """Plain greedy loop over transformers' model and cache (never stops at EOS), on the model's device."""
+    return hf_greedy_with_margins(hf_model, prompt_ids, max_new_tokens)[0]
+
+
+def hf_greedy_with_margins(hf_model: torch.nn.Module, prompt_ids: Sequence[int],
+                           max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and, per step, the gap between the best and second-best logit
+    (how close a step was to a tie: where half-precision paths may rightly differ)."""
+    device = next(hf_model.parameters()).device
     generated: list[int] = []
+    margins: list[float] = []
     with torch.inference_mode():
-        out = hf_model(torch.tensor([list(prompt_ids)]), use_cache=True)
+        out = hf_model(torch.tensor([list(prompt_ids)], device=device), use_cache=True)
         for _ in range(max_new_tokens):
-            next_id = int(out.logits[0, -1].argmax())
-            generated.append(next_id)
-            out = hf_model(torch.tensor([[next_id]]), past_key_values=out.past_key_values, use_cache=True)
-    return generated
+            top2 = out.logits[0, -1].float().topk(2)
+            generated.append(int(top2.indices[0]))
+            margins.append(float(top2.values[0] - top2.values[1]))
+            out = hf_model(torch.tensor([[generated[-1]]], device=device), past_key_values=out.past_key_values,
+                           use_cache=True)
+    return generated, margins
 
 
 def hf_prompt_logits(hf_model: torch.nn.Module, prompt_ids: Sequence[int]) -> torch.Tensor:

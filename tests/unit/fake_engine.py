@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Optional
 import httpx
 from fastapi import FastAPI
 
-from pdserve.config import ServerConfig
+from pdserve.config import LimitsConfig, ServerConfig
 from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.errors import EngineFailure, PdserveError
 from pdserve.metrics import Metrics, create_metrics
@@ -175,9 +175,11 @@ class _FakeStream:
 # ------------------------------------------------------------- test helpers
 
 
-def make_app(engine: FakeEngine, metrics: Optional[Metrics] = None) -> FastAPI:
+def make_app(engine: FakeEngine, metrics: Optional[Metrics] = None, *, server: Optional[ServerConfig] = None,
+             limits: Optional[LimitsConfig] = None) -> FastAPI:
     """The real app around a fake engine."""
-    return create_app(engine, metrics if metrics is not None else create_metrics(), ServerConfig())
+    return create_app(engine, metrics if metrics is not None else create_metrics(), server or ServerConfig(),
+                      limits=limits or LimitsConfig())
 
 
 def asgi_client(app: FastAPI) -> httpx.AsyncClient:

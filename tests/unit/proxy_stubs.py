@@ -50,6 +50,7 @@ class StubWorker:
     chunk_delay_s: float = 0.0
     break_after_chunks: Optional[int] = None  # decode: drop the connection mid-stream
     disconnects: list[str] = field(default_factory=list)  # request ids whose client went away
+    releases: list[dict] = field(default_factory=list)  # prefill: bodies of POST /internal/kv/release
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -58,7 +59,12 @@ class StubWorker:
             Route("/load", self._load, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/internal/kv/release", self._release, methods=["POST"]),
         ])
+
+    async def _release(self, request: Request) -> Response:
+        self.releases.append(json.loads(await request.body()))
+        return JSONResponse({"status": "accepted"}, status_code=202)
 
     async def _load(self, request: Request) -> Response:
         return JSONResponse({"ready": self.ready, "num_running": 0, "num_waiting": 0, "num_waiting_for_kv": 0,
@@ -93,7 +99,7 @@ class StubWorker:
     def _params(self, body: dict) -> dict:
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.name,
                 "remote_request_id": "p-1", "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1",
-                "remote_port": 1, "tp_size": 1}
+                "remote_port": 1, "tp_size": 1, "remote_epoch": f"{self.name}-epoch"}
 
     async def _events(self, source: str, request_id: str):
         try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.cli import build_parser, main
-from pdserve.config import DEFAULT_PORTS, CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, TransferConfig
+from pdserve.config import (DEFAULT_PORTS, CacheConfig, LimitsConfig, ModelConfig, SchedulerConfig, ServerConfig,
+                            TransferConfig)
 from pdserve.config_cli import ConfigError, flag_specs, worker_config
 from pdserve.local_cluster import build_specs
 
@@ -17,7 +18,7 @@ def parse(*argv: str):
 def test_every_config_field_has_exactly_one_flag_on_p_and_d():
     fields = {(section, name) for section, model in (("model", ModelConfig), ("cache", CacheConfig),
                                                      ("scheduler", SchedulerConfig), ("server", ServerConfig),
-                                                     ("transfer", TransferConfig))
+                                                     ("transfer", TransferConfig), ("limits", LimitsConfig))
               for name in model.model_fields}
     specs = flag_specs("decode")
     assert {(spec.section, spec.name) for spec in specs} == fields
@@ -77,3 +78,40 @@ def test_up_checks_forwarded_values_like_the_worker_would(capsys):
     with pytest.raises(SystemExit):
         parse("up", "--kv-memory", "lots")
     assert "not a size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_p_and_d_on_a_reachable_address_refuse_to_start_without_a_token(role, monkeypatch):
+    monkeypatch.delenv("PDSERVE_INTERNAL_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match="needs an internal token"):
+        worker_config(parse(role, "--host", "0.0.0.0"), role)
+    assert worker_config(parse(role, "--host", "0.0.0.0", "--internal-token", "t"), role).server.internal_token == "t"
+    assert worker_config(parse(role, "--host", "0.0.0.0", "--insecure-no-token"), role).server.insecure_no_token
+    for loopback in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
+        worker_config(parse(role, "--host", loopback), role)
+
+
+def test_a_colocated_worker_needs_no_token_anywhere(monkeypatch):
+    monkeypatch.delenv("PDSERVE_INTERNAL_TOKEN", raising=False)
+    assert worker_config(parse("serve", "--host", "0.0.0.0"), "colocated").server.internal_token is None
+
+
+def test_an_empty_token_is_a_configuration_error(monkeypatch):
+    monkeypatch.delenv("PDSERVE_INTERNAL_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match="--internal-token: .*must not be empty"):
+        worker_config(parse("prefill", "--internal-token", " "), "prefill")
+
+
+def test_the_peer_allow_list_takes_hosts_and_cidrs():
+    config = worker_config(parse("decode", "--kv-allowed-peers", "p0.svc, 10.0.0.0/24,10.1.2.3"), "decode")
+    assert config.transfer.allowed_peers == "p0.svc, 10.0.0.0/24,10.1.2.3"
+    with pytest.raises(ConfigError, match="--kv-allowed-peers"):
+        worker_config(parse("decode", "--kv-allowed-peers", "p0,,p1"), "decode")
+
+
+def test_request_bounds_are_flags_of_every_worker():
+    config = worker_config(parse("serve", "--max-body-bytes", "1MiB", "--max-json-depth", "8",
+                                 "--max-prompt-chars", "100", "--header-timeout-s", "2"), "colocated")
+    limits = config.limits
+    assert (limits.max_body_bytes, limits.max_json_depth, limits.max_prompt_chars) == (1 << 20, 8, 100)
+    assert limits.header_timeout_s == 2

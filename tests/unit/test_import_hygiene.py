@@ -19,7 +19,8 @@ TORCH_AND_NIXL_FREE_MODULES = [
     "pdserve.config", "pdserve.request", "pdserve.errors", "pdserve.protocol", "pdserve.metrics",
     # the allocator
     "pdserve.kv", "pdserve.kv.specs", "pdserve.kv.hashing", "pdserve.kv.block_pool", "pdserve.kv.prefix",
-    "pdserve.kv.manager", "pdserve.kv.sizing",
+    "pdserve.kv.manager", "pdserve.kv.sizing", "pdserve.kv.events", "pdserve.kv.events_wire",
+    "pdserve.kv.routing_info",
     # scheduling and the P/D logic around the transport
     "pdserve.engine.schedule_types", "pdserve.engine.scheduler", "pdserve.engine.stop_rules",
     "pdserve.engine.request_ids",
@@ -30,7 +31,7 @@ TORCH_AND_NIXL_FREE_MODULES = [
     # the transport contract, planner and fake
     "pdserve.transfer", "pdserve.transfer.transport", "pdserve.transfer.planner", "pdserve.transfer.fake_transport",
     # the HTTP layer
-    "pdserve.server.app",
+    "pdserve.server.app", "pdserve.server.kv_events", "pdserve.server.kv_events_routes",
 ]
 
 

@@ -76,3 +76,19 @@ def test_hash_full_blocks_rejects_bad_arguments():
         hash_full_blocks([1, 2, 3], 0, [])
     with pytest.raises(ValueError):
         hash_full_blocks([1, 2, 3], 2, [b"a", b"b"])  # only one full block exists
+
+
+def test_the_compiled_chain_equals_chaining_single_block_hashes():
+    import random
+
+    rng = random.Random(7)
+    for block_size in (1, 3, 16):
+        tokens = [rng.randrange(0, 1 << 40) for _ in range(block_size * 9 + 2)]
+        expected, parent = [], None
+        for start in range(0, len(tokens) - block_size + 1, block_size):
+            parent = hash_block_tokens(parent, tokens[start:start + block_size], b"x")
+            expected.append(parent)
+        assert hash_full_blocks(tokens, block_size, [], b"x") == expected
+        assert hash_full_blocks(tokens, block_size, expected[:4], b"x") == expected
+    with pytest.raises(ValueError):
+        hash_full_blocks([1 << 70] * 4, 4, [])

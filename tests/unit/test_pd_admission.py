@@ -8,7 +8,9 @@ import pytest
 
 from pdserve.pd.admission import DecodeAdmission, PeerFailureMemory, PrefillAdmission
 from pdserve.pd.handshake import HandshakeClient
-from pdserve.pd.params import KVParamsInvalid, KVParamsStale, KVPullFailed, RemoteDecodeRequest, RemotePrefillParams
+from pdserve.pd.params import (KVParamsInvalid, KVParamsStale, KVPullFailed, RemoteDecodeRequest, RemotePrefillParams,
+                               parse_kv_transfer_params)
+from pdserve.pd.peer_trust import KVPeerNotAllowed, PeerAllowList
 from pdserve.request import GenerationRequest, SamplingParams
 from tests.unit.pd_pair import BLOCK, PLAN, FakeClock, PrefillSide
 from pdserve.transfer.fake_transport import FakeFabric
@@ -138,3 +140,32 @@ async def test_prefill_admission_keeps_the_kv_only_when_asked_and_computes_one_t
     stub = StubPrefill()
     other = await gate.admit(request(stub.params()))  # params meant for a decode worker: served locally
     assert not other.remote_decode and other.kv_params is None
+
+
+@pytest.mark.parametrize("host", ["evil.example:80", "127.0.0.1/internal", "h?x=1", "user@h", "h#frag", " h",
+                                  "h/../x", "", "a" * 254, "[::1]:80"])
+def test_remote_host_must_be_a_bare_host(host):
+    wire = StubPrefill().params().to_wire()
+    with pytest.raises(KVParamsInvalid):
+        parse_kv_transfer_params({**wire, "remote_host": host})
+
+
+@pytest.mark.parametrize("host, parsed", [("10.0.0.5", "10.0.0.5"), ("::1", "::1"), ("[::1]", "::1"),
+                                          ("pd-prefill-0.pd-prefill.llm.svc.cluster.local", None)])
+def test_bare_hosts_are_accepted(host, parsed):
+    wire = StubPrefill().params().to_wire()
+    assert parse_kv_transfer_params({**wire, "remote_host": host}).remote_host == (parsed or host)
+
+
+async def test_a_peer_off_the_allow_list_is_refused_before_any_contact():
+    stub, connect = StubPrefill(), Connector()
+    gate = admission(stub, connect)
+    gate.allowed_peers = PeerAllowList.parse("prefill-0.svc, 10.0.0.0/24")
+    params = stub.params()
+    for host in ("127.0.0.1", "10.0.1.1", "prefill-1.svc"):
+        with pytest.raises(KVPeerNotAllowed) as caught:
+            await gate.admit(request(params.model_copy(update={"remote_host": host})))
+        assert caught.value.status_code == 403
+    assert stub.calls == 0 and connect.calls == 0
+    for host in ("10.0.0.7", "prefill-0.svc", "PREFILL-0.svc."):
+        assert PeerAllowList.parse("prefill-0.svc, 10.0.0.0/24").allows(host)

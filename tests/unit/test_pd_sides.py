@@ -268,3 +268,44 @@ def test_an_exception_in_the_finish_hook_fails_that_request_only(p):
     assert bad.finish_reason is FinishReason.ERROR and bad.error is not None and bad.kv_transfer_params is None
     assert not p.kv.has_request("bad") and p.kv.has_request("good")
     p.kv.check_invariants()
+
+
+def test_an_early_release_frees_a_pinned_prefill_at_the_next_poll(p, clock):
+    params = p.prefill("r1", 30)
+    assert p.connector.num_pinned_blocks > 0
+    p.connector.release_early("unknown")  # nothing pinned under it: nothing happens
+    p.connector.release_early(params.remote_request_id)
+    assert p.connector.has_pending()
+    p.tick()
+    assert p.connector.num_pinned_blocks == 0 and not p.kv.has_request("r1")
+    assert p.scheduler.take_released_ids() == ["r1"]
+    p.connector.release_early("r1")  # twice: still once
+    p.tick()
+    assert p.scheduler.take_released_ids() == []
+    p.kv.check_invariants()
+
+
+def test_pinned_blocks_never_pass_their_limit(fabric, clock):
+    side = PrefillSide(fabric, clock)
+    first = side.prefill("r1", 30)
+    per_request = sum(len(ids) for ids in first.remote_block_ids)
+    side.connector.max_pinned_blocks = per_request + 1  # room for one more block, not a second request
+    assert not side.connector.has_room_to_pin(per_request)
+    request = make_request("r2", 30, remote_decode=True, sampling=SamplingParams(max_tokens=1, temperature=0))
+    side.scheduler.add_request(request)
+    step = side.scheduler.schedule()
+    side.scheduler.update(step, [SampledToken("r2", 5, 0.0)])
+    assert request.finish_reason is FinishReason.ERROR and request.error.status_code == 503
+    assert request.kv_transfer_params is None
+    assert side.connector.num_pinned_blocks == per_request <= side.connector.max_pinned_blocks
+    assert not side.kv.has_request("r2")  # its blocks were freed at once
+    assert side.metrics.registry.get_sample_value("pdserve_transfer_pinned_refusals_total") == 1
+    side.kv.check_invariants()
+
+
+def test_a_prefill_larger_than_the_whole_limit_pins_alone(fabric, clock):
+    side = PrefillSide(fabric, clock)
+    side.connector.max_pinned_blocks = 2
+    first = side.prefill("big", 30)  # more blocks than the limit, but nothing else is pinned
+    assert first is not None and side.connector.num_pinned_blocks > 2
+    assert not side.connector.has_room_to_pin(1)

@@ -19,8 +19,10 @@ def test_proxy_benchmark_runs_and_writes_every_path(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(out.read_text())
     rows = {(row["path"], row["kind"]): row for row in summary["rows"]}
-    assert set(rows) == {(p, k) for p in ("direct", "proxy (1 leg)", "proxy (P/D)") for k in ("completion", "stream")}
+    paths = ("direct", "proxy (1 leg)", "proxy (P/D)", "proxy (P/D, kv_aware)")
+    assert set(rows) == {(p, k) for p in paths for k in ("completion", "stream", "chat (6 turns)")}
     assert all(row["p50_ms"] > 0 for row in rows.values())
     assert rows[("proxy (P/D)", "completion")]["proxy_cpu_ms_per_request"] >= 0
     assert rows[("direct", "completion")]["max_requests_per_s"] > 0
     assert "proxy (P/D)" in result.stdout
+    assert summary["proxy_overhead_histogram"]["proxy (P/D, kv_aware)"]  # its requests were kv-routed and timed

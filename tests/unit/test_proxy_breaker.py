@@ -44,16 +44,17 @@ def test_breaker_half_opens_after_cooldown_and_lets_one_trial_through():
     assert not breaker.allows_request()
     clock.now_s += 0.2
     assert breaker.state is BreakerState.HALF_OPEN and breaker.allows_request()
-    breaker.on_request_start()
+    assert breaker.on_request_start() is True
     assert not breaker.allows_request()  # the trial is in flight: nobody else
+    assert breaker.on_request_start() is False  # and nobody else is a trial
 
 
 def test_successful_trial_closes_the_breaker():
     breaker, clock = make(threshold=1)
     breaker.record_failure()
     clock.now_s += 6
-    breaker.on_request_start()
-    breaker.record_success()
+    trial = breaker.on_request_start()
+    breaker.record_success(trial)
     assert breaker.state is BreakerState.CLOSED and breaker.num_consecutive_failures == 0
 
 
@@ -62,8 +63,8 @@ def test_failed_trial_reopens_for_a_full_cooldown():
     breaker.record_failure()
     breaker.record_failure()
     clock.now_s += 6
-    breaker.on_request_start()
-    breaker.record_failure()
+    trial = breaker.on_request_start()
+    breaker.record_failure(trial)
     assert breaker.state is BreakerState.OPEN
     clock.now_s += 4.9
     assert breaker.state is BreakerState.OPEN
@@ -75,6 +76,22 @@ def test_neutral_end_of_a_trial_frees_the_trial_slot():
     breaker, clock = make(threshold=1)
     breaker.record_failure()
     clock.now_s += 6
-    breaker.on_request_start()
-    breaker.record_neutral()  # the client went away: no verdict
+    trial = breaker.on_request_start()
+    breaker.record_neutral(trial)  # the client went away: no verdict
     assert breaker.state is BreakerState.HALF_OPEN and breaker.allows_request()
+
+
+def test_requests_sent_before_the_breaker_opened_do_not_decide_it():
+    breaker, clock = make(threshold=1)
+    old = breaker.on_request_start()  # in flight while the breaker is closed
+    breaker.record_failure()
+    assert breaker.state is BreakerState.OPEN
+    breaker.record_success(old)  # the old request ends well: the breaker stays open
+    assert breaker.state is BreakerState.OPEN
+    clock.now_s += 6
+    trial = breaker.on_request_start()
+    breaker.record_success(False)  # another old one: still only the trial decides
+    breaker.record_failure(False)
+    assert breaker.state is BreakerState.HALF_OPEN and not breaker.allows_request()
+    breaker.record_success(trial)
+    assert breaker.state is BreakerState.CLOSED

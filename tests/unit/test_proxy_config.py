@@ -71,3 +71,8 @@ def test_failure_and_timeout_flags_reach_the_config():
 def test_out_of_range_flags_are_configuration_errors():
     with pytest.raises(ValidationError):
         parse("--decode", "d:1", "--breaker-failures", "0")
+
+
+def test_an_empty_internal_token_is_a_configuration_error():
+    with pytest.raises(ValidationError, match="must not be empty"):
+        parse("--decode", "d:1", "--internal-token", "")

@@ -61,7 +61,8 @@ def test_legs_follow_the_wire_protocol_with_one_request_id(cluster, proxy):
     assert "stream_options" not in prefill_call.body and "min_tokens" not in prefill_call.body
     assert prefill_call.body["kv_transfer_params"] == {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        "remote_block_ids": None, "remote_host": None, "remote_port": None,
+        "decode_max_tokens": 8, "decode_min_tokens": 2}
     engine = decode_call.body["kv_transfer_params"]["remote_engine_id"]
     assert engine in ("p0", "p1") and decode_call.body["kv_transfer_params"]["remote_host"] == "127.0.0.1"
     assert decode_call.body["min_tokens"] == 2 and decode_call.body["max_tokens"] == 8
@@ -286,7 +287,11 @@ def test_invalid_json_is_an_openai_style_400(proxy):
 def test_models_health_and_metrics_routes(cluster, proxy):
     models = httpx.get(proxy.url + "/v1/models")
     assert models.json()["data"][0]["id"] == "stub-model"
-    health = httpx.get(proxy.url + "/health").json()
+    public = httpx.get(proxy.url + "/health").json()
+    assert public == {"status": "ok"}  # no backend addresses for just anyone
+    wrong = httpx.get(proxy.url + "/health", headers={"X-Pdserve-Internal-Token": "guess"}).json()
+    assert wrong == {"status": "ok"}
+    health = httpx.get(proxy.url + "/health", headers={"X-Pdserve-Internal-Token": "s3cret"}).json()
     assert health["status"] == "ok" and len(health["prefill"]) == 2 and health["decode"][0]["breaker"] == "closed"
     httpx.post(proxy.url + "/v1/completions", json=BODY)
     text = httpx.get(proxy.url + "/metrics").text
@@ -318,3 +323,140 @@ def test_decode_breaking_mid_stream_ends_with_an_error_event(cluster, proxy):
     assert json.loads(events[-1][len("data: "):])["error"]["type"] == "bad_gateway"
     assert proxy.metric("pdserve_proxy_backend_errors_total", role="decode", reason="stream_broken") == 1
     assert proxy.components.decode_pool.get(urls["d0"]).breaker.num_consecutive_failures == 1
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({**BODY, "max_tokens": 0}, 400, "max_tokens"),
+    ({**BODY, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ({**BODY, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({**BODY, "stream": "yes"}, 400, "stream"),
+    ({**BODY, "temperature": 2.5}, 400, "temperature"),
+])
+def test_requests_the_workers_would_refuse_never_reach_a_worker(cluster, proxy, body, status, param):
+    workers, _ = cluster
+    response = httpx.post(proxy.url + "/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+    assert all(worker.calls == [] for worker in workers.values())
+
+
+def test_deep_large_and_misnamed_requests_get_the_workers_answers(cluster, proxy):
+    workers, _ = cluster
+    deep = httpx.post(proxy.url + "/v1/completions",
+                      content=b'{"prompt": "x", "user": ' + b"[" * 20000 + b"]" * 20000 + b"}")
+    assert deep.status_code == 400 and "nested deeper" in deep.json()["error"]["message"]
+    large = httpx.post(proxy.url + "/v1/completions", content=b'{"prompt": "' + b"x" * (9 << 20) + b'"}')
+    assert large.status_code == 413
+    bad_id = httpx.post(proxy.url + "/v1/completions", json=BODY, headers={"X-Request-Id": "x" * 241})
+    assert bad_id.status_code == 400 and bad_id.json()["error"]["param"] == "X-Request-Id"
+    assert all(worker.calls == [] for worker in workers.values())
+    assert proxy.metric("pdserve_proxy_requests_total", status="4xx") == 3
+
+
+def released(workers) -> list[dict]:
+    return workers["p0"].releases + workers["p1"].releases
+
+
+def released_soon(workers, count: int) -> list[dict]:
+    wait_until(lambda: len(released(workers)) >= count)
+    time.sleep(0.1)  # and no more than that
+    return released(workers)
+
+
+@pytest.mark.parametrize("status, error_type", [(400, "invalid_request_error"), (503, "service_unavailable"),
+                                                (500, "internal_error")])
+def test_a_refused_decode_leg_frees_the_prefill_workers_kv_at_once(cluster, proxy, status, error_type):
+    workers, _ = cluster
+    workers["d0"].fail_status, workers["d0"].fail_type = status, error_type
+    response = httpx.post(proxy.url + "/v1/completions", json=BODY, headers={"X-Request-Id": "refused"})
+    assert response.status_code in (status, 502)
+    [release] = released_soon(workers, 1)
+    engine = workers["d0"].calls[0].body["kv_transfer_params"]["remote_engine_id"]
+    assert release == {"remote_request_id": "p-1", "remote_engine_id": engine, "remote_epoch": f"{engine}-epoch"}
+    assert proxy.metric("pdserve_proxy_kv_releases_total", result="sent") == 1
+
+
+def test_both_prefills_of_a_kv_retry_are_freed_when_decode_cannot_read_either(cluster, proxy):
+    workers, _ = cluster
+    workers["d0"].num_kv_failures = 2
+    assert httpx.post(proxy.url + "/v1/completions", json=BODY).status_code == 503
+    assert sorted(r["remote_engine_id"] for r in released_soon(workers, 2)) == ["p0", "p1"]
+
+
+def test_kv_is_freed_when_no_decode_worker_can_be_reached(cluster):
+    workers, urls = cluster
+    served = start_proxy([urls["p0"]], [urls["d0"]], health=SLOW_POLLS)
+    served.components.decode_pool.retire(urls["d0"])
+    served.components.decode_pool.add(unused_url()).healthy = True
+    try:
+        assert httpx.post(served.url + "/v1/completions", json=BODY).status_code == 503
+        assert len(released_soon(workers, 1)) == 1
+    finally:
+        served.__exit__(None, None, None)
+
+
+def test_kv_is_kept_after_a_decode_leg_that_may_still_be_reading(cluster):
+    workers, urls = cluster
+    workers["d0"].delay_s = 5.0  # answers too late: the decode worker has the request and may be reading
+    served = start_proxy([urls["p0"]], [urls["d0"]], timeouts=TimeoutConfig(decode_s=0.3))
+    try:
+        assert httpx.post(served.url + "/v1/completions", json=BODY).status_code == 504
+        ok = httpx.post(served.url + "/v1/completions", json={**BODY, "stream": True})
+        assert ok.status_code == 504 or ok.status_code == 200
+        time.sleep(0.3)
+        assert released(workers) == []
+    finally:
+        served.__exit__(None, None, None)
+
+
+def test_served_requests_release_nothing(cluster, proxy):
+    workers, _ = cluster
+    for stream in (False, True):
+        assert httpx.post(proxy.url + "/v1/completions", json={**BODY, "stream": stream}).status_code == 200
+    time.sleep(0.2)
+    assert released(workers) == []
+
+
+@pytest.mark.parametrize("status, error_type", [(400, "invalid_request_error"), (500, "request_failed")])
+def test_errors_the_request_caused_pass_through_unretried_and_never_trip_the_breaker(cluster, status, error_type):
+    workers, urls = cluster
+    for name in ("p0", "p1"):
+        workers[name].fail_status, workers[name].fail_type = status, error_type
+    health = HealthConfig(interval_s=0.05, breaker_failures=2, breaker_cooldown_s=60)
+    served = start_proxy([urls["p0"], urls["p1"]], [urls["d0"]], health=health)
+    try:
+        for _ in range(6):
+            response = httpx.post(served.url + "/v1/completions", json=BODY)
+            assert response.status_code == status and response.json()["error"]["type"] == error_type
+        assert len(workers["p0"].calls) + len(workers["p1"].calls) == 6  # one leg each, no retry
+        assert all(b.breaker.state.name == "CLOSED" for b in served.components.prefill_pool.backends())
+        for name in ("p0", "p1"):
+            workers[name].fail_status = None
+        assert httpx.post(served.url + "/v1/completions", json=BODY).status_code == 200  # nobody got a 503
+    finally:
+        served.__exit__(None, None, None)
+
+
+def test_a_half_open_decode_breaker_admits_exactly_one_trial(cluster):
+    import concurrent.futures
+
+    workers, urls = cluster
+    workers["d0"].fail_status = 500
+    health = HealthConfig(interval_s=0.05, breaker_failures=2, breaker_cooldown_s=0.5)
+    served = start_proxy([urls["p0"], urls["p1"]], [urls["d0"]], health=health)
+    try:
+        for _ in range(2):
+            assert httpx.post(served.url + "/v1/completions", json=BODY).status_code == 502
+        breaker = served.components.decode_pool.get(urls["d0"]).breaker
+        assert breaker.state.name == "OPEN"
+        workers["d0"].fail_status, workers["d0"].delay_s = None, 0.8
+        num_calls_before = len(workers["d0"].calls)
+        wait_until(lambda: breaker.state.name == "HALF_OPEN", 2.0)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            statuses = sorted(pool.map(lambda _: httpx.post(served.url + "/v1/completions", json=BODY,
+                                                            timeout=10).status_code, range(4)))
+        assert statuses == [200, 503, 503, 503]
+        assert len(workers["d0"].calls) - num_calls_before == 1
+        assert breaker.state.name == "CLOSED"
+    finally:
+        served.__exit__(None, None, None)

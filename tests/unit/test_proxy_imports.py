@@ -1,4 +1,6 @@
-"""The proxy ships without torch and nixl (slim image): it must import and serve where importing them fails."""
+"""The proxy ships without torch and nixl (slim image): it must import and serve where importing them fails,
+and of pdserve it may import only an explicit allow-list of torch-free modules (the validation it shares with
+the workers and what that needs; the KV hashing, prefix rule and event format kv_aware routing needs)."""
 
 from __future__ import annotations
 
@@ -23,13 +25,27 @@ BLOCKER = textwrap.dedent("""
 """)
 
 
+# Every pdserve module the proxy may load. Add to it only torch- and nixl-free modules the proxy
+# must share with the workers; each entry is a module the slim image has to carry.
+PROXY_PDSERVE_ALLOW_LIST = frozenset({
+    "pdserve", "pdserve.config", "pdserve.config_cli", "pdserve.errors", "pdserve.request", "pdserve.protocol",
+    "pdserve.validation", "pdserve.http_bounds",
+    # the wire schemas validation reads: output constraints and tools, /tokenize bodies (pydantic only)
+    "pdserve.structured_protocol", "pdserve.tokenize_protocol",
+    # KV-aware routing: the hash chain, the prefix rule, the event wire format, the routing info
+    "pdserve.kv", "pdserve.kv.hashing", "pdserve.kv.prefix", "pdserve.kv.block_pool", "pdserve.kv.specs",
+    "pdserve.kv.events", "pdserve.kv.events_wire", "pdserve.kv.routing_info",
+    "pdserve.models", "pdserve.models.chat_template",
+})
+
+
 def run_blocked(blocked: tuple[str, ...], body: str) -> subprocess.CompletedProcess:
     code = BLOCKER + f"sys.meta_path.insert(0, Blocker({blocked!r}))\n" + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
 
 
-def test_proxy_serves_a_request_where_torch_nixl_and_pdserve_cannot_be_imported():
-    result = run_blocked(("torch", "nixl", "pdserve"), """
+def test_proxy_serves_a_request_where_torch_and_nixl_cannot_be_imported():
+    result = run_blocked(("torch", "nixl", "llguidance"), """
         import httpx
         from proxy.app import create_app
         from tests.unit.proxy_stubs import Served, ServedProxy, StubWorker, fast_config
@@ -41,10 +57,15 @@ def test_proxy_serves_a_request_where_torch_nixl_and_pdserve_cannot_be_imported(
                 streamed = httpx.post(proxy.url + "/v1/completions", json={"prompt": "hi", "stream": True}).text
         print(answer["choices"][0]["text"])
         print(streamed.count("data: "))
-        print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "nixl", "pdserve")))
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "nixl")))
+        print(",".join(sorted(m for m in sys.modules if m.split(".")[0] == "pdserve")))
     """)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[:3] == ["from p0", "4", "[]"]
+    lines = result.stdout.split("\n")
+    assert lines[:3] == ["from p0", "4", "[]"]
+    imported = set(lines[3].split(","))
+    assert imported <= PROXY_PDSERVE_ALLOW_LIST, f"not allow-listed: {sorted(imported - PROXY_PDSERVE_ALLOW_LIST)}"
+    assert "pdserve.validation" in imported  # it validates with the workers' own code
 
 
 def test_pdserve_proxy_command_line_parses_without_torch():

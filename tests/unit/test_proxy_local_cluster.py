@@ -10,6 +10,7 @@ import pytest
 
 from pdserve.cli import build_parser
 from pdserve.local_cluster import ChildSpec, CorePlan, LocalCluster, PrefixedOutput, build_specs, plan_cores
+from proxy.cli import proxy_config
 
 
 def test_two_cores_give_each_worker_its_own():
@@ -65,6 +66,16 @@ def test_model_flags_are_passed_to_both_workers_only():
     for name in ("prefill", "decode"):
         assert flag(specs[name].argv, "--model") == "/m.gguf" and flag(specs[name].argv, "--kv-memory") == "256MiB"
     assert "--model" not in specs["proxy"].argv
+
+
+def test_request_bounds_reach_the_workers_and_the_proxy_alike():
+    specs = specs_for("--max-json-depth", "8", "--no-prefix-caching", "--max-body-bytes", "1MiB")
+    for name in ("prefill", "decode", "proxy"):
+        argv = specs[name].argv
+        assert flag(argv, "--max-json-depth") == "8" and flag(argv, "--max-body-bytes") == "1MiB"
+    assert "--no-prefix-caching" not in specs["proxy"].argv
+    args = build_parser().parse_args(specs["proxy"].argv[3:])
+    assert proxy_config(args).limits.max_json_depth == 8
 
 
 def child(name: str, code: str, cores=None) -> ChildSpec:

@@ -83,6 +83,21 @@ async def test_a_failing_choice_fails_the_request_and_aborts_the_others():
         engine.finished_ids + engine.aborted_ids)
 
 
+async def test_tokenizer_endpoints_keep_the_request_bounds():
+    from pdserve.config import LimitsConfig
+
+    app = make_app(FakeEngine(), limits=LimitsConfig(max_prompt_chars=10, max_messages=1, max_body_bytes=1024))
+    async with asgi_client(app) as client:
+        long_prompt = await client.post("/tokenize", json={"prompt": "x" * 11})
+        many_messages = await client.post("/tokenize", json={"messages": USER * 2})
+        large = await client.post("/detokenize", json={"tokens": [1] * 600})
+        fits = await client.post("/tokenize", json={"prompt": "x" * 10})
+    assert long_prompt.status_code == 400 and long_prompt.json()["error"]["param"] == "prompt"
+    assert many_messages.status_code == 400 and many_messages.json()["error"]["param"] == "messages"
+    assert large.status_code == 413
+    assert fits.status_code == 200
+
+
 async def test_tokenize_and_detokenize_round_trip():
     engine = FakeEngine()
     app = make_app(engine)

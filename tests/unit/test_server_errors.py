@@ -155,3 +155,45 @@ async def test_rejected_requests_free_their_request_id():
         await client.post("/v1/completions", content=json.dumps({"prompt": ""}), headers={"X-Request-Id": "r"})
         await client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "r"})
     assert len(app.state.serving.request_ids) == 0
+
+
+async def test_every_503_carries_retry_after():
+    engine = FakeEngine(raise_on_start=EngineOverloaded("waiting queue is full"))
+    response = await send(engine, "/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    not_ready = await send(FakeEngine(ready=False), "/v1/completions", json={"prompt": "x"})
+    assert not_ready.status_code == 503 and not_ready.headers["retry-after"] == "1"
+
+
+async def test_streams_past_the_cap_get_503_before_any_work_and_slots_come_back():
+    import asyncio
+
+    from pdserve.config import ServerConfig
+
+    engine = FakeEngine(reply="abcdef", stall_after_tokens=2)  # streams stay open until their client leaves
+    app = make_app(engine, server=ServerConfig(max_concurrent_streams=2))
+    body = {"prompt": "x", "stream": True}
+    async with asgi_client(app) as client:
+        async def read_stream() -> None:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                await response.aread()
+
+        held = [asyncio.create_task(read_stream()) for _ in range(2)]
+        while app.state.serving.num_open_streams < 2:
+            await asyncio.sleep(0.01)
+        refused = await client.post("/v1/completions", json=body)
+        assert_openai_error(refused, 503)
+        assert refused.headers["retry-after"] == "1"
+        assert len(engine.requests) == 2  # the refused one never reached the engine
+        assert (await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})).status_code == 200
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        for _ in range(200):
+            if app.state.serving.num_open_streams == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert app.state.serving.num_open_streams == 0
+        engine.stall_after_tokens = None
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+    assert app.state.serving.num_open_streams == 0

@@ -1,0 +1,136 @@
+"""Which worker holds which prompt blocks, built from the workers' KV event streams.
+
+Invariant: a worker's entries come from exactly one (epoch, sequence) history:
+a snapshot replaces all of them, each event must carry the next sequence
+number of the same epoch (else `SequenceGap`, and the caller resyncs), and a
+worker whose stream broke or who left the pool holds nothing. Matching a
+prompt against a worker uses the workers' own prefix rule (`pdserve.kv.prefix`),
+so a prediction is the hit the worker will find if nothing changes meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+from pdserve.kv.events import CachedBlock, KVEvent, KVEventKind
+from pdserve.kv.prefix import match_prefix, max_hit_blocks
+from pdserve.kv.specs import KVGroupPlan
+
+BlockKey = tuple[bytes, int]  # (chained block hash, KV group)
+
+
+class SequenceGap(Exception):
+    """Events that do not continue the worker's history: resync from a snapshot."""
+
+
+@dataclass(slots=True)
+class WorkerBlocks:
+    url: str
+    role: str
+    epoch: str
+    last_seq: int
+    keys: set[BlockKey] = field(default_factory=set)
+
+
+class _HeldBy:
+    """The index seen from one worker, shaped like the block pool `match_prefix` reads."""
+
+    __slots__ = ("holders", "url")
+
+    def __init__(self, holders: dict[BlockKey, set[str]], url: str):
+        self.holders = holders
+        self.url = url
+
+    def lookup(self, block_hash: bytes, group_id: int) -> Optional[int]:
+        urls = self.holders.get((block_hash, group_id))
+        return 1 if urls is not None and self.url in urls else None
+
+
+class KVIndex:
+    def __init__(self) -> None:
+        self._holders: dict[BlockKey, set[str]] = {}
+        self._workers: dict[str, WorkerBlocks] = {}
+
+    # ---- updates ---------------------------------------------------------------------
+
+    def apply_snapshot(self, url: str, role: str, epoch: str, seq: int, blocks: Iterable[CachedBlock]) -> None:
+        """Replace everything known of the worker."""
+        self.drop_worker(url)
+        worker = self._workers[url] = WorkerBlocks(url, role, epoch, seq)
+        for block in blocks:
+            self._add(worker, (block.block_hash, block.group_id))
+
+    def apply_events(self, url: str, epoch: str, events: Sequence[KVEvent]) -> None:
+        worker = self._workers.get(url)
+        if worker is None or worker.epoch != epoch:
+            raise SequenceGap(f"events of epoch {epoch} for {url} without its snapshot")
+        for event in events:
+            if event.seq != worker.last_seq + 1:
+                raise SequenceGap(f"{url}: event {event.seq} after {worker.last_seq}")
+            worker.last_seq = event.seq
+            if event.kind is KVEventKind.STORED and event.block_hash is not None:
+                self._add(worker, (event.block_hash, event.group_id))
+            elif event.kind is KVEventKind.REMOVED and event.block_hash is not None:
+                self._remove(worker, (event.block_hash, event.group_id))
+            elif event.kind is KVEventKind.CLEARED:
+                for key in list(worker.keys):
+                    self._remove(worker, key)
+
+    def check_heartbeat(self, url: str, epoch: str, seq: int) -> None:
+        """A heartbeat names the last event sent: a higher one means some never arrived."""
+        worker = self._workers.get(url)
+        if worker is None or worker.epoch != epoch or seq != worker.last_seq:
+            raise SequenceGap(f"{url}: heartbeat at {seq} does not match the index")
+
+    def drop_worker(self, url: str) -> None:
+        worker = self._workers.pop(url, None)
+        if worker is None:
+            return
+        for key in worker.keys:
+            urls = self._holders.get(key)
+            if urls is not None:
+                urls.discard(url)
+                if not urls:
+                    del self._holders[key]
+
+    def _add(self, worker: WorkerBlocks, key: BlockKey) -> None:
+        worker.keys.add(key)
+        self._holders.setdefault(key, set()).add(worker.url)
+
+    def _remove(self, worker: WorkerBlocks, key: BlockKey) -> None:
+        worker.keys.discard(key)
+        urls = self._holders.get(key)
+        if urls is not None:
+            urls.discard(worker.url)
+            if not urls:
+                del self._holders[key]
+
+    # ---- queries ---------------------------------------------------------------------
+
+    def cached_tokens(self, url: str, block_hashes: Sequence[bytes], num_prompt_tokens: int,
+                      plan: KVGroupPlan, block_size: int) -> int:
+        """Prompt tokens the worker's prefix cache would serve, by the worker's own matching rule."""
+        if url not in self._workers or not block_hashes:
+            return 0
+        max_blocks = max_hit_blocks(num_prompt_tokens, block_size)
+        return match_prefix(_HeldBy(self._holders, url), plan, block_hashes, max_blocks, block_size).num_tokens
+
+    def worker(self, url: str) -> Optional[WorkerBlocks]:
+        return self._workers.get(url)
+
+    def holders(self, block_hash: bytes, group_id: int = 0) -> frozenset[str]:
+        return frozenset(self._holders.get((block_hash, group_id), ()))
+
+    @property
+    def num_keys(self) -> int:
+        """Distinct (block hash, group) keys held anywhere."""
+        return len(self._holders)
+
+    def num_blocks_by_role(self) -> Counter[str]:
+        """Blocks held per role, counting a block once per worker holding it."""
+        counts: Counter[str] = Counter()
+        for worker in self._workers.values():
+            counts[worker.role] += len(worker.keys)
+        return counts

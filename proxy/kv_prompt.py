@@ -1,0 +1,87 @@
+"""A request's prompt blocks as a worker will hash them: same validation, template, tokenizer and chain.
+
+Invariant: for every request a worker accepts, `PromptHasher.prompt_blocks`
+returns the token count and chained block hashes that worker's scheduler
+computes, because it runs the workers' own code on the worker's own data:
+`pdserve.protocol` (message normalization), `pdserve.models.chat_template`
+(rendering), the worker's serialized tokenizer, `pdserve.kv.hashing` (the
+chain). A request the worker would reject yields None (routing then falls back
+to load). Everything imported here is torch-free (tests/unit/test_proxy_imports.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import tokenizers
+from pydantic import ValidationError
+
+from pdserve.errors import PdserveError
+from pdserve.kv.hashing import HASH_SCHEME, hash_full_blocks
+from pdserve.kv.routing_info import RoutingInfo
+from pdserve.kv.specs import KVGroupPlan
+from pdserve.models.chat_template import ChatTemplate
+from pdserve.protocol import ChatCompletionRequest, CompletionRequest
+from proxy.token_cache import ASYNC_MIN_CHARS, SegmentTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class IncompatibleWorker(ValueError):
+    """The worker hashes blocks in a way this proxy cannot reproduce."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBlocks:
+    num_tokens: int
+    block_hashes: tuple[bytes, ...]
+
+
+class PromptHasher:
+    """Built once from a worker's routing info (GET /internal/kv/routing_info)."""
+
+    def __init__(self, info: RoutingInfo):
+        if info.hash_scheme != HASH_SCHEME:
+            raise IncompatibleWorker(f"worker hashes with {info.hash_scheme!r}, this proxy with {HASH_SCHEME!r}")
+        self.model = info.model
+        self.block_size = info.block_size
+        self.prefix_caching = info.prefix_caching
+        self.plan: KVGroupPlan = info.group_plan()
+        self._tokenizer = tokenizers.Tokenizer.from_str(info.tokenizer_json)
+        self._segments = SegmentTokenizer(self._tokenizer)
+        specials = {"bos_token": info.bos_token, "eos_token": info.eos_token}
+        self._template = ChatTemplate(info.chat_template, specials) if info.chat_template else None
+
+    @property
+    def segments(self) -> SegmentTokenizer:
+        return self._segments
+
+    async def prompt_blocks(self, path: str, body: dict[str, Any]) -> Optional[PromptBlocks]:
+        try:
+            token_ids = await self._token_ids(path, body)
+        except (ValidationError, PdserveError, ValueError, TypeError) as exc:
+            logger.debug("no prompt blocks for this request: %s", exc)
+            return None
+        if not token_ids:
+            return None
+        return PromptBlocks(len(token_ids), tuple(hash_full_blocks(token_ids, self.block_size, [])))
+
+    async def _token_ids(self, path: str, body: dict[str, Any]) -> Optional[list[int]]:
+        if path.endswith("/chat/completions"):
+            if self._template is None:
+                return None
+            chat = ChatCompletionRequest.model_validate(body)
+            tools = chat.template_tools()  # the workers render them into the prompt too
+            text = self._template.render(chat.template_messages(), add_generation_prompt=chat.add_generation_prompt,
+                                         **({"tools": tools} if tools else {}))
+            # The rendered template spells out its special tokens (pdserve/server/preprocess.py).
+            return await self._segments.encode(text)
+        # A batch is computed by the decode worker alone: its first prompt routes it.
+        prompt = CompletionRequest.model_validate(body).prompt_inputs()[0]
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if len(prompt) >= ASYNC_MIN_CHARS:
+            return (await self._tokenizer.async_encode(prompt, add_special_tokens=True)).ids
+        return self._tokenizer.encode(prompt, add_special_tokens=True).ids

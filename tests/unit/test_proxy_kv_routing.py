@@ -1,0 +1,192 @@
+"""kv_aware routing through the real proxy over real HTTP, against stub workers whose caches the test sets:
+the worker holding the prompt wins unless its queue costs more, cache-aware disaggregation skips the
+prefill leg, predictions are checked against the workers' reports, restarts and gaps resync the index,
+and /internal/routing/explain shows the scores."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from pdserve.kv.events import KVEventRecorder
+from proxy.config import RoutingConfig
+from proxy.kv_prompt import PromptHasher
+from tests.unit.kv_stubs import KVStubWorker, stub_routing_info
+from tests.unit.proxy_stubs import Served, ServedProxy, fast_config
+
+MESSAGES = [{"role": "system", "content": "You are a helpful assistant. Answer briefly and politely."},
+            {"role": "user", "content": "What is the capital of France? Tell me a joke about numbers 12345."}]
+BODY = {"model": "stub-model", "messages": MESSAGES, "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    """The test body's block hashes, computed as any proxy (and worker) would."""
+    return asyncio.run(PromptHasher(stub_routing_info()).prompt_blocks("/v1/chat/completions", BODY))
+
+
+def kv_config(prefill_urls, decode_urls, **routing):
+    settings = dict(prefill_policy="kv_aware", decode_policy="kv_aware", **routing)
+    return fast_config(prefill_urls, decode_urls, routing=RoutingConfig(**settings))
+
+
+def wait_until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        time.sleep(0.02)
+
+
+def index_synced(proxy: ServedProxy, *workers_and_urls) -> bool:
+    index = proxy.components.kv.index
+    return proxy.components.kv.hasher is not None and all(index.worker(url) is not None for url in workers_and_urls)
+
+
+def chat(proxy: ServedProxy, body=BODY, **headers) -> httpx.Response:
+    return httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=headers, timeout=10)
+
+
+def test_prefill_goes_to_the_worker_that_holds_the_prompt_and_the_prediction_is_checked(prompt):
+    cold = KVStubWorker("prefill", "p-cold")
+    warm = KVStubWorker("prefill", "p-warm", held=list(prompt.block_hashes[:3]), reported_cached_tokens=12)
+    decode = KVStubWorker("decode", "d0")
+    with Served(cold.app()) as c, Served(warm.app()) as w, Served(decode.app()) as d:
+        with ServedProxy(kv_config([c.url, w.url], [d.url], kv_decode_only_max_tokens=0)) as proxy:
+            proxy.wait_ready()
+            wait_until(lambda: index_synced(proxy, c.url, w.url, d.url))
+            for _ in range(4):
+                assert chat(proxy).status_code == 200
+            assert len(warm.calls) == 4 and not cold.calls
+            assert proxy.metric("pdserve_proxy_kv_routing_decisions_total", role="prefill", reason="cache_hit") == 4
+            assert proxy.metric("pdserve_proxy_kv_predicted_cached_tokens_total", role="prefill") == 4 * 12
+            assert proxy.metric("pdserve_proxy_kv_actual_cached_tokens_total", role="prefill") == 4 * 12
+            assert proxy.metric("pdserve_proxy_kv_prediction_error_tokens_sum", role="prefill") == 0
+            warm.reported_cached_tokens = 8  # the worker evicted a block the index did not hear of yet
+            assert chat(proxy).status_code == 200
+            assert proxy.metric("pdserve_proxy_kv_prediction_error_tokens_sum", role="prefill") == 4
+
+
+def test_a_busy_worker_loses_to_an_idle_one_when_its_cached_prefix_is_short(prompt):
+    idle = KVStubWorker("prefill", "p-idle")
+    busy = KVStubWorker("prefill", "p-busy", held=list(prompt.block_hashes[:1]))
+    decode = KVStubWorker("decode", "d0")
+    with Served(idle.app()) as i, Served(busy.app()) as b, Served(decode.app()) as d:
+        with ServedProxy(kv_config([i.url, b.url], [d.url], kv_load_tokens=16, kv_decode_only_max_tokens=0)) as proxy:
+            proxy.wait_ready()
+            wait_until(lambda: index_synced(proxy, i.url, b.url))
+            proxy.components.prefill_pool.get(b.url).num_in_flight = 3  # 3 x 16 tokens outweigh 4 cached ones
+            assert chat(proxy).status_code == 200
+            assert idle.calls and not busy.calls
+            assert proxy.metric("pdserve_proxy_kv_routing_decisions_total", role="prefill", reason="load") == 1
+            proxy.components.prefill_pool.get(b.url).num_in_flight = 0
+
+
+def test_without_routing_info_requests_are_served_by_load(prompt):
+    workers = [KVStubWorker("prefill", "p0", serve_info=False), KVStubWorker("decode", "d0", serve_info=False)]
+    with Served(workers[0].app()) as p, Served(workers[1].app()) as d:
+        with ServedProxy(kv_config([p.url], [d.url])) as proxy:
+            proxy.wait_ready()
+            assert chat(proxy).status_code == 200
+            assert proxy.metric("pdserve_proxy_kv_routing_decisions_total", reason="no_blocks") == 2
+
+
+def test_a_decode_worker_holding_the_prompt_serves_it_without_a_prefill_leg(prompt):
+    prefill = KVStubWorker("prefill", "p0")
+    decode = KVStubWorker("decode", "d0", held=list(prompt.block_hashes), reported_cached_tokens=len(
+        prompt.block_hashes) * 4)
+    with Served(prefill.app()) as p, Served(decode.app()) as d:
+        with ServedProxy(kv_config([p.url], [d.url], kv_decode_only_max_tokens=16)) as proxy:
+            proxy.wait_ready()
+            wait_until(lambda: index_synced(proxy, p.url, d.url))
+            answer = chat(proxy)
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "from local"
+            assert not prefill.calls and "kv_transfer_params" not in decode.calls[0].body
+            assert proxy.metric("pdserve_proxy_kv_routing_decisions_total", role="prefill",
+                                reason="skipped_decode_cached") == 1
+            assert proxy.metric("pdserve_proxy_requests_total", mode="decode_only") == 1
+            assert proxy.metric("pdserve_proxy_kv_prediction_error_tokens_sum", role="decode") == 0
+            assert proxy.metric("pdserve_proxy_kv_actual_cached_tokens_total", role="decode") > 0
+
+
+def test_a_restart_replaces_the_workers_blocks_and_a_lost_event_forces_a_resync(prompt):
+    worker = KVStubWorker("prefill", "p0", held=list(prompt.block_hashes[:2]))
+    decode = KVStubWorker("decode", "d0")
+    with Served(worker.app()) as p, Served(decode.app()) as d:
+        with ServedProxy(kv_config([p.url], [d.url])) as proxy:
+            proxy.wait_ready()
+            index = proxy.components.kv.index
+            wait_until(lambda: index.holders(prompt.block_hashes[1]) == {p.url})
+            worker.restart("e2", [prompt.block_hashes[3]])
+            wait_until(lambda: index.worker(p.url) is not None and index.worker(p.url).epoch == "e2")
+            assert index.holders(prompt.block_hashes[0]) == frozenset()
+            assert index.holders(prompt.block_hashes[3]) == {p.url}
+            assert proxy.metric("pdserve_proxy_kv_resyncs_total", role="prefill", reason="restart") == 1
+            recorder = KVEventRecorder()
+            recorder.enabled = True
+            recorder.stored(prompt.block_hashes[0], None, 0)
+            recorder.stored(prompt.block_hashes[1], prompt.block_hashes[0], 0)
+            worker.push_events(recorder.drain()[1:])  # event 1 never arrives
+            wait_until(lambda: proxy.metric("pdserve_proxy_kv_resyncs_total", role="prefill", reason="gap") == 1)
+            assert worker.num_streams >= 3
+
+
+def test_explain_shows_each_candidates_score_and_needs_the_token(prompt):
+    warm = KVStubWorker("prefill", "p-warm", held=list(prompt.block_hashes[:2]))
+    decode = KVStubWorker("decode", "d0")
+    with Served(warm.app()) as w, Served(decode.app()) as d:
+        config = kv_config([w.url], [d.url]).model_copy(update={"internal_token": "s3cret"})
+        with ServedProxy(config) as proxy:
+            proxy.wait_ready()
+            wait_until(lambda: index_synced(proxy, w.url, d.url))
+            url = proxy.url + "/internal/routing/explain"
+            assert httpx.post(url, json=BODY).status_code == 401
+            answer = httpx.request("GET", url, json=BODY, headers={"X-Pdserve-Internal-Token": "s3cret"}).json()
+            assert answer["num_prompt_tokens"] == prompt.num_tokens
+            assert answer["prefill"]["candidates"] == [
+                {"url": w.url, "cached_tokens": 8, "load": 0.0, "score": prompt.num_tokens - 8}]
+            assert answer["prefill"]["reason"] == "cache_hit" and answer["skip_prefill"] is False
+            assert not warm.calls  # explaining routes nothing
+
+
+def test_explain_says_when_kv_aware_routing_is_off():
+    decode = KVStubWorker("decode", "d0")
+    with Served(decode.app()) as d:
+        with ServedProxy(fast_config([], [d.url])) as proxy:
+            assert httpx.post(proxy.url + "/internal/routing/explain", json=BODY).status_code == 404
+
+
+def test_kv_aware_routing_serves_where_torch_and_nixl_cannot_be_imported():
+    from tests.unit.test_proxy_imports import PROXY_PDSERVE_ALLOW_LIST, run_blocked
+
+    result = run_blocked(("torch", "nixl"), """
+        import asyncio, time
+        import httpx
+        from proxy.config import RoutingConfig
+        from proxy.kv_prompt import PromptHasher
+        from tests.unit.kv_stubs import KVStubWorker, stub_routing_info
+        from tests.unit.proxy_stubs import Served, ServedProxy, fast_config
+
+        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 2}
+        blocks = asyncio.run(PromptHasher(stub_routing_info()).prompt_blocks("/v1/chat/completions", body))
+        cold, warm = KVStubWorker("prefill", "cold"), KVStubWorker("prefill", "warm", held=list(blocks.block_hashes))
+        with Served(cold.app()) as c, Served(warm.app()) as w, Served(KVStubWorker("decode", "d").app()) as d:
+            config = fast_config([c.url, w.url], [d.url], routing=RoutingConfig(prefill_policy="kv_aware"))
+            with ServedProxy(config) as proxy:
+                proxy.wait_ready()
+                deadline = time.monotonic() + 10
+                while proxy.components.kv.hasher is None or proxy.components.kv.index.worker(w.url) is None:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+                print(httpx.post(proxy.url + "/v1/chat/completions", json=body).json()["choices"][0]["text"])
+        print(len(warm.calls), len(cold.calls))
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "nixl")))
+        print(",".join(sorted(m for m in sys.modules if m.split(".")[0] == "pdserve")))
+    """)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:3] == ["from warm", "1 0", "[]"]
+    assert set(lines[3].split(",")) <= PROXY_PDSERVE_ALLOW_LIST
