@@ -13,12 +13,14 @@ import os
 import shutil
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from bench._report import PhaseResult, RequestSample, summarize
 from bench._workload import chat_messages
+
+Messages = Callable[[int], list[dict[str, str]]]
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +56,10 @@ def prepare_hf_dir(gguf_path: str, hf_dir: str) -> None:
     logger.info("dequantized %s into %s in %.1f s", name, hf_dir, time.monotonic() - started_s)
 
 
-def load_hf_model(hf_dir: str):
+def load_hf_model(hf_dir: str, device: str = "cpu"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     tokenizer.padding_side = "left"  # decoder-only batches pad on the left
     if tokenizer.pad_token_id is None:
@@ -65,10 +67,10 @@ def load_hf_model(hf_dir: str):
     return model, tokenizer
 
 
-def _encode(tokenizer, indices: Sequence[int]) -> dict:
-    texts = [tokenizer.apply_chat_template(chat_messages(i), tokenize=False, add_generation_prompt=True)
+def _encode(tokenizer, indices: Sequence[int], device: str = "cpu", messages: Messages = chat_messages) -> dict:
+    texts = [tokenizer.apply_chat_template(messages(i), tokenize=False, add_generation_prompt=True)
              for i in indices]
-    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
 
 
 def _timed_generate(model, tokenizer, batch: dict, num_new_tokens: int) -> tuple[float, int]:
@@ -87,7 +89,7 @@ def run_generate_phase(model, tokenizer, indices: Sequence[int], batch_size: int
     samples: list[RequestSample] = []
     wall_s = 0.0
     for start in range(0, len(indices), batch_size):
-        batch = _encode(tokenizer, indices[start:start + batch_size])
+        batch = _encode(tokenizer, indices[start:start + batch_size], str(model.device))
         ttft_s, _ = _timed_generate(model, tokenizer, batch, 1)
         e2e_s, num_tokens = _timed_generate(model, tokenizer, batch, max_tokens)
         wall_s += e2e_s
@@ -101,8 +103,9 @@ class GenerateSystem:
 
     name = GENERATE_SYSTEM
 
-    def __init__(self, hf_dir: str):
+    def __init__(self, hf_dir: str, device: str = "cpu"):
         self._hf_dir = hf_dir
+        self._device = device
         self.model = None
         self._tokenizer = None
 
@@ -111,12 +114,20 @@ class GenerateSystem:
         return []  # runs in the benchmark's own process, which the CPU meter always counts
 
     def start(self, ready_timeout_s: float) -> None:
-        self.model, self._tokenizer = load_hf_model(self._hf_dir)
+        self.model, self._tokenizer = load_hf_model(self._hf_dir, self._device)
 
     def warm_up(self, indices: Sequence[int], concurrencies: Sequence[int], max_tokens: int) -> None:
         for batch_size in concurrencies:  # every batch shape the phases will use, once
-            batch = _encode(self._tokenizer, list(indices[:batch_size]))
+            batch = _encode(self._tokenizer, list(indices[:batch_size]), self._device)
             _timed_generate(self.model, self._tokenizer, batch, max_tokens)
+
+    def prepare(self, concurrency: int) -> None:
+        """Nothing to do between phases."""
+
+    def first_token_times(self, indices: Sequence[int], messages: Messages) -> list[float]:
+        """One-token `generate` on each prompt alone."""
+        encode = lambda i: _encode(self._tokenizer, [i], self._device, messages)  # noqa: E731
+        return [_timed_generate(self.model, self._tokenizer, encode(i), 1)[0] for i in indices]
 
     def run(self, indices: Sequence[int], concurrency: int, max_tokens: int) -> PhaseResult:
         return run_generate_phase(self.model, self._tokenizer, indices, concurrency, max_tokens)
@@ -125,7 +136,7 @@ class GenerateSystem:
         self.model = self._tokenizer = None
 
 
-def transformers_serve_argv(hf_dir: str, port: int, num_kv_tokens: int) -> list[str]:
+def transformers_serve_argv(hf_dir: str, port: int, num_kv_tokens: int, device: str = "cpu") -> list[str]:
     """The `transformers serve` CLI of the running interpreter, pinned to the local directory.
 
     Left alone, its paged cache takes 90% of free memory (11 GB here); it gets
@@ -133,7 +144,7 @@ def transformers_serve_argv(hf_dir: str, port: int, num_kv_tokens: int) -> list[
     script = os.path.join(os.path.dirname(sys.executable), "transformers")
     launcher = [script] if os.path.exists(script) else [sys.executable, "-m", "transformers.cli.transformers"]
     return launcher + [
-        "serve", hf_dir, "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+        "serve", hf_dir, "--continuous-batching", "--device", device, "--dtype", "float32",
         "--cb-num-blocks", str(-(-num_kv_tokens // _SERVE_PAGE_TOKENS)),
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
     ]

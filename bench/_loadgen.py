@@ -23,6 +23,8 @@ import httpx
 from bench._report import PhaseResult, RequestSample, summarize
 from bench._workload import chat_messages
 
+Messages = Callable[[int], list[dict[str, str]]]  # request index -> chat messages
+
 logger = logging.getLogger(__name__)
 
 _HTTP_TIMEOUT_S = 600.0
@@ -122,9 +124,10 @@ def _has_content(event: dict) -> bool:
     return any((choice.get("delta") or {}).get("content") for choice in event.get("choices", ()))
 
 
-async def stream_one(client: httpx.AsyncClient, target: HttpTarget, index: int, max_tokens: int) -> RequestSample:
+async def stream_one(client: httpx.AsyncClient, target: HttpTarget, index: int, max_tokens: int,
+                     messages: Messages = chat_messages) -> RequestSample:
     """One streamed chat request; TTFT is the arrival of the first content delta."""
-    body = {"model": target.model, "messages": chat_messages(index), "max_tokens": max_tokens,
+    body = {"model": target.model, "messages": messages(index), "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True} | target.extra_body
     started_s = time.perf_counter()
     ttft_s: Optional[float] = None
@@ -150,7 +153,7 @@ async def stream_one(client: httpx.AsyncClient, target: HttpTarget, index: int, 
 
 
 async def _run_closed_loop(target: HttpTarget, indices: Sequence[int], concurrency: int,
-                           max_tokens: int) -> tuple[list[RequestSample], float]:
+                           max_tokens: int, messages: Messages) -> tuple[list[RequestSample], float]:
     queue: asyncio.Queue[int] = asyncio.Queue()
     for index in indices:
         queue.put_nowait(index)
@@ -159,7 +162,7 @@ async def _run_closed_loop(target: HttpTarget, indices: Sequence[int], concurren
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
-            samples.append(await stream_one(client, target, queue.get_nowait(), max_tokens))
+            samples.append(await stream_one(client, target, queue.get_nowait(), max_tokens, messages))
 
     async with httpx.AsyncClient(timeout=_HTTP_TIMEOUT_S, limits=limits) as client:
         started_s = time.perf_counter()
@@ -169,9 +172,15 @@ async def _run_closed_loop(target: HttpTarget, indices: Sequence[int], concurren
 
 
 def run_phase(target: HttpTarget, indices: Sequence[int], concurrency: int,
-              max_tokens: int) -> tuple[list[RequestSample], float]:
+              max_tokens: int, messages: Messages = chat_messages) -> tuple[list[RequestSample], float]:
     """Requests `indices`, `concurrency` at a time; returns the samples and the phase's wall time."""
-    return asyncio.run(_run_closed_loop(target, indices, concurrency, max_tokens))
+    return asyncio.run(_run_closed_loop(target, indices, concurrency, max_tokens, messages))
+
+
+def first_token_times(target: HttpTarget, indices: Sequence[int], messages: Messages) -> list[float]:
+    """TTFT of each request in `indices`, sent one at a time (nothing else in flight)."""
+    samples, _ = run_phase(target, indices, 1, 2, messages)
+    return [sample.ttft_s for sample in samples]
 
 
 def check_exact_lengths(samples: Sequence[RequestSample], max_tokens: int, system: str) -> None:
@@ -199,10 +208,21 @@ class HttpSystem:
         self._server.start(ready_timeout_s)
         self._target = self._make_target(self._server)
 
+    def prepare(self, concurrency: int) -> None:
+        """Nothing to do between phases: one server serves every concurrency."""
+
+    def target(self) -> HttpTarget:
+        if self._target is None:
+            raise BenchError(f"{self.name} is not running")
+        return self._target
+
     def warm_up(self, indices: Sequence[int], concurrencies: Sequence[int], max_tokens: int) -> None:
         """At the highest concurrency only: lazy set-up (batchers, allocator pools) happens on first use."""
         top = max(concurrencies)
         run_phase(self._target, indices[:top], top, max_tokens)
+
+    def first_token_times(self, indices: Sequence[int], messages: Messages) -> list[float]:
+        return first_token_times(self.target(), indices, messages)
 
     def run(self, indices: Sequence[int], concurrency: int, max_tokens: int) -> PhaseResult:
         samples, wall_s = run_phase(self._target, indices, concurrency, max_tokens)

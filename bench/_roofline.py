@@ -1,8 +1,8 @@
 """Machine ceilings for the engine benchmark, measured rather than quoted from a spec sheet.
 
 c=1 decode streams every weight once per token, so its ceiling is read
-bandwidth / weight bytes; at c=16 the same weights serve 16 tokens, so the
-ceiling is the FLOP/s of the model's own matmuls at M=16 over 2 * params.
+bandwidth / weight bytes (fp32, or as stored when weights stay quantized); at
+c=16 the same weights serve 16 tokens, so the ceiling is the FLOP/s of the model's own matmuls at M=16 over 2 * params.
 """
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ def measure_matmul_flops(model: torch.nn.Module, num_rows: int, num_repeats: int
     return 2 * num_params * num_rows / elapsed_s
 
 
-def measure_roofline(model: torch.nn.Module, concurrency: int) -> Roofline:
+def measure_roofline(model: torch.nn.Module, concurrency: int, quantized_weight_bytes: int | None = None) -> Roofline:
     return Roofline(
+        quantized_weight_bytes=quantized_weight_bytes,
         weight_bytes=decode_weight_bytes(model),
         read_bandwidth_bytes_per_s=measure_read_bandwidth(),
         matmul_params=sum(w.numel() for w in decode_weights(model)),
@@ -74,3 +75,22 @@ def measure_roofline(model: torch.nn.Module, concurrency: int) -> Roofline:
         matmul_flops_per_s=measure_matmul_flops(model, concurrency),
         matvec_flops_per_s=measure_matmul_flops(model, 1),
     )
+
+
+def gguf_matmul_bytes(gguf_path: str) -> int:
+    """Bytes of a GGUF's matmul weights as stored (quantized blocks), the output head included:
+    what one decode step reads when the weights stay quantized."""
+    import gguf
+
+    from pdserve.models.gguf_reader import GGUFContainer
+
+    total = 0
+    for name, info in GGUFContainer(gguf_path).tensors.items():
+        if len(info.dims) != 2:
+            continue  # norms and other vectors
+        block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
+        num_elements = 1
+        for dim in info.dims:
+            num_elements *= dim
+        total += num_elements // block_size * type_size
+    return total

@@ -30,10 +30,25 @@ _BODY = (
 )
 
 
+# Sentences of the long-prompt (time to first token) requests: a support log, one line per
+# event, so that the prompt reads like text a deployment would really receive.
+_LOG_LINE = ("Entry {n}: the customer called again about {topic}, was asked for the order number and "
+             "the delivery date, and was told that the case stays open until the courier replies.")
+LONG_PROMPT_FIRST_INDEX = 200_000  # far from the throughput phases' prompts and their warm-ups
+
+
 def chat_messages(index: int) -> list[dict[str, str]]:
     """Messages of request `index`; the header that makes it unique comes first."""
     topic = _TOPICS[index % len(_TOPICS)]
     return [{"role": "user", "content": f"Ticket #{1000 + index}, about {topic}. {_BODY}"}]
+
+
+def long_prompt_messages(index: int, num_lines: int) -> list[dict[str, str]]:
+    """A long, unique prompt: a ticket header, `num_lines` log lines, then the request."""
+    topic = _TOPICS[index % len(_TOPICS)]
+    lines = " ".join(_LOG_LINE.format(n=n + 1, topic=_TOPICS[(index + n) % len(_TOPICS)]) for n in range(num_lines))
+    return [{"role": "user", "content": f"Ticket #{1000 + index}, about {topic}. Call log: {lines} "
+                                        f"Summarise the case in three sentences."}]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +58,8 @@ class Workload:
     max_tokens: int
     num_requests_by_concurrency: dict[int, int]
     num_warmup_tokens: int = 8
+    long_prompt_tokens: int = 1024  # time to first token is measured on prompts this long
+    num_long_prompts: int = 3
 
     @property
     def concurrencies(self) -> tuple[int, ...]:
@@ -62,6 +79,9 @@ class Workload:
             start += count
         raise KeyError(f"no phase at concurrency {concurrency}")
 
+    def long_prompt_indices(self) -> list[int]:
+        return list(range(LONG_PROMPT_FIRST_INDEX, LONG_PROMPT_FIRST_INDEX + self.num_long_prompts))
+
     def warmup_indices(self, count: int) -> list[int]:
         """Warm-up prompts sit far past every measured one (repeats included), so they never seed a cache hit."""
         return list(range(_FIRST_WARMUP_INDEX, _FIRST_WARMUP_INDEX + count))
@@ -72,4 +92,4 @@ def full_workload() -> Workload:
 
 
 def quick_workload() -> Workload:
-    return Workload(max_tokens=32, num_requests_by_concurrency={1: 2, 4: 4, 16: 16})
+    return Workload(max_tokens=32, num_requests_by_concurrency={1: 2, 4: 4, 16: 16}, num_long_prompts=1)

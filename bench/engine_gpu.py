@@ -9,6 +9,8 @@ does not depend on the weights; EOS is ignored so every run decodes the same cou
 SmolLM2-135M (30 layers, 576 wide, 9 heads / 3 KV) and Llama-3.2-1B (16 layers, 2048 wide,
 32 heads / 8 KV, vocabulary 128,256). bf16 everywhere.
 
+--compile both (the default) runs the compiled decode step and the eager one side by side.
+
 Decode tokens/s = tokens generated after every request's first token / the time that took
 (prefill excluded on both sides: for transformers, a max_new_tokens=1 run of the same
 batch is subtracted)."""
@@ -71,9 +73,9 @@ def prompts_for(concurrency: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (concurrency, PROMPT_TOKENS), generator=generator).tolist()
 
 
-def make_engine(loaded, max_running: int, device: str):
+def make_engine(loaded, max_running: int, device: str, compile_decode: bool):
     num_blocks = max_running * (PROMPT_TOKENS + OUTPUT_TOKENS) // 16 + 64
-    config = WorkerConfig(model=ModelConfig(device=device, dtype="bfloat16"),
+    config = WorkerConfig(model=ModelConfig(device=device, dtype="bfloat16", compile=compile_decode),
                           cache=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=False),
                           scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_running=max_running))
     return build_engine(config, Metrics(), loaded)
@@ -151,26 +153,44 @@ def profile_decode(built, prompts: list[list[int]], device: str, steps: int = 8)
     return f"decode step (profiled): {step_ms:.2f} ms\n{table}"
 
 
-def bench_model(shape: str, concurrency: Sequence[int], profile_at: int, device: str) -> tuple[list[dict], str]:
-    rows = []
+def bench_model(shape: str, concurrency: Sequence[int], profile_at: int, device: str,
+                compile_modes: Sequence[bool]) -> tuple[list[dict], dict[str, str]]:
+    """Every concurrency level with each compile mode, transformers measured once per level beside them."""
+    rows, profiles = [], {}
     with tempfile.TemporaryDirectory() as directory:
         hf_model = write_checkpoint(shape, directory, device)
         loaded = load_model(directory, torch.bfloat16, torch.device(device))
-        built = make_engine(loaded, max(concurrency), device)
-        ours_decode_rate(built, prompts_for(2, SHAPES[shape]["vocab_size"]), "warm", device)
+        engines = {}
+        for compile_decode in compile_modes:
+            started = time.perf_counter()
+            try:
+                built = make_engine(loaded, max(concurrency), device, compile_decode)
+                ours_decode_rate(built, prompts_for(2, SHAPES[shape]["vocab_size"]), "warm", device)
+            except Exception as error:  # a mode that cannot run is reported, the others still measured
+                print(f"{shape}: compile={compile_decode} failed: {error!r}", flush=True)
+                profiles[f"compile={compile_decode} failed"] = repr(error)
+                continue
+            engines[compile_decode] = built
+            print(f"{shape}: engine with compile={compile_decode} built and warm in "
+                  f"{time.perf_counter() - started:.1f} s", flush=True)
         for level in concurrency:
             prompts = prompts_for(level, SHAPES[shape]["vocab_size"])
-            ours = ours_decode_rate(built, prompts, f"c{level}", device)
             theirs = hf_decode_rate(hf_model, prompts, device)
-            rows.append({"model": shape, "concurrency": level, "pdserve": ours, "transformers": theirs,
-                         "ratio": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]})
-            print(format_row(rows[-1]), flush=True)
-        profile = profile_decode(built, prompts_for(profile_at, SHAPES[shape]["vocab_size"]), device)
-    return rows, profile
+            for compile_decode, built in engines.items():
+                ours = ours_decode_rate(built, prompts, f"c{level}-{compile_decode}", device)
+                rows.append({"model": shape, "concurrency": level, "compile": compile_decode, "pdserve": ours,
+                             "transformers": theirs,
+                             "ratio": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]})
+                print(format_row(rows[-1]), flush=True)
+        for compile_decode, built in engines.items():
+            profiles[f"compile={compile_decode}"] = profile_decode(
+                built, prompts_for(profile_at, SHAPES[shape]["vocab_size"]), device)
+    return rows, profiles
 
 
 def format_row(r: dict) -> str:
-    return (f"{r['model']:>10} {r['concurrency']:>4} | {r['pdserve']['decode_tokens_per_s']:>10.1f} "
+    return (f"{r['model']:>10} {r['concurrency']:>4} {'on' if r['compile'] else 'off':>7} | "
+            f"{r['pdserve']['decode_tokens_per_s']:>10.1f} "
             f"{r['transformers']['decode_tokens_per_s']:>12.1f} | {r['ratio']:>5.2f}x | "
             f"{r['pdserve']['e2e_tokens_per_s']:>8.1f} {r['transformers']['e2e_tokens_per_s']:>8.1f}")
 
@@ -181,17 +201,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--profile-at", type=int, default=16, help="batch size of the profiled decode steps")
     parser.add_argument("--out", default="bench/results/engine_gpu.json")
+    parser.add_argument("--compile", choices=["on", "off", "both"], default="both",
+                        help="the decode step compiled (CUDA graphs), eager, or both side by side")
     parser.add_argument("--device", default="cuda", help="cuda / cuda:N (cpu only to smoke-test the script)")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("needs CUDA")
-    print(f"{'model':>10} {'conc':>4} | {'pdserve t/s':>10} {'transformers':>12} | ratio | e2e: ours  theirs")
+    compile_modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.compile]
+    print(f"{'model':>10} {'conc':>4} {'compile':>7} | {'pdserve t/s':>10} {'transformers':>12} | ratio | "
+          f"e2e: ours  theirs")
     rows, profiles = [], {}
     for shape in args.models:
-        model_rows, profiles[shape] = bench_model(shape, args.concurrency, args.profile_at, args.device)
+        model_rows, model_profiles = bench_model(shape, args.concurrency, args.profile_at, args.device, compile_modes)
         rows += model_rows
-    for shape, text in profiles.items():
-        print(f"\n== profile: {shape}, batch {args.profile_at}\n{text}")
+        profiles.update({f"{shape} {mode}": text for mode, text in model_profiles.items()})
+    for name, text in profiles.items():
+        print(f"\n== profile: {name}, batch {args.profile_at}\n{text}")
     report = {"command": " ".join(["python3", "bench/engine_gpu.py", *(argv if argv is not None else sys.argv[1:])]),
               "device": torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu",
               "torch": torch.__version__, "platform": platform.platform(),

@@ -47,6 +47,14 @@ class ModelConfig(_Frozen):
                                            ge=1)
     num_threads: Optional[int] = setting(
         None, "torch CPU threads (default: all cores); set it when several workers share a host", ge=1)
+    quantization: Literal["auto", "none", "int8", "int4"] = setting(
+        "auto", "weights kept as quantized blocks. auto: on the CPU a GGUF's Q4_0/Q4_1/Q8_0 tensors stay packed, "
+                "unless --dtype float32 (the exact mode: everything dequantized); int8/int4: float weights of "
+                "linear layers are quantized at load as well")
+    compile: Optional[bool] = setting(
+        None, "compile the decode step (torch.compile; CUDA graphs on a GPU). Off unless asked: on the CPU a cold "
+              "compile costs more start-up than its steps save back soon, and the CUDA-graph variant does not "
+              "yet run on a GPU (docs/benchmarks.md, GPU)")
 
 
 class CacheConfig(_Frozen):

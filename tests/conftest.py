@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tests.devices import device_params
@@ -12,3 +14,14 @@ from tests.process_guard import pytest_sessionfinish  # noqa: F401 - the hook: n
 def device(request) -> str:
     """The device a test runs on: "cpu" in CI, also "cuda" where there is a GPU."""
     return request.param
+
+
+def pytest_sessionstart(session) -> None:  # noqa: ANN001 (pytest's hook signature)
+    """Builds pdserve's native CPU kernels once, before any test starts a worker process, so that
+    workers find them cached instead of each compiling them (racing, and eating their start-up
+    timeout on a busy machine). A machine that cannot build them logs why and runs the torch paths."""
+    from pdserve.kernels import native
+
+    reason = native.cpu_kernels_error()
+    if reason is not None:
+        logging.getLogger(__name__).warning("native CPU kernels unavailable for this run: %s", reason)

@@ -17,6 +17,7 @@ import torch
 
 from pdserve.config import WorkerConfig
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.decode_step import should_compile
 from pdserve.engine.emitter import OutputEmitter
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.outputs import OutputProcessor
@@ -32,7 +33,7 @@ from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import KVGroupPlan, plan_groups
 from pdserve.metrics import Metrics
 from pdserve.models.base import ModelSpec
-from pdserve.models.loader import LoadedModel, load_model
+from pdserve.models.loader import LoadedModel, load_model, resolve_quantization
 from pdserve.pd.handshake import AgentInfo, compatibility_hash
 from pdserve.pd.prefill import PrefillConnector
 from pdserve.pd.wiring import KVSide, PoolDescription, TransportFactory, build_admission, build_kv_side, nixl_transport
@@ -143,8 +144,9 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     dtype = pick_dtype(config.model.dtype, device)
     if config.model.num_threads is not None:
         torch.set_num_threads(config.model.num_threads)
+    quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
     free_before_load = None if loaded is not None else free_device_bytes(device)
-    loaded = loaded or load_model(config.model.path, dtype, device)
+    loaded = loaded or load_model(config.model.path, dtype, device, quantization)
     spec = loaded.model.spec
     plan = plan_groups(spec.layer_specs)
     cache = config.cache
@@ -157,7 +159,10 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     kv_events = KVEventRecorder()
     kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching, kv_events)
     grammar_tokenizer = GrammarTokenizer(loaded.tokenizer, spec.vocab_size)
-    runner = ModelRunner(loaded.model, plan, layout, device, grammar=GrammarMatchers(grammar_tokenizer))
+    compile_decode = should_compile(config.model.compile, device, dtype)
+    runner = ModelRunner(loaded.model, plan, layout, device, compile_decode=compile_decode,
+                         grammar=GrammarMatchers(grammar_tokenizer))
+    runner.warm_up(config.scheduler.max_num_running)
     model_name = config.model.served_name or loaded.name
     pool = _pool_description(model_name, spec, plan, layout, dtype)
     kv_side = build_kv_side(config, metrics, pool, layout.canonical_view(runner.pool), transport_factory)

@@ -5,8 +5,11 @@ Invariant: a query at position p sees exactly the keys its layer's spec allows
 (causal, same request, inside the sliding window); stale data in null or
 padding blocks is always masked out.
 
-Token order in the flat batch: single-token chunks first (one batched gather
-and one SDPA call for all of them), then each multi-token chunk.
+Token order in the flat batch: single-token chunks first (one attention call
+for all of them), then each multi-token chunk. Where the native kernel runs
+(float32 on the CPU) decode rows read their pages in place (decode_attention.py);
+elsewhere (CUDA, bf16) they share one padded gather and one folded SDPA call,
+the path measured on an H100 (docs/benchmarks.md, "GPU").
 
 No SDPA call here ever needs `enable_gqa`: on CUDA, flash attention takes no
 mask and the memory-efficient kernel has no GQA, so a masked GQA call falls to
@@ -34,6 +37,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.decode_attention import DecodeRows, attend_decode, build_decode_rows, uses_native_kernel
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.kv.specs import AttentionSpec, FullAttentionSpec, KVGroupPlan
 
@@ -65,7 +69,7 @@ class _ChunkPlan:
 class _GroupStepData:
     write_block_ids: torch.Tensor  # [num_tokens] block id of each new token
     write_offsets: torch.Tensor  # [num_tokens] slot inside that block
-    decode: _GatherPlan | None  # all single-token chunks at once
+    decode: DecodeRows | _GatherPlan | None  # all single-token chunks at once: in place, or gathered
     prefill: list[_ChunkPlan]  # one per multi-token chunk
 
 
@@ -116,6 +120,8 @@ class PagedAttention:
         self.layer_caches = layer_caches
         self.num_decode = sum(1 for chunk in chunks if chunk.num_tokens == 1)
         self.prefill_chunks = list(chunks[self.num_decode :])
+        dtype = layer_caches[0][1].dtype if layer_caches else torch.float32
+        self.in_place_decode = uses_native_kernel(device, dtype)
         self.groups = [self._build_group(group.group_id, group.spec, chunks, block_size, device) for group in plan.groups]
 
     def _build_group(self, group_id, spec, chunks, block_size, device) -> _GroupStepData:
@@ -125,21 +131,23 @@ class PagedAttention:
             for position in range(chunk.start_position, chunk.end_position):
                 write_blocks.append(table[position // block_size])
                 write_offsets.append(position % block_size)
+        to = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         decode_chunks = chunks[: self.num_decode]
         decode = None
-        if decode_chunks:
-            decode = _gather_plan(
-                spec,
-                [c.block_ids[group_id] for c in decode_chunks],
-                [range(c.start_position, c.end_position) for c in decode_chunks],
-                block_size,
+        if decode_chunks and self.in_place_decode:
+            decode = build_decode_rows(
+                spec, [c.block_ids[group_id] for c in decode_chunks], [c.start_position for c in decode_chunks],
+                block_size, device, include_query_key=True,
             )
+        elif decode_chunks:
+            gather = _gather_plan(spec, [c.block_ids[group_id] for c in decode_chunks],
+                                  [range(c.start_position, c.end_position) for c in decode_chunks], block_size)
+            decode = _GatherPlan(to(gather.block_table), to(gather.mask))
         prefill = [self._chunk_plan(spec, chunk, group_id, block_size) for chunk in self.prefill_chunks]
-        to = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return _GroupStepData(
             to(torch.tensor(write_blocks, dtype=torch.int64)),
             to(torch.tensor(write_offsets, dtype=torch.int64)),
-            None if decode is None else _GatherPlan(to(decode.block_table), to(decode.mask)),
+            decode,
             [_ChunkPlan(to(p.block_table), to(p.mask)) for p in prefill],
         )
 
@@ -171,16 +179,18 @@ class PagedAttention:
         return out
 
     @staticmethod
-    def _attend_decode(q, k_cache, v_cache, gather: _GatherPlan, scale: float) -> torch.Tensor:
+    def _attend_decode(q, k_cache, v_cache, rows: DecodeRows | _GatherPlan, scale: float) -> torch.Tensor:
+        # The new keys were written above, so each row's range already ends at its own key.
+        if isinstance(rows, DecodeRows):
+            return attend_decode(q, k_cache, v_cache, rows, scale)
         # One query per row: fold the query heads that share a KV head into the
         # "query length" axis, so SDPA needs no GQA expansion of the keys.
         num_rows, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
-        keys = k_cache[gather.block_table].flatten(1, 2).transpose(1, 2)  # [rows, kv_heads, L, dim]
-        values = v_cache[gather.block_table].flatten(1, 2).transpose(1, 2)
+        keys = k_cache[rows.block_table].flatten(1, 2).transpose(1, 2)  # [rows, kv_heads, L, dim]
+        values = v_cache[rows.block_table].flatten(1, 2).transpose(1, 2)
         grouped_q = q.view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        mask = gather.mask.unsqueeze(1)  # [rows, 1, 1, L]
-        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=rows.mask.unsqueeze(1), scale=scale)
         return out.reshape(num_rows, num_heads, head_dim)
 
     @staticmethod

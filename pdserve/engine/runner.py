@@ -1,9 +1,15 @@
 """Runs one scheduled step on the device: the only engine code that touches torch.
 
-Owns the model, the KV pool tensor and the sampler. Invariants: it writes K/V
-only into the blocks the scheduler's chunks name, and returns exactly one
-sampled token per chunk that asked for one; after `synchronize()` no kernel
-it queued is still running, so any block may be freed, reused or read remotely.
+Owns the model, the KV pool tensor and the sampler. Steps made only of
+single-token chunks go through `DecodeStep` (a pure, optionally compiled pass)
+where the native kernel runs or compilation was asked for (unless they need
+prompt logprobs); every other step runs eagerly over `PagedAttention`. Either
+way the logits meet the same sampling: penalties, bias, min_tokens, grammar
+masks, logprobs, so a request's tokens do not depend on which path ran.
+Invariants: it writes K/V only into the blocks the scheduler's chunks name, and
+returns exactly one sampled token per chunk that asked for one; after
+`synchronize()` no kernel it queued is still running, so any block may be freed,
+reused or read remotely.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from pdserve.engine import prompt_logprobs
+from pdserve.engine.decode_step import DecodeStep
 from pdserve.engine.paged_attention import PagedAttention
 from pdserve.engine.sampler import Sampler, unpack_sampled
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
@@ -27,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: CausalLM, plan: KVGroupPlan, layout: KVPoolLayout, device: torch.device, seed: int = 0,
-                 grammar: Optional[GrammarMatchers] = None):
+                 compile_decode: bool = False, grammar: Optional[GrammarMatchers] = None):
         self.model = model
         self.grammar = grammar  # None: this runner serves no structured outputs
         self.plan = plan
@@ -36,6 +43,8 @@ class ModelRunner:
         self.pool = layout.allocate(device)
         self.layer_caches = self._layer_caches()
         self.sampler = Sampler(device, seed)
+        self.decode_step = DecodeStep(model, plan, self.pool, self.layer_caches, layout.block_size, device,
+                                      compile_step=compile_decode)
         self.synchronize()  # the pool's zeros land before NIXL registers it or a peer reads it
 
     def bind_thread(self) -> None:
@@ -56,6 +65,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    def warm_up(self, max_rows: int) -> Optional[float]:
+        """Compile what runs per step before serving; seconds spent, None when nothing is compiled."""
+        return self.decode_step.warm_up(max_rows)
+
     def _layer_caches(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         caches = []
         for layer_id in range(self.plan.num_layers):
@@ -71,20 +84,19 @@ class ModelRunner:
             self.grammar.forget(step.finished_request_ids)
         if step.is_empty:
             return StepResult()
-        # Single-token chunks first: they share one batched gather per layer.
+        # Single-token chunks first: they share one decode attention call per layer.
         chunks = sorted(step.chunks, key=lambda chunk: chunk.num_tokens != 1)
         sample_rows, sample_chunks = self._sample_rows(chunks)
         # Grammar masks are computed on a helper thread while the model runs.
         masks = self.grammar.start_masks(sample_chunks) if self.grammar is not None and sample_chunks else None
-        input_ids, positions = self._inputs(chunks)
-        attention = PagedAttention(self.plan, self.layer_caches, chunks, self.layout.block_size, self.device)
-        hidden = self.model(input_ids, positions, attention)
+        prompt_rows = prompt_logprobs.wanted_rows(chunks)
+        logits, hidden = self._forward(chunks, sample_rows, len(sample_chunks), bool(prompt_rows))
         packed: list[torch.Tensor] = []
-        if sample_chunks:
-            logits = self.model.compute_logits(hidden[sample_rows])
+        if logits is not None:
+            # Whichever path made the logits, the sampler gets the same inputs: penalties, bias,
+            # min_tokens, grammar masks, logprobs.
             allowed = bitmask_to_allowed(masks.result(), logits.shape[-1], self.device) if masks else None
             packed.append(self.sampler.sample_packed(logits, sample_chunks, allowed))
-        prompt_rows = prompt_logprobs.wanted_rows(chunks)
         if prompt_rows:
             packed.append(prompt_logprobs.compute_packed(hidden, prompt_rows, self.model.compute_logits))
         if not packed:
@@ -94,6 +106,23 @@ class ModelRunner:
         if self.grammar is not None:
             self.grammar.consume(sample_chunks, sampled)
         return StepResult(sampled, prompt_logprobs.unpack(prompt_values, prompt_rows) if prompt_rows else [])
+
+    def _forward(self, chunks: Sequence[ScheduledChunk], sample_rows: torch.Tensor, num_sampling: int,
+                 wants_prompt_logprobs: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(logits of the sampling rows or None, hidden states or None). Decode-only steps take
+        `DecodeStep` where the native kernel runs or compilation was asked for, unless they need
+        prompt logprobs, which are read from the eager pass's hidden states."""
+        decode_only = chunks[-1].num_tokens == 1 and not wants_prompt_logprobs
+        if decode_only and (self.decode_step.native or self.decode_step.compiled):
+            logits = self.decode_step.run(chunks)
+            if num_sampling == 0:
+                return None, None
+            # One token per chunk: the sampling rows index the logits directly.
+            return (logits if num_sampling == len(chunks) else logits[sample_rows]), None
+        input_ids, positions = self._inputs(chunks)
+        attention = PagedAttention(self.plan, self.layer_caches, chunks, self.layout.block_size, self.device)
+        hidden = self.model(input_ids, positions, attention)
+        return (self.model.compute_logits(hidden[sample_rows]) if num_sampling else None), hidden
 
     def _inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         token_ids: list[int] = []

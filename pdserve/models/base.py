@@ -10,7 +10,7 @@ and the layer's sliding window itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -45,16 +45,52 @@ class ModelSpec:
     layer_specs: tuple[AttentionSpec, ...]  # one per layer
 
 
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class DecoderLayer(torch.nn.Module):
+    """One transformer block, split at its attention so that callers can run the parts apart
+    (the compiled decode step compiles the two halves once and reuses them for every layer)."""
+
+    def __init__(self, layer_id: int, attention_scale: float):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_scale = attention_scale  # multiplies q.k
+
+    def attention_inputs(self, h: torch.Tensor, rope: Any) -> QKV:
+        """Residual stream [n, hidden] -> q [n, heads, dim], k and v [n, kv_heads, dim], ready to attend."""
+        raise NotImplementedError
+
+    def attention_output(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Residual stream and attention output [n, heads, dim] -> the block's output [n, hidden]."""
+        raise NotImplementedError
+
+    def forward(self, h: torch.Tensor, rope: Any, attention: AttentionContext) -> torch.Tensor:  # type: ignore[override]
+        q, k, v = self.attention_inputs(h, rope)
+        return self.attention_output(h, attention.attend(self.layer_id, q, k, v, self.attention_scale))
+
+
 class CausalLM(torch.nn.Module):
     """Base of every model file: forward over a flat batch, logits on demand."""
 
     spec: ModelSpec
+    layers: torch.nn.ModuleList  # of DecoderLayer
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Token ids and positions [n] -> (residual stream [n, hidden], what layers need for RoPE)."""
+        raise NotImplementedError
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(  # type: ignore[override]
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionContext
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 -> final-normed hidden states [num_tokens, hidden]."""
-        raise NotImplementedError
+        h, rope = self.embed(input_ids, positions)
+        for layer in self.layers:
+            h = layer(h, rope, attention)
+        return self.final_norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output head (and any logit soft-capping): [n, hidden] -> float32 logits [n, vocab_size]."""

@@ -10,13 +10,12 @@ alternate sliding (local RoPE base) and full (global RoPE base) attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.kv.specs import AttentionSpec, SlidingWindowSpec
-from pdserve.models.base import AttentionContext, CausalLM, ModelSpec
+from pdserve.models.base import QKV, CausalLM, DecoderLayer, ModelSpec
 from pdserve.models.hf_config import (
     FULL_LAYER,
     SLIDING_LAYER,
@@ -27,9 +26,9 @@ from pdserve.models.hf_config import (
     require,
     standard_rope,
 )
-from pdserve.models.layers import GatedMLP, linear, activation_named, copy_rows, empty_linear, empty_param, rms_norm_fp32_scale
+from pdserve.models.layers import Embedding, GatedMLP, activation_named, copy_rows, empty_linear, empty_param, rms_norm_fp32_scale
 from pdserve.models.rope import RotaryTable, apply_rotary
-from pdserve.models.weights import WeightSource
+from pdserve.models.weight_loader import WeightLoader
 
 DEFAULT_GLOBAL_THETA = 1_000_000.0
 DEFAULT_LOCAL_THETA = 10_000.0
@@ -118,34 +117,31 @@ def _one_plus(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Gemma3Attention(torch.nn.Module):
-    def __init__(self, args: Gemma3Args, layer_id: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, args: Gemma3Args, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.layer_id, self.dtype = layer_id, dtype
+        self.dtype = dtype
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.eps = args.rms_norm_eps
-        self.scale = args.query_pre_attn_scalar**-0.5
         qkv_rows = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
-        self.qkv_proj = empty_linear(args.hidden_size, qkv_rows, args.attention_bias, dtype, device)
-        self.o_proj = empty_linear(args.num_heads * args.head_dim, args.hidden_size, args.attention_bias, dtype, device)
+        self.qkv_proj = empty_linear(args.hidden_size, qkv_rows, args.attention_bias, dtype)
+        self.o_proj = empty_linear(args.num_heads * args.head_dim, args.hidden_size, args.attention_bias, dtype)
         # (1 + q_norm) and (1 + k_norm) stacked per head: one norm op covers q and k.
         self.qk_scale = empty_param((args.num_heads + args.num_kv_heads, args.head_dim), torch.float32, device)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionContext
-    ) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> QKV:
         num_tokens = x.shape[0]
         qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
         qkv = self.qkv_proj(x)
         qk = qkv[:, :qk_width].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
         qk = apply_rotary(rms_norm_fp32_scale(qk, self.qk_scale, self.eps), cos, sin)
-        out = attention.attend(self.layer_id, qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
 
-    def load(self, get: Callable[[str], torch.Tensor], prefix: str) -> None:
+    def load(self, weights: WeightLoader, prefix: str) -> None:
+        get = weights.get
         names = [prefix + p for p in ("q_proj", "k_proj", "v_proj")]
-        copy_rows(self.qkv_proj.weight, [get(n + ".weight") for n in names], prefix + "qkv")
-        copy_rows(self.o_proj.weight, [get(prefix + "o_proj.weight")], prefix + "o_proj")
+        self.qkv_proj = weights.linear(self.qkv_proj, [n + ".weight" for n in names], prefix + "qkv")
+        self.o_proj = weights.linear(self.o_proj, [prefix + "o_proj.weight"], prefix + "o_proj")
         if self.qkv_proj.bias is not None:
             copy_rows(self.qkv_proj.bias, [get(n + ".bias") for n in names], prefix + "qkv bias")
             copy_rows(self.o_proj.bias, [get(prefix + "o_proj.bias")], prefix + "o_proj bias")
@@ -155,34 +151,43 @@ class Gemma3Attention(torch.nn.Module):
         copy_rows(self.qk_scale, parts, prefix + "q/k norm")
 
 
+class GemmaRope(NamedTuple):
+    """cos/sin of the positions for full-attention layers (global base) and sliding ones (local base)."""
+
+    full: tuple[torch.Tensor, torch.Tensor]
+    local: tuple[torch.Tensor, torch.Tensor]
+
+
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
-class Gemma3DecoderLayer(torch.nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
     def __init__(self, args: Gemma3Args, layer_id: int, dtype: torch.dtype, device: torch.device):
-        super().__init__()
+        super().__init__(layer_id, args.query_pre_attn_scalar**-0.5)
         self.dtype, self.eps = dtype, args.rms_norm_eps
         self.is_sliding = isinstance(args.layer_specs[layer_id], SlidingWindowSpec)
         # Rows: input, post-attention, pre-feedforward, post-feedforward (1 + w) scales.
         self.norm_scales = empty_param((len(NORM_NAMES), args.hidden_size), torch.float32, device)
-        self.self_attn = Gemma3Attention(args, layer_id, dtype, device)
+        self.self_attn = Gemma3Attention(args, dtype, device)
         act = activation_named(args.hidden_activation)
-        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, act, False, dtype, device)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, act, False, dtype)
 
-    def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionContext
-    ) -> torch.Tensor:
+    def attention_inputs(self, h: torch.Tensor, rope: GemmaRope) -> QKV:
+        cos, sin = rope.local if self.is_sliding else rope.full
+        return self.self_attn.project(rms_norm_fp32_scale(h, self.norm_scales[0], self.eps), cos, sin)
+
+    def attention_output(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         s, eps = self.norm_scales, self.eps
-        attn = self.self_attn(rms_norm_fp32_scale(h, s[0], eps), cos, sin, attention)
+        attn = self.self_attn.o_proj(attended.reshape(attended.shape[0], -1))
         h = h + rms_norm_fp32_scale(attn, s[1], eps)
         mlp = self.mlp(rms_norm_fp32_scale(h, s[2], eps))
         return h + rms_norm_fp32_scale(mlp, s[3], eps)
 
-    def load(self, get: Callable[[str], torch.Tensor], prefix: str) -> None:
-        scales = [_one_plus(get(f"{prefix}{name}.weight"), self.dtype).unsqueeze(0) for name in NORM_NAMES]
+    def load(self, weights: WeightLoader, prefix: str) -> None:
+        scales = [_one_plus(weights.get(f"{prefix}{name}.weight"), self.dtype).unsqueeze(0) for name in NORM_NAMES]
         copy_rows(self.norm_scales, scales, prefix + "norms")
-        self.self_attn.load(get, prefix + "self_attn.")
-        self.mlp.load(get, prefix + "mlp.")
+        self.self_attn.load(weights, prefix + "self_attn.")
+        self.mlp.load(weights, prefix + "mlp.")
 
 
 class Gemma3ForCausalLM(CausalLM):
@@ -202,45 +207,38 @@ class Gemma3ForCausalLM(CausalLM):
             max_position_embeddings=args.max_position_embeddings,
             layer_specs=args.layer_specs,
         )
-        self.embed_tokens = empty_param((args.vocab_size, args.hidden_size), dtype, device)
+        self.embed_tokens: torch.nn.Module = Embedding(args.vocab_size, args.hidden_size, dtype)
         # sqrt(hidden) rounded to the model dtype, as the reference does (55.4256 -> 55.5 in bf16).
         embed_scale = torch.tensor(args.hidden_size**0.5, dtype=torch.float32).to(device=device, dtype=dtype)
         self.register_buffer("embed_scale", embed_scale, persistent=False)
         self.layers = torch.nn.ModuleList(Gemma3DecoderLayer(args, i, dtype, device) for i in range(args.num_layers))
         self.norm_scale = empty_param((args.hidden_size,), torch.float32, device)
-        vocab_shape = (args.vocab_size, args.hidden_size)
-        self.lm_head = None if args.tie_word_embeddings else empty_param(vocab_shape, dtype, device)
+        self.lm_head: torch.nn.Module = empty_linear(args.hidden_size, args.vocab_size, False, dtype)
         max_pos = args.max_position_embeddings
         self.rotary_full = RotaryTable(args.rope_full, args.head_dim, max_pos, dtype, device)
         self.rotary_sliding = RotaryTable(args.rope_sliding, args.head_dim, max_pos, dtype, device)
 
-    def forward(  # type: ignore[override]
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionContext
-    ) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
-        cos_full, sin_full = self.rotary_full.lookup(positions)
-        cos_local, sin_local = self.rotary_sliding.lookup(positions)
-        for layer in self.layers:
-            if layer.is_sliding:
-                h = layer(h, cos_local, sin_local, attention)
-            else:
-                h = layer(h, cos_full, sin_full, attention)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, GemmaRope]:
+        h = self.embed_tokens(input_ids) * self.embed_scale
+        return h, GemmaRope(self.rotary_full.lookup(positions), self.rotary_sliding.lookup(positions))
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return rms_norm_fp32_scale(h, self.norm_scale, self.args.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = linear(hidden, head).float()
+        logits = self.lm_head(hidden).float()
         cap = self.args.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
     @torch.no_grad()
-    def load_weights(self, source: WeightSource) -> None:
-        get = source.get
-        copy_rows(self.embed_tokens, [get("model.embed_tokens.weight")], "embed_tokens")
+    def load_weights(self, weights: WeightLoader) -> None:
+        self.embed_tokens = weights.embedding(self.embed_tokens, "model.embed_tokens.weight")
         for i, layer in enumerate(self.layers):
-            layer.load(get, f"model.layers.{i}.")
-        copy_rows(self.norm_scale, [_one_plus(get("model.norm.weight"), self.dtype)], "norm")
-        if self.lm_head is not None:
-            copy_rows(self.lm_head, [get("lm_head.weight")], "lm_head")
+            layer.load(weights, f"model.layers.{i}.")
+        copy_rows(self.norm_scale, [_one_plus(weights.get("model.norm.weight"), self.dtype)], "norm")
+        if self.args.tie_word_embeddings:
+            self.lm_head = weights.tied_head(self.embed_tokens, self.lm_head)
+        else:
+            self.lm_head = weights.output_head(self.lm_head, "lm_head.weight")

@@ -19,6 +19,7 @@ import torch
 
 from pdserve.models.gguf_reader import GGUFContainer
 from pdserve.models.hf_config import ModelLoadError, UnsupportedModelFeature
+from pdserve.models.quant.blocks import BlockFormat, PackedWeight, q4_0_as_q4_1
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ LAYER_TENSORS: Mapping[str, str] = MappingProxyType({
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 })
+
+# ggml type id -> how its blocks are served packed (see quant/blocks.py); others are dequantized.
+PACKED_GGML_TYPES: Mapping[int, str] = MappingProxyType({2: "q4_0", 3: "q4_1", 8: "q8_0"})
 
 LAYER_TENSOR_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
@@ -200,7 +204,29 @@ class GGUFCheckpoint:
         gguf_name = self._by_hf_name.get(name)
         if gguf_name is None:
             raise ModelLoadError(f"GGUF file has no tensor for {name!r}")
-        tensor = torch.from_numpy(self._dequantize(gguf_name))
+        return self._hf_rows(name, torch.from_numpy(self._dequantize(gguf_name)))
+
+    def get_packed(self, name: str) -> PackedWeight | None:
+        """The tensor's blocks when it is a Q4_0/Q4_1/Q8_0 matrix (rows in HF order), else None."""
+        gguf_name = self._by_hf_name.get(name)
+        if gguf_name is None:
+            raise ModelLoadError(f"GGUF file has no tensor for {name!r}")
+        info = self._tensors[gguf_name]
+        kind = PACKED_GGML_TYPES.get(info.ggml_type)
+        if kind is None or len(info.dims) != 2:
+            return None
+        block_size, type_size = self._gguf.GGML_QUANT_SIZES[self._gguf.GGMLQuantizationType(info.ggml_type)]
+        raw = torch.from_numpy(self._container.raw(info, block_size, type_size).copy())
+        in_features = info.dims[0]
+        if kind == "q4_0":
+            packed = q4_0_as_q4_1(raw, in_features)
+        else:
+            packed = PackedWeight(raw, BlockFormat.Q4_1 if kind == "q4_1" else BlockFormat.Q8_0, in_features)
+        order = self._hf_rows(name, torch.arange(packed.out_features))
+        return packed if order is None or torch.equal(order, torch.arange(packed.out_features)) else packed.rows(order)
+
+    def _hf_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (rows in GGUF order) with llama.cpp's Q/K row interleave undone."""
         if self.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             return unpermute_rows(tensor, int(self._require_arch("attention.head_count")))
         if self.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):

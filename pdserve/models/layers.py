@@ -1,20 +1,24 @@
 """Building blocks shared by the model files: RMS norms, activations, empty
 parameters and the fused-weight copy used at load time.
 
-Parameters are allocated uninitialised on the target device and filled once by
-`copy_rows`, so loading never holds two copies of a weight and never runs a
-random initialiser.
+Small parameters are allocated uninitialised on the target device and filled
+once by `copy_rows`; linear layers and embeddings are built on the meta device
+and materialised by `WeightLoader` in their final form (float or quantized), so
+loading never holds two copies of a weight and never runs a random initialiser.
 """
 
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.models.hf_config import ModelLoadError, UnsupportedModelFeature
+
+if TYPE_CHECKING:  # layers <- weight_loader imports run the other way at run time
+    from pdserve.models.weight_loader import WeightLoader
 
 
 def empty_param(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.nn.Parameter:
@@ -45,14 +49,22 @@ class Linear(torch.nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def empty_linear(
-    in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device
-) -> torch.nn.Linear:
-    """A Linear with uninitialised storage (built on meta, then materialised)."""
+def empty_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> Linear:
+    """A Linear on the meta device: `WeightLoader.linear` materialises it (float or quantized)."""
     layer = Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
-    layer = layer.to_empty(device=device)
     layer.requires_grad_(False)
     return layer
+
+
+class Embedding(torch.nn.Module):
+    """Token id -> row of `weight`; built on meta, materialised by `WeightLoader.embedding`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = empty_param((num_embeddings, embedding_dim), dtype, torch.device("meta"))
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.weight)
 
 
 def copy_rows(dst: torch.Tensor, parts: Sequence[torch.Tensor], name: str) -> None:
@@ -113,23 +125,23 @@ class GatedMLP(torch.nn.Module):
         activation: Callable[[torch.Tensor], torch.Tensor],
         bias: bool,
         dtype: torch.dtype,
-        device: torch.device,
     ):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.activation = activation
-        self.gate_up_proj = empty_linear(hidden_size, 2 * intermediate_size, bias, dtype, device)
-        self.down_proj = empty_linear(intermediate_size, hidden_size, bias, dtype, device)
+        self.gate_up_proj = empty_linear(hidden_size, 2 * intermediate_size, bias, dtype)
+        self.down_proj = empty_linear(intermediate_size, hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.activation(gate) * up)
 
-    def load(self, get: Callable[[str], torch.Tensor], prefix: str) -> None:
-        """Copy `{prefix}gate_proj`, `up_proj`, `down_proj` (HF names) into the fused layout."""
-        copy_rows(self.gate_up_proj.weight, [get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")], prefix)
+    def load(self, weights: "WeightLoader", prefix: str) -> None:
+        """Fill `{prefix}gate_proj`, `up_proj`, `down_proj` (HF names) into the fused layout."""
+        names = [prefix + "gate_proj", prefix + "up_proj"]
+        self.gate_up_proj = weights.linear(self.gate_up_proj, [n + ".weight" for n in names], prefix + "gate_up")
         if self.gate_up_proj.bias is not None:
-            copy_rows(self.gate_up_proj.bias, [get(prefix + "gate_proj.bias"), get(prefix + "up_proj.bias")], prefix)
-        copy_rows(self.down_proj.weight, [get(prefix + "down_proj.weight")], prefix)
+            copy_rows(self.gate_up_proj.bias, [weights.get(n + ".bias") for n in names], prefix + "gate_up bias")
+        self.down_proj = weights.linear(self.down_proj, [prefix + "down_proj.weight"], prefix + "down_proj")
         if self.down_proj.bias is not None:
-            copy_rows(self.down_proj.bias, [get(prefix + "down_proj.bias")], prefix)
+            copy_rows(self.down_proj.bias, [weights.get(prefix + "down_proj.bias")], prefix + "down_proj bias")

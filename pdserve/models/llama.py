@@ -9,13 +9,12 @@ branches beyond the optional q/k norm. q/k/v and gate/up are fused at load.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.kv.specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
-from pdserve.models.base import AttentionContext, CausalLM, ModelSpec
+from pdserve.models.base import QKV, CausalLM, DecoderLayer, ModelSpec
 from pdserve.models.hf_config import (
     FULL_LAYER,
     SLIDING_LAYER,
@@ -25,9 +24,9 @@ from pdserve.models.hf_config import (
     layer_specs_from_types,
     require,
 )
-from pdserve.models.layers import GatedMLP, linear, activation_named, copy_rows, empty_linear, empty_param, rms_norm
+from pdserve.models.layers import Embedding, GatedMLP, activation_named, copy_rows, empty_linear, empty_param, rms_norm
 from pdserve.models.rope import RotaryTable, apply_rotary
-from pdserve.models.weights import WeightSource
+from pdserve.models.weight_loader import WeightLoader
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,24 +128,20 @@ def qwen3_args(config: Mapping[str, Any]) -> LlamaArgs:
 
 
 class LlamaAttention(torch.nn.Module):
-    """Fused q/k/v projection, optional q/k norm, RoPE on q and k in one pass, attend, o_proj."""
+    """Fused q/k/v projection, optional q/k norm, RoPE on q and k in one pass; o_proj after attending."""
 
-    def __init__(self, args: LlamaArgs, layer_id: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.eps = args.rms_norm_eps
-        self.scale = args.head_dim**-0.5
         qkv_rows = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
-        self.qkv_proj = empty_linear(args.hidden_size, qkv_rows, args.qkv_bias, dtype, device)
-        self.o_proj = empty_linear(args.num_heads * args.head_dim, args.hidden_size, args.o_bias, dtype, device)
+        self.qkv_proj = empty_linear(args.hidden_size, qkv_rows, args.qkv_bias, dtype)
+        self.o_proj = empty_linear(args.num_heads * args.head_dim, args.hidden_size, args.o_bias, dtype)
         # q_norm and k_norm weights stacked per head, so q and k normalise in one op.
         qk_shape = (args.num_heads + args.num_kv_heads, args.head_dim)
         self.qk_norm = empty_param(qk_shape, dtype, device) if args.qk_norm else None
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionContext
-    ) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> QKV:
         num_tokens = x.shape[0]
         qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
         qkv = self.qkv_proj(x)
@@ -155,15 +150,15 @@ class LlamaAttention(torch.nn.Module):
         if self.qk_norm is not None:
             qk = rms_norm(qk, self.qk_norm, self.eps)
         qk = apply_rotary(qk, cos, sin)
-        out = attention.attend(self.layer_id, qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
 
-    def load(self, get: Callable[[str], torch.Tensor], prefix: str) -> None:
+    def load(self, weights: WeightLoader, prefix: str) -> None:
+        get = weights.get
         names = [prefix + p for p in ("q_proj", "k_proj", "v_proj")]
-        copy_rows(self.qkv_proj.weight, [get(n + ".weight") for n in names], prefix + "qkv")
+        self.qkv_proj = weights.linear(self.qkv_proj, [n + ".weight" for n in names], prefix + "qkv")
         if self.qkv_proj.bias is not None:
             copy_rows(self.qkv_proj.bias, [get(n + ".bias") for n in names], prefix + "qkv bias")
-        copy_rows(self.o_proj.weight, [get(prefix + "o_proj.weight")], prefix + "o_proj")
+        self.o_proj = weights.linear(self.o_proj, [prefix + "o_proj.weight"], prefix + "o_proj")
         if self.o_proj.bias is not None:
             copy_rows(self.o_proj.bias, [get(prefix + "o_proj.bias")], prefix + "o_proj bias")
         if self.qk_norm is not None:
@@ -172,28 +167,30 @@ class LlamaAttention(torch.nn.Module):
             copy_rows(self.qk_norm, parts, prefix + "q/k norm")
 
 
-class LlamaDecoderLayer(torch.nn.Module):
+class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, args: LlamaArgs, layer_id: int, dtype: torch.dtype, device: torch.device):
-        super().__init__()
+        super().__init__(layer_id, args.head_dim**-0.5)
         self.eps = args.rms_norm_eps
         self.input_norm = empty_param((args.hidden_size,), dtype, device)
-        self.self_attn = LlamaAttention(args, layer_id, dtype, device)
+        self.self_attn = LlamaAttention(args, dtype, device)
         self.post_attention_norm = empty_param((args.hidden_size,), dtype, device)
         act = activation_named(args.hidden_act)
-        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, act, args.mlp_bias, dtype, device)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, act, args.mlp_bias, dtype)
 
-    def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionContext
-    ) -> torch.Tensor:
-        h = h + self.self_attn(rms_norm(h, self.input_norm, self.eps), cos, sin, attention)
+    def attention_inputs(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> QKV:
+        cos, sin = rope
+        return self.self_attn.project(rms_norm(h, self.input_norm, self.eps), cos, sin)
+
+    def attention_output(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn.o_proj(attended.reshape(attended.shape[0], -1))
         return h + self.mlp(rms_norm(h, self.post_attention_norm, self.eps))
 
-    def load(self, get: Callable[[str], torch.Tensor], prefix: str) -> None:
-        copy_rows(self.input_norm, [get(prefix + "input_layernorm.weight")], prefix + "input_layernorm")
+    def load(self, weights: WeightLoader, prefix: str) -> None:
+        copy_rows(self.input_norm, [weights.get(prefix + "input_layernorm.weight")], prefix + "input_layernorm")
         post_name = prefix + "post_attention_layernorm"
-        copy_rows(self.post_attention_norm, [get(post_name + ".weight")], post_name)
-        self.self_attn.load(get, prefix + "self_attn.")
-        self.mlp.load(get, prefix + "mlp.")
+        copy_rows(self.post_attention_norm, [weights.get(post_name + ".weight")], post_name)
+        self.self_attn.load(weights, prefix + "self_attn.")
+        self.mlp.load(weights, prefix + "mlp.")
 
 
 class LlamaForCausalLM(CausalLM):
@@ -213,32 +210,28 @@ class LlamaForCausalLM(CausalLM):
         )
         if len(args.layer_specs) != args.num_layers:
             raise ModelLoadError(f"{len(args.layer_specs)} layer specs for {args.num_layers} layers")
-        self.embed_tokens = empty_param((args.vocab_size, args.hidden_size), dtype, device)
+        self.embed_tokens: torch.nn.Module = Embedding(args.vocab_size, args.hidden_size, dtype)
         self.layers = torch.nn.ModuleList(LlamaDecoderLayer(args, i, dtype, device) for i in range(args.num_layers))
         self.norm = empty_param((args.hidden_size,), dtype, device)
-        vocab_shape = (args.vocab_size, args.hidden_size)
-        self.lm_head = None if args.tie_word_embeddings else empty_param(vocab_shape, dtype, device)
+        self.lm_head: torch.nn.Module = empty_linear(args.hidden_size, args.vocab_size, False, dtype)
         self.rotary = RotaryTable(args.rope, args.head_dim, args.max_position_embeddings, dtype, device)
 
-    def forward(  # type: ignore[override]
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionContext
-    ) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary.lookup(positions)
-        for layer in self.layers:
-            h = layer(h, cos, sin, attention)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return self.embed_tokens(input_ids), self.rotary.lookup(positions)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(h, self.norm, self.args.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, head).float()
+        return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def load_weights(self, source: WeightSource) -> None:
-        get = source.get
-        copy_rows(self.embed_tokens, [get("model.embed_tokens.weight")], "embed_tokens")
+    def load_weights(self, weights: WeightLoader) -> None:
+        self.embed_tokens = weights.embedding(self.embed_tokens, "model.embed_tokens.weight")
         for i, layer in enumerate(self.layers):
-            layer.load(get, f"model.layers.{i}.")
-        copy_rows(self.norm, [get("model.norm.weight")], "norm")
-        if self.lm_head is not None:
-            copy_rows(self.lm_head, [get("lm_head.weight")], "lm_head")
+            layer.load(weights, f"model.layers.{i}.")
+        copy_rows(self.norm, [weights.get("model.norm.weight")], "norm")
+        if self.args.tie_word_embeddings:
+            self.lm_head = weights.tied_head(self.embed_tokens, self.lm_head)
+        else:
+            self.lm_head = weights.output_head(self.lm_head, "lm_head.weight")

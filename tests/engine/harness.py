@@ -40,9 +40,10 @@ def make_engine(
     loaded: Optional[LoadedModel] = None,
     device: str = "cpu",
     dtype: str = "float32",
+    compile_decode: bool = False,
 ) -> BuiltEngine:
     config = WorkerConfig(
-        model=ModelConfig(path=model_path, device=device, dtype=dtype),
+        model=ModelConfig(path=model_path, device=device, dtype=dtype, compile=compile_decode),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_running=max_running),
     )

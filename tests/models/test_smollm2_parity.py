@@ -101,7 +101,8 @@ def test_half_precision_on_cuda_agrees_with_fp32_cpu_on_next_tokens(smollm2, dty
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gpu = load_model(None, dtype, torch.device("cuda"))
-    assert gpu.model.embed_tokens.dtype == dtype and gpu.model.embed_tokens.is_cuda
+    embedding = gpu.model.embed_tokens.weight
+    assert embedding.dtype == dtype and embedding.is_cuda
     prompt_ids = _chat_ids(smollm2, CHATS[0])
     logits = forward_chunk(gpu.model, ContiguousAttention(gpu.model.spec.layer_specs), "s", prompt_ids)
     reference = forward_chunk(smollm2.model, ContiguousAttention(smollm2.model.spec.layer_specs), "s", prompt_ids)

@@ -11,15 +11,13 @@ import httpx
 import pytest
 
 from bench._hf_peers import transformers_serve_argv, transformers_serve_extra_body
+from bench._llama_server import llama_server_argv, llama_server_extra_body
 from bench._loadgen import BenchError, HttpTarget, stream_one
 from bench._report import (
-    BenchReport, PhaseResult, RequestSample, Roofline, check_targets, format_table, percentile,
-    ratio_vs_best_peer, summarize, write_json,
+    GENERATE, LLAMA_SERVER, SERVE, SUBJECT_FP32, BenchReport, LongPromptResult, PhaseResult, RequestSample, Roofline,
+    check_targets, format_long_prompts, format_table, percentile, ratio_vs_best_peer, summarize, write_json,
 )
-from bench._workload import chat_messages, full_workload, quick_workload
-
-GENERATE = "transformers generate"
-SERVE = "transformers serve --continuous-batching"
+from bench._workload import chat_messages, full_workload, long_prompt_messages, quick_workload
 
 
 def _phase(system: str, concurrency: int, tokens_per_s: float) -> PhaseResult:
@@ -27,16 +25,19 @@ def _phase(system: str, concurrency: int, tokens_per_s: float) -> PhaseResult:
                        num_output_tokens=int(tokens_per_s * 10), wall_s=10.0, ttft_p50_s=0.1)
 
 
-def _results(pdserve_c1: float, pdserve_c16: float) -> list[PhaseResult]:
+def _results(pdserve_c1: float, pdserve_c16: float, fp32_c1: float = 30.0) -> list[PhaseResult]:
     return [
-        _phase(GENERATE, 1, 60.0), _phase(SERVE, 1, 13.0), _phase("pdserve", 1, pdserve_c1),
-        _phase(GENERATE, 16, 80.0), _phase(SERVE, 16, 100.0), _phase("pdserve", 16, pdserve_c16),
+        _phase(GENERATE, 1, 20.0), _phase(SERVE, 1, 13.0), _phase(LLAMA_SERVER, 1, 40.0),
+        _phase(SUBJECT_FP32, 1, fp32_c1), _phase("pdserve", 1, pdserve_c1),
+        _phase(GENERATE, 16, 80.0), _phase(SERVE, 16, 50.0), _phase(LLAMA_SERVER, 16, 100.0),
+        _phase(SUBJECT_FP32, 16, 90.0), _phase("pdserve", 16, pdserve_c16),
     ]
 
 
 def _roofline() -> Roofline:
     return Roofline(weight_bytes=500_000_000, read_bandwidth_bytes_per_s=10e9, matmul_params=100_000_000,
-                    matmul_concurrency=16, matmul_flops_per_s=50e9, matvec_flops_per_s=10e9)
+                    matmul_concurrency=16, matmul_flops_per_s=50e9, matvec_flops_per_s=10e9,
+                    quantized_weight_bytes=100_000_000)
 
 
 def test_phases_and_their_repeats_never_share_a_prompt_and_warmup_prompts_come_after_all_of_them():
@@ -74,53 +75,92 @@ def test_summary_throughput_is_total_tokens_over_phase_wall_time():
 def test_ratio_compares_with_the_best_peer_at_the_same_concurrency_only():
     results = _results(pdserve_c1=66.0, pdserve_c16=300.0)
     by_key = {(r.system, r.concurrency): r for r in results}
-    assert ratio_vs_best_peer(results, by_key[("pdserve", 1)]) == pytest.approx(66.0 / 60.0)
+    assert ratio_vs_best_peer(results, by_key[("pdserve", 1)]) == pytest.approx(66.0 / 40.0)
     assert ratio_vs_best_peer(results, by_key[("pdserve", 16)]) == pytest.approx(3.0)
-    assert ratio_vs_best_peer(results, by_key[(SERVE, 16)]) == pytest.approx(1.0)
+    assert ratio_vs_best_peer(results, by_key[(SUBJECT_FP32, 16)]) == pytest.approx(0.9)  # pdserve is no peer of itself
+    assert ratio_vs_best_peer(results, by_key[(LLAMA_SERVER, 16)]) == pytest.approx(1.0)
     assert ratio_vs_best_peer(results, by_key[(GENERATE, 16)]) == pytest.approx(0.8)
 
 
-def test_targets_met_and_missed():
-    met = {check.name: check.met for check in check_targets(_results(pdserve_c1=61.0, pdserve_c16=251.0))}
-    missed = {check.name: check.met for check in check_targets(_results(pdserve_c1=59.0, pdserve_c16=249.0))}
-    assert list(met.values()) == [True, True]
-    assert list(missed.values()) == [False, False]
+def test_targets_compare_quantized_with_llama_server_and_fp32_with_generate():
+    met = check_targets(_results(pdserve_c1=40.0, pdserve_c16=150.0, fp32_c1=30.0))
+    assert [(c.required_ratio, round(c.measured_ratio, 3), c.met) for c in met] == [
+        (1.0, 1.0, True), (1.5, 1.5, True), (1.5, 1.5, True)]
+    missed = check_targets(_results(pdserve_c1=39.0, pdserve_c16=149.0, fp32_c1=29.0))
+    assert [c.met for c in missed] == [False, False, False]
+    assert "pdserve c=16 tokens/s vs llama-server" in [c.name for c in met]
+
+
+def test_a_target_whose_baseline_did_not_run_is_missed_not_met():
+    results = [r for r in _results(pdserve_c1=66.0, pdserve_c16=300.0) if r.system != LLAMA_SERVER]
+    checks = check_targets(results)
+    assert [c.measured_ratio for c in checks[:2]] == [None, None]
+    assert not checks[0].met and checks[2].met
 
 
 def test_failed_peer_is_a_reason_not_a_zero_and_does_not_count_as_best():
     results = _results(pdserve_c1=66.0, pdserve_c16=300.0)
-    results[4] = PhaseResult(system=SERVE, concurrency=16, error="exited with 1: no module named uvicorn")
-    assert results[4].output_tokens_per_s is None
-    assert ratio_vs_best_peer(results, results[5]) == pytest.approx(300.0 / 80.0)
+    results[7] = PhaseResult(system=LLAMA_SERVER, concurrency=16, error="exited with 1: no model")
+    assert results[7].output_tokens_per_s is None
+    assert ratio_vs_best_peer(results, results[9]) == pytest.approx(300.0 / 80.0)
     table = format_table(results)
-    assert "not run: exited with 1: no module named uvicorn" in table
+    assert "not run: exited with 1: no model" in table
 
 
 def test_table_has_one_row_per_system_and_concurrency_plus_ceilings():
     table = format_table(_results(pdserve_c1=66.0, pdserve_c16=300.0), _roofline())
     rows = [line for line in table.splitlines()[2:]]
-    assert len(rows) == 9
-    assert "| 1 | pdserve | 66.0 | 100 | - | 1.10x | - |" in rows
+    assert len(rows) == 14
+    assert "| 1 | pdserve | 66.0 | 100 | - | 1.65x | - |" in rows
     assert "| 1 | ceiling: weight bytes / read bandwidth | 20.0 | - | - | - | - |" in rows
+    assert "| 1 | ceiling: quantized weight bytes / read bandwidth | 100.0 | - | - | - | - |" in rows
     assert "| 1 | ceiling: measured matmul FLOP/s at M=1 | 50.0 | - | - | - | - |" in rows
     assert "| 16 | ceiling: measured matmul FLOP/s at M=16 | 250.0 | - | - | - | - |" in rows
 
 
+def test_long_prompt_table_compares_time_to_first_token_with_llama_server():
+    results = [LongPromptResult(LLAMA_SERVER, 1030, [0.9, 1.2, 1.0]), LongPromptResult("pdserve", 1030, [0.5, 0.4, 0.6]),
+               LongPromptResult(GENERATE, 1030, error="out of memory")]
+    table = format_long_prompts(results).splitlines()
+    assert "| pdserve | 1030 | 500 | 500, 400, 600 | 2.00x |" in table
+    assert "| llama-server | 1030 | 1000 | 900, 1200, 1000 | 1.00x |" in table
+    assert any("not run: out of memory" in line for line in table)
+
+
+def test_long_prompts_are_unique_and_grow_with_their_line_count():
+    short, longer = long_prompt_messages(0, 3)[0]["content"], long_prompt_messages(0, 30)[0]["content"]
+    assert len(longer) > 5 * len(short)
+    assert long_prompt_messages(1, 3)[0]["content"] != short
+    workload = full_workload()
+    flat = [i for c in workload.concurrencies for i in workload.prompt_indices(c)]
+    assert not set(workload.long_prompt_indices()) & (set(flat) | set(workload.warmup_indices(16)))
+
+
+def test_llama_server_gets_one_slot_per_request_and_pdserve_kv_capacity():
+    argv = llama_server_argv("/opt/llama-server", "/m.gguf", 8123, num_slots=16, num_kv_tokens=16384, num_threads=2)
+    assert argv[argv.index("--parallel") + 1] == "16" and argv[argv.index("--ctx-size") + 1] == "16384"
+    assert "--kv-unified" in argv and argv[argv.index("-m") + 1] == "/m.gguf"
+    assert llama_server_extra_body()["ignore_eos"] is True
+
+
 def test_json_holds_rows_ratios_roofline_and_targets(tmp_path):
     report = BenchReport(command="python3 bench/engine.py --quick", machine={"num_cpus": 2},
-                         workload={"max_tokens": 32}, results=_results(66.0, 300.0), roofline=_roofline())
+                         workload={"max_tokens": 32}, results=_results(66.0, 300.0), roofline=_roofline(),
+                         long_prompts=[LongPromptResult("pdserve", 1030, [0.5])])
     path = tmp_path / "nested" / "engine.json"
     write_json(report, str(path))
     data = json.loads(path.read_text())
     assert data["command"] == "python3 bench/engine.py --quick"
-    assert len(data["results"]) == 6
+    assert len(data["results"]) == 10
     pdserve_c16 = next(r for r in data["results"] if r["system"] == "pdserve" and r["concurrency"] == 16)
     assert pdserve_c16["output_tokens_per_s"] == pytest.approx(300.0)
     assert pdserve_c16["ratio_vs_best_peer"] == pytest.approx(3.0)
     assert data["roofline"]["bandwidth_tokens_per_s"] == pytest.approx(20.0)
     assert data["roofline"]["matmul_tokens_per_s"] == pytest.approx(250.0)
     assert data["roofline"]["matvec_tokens_per_s"] == pytest.approx(50.0)
-    assert [t["met"] for t in data["targets"]] == [True, True]
+    assert data["roofline"]["quantized_bandwidth_tokens_per_s"] == pytest.approx(100.0)
+    assert [t["met"] for t in data["targets"]] == [True, True, True]
+    assert data["long_prompt_ttft"][0]["ttft_median_s"] == pytest.approx(0.5)
 
 
 def _sse(*events: dict) -> bytes:

@@ -1,0 +1,463 @@
+// Native CPU kernels of pdserve: linear layers over GGUF-style quantized blocks, and decode
+// attention that reads K/V straight from the paged pool.
+//
+// Invariants: weights are multiplied in the block format they are stored in (each block is
+// expanded to floats in registers, never to a float copy in memory), in float32 like the
+// dequantized model they stand for; decode attention reads only the keys [key_start, key_end) of
+// each row (plus its own new key when given) from the pages its block table names, and allocates
+// nothing that grows with the context.
+//
+// Block formats (32 weights per block along the input dimension; d and m are IEEE half floats):
+//
+//   Q4_1  20 bytes  | d | m | qs[16] |   w[j] = d * (qs[j] & 15) + m,  w[j+16] = d * (qs[j] >> 4) + m
+//   Q8_0  34 bytes  | d | qs[32]     |   w[j] = d * qs[j]            (qs signed)
+//
+// Activations stay float32: quantizing them to 8 bits (as integer dot products would need) cost
+// the embedded model 7% of its top-1 agreement with its dequantized self.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PDSERVE_AVX2 1
+#else
+#define PDSERVE_AVX2 0
+#endif
+
+namespace pdserve {
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kQ41Bytes = 20;
+constexpr int64_t kQ80Bytes = 34;
+constexpr int64_t kRowTile = 8;  // activation rows that share one unpacked weight block
+// Past this many rows (prefill) a float matmul over the dequantized weight beats the block
+// kernels: BLAS reuses each weight from cache across rows far better than a row tile can.
+constexpr int64_t kKernelMaxRows = 32;
+
+float half_to_float(uint16_t h) {
+#if PDSERVE_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f;
+  uint32_t mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      exponent = 127 - 15 + 1;
+      while (!(mantissa & 0x400u)) {
+        mantissa <<= 1;
+        exponent--;
+      }
+      bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+  } else if (exponent == 31) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+#endif
+}
+
+uint16_t read_u16(const uint8_t* p) {
+  uint16_t value;
+  std::memcpy(&value, p, sizeof(value));
+  return value;
+}
+
+// ---- dequantization (prefill-sized batches run as float matmuls over dequantized weights) ---
+
+void dequantize_row(const uint8_t* row, int64_t k, int64_t block_bytes, float* out) {
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const uint8_t* block = row + g * block_bytes;
+    const float d = half_to_float(read_u16(block));
+    float* w = out + g * kGroup;
+    if (block_bytes == kQ41Bytes) {
+      const float m = half_to_float(read_u16(block + 2));
+      for (int64_t j = 0; j < 16; ++j) {
+        w[j] = d * static_cast<float>(block[4 + j] & 15) + m;
+        w[j + 16] = d * static_cast<float>(block[4 + j] >> 4) + m;
+      }
+    } else {
+      const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+      for (int64_t j = 0; j < kGroup; ++j) w[j] = d * static_cast<float>(q[j]);
+    }
+  }
+}
+
+at::Tensor dequantize_blocks(const at::Tensor& blocks, int64_t block_bytes) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2,
+              "dequantize_blocks: blocks must be uint8 [rows, bytes] on the CPU");
+  TORCH_CHECK(block_bytes == kQ41Bytes || block_bytes == kQ80Bytes, "dequantize_blocks: unknown block size");
+  TORCH_CHECK(blocks.size(1) % block_bytes == 0, "dequantize_blocks: row bytes are not whole blocks");
+  const at::Tensor bc = blocks.contiguous();
+  const int64_t rows = bc.size(0), row_bytes = bc.size(1), k = row_bytes / block_bytes * kGroup;
+  at::Tensor out = at::empty({rows, k}, bc.options().dtype(at::kFloat));
+  const uint8_t* src = bc.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) dequantize_row(src + r * row_bytes, k, block_bytes, dst + r * k);
+  });
+  return out;
+}
+
+// ---- block-quantized linear layers ---------------------------------------------------------
+
+#if PDSERVE_AVX2
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The 32 weights of one block as four vectors of 8 floats, in order.
+struct BlockWeights {
+  __m256 w[4];
+};
+
+inline __m256 bytes_to_floats_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+inline __m256 bytes_to_floats_s8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
+
+inline BlockWeights load_q4_1(const uint8_t* block) {
+  const __m256 d = _mm256_set1_ps(half_to_float(read_u16(block)));
+  const __m256 m = _mm256_set1_ps(half_to_float(read_u16(block + 2)));
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m128i low = _mm_and_si128(raw, mask);                       // weights 0..15
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);   // weights 16..31
+  return BlockWeights{{_mm256_fmadd_ps(bytes_to_floats_u8(low), d, m),
+                       _mm256_fmadd_ps(bytes_to_floats_u8(_mm_srli_si128(low, 8)), d, m),
+                       _mm256_fmadd_ps(bytes_to_floats_u8(high), d, m),
+                       _mm256_fmadd_ps(bytes_to_floats_u8(_mm_srli_si128(high, 8)), d, m)}};
+}
+
+inline BlockWeights load_q8_0(const uint8_t* block) {
+  const __m256 d = _mm256_set1_ps(half_to_float(read_u16(block)));
+  const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+  const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
+  return BlockWeights{{_mm256_mul_ps(bytes_to_floats_s8(first), d),
+                       _mm256_mul_ps(bytes_to_floats_s8(_mm_srli_si128(first, 8)), d),
+                       _mm256_mul_ps(bytes_to_floats_s8(second), d),
+                       _mm256_mul_ps(bytes_to_floats_s8(_mm_srli_si128(second, 8)), d)}};
+}
+
+// Independent FMA chains per row: enough in flight to cover the FMA latency (4 cycles, two
+// units) whatever the tile height, without running out of the 16 vector registers.
+constexpr int accumulators_per_row(int rows) { return rows == 1 ? 4 : (rows <= 3 ? 2 : 1); }
+
+// out[r * out_stride] = dot(x row r, weight row) for r < kRows: each block is dequantized into
+// registers once and multiplied with every row of the tile.
+template <int kRows, BlockWeights (*kLoad)(const uint8_t*)>
+void row_tile(const uint8_t* w, int64_t block_bytes, const float* x, int64_t k, float* out, int64_t out_stride) {
+  constexpr int kAccs = accumulators_per_row(kRows);
+  __m256 acc[kRows][kAccs];
+  for (int r = 0; r < kRows; ++r) {
+    for (int a = 0; a < kAccs; ++a) acc[r][a] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const BlockWeights b = kLoad(w + g * block_bytes);
+    for (int r = 0; r < kRows; ++r) {
+      const float* xs = x + r * k + g * kGroup;
+      for (int part = 0; part < 4; ++part) {
+        acc[r][part % kAccs] = _mm256_fmadd_ps(b.w[part], _mm256_loadu_ps(xs + 8 * part), acc[r][part % kAccs]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    __m256 total = acc[r][0];
+    for (int a = 1; a < kAccs; ++a) total = _mm256_add_ps(total, acc[r][a]);
+    out[r * out_stride] = horizontal_sum(total);
+  }
+}
+#endif
+
+// Portable tile: dequantize the weight row once, then plain dot products.
+template <int kRows>
+void row_tile_portable(const uint8_t* w, int64_t block_bytes, const float* x, int64_t k, float* out,
+                       int64_t out_stride) {
+  std::vector<float> weights(k);
+  dequantize_row(w, k, block_bytes, weights.data());
+  for (int r = 0; r < kRows; ++r) {
+    float total = 0.f;
+    for (int64_t i = 0; i < k; ++i) total += weights[i] * x[r * k + i];
+    out[r * out_stride] = total;
+  }
+}
+
+using RowTileKernel = void (*)(const uint8_t*, int64_t, const float*, int64_t, float*, int64_t);
+
+struct RowTileKernels {
+  RowTileKernel by_rows[kRowTile];  // [r - 1]: the kernel for r activation rows
+};
+
+template <int kBlockBytes>
+RowTileKernels row_tile_kernels() {
+#if PDSERVE_AVX2
+  constexpr auto load = kBlockBytes == kQ41Bytes ? load_q4_1 : load_q8_0;
+  return RowTileKernels{{row_tile<1, load>, row_tile<2, load>, row_tile<3, load>, row_tile<4, load>,
+                         row_tile<5, load>, row_tile<6, load>, row_tile<7, load>, row_tile<8, load>}};
+#else
+  return RowTileKernels{{row_tile_portable<1>, row_tile_portable<2>, row_tile_portable<3>, row_tile_portable<4>,
+                         row_tile_portable<5>, row_tile_portable<6>, row_tile_portable<7>, row_tile_portable<8>}};
+#endif
+}
+
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t block_bytes,
+                        const RowTileKernels& kernels, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": activations must be float32");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, name, ": blocks must be uint8 [out, bytes]");
+  TORCH_CHECK(x.dim() == 2, name, ": activations must be [rows, in_features]");
+  const int64_t rows = x.size(0), k = x.size(1), n = blocks.size(0);
+  TORCH_CHECK(k % kGroup == 0, name, ": in_features must be a multiple of 32");
+  TORCH_CHECK(blocks.size(1) == k / kGroup * block_bytes, name, ": blocks do not match in_features");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor wc = blocks.contiguous();
+  if (rows > kKernelMaxRows) return at::mm(xc, dequantize_blocks(wc, block_bytes).t());
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return out;
+  const float* xs = xc.data_ptr<float>();
+  const uint8_t* w = wc.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  const int64_t row_bytes = wc.size(1);
+  // Split the weight rows among threads: each thread streams its own slice of the weights once
+  // per tile of activation rows; a slice of 64 weight rows stays in L2 across those tiles.
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t col0 = begin; col0 < end; col0 += 64) {
+      const int64_t col_end = std::min(end, col0 + 64);
+      for (int64_t row0 = 0; row0 < rows; row0 += kRowTile) {
+        const RowTileKernel kernel = kernels.by_rows[std::min(kRowTile, rows - row0) - 1];
+        for (int64_t col = col0; col < col_end; ++col) {
+          kernel(w + col * row_bytes, block_bytes, xs + row0 * k, k, y + row0 * n + col, n);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  static const RowTileKernels kernels = row_tile_kernels<kQ41Bytes>();
+  return block_linear(x, blocks, kQ41Bytes, kernels, "q4_1_linear");
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  static const RowTileKernels kernels = row_tile_kernels<kQ80Bytes>();
+  return block_linear(x, blocks, kQ80Bytes, kernels, "q8_0_linear");
+}
+
+// ---- paged decode attention -----------------------------------------------------------------
+
+constexpr int64_t kKeyTile = 64;  // keys scored at once; bounds the per-task scratch
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+constexpr int64_t kParallelAttentionWork = 1 << 21;  // multiply-adds below which one thread attends
+
+inline float dot(const float* a, const float* b, int64_t n) {
+#if PDSERVE_AVX2
+  if (n % 8 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return horizontal_sum(acc);
+  }
+#endif
+  float total = 0.f;
+  for (int64_t i = 0; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+inline void scale_add(float* acc, const float* v, float weight, int64_t n) {
+#if PDSERVE_AVX2
+  if (n % 8 == 0) {
+    const __m256 w = _mm256_set1_ps(weight);
+    for (int64_t i = 0; i < n; i += 8) {
+      _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(_mm256_loadu_ps(v + i), w, _mm256_loadu_ps(acc + i)));
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) acc[i] += weight * v[i];
+}
+
+struct PagedCache {
+  const float* data;
+  int64_t block_stride, token_stride, head_stride;
+  int64_t block_size, num_blocks;
+
+  const float* at(const int32_t* table, int64_t position, int64_t head) const {
+    const int64_t block = table[position / block_size];
+    TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block id ", block, " out of range");
+    return data + block * block_stride + (position % block_size) * token_stride + head * head_stride;
+  }
+};
+
+PagedCache paged_cache(const at::Tensor& cache) {
+  TORCH_CHECK(cache.dim() == 4 && cache.scalar_type() == at::kFloat && cache.stride(3) == 1,
+              "paged_decode_attention: caches must be float32 [blocks, block_size, kv_heads, head_dim], head_dim contiguous");
+  return PagedCache{cache.data_ptr<float>(), cache.stride(0), cache.stride(1), cache.stride(2), cache.size(1),
+                    cache.size(0)};
+}
+
+// Online softmax state of `group` query heads sharing one KV head.
+struct SoftmaxState {
+  int64_t group, head_dim;
+  float running_max[kMaxGroup];
+  float running_sum[kMaxGroup];
+  float scores[kMaxGroup][kKeyTile];
+  std::vector<float> acc;  // [group, head_dim]
+
+  SoftmaxState(int64_t group_, int64_t head_dim_) : group(group_), head_dim(head_dim_), acc(group_ * head_dim_, 0.f) {
+    for (int64_t g = 0; g < group; ++g) {
+      running_max[g] = -std::numeric_limits<float>::infinity();
+      running_sum[g] = 0.f;
+    }
+  }
+
+  // Folds `count` keys (and their values) into every head's running softmax.
+  void add(const float* q, const float* const* key_ptrs, const float* const* value_ptrs, int64_t count, float scale) {
+    for (int64_t t = 0; t < count; ++t) {
+      for (int64_t g = 0; g < group; ++g) scores[g][t] = dot(q + g * head_dim, key_ptrs[t], head_dim) * scale;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float tile_max = running_max[g];
+      for (int64_t t = 0; t < count; ++t) tile_max = std::max(tile_max, scores[g][t]);
+      const float rescale = std::exp(running_max[g] - tile_max);
+      running_sum[g] *= rescale;
+      for (int64_t i = 0; i < head_dim; ++i) acc[g * head_dim + i] *= rescale;
+      for (int64_t t = 0; t < count; ++t) {
+        scores[g][t] = std::exp(scores[g][t] - tile_max);
+        running_sum[g] += scores[g][t];
+      }
+      running_max[g] = tile_max;
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      for (int64_t g = 0; g < group; ++g) scale_add(acc.data() + g * head_dim, value_ptrs[t], scores[g][t], head_dim);
+    }
+  }
+
+  void write(float* out) const {
+    for (int64_t g = 0; g < group; ++g) {
+      const float inv = running_sum[g] > 0.f ? 1.f / running_sum[g] : 0.f;
+      for (int64_t i = 0; i < head_dim; ++i) out[g * head_dim + i] = acc[g * head_dim + i] * inv;
+    }
+  }
+};
+
+// One (row, kv head): keys [begin, end) from the pages, then the row's own new key if given.
+void attend_one(const float* q, int64_t group, int64_t head_dim, const PagedCache& keys, const PagedCache& values,
+                const int32_t* table, int64_t kv_head, int64_t begin, int64_t end, const float* new_key,
+                const float* new_value, float scale, float* out) {
+  SoftmaxState state(group, head_dim);
+  const float* key_ptrs[kKeyTile];
+  const float* value_ptrs[kKeyTile];
+  for (int64_t tile = begin; tile < end; tile += kKeyTile) {
+    const int64_t count = std::min(kKeyTile, end - tile);
+    for (int64_t t = 0; t < count; ++t) {
+      key_ptrs[t] = keys.at(table, tile + t, kv_head);
+      value_ptrs[t] = values.at(table, tile + t, kv_head);
+    }
+    state.add(q, key_ptrs, value_ptrs, count, scale);
+  }
+  if (new_key != nullptr) state.add(q, &new_key, &new_value, 1, scale);
+  state.write(out);
+}
+
+void check_new_kv(const std::optional<at::Tensor>& t, int64_t rows, int64_t kv_heads, int64_t head_dim) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == rows && t->size(1) == kv_heads &&
+                  t->size(2) == head_dim,
+              "paged_decode_attention: new k/v must be float32 [rows, kv_heads, head_dim]");
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, const at::Tensor& key_start,
+                                  const at::Tensor& key_end, const std::optional<at::Tensor>& k_new,
+                                  const std::optional<at::Tensor>& v_new, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "paged_decode_attention: q must be float32 [rows, heads, dim]");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2, "paged_decode_attention: int32 block table");
+  TORCH_CHECK(key_start.scalar_type() == at::kInt && key_end.scalar_type() == at::kInt, "paged_decode_attention: int32 bounds");
+  TORCH_CHECK(k_new.has_value() == v_new.has_value(), "paged_decode_attention: give both new k and new v, or neither");
+  const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && v_cache.sizes() == k_cache.sizes(), "paged_decode_attention: cache shape");
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "paged_decode_attention: head grouping");
+  TORCH_CHECK(block_table.size(0) == rows && key_start.numel() == rows && key_end.numel() == rows,
+              "paged_decode_attention: one table row and one key range per query row");
+  check_new_kv(k_new, rows, kv_heads, head_dim);
+  check_new_kv(v_new, rows, kv_heads, head_dim);
+  const PagedCache keys = paged_cache(k_cache), values = paged_cache(v_cache);
+  const at::Tensor qc = q.contiguous(), table = block_table.contiguous();
+  const at::Tensor starts = key_start.contiguous(), ends = key_end.contiguous();
+  const at::Tensor kn = k_new.has_value() ? k_new->contiguous() : at::Tensor();
+  const at::Tensor vn = v_new.has_value() ? v_new->contiguous() : at::Tensor();
+  const int64_t width = table.size(1), block_size = keys.block_size;
+  const int32_t* start_data = starts.data_ptr<int32_t>();
+  const int32_t* end_data = ends.data_ptr<int32_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(0 <= start_data[r] && start_data[r] <= end_data[r] && end_data[r] <= width * block_size,
+                "paged_decode_attention: key range of row ", r, " does not fit its block table");
+    TORCH_CHECK(end_data[r] > start_data[r] || kn.defined(), "paged_decode_attention: row ", r, " sees no key");
+  }
+  at::Tensor out = at::empty(qc.sizes(), qc.options());
+  const int64_t group = heads / kv_heads;
+  const float* q_data = qc.data_ptr<float>();
+  const int32_t* table_data = table.data_ptr<int32_t>();
+  const float* kn_data = kn.defined() ? kn.data_ptr<float>() : nullptr;
+  const float* vn_data = vn.defined() ? vn.data_ptr<float>() : nullptr;
+  float* out_data = out.data_ptr<float>();
+  // Split (row, KV head) tasks among threads only when there is enough work to pay for waking
+  // them: a parallel region costs microseconds, and far more on a loaded machine.
+  int64_t work = 0;
+  for (int64_t r = 0; r < rows; ++r) work += (end_data[r] - start_data[r] + 1) * heads * head_dim * 2;
+  const int64_t grain = work < kParallelAttentionWork ? rows * kv_heads : 1;
+  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads;
+      const int64_t offset = (r * heads + h * group) * head_dim;
+      const int64_t new_offset = (r * kv_heads + h) * head_dim;
+      attend_one(q_data + offset, group, head_dim, keys, values, table_data + r * width, h, start_data[r], end_data[r],
+                 kn_data ? kn_data + new_offset : nullptr, vn_data ? vn_data + new_offset : nullptr,
+                 static_cast<float>(scale), out_data + offset);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def("q4_1_linear(Tensor x, Tensor blocks) -> Tensor");
+  m.def("q8_0_linear(Tensor x, Tensor blocks) -> Tensor");
+  m.def("dequantize_blocks(Tensor blocks, int block_bytes) -> Tensor");
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_start, "
+      "Tensor key_end, Tensor? k_new, Tensor? v_new, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("q4_1_linear", &q4_1_linear);
+  m.impl("q8_0_linear", &q8_0_linear);
+  m.impl("dequantize_blocks", &dequantize_blocks);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
+
+}  // namespace pdserve

@@ -1,0 +1,126 @@
+"""Turns checkpoint tensors into a model's layers: float parameters or quantized blocks.
+
+Model files build their linear layers and embeddings on the meta device and hand them here
+with the checkpoint names to fill them from; the `WeightPolicy` decides whether each comes back
+as a float layer or a quantized one. Invariant: a layer is materialised once, in its final
+form, so loading never holds a float copy of a weight that is served quantized.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence, Union
+
+import torch
+
+from pdserve.models.hf_config import ModelLoadError
+from pdserve.models.layers import Embedding, Linear, copy_rows
+from pdserve.models.quant.blocks import BlockFormat, PackedWeight, concat_rows, dequantize, quantize_q4_1, quantize_q8_0
+from pdserve.models.quant.modules import QuantizedEmbedding, QuantizedLinear
+from pdserve.models.weights import WeightSource
+
+logger = logging.getLogger(__name__)
+
+QuantizationChoice = Literal["none", "gguf", "int8", "int4"]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightPolicy:
+    """keep_packed: a GGUF's Q4_0/Q4_1/Q8_0 tensors stay blocks; float_format: float weights of
+    linear layers are quantized to it (None: they stay float). Embeddings and output heads that
+    get quantized use Q8_0 whatever `float_format` is: 4 bits there cost too much accuracy."""
+
+    keep_packed: bool = False
+    float_format: Optional[BlockFormat] = None
+
+    @staticmethod
+    def for_choice(choice: QuantizationChoice) -> "WeightPolicy":
+        return {
+            "none": WeightPolicy(),
+            "gguf": WeightPolicy(keep_packed=True),
+            "int8": WeightPolicy(keep_packed=True, float_format=BlockFormat.Q8_0),
+            "int4": WeightPolicy(keep_packed=True, float_format=BlockFormat.Q4_1),
+        }[choice]
+
+    @property
+    def quantizes(self) -> bool:
+        return self.keep_packed or self.float_format is not None
+
+
+def _quantize(weight: torch.Tensor, block_format: BlockFormat) -> PackedWeight:
+    return quantize_q4_1(weight) if block_format is BlockFormat.Q4_1 else quantize_q8_0(weight)
+
+
+class WeightLoader:
+    """A model's view of its checkpoint during `load_weights`."""
+
+    def __init__(self, source: WeightSource, policy: WeightPolicy, device: torch.device):
+        self.source = source
+        self.policy = policy
+        self.device = torch.device(device)
+        self.num_quantized_layers = 0
+
+    def get(self, name: str) -> torch.Tensor:
+        """A float tensor (norm weights, biases, anything that is not a matmul weight)."""
+        return self.source.get(name)
+
+    def _weight(self, names: Sequence[str], float_format: Optional[BlockFormat]) -> Union[PackedWeight, list[torch.Tensor]]:
+        """The rows of `names` stacked: packed when the policy says so, else float parts."""
+        packed_parts: list[Optional[PackedWeight]] = [
+            self.source.get_packed(name) if self.policy.keep_packed and hasattr(self.source, "get_packed") else None
+            for name in names
+        ]
+        if all(part is not None for part in packed_parts):
+            formats = {part.format for part in packed_parts}  # type: ignore[union-attr]
+            if len(formats) == 1:
+                return concat_rows(packed_parts)  # type: ignore[arg-type]
+            float_format = BlockFormat.Q8_0  # mixed formats: re-pack all at the finer one
+        floats = [self.source.get(name) if part is None else dequantize(part) for name, part in zip(names, packed_parts)]
+        if any(part is not None for part in packed_parts) and float_format is None:
+            float_format = BlockFormat.Q8_0  # partly packed: keep it packed
+        if float_format is None:
+            return floats
+        return concat_rows([_quantize(part, float_format) for part in floats])
+
+    def linear(self, layer: Linear, names: Sequence[str], label: str) -> torch.nn.Module:
+        """`layer` (on meta) filled from the stacked rows of `names`, as float or quantized."""
+        weight = self._weight(names, self.policy.float_format)
+        return self._finish_linear(layer, weight, label)
+
+    def output_head(self, layer: Linear, name: str) -> torch.nn.Module:
+        format_for_floats = BlockFormat.Q8_0 if self.policy.float_format is not None else None
+        return self._finish_linear(layer, self._weight([name], format_for_floats), name)
+
+    def _finish_linear(self, layer: Linear, weight: Union[PackedWeight, list[torch.Tensor]], label: str) -> torch.nn.Module:
+        """Model files copy biases in afterwards, into `.bias` of whatever this returns."""
+        if not isinstance(weight, PackedWeight):
+            layer = layer.to_empty(device=self.device)
+            copy_rows(layer.weight, weight, label)
+            return layer
+        if (weight.out_features, weight.in_features) != (layer.out_features, layer.in_features):
+            raise ModelLoadError(f"{label}: checkpoint shape {(weight.out_features, weight.in_features)} "
+                                 f"does not fit parameter {(layer.out_features, layer.in_features)}")
+        bias = None
+        if layer.bias is not None:
+            bias = torch.nn.Parameter(torch.empty_like(layer.bias, device=self.device), requires_grad=False)
+        self.num_quantized_layers += 1
+        return QuantizedLinear(PackedWeight(weight.blocks.to(self.device), weight.format, weight.in_features), bias)
+
+    def embedding(self, layer: Embedding, name: str) -> torch.nn.Module:
+        format_for_floats = BlockFormat.Q8_0 if self.policy.float_format is not None else None
+        weight = self._weight([name], format_for_floats)
+        if isinstance(weight, PackedWeight):
+            return QuantizedEmbedding(PackedWeight(weight.blocks.to(self.device), weight.format, weight.in_features),
+                                      layer.weight.dtype)
+        layer = layer.to_empty(device=self.device)
+        copy_rows(layer.weight, weight, name)
+        return layer
+
+    def tied_head(self, embedding: torch.nn.Module, layer: Linear) -> torch.nn.Module:
+        """The output head sharing the embedding's storage (float weight or blocks)."""
+        if isinstance(embedding, QuantizedEmbedding):
+            return QuantizedLinear(embedding.packed)
+        layer = layer.to_empty(device=self.device)
+        layer.weight = embedding.weight
+        return layer
