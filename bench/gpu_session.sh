@@ -43,7 +43,7 @@ case $step in
     python3 bench/engine_gpu.py --out "$out/engine_gpu.json" 2>&1 | tee "$out/engine_gpu.log" | grep -v "^Writing" ;;
   ucx)
     setup
-    python3 -m pytest -q -rs -p no:cacheprovider --timeout 300 tests/engine/test_engine_cuda_parity.py 2>&1 | tail -15
+    python3 -m pytest -q -rs -p no:cacheprovider --timeout 300 -m gpu tests/engine tests/models 2>&1 | tail -25
     python3 bench/cuda_ipc_probe.py 2>&1 | tail -3
     UCX_TLS=cuda_ipc,cuda_copy,tcp,self UCX_LOG_LEVEL=debug UCX_PROTO_INFO=y python3 bench/kv_transfer.py \
       --device cuda --shape llama3-8b --reps 3 --prompt-tokens 8192 --out "$out/kv_ipc.json" > "$out/kv_ipc.log" 2>&1
