@@ -88,6 +88,13 @@ class LimitsConfig(_Frozen):
     max_stop_strings: int = setting(16, "most stop strings in one request", ge=0)
     max_stop_string_chars: int = setting(256, "longest stop string", ge=1)
     max_stop_token_ids: int = setting(64, "most stop_token_ids in one request", ge=0)
+    max_prompts: int = setting(256, "most prompts in one batched completion request", ge=1)
+    max_choices: int = setting(
+        256, "most answers one request may ask for (n times its prompts): each is an engine request", ge=1)
+    max_logit_bias_entries: int = setting(1024, "most logit_bias entries in one request", ge=0)
+    max_tools: int = setting(128, "most tools in one chat request", ge=0)
+    max_constraint_chars: int = setting(
+        65_536, "largest output constraint (response_format, guided_*, tools as JSON text), before compiling", ge=1)
     header_timeout_s: float = setting(
         10.0, "a client must send a request's headers within this long, or its connection is closed", gt=0)
     body_timeout_s: float = setting(30.0, "a client must send a request's body within this long (408 otherwise)",

@@ -1,21 +1,33 @@
 """OpenAI wire schemas of `/v1/completions` and `/v1/chat/completions`, and their mapping to `SamplingParams`.
 
 Torch-free. Known fields are validated strictly (types and ranges) and features
-we do not implement are rejected with a 400 rather than silently ignored;
-unknown fields are ignored because OpenAI clients send extras.
-Logprobs: only the sampled token's log-probability is supported (completions
-`logprobs=0`, chat `logprobs=true` with `top_logprobs` 0 or absent); asking for
-alternatives is a 400, since returning fewer than asked would mislead.
+we do not implement (`suffix`, `best_of` > 1) are rejected with a 400 rather
+than silently ignored; unknown fields are ignored because OpenAI clients send
+extras. docs/api.md lists every field and the behaviour it follows.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdserve.errors import ContextLengthExceeded, InvalidRequest
 from pdserve.request import FinishReason, SamplingParams
+from pdserve.structured_protocol import (
+    NamedToolChoice,
+    OutputConstraint,
+    ResponseFormat,
+    Tool,
+    ToolChoice,
+    combine_constraints,
+    guided_constraint,
+    response_format_constraint,
+    tool_constraint,
+)
+
+MAX_CHOICES = 128  # OpenAI's bound on n; n times the prompts is bounded by `LimitsConfig.max_choices`
 
 # Validators raise `InvalidRequest` (not ValueError) for semantic rejections:
 # pydantic lets non-ValueError exceptions propagate unchanged, so they reach the
@@ -49,13 +61,18 @@ class OpenAIRequest(_WireModel):
     stop_token_ids: Optional[list[int]] = None  # extension
     ignore_eos: Optional[bool] = None  # extension
     min_tokens: Optional[int] = Field(None, ge=0)  # extension
-    n: Optional[int] = None
+    n: Optional[int] = Field(None, ge=1, le=MAX_CHOICES)
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0, le=10.0)  # extension (HF semantics)
     logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None  # extensions (vLLM)
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
     kv_transfer_params: Optional[dict[str, Any]] = None  # P/D hand-off, opaque here
 
     @field_validator("stop", mode="wrap")
@@ -77,22 +94,15 @@ class OpenAIRequest(_WireModel):
             raise ValueError("token ids must be >= 0")
         return value
 
-    @field_validator("n")
-    @classmethod
-    def _check_n(cls, value: Optional[int]) -> Optional[int]:
-        _reject_unless(value in (None, 1), f"only n=1 is supported, got n={value}", "n")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _check_penalty(cls, value: Optional[float], info: Any) -> Optional[float]:
-        _reject_unless(value in (None, 0.0), f"{info.field_name} is not supported (only 0)", info.field_name)
-        return value
-
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, value: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
-        _reject_unless(not value, "logit_bias is not supported", "logit_bias")
+        if not value:
+            return value
+        for key, bias in value.items():
+            _reject_unless(key.isdigit(), f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            _reject_unless(-100.0 <= bias <= 100.0, f"logit_bias values must be in [-100, 100], got {bias}",
+                           "logit_bias")
         return value
 
     @model_validator(mode="after")
@@ -107,6 +117,28 @@ class OpenAIRequest(_WireModel):
             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens",
         )
         return self
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items())
+
+    def output_constraint(self) -> Optional[OutputConstraint]:
+        """The grammar the answer must follow, from whichever one field asks for it (a second is a 400)."""
+        return combine_constraints(
+            ("response_format", response_format_constraint(self.response_format)),
+            ("guided_json", guided_constraint(self.guided_json, self.guided_regex, self.guided_choice)),
+        )
+
+    @property
+    def top_logprobs_count(self) -> int:
+        return 0  # alternatives per sampled token; each endpoint spells it its own way
+
+    @property
+    def prompt_logprobs_count(self) -> Optional[int]:
+        return None  # completions' echo asks for the prompt's logprobs
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
@@ -135,26 +167,8 @@ class CompletionRequest(OpenAIRequest):
         try:
             prompt = handler(value)
         except ValidationError:
-            raise ValueError("must be a string, a list with one string, or a list of token ids") from None
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            _reject_unless(len(prompt) == 1, "batched prompts are not supported: send one prompt", "prompt")
-        return prompt
-
-    @field_validator("echo")
-    @classmethod
-    def _check_echo(cls, value: Optional[bool]) -> Optional[bool]:
-        _reject_unless(not value, "echo is not supported", "echo")
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _check_logprobs(cls, value: Optional[int]) -> Optional[int]:
-        _reject_unless(
-            value in (None, 0),
-            "only logprobs=0 is supported: the sampled token's log-probability, without alternatives",
-            "logprobs",
-        )
-        return value
+            raise ValueError("must be a string, a list of strings, a list of token ids or a list of such lists") from None
+        return prompt  # how many prompts and how long: `LimitsConfig` (pdserve/validation.py)
 
     @field_validator("suffix")
     @classmethod
@@ -172,13 +186,22 @@ class CompletionRequest(OpenAIRequest):
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
 
-    def prompt_input(self) -> Union[str, list[int]]:
-        """The single prompt, as text or token ids; never empty."""
+    @property
+    def top_logprobs_count(self) -> int:
+        return self.logprobs or 0
+
+    @property
+    def prompt_logprobs_count(self) -> Optional[int]:
+        return self.logprobs if self.echo and self.logprobs is not None else None
+
+    def prompt_inputs(self) -> list[Union[str, list[int]]]:
+        """Every prompt of the request, in order, as text or token ids; none empty."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        _reject_unless(len(prompt) > 0, "prompt must not be empty", "prompt")
-        return prompt
+        batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        prompts = list(prompt) if batched else [prompt]
+        for item in prompts:
+            _reject_unless(len(item) > 0, "prompt must not be empty", "prompt")
+        return prompts
 
 
 class TextContentPart(_WireModel):
@@ -186,10 +209,23 @@ class TextContentPart(_WireModel):
     text: str
 
 
+class ToolCallFunction(_WireModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_WireModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_WireModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool's answer to one of them
 
     @field_validator("content", mode="wrap")
     @classmethod
@@ -206,55 +242,83 @@ class ChatMessage(_WireModel):
             return self.content
         return "\n".join(part.text for part in self.content)
 
-    def template_dict(self) -> dict[str, str]:
+    def template_dict(self) -> dict[str, Any]:
         # Chat templates know "system", not OpenAI's newer "developer".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+        message: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            # Templates format arguments themselves (`| tojson`): hand them objects where the JSON parses.
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True  # extension
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _check_top_logprobs(cls, value: Optional[int]) -> Optional[int]:
-        _reject_unless(
-            value in (None, 0),
-            "top_logprobs > 0 is not supported: only the sampled token's log-probability is returned",
-            "top_logprobs",
-        )
-        return value
-
-    @field_validator("tools")
-    @classmethod
-    def _check_tools(cls, value: Optional[list[Any]]) -> Optional[list[Any]]:
-        _reject_unless(not value, "tool calling is not supported", "tools")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _check_response_format(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-        _reject_unless(
-            value is None or value.get("type") == "text", "only response_format type 'text' is supported",
-            "response_format",
-        )
-        return value
+    @model_validator(mode="after")
+    def _check_chat_consistency(self) -> "ChatCompletionRequest":
+        _reject_unless(not self.top_logprobs or bool(self.logprobs),
+                       "top_logprobs needs logprobs=true", "top_logprobs")
+        return self
 
     @property
     def wants_logprobs(self) -> bool:
         return bool(self.logprobs)
 
-    def template_messages(self) -> list[dict[str, str]]:
+    @property
+    def top_logprobs_count(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
+    @property
+    def tool_choice_mode(self) -> str:
+        """none | auto | required | named: what the answer may hold (OpenAI's default: auto when tools are given)."""
+        if not self.tools:
+            return "none"
+        if self.tool_choice is None:
+            return "auto"
+        return "named" if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+
+    def output_constraint(self) -> Optional[OutputConstraint]:
+        return combine_constraints(
+            ("tool_choice", tool_constraint(self.tools, self.tool_choice, self.parallel_tool_calls)),
+            ("response_format", response_format_constraint(self.response_format)),
+            ("guided_json", guided_constraint(self.guided_json, self.guided_regex, self.guided_choice)),
+        )
+
+    def template_messages(self) -> list[dict[str, Any]]:
         return [message.template_dict() for message in self.messages]
+
+    def template_tools(self) -> Optional[list[dict[str, Any]]]:
+        """Tools as chat templates expect them (OpenAI's shape); None when the template must not show any."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True, by_alias=True) for tool in self.tools]
 
 
 def to_sampling_params(
-    request: OpenAIRequest, *, num_prompt_tokens: int, max_model_len: int, prompt_param: str = "prompt"
+    request: OpenAIRequest, *, num_prompt_tokens: int, max_model_len: int, prompt_param: str = "prompt",
+    grammar: Optional[str] = None,
 ) -> SamplingParams:
     """Map a validated request to engine sampling parameters.
 
@@ -277,6 +341,13 @@ def to_sampling_params(
         ignore_eos=bool(request.ignore_eos),
         min_tokens=min_tokens,
         logprobs=request.wants_logprobs,
+        top_logprobs=request.top_logprobs_count,
+        prompt_logprobs=request.prompt_logprobs_count,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        logit_bias=request.logit_bias_pairs(),
+        grammar=grammar,
     )
 
 
@@ -314,6 +385,9 @@ def check_context_length(
         )
 
 
+FinishReasonWire = Literal["stop", "length", "tool_calls"]
+
+
 def openai_finish_reason(reason: Optional[FinishReason]) -> Optional[Literal["stop", "length"]]:
     if reason is FinishReason.STOP:
         return "stop"
@@ -342,8 +416,8 @@ def _none(value: Any) -> bool:
 
 class CompletionLogprobs(_WireModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: Optional[list[dict[str, float]]] = None
+    token_logprobs: list[Optional[float]]  # None for an echoed prompt's first token
+    top_logprobs: Optional[list[Optional[dict[str, float]]]] = None
     text_offset: list[int]
 
 
@@ -351,7 +425,7 @@ class CompletionChoice(_WireModel):
     index: int = 0
     text: str
     logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
+    finish_reason: Optional[FinishReasonWire] = None
 
 
 class CompletionResponse(_WireModel):
@@ -364,11 +438,17 @@ class CompletionResponse(_WireModel):
     kv_transfer_params: Optional[dict[str, Any]] = Field(None, exclude_if=_none)
 
 
+class TopLogprob(_WireModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
 class ChatTokenLogprob(_WireModel):
     token: str
     logprob: float
     bytes: Optional[list[int]] = None
-    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChatChoiceLogprobs(_WireModel):
@@ -377,14 +457,15 @@ class ChatChoiceLogprobs(_WireModel):
 
 class AssistantMessage(_WireModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: Optional[list[ToolCall]] = Field(None, exclude_if=_none)
 
 
 class ChatChoice(_WireModel):
     index: int = 0
     message: AssistantMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
+    finish_reason: Optional[FinishReasonWire] = None
 
 
 class ChatCompletionResponse(_WireModel):
@@ -397,16 +478,29 @@ class ChatCompletionResponse(_WireModel):
     kv_transfer_params: Optional[dict[str, Any]] = Field(None, exclude_if=_none)
 
 
+class ToolCallFunctionDelta(_WireModel):
+    name: Optional[str] = Field(None, exclude_if=_none)
+    arguments: str = ""
+
+
+class ToolCallDelta(_WireModel):
+    index: int
+    id: Optional[str] = Field(None, exclude_if=_none)
+    type: Optional[Literal["function"]] = Field(None, exclude_if=_none)
+    function: ToolCallFunctionDelta
+
+
 class ChatDelta(_WireModel):
     role: Optional[Literal["assistant"]] = Field(None, exclude_if=_none)
     content: Optional[str] = Field(None, exclude_if=_none)
+    tool_calls: Optional[list[ToolCallDelta]] = Field(None, exclude_if=_none)
 
 
 class ChatStreamChoice(_WireModel):
     index: int = 0
     delta: ChatDelta
     logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length"]] = None
+    finish_reason: Optional[FinishReasonWire] = None
 
 
 class ChatCompletionChunk(_WireModel):

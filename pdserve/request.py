@@ -42,10 +42,26 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: bool = False  # return the log-probability of each sampled token
+    top_logprobs: int = 0  # and of this many most likely alternatives
+    prompt_logprobs: Optional[int] = None  # log-probabilities of the prompt's tokens (with alternatives)
+    presence_penalty: float = 0.0  # OpenAI: minus this once for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # HF: logits of prompt and generated tokens divided (>0) or multiplied (<0)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    grammar: Optional[str] = None  # llguidance grammar the output must match (pdserve/grammar/)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+# The most likely tokens at one position, most likely first: ((token id, logprob), ...).
+# For a prompt token the token itself comes first, then the alternatives.
+TopLogprobs = tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +86,8 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     new_text: str
     new_logprobs: tuple[float, ...] = ()
+    new_top_logprobs: tuple["TopLogprobs", ...] = ()  # per new token, when asked
+    prompt_logprobs: Optional[tuple[Optional["TopLogprobs"], ...]] = None  # first output only; None for token 0
     finished: bool = False
     finish_reason: Optional[FinishReason] = None
     num_prompt_tokens: int = 0
@@ -101,6 +119,8 @@ class Request:
     remote: Optional["RemoteSource"] = None  # D: where to pull the prompt's KV; None once consumed
     kv_transfer_params: Optional["RemotePrefillParams"] = None  # P: the finish hook's answer (output)
     error: Optional["PdserveError"] = None  # why it ended with FinishReason.ERROR
+    # Logprobs of prompt tokens 1.. (when asked), filled as prefill chunks run; sent with the first output.
+    prompt_logprobs: list["TopLogprobs"] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

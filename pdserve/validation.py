@@ -3,28 +3,32 @@
 Invariant: a body the proxy accepts is one every worker accepts and the
 other way round, because both run this code with the same `LimitsConfig`:
 size, JSON well-formedness and depth, the schema (pdserve/protocol.py), then
-the bounds on prompt, messages and stop conditions — all before anything is
-tokenized, computed or pinned. Torch-free; the proxy imports it.
+the bounds on prompts, messages, choices, stop conditions, logit bias and
+output constraints — all before anything is tokenized, computed or pinned. Torch-free; the proxy imports it.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypeVar
 
 import pydantic_core
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from pdserve.config import LimitsConfig
 from pdserve.errors import InvalidRequest, RequestTooLarge
-from pdserve.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from pdserve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAIRequest
+from pdserve.tokenize_protocol import TokenizeRequest
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # What clients may send; internal records (kv_transfer_params, KV messages) allow 256: room for `#<n>`.
 MAX_REQUEST_ID_CHARS = 240
 _MAX_REPORTED_ERRORS = 3
 _CONTAINER_TYPES = frozenset((list, dict))
+# What shapes the output's grammar (tools too: a tool_choice turns their schemas into one).
+_CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "tools")
 
-BodyT = TypeVar("BodyT", bound=OpenAIRequest)
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 def check_request_id(wanted: str) -> None:
@@ -87,18 +91,19 @@ def parse_request(schema: type[BodyT], raw: bytes, limits: LimitsConfig) -> Body
     return validate_request(schema, parse_json_body(raw, limits), limits)
 
 
-def check_request_bounds(request: OpenAIRequest, limits: LimitsConfig) -> None:
+def check_request_bounds(request: BaseModel, limits: LimitsConfig) -> None:
     """Everything a request may ask for in size, checked before any tokenizing."""
+    if isinstance(request, TokenizeRequest):
+        _check_messages(request.messages or [], limits)
+        _check_prompts(request.prompt or "", limits)
+    if not isinstance(request, OpenAIRequest):
+        return
+    num_prompts = 1
     if isinstance(request, ChatCompletionRequest):
-        _check_at_most(len(request.messages), limits.max_messages, "messages", "messages")
-        num_chars = sum(len(message.text()) for message in request.messages)
-        _check_at_most(num_chars, limits.max_prompt_chars, "characters of message text", "messages")
+        _check_messages(request.messages, limits)
     elif isinstance(request, CompletionRequest):
-        prompt = request.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            _check_at_most(len(prompt), limits.max_prompt_chars, "prompt characters", "prompt")
+        num_prompts = _check_prompts(request.prompt, limits)
+    _check_at_most(num_prompts * request.num_choices, limits.max_choices, "answers (n times the prompts)", "n")
     stop = request.stop
     strings = [stop] if isinstance(stop, str) else list(stop or ())
     _check_at_most(len(strings), limits.max_stop_strings, "stop strings", "stop")
@@ -106,6 +111,47 @@ def check_request_bounds(request: OpenAIRequest, limits: LimitsConfig) -> None:
                    "stop")
     _check_at_most(len(request.stop_token_ids or ()), limits.max_stop_token_ids, "stop_token_ids",
                    "stop_token_ids")
+    _check_at_most(len(request.logit_bias or ()), limits.max_logit_bias_entries, "logit_bias entries", "logit_bias")
+    _check_constraint(request, limits)
+
+
+def _check_messages(messages: list[ChatMessage], limits: LimitsConfig) -> None:
+    _check_at_most(len(messages), limits.max_messages, "messages", "messages")
+    num_chars = sum(len(message.text()) for message in messages)
+    _check_at_most(num_chars, limits.max_prompt_chars, "characters of message text", "messages")
+
+
+def _check_prompts(prompt: Any, limits: LimitsConfig) -> int:
+    """The number of prompts of a completion request, after bounding it and their text together."""
+    batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    prompts = prompt if batched else [prompt]
+    _check_at_most(len(prompts), limits.max_prompts, "prompts", "prompt")
+    num_chars = sum(len(item) for item in prompts if isinstance(item, str))
+    _check_at_most(num_chars, limits.max_prompt_chars, "prompt characters", "prompt")
+    return len(prompts)
+
+
+def _check_constraint(request: OpenAIRequest, limits: LimitsConfig) -> None:
+    """Bounded before anything parses or compiles it; then its shape is checked here, so a prefill
+    leg never computes a prompt whose decode leg would refuse the constraint."""
+    tools = getattr(request, "tools", None) or ()
+    _check_at_most(len(tools), limits.max_tools, "tools", "tools")
+    sizes = {name: _json_chars(getattr(request, name, None)) for name in _CONSTRAINT_FIELDS}
+    largest = max(sizes, key=lambda name: sizes[name])
+    _check_at_most(sum(sizes.values()), limits.max_constraint_chars, "characters of output constraints", largest)
+    request.output_constraint()
+
+
+def _json_chars(value: Any) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, BaseModel):
+        return len(value.model_dump_json(by_alias=True, exclude_none=True))
+    if isinstance(value, list):
+        return sum(_json_chars(item) for item in value)
+    return len(json.dumps(value))
 
 
 def _check_at_most(count: int, limit: int, what: str, param: str) -> None:

@@ -1,4 +1,5 @@
-"""The proxy's ASGI app: OpenAI routes forwarded in two legs, plus /v1/models, /health and /metrics.
+"""The proxy's ASGI app: OpenAI routes forwarded in two legs, plus /v1/models, /tokenize, /detokenize,
+/health and /metrics.
 
 Everything (pools, clients, metrics, background loops) comes from
 `create_app` and lives as long as the app: no module-level state. The health
@@ -18,14 +19,16 @@ from typing import AsyncIterator, Optional
 import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pdserve.errors import PdserveError
+from pdserve.http_bounds import read_body
 from proxy.backends import INTERNAL_TOKEN_HEADER, Backend, BackendPool, ClientFactory, Role, client_factory
 from proxy.config import ProxyConfig
 from proxy.discovery import DnsDiscovery, Resolver, resolve_with_getaddrinfo
-from proxy.errors import NoBackendAvailable, error_body, error_response
+from proxy.errors import NoBackendAvailable, RejectedRequest, error_body, error_response
 from proxy.forwarder import Forwarder
 from proxy.health import HealthMonitor
 from proxy.kv_routes import explain_route
@@ -130,7 +133,10 @@ def _routes(components: ProxyComponents) -> list[Route]:
         return await forwarder.handle(request, CHAT_COMPLETIONS_PATH)
 
     async def models(request: Request) -> Response:
-        return await _relay_models(components)
+        return await _relay_to_decode(components, "GET", "/v1/models")
+
+    async def tokenizer_route(request: Request) -> Response:
+        return await _relay_tokenizer(components, request)
 
     async def health(request: Request) -> Response:
         body: dict = {"status": "ok" if components.is_ready() else "unavailable"}
@@ -149,6 +155,8 @@ def _routes(components: ProxyComponents) -> list[Route]:
         Route(COMPLETIONS_PATH, completions, methods=["POST"]),
         Route(CHAT_COMPLETIONS_PATH, chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenizer_route, methods=["POST"]),
+        Route("/detokenize", tokenizer_route, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", health, methods=["GET"]),
         Route("/live", live, methods=["GET"]),
@@ -157,14 +165,28 @@ def _routes(components: ProxyComponents) -> list[Route]:
     ]
 
 
-async def _relay_models(components: ProxyComponents) -> Response:
-    """The model list of a decode worker (every worker serves the same model)."""
+async def _relay_tokenizer(components: ProxyComponents, request: Request) -> Response:
+    """Every worker serves the same tokenizer: any decode worker answers. The body is read as
+    bounded as the workers read theirs (413/408); the worker validates the rest."""
+    try:
+        body = await read_body(request, components.config.limits)
+    except PdserveError as error:
+        return error_response(RejectedRequest(error), None, components.config.retry_after_s)
+    except ClientDisconnect:
+        return Response(status_code=499)
+    return await _relay_to_decode(components, "POST", request.url.path, body)
+
+
+async def _relay_to_decode(components: ProxyComponents, method: str, path: str, body: bytes = b"") -> Response:
+    """A decode worker's answer to a model-wide question (every worker serves the same model and tokenizer)."""
     retry_after_s = components.config.retry_after_s
     for backend in components.decode_pool.available():
         try:
-            response = await backend.client.get("/v1/models", timeout=components.config.health.timeout_s * 5)
+            response = await backend.client.request(method, path, content=body or None,
+                                                    headers={"Content-Type": "application/json"} if body else None,
+                                                    timeout=components.config.health.timeout_s * 5)
         except httpx.HTTPError as exc:
-            logger.warning("GET /v1/models on %s failed: %s", backend.url, type(exc).__name__)
+            logger.warning("%s %s on %s failed: %s", method, path, backend.url, type(exc).__name__)
             continue
         return Response(response.content, response.status_code,
                         media_type=response.headers.get("content-type", "application/json"))

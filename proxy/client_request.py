@@ -46,6 +46,7 @@ class ClientRequest:
     num_prompt_tokens: int  # exact for token-id prompts, estimated for text
     max_tokens: Optional[int] = None  # what decode will be asked for: the prefill worker checks it fits
     min_tokens: Optional[int] = None
+    needs_local_prompt: bool = False  # the decode worker must compute the prompt itself (see below)
     kv_route: Optional["KVRoute"] = None  # set by kv_aware routing (proxy/kv_routing.py)
 
     def prefix_key(self, num_chars: int) -> bytes:
@@ -78,7 +79,15 @@ def parse_client_request(path: str, raw_body: bytes, request_id: str, chars_per_
     else:
         text, num_tokens = _completion_prompt(body.get("prompt"), chars_per_token)
     return ClientRequest(path, body, request_id, typed.stream is True, text, num_tokens,
-                         typed.requested_max_tokens, typed.min_tokens)
+                         typed.requested_max_tokens, typed.min_tokens, needs_local_prompt=_needs_local_prompt(body))
+
+
+def _needs_local_prompt(body: dict[str, Any]) -> bool:
+    """Requests one prefill leg cannot serve: a batch of prompts (one kv_transfer_params per leg),
+    and echo with logprobs (the prompt's logprobs come from the worker that computes it)."""
+    prompt = body.get("prompt")
+    batched = isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)
+    return batched or (body.get("echo") is True and body.get("logprobs") is not None)
 
 
 def estimate_text_tokens(text: str, chars_per_token: float) -> int:

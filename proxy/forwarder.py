@@ -114,6 +114,8 @@ class Forwarder:
         num_prompt_tokens = blocks.num_tokens if blocks is not None else request.num_prompt_tokens  # exact if known
         if num_prompt_tokens < self._config.routing.disagg_min_prompt_tokens:
             return DECODE_ONLY
+        if request.needs_local_prompt:
+            return DECODE_ONLY
         return DISAGGREGATED
 
     def _pick(self, role: Role, request: ClientRequest, exclude_urls: Collection[str] = ()) -> Optional[Backend]:

@@ -73,10 +73,13 @@ class PromptHasher:
             if self._template is None:
                 return None
             chat = ChatCompletionRequest.model_validate(body)
-            text = self._template.render(chat.template_messages(), add_generation_prompt=chat.add_generation_prompt)
+            tools = chat.template_tools()  # the workers render them into the prompt too
+            text = self._template.render(chat.template_messages(), add_generation_prompt=chat.add_generation_prompt,
+                                         **({"tools": tools} if tools else {}))
             # The rendered template spells out its special tokens (pdserve/server/preprocess.py).
             return await self._segments.encode(text)
-        prompt = CompletionRequest.model_validate(body).prompt_input()
+        # A batch is computed by the decode worker alone: its first prompt routes it.
+        prompt = CompletionRequest.model_validate(body).prompt_inputs()[0]
         if not isinstance(prompt, str):
             return list(prompt)
         if len(prompt) >= ASYNC_MIN_CHARS:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.request_ids import RequestIdRegistry
@@ -81,6 +81,7 @@ class AsyncEngine:
         self.max_in_flight = max_in_flight
         self.num_in_flight = 0
         self.draining = False
+        self.grammar_tokenizer: Optional[Any] = None  # pdserve.grammar.matchers.GrammarTokenizer, set by the factory
 
     def is_ready(self) -> bool:
         return not self.draining and self.is_alive()
@@ -166,6 +167,10 @@ class LoadingEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self._engine().tokenizer
+
+    @property
+    def grammar_tokenizer(self) -> Any:
+        return self._engine().grammar_tokenizer
 
     def generate(self, request: GenerationRequest) -> RequestStream:
         return self._engine().generate(request)  # raising leaves the id with the caller

@@ -12,6 +12,7 @@ import logging
 from typing import Callable, Optional
 
 from pdserve.engine.outputs import OutputProcessor
+from pdserve.engine.schedule_types import SampledToken
 from pdserve.errors import PdserveError
 from pdserve.request import FinishReason, Request, RequestOutput
 
@@ -31,11 +32,10 @@ class OutputEmitter:
     def request_ids(self) -> list[str]:
         return list(self._sinks)
 
-    def emit(self, request: Request, logprob: Optional[float]) -> Optional[FinishReason]:
+    def emit(self, request: Request, token: Optional[SampledToken]) -> Optional[FinishReason]:
         """Send the tokens `request` gained this step. Returns STOP when a stop
         string ended it (the caller then finishes it in the scheduler)."""
-        new_logprobs = (logprob,) if request.sampling.logprobs and logprob is not None else ()
-        output, stop_reason = self.processor.process(request, new_logprobs)
+        output, stop_reason = self.processor.process(request, token)
         self._send(request.request_id, output)
         return stop_reason
 

@@ -23,6 +23,7 @@ from pdserve.engine.loop import EngineLoop
 from pdserve.engine.outputs import OutputProcessor
 from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.engine.runner import ModelRunner
+from pdserve.grammar.matchers import GrammarMatchers, GrammarTokenizer
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
 from pdserve.engine.memory_budget import StepLimits, free_device_bytes, pool_num_blocks
@@ -157,8 +158,10 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     max_model_len = _context_limit(config, spec, plan, num_blocks)
     kv_events = KVEventRecorder()
     kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching, kv_events)
+    grammar_tokenizer = GrammarTokenizer(loaded.tokenizer, spec.vocab_size)
     compile_decode = should_compile(config.model.compile, device, dtype)
-    runner = ModelRunner(loaded.model, plan, layout, device, compile_decode=compile_decode)
+    runner = ModelRunner(loaded.model, plan, layout, device, compile_decode=compile_decode,
+                         grammar=GrammarMatchers(grammar_tokenizer))
     runner.warm_up(config.scheduler.max_num_running)
     model_name = config.model.served_name or loaded.name
     pool = _pool_description(model_name, spec, plan, layout, dtype)
@@ -172,6 +175,7 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     admission = build_admission(config, metrics, pool, kv_side, loop.call_soon, http_transport)
     max_in_flight = config.scheduler.max_num_running + config.scheduler.max_num_waiting
     engine = AsyncEngine(loop, model_name, max_model_len, loaded.tokenizer, max_in_flight, admission)
+    engine.grammar_tokenizer = grammar_tokenizer
     logger.info(
         "engine ready: role=%s model=%s device=%s dtype=%s groups=%d group_size=%d blocks=%d block_size=%d page_bytes=%d max_model_len=%d",
         config.role, engine.model_name, device, dtype, len(plan.groups), plan.group_size, num_blocks, cache.block_size,

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Union
 from pdserve.engine.emitter import OutputEmitter, OutputSink
 from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.schedule_types import SampledToken, SchedulerOutput
+from pdserve.engine.schedule_types import SampledToken, SchedulerOutput, StepResult
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
 from pdserve.errors import EngineFailure, RequestFailed
@@ -216,12 +216,13 @@ class EngineLoop:
         started = time.monotonic()
         queues = self._queue_sizes()
         scheduled = self.scheduler.schedule()
-        sampled = self._drop_failed_rows(self._execute(scheduled))
-        changed = self.scheduler.update(scheduled, sampled)
-        logprobs = {token.request_id: token.logprob for token in sampled}
+        result = self._execute(scheduled)
+        result.sampled = self._drop_failed_rows(result.sampled)
+        changed = self.scheduler.update(scheduled, result.sampled, result.prompt_logprobs)
+        sampled = {token.request_id: token for token in result.sampled}
         now = time.monotonic()
         for request in changed:
-            self._emit(request, logprobs, now)
+            self._emit(request, sampled, now)
         self.stats.record_step(self.scheduler, scheduled, now - started)
         return bool(scheduled.chunks or scheduled.preempted_request_ids) or self._queue_sizes() != queues
 
@@ -238,27 +239,27 @@ class EngineLoop:
         scheduler = self.scheduler
         return scheduler.num_waiting, scheduler.num_waiting_for_kv, scheduler.num_running
 
-    def _execute(self, scheduled: SchedulerOutput) -> list[SampledToken]:
+    def _execute(self, scheduled: SchedulerOutput) -> StepResult:
         try:
             return self._execute_synchronized(scheduled)
         except Exception:
             self._settle_device()
             if len(scheduled.chunks) <= 1:
                 self._fail_chunks(scheduled, "while running the model")
-                return []
+                return StepResult()
         # Find the culprit: run each chunk alone, fail those that fail alone.
         logger.warning("engine step of %d requests failed; retrying them one by one", len(scheduled.chunks))
-        sampled: list[SampledToken] = []
+        result = StepResult()
         for chunk in scheduled.chunks:
             alone = SchedulerOutput(chunks=[chunk])
             try:
-                sampled.extend(self._execute_synchronized(alone))
+                result.extend(self._execute_synchronized(alone))
             except Exception:
                 self._settle_device()
                 self._fail_chunks(alone, "while running the model")
-        return sampled
+        return result
 
-    def _execute_synchronized(self, scheduled: SchedulerOutput) -> list[SampledToken]:
+    def _execute_synchronized(self, scheduled: SchedulerOutput) -> StepResult:
         sampled = self.runner.execute(scheduled)
         # KV complete: from here the step's blocks may be freed, evicted, read by a
         # decode worker (update() publishes kv_transfer_params on a prefill worker)
@@ -278,12 +279,12 @@ class EngineLoop:
             logger.exception("request %s failed %s", chunk.request_id, where)
             self._finish(chunk.request_id, FinishReason.ERROR, RequestFailed(f"internal error {where}"))
 
-    def _emit(self, request: Request, logprobs: dict[str, float], now: float) -> None:
+    def _emit(self, request: Request, sampled: dict[str, SampledToken], now: float) -> None:
         try:
             if request.first_token_time_s is None:
                 request.first_token_time_s = now
                 self.stats.record_first_token(request)
-            stop_reason = self.emitter.emit(request, logprobs.get(request.request_id))
+            stop_reason = self.emitter.emit(request, sampled.get(request.request_id))
         except Exception:
             logger.exception("request %s: producing its output failed", request.request_id)
             self._finish(request.request_id, FinishReason.ERROR, RequestFailed("internal error while producing the output"))

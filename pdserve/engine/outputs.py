@@ -7,11 +7,12 @@ string (it is held back until it cannot).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
+from pdserve.engine.schedule_types import SampledToken
 from pdserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.request import FinishReason, Request, RequestOutput
+from pdserve.request import FinishReason, Request, RequestOutput, TopLogprobs
 
 
 def _held_back_length(text: str, stops: tuple[str, ...]) -> int:
@@ -31,7 +32,7 @@ class _TextState:
     text: str = ""  # everything decoded so far (stop string cut off once found)
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
-    logprobs: list[float] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False
 
 
 class OutputProcessor:
@@ -42,8 +43,9 @@ class OutputProcessor:
     def forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 
-    def process(self, request: Request, new_logprobs: tuple[float, ...] = ()) -> tuple[RequestOutput, Optional[FinishReason]]:
-        """Output for the tokens `request` gained since the last call.
+    def process(self, request: Request, token: Optional[SampledToken] = None
+                ) -> tuple[RequestOutput, Optional[FinishReason]]:
+        """Output for the tokens `request` gained since the last call (`token`: the one sampled this step).
 
         Returns the output and, when a stop string ended the request, STOP (the
         caller must then finish the request in the scheduler).
@@ -63,11 +65,14 @@ class OutputProcessor:
         state.num_emitted_tokens = len(request.output_token_ids)
         if finished:
             self.forget(request.request_id)
+        wants = request.sampling.logprobs and token is not None
         output = RequestOutput(
             request_id=request.request_id,
             new_token_ids=tuple(new_ids),
             new_text=new_text,
-            new_logprobs=new_logprobs,
+            new_logprobs=(token.logprob,) if wants else (),
+            new_top_logprobs=(token.top_logprobs,) if wants and request.sampling.top_logprobs else (),
+            prompt_logprobs=self._prompt_logprobs(state, request),
             finished=finished,
             finish_reason=stop_reason or request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -77,6 +82,14 @@ class OutputProcessor:
             kv_transfer_params=request.kv_transfer_params if finished else None,
         )
         return output, stop_reason
+
+    @staticmethod
+    def _prompt_logprobs(state: _TextState, request: Request) -> Optional[tuple[Optional[TopLogprobs], ...]]:
+        """Sent once, with the first output: None for the first prompt token, which has no context."""
+        if request.sampling.prompt_logprobs is None or state.sent_prompt_logprobs:
+            return None
+        state.sent_prompt_logprobs = True
+        return (None, *request.prompt_logprobs)
 
     def _append_text(self, state: _TextState, request: Request, new_ids: list[int]) -> Optional[FinishReason]:
         piece = self._decode(state, request, new_ids)

@@ -2,8 +2,10 @@
 
 Owns the model, the KV pool tensor and the sampler. Steps made only of
 single-token chunks go through `DecodeStep` (a pure, optionally compiled pass)
-where the native kernel runs or compilation was asked for; every other step
-runs eagerly over `PagedAttention`.
+where the native kernel runs or compilation was asked for (unless they need
+prompt logprobs); every other step runs eagerly over `PagedAttention`. Either
+way the logits meet the same sampling: penalties, bias, min_tokens, grammar
+masks, logprobs, so a request's tokens do not depend on which path ran.
 Invariants: it writes K/V only into the blocks the scheduler's chunks name, and
 returns exactly one sampled token per chunk that asked for one; after
 `synchronize()` no kernel it queued is still running, so any block may be freed,
@@ -17,10 +19,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from pdserve.engine import prompt_logprobs
 from pdserve.engine.decode_step import DecodeStep
 from pdserve.engine.paged_attention import PagedAttention
-from pdserve.engine.sampler import Sampler
-from pdserve.engine.schedule_types import SampledToken, ScheduledChunk, SchedulerOutput
+from pdserve.engine.sampler import Sampler, unpack_sampled
+from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
+from pdserve.grammar.matchers import GrammarMatchers, bitmask_to_allowed
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.models.base import CausalLM
@@ -30,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: CausalLM, plan: KVGroupPlan, layout: KVPoolLayout, device: torch.device, seed: int = 0,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, grammar: Optional[GrammarMatchers] = None):
         self.model = model
+        self.grammar = grammar  # None: this runner serves no structured outputs
         self.plan = plan
         self.layout = layout
         self.device = device
@@ -73,32 +78,51 @@ class ModelRunner:
         return caches
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> list[SampledToken]:
+    def execute(self, step: SchedulerOutput) -> StepResult:
         self.sampler.forget(step.finished_request_ids)
+        if self.grammar is not None:
+            self.grammar.forget(step.finished_request_ids)
         if step.is_empty:
-            return []
+            return StepResult()
         # Single-token chunks first: they share one decode attention call per layer.
         chunks = sorted(step.chunks, key=lambda chunk: chunk.num_tokens != 1)
-        if chunks[-1].num_tokens == 1 and (self.decode_step.native or self.decode_step.compiled):
-            return self._execute_decode(chunks)
+        sample_rows, sample_chunks = self._sample_rows(chunks)
+        # Grammar masks are computed on a helper thread while the model runs.
+        masks = self.grammar.start_masks(sample_chunks) if self.grammar is not None and sample_chunks else None
+        prompt_rows = prompt_logprobs.wanted_rows(chunks)
+        logits, hidden = self._forward(chunks, sample_rows, len(sample_chunks), bool(prompt_rows))
+        packed: list[torch.Tensor] = []
+        if logits is not None:
+            # Whichever path made the logits, the sampler gets the same inputs: penalties, bias,
+            # min_tokens, grammar masks, logprobs.
+            allowed = bitmask_to_allowed(masks.result(), logits.shape[-1], self.device) if masks else None
+            packed.append(self.sampler.sample_packed(logits, sample_chunks, allowed))
+        if prompt_rows:
+            packed.append(prompt_logprobs.compute_packed(hidden, prompt_rows, self.model.compute_logits))
+        if not packed:
+            return StepResult()
+        sampled_values, prompt_values = _to_host(packed, bool(sample_chunks))
+        sampled = unpack_sampled(sampled_values, sample_chunks)
+        if self.grammar is not None:
+            self.grammar.consume(sample_chunks, sampled)
+        return StepResult(sampled, prompt_logprobs.unpack(prompt_values, prompt_rows) if prompt_rows else [])
+
+    def _forward(self, chunks: Sequence[ScheduledChunk], sample_rows: torch.Tensor, num_sampling: int,
+                 wants_prompt_logprobs: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(logits of the sampling rows or None, hidden states or None). Decode-only steps take
+        `DecodeStep` where the native kernel runs or compilation was asked for, unless they need
+        prompt logprobs, which are read from the eager pass's hidden states."""
+        decode_only = chunks[-1].num_tokens == 1 and not wants_prompt_logprobs
+        if decode_only and (self.decode_step.native or self.decode_step.compiled):
+            logits = self.decode_step.run(chunks)
+            if num_sampling == 0:
+                return None, None
+            # One token per chunk: the sampling rows index the logits directly.
+            return (logits if num_sampling == len(chunks) else logits[sample_rows]), None
         input_ids, positions = self._inputs(chunks)
         attention = PagedAttention(self.plan, self.layer_caches, chunks, self.layout.block_size, self.device)
         hidden = self.model(input_ids, positions, attention)
-        sample_rows, sample_chunks = self._sample_rows(chunks)
-        if not sample_chunks:
-            return []
-        logits = self.model.compute_logits(hidden[sample_rows])
-        return self.sampler.sample(logits, sample_chunks)
-
-    def _execute_decode(self, chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:
-        logits = self.decode_step.run(chunks)
-        sample_chunks = [chunk for chunk in chunks if chunk.sample]
-        if not sample_chunks:
-            return []
-        if len(sample_chunks) != len(chunks):
-            rows = [row for row, chunk in enumerate(chunks) if chunk.sample]
-            logits = logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
-        return self.sampler.sample(logits, sample_chunks)
+        return (self.model.compute_logits(hidden[sample_rows]) if num_sampling else None), hidden
 
     def _inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         token_ids: list[int] = []
@@ -119,3 +143,17 @@ class ModelRunner:
                 sampled.append(chunk)
         # Asynchronous copy: `torch.tensor(..., device=cuda)` would wait for the device.
         return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True), sampled
+
+
+def _to_host(packed: list[torch.Tensor], has_sampled: bool) -> tuple[list[list[float]], list[list[float]]]:
+    """The step's one device-to-host transfer: every packed result flattened into one tensor."""
+    shapes = [tuple(tensor.shape) for tensor in packed]
+    flat = torch.cat([tensor.flatten() for tensor in packed]).tolist() if len(packed) > 1 else None
+    parts, offset = [], 0
+    for index, (num_rows, width) in enumerate(shapes):
+        values = flat[offset : offset + num_rows * width] if flat is not None else packed[index].flatten().tolist()
+        offset += num_rows * width
+        parts.append([values[row * width : (row + 1) * width] for row in range(num_rows)])
+    if has_sampled:
+        return parts[0], parts[1] if len(parts) > 1 else []
+    return [], parts[0]

@@ -1,26 +1,26 @@
 """Turns the logits of each sampling row into one token: on the device, for the whole batch.
 
 Invariants: one device-to-host transfer per step (the sampled ids, with their
-logprobs when asked); a request with a seed draws from its own generator, so its
+logprobs and top alternatives when asked); a request with a seed draws from its own generator, so its
 tokens depend only on its seed, its logits and how many tokens it sampled before,
 never on what else shares the batch, on a preemption, or on which worker drew
 its earlier tokens. Every parameter the API accepts gives a token of the
 filtered distribution (a temperature that underflows float32 is the limit
 T -> 0, the argmax; a top_p that rounds to 0 keeps the top token; a top_k past
-the vocabulary keeps all); a row whose logits are not finite comes back
-`failed`, failing its request alone.
+the vocabulary keeps all; penalties and bias stay finite); a row whose logits
+are not finite, or that its grammar leaves no token, comes back `failed`,
+failing its request alone.
 
-    logits [rows, vocab] ──argmax──────────────────────────────────▶ greedy ids ─┐
-        │ random rows only (index_select)                                         ├─ where(greedy) ─▶ ids
-        └─ / temperature ─ top-k/top-p mask ─ softmax ─ / Exp(1) noise ─ argmax ──┘
-                                                         (seeded rows: their own generator)
+    logits ─ penalties, bias ─ grammar mask ─┬─argmax──────────────────────────────▶ greedy ids ─┐
+    [rows, vocab]  (logits_processors)        │ random rows only (index_select)                   ├─ ids
+                                              └─ / temperature ─ top-k/top-p ─ softmax ─ / Exp(1) ─ argmax ─┘
+    logits ─ log_softmax ─ gather(ids), topk(k) ─▶ logprobs (the model's own distribution)
+    packed [rows, 2 + 2k] float64 ─ .tolist() ─▶ SampledToken (the one transfer)
 
 Sampling is an exponential race: argmax_i(p_i / E_i) with E_i ~ Exp(1) picks
 token i with probability p_i, so a whole batch samples with a handful of
-kernels and no host round trip. Later per-row features slot in as batched steps
-over `SamplingBatch` tensors: logit bias and penalties adjust `logits` before
-the choice, grammar masks are a masked_fill, top logprobs one topk packed into
-the same transfer.
+kernels and no host round trip. Logprobs are reported under the unadjusted
+distribution (vLLM's default), so penalties, bias and grammars never change them.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from pdserve.engine.logits_processors import adjust_logits, needs_adjustment
 from pdserve.engine.schedule_types import SampledToken, ScheduledChunk
 
 
@@ -43,6 +44,7 @@ class SamplingBatch:
     top_p: Optional[torch.Tensor]  # [r, 1] float32 (inf when off)
     seeded: list[tuple[int, torch.Generator]]  # (index among the random rows, its generator)
     wants_logprobs: bool
+    num_top_logprobs: int = 0  # the most alternatives any row asked for
 
 
 @dataclass(slots=True)
@@ -56,7 +58,6 @@ class _SeededState:
 # already the argmax's one-hot (ties shared), which is the limit T -> 0.
 MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
 FAILED_TOKEN_ID = -1  # marks a row whose logits were not finite (see `SampledToken.failed`)
-
 
 def _top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """-inf outside each row's top-k and, within those, its top-p nucleus (always >= 1 token:
@@ -80,38 +81,53 @@ class Sampler:
         for request_id in request_ids:
             self._seeded.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:
-        """logits: float32 [len(chunks), vocab], row i belongs to chunks[i]."""
-        token_ids, logprobs = self.sample_on_device(logits, chunks)
-        if logprobs is None:
-            ids, values = token_ids.tolist(), [0.0] * len(chunks)
-        else:  # one transfer for both: ids are exact in float64
-            ids, values = torch.stack([token_ids.double(), logprobs.double()]).tolist()
-        return [SampledToken(chunk.request_id, int(token_id), value if chunk.sampling.logprobs else 0.0,
-                             failed=token_id == FAILED_TOKEN_ID)
-                for chunk, token_id, value in zip(chunks, ids, values)]
+    def sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
+               allowed: Optional[torch.Tensor] = None) -> list[SampledToken]:
+        """logits: float32 [len(chunks), vocab], row i belongs to chunks[i]; allowed: grammar mask or None."""
+        return unpack_sampled(self.sample_packed(logits, chunks, allowed).tolist(), chunks)
 
-    def sample_on_device(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]
-                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(token ids [rows] int64, logprobs [rows] or None) without waiting for the device."""
+    def sample_packed(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
+                      allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[rows, 1] (ids) or [rows, 2 + 2k] (ids, logprobs, k top ids, k top logprobs) float64 on the
+        device: ids are exact in float64, so one transfer carries everything."""
+        token_ids, logprobs, top = self.sample_on_device(logits, chunks, allowed)
+        if logprobs is None:
+            return token_ids.double().unsqueeze(1)
+        columns = [token_ids.double().unsqueeze(1), logprobs.double().unsqueeze(1)]
+        if top is not None:
+            columns += [top[0].double(), top[1].double()]
+        return torch.cat(columns, dim=1)
+
+    def sample_on_device(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
+                         allowed: Optional[torch.Tensor] = None
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[tuple[torch.Tensor, torch.Tensor]]]:
+        """(token ids [rows] int64, logprobs [rows] or None, (top ids, top logprobs) [rows, k] or None)
+        without waiting for the device."""
         batch = self.batch(chunks, logits.shape[-1])
-        token_ids = logits.argmax(dim=-1)
+        choosing = _choosing_logits(logits, chunks, allowed)
+        token_ids = choosing.argmax(dim=-1)
         if batch.random_rows is not None:
-            token_ids.index_copy_(0, batch.random_rows, self._draw(logits.index_select(0, batch.random_rows), batch))
-        logprobs = None
-        if batch.wants_logprobs:  # of the chosen token under the unscaled distribution
-            chosen = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
-            logprobs = chosen - logits.logsumexp(dim=-1)
-        # A row the model computed nan/inf logits for has no meaningful token: fail it alone.
-        token_ids = token_ids.masked_fill(~logits.isfinite().all(dim=-1), FAILED_TOKEN_ID)
-        return token_ids, logprobs
+            drawn = self._draw(choosing.index_select(0, batch.random_rows), batch)
+            token_ids.index_copy_(0, batch.random_rows, drawn)
+        # A row the model computed nan/inf logits for (or with no token left to choose) has no
+        # meaningful token: fail it alone.
+        failed = ~logits.isfinite().all(dim=-1) | (choosing.amax(dim=-1) == float("-inf"))
+        if not batch.wants_logprobs:
+            return token_ids.masked_fill(failed, FAILED_TOKEN_ID), None, None
+        log_probs = logits.log_softmax(dim=-1)  # of the model's own distribution
+        logprobs = log_probs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+        top = log_probs.topk(batch.num_top_logprobs, dim=-1) if batch.num_top_logprobs else None
+        token_ids = token_ids.masked_fill(failed, FAILED_TOKEN_ID)
+        return token_ids, logprobs, (top.indices, top.values) if top is not None else None
 
     def batch(self, chunks: Sequence[ScheduledChunk], vocab_size: int) -> SamplingBatch:
         """Gather the rows' parameters into device tensors (asynchronous host-to-device copies)."""
         random = [(row, chunk) for row, chunk in enumerate(chunks) if not chunk.sampling.greedy]
         wants_logprobs = any(chunk.sampling.logprobs for chunk in chunks)
+        num_top = min(vocab_size, max((chunk.sampling.top_logprobs for chunk in chunks if chunk.sampling.logprobs),
+                                      default=0))
         if not random:
-            return SamplingBatch(None, None, None, None, [], wants_logprobs)
+            return SamplingBatch(None, None, None, None, [], wants_logprobs, num_top)
         params = [chunk.sampling for _, chunk in random]
         filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
         seeded = [(index, self._generator(chunk, vocab_size)) for index, (_, chunk) in enumerate(random)
@@ -123,7 +139,7 @@ class Sampler:
                                   torch.int64) if filtered else None,
             top_p=self._on_device([[p.top_p if p.top_p < 1.0 else float("inf")] for p in params], torch.float32)
             if filtered else None,
-            seeded=seeded, wants_logprobs=wants_logprobs,
+            seeded=seeded, wants_logprobs=wants_logprobs, num_top_logprobs=num_top,
         )
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -157,3 +173,29 @@ class Sampler:
 
     def _on_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+
+def _choosing_logits(logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
+                     allowed: Optional[torch.Tensor]) -> torch.Tensor:
+    """The logits a token is chosen from: penalties, bias and min_tokens applied, then the grammar mask
+    (min_tokens never hides the EOS a grammar row may need: see `ScheduledChunk.suppressed_stop_ids`)."""
+    adjusted = adjust_logits(logits, chunks) if needs_adjustment(chunks) else logits
+    return adjusted if allowed is None else adjusted.masked_fill(~allowed, float("-inf"))
+
+
+def unpack_sampled(rows: list[list[float]], chunks: Sequence[ScheduledChunk]) -> list[SampledToken]:
+    """The host side of `sample_packed`: one `SampledToken` per row, alternatives trimmed to what each asked."""
+    sampled = []
+    for chunk, values in zip(chunks, rows):
+        token_id = int(values[0])
+        if token_id == FAILED_TOKEN_ID:
+            sampled.append(SampledToken(chunk.request_id, token_id, 0.0, failed=True))
+            continue
+        if not chunk.sampling.logprobs or len(values) == 1:
+            sampled.append(SampledToken(chunk.request_id, token_id, 0.0))
+            continue
+        num_top = (len(values) - 2) // 2
+        wanted = chunk.sampling.top_logprobs
+        top = tuple((int(values[2 + i]), values[2 + num_top + i]) for i in range(min(wanted, num_top)))
+        sampled.append(SampledToken(chunk.request_id, token_id, values[1], top))
+    return sampled

@@ -7,8 +7,9 @@ answers with one `SampledToken` per chunk that asked for a sample. Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
-from pdserve.request import SamplingParams
+from pdserve.request import SamplingParams, TopLogprobs
 
 
 @dataclass(slots=True)
@@ -28,6 +29,22 @@ class ScheduledChunk:
     sampling: SamplingParams
     num_sampled_so_far: int = 0  # output tokens already produced (seeds stay reproducible)
     num_prompt_tokens: int = 0
+    # The request's own token lists (not copies; read during the step only): penalties,
+    # grammar replays and prompt logprobs need the history, not just this chunk.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    eos_token_ids: Sequence[int] = ()  # the model's; min_tokens keeps them (and stop_token_ids) from being drawn
+
+    @property
+    def suppressed_stop_ids(self) -> tuple[int, ...]:
+        """Token ids that may not be drawn yet: while fewer than `min_tokens` tokens are out, EOS (unless
+        ignored) and the stop token ids (vLLM). Rows under a grammar are left to the grammar, which
+        allows EOS only where the answer is complete."""
+        sampling = self.sampling
+        if self.num_sampled_so_far >= sampling.min_tokens or sampling.grammar is not None:
+            return ()
+        eos = () if sampling.ignore_eos else tuple(self.eos_token_ids)
+        return tuple(sampling.stop_token_ids) + eos
 
     @property
     def num_prompt_tokens_computed(self) -> int:
@@ -63,4 +80,26 @@ class SampledToken:
     request_id: str
     token_id: int
     logprob: float
+    top_logprobs: TopLogprobs = ()  # the most likely alternatives, when asked
     failed: bool = False  # no token could be drawn for this row (its logits were not finite)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Logprobs of the prompt tokens at positions first_position, first_position + 1, ... (one chunk's worth)."""
+
+    request_id: str
+    first_position: int  # >= 1: token 0 has no logprob
+    entries: tuple[TopLogprobs, ...]  # each: (the prompt token, its logprob) first, then alternatives
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the runner answers for one `SchedulerOutput`."""
+
+    sampled: list[SampledToken] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+
+    def extend(self, other: "StepResult") -> None:
+        self.sampled.extend(other.sampled)
+        self.prompt_logprobs.extend(other.prompt_logprobs)

@@ -18,11 +18,12 @@ import time
 from typing import Callable, Iterable, Optional
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.schedule_types import SampledToken, ScheduledChunk, SchedulerOutput
+from pdserve.engine.schedule_types import PromptLogprobs, SampledToken, ScheduledChunk, SchedulerOutput
 from pdserve.engine.stop_rules import check_stop
 from pdserve.errors import EngineFailure, PdserveError, RequestFailed
 from pdserve.kv.hashing import hash_full_blocks
 from pdserve.kv.manager import KVCacheManager
+from pdserve.kv.prefix import PrefixHit
 from pdserve.pd.connector import FREE_NOW, AdmissionKind, KVConnector, KVEvents, NoConnector
 from pdserve.request import FinishReason, Request, RequestStatus
 
@@ -259,7 +260,7 @@ class Scheduler:
             if admission.kind is AdmissionKind.REMOTE:
                 return self._admit_remote(request)
             request.remote = None  # given up: the prompt is computed here
-        prefix = self.kv.find_prefix(request.block_hashes, request.num_tokens)
+        prefix = self._prefix_for(request)
         num_new = self._allocate_fitting(request, prefix.num_tokens, min(request.num_tokens - prefix.num_tokens, budget), prefix)
         if not num_new:
             return None
@@ -270,6 +271,12 @@ class Scheduler:
         self._start_running(request, prefix.num_tokens)
         output.chunks.append(self._chunk(request, num_new))
         return num_new
+
+    def _prefix_for(self, request: Request) -> PrefixHit:
+        # A cached position yields no logits: a request that wants its prompt's logprobs computes it all.
+        if request.sampling.prompt_logprobs is not None and len(request.prompt_logprobs) < request.num_prompt_tokens - 1:
+            return PrefixHit.empty(self.kv.num_groups)
+        return self.kv.find_prefix(request.block_hashes, request.num_tokens)
 
     def _admit_remote(self, request: Request) -> Optional[int]:
         """Allocate the whole prompt, then let the connector pull what the prefix cache lacks.
@@ -306,16 +313,25 @@ class Scheduler:
             sampling=request.sampling,
             num_sampled_so_far=len(request.output_token_ids),
             num_prompt_tokens=request.num_prompt_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
         )
 
     # ---- results -------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: Iterable[SampledToken]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish what must stop.
+    def update(self, output: SchedulerOutput, sampled: Iterable[SampledToken],
+               prompt_logprobs: Iterable[PromptLogprobs] = ()) -> list[Request]:
+        """Advance computed counts, append sampled tokens (and prompt logprobs), finish what must stop.
 
         Returns the requests that got a new token or finished, in chunk order.
         """
         by_id = {token.request_id: token for token in sampled}
+        for computed in prompt_logprobs:
+            request = self.requests.get(computed.request_id)
+            # Positions arrive in order; a recompute after preemption repeats ones already kept.
+            if request is not None and computed.first_position == len(request.prompt_logprobs) + 1:
+                request.prompt_logprobs.extend(computed.entries)
         changed: list[Request] = []
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)

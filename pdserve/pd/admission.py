@@ -66,7 +66,9 @@ class PrefillAdmission:
             if not self.has_room_to_pin(num_blocks):
                 raise KVPinnedFull(f"this prefill worker holds as many blocks for decode workers as it may "
                                    f"({num_blocks} more needed): retry later or elsewhere")
-        sampling = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=0)
+        # Its one token is thrown away: skip what only shapes the answer (the decode worker applies it).
+        sampling = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=0, grammar=None, logprobs=False,
+                                       top_logprobs=0, prompt_logprobs=None)
         return dataclasses.replace(request, kv_params=None, remote_decode=True, sampling=sampling)
 
 

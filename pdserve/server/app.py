@@ -16,6 +16,7 @@ from pdserve.server.context import ServingContext
 from pdserve.server.errors import install_error_handlers
 from pdserve.server.openai_routes import build_openai_router
 from pdserve.server.ops_routes import build_ops_router
+from pdserve.server.tokenize_routes import build_tokenize_router
 
 if TYPE_CHECKING:
     from pdserve.engine.api import EngineClient
@@ -37,6 +38,7 @@ def create_app(
     app.state.serving = ctx
     install_error_handlers(app, metrics.request)
     app.include_router(build_openai_router(ctx))
+    app.include_router(build_tokenize_router(ctx))
     app.include_router(build_ops_router(ctx))
     for router in extra_routers:
         app.include_router(router)

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from pdserve.errors import EngineFailure, PdserveError
 from pdserve.pd.params import RemotePrefillParams
 from pdserve.protocol import PromptTokensDetails, UsageInfo
-from pdserve.request import FinishReason, GenerationRequest, RequestOutput
+from pdserve.request import FinishReason, GenerationRequest, RequestOutput, TopLogprobs
 from pdserve.server.context import ServingContext
 from pdserve.server.errors import ClientDisconnected, RequestAbortedByEngine
 
@@ -119,6 +119,8 @@ class GenerationResult:
     text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: Optional[tuple[Optional[TopLogprobs], ...]] = None
     finish_reason: Optional[FinishReason] = None
     num_cached_tokens: int = 0
     kv_transfer_params: Optional[RemotePrefillParams] = None
@@ -131,6 +133,9 @@ class GenerationResult:
         self.text_parts.append(output.new_text)
         self.token_ids.extend(output.new_token_ids)
         self.logprobs.extend(output.new_logprobs)
+        self.top_logprobs.extend(output.new_top_logprobs)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if output.finished:
             self.finish_reason = output.finish_reason
@@ -144,13 +149,6 @@ def usage_info(num_prompt_tokens: int, num_completion_tokens: int, num_cached_to
         total_tokens=num_prompt_tokens + num_completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
     )
-
-
-async def collect(stream: GenerationStream) -> GenerationResult:
-    result = GenerationResult(num_prompt_tokens=len(stream.request.prompt_token_ids))
-    async for output in stream:
-        result.add(output)
-    return result
 
 
 async def _wait_for_disconnect(request: Request) -> None:

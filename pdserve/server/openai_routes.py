@@ -1,9 +1,10 @@
 """OpenAI-compatible routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`.
 
-Both generation routes share `_serve`: parse, check, tokenize, then answer as
-one JSON body or as an SSE stream. Until a `GenerationStream` exists the route
-owns the request id; from then on the stream does, and closing it is the only
-cleanup (abort if unfinished, metrics, id release).
+Both generation routes share `_serve`: parse, check, tokenize, fan out into
+choices (pdserve/server/choices.py), then answer as one JSON body or as an SSE
+stream. Until a `ChoiceStreams` exists the route owns the request id; from
+then on it does, and closing it is the only cleanup (abort unfinished
+choices, metrics, id release).
 """
 
 from __future__ import annotations
@@ -20,18 +21,20 @@ from pdserve.config import LimitsConfig
 from pdserve.errors import EngineOverloaded
 from pdserve.http_bounds import read_body
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIRequest
-from pdserve.request import GenerationRequest
+from pdserve.server.chat_formatting import ChatFormat, ToolMode
+from pdserve.server.choices import ChoiceStreams, plan_choices
 from pdserve.server.context import REQUEST_ID_HEADER, ServingContext
 from pdserve.server.errors import check_internal_token
-from pdserve.server.formatting import ChatFormat, CompletionFormat, ResponseFormat
-from pdserve.server.generation import GenerationStream, collect, run_until_disconnected
-from pdserve.server.preprocess import check_model, ensure_ready, prepare_chat, prepare_completion
+from pdserve.server.formatting import CompletionFormat, ResponseFormat, results_usage
+from pdserve.server.generation import GenerationResult, run_until_disconnected
+from pdserve.server.preprocess import PreparedRequest, check_model, ensure_ready, prepare_chat, prepare_completion
 from pdserve.server.streaming import EventStreamResponse, sse_events
+from pdserve.tools.parsers import parser_for_template
 from pdserve.validation import parse_request
 
-BodyT = TypeVar("BodyT", bound=OpenAIRequest)
-Preparer = Callable[[Any, Any, str], Awaitable[GenerationRequest]]
-FormatFactory = Callable[[ServingContext, Any, str], ResponseFormat]
+BodyT = TypeVar("BodyT", bound=BaseModel)
+Preparer = Callable[[Any, Any], Awaitable[PreparedRequest]]
+FormatFactory = Callable[[ServingContext, Any, str, PreparedRequest], ResponseFormat]
 
 
 def parse_body(schema: type[BodyT], raw_body: bytes, limits: LimitsConfig = LimitsConfig()) -> BodyT:
@@ -43,18 +46,38 @@ def json_response(body: BaseModel, headers: dict[str, str] | None = None, status
     return Response(body.model_dump_json(), status_code=status_code, media_type="application/json", headers=headers)
 
 
-def _completion_format(ctx: ServingContext, body: CompletionRequest, request_id: str) -> ResponseFormat:
+def _completion_format(ctx: ServingContext, body: CompletionRequest, request_id: str,
+                       prepared: PreparedRequest) -> ResponseFormat:
+    prompts = body.prompt_inputs()
+    texts = tuple(p if isinstance(p, str) else ctx.engine.tokenizer.decode(list(p)) for p in prompts) \
+        if body.echo else ()
     return CompletionFormat(
         response_id=f"cmpl-{request_id}", model=ctx.engine.model_name, created=int(time.time()),
-        tokenizer=ctx.engine.tokenizer, with_logprobs=body.wants_logprobs,
+        tokenizer=ctx.engine.tokenizer, with_logprobs=body.wants_logprobs, num_top_logprobs=body.top_logprobs_count,
+        echo=bool(body.echo), prompts=prepared.prompts, prompt_texts=texts, num_choices=prepared.num_choices,
     )
 
 
-def _chat_format(ctx: ServingContext, body: ChatCompletionRequest, request_id: str) -> ResponseFormat:
+def _chat_format(ctx: ServingContext, body: ChatCompletionRequest, request_id: str,
+                 prepared: PreparedRequest) -> ResponseFormat:
+    mode = body.tool_choice_mode
+    tools = ToolMode(
+        kind=mode,
+        function_name=body.tool_choice.function.name if mode == "named" else "",  # type: ignore[union-attr]
+        parser=parser_for_template(getattr(ctx.engine.tokenizer, "chat_template", None)) if mode == "auto" else None,
+    )
     return ChatFormat(
         response_id=f"chatcmpl-{request_id}", model=ctx.engine.model_name, created=int(time.time()),
-        tokenizer=ctx.engine.tokenizer, with_logprobs=body.wants_logprobs,
+        tokenizer=ctx.engine.tokenizer, with_logprobs=body.wants_logprobs, num_top_logprobs=body.top_logprobs_count,
+        num_choices=prepared.num_choices, tools=tools,
     )
+
+
+async def _collect(streams: ChoiceStreams) -> list[GenerationResult]:
+    results = [GenerationResult(num_prompt_tokens=len(c.request.prompt_token_ids)) for c in streams.choices]
+    async for index, output in streams:
+        results[index].add(output)
+    return results
 
 
 async def _serve(
@@ -67,7 +90,7 @@ async def _serve(
     arrival_s = time.monotonic()
     request_id = ctx.request_ids.reserve(raw.headers.get(REQUEST_ID_HEADER))
     raw.state.request_id = request_id  # lets the error handlers echo it
-    stream: GenerationStream | None = None
+    streams: ChoiceStreams | None = None
     holds_stream_slot = False
     handed_off = False
     try:
@@ -79,26 +102,27 @@ async def _serve(
         check_model(ctx.engine, body.model)
         if body.stream:
             holds_stream_slot = _take_stream_slot(ctx)
-        generation_request = await prepare(ctx.engine, body, request_id)
-        response_format = make_format(ctx, body, request_id)
-        stream = GenerationStream(ctx, generation_request, arrival_s)
+        prepared = await prepare(ctx.engine, body)
+        response_format = make_format(ctx, body, request_id, prepared)
+        streams = ChoiceStreams(ctx, plan_choices(prepared, request_id, ctx.request_ids), arrival_s)
         headers = {REQUEST_ID_HEADER: request_id}
         if body.stream:
             # Wait for the first output before sending headers, so that a request
             # the engine refuses (overloaded, bad kv_transfer_params) still gets
             # its proper HTTP status instead of a 200 with an error event.
-            first = await run_until_disconnected(raw, stream.__anext__())
-            events = sse_events(stream, first, response_format, body.include_usage, ctx.metrics.request)
+            first = await run_until_disconnected(raw, streams.__anext__())
+            events = sse_events(streams, first, response_format, body.include_usage, ctx.metrics.request)
             handed_off = True
-            return EventStreamResponse(events, on_close=_StreamCloser(ctx, stream), headers=headers)
-        result = await run_until_disconnected(raw, collect(stream))
-        return json_response(response_format.final_response(result), headers)
+            return EventStreamResponse(events, on_close=_StreamCloser(ctx, streams), headers=headers)
+        results = await run_until_disconnected(raw, _collect(streams))
+        usage = results_usage(results, [len(p) for p in prepared.prompts], prepared.num_choices)
+        return json_response(response_format.final_response(results, usage), headers)
     finally:
         if not handed_off:
             if holds_stream_slot:
                 ctx.num_open_streams -= 1
-            if stream is not None:
-                await stream.aclose()
+            if streams is not None:
+                await streams.aclose()
             else:
                 ctx.request_ids.release(request_id)
 
@@ -117,14 +141,14 @@ class _StreamCloser:
     """Closes a streamed answer's engine stream and gives its slot back (the slot once, however often called)."""
 
     ctx: ServingContext
-    stream: GenerationStream
+    streams: ChoiceStreams
     holds_slot: bool = True
 
     async def __call__(self) -> None:
         if self.holds_slot:
             self.holds_slot = False
             self.ctx.num_open_streams -= 1
-        await self.stream.aclose()
+        await self.streams.aclose()
 
 
 def build_openai_router(ctx: ServingContext) -> APIRouter:

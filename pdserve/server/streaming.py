@@ -2,8 +2,8 @@
 an optional usage chunk, then `data: [DONE]`.
 
 Invariant: however the stream ends (finished, engine error, client gone, or
-never started at all), the request's `GenerationStream` is closed exactly once,
-so the engine request is aborted and the request id freed.
+never started at all), the request's `ChoiceStreams` is closed exactly once,
+so every unfinished engine request is aborted and every request id freed.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from pdserve.errors import PdserveError
 from pdserve.metrics import RequestMetrics
 from pdserve.request import RequestOutput
 from pdserve.server.errors import body_for_exception
+from pdserve.server.choices import ChoiceStreams
 from pdserve.server.formatting import ResponseFormat
-from pdserve.server.generation import GenerationStream, usage_info
+from pdserve.server.generation import usage_info
 
 logger = logging.getLogger(__name__)
 
@@ -69,35 +70,38 @@ class EventStreamResponse(StreamingResponse):
 
 
 async def sse_events(
-    stream: GenerationStream,
-    first: RequestOutput,
+    streams: ChoiceStreams,
+    first: tuple[int, RequestOutput],
     response_format: ResponseFormat,
     include_usage: bool,
     metrics: RequestMetrics,
 ) -> AsyncIterator[bytes]:
-    """Events of one request, starting from its already-received first output."""
+    """Events of one request (every choice), starting from its already-received first output."""
     num_completion_tokens = 0
-    num_cached_tokens = 0
+    num_cached_tokens: dict[int, int] = {}  # per prompt, its leader's
     try:
         for chunk in response_format.opening_chunks():
             yield sse_event(chunk)
-        output = first
-        while True:
+        item: Optional[tuple[int, RequestOutput]] = first
+        while item is not None:
+            index, output = item
             num_completion_tokens += len(output.new_token_ids)
-            num_cached_tokens = max(num_cached_tokens, output.num_cached_tokens)
-            for chunk in response_format.output_chunks(output):
+            choice = streams.choices[index]
+            if choice.leader is None:
+                num_cached_tokens[choice.prompt_index] = output.num_cached_tokens
+            for chunk in response_format.output_chunks(index, output):
                 yield sse_event(chunk)
-            if output.finished:
-                break
-            output = await stream.__anext__()
+            item = await anext(streams, None)
         if include_usage:
-            usage = usage_info(len(stream.request.prompt_token_ids), num_completion_tokens, num_cached_tokens)
+            num_prompt_tokens = sum(len(c.request.prompt_token_ids) for c in streams.choices if c.leader is None)
+            usage = usage_info(num_prompt_tokens, num_completion_tokens, sum(num_cached_tokens.values()))
             yield sse_event(response_format.usage_chunk(usage))
     except PdserveError as exc:
         # Headers are gone already: the error travels as an event the OpenAI client raises on.
-        logger.warning("request %s failed mid-stream (%d): %s", stream.request.request_id, exc.status_code, exc.message)
+        request_id = streams.choices[0].request.request_id
+        logger.warning("request %s failed mid-stream (%d): %s", request_id, exc.status_code, exc.message)
         metrics.count_error(exc.status_code)
         yield sse_event(body_for_exception(exc))
     finally:
-        await stream.aclose()
+        await streams.aclose()
     yield DONE_EVENT

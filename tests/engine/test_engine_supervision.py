@@ -55,7 +55,7 @@ def assert_only_the_bad_request_failed(built, clean: Collected, good: Collected,
 def test_a_sampler_fault_for_one_request_fails_only_that_request(engine, monkeypatch):
     clean = generate(engine, [PROMPT], greedy(8), prefix="clean")[0]
     sampler = engine.runner.sampler
-    original = sampler.sample
+    original = sampler.sample_packed
 
     def faulty(*args, **kwargs):
         chunks = [item for arg in args if isinstance(arg, list) for item in arg if isinstance(item, ScheduledChunk)]
@@ -63,7 +63,7 @@ def test_a_sampler_fault_for_one_request_fails_only_that_request(engine, monkeyp
             raise RuntimeError("injected sampler fault")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(sampler, "sample", faulty)
+    monkeypatch.setattr(sampler, "sample_packed", faulty)
     for request_id in ("good-s", "bad-s"):
         engine.engine.request_ids.reserve(request_id)
     good, bad = run_pair(engine, "good-s", "bad-s")
@@ -77,12 +77,12 @@ def test_invalid_logits_in_one_row_fail_only_that_request_in_one_pass(engine, mo
     original = sampler.sample_on_device
     batch_sizes = []
 
-    def poisoned(logits, chunks):
+    def poisoned(logits, chunks, allowed=None):
         batch_sizes.append(len(chunks))
         for row, chunk in enumerate(chunks):
             if chunk.request_id.startswith("bad") and chunk.num_sampled_so_far == 2:
                 logits[row, 0] = float("nan")
-        return original(logits, chunks)
+        return original(logits, chunks, allowed)
 
     monkeypatch.setattr(sampler, "sample_on_device", poisoned)
     for request_id in ("good-n", "bad-n"):

@@ -45,12 +45,16 @@ VALID_FIELDS: dict[str, st.SearchStrategy] = {
     "stop_token_ids": st.lists(st.integers(0, QWEN_VOCAB - 1), max_size=64),
     "ignore_eos": st.booleans(),
     "min_tokens": st.integers(0, 2),
-    "n": st.just(1),
+    "n": st.integers(1, 2),
     "user": st.text(max_size=10),
-    "presence_penalty": st.just(0.0),
+    "presence_penalty": st.floats(-2.0, 2.0),
+    "frequency_penalty": st.floats(-2.0, 2.0),
+    "repetition_penalty": st.floats(0.0, 10.0, exclude_min=True),
+    "logit_bias": st.dictionaries(st.integers(0, QWEN_VOCAB - 1).map(str), st.floats(-100.0, 100.0), max_size=4),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
 }
-COMPLETION_FIELDS = {**VALID_FIELDS, "logprobs": st.sampled_from([0, None])}
-CHAT_FIELDS = {**VALID_FIELDS, "logprobs": st.booleans(), "top_logprobs": st.just(0)}
+COMPLETION_FIELDS = {**VALID_FIELDS, "logprobs": st.one_of(st.none(), st.integers(0, 5)), "echo": st.booleans()}
+CHAT_FIELDS = {**VALID_FIELDS, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)}
 MUTABLE = [*VALID_FIELDS, "stream", "stream_options", "logprobs", "model", "max_completion_tokens", "logit_bias",
            "tools", "response_format", "echo", "best_of", "suffix", "x_unknown_field"]
 
@@ -71,8 +75,8 @@ def mutated(body: st.SearchStrategy) -> st.SearchStrategy:
 
 
 completion_valid = with_streaming(st.fixed_dictionaries(
-    {"prompt": st.one_of(prompt_text, token_ids, st.lists(token_ids, min_size=1, max_size=1),
-                         st.lists(prompt_text, min_size=1, max_size=1))},
+    {"prompt": st.one_of(prompt_text, token_ids, st.lists(token_ids, min_size=1, max_size=2),
+                         st.lists(prompt_text, min_size=1, max_size=2))},
     optional=COMPLETION_FIELDS))
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant"]),

@@ -139,7 +139,7 @@ def test_sampling_on_cuda_never_waits_for_the_device():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        token_ids, logprobs = sampler.sample_on_device(logits, chunks)
+        token_ids, logprobs, _ = sampler.sample_on_device(logits, chunks)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert token_ids.shape == (9,) and logprobs.shape == (9,)

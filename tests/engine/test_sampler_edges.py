@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.engine.logits_processors import adjust_logits
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.request import SamplingParams
@@ -55,6 +56,20 @@ def test_any_seed_the_api_allows_draws_reproducibly(seed):
     assert first == again and 0 <= first < VOCAB
 
 
+def test_a_row_its_grammar_leaves_no_token_fails_alone_and_keeps_the_others_logprobs():
+    logits = logits_for(3, 9)
+    allowed = torch.ones(3, VOCAB, dtype=torch.bool)
+    allowed[1] = False  # a grammar that allows nothing
+    allowed[2, :5] = False
+    chunks = [chunk("free", temperature=0, logprobs=True, top_logprobs=2), chunk("dead", temperature=0.8),
+              chunk("masked", temperature=0, logprobs=True)]
+    sampled = Sampler(torch.device("cpu")).sample(logits, chunks, allowed)
+    assert [s.failed for s in sampled] == [False, True, False]
+    assert sampled[0].token_id == logits[0].argmax().item() and len(sampled[0].top_logprobs) == 2
+    assert sampled[2].token_id == 5 + logits[2, 5:].argmax().item()
+    assert sampled[2].logprob == pytest.approx(logits[2].log_softmax(-1)[sampled[2].token_id].item(), rel=1e-5)
+
+
 def test_a_row_with_non_finite_logits_fails_alone():
     logits = logits_for(4, 4)
     logits[1, 7] = float("nan")
@@ -73,6 +88,11 @@ params = st.fixed_dictionaries({
     "top_k": st.one_of(st.just(0), st.integers(min_value=1, max_value=2**80)),
     "seed": st.one_of(st.none(), st.integers(min_value=-(2**63), max_value=2**64 - 1)),
     "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 5),
+    "presence_penalty": st.floats(-2.0, 2.0),
+    "frequency_penalty": st.floats(-2.0, 2.0),
+    "repetition_penalty": st.floats(0.0, 10.0, exclude_min=True),
+    "logit_bias": st.lists(st.tuples(st.integers(0, VOCAB - 1), st.floats(-100.0, 100.0)), max_size=4).map(tuple),
 })
 
 
@@ -80,9 +100,11 @@ params = st.fixed_dictionaries({
 @given(rows=st.lists(params, min_size=1, max_size=6), logits_seed=st.integers(0, 2**16))
 def test_every_accepted_parameter_mix_gives_valid_tokens(rows, logits_seed):
     logits = logits_for(len(rows), logits_seed)
-    sampled = Sampler(torch.device("cpu")).sample(logits, [chunk(f"r{i}", **p) for i, p in enumerate(rows)])
+    chunks = [chunk(f"r{i}", **p) for i, p in enumerate(rows)]
+    sampled = Sampler(torch.device("cpu")).sample(logits, chunks)
+    chosen_from = adjust_logits(logits, chunks)  # penalties and bias, as the sampler applies them
     for row, (token, p) in enumerate(zip(sampled, rows)):
         assert not token.failed and 0 <= token.token_id < VOCAB
         assert torch.isfinite(torch.tensor(token.logprob))
         if p["temperature"] < 1e-30:  # at or under the float32 floor the distribution is the argmax's
-            assert token.token_id == logits[row].argmax().item()
+            assert token.token_id == chosen_from[row].argmax().item()

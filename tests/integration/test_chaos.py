@@ -65,9 +65,10 @@ GOOD = [
     # A client's own kv_transfer_params are dropped by the proxy: the request is served as any other.
     Call("client-kv-params", COMPLETIONS, completion("The capital of France is", kv_transfer_params={
         "do_remote_prefill": True, "remote_host": "169.254.169.254", "remote_port": 80})),
+    Call("n-2", COMPLETIONS, completion("The capital of France is", n=2)),  # greedy: both choices alike
 ]
 SAME_AS = {"temperature-1e-300": "completion", "top-p-1e-300": "chat", "id-240": "completion",
-           "client-kv-params": "completion"}
+           "client-kv-params": "completion", "n-2": "completion"}
 DEEP = b'{"model": "x", "prompt": "hi", "user": ' + b"[" * 20000 + b"]" * 20000 + b"}"
 HOSTILE = [
     Call("id-256", COMPLETIONS, completion("hi"), {"X-Request-Id": "x" * 256}, 400),
@@ -84,7 +85,14 @@ HOSTILE = [
     Call("not-json", COMPLETIONS, b"{not json", expect=400),
     Call("nan", COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}', expect=400),
     Call("scalar-body", CHAT, b"17", expect=400),
-    Call("n-2", COMPLETIONS, completion("hi", n=2), expect=400),
+    # Issue 11's fields under issue 9's bounds: n past OpenAI's 128, more answers or prompts than a
+    # worker takes, oversized logit_bias and constraints, a constraint decode would refuse.
+    Call("n-200", COMPLETIONS, completion("hi", n=200), expect=400),
+    Call("too-many-answers", COMPLETIONS, completion(["a", "b", "c"], n=100), expect=400),
+    Call("too-many-prompts", COMPLETIONS, completion(["a"] * 300), expect=400),
+    Call("huge-logit-bias", COMPLETIONS, completion("hi", logit_bias={str(i): 1 for i in range(2000)}), expect=400),
+    Call("huge-constraint", CHAT, chat("hi", guided_regex="a" * 70_000), expect=400),
+    Call("tool-choice-without-tools", CHAT, chat("hi", tool_choice="required"), expect=400),
     Call("unknown-model", COMPLETIONS, {**completion("hi"), "model": "gpt-9"}, expect=404),
     Call("token-out-of-vocab", COMPLETIONS, completion([1, 2, 10**9]), expect=400),
     Call("context-too-long", COMPLETIONS, completion("word " * 7000), expect=400),
@@ -247,7 +255,8 @@ def test_a_vanishing_temperature_is_served_and_never_opens_the_breaker(cluster, 
 def test_what_decode_would_refuse_never_pins_prefill_blocks(cluster, baseline):
     prefill, proxy = cluster["prefill"], cluster["proxy"]
     finished_before = prefill.metric("pdserve_request_finished_total")
-    for call in HOSTILE[1:5]:
+    refused_by_validation = ("tool-choice-without-tools", "too-many-answers")  # issue 11's, caught up front too
+    for call in [*HOSTILE[1:5], *(call for call in HOSTILE if call.name in refused_by_validation)]:
         assert httpx.post(proxy.url + call.path, json=call.body, timeout=30).status_code == 400
     assert prefill.metric("pdserve_request_finished_total") == finished_before, "the prefill worker computed them"
     # What only the decode worker can tell (its context is shorter) is released at once, not at lease end.

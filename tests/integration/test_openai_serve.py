@@ -7,6 +7,7 @@ import httpx
 import openai
 import pytest
 
+from tests.integration.openai_features import CHECKS
 from tests.integration.cluster import Worker, free_port, start_workers, wait_for
 
 pytestmark = pytest.mark.slow
@@ -84,3 +85,8 @@ def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server):
     load = httpx.get(server.url + "/load", timeout=5).json()
     assert load["kv_usage"] == 0.0
     assert server.metric("pdserve_request_finished_total") >= 1
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__.removeprefix("check_"))
+def test_openai_client_feature(client, server, check):
+    check(client, server.url)

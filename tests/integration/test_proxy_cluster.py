@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from tests.integration.openai_features import CHECKS
 from tests.integration.cluster import REPO_ROOT, free_port, wait_for
 
 pytestmark = pytest.mark.slow
@@ -156,6 +157,12 @@ def test_client_kv_transfer_params_are_dropped_not_forwarded(up):
     assert httpx.post(up.url("decode") + "/v1/completions", json=body, timeout=120).status_code == 401
 
 
+@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__.removeprefix("check_"))
+def test_openai_client_feature(client, up, check):
+    check(client, up.url("proxy"))
+
+
+# Last: it stops the module's cluster.
 def test_ctrl_c_stops_all_three_processes(up):
     pids = up.child_pids()
     assert set(pids) == {"prefill", "decode", "proxy"}

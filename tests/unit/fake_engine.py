@@ -42,7 +42,7 @@ class FakeTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i - _BYTE_OFFSET for i in ids if i >= _BYTE_OFFSET).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> str:
         if any(m["role"] == "assistant" and m["content"] == "RAISE" for m in messages):
             raise ValueError("conversation roles must alternate")  # like a strict Jinja template
         text = "<s>" + "".join(f"<{m['role']}>{m['content']}\n" for m in messages)

@@ -14,7 +14,7 @@ from pdserve.config import SchedulerConfig
 from pdserve.engine.emitter import OutputEmitter
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.outputs import OutputProcessor
-from pdserve.engine.schedule_types import SampledToken, SchedulerOutput
+from pdserve.engine.schedule_types import SampledToken, SchedulerOutput, StepResult
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
 from pdserve.kv.manager import KVCacheManager
@@ -44,11 +44,11 @@ class RecordingRunner:
         self.fail_execute = fail_execute
         self.fail_sync = fail_sync
 
-    def execute(self, step: SchedulerOutput) -> list[SampledToken]:
+    def execute(self, step: SchedulerOutput) -> StepResult:
         self.events.append("execute")
         if self.fail_execute:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return [SampledToken(chunk.request_id, 7, 0.0) for chunk in step.chunks if chunk.sample]
+        return StepResult([SampledToken(chunk.request_id, 7, 0.0) for chunk in step.chunks if chunk.sample])
 
     def synchronize(self) -> None:
         self.events.append("synchronize")

@@ -44,6 +44,8 @@ CHAT_BODIES = [
     *({"messages": [SYSTEM, *CONVERSATION[:n]]} for n in (3, 5)),  # a conversation growing turn by turn
     {"messages": [{"role": "developer", "content": "Be terse."}, *CONVERSATION[:1]], "stream": True},
     {"messages": [SYSTEM, *CONVERSATION[:2]], "add_generation_prompt": False},
+    {"messages": CONVERSATION[:1], "tools": [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]},
 ]
 COMPLETION_BODIES = [
     {"prompt": "The quick brown fox jumps over the lazy dog. " * 3},
@@ -84,11 +86,11 @@ async def worker_hashes(worker: WorkerSide, kv: KVCacheManager, path: str, body:
     import json
 
     if path.endswith("/chat/completions"):
-        generation = await prepare_chat(worker, parse_body(ChatCompletionRequest, json.dumps(body).encode()), "r")
+        prepared = await prepare_chat(worker, parse_body(ChatCompletionRequest, json.dumps(body).encode()))
     else:
-        generation = await prepare_completion(worker, parse_body(CompletionRequest, json.dumps(body).encode()), "r")
+        prepared = await prepare_completion(worker, parse_body(CompletionRequest, json.dumps(body).encode()))
     scheduler = Scheduler(SchedulerConfig(), kv, BLOCK, worker.max_model_len)
-    request = Request("r", list(generation.prompt_token_ids), SamplingParams(max_tokens=1), (), time.monotonic())
+    request = Request("r", list(prepared.prompts[0]), SamplingParams(max_tokens=1), (), time.monotonic())
     scheduler.add_request(request)
     return request.num_prompt_tokens, request.block_hashes
 
@@ -118,6 +120,15 @@ async def test_a_request_the_worker_would_reject_has_no_blocks(tokenizer):
     kv = KVCacheManager(plan_groups([FullAttentionSpec()]), 16, BLOCK)
     hasher = proxy_hasher(worker, kv)
     for path, body in [("/v1/chat/completions", {"messages": []}), ("/v1/completions", {"prompt": ""}),
-                       ("/v1/completions", {"prompt": ["a", "b"]}), ("/v1/chat/completions", {"messages": "hi"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]})]:
+                       ("/v1/completions", {"prompt": ["a", ""]}), ("/v1/chat/completions", {"messages": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]})]:
         assert await hasher.prompt_blocks(path, body) is None
+
+
+async def test_a_batch_of_prompts_is_routed_by_its_first_prompt(tokenizer):
+    worker = WorkerSide(tokenizer)
+    kv = KVCacheManager(plan_groups([FullAttentionSpec()]), 16, BLOCK)
+    hasher = proxy_hasher(worker, kv)
+    first = await hasher.prompt_blocks("/v1/completions", {"prompt": "the first prompt of the batch " * 4})
+    batch = await hasher.prompt_blocks("/v1/completions", {"prompt": ["the first prompt of the batch " * 4, "b"]})
+    assert batch is not None and batch == first

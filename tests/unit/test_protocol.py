@@ -97,17 +97,12 @@ def test_wrong_types_and_ranges_fail_validation_on_their_field(fields, param):
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"n": 2}, "n"),
-        ({"echo": True}, "echo"),
-        ({"logprobs": 1}, "logprobs"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": -1.0}, "frequency_penalty"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"x5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 101.0}}, "logit_bias"),
         ({"best_of": 3}, "best_of"),
         ({"suffix": "tail"}, "suffix"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"max_tokens": 3, "min_tokens": 4}, "min_tokens"),
-        ({"prompt": ["a", "b"]}, "prompt"),
     ],
 )
 def test_unsupported_completion_features_are_rejected(fields, param):
@@ -116,18 +111,48 @@ def test_unsupported_completion_features_are_rejected(fields, param):
     assert info.value.param == param
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ],
 )
-def test_unsupported_chat_features_are_rejected(fields, param):
+def test_unsupported_chat_combinations_are_rejected(fields, param):
     with pytest.raises(InvalidRequest) as info:
-        chat(**fields)
+        chat(**fields).output_constraint()
     assert info.value.param == param
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+    ],
+)
+def test_conflicting_or_malformed_completion_constraints_are_rejected(fields, param):
+    with pytest.raises(InvalidRequest) as info:
+        completion(**fields).output_constraint()
+    assert info.value.param == param
+
+
+def test_chat_constraints_name_their_source():
+    assert chat(tools=[TOOL], tool_choice="required").output_constraint().param == "tool_choice"
+    assert chat(tools=[TOOL], tool_choice="auto").output_constraint() is None
+    named = chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}}).output_constraint()
+    assert (named.kind, named.schema) == ("tool_call", {"type": "object"})
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    constraint = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert constraint.output_constraint().schema == schema
 
 
 def test_neutral_values_of_unsupported_features_are_accepted():
@@ -136,18 +161,31 @@ def test_neutral_values_of_unsupported_features_are_accepted():
     assert chat(tools=[], response_format={"type": "text"}, top_logprobs=0).tools == []
 
 
+def test_sampling_features_map_to_sampling_params():
+    request = completion(n=3, presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2,
+                         logit_bias={"5": 2.5}, logprobs=3, echo=True)
+    params = to_sampling_params(request, num_prompt_tokens=4, max_model_len=64)
+    assert request.num_choices == 3
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert params.logit_bias == ((5, 2.5),) and params.has_penalties
+    assert (params.logprobs, params.top_logprobs, params.prompt_logprobs) == (True, 3, 3)
+    chat_params = to_sampling_params(chat(logprobs=True, top_logprobs=4), num_prompt_tokens=4, max_model_len=64)
+    assert (chat_params.top_logprobs, chat_params.prompt_logprobs) == (4, None)
+
+
 @pytest.mark.parametrize(
     "prompt, expected",
-    [("abc", "abc"), (["abc"], "abc"), ([5, 6], [5, 6]), ([[5, 6]], [5, 6])],
+    [("abc", ["abc"]), (["abc"], ["abc"]), ([5, 6], [[5, 6]]), ([[5, 6]], [[5, 6]]),
+     (["a", "b"], ["a", "b"]), ([[5], [6, 7]], [[5], [6, 7]])],
 )
-def test_prompt_forms_resolve_to_one_prompt(prompt, expected):
-    assert completion(prompt=prompt).prompt_input() == expected
+def test_prompt_forms_resolve_to_a_list_of_prompts(prompt, expected):
+    assert completion(prompt=prompt).prompt_inputs() == expected
 
 
-@pytest.mark.parametrize("prompt", ["", [], [[]], [""]])
+@pytest.mark.parametrize("prompt", ["", [], [[]], [""], ["a", ""]])
 def test_empty_prompt_is_rejected(prompt):
     with pytest.raises(InvalidRequest, match="must not be empty"):
-        completion(prompt=prompt).prompt_input()
+        completion(prompt=prompt).prompt_inputs()
 
 
 def test_chat_requires_at_least_one_message():
@@ -159,7 +197,7 @@ def test_chat_requires_at_least_one_message():
 @pytest.mark.parametrize(
     "message",
     [
-        {"role": "tool", "content": "x"},
+        {"role": "function", "content": "x"},
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]},
         {"role": "user", "content": 5},
     ],

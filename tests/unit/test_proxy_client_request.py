@@ -101,3 +101,17 @@ def test_request_id_is_kept_when_valid_fresh_when_absent_and_refused_when_a_work
         with pytest.raises(RejectedRequest) as caught:
             choose_request_id(bad)
         assert caught.value.status_code == 400 and caught.value.param == "X-Request-Id"
+
+
+@pytest.mark.parametrize("body, local", [
+    ({"prompt": ["a", "b"]}, True),
+    ({"prompt": [[1, 2], [3]]}, True),
+    ({"prompt": ["a"]}, False),
+    ({"prompt": [1, 2, 3]}, False),
+    ({"prompt": "a", "echo": True, "logprobs": 0}, True),
+    ({"prompt": "a", "echo": True}, False),
+    ({"prompt": "a", "logprobs": 2, "n": 3}, False),
+])
+def test_batches_and_echoed_logprobs_are_computed_by_the_decode_worker(body, local):
+    request = parse_client_request("/v1/completions", json.dumps(body).encode(), "r", 4.0)
+    assert request.needs_local_prompt is local

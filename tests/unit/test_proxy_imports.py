@@ -30,6 +30,8 @@ BLOCKER = textwrap.dedent("""
 PROXY_PDSERVE_ALLOW_LIST = frozenset({
     "pdserve", "pdserve.config", "pdserve.config_cli", "pdserve.errors", "pdserve.request", "pdserve.protocol",
     "pdserve.validation", "pdserve.http_bounds",
+    # the wire schemas validation reads: output constraints and tools, /tokenize bodies (pydantic only)
+    "pdserve.structured_protocol", "pdserve.tokenize_protocol",
     # KV-aware routing: the hash chain, the prefix rule, the event wire format, the routing info
     "pdserve.kv", "pdserve.kv.hashing", "pdserve.kv.prefix", "pdserve.kv.block_pool", "pdserve.kv.specs",
     "pdserve.kv.events", "pdserve.kv.events_wire", "pdserve.kv.routing_info",
@@ -43,7 +45,7 @@ def run_blocked(blocked: tuple[str, ...], body: str) -> subprocess.CompletedProc
 
 
 def test_proxy_serves_a_request_where_torch_and_nixl_cannot_be_imported():
-    result = run_blocked(("torch", "nixl"), """
+    result = run_blocked(("torch", "nixl", "llguidance"), """
         import httpx
         from proxy.app import create_app
         from tests.unit.proxy_stubs import Served, ServedProxy, StubWorker, fast_config

@@ -56,24 +56,32 @@ async def test_malformed_body_is_a_400(content):
         ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "temperature": 3}, "temperature"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
-        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
-        ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs"),
-        ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 129}, "n"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"400": 1.0}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "a("}, "guided_regex"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema",
+                                                                "json_schema": {"schema": {"type": "foo"}}}},
+         "response_format"),
         ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"prompt": ""}, "prompt"),
         ("/v1/completions", {"prompt": []}, "prompt"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),
         ("/v1/completions", {"prompt": [5, 259]}, "prompt"),
         ("/v1/completions", {"prompt": [-3, 5]}, "prompt"),
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [400]}, "stop_token_ids"),
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        ("/v1/chat/completions", {"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
         ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages.0.role"),
-        ("/v1/chat/completions", {"messages": USER, "n": 3}, "n"),
-        ("/v1/chat/completions", {"messages": USER, "top_logprobs": 5, "logprobs": True}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": USER, "n": -3}, "n"),
+        ("/v1/chat/completions", {"messages": USER, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"messages": USER, "stream": False, "stream_options": {}}, "stream_options"),
         ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "RAISE"}]}, "messages"),
     ],
@@ -134,7 +142,7 @@ async def test_unknown_route_and_wrong_method_keep_their_status_with_an_openai_b
 async def test_errors_are_counted_by_status_and_echo_the_request_id():
     metrics = create_metrics()
     async with asgi_client(make_app(FakeEngine(), metrics)) as client:
-        response = await client.post("/v1/completions", json={"prompt": "x", "n": 2}, headers={"X-Request-Id": "bad-1"})
+        response = await client.post("/v1/completions", json={"prompt": "x", "n": 0}, headers={"X-Request-Id": "bad-1"})
         await client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
     assert response.headers["x-request-id"] == "bad-1"
     assert metrics.registry.get_sample_value("pdserve_request_errors_total", {"status": "400"}) == 1.0

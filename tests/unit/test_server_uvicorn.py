@@ -91,8 +91,8 @@ def test_openai_client_raises_on_error_statuses(client, served):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other-model", prompt="hi")
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="fake-model", prompt="hi", n=2)
-    assert info.value.body["param"] == "n"
+        client.completions.create(model="fake-model", prompt="hi", suffix="tail")
+    assert info.value.body["param"] == "suffix"
 
 
 def test_openai_client_request_id_header_reaches_the_engine(client, served):

@@ -109,6 +109,47 @@ def test_stop_conditions_are_bounded(fields):
     assert rejected(CompletionRequest, completion(**fields)).param in ("stop", "stop_token_ids")
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": ["a"] * 257}, "prompt"),
+    ({"prompt": [[1]] * 3, "n": 100}, "n"),
+    ({"prompt": ["x" * 600_000, "y" * 600_000]}, "prompt"),
+    ({"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
+    ({"guided_regex": "a" * 70_000}, "guided_regex"),
+    ({"guided_choice": ["x" * 40_000, "y" * 40_000]}, "guided_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"enum": ["z" * 70_000]}}}},
+     "response_format"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+])
+def test_batches_choices_logit_bias_and_constraints_are_bounded_by_default(fields, param):
+    assert rejected(CompletionRequest, completion(**fields)).param == param
+
+
+def test_the_default_bounds_still_take_a_full_batch_and_the_openai_maxima():
+    parse_request(CompletionRequest, completion(prompt=["a"] * 256), LIMITS)
+    parse_request(CompletionRequest, completion(prompt=["a", "b"], n=128, logprobs=5), LIMITS)
+    parse_request(CompletionRequest, completion(logit_bias={str(i): 1.0 for i in range(1024)}), LIMITS)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL] * 128, "top_logprobs": 20,
+            "logprobs": True, "tool_choice": "required"}
+    parse_request(ChatCompletionRequest, json.dumps(chat).encode(), LIMITS)
+
+
+def test_tools_and_choices_follow_their_configured_bounds():
+    limits = LimitsConfig(max_tools=2, max_choices=4)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL] * 3}
+    assert rejected(ChatCompletionRequest, json.dumps(chat).encode(), limits).param == "tools"
+    assert rejected(ChatCompletionRequest, json.dumps({**chat, "tools": [TOOL], "n": 5}).encode(), limits).param == "n"
+    assert rejected(CompletionRequest, completion(prompt=["a", "b"], n=3), limits).param == "n"
+    parse_request(CompletionRequest, completion(prompt=["a", "b"], n=2), limits)
+
+
+def test_a_constraint_a_decode_worker_would_refuse_is_refused_by_validation():
+    chat = {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}
+    assert rejected(ChatCompletionRequest, json.dumps(chat).encode()).param == "tool_choice"
+
+
 def test_request_ids_up_to_240_printable_characters_pass():
     check_request_id("a" * MAX_REQUEST_ID_CHARS)
     for bad in ("a" * (MAX_REQUEST_ID_CHARS + 1), "has space", "tab\t", "é"):
