@@ -179,7 +179,7 @@ async def test_streams_past_the_cap_get_503_before_any_work_and_slots_come_back(
                 await response.aread()
 
         held = [asyncio.create_task(read_stream()) for _ in range(2)]
-        while app.state.serving.num_open_streams < 2:
+        while app.state.serving.num_open_streams < 2 or len(engine.requests) < 2:  # both taken and both submitted
             await asyncio.sleep(0.01)
         refused = await client.post("/v1/completions", json=body)
         assert_openai_error(refused, 503)
