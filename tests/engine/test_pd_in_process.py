@@ -127,12 +127,15 @@ async def _stream_gaps(worker, prompt, max_tokens: int, started: asyncio.Event) 
 
 async def test_a_prefill_worker_whose_data_path_never_connects_does_not_delay_local_streams(
         qwen_dir, fabric, prefill):
-    connect_timeout_s = 0.6
+    # Long enough that the old engine-thread stall (the whole timeout) stands far above a noisy
+    # machine's hiccups: a 0.5 s pause of the CI VM once failed a 0.6 s version of this test.
+    connect_timeout_s = 2.0
     decode = start_worker("decode", qwen_dir, fabric, prefill_app=prefill.app,
                           transfer={"connect_timeout_s": connect_timeout_s, "failure_policy": "fail"})
     decode.transport.hold_connects = True  # P's HTTP answers, its data path never does
     try:
         params = [await prefill_params(prefill, prompt, f"dead-{i}") for i, prompt in enumerate(PROMPTS)]
+        await local_text(decode, PROMPTS[1])  # the app's first-request work is not what is measured
         baseline = await _stream_gaps(decode, PROMPTS[0], 200, asyncio.Event())
 
         started = asyncio.Event()
@@ -153,7 +156,8 @@ async def test_a_prefill_worker_whose_data_path_never_connects_does_not_delay_lo
         assert max(elapsed for _, elapsed in answers) < connect_timeout_s + 1.0
         normal_step_s = statistics.median(baseline)
         # The old engine-thread connect stalled every stream for the whole connect timeout.
-        assert max(gaps) <= max(baseline) + normal_step_s + 0.25, (max(gaps), max(baseline), normal_step_s)
+        assert max(gaps) <= max(baseline) + normal_step_s + connect_timeout_s / 4, (max(gaps), max(baseline),
+                                                                                    normal_step_s)
         # The dead peer is remembered: the next request fails at once, without another attempt.
         began = time.monotonic()
         response, _ = await remote(0)
