@@ -26,6 +26,7 @@ import torch
 from pdserve.engine.decode_attention import (
     DecodeRows, attend_decode, attend_decode_static, build_decode_rows, uses_native_kernel,
 )
+from pdserve.engine.fused_layer import fused_layers
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.models.base import CausalLM, DecoderLayer
@@ -88,9 +89,11 @@ class DecodeStep:
     """Builds the inputs of a decode-only step, runs the (compiled) pure pass, stores the new K/V."""
 
     def __init__(self, model: CausalLM, plan: KVGroupPlan, pool: torch.Tensor, layer_caches: LayerCaches,
-                 block_size: int, device: torch.device, compile_step: bool, native: Optional[bool] = None):
+                 block_size: int, device: torch.device, compile_step: bool, native: Optional[bool] = None,
+                 fuse_layers: bool = True):
         """`native` None: the native kernels wherever they run (tests pass False to take the
-        path other devices take)."""
+        path other devices take). `fuse_layers`: run each layer as one native call where the
+        kernels and the model allow it (eager steps only; False keeps the per-op path)."""
         self.model = model
         self.plan = plan
         self.pool = pool
@@ -104,6 +107,8 @@ class DecodeStep:
         ]
         self.native = uses_native_kernel(device, pool.dtype) if native is None else native
         self.compiled = compile_step
+        # One native call per layer (engine/fused_layer.py) where the whole model allows it.
+        self._fused = fused_layers(model, device) if fuse_layers and self.native and not compile_step else None
         self.static_shapes = compile_step and not self.native
         # One compiled graph serves every layer of a kind (dynamo guards on the layer's type and
         # settings, not on which layer it is), so compile time does not grow with depth.
@@ -150,7 +155,9 @@ class DecodeStep:
         new_keys, new_values = [], []
         for layer, (group_id, k_cache, v_cache) in zip(self.model.layers, self.layer_caches):
             rows = step.rows[group_id]
-            if self._compiled_layer is not None:
+            if self._fused is not None:
+                h, k, v = self._fused[layer.layer_id](h, rope, k_cache, v_cache, rows)
+            elif self._compiled_layer is not None:
                 h, k, v = self._compiled_layer(layer, h, rope, k_cache, v_cache, rows.block_table, rows.key_start,
                                                rows.key_end)
             else:

@@ -442,6 +442,161 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// ---- one decoder layer of the Llama family for single-token rows ----------------------------
+//
+// Everything between two layers' residual streams in one call, so that a decode step costs one
+// dispatch per layer instead of the ~120 small torch ops the same layer takes from Python:
+//
+//   x = rms_norm(h) * input_norm
+//   q|k|v = x @ W_qkv.T (+ b)        k, v: the rows' new K/V, returned for the pool
+//   q, k = rope(qk_norm(q), qk_norm(k))
+//   h = h + attend(q, pages + own k/v) @ W_o.T (+ b)
+//   x = rms_norm(h) * post_norm
+//   h = h + (silu(x @ W_gate.T) * (x @ W_up.T)) @ W_down.T (+ b)     (gate|up fused)
+//
+// Weights come as float32 [out, in] (format 0) or blocks (1: Q4_1, 2: Q8_0); biases optional.
+// The arithmetic is that of the torch layer (norms in float32, rotation by split halves), up
+// to float rounding order.
+
+constexpr int64_t kFloatWeight = 0, kQ41Weight = 1, kQ80Weight = 2;
+constexpr int64_t kSmallBatchRows = 256;  // pdserve.models.layers._SMALL_BATCH_ROWS
+
+at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format,
+                        const std::optional<at::Tensor>& bias) {
+  at::Tensor out;
+  if (format == kFloatWeight) {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "decoder layer: float weights must be float32");
+    const int64_t rows = x.size(0);
+    // As pdserve.models.layers.linear: BLAS is faster with the weight on the left for a few rows.
+    out = rows > 1 && rows <= kSmallBatchRows ? at::mm(weight, x.t()).t().contiguous() : at::mm(x, weight.t());
+  } else if (format == kQ41Weight) {
+    out = q4_1_linear(x, weight);
+  } else {
+    TORCH_CHECK(format == kQ80Weight, "decoder layer: unknown weight format ", format);
+    out = q8_0_linear(x, weight);
+  }
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  return out;
+}
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, over rows of `width` floats.
+void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t width, int64_t x_stride, float eps,
+                   float* out, int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    float* yr = out + r * out_stride;
+    double squares = 0.0;
+    for (int64_t i = 0; i < width; ++i) squares += static_cast<double>(xr[i]) * xr[i];
+    const float inv = 1.f / std::sqrt(static_cast<float>(squares / width) + eps);
+    for (int64_t i = 0; i < width; ++i) yr[i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+// Rotates each head of `x` [heads, head_dim] by split halves: [a, b] -> [a cos - b sin, b cos + a sin].
+void rotate_heads(float* x, int64_t heads, int64_t head_dim, const float* cos, const float* sin) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* a = x + h * head_dim;
+    float* b = a + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float ai = a[i], bi = b[i];
+      a[i] = ai * cos[i] - bi * sin[i];
+      b[i] = bi * cos[i] + ai * sin[i];
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
+    const at::Tensor& h_in, at::TensorList norms, const std::optional<at::Tensor>& qk_norm, at::TensorList weights,
+    at::IntArrayRef formats, const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+    const at::Tensor& key_start, const at::Tensor& key_end, at::IntArrayRef geometry, double eps, double scale) {
+  TORCH_CHECK(norms.size() == 2 && weights.size() == 4 && formats.size() == 4 && biases.size() == 4,
+              "llama_decode_layer: norms (input, post), weights, formats and biases (qkv, o, gate_up, down)");
+  TORCH_CHECK(geometry.size() == 3, "llama_decode_layer: geometry is (heads, kv_heads, head_dim)");
+  TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat, "llama_decode_layer: h must be float32 [rows, hidden]");
+  const at::Tensor h = h_in.contiguous();
+  const int64_t rows = h.size(0), hidden = h.size(1);
+  const int64_t heads = geometry[0], kv_heads = geometry[1], head_dim = geometry[2];
+  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+  const int64_t qkv_width = q_width + 2 * kv_width;
+  TORCH_CHECK(head_dim % 2 == 0 && cos.size(-1) * 2 == head_dim && sin.sizes() == cos.sizes() &&
+                  cos.numel() == rows * head_dim / 2 && cos.scalar_type() == at::kFloat,
+              "llama_decode_layer: cos/sin must be float32 with half a head per row");
+  for (const at::Tensor& norm : norms) {
+    TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.numel() == hidden, "llama_decode_layer: norm weights");
+  }
+  const float epsf = static_cast<float>(eps);
+  const at::Tensor cosc = cos.contiguous(), sinc = sin.contiguous();
+  const at::Tensor input_norm = norms[0].contiguous(), post_norm = norms[1].contiguous();
+
+  at::Tensor x = at::empty({rows, hidden}, h.options());
+  rms_norm_rows(h.data_ptr<float>(), input_norm.data_ptr<float>(), rows, hidden, hidden, epsf, x.data_ptr<float>(),
+                hidden);
+  at::Tensor qkv = layer_linear(x, weights[0], formats[0], biases.get(0));
+  TORCH_CHECK(qkv.size(1) == qkv_width, "llama_decode_layer: qkv weight has ", qkv.size(1), " rows, expected ",
+              qkv_width);
+  at::Tensor q = at::empty({rows, heads, head_dim}, h.options());
+  at::Tensor k = at::empty({rows, kv_heads, head_dim}, h.options());
+  at::Tensor v = at::empty({rows, kv_heads, head_dim}, h.options());
+  const float* qkv_data = qkv.data_ptr<float>();
+  float* q_data = q.data_ptr<float>();
+  float* k_data = k.data_ptr<float>();
+  float* v_data = v.data_ptr<float>();
+  at::Tensor qk_norm_c;
+  if (qk_norm.has_value() && qk_norm->defined()) {
+    qk_norm_c = qk_norm->contiguous();
+    TORCH_CHECK(qk_norm_c.scalar_type() == at::kFloat && qk_norm_c.numel() == (heads + kv_heads) * head_dim,
+                "llama_decode_layer: qk_norm must be float32 [heads + kv_heads, head_dim]");
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = qkv_data + r * qkv_width;
+    float* qr = q_data + r * q_width;
+    float* kr = k_data + r * kv_width;
+    if (qk_norm_c.defined()) {  // one weight row per head: q heads first, then k heads
+      const float* w = qk_norm_c.data_ptr<float>();
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        rms_norm_rows(src + hd * head_dim, w + hd * head_dim, 1, head_dim, head_dim, epsf, qr + hd * head_dim, head_dim);
+      }
+      for (int64_t hd = 0; hd < kv_heads; ++hd) {
+        rms_norm_rows(src + q_width + hd * head_dim, w + (heads + hd) * head_dim, 1, head_dim, head_dim, epsf,
+                      kr + hd * head_dim, head_dim);
+      }
+    } else {
+      std::memcpy(qr, src, q_width * sizeof(float));
+      std::memcpy(kr, src + q_width, kv_width * sizeof(float));
+    }
+    std::memcpy(v_data + r * kv_width, src + q_width + kv_width, kv_width * sizeof(float));
+    const float* c = cosc.data_ptr<float>() + r * head_dim / 2;
+    const float* s = sinc.data_ptr<float>() + r * head_dim / 2;
+    rotate_heads(qr, heads, head_dim, c, s);
+    rotate_heads(kr, kv_heads, head_dim, c, s);
+  }
+  const at::Tensor attended =
+      paged_decode_attention(q, k_cache, v_cache, block_table, key_start, key_end, k, v, scale).view({rows, q_width});
+  at::Tensor out = layer_linear(attended, weights[1], formats[1], biases.get(1));
+  TORCH_CHECK(out.size(1) == hidden, "llama_decode_layer: o weight does not give the hidden size");
+  out.add_(h);  // the residual stream after attention
+  rms_norm_rows(out.data_ptr<float>(), post_norm.data_ptr<float>(), rows, hidden, hidden, epsf, x.data_ptr<float>(),
+                hidden);
+  at::Tensor gate_up = layer_linear(x, weights[2], formats[2], biases.get(2));
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "llama_decode_layer: gate|up weight has an odd row count");
+  const int64_t intermediate = gate_up.size(1) / 2;
+  at::Tensor act = at::empty({rows, intermediate}, h.options());
+  const float* gu = gate_up.data_ptr<float>();
+  float* a = act.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < intermediate; ++i) {
+      const float gate = gu[r * 2 * intermediate + i], up = gu[r * 2 * intermediate + intermediate + i];
+      a[r * intermediate + i] = gate / (1.f + std::exp(-gate)) * up;
+    }
+  }
+  at::Tensor mlp = layer_linear(act, weights[3], formats[3], biases.get(3));
+  TORCH_CHECK(mlp.size(1) == hidden, "llama_decode_layer: down weight does not give the hidden size");
+  out.add_(mlp);
+  return {out, k, v};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
@@ -451,6 +606,10 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_start, "
       "Tensor key_end, Tensor? k_new, Tensor? v_new, float scale) -> Tensor");
+  m.def(
+      "llama_decode_layer(Tensor h, Tensor[] norms, Tensor? qk_norm, Tensor[] weights, int[] formats, "
+      "Tensor?[] biases, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor key_start, Tensor key_end, int[] geometry, float eps, float scale) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
@@ -458,6 +617,7 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("q8_0_linear", &q8_0_linear);
   m.impl("dequantize_blocks", &dequantize_blocks);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("llama_decode_layer", &llama_decode_layer);
 }
 
 }  // namespace pdserve

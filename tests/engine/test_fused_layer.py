@@ -1,0 +1,95 @@
+"""The fused decoder layer (one native call per layer) against the per-op decode step it
+replaces: same logits, same stored K/V, for float and quantized weights, with biases and q/k
+norms; and the models it must not take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.decode_step import DecodeStep
+from pdserve.engine.fused_layer import FusedLlamaLayer, fused_layers, unfusable_reason
+from pdserve.models.loader import load_model
+from tests.engine.test_decode_step import BLOCK_SIZE, _chunk, _prefilled, _runner
+from tests.models.hf_oracle import randomize_norms, save_tiny_checkpoint
+from tests.models.test_quantized_blocks import require_native_kernels
+from tests.tiny_models import QWEN_VOCAB, make_tiny_gemma3, random_prompt, tiny_qwen3_config
+
+
+@pytest.fixture(scope="module")
+def qwen_with_biases_dir(tmp_path_factory):
+    """Qwen3 (per-head q/k norms) with q/k/v and o biases, so every optional part is present."""
+    import transformers
+
+    directory = str(tmp_path_factory.mktemp("qwen3-bias"))
+    torch.manual_seed(3)
+    model = transformers.Qwen3ForCausalLM(tiny_qwen3_config(attention_bias=True)).eval()
+    randomize_norms(model, 3)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0, 0.2)
+    save_tiny_checkpoint(model, directory)
+    return directory
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_fused_step_matches_the_per_op_step(qwen_with_biases_dir, quantization):
+    require_native_kernels()
+    loaded = load_model(qwen_with_biases_dir, torch.float32, torch.device("cpu"), quantization)
+    runner = _runner(loaded)
+    assert runner.decode_step._fused is not None, unfusable_reason(loaded.model, runner.device)
+    per_op = DecodeStep(loaded.model, runner.plan, runner.pool, runner.layer_caches, BLOCK_SIZE, runner.device,
+                        compile_step=False, fuse_layers=False)
+    assert per_op._fused is None
+    prompts = [random_prompt(n, QWEN_VOCAB, 40 + n) for n in (1, 17, 38)]
+    tables = _prefilled(runner, prompts)
+    before = runner.pool.clone()
+    for rows in ([0], [0, 1, 2]):  # the one-row path and a batch
+        chunks = [_chunk(i, [7 + i], len(prompts[i]), tables[i]) for i in rows]
+        runner.pool.copy_(before)
+        with torch.inference_mode():
+            expected_logits = per_op.run(chunks)
+        expected_pool = runner.pool.clone()
+        runner.pool.copy_(before)
+        with torch.inference_mode():
+            logits = runner.decode_step.run(chunks)
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+        # Rounding order differs (norms, rotation, residuals), and grows a little layer by layer.
+        torch.testing.assert_close(runner.pool, expected_pool, rtol=1e-4, atol=1e-4)
+        assert not torch.equal(runner.pool, before)
+        assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
+
+
+def test_models_the_kernel_does_not_compute_keep_the_per_op_step(tmp_path):
+    require_native_kernels()
+    make_tiny_gemma3(str(tmp_path))
+    loaded = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    reason = unfusable_reason(loaded.model, torch.device("cpu"))
+    assert reason is not None and "Gemma3" in reason
+    assert fused_layers(loaded.model, torch.device("cpu")) is None
+    assert _runner(loaded).decode_step._fused is None
+
+
+def test_a_bfloat16_layer_is_not_fused(qwen_with_biases_dir):
+    loaded = load_model(qwen_with_biases_dir, torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="float32"):
+        FusedLlamaLayer.of(loaded.model.layers[0])
+
+
+def test_the_kernel_rejects_a_weight_of_the_wrong_shape(qwen_with_biases_dir):
+    require_native_kernels()
+    loaded = load_model(qwen_with_biases_dir, torch.float32, torch.device("cpu"))
+    runner = _runner(loaded)
+    prompts = [random_prompt(9, QWEN_VOCAB, 1)]
+    tables = _prefilled(runner, prompts)
+    layer = FusedLlamaLayer.of(loaded.model.layers[0])
+    wrong = FusedLlamaLayer(layer.norms, layer.qk_norm, (layer.weights[0][:-1], *layer.weights[1:]), layer.formats,
+                            (None, *layer.biases[1:]), layer.geometry, layer.eps, layer.scale)
+    step = runner.decode_step
+    inputs = step.inputs([_chunk(0, [5], len(prompts[0]), tables[0])])
+    _, k_cache, v_cache = runner.layer_caches[0]
+    with torch.inference_mode():
+        h, rope = loaded.model.embed(inputs.input_ids, inputs.positions)
+        with pytest.raises(RuntimeError, match="qkv weight"):
+            wrong(h, rope, k_cache, v_cache, inputs.rows[0])
