@@ -151,14 +151,32 @@ inline BlockWeights load_q4_1(const uint8_t* block) {
                        _mm256_fmadd_ps(bytes_to_floats_u8(_mm_srli_si128(high, 8)), d, m)}};
 }
 
+// The same block unpacked without byte shuffles: each 4-byte word of qs is broadcast and shifted
+// per lane, so its weights come out in "lane order" (for word p: weights 4p..4p+3, then
+// 4p+16..4p+19), and the activations are permuted to match once per call (`to_lane_order`).
+inline BlockWeights load_q4_1_lanes(const uint8_t* block) {
+  const __m256 d = _mm256_set1_ps(half_to_float(read_u16(block)));
+  const __m256 m = _mm256_set1_ps(half_to_float(read_u16(block + 2)));
+  const __m256i shifts = _mm256_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28);
+  const __m256i mask = _mm256_set1_epi32(0x0f);
+  BlockWeights out;
+  for (int part = 0; part < 4; ++part) {
+    int32_t word;
+    std::memcpy(&word, block + 4 + 4 * part, sizeof(word));
+    const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask);
+    out.w[part] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(nibbles), d, m);
+  }
+  return out;
+}
+
 inline BlockWeights load_q8_0(const uint8_t* block) {
   const __m256 d = _mm256_set1_ps(half_to_float(read_u16(block)));
-  const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-  const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
-  return BlockWeights{{_mm256_mul_ps(bytes_to_floats_s8(first), d),
-                       _mm256_mul_ps(bytes_to_floats_s8(_mm_srli_si128(first, 8)), d),
-                       _mm256_mul_ps(bytes_to_floats_s8(second), d),
-                       _mm256_mul_ps(bytes_to_floats_s8(_mm_srli_si128(second, 8)), d)}};
+  BlockWeights out;
+  for (int part = 0; part < 4; ++part) {  // 8-byte loads widen in one step: no byte shifts
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * part));
+    out.w[part] = _mm256_mul_ps(bytes_to_floats_s8(bytes), d);
+  }
+  return out;
 }
 
 // Independent FMA chains per row: enough in flight to cover the FMA latency (4 cycles, two
@@ -213,7 +231,7 @@ struct RowTileKernels {
 template <int kBlockBytes>
 RowTileKernels row_tile_kernels() {
 #if PDSERVE_AVX2
-  constexpr auto load = kBlockBytes == kQ41Bytes ? load_q4_1 : load_q8_0;
+  constexpr auto load = kBlockBytes == kQ41Bytes ? load_q4_1_lanes : load_q8_0;
   return RowTileKernels{{row_tile<1, load>, row_tile<2, load>, row_tile<3, load>, row_tile<4, load>,
                          row_tile<5, load>, row_tile<6, load>, row_tile<7, load>, row_tile<8, load>}};
 #else
@@ -222,8 +240,25 @@ RowTileKernels row_tile_kernels() {
 #endif
 }
 
+// Activations [rows, k] in the order `load_q4_1_lanes` yields each block's weights.
+at::Tensor to_lane_order(const at::Tensor& x) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t total_blocks = x.numel() / kGroup;
+  for (int64_t g = 0; g < total_blocks; ++g) {
+    const float* in = src + g * kGroup;
+    float* o = dst + g * kGroup;
+    for (int part = 0; part < 4; ++part) {
+      std::memcpy(o + 8 * part, in + 4 * part, 4 * sizeof(float));
+      std::memcpy(o + 8 * part + 4, in + 16 + 4 * part, 4 * sizeof(float));
+    }
+  }
+  return out;
+}
+
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t block_bytes,
-                        const RowTileKernels& kernels, const char* name) {
+                        const RowTileKernels& kernels, const char* name, bool lane_order = false) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), name, ": CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": activations must be float32");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, name, ": blocks must be uint8 [out, bytes]");
@@ -236,7 +271,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t b
   if (rows > kKernelMaxRows) return at::mm(xc, dequantize_blocks(wc, block_bytes).t());
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
-  const float* xs = xc.data_ptr<float>();
+  const at::Tensor xl = lane_order ? to_lane_order(xc) : xc;
+  const float* xs = xl.data_ptr<float>();
   const uint8_t* w = wc.data_ptr<uint8_t>();
   float* y = out.data_ptr<float>();
   const int64_t row_bytes = wc.size(1);
@@ -258,7 +294,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t b
 
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks) {
   static const RowTileKernels kernels = row_tile_kernels<kQ41Bytes>();
-  return block_linear(x, blocks, kQ41Bytes, kernels, "q4_1_linear");
+  return block_linear(x, blocks, kQ41Bytes, kernels, "q4_1_linear", PDSERVE_AVX2 != 0);
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
