@@ -7,7 +7,9 @@ is what `torch.compile` (and CUDA graphs) want: no mutation, no host syncs, shap
 only in the number of rows and the block-table width. Invariant: the tokens, logits and K/V it
 produces are those of the eager `PagedAttention` path on the same inputs.
 
-Compiled, it runs one of two ways:
+Eager on the CPU with float32 activations and Llama-family layers, each layer is one native
+call (`fused_layer.py`: a decode step at one row was mostly Python dispatching ~120 small ops a
+layer). Compiled, it runs one of two ways:
 
     native (CPU kernels): one graph per layer kind with the rows and table width dynamic
     static (CUDA):        rows and width padded to powers of two, masked torch attention in
