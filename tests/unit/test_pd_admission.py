@@ -3,6 +3,8 @@ engine sees a request, failed peers remembered with a backoff, outcomes per fail
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -52,8 +54,14 @@ class Connector:
         return self.error
 
 
-def admission(stub: StubPrefill, connect: Connector, policy: str = "recompute", clock=None) -> DecodeAdmission:
-    handshake = HandshakeClient("h", None, http_transport=httpx.MockTransport(stub.handler))
+def admission(stub: StubPrefill, connect: Connector, policy: str = "recompute", clock=None,
+              answer_after_s: float = 0.0) -> DecodeAdmission:
+    async def slow_handler(request: httpx.Request) -> httpx.Response:  # a handshake that takes time on the wire
+        await asyncio.sleep(answer_after_s)
+        return stub.handler(request)
+
+    handler = slow_handler if answer_after_s else stub.handler
+    handshake = HandshakeClient("h", None, http_transport=httpx.MockTransport(handler))
     memory = PeerFailureMemory(clock=clock or FakeClock())
     return DecodeAdmission(handshake, PLAN, BLOCK, policy, connect, memory)
 
@@ -169,3 +177,27 @@ async def test_a_peer_off_the_allow_list_is_refused_before_any_contact():
     assert stub.calls == 0 and connect.calls == 0
     for host in ("10.0.0.7", "prefill-0.svc", "PREFILL-0.svc."):
         assert PeerAllowList.parse("prefill-0.svc, 10.0.0.0/24").allows(host)
+
+
+async def test_requests_that_need_the_same_new_peer_at_once_share_one_handshake():
+    stub, connect = StubPrefill(), Connector()
+    decode = admission(stub, connect, answer_after_s=0.05)
+    lengths = [30, 31, 32, 33]
+    params = [stub.params(n) for n in lengths]
+    admitted = await asyncio.gather(*(decode.admit(request(p, n)) for p, n in zip(params, lengths)))
+    assert all(a.remote is not None for a in admitted)
+    assert stub.calls == 1
+    await decode.admit(request(stub.params(34), 34))  # cached afterwards
+    assert stub.calls == 1
+
+
+async def test_a_failed_shared_handshake_fails_every_waiter():
+    stub, connect = StubPrefill(), Connector()
+    decode = admission(stub, connect, policy="fail", answer_after_s=0.05)
+    stub.status = 503
+    lengths = [30, 31, 32]
+    params = [stub.params(n) for n in lengths]
+    results = await asyncio.gather(*(decode.admit(request(p, n)) for p, n in zip(params, lengths)),
+                                   return_exceptions=True)
+    assert all(isinstance(r, KVPullFailed) for r in results), results
+    assert stub.calls == 1
