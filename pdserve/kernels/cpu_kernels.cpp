@@ -292,6 +292,46 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t b
   return out;
 }
 
+// ---- float32 weights, one activation row ------------------------------------------------------
+//
+// y = x @ W.T for x [1, k] and W [n, k]: one dot product per weight row, the rows split among
+// threads. BLAS's single-row product kept to one core here (a third of the read bandwidth).
+
+float dot_long(const float* a, const float* b, int64_t n) {
+#if PDSERVE_AVX2
+  if (n % 32 == 0) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < n; i += 32) {
+      for (int part = 0; part < 4; ++part) {
+        acc[part] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * part), _mm256_loadu_ps(b + i + 8 * part), acc[part]);
+      }
+    }
+    return horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  }
+#endif
+  float total = 0.f;
+  for (int64_t i = 0; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+at::Tensor f32_row_linear(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "f32_row_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "f32_row_linear: float32 only");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "f32_row_linear: x [rows, k] and weight [n, k]");
+  if (x.size(0) != 1) return at::mm(x, weight.t());
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const int64_t k = wc.size(1), n = wc.size(0);
+  at::Tensor out = at::empty({1, n}, x.options());
+  const float* xs = xc.data_ptr<float>();
+  const float* w = wc.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t col = begin; col < end; ++col) y[col] = dot_long(w + col * k, xs, k);
+  });
+  return out;
+}
+
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks) {
   static const RowTileKernels kernels = row_tile_kernels<kQ41Bytes>();
   return block_linear(x, blocks, kQ41Bytes, kernels, "q4_1_linear", PDSERVE_AVX2 != 0);
@@ -504,7 +544,11 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight, int64_t f
     TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "decoder layer: float weights must be float32");
     const int64_t rows = x.size(0);
     // As pdserve.models.layers.linear: BLAS is faster with the weight on the left for a few rows.
-    out = rows > 1 && rows <= kSmallBatchRows ? at::mm(weight, x.t()).t().contiguous() : at::mm(x, weight.t());
+    if (rows == 1) {
+      out = f32_row_linear(x, weight);
+    } else {
+      out = rows <= kSmallBatchRows ? at::mm(weight, x.t()).t().contiguous() : at::mm(x, weight.t());
+    }
   } else if (format == kQ41Weight) {
     out = q4_1_linear(x, weight);
   } else {
@@ -638,6 +682,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("q4_1_linear(Tensor x, Tensor blocks) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor blocks) -> Tensor");
+  m.def("f32_row_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("dequantize_blocks(Tensor blocks, int block_bytes) -> Tensor");
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_start, "
@@ -651,6 +696,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("q4_1_linear", &q4_1_linear);
   m.impl("q8_0_linear", &q8_0_linear);
+  m.impl("f32_row_linear", &f32_row_linear);
   m.impl("dequantize_blocks", &dequantize_blocks);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("llama_decode_layer", &llama_decode_layer);

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.native import cpu_kernels_available, ops
 from pdserve.models.hf_config import ModelLoadError, UnsupportedModelFeature
 
 if TYPE_CHECKING:  # layers <- weight_loader imports run the other way at run time
@@ -30,9 +31,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Decode batches are a few rows against a wide weight. On CPU, BLAS runs the
     same product 15-40% faster with the weight as the left operand (measured
-    in bench/engine.py's profile: 75 -> 60 ms a step at 16 rows); a single row
-    keeps F.linear, which takes the matrix-vector path."""
+    in bench/engine.py's profile: 75 -> 60 ms a step at 16 rows). A single
+    float32 row takes the native kernel, which splits the weight rows over
+    every core (BLAS's matrix-vector path used one)."""
     rows = x.shape[0] if x.dim() == 2 else 0
+    if (rows == 1 and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and not torch.compiler.is_compiling() and cpu_kernels_available()):
+        out = ops().f32_row_linear(x, weight)  # BLAS kept a single row on one core
+        return out if bias is None else out.add_(bias)
     if x.device.type != "cpu" or not 1 < rows <= _SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.t()).t().contiguous()
