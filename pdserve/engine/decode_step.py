@@ -9,7 +9,8 @@ produces are those of the eager `PagedAttention` path on the same inputs.
 
 Eager on the CPU with float32 activations and Llama-family layers, each layer is one native
 call (`fused_layer.py`: a decode step at one row was mostly Python dispatching ~120 small ops a
-layer). Compiled, it runs one of two ways:
+layer) that also stores the layer's new K/V in place once it has attended (it reads no slot it
+writes). Compiled, it runs one of two ways:
 
     native (CPU kernels): one graph per layer kind with the rows and table width dynamic
     static (CUDA):        rows and width padded to powers of two, masked torch attention in
@@ -154,12 +155,15 @@ class DecodeStep:
         """Logits [len(chunks), vocab] of single-token `chunks`, their K/V stored in the pool."""
         step = self.inputs(chunks)
         h, rope = self.model.embed(step.input_ids, step.positions)
+        if self._fused is not None:  # each layer stores its own new K/V
+            for layer, (group_id, k_cache, v_cache) in zip(self._fused, self.layer_caches):
+                h = layer(h, rope, k_cache, v_cache, step.rows[group_id], step.write_block_ids[group_id],
+                          step.write_offsets)
+            return self.model.compute_logits(self.model.final_norm(h))
         new_keys, new_values = [], []
         for layer, (group_id, k_cache, v_cache) in zip(self.model.layers, self.layer_caches):
             rows = step.rows[group_id]
-            if self._fused is not None:
-                h, k, v = self._fused[layer.layer_id](h, rope, k_cache, v_cache, rows)
-            elif self._compiled_layer is not None:
+            if self._compiled_layer is not None:
                 h, k, v = self._compiled_layer(layer, h, rope, k_cache, v_cache, rows.block_table, rows.key_start,
                                                rows.key_end)
             else:

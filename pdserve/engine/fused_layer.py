@@ -81,15 +81,17 @@ class FusedLlamaLayer:
             scale=layer.attention_scale,
         )
 
-    def __call__(self, h: torch.Tensor, rope: Any, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(residual out, the rows' new k, new v), as `decode_step._layer_step` returns them."""
+    def __call__(self, h: torch.Tensor, rope: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: DecodeRows,
+                 write_blocks: torch.Tensor, write_offsets: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the layer; the rows' new K/V are stored in their page slots
+        (int64 block ids and offsets), after attending, which reads other slots only."""
         cos, sin = rope
-        return ops().llama_decode_layer(
+        h, _, _ = ops().llama_decode_layer(
             h, list(self.norms), self.qk_norm, list(self.weights), list(self.formats), list(self.biases), cos, sin,
-            k_cache, v_cache, rows.block_table, rows.key_start, rows.key_end, list(self.geometry), self.eps,
-            self.scale,
+            k_cache, v_cache, rows.block_table, rows.key_start, rows.key_end, write_blocks, write_offsets,
+            list(self.geometry), self.eps, self.scale,
         )
+        return h
 
 
 def unfusable_reason(model: CausalLM, device: torch.device) -> Optional[str]:

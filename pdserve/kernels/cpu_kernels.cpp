@@ -588,11 +588,38 @@ void rotate_heads(float* x, int64_t heads, int64_t head_dim, const float* cos, c
   }
 }
 
+// Each row's new K/V into its slot of the pages (after attending, which reads other slots only).
+void store_new_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& write_blocks, const at::Tensor& write_offsets) {
+  const int64_t rows = k.size(0), kv_heads = k.size(1), head_dim = k.size(2);
+  TORCH_CHECK(write_blocks.scalar_type() == at::kLong && write_offsets.scalar_type() == at::kLong &&
+                  write_blocks.numel() == rows && write_offsets.numel() == rows,
+              "llama_decode_layer: one int64 write block and offset per row");
+  const PagedCache keys = paged_cache(k_cache), values = paged_cache(v_cache);
+  const at::Tensor blocks = write_blocks.contiguous(), offsets = write_offsets.contiguous();
+  const int64_t* block_data = blocks.data_ptr<int64_t>();
+  const int64_t* offset_data = offsets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t block = block_data[r], offset = offset_data[r];
+    TORCH_CHECK(block >= 0 && block < keys.num_blocks && offset >= 0 && offset < keys.block_size,
+                "llama_decode_layer: write slot (", block, ", ", offset, ") of row ", r, " is outside the pool");
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t at = block * keys.block_stride + offset * keys.token_stride + h * keys.head_stride;
+      std::memcpy(const_cast<float*>(keys.data) + at, k.data_ptr<float>() + (r * kv_heads + h) * head_dim,
+                  head_dim * sizeof(float));
+      const int64_t vat = block * values.block_stride + offset * values.token_stride + h * values.head_stride;
+      std::memcpy(const_cast<float*>(values.data) + vat, v.data_ptr<float>() + (r * kv_heads + h) * head_dim,
+                  head_dim * sizeof(float));
+    }
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
     const at::Tensor& h_in, at::TensorList norms, const std::optional<at::Tensor>& qk_norm, at::TensorList weights,
     at::IntArrayRef formats, const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
-    const at::Tensor& key_start, const at::Tensor& key_end, at::IntArrayRef geometry, double eps, double scale) {
+    const at::Tensor& key_start, const at::Tensor& key_end, const at::Tensor& write_blocks,
+    const at::Tensor& write_offsets, at::IntArrayRef geometry, double eps, double scale) {
   TORCH_CHECK(norms.size() == 2 && weights.size() == 4 && formats.size() == 4 && biases.size() == 4,
               "llama_decode_layer: norms (input, post), weights, formats and biases (qkv, o, gate_up, down)");
   TORCH_CHECK(geometry.size() == 3, "llama_decode_layer: geometry is (heads, kv_heads, head_dim)");
@@ -656,6 +683,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
   }
   const at::Tensor attended =
       paged_decode_attention(q, k_cache, v_cache, block_table, key_start, key_end, k, v, scale).view({rows, q_width});
+  store_new_kv(k, v, k_cache, v_cache, write_blocks, write_offsets);
   at::Tensor out = layer_linear(attended, weights[1], formats[1], biases.get(1));
   TORCH_CHECK(out.size(1) == hidden, "llama_decode_layer: o weight does not give the hidden size");
   out.add_(h);  // the residual stream after attention
@@ -691,8 +719,9 @@ TORCH_LIBRARY(pdserve_cpu, m) {
       "Tensor key_end, Tensor? k_new, Tensor? v_new, float scale) -> Tensor");
   m.def(
       "llama_decode_layer(Tensor h, Tensor[] norms, Tensor? qk_norm, Tensor[] weights, int[] formats, "
-      "Tensor?[] biases, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-      "Tensor key_start, Tensor key_end, int[] geometry, float eps, float scale) -> (Tensor, Tensor, Tensor)");
+      "Tensor?[] biases, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, "
+      "Tensor key_start, Tensor key_end, Tensor write_blocks, Tensor write_offsets, int[] geometry, float eps, "
+      "float scale) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {

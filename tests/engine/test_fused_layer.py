@@ -77,7 +77,7 @@ def test_a_bfloat16_layer_is_not_fused(qwen_with_biases_dir):
         FusedLlamaLayer.of(loaded.model.layers[0])
 
 
-def test_the_kernel_rejects_a_weight_of_the_wrong_shape(qwen_with_biases_dir):
+def test_the_kernel_rejects_a_wrong_weight_and_a_write_outside_the_pool(qwen_with_biases_dir):
     require_native_kernels()
     loaded = load_model(qwen_with_biases_dir, torch.float32, torch.device("cpu"))
     runner = _runner(loaded)
@@ -92,4 +92,9 @@ def test_the_kernel_rejects_a_weight_of_the_wrong_shape(qwen_with_biases_dir):
     with torch.inference_mode():
         h, rope = loaded.model.embed(inputs.input_ids, inputs.positions)
         with pytest.raises(RuntimeError, match="qkv weight"):
-            wrong(h, rope, k_cache, v_cache, inputs.rows[0])
+            wrong(h, rope, k_cache, v_cache, inputs.rows[0], inputs.write_block_ids[0], inputs.write_offsets)
+        before = runner.pool.clone()
+        outside = torch.tensor([runner.pool.shape[0]], dtype=torch.int64)
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            layer(h, rope, k_cache, v_cache, inputs.rows[0], outside, inputs.write_offsets)
+        assert torch.equal(runner.pool, before)
