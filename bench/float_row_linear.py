@@ -1,30 +1,65 @@
-"""Single-row float32 products at SmolLM2's decode sizes: BLAS (F.linear) against pdserve's
-native kernel, interleaved in one process, after checking that both agree.
+"""Single-row float32 products at SmolLM2's decode sizes: BLAS (`F.linear`) against pdserve's
+native kernel (`pdserve_cpu::f32_row_linear`), rounds interleaved in one process, after checking
+that both agree.
 
-    python3 bench/float_row_linear.py
+    python3 bench/float_row_linear.py [--rounds 7] [--out bench/results/float_row_linear.json]
 """
-import os, sys, time, statistics, torch
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
 import torch.nn.functional as F
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pdserve.kernels.native import cpu_kernels_available, ops
-assert cpu_kernels_available()
-shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-ws = [torch.randn(n, k) for n, k in shapes]; xs = [torch.randn(1, k) for _, k in shapes]
-head = torch.randn(49152, 576); xh = torch.randn(1, 576)
-for w, x in zip(ws + [head], xs + [xh]):
-    torch.testing.assert_close(ops().f32_row_linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
-def layer(fn):
-    for w, x in zip(ws, xs): fn(x, w)
-res = {}
-for name, fn in [("F.linear", F.linear), ("f32_row_linear", ops().f32_row_linear)]:
-    res[name] = ([], [])
-for r in range(7):
-    for name, fn in [("F.linear", F.linear), ("f32_row_linear", ops().f32_row_linear)]:
-        b = time.perf_counter()
-        for _ in range(20): layer(fn)
-        res[name][0].append((time.perf_counter() - b) / 20 * 1000)
-        b = time.perf_counter()
-        for _ in range(10): fn(xh, head)
-        res[name][1].append((time.perf_counter() - b) / 10 * 1000)
-for name, (a, h) in res.items():
-    print(f"{name}: one fp32 layer's 4 products at 1 row {statistics.median(a):.3f} ms; fp32 head {statistics.median(h):.3f} ms")
+
+from pdserve.kernels.native import cpu_kernels_error, ops  # noqa: E402
+
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate|up, down
+HEAD_SHAPE = (49152, 576)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", default="bench/results/float_row_linear.json")
+    args = parser.parse_args()
+    if cpu_kernels_error() is not None:
+        raise SystemExit(f"native kernels unavailable: {cpu_kernels_error()}")
+    weights = [torch.randn(n, k) for n, k in LAYER_SHAPES]
+    xs = [torch.randn(1, k) for _, k in LAYER_SHAPES]
+    head, x_head = torch.randn(*HEAD_SHAPE), torch.randn(1, HEAD_SHAPE[1])
+    for weight, x in zip(weights + [head], xs + [x_head]):
+        torch.testing.assert_close(ops().f32_row_linear(x, weight), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+    variants = {"BLAS (F.linear)": F.linear, "native f32_row_linear": ops().f32_row_linear}
+    samples = {name: {"layer": [], "head": []} for name in variants}
+    for _ in range(args.rounds):
+        for name, multiply in variants.items():
+            started = time.perf_counter()
+            for _ in range(20):
+                for weight, x in zip(weights, xs):
+                    multiply(x, weight)
+            samples[name]["layer"].append((time.perf_counter() - started) / 20 * 1000)
+            started = time.perf_counter()
+            for _ in range(10):
+                multiply(x_head, head)
+            samples[name]["head"].append((time.perf_counter() - started) / 10 * 1000)
+    medians = {name: {part: statistics.median(values) for part, values in parts.items()}
+               for name, parts in samples.items()}
+    print(f"| product (1 row, float32) | {' | '.join(variants)} |")
+    print("|---|---:|---:|")
+    print("| a layer's four products (ms) | " + " | ".join(f"{medians[n]['layer']:.3f}" for n in variants) + " |")
+    print("| output head 49152 x 576 (ms) | " + " | ".join(f"{medians[n]['head']:.3f}" for n in variants) + " |")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "median_ms": medians}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
