@@ -180,7 +180,14 @@ class LlamaServerSystem:
 
     def first_token_times(self, indices: Sequence[int], messages: Messages) -> list[float]:
         self.prepare(1)
-        return first_token_times(self.target(), indices, messages)
+        try:
+            return first_token_times(self.target(), indices, messages)
+        except (httpx.HTTPError, BenchError) as exc:
+            # This phase once failed in two runs of three with a bare "Server disconnected";
+            # the server's own last words say more than the client's.
+            exited = self._server.process.poll() if self._server and self._server.process else None
+            raise BenchError(f"{exc!r}; llama-server exit status {exited}; its log ends: "
+                             f"{self._server.log_tail() if self._server else ''}") from exc
 
     def run(self, indices: Sequence[int], concurrency: int, max_tokens: int) -> PhaseResult:
         from bench._loadgen import check_exact_lengths

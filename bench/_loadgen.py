@@ -153,12 +153,14 @@ async def stream_one(client: httpx.AsyncClient, target: HttpTarget, index: int, 
 
 
 async def _run_closed_loop(target: HttpTarget, indices: Sequence[int], concurrency: int,
-                           max_tokens: int, messages: Messages) -> tuple[list[RequestSample], float]:
+                           max_tokens: int, messages: Messages, keep_alive: bool = True,
+                           ) -> tuple[list[RequestSample], float]:
     queue: asyncio.Queue[int] = asyncio.Queue()
     for index in indices:
         queue.put_nowait(index)
     samples: list[RequestSample] = []
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    limits = httpx.Limits(max_connections=concurrency + 4,
+                          max_keepalive_connections=concurrency + 4 if keep_alive else 0)
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
@@ -171,15 +173,18 @@ async def _run_closed_loop(target: HttpTarget, indices: Sequence[int], concurren
     return samples, wall_s
 
 
-def run_phase(target: HttpTarget, indices: Sequence[int], concurrency: int,
-              max_tokens: int, messages: Messages = chat_messages) -> tuple[list[RequestSample], float]:
+def run_phase(target: HttpTarget, indices: Sequence[int], concurrency: int, max_tokens: int,
+              messages: Messages = chat_messages, keep_alive: bool = True) -> tuple[list[RequestSample], float]:
     """Requests `indices`, `concurrency` at a time; returns the samples and the phase's wall time."""
-    return asyncio.run(_run_closed_loop(target, indices, concurrency, max_tokens, messages))
+    return asyncio.run(_run_closed_loop(target, indices, concurrency, max_tokens, messages, keep_alive))
 
 
 def first_token_times(target: HttpTarget, indices: Sequence[int], messages: Messages) -> list[float]:
-    """TTFT of each request in `indices`, sent one at a time (nothing else in flight)."""
-    samples, _ = run_phase(target, indices, 1, 2, messages)
+    """TTFT of each request in `indices`, sent one at a time (nothing else in flight), each on a
+    new connection: llama-server closed a kept-alive connection between two of these requests
+    ("Server disconnected without sending a response" on the next POST, which httpx does not
+    retry); a local connect costs microseconds against seconds of prefill."""
+    samples, _ = run_phase(target, indices, 1, 2, messages, keep_alive=False)
     return [sample.ttft_s for sample in samples]
 
 

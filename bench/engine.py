@@ -229,6 +229,7 @@ def measure_long_prompts(systems: Sequence[System], workload: Workload, gguf_pat
             times = system.first_token_times(workload.long_prompt_indices(), messages)
             results.append(LongPromptResult(system.name, num_tokens, times))
         except (BenchError, httpx.HTTPError, OSError) as exc:
+            logger.warning("%s: the long-prompt phase failed: %s", system.name, exc)  # whole, the table cuts it
             results.append(LongPromptResult(system.name, num_tokens, error=str(exc)[:300]))
         logger.info("%s: TTFT of %d-token prompts: %s", system.name, num_tokens, results[-1].ttft_s)
     return results
