@@ -94,20 +94,24 @@ class FusedLlamaLayer:
         return h
 
 
-def unfusable_reason(model: CausalLM, device: torch.device) -> Optional[str]:
-    """None when every layer of `model` can run as one native call; else why not."""
+def _fuse(model: CausalLM, device: torch.device) -> tuple[Optional[list[FusedLlamaLayer]], Optional[str]]:
+    """(one `FusedLlamaLayer` per layer, None), or (None, why not)."""
     if device.type != "cpu" or not cpu_kernels_available():
-        return "the fused decoder layer is a native CPU kernel"
+        return None, "the fused decoder layer is a native CPU kernel"
+    layers = []
     for layer in model.layers:
         try:
-            FusedLlamaLayer.of(layer)
+            layers.append(FusedLlamaLayer.of(layer))
         except ValueError as exc:
-            return f"layer {layer.layer_id}: {exc}"
-    return None
+            return None, f"layer {layer.layer_id}: {exc}"
+    return layers, None
+
+
+def unfusable_reason(model: CausalLM, device: torch.device) -> Optional[str]:
+    """None when every layer of `model` can run as one native call; else why not."""
+    return _fuse(model, device)[1]
 
 
 def fused_layers(model: CausalLM, device: torch.device) -> Optional[Sequence[FusedLlamaLayer]]:
     """One `FusedLlamaLayer` per layer, or None when any layer cannot be fused."""
-    if unfusable_reason(model, device) is not None:
-        return None
-    return [FusedLlamaLayer.of(layer) for layer in model.layers]
+    return _fuse(model, device)[0]

@@ -135,23 +135,9 @@ struct BlockWeights {
   __m256 w[4];
 };
 
-inline __m256 bytes_to_floats_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 inline __m256 bytes_to_floats_s8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
 
-inline BlockWeights load_q4_1(const uint8_t* block) {
-  const __m256 d = _mm256_set1_ps(half_to_float(read_u16(block)));
-  const __m256 m = _mm256_set1_ps(half_to_float(read_u16(block + 2)));
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  const __m128i low = _mm_and_si128(raw, mask);                       // weights 0..15
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);   // weights 16..31
-  return BlockWeights{{_mm256_fmadd_ps(bytes_to_floats_u8(low), d, m),
-                       _mm256_fmadd_ps(bytes_to_floats_u8(_mm_srli_si128(low, 8)), d, m),
-                       _mm256_fmadd_ps(bytes_to_floats_u8(high), d, m),
-                       _mm256_fmadd_ps(bytes_to_floats_u8(_mm_srli_si128(high, 8)), d, m)}};
-}
-
-// The same block unpacked without byte shuffles: each 4-byte word of qs is broadcast and shifted
+// A Q4_1 block unpacked without byte shuffles: each 4-byte word of qs is broadcast and shifted
 // per lane, so its weights come out in "lane order" (for word p: weights 4p..4p+3, then
 // 4p+16..4p+19), and the activations are permuted to match once per call (`to_lane_order`).
 inline BlockWeights load_q4_1_lanes(const uint8_t* block) {
