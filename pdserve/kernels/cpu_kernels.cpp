@@ -329,10 +329,18 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
 }
 
 // ---- paged decode attention -----------------------------------------------------------------
+//
+// One query row attends to its keys in tiles of kKeyTile: the tile's scores for every query head
+// of a KV head, their exponentials (an online softmax across tiles), then the tile's values
+// weighted into per-head accumulators. A long context is split into key ranges that threads
+// attend to independently; the partial softmax states of one (row, KV head) are merged at the end.
 
 constexpr int64_t kKeyTile = 64;  // keys scored at once; bounds the per-task scratch
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
-constexpr int64_t kParallelAttentionWork = 1 << 16;  // multiply-adds below which one thread attends
+constexpr int64_t kKeysPerSplit = 256;  // the shortest key range a thread is given on its own
+// Multiply-adds below which one thread attends: a parallel region costs microseconds, far more
+// on a loaded machine, and one thread attends to ~1,000 keys of a 9-head layer in about that.
+constexpr int64_t kParallelAttentionWork = 1 << 18;
 
 inline float dot(const float* a, const float* b, int64_t n) {
 #if PDSERVE_AVX2
@@ -347,29 +355,39 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
-inline void scale_add(float* acc, const float* v, float weight, int64_t n) {
 #if PDSERVE_AVX2
-  if (n % 8 == 0) {
-    const __m256 w = _mm256_set1_ps(weight);
-    for (int64_t i = 0; i < n; i += 8) {
-      _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(_mm256_loadu_ps(v + i), w, _mm256_loadu_ps(acc + i)));
-    }
-    return;
-  }
-#endif
-  for (int64_t i = 0; i < n; ++i) acc[i] += weight * v[i];
+// The eight horizontal sums of a[0..7], in order, as one vector.
+inline __m256 horizontal_sums8(const __m256 (&a)[8]) {
+  const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
+
+// e^x for x <= 0 (a score minus the running maximum): e^x = 2^n e^r with |r| <= ln(2)/2 and a
+// degree-6 polynomial for e^r, within 2 ulp of std::exp; x below -87 gives ~1e-38 (not 0), and a
+// NaN stays NaN so that a broken row shows in its logits.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);  // max(a, NaN) is NaN: the operand order matters
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
+}
+#endif
 
 struct PagedCache {
   const float* data;
   int64_t block_stride, token_stride, head_stride;
   int64_t block_size, num_blocks;
-
-  const float* at(const int32_t* table, int64_t position, int64_t head) const {
-    const int64_t block = table[position / block_size];
-    TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block id ", block, " out of range");
-    return data + block * block_stride + (position % block_size) * token_stride + head * head_stride;
-  }
 };
 
 PagedCache paged_cache(const at::Tensor& cache) {
@@ -379,68 +397,186 @@ PagedCache paged_cache(const at::Tensor& cache) {
                     cache.size(0)};
 }
 
-// Online softmax state of `group` query heads sharing one KV head.
-struct SoftmaxState {
-  int64_t group, head_dim;
-  float running_max[kMaxGroup];
-  float running_sum[kMaxGroup];
-  float scores[kMaxGroup][kKeyTile];
-  std::vector<float> acc;  // [group, head_dim]
+// Where the token rows (every KV head) of keys (or values) [begin, begin + count) lie.
+void token_rows(const PagedCache& cache, const int32_t* table, int64_t begin, int64_t count, const float** out) {
+  int64_t block_index = begin / cache.block_size, offset = begin % cache.block_size;
+  const float* page = nullptr;
+  for (int64_t t = 0; t < count; ++t) {
+    if (t == 0 || offset == 0) {
+      const int64_t block = table[block_index];
+      TORCH_CHECK(block >= 0 && block < cache.num_blocks, "paged_decode_attention: block id ", block, " out of range");
+      page = cache.data + block * cache.block_stride;
+    }
+    out[t] = page + offset * cache.token_stride;
+    if (++offset == cache.block_size) {
+      offset = 0;
+      ++block_index;
+    }
+  }
+}
 
-  SoftmaxState(int64_t group_, int64_t head_dim_) : group(group_), head_dim(head_dim_), acc(group_ * head_dim_, 0.f) {
+// Online softmax state of `group` query heads sharing one KV head, over the keys seen so far:
+// acc[g] = sum_t e^(s[g][t] - max[g]) v_t and sum[g] = sum_t e^(s[g][t] - max[g]).
+struct SoftmaxState {
+  int64_t group = 0, head_dim = 0;
+  float max[kMaxGroup];
+  float sum[kMaxGroup];
+  float* acc = nullptr;  // [group, head_dim], owned by the caller
+
+  void reset(int64_t group_, int64_t head_dim_, float* acc_) {
+    group = group_, head_dim = head_dim_, acc = acc_;
     for (int64_t g = 0; g < group; ++g) {
-      running_max[g] = -std::numeric_limits<float>::infinity();
-      running_sum[g] = 0.f;
+      max[g] = -std::numeric_limits<float>::infinity();
+      sum[g] = 0.f;
+    }
+    std::fill(acc, acc + group * head_dim, 0.f);
+  }
+
+  // scores[g][t] = scale * q[g] . (keys[t] + at)
+  void score(const float* q, const float* const* keys, int64_t at, int64_t count, float scale,
+             float (*scores)[kKeyTile]) const {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * head_dim;
+      int64_t t = 0;
+#if PDSERVE_AVX2
+      if (head_dim % 8 == 0) {  // eight keys at a time: eight independent FMA chains
+        for (; t + 8 <= count; t += 8) {
+          __m256 partial[8];
+          for (int j = 0; j < 8; ++j) partial[j] = _mm256_setzero_ps();
+          for (int64_t i = 0; i < head_dim; i += 8) {
+            const __m256 qv = _mm256_loadu_ps(qg + i);
+            for (int j = 0; j < 8; ++j) partial[j] = _mm256_fmadd_ps(_mm256_loadu_ps(keys[t + j] + at + i), qv, partial[j]);
+          }
+          _mm256_storeu_ps(scores[g] + t, _mm256_mul_ps(horizontal_sums8(partial), _mm256_set1_ps(scale)));
+        }
+      }
+#endif
+      for (; t < count; ++t) scores[g][t] = dot(qg, keys[t] + at, head_dim) * scale;
     }
   }
 
-  // Folds `count` keys (and their values) into every head's running softmax.
-  void add(const float* q, const float* const* key_ptrs, const float* const* value_ptrs, int64_t count, float scale) {
-    for (int64_t t = 0; t < count; ++t) {
-      for (int64_t g = 0; g < group; ++g) scores[g][t] = dot(q + g * head_dim, key_ptrs[t], head_dim) * scale;
-    }
+  // Turns scores into weights e^(s - max) and rescales what came before to the new maximum.
+  void exponentiate(float (*scores)[kKeyTile], int64_t count) {
     for (int64_t g = 0; g < group; ++g) {
-      float tile_max = running_max[g];
+      float tile_max = max[g];
       for (int64_t t = 0; t < count; ++t) tile_max = std::max(tile_max, scores[g][t]);
-      const float rescale = std::exp(running_max[g] - tile_max);
-      running_sum[g] *= rescale;
-      for (int64_t i = 0; i < head_dim; ++i) acc[g * head_dim + i] *= rescale;
-      for (int64_t t = 0; t < count; ++t) {
-        scores[g][t] = std::exp(scores[g][t] - tile_max);
-        running_sum[g] += scores[g][t];
+      const float rescale = std::exp(max[g] - tile_max);  // 0 on the first tile (max was -inf)
+      float tile_sum = 0.f;
+      int64_t t = 0;
+#if PDSERVE_AVX2
+      const __m256 shift = _mm256_set1_ps(tile_max);
+      __m256 sums = _mm256_setzero_ps();
+      for (; t + 8 <= count; t += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores[g] + t), shift));
+        _mm256_storeu_ps(scores[g] + t, e);
+        sums = _mm256_add_ps(sums, e);
       }
-      running_max[g] = tile_max;
+      tile_sum = horizontal_sum(sums);
+#endif
+      for (; t < count; ++t) {
+        scores[g][t] = std::exp(scores[g][t] - tile_max);
+        tile_sum += scores[g][t];
+      }
+      if (rescale != 1.f) {
+        for (int64_t i = 0; i < head_dim; ++i) acc[g * head_dim + i] *= rescale;
+      }
+      sum[g] = sum[g] * rescale + tile_sum;
+      max[g] = tile_max;
     }
-    for (int64_t t = 0; t < count; ++t) {
-      for (int64_t g = 0; g < group; ++g) scale_add(acc.data() + g * head_dim, value_ptrs[t], scores[g][t], head_dim);
+  }
+
+  // acc[g] += sum_t weights[g][t] * (values[t] + at)
+  void accumulate(const float (*weights)[kKeyTile], const float* const* values, int64_t at, int64_t count) {
+    for (int64_t g = 0; g < group; ++g) {
+      float* out = acc + g * head_dim;
+      int64_t i = 0;
+#if PDSERVE_AVX2
+      for (; i + 64 <= head_dim; i += 64) {  // 64 dims at a time: eight independent FMA chains
+        __m256 a[8];
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_loadu_ps(out + i + 8 * j);
+        for (int64_t t = 0; t < count; ++t) {
+          const __m256 w = _mm256_set1_ps(weights[g][t]);
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values[t] + at + i + 8 * j), a[j]);
+        }
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + i + 8 * j, a[j]);
+      }
+#endif
+      for (int64_t t = 0; t < count; ++t) {
+        for (int64_t d = i; d < head_dim; ++d) out[d] += weights[g][t] * values[t][at + d];
+      }
+    }
+  }
+
+  void add(const float* q, const float* const* keys, const float* const* values, int64_t at, int64_t count,
+           float scale) {
+    float scores[kMaxGroup][kKeyTile];
+    score(q, keys, at, count, scale, scores);
+    exponentiate(scores, count);
+    accumulate(scores, values, at, count);
+  }
+
+  // Folds another state over other keys of the same heads into this one.
+  void merge(const SoftmaxState& other) {
+    for (int64_t g = 0; g < group; ++g) {
+      if (other.sum[g] == 0.f && other.max[g] == -std::numeric_limits<float>::infinity()) continue;  // saw no key
+      const float top = std::max(max[g], other.max[g]);
+      const float mine = std::exp(max[g] - top), theirs = std::exp(other.max[g] - top);
+      for (int64_t i = 0; i < head_dim; ++i) {
+        acc[g * head_dim + i] = acc[g * head_dim + i] * mine + other.acc[g * head_dim + i] * theirs;
+      }
+      sum[g] = sum[g] * mine + other.sum[g] * theirs;
+      max[g] = top;
     }
   }
 
   void write(float* out) const {
     for (int64_t g = 0; g < group; ++g) {
-      const float inv = running_sum[g] > 0.f ? 1.f / running_sum[g] : 0.f;
+      const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;
       for (int64_t i = 0; i < head_dim; ++i) out[g * head_dim + i] = acc[g * head_dim + i] * inv;
     }
   }
 };
 
-// One (row, kv head): keys [begin, end) from the pages, then the row's own new key if given.
-void attend_one(const float* q, int64_t group, int64_t head_dim, const PagedCache& keys, const PagedCache& values,
-                const int32_t* table, int64_t kv_head, int64_t begin, int64_t end, const float* new_key,
-                const float* new_value, float scale, float* out) {
-  SoftmaxState state(group, head_dim);
-  const float* key_ptrs[kKeyTile];
-  const float* value_ptrs[kKeyTile];
-  for (int64_t tile = begin; tile < end; tile += kKeyTile) {
-    const int64_t count = std::min(kKeyTile, end - tile);
-    for (int64_t t = 0; t < count; ++t) {
-      key_ptrs[t] = keys.at(table, tile + t, kv_head);
-      value_ptrs[t] = values.at(table, tile + t, kv_head);
-    }
-    state.add(q, key_ptrs, value_ptrs, count, scale);
+// Asks for token rows of `row_floats` floats ahead of use. The rows of a tile come from a few
+// pages far apart (a block's slot of one layer is a few kilobytes), too short a run for the
+// hardware prefetcher to learn; fetched a tile ahead, they stream while the current tile computes.
+void prefetch_rows(const float* const* rows, int64_t count, int64_t row_floats) {
+  for (int64_t t = 0; t < count; ++t) {
+    for (int64_t i = 0; i < row_floats; i += 16) __builtin_prefetch(rows[t] + i);  // one 64-byte line
   }
-  if (new_key != nullptr) state.add(q, &new_key, &new_value, 1, scale);
-  state.write(out);
+}
+
+// Folds keys [begin, end) of every KV head of one row (from the pages) into states[h], then the
+// row's own new keys when given ([kv_heads, head_dim]). Tile by tile, every head in turn, with
+// the next tile's rows prefetched.
+void attend_range(SoftmaxState* states, int64_t kv_heads, const float* q, const PagedCache& keys,
+                  const PagedCache& values, const int32_t* table, int64_t begin, int64_t end, const float* new_keys,
+                  const float* new_values, float scale) {
+  const int64_t group = states[0].group, head_dim = states[0].head_dim;
+  const int64_t row_floats = (kv_heads - 1) * keys.head_stride + head_dim;
+  const float* rows[2][2][kKeyTile];  // [tile parity][keys, values][key]
+  int64_t count = std::min(kKeyTile, end - begin);
+  if (count > 0) {
+    token_rows(keys, table, begin, count, rows[0][0]);
+    token_rows(values, table, begin, count, rows[0][1]);
+  }
+  for (int64_t tile = begin, parity = 0; tile < end; tile += kKeyTile, parity ^= 1) {
+    const int64_t next_count = std::min(kKeyTile, end - tile - kKeyTile);
+    if (next_count > 0) {
+      token_rows(keys, table, tile + kKeyTile, next_count, rows[parity ^ 1][0]);
+      token_rows(values, table, tile + kKeyTile, next_count, rows[parity ^ 1][1]);
+      prefetch_rows(rows[parity ^ 1][0], next_count, row_floats);
+      prefetch_rows(rows[parity ^ 1][1], next_count, row_floats);
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      states[h].add(q + h * group * head_dim, rows[parity][0], rows[parity][1], h * keys.head_stride, count, scale);
+    }
+    count = next_count;
+  }
+  if (new_keys == nullptr) return;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    states[h].add(q + h * group * head_dim, &new_keys, &new_values, h * head_dim, 1, scale);
+  }
 }
 
 void check_new_kv(const std::optional<at::Tensor>& t, int64_t rows, int64_t kv_heads, int64_t head_dim) {
@@ -474,10 +610,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t width = table.size(1), block_size = keys.block_size;
   const int32_t* start_data = starts.data_ptr<int32_t>();
   const int32_t* end_data = ends.data_ptr<int32_t>();
+  int64_t work = 0, longest = 0;
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(0 <= start_data[r] && start_data[r] <= end_data[r] && end_data[r] <= width * block_size,
                 "paged_decode_attention: key range of row ", r, " does not fit its block table");
     TORCH_CHECK(end_data[r] > start_data[r] || kn.defined(), "paged_decode_attention: row ", r, " sees no key");
+    work += (end_data[r] - start_data[r] + 1) * heads * head_dim * 2;
+    longest = std::max<int64_t>(longest, end_data[r] - start_data[r]);
   }
   at::Tensor out = at::empty(qc.sizes(), qc.options());
   const int64_t group = heads / kv_heads;
@@ -486,23 +625,41 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const float* kn_data = kn.defined() ? kn.data_ptr<float>() : nullptr;
   const float* vn_data = vn.defined() ? vn.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
-  // Split (row, KV head) tasks among threads only when there is enough work to pay for waking
-  // them: a parallel region costs microseconds, and far more on a loaded machine. (At 1 << 21 a
-  // one-row step attended on one core up to ~1,800 keys; 1 << 16 halved the embedded model's
-  // attention at 180 keys, 0.09 -> 0.055 ms a layer.)
-  int64_t work = 0;
-  for (int64_t r = 0; r < rows; ++r) work += (end_data[r] - start_data[r] + 1) * heads * head_dim * 2;
-  const int64_t grain = work < kParallelAttentionWork ? rows * kv_heads : 1;
-  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kv_heads, h = task % kv_heads;
-      const int64_t offset = (r * heads + h * group) * head_dim;
-      const int64_t new_offset = (r * kv_heads + h) * head_dim;
-      attend_one(q_data + offset, group, head_dim, keys, values, table_data + r * width, h, start_data[r], end_data[r],
-                 kn_data ? kn_data + new_offset : nullptr, vn_data ? vn_data + new_offset : nullptr,
-                 static_cast<float>(scale), out_data + offset);
+
+  // Tasks are (row, split): split s of a row attends, for every KV head, to the s-th of `splits`
+  // equal key ranges (the last split also to the row's new keys). Few rows with long contexts
+  // get enough splits to keep every thread busy; a small step runs on the calling thread alone.
+  const bool parallel = work >= kParallelAttentionWork && at::get_num_threads() > 1;
+  int64_t splits = 1;
+  if (parallel && rows < 2 * at::get_num_threads()) {
+    const int64_t wanted = (2 * at::get_num_threads() + rows - 1) / rows;
+    splits = std::max<int64_t>(1, std::min(wanted, longest / kKeysPerSplit));
+  }
+  const int64_t num_tasks = rows * splits;
+  std::vector<float> scratch(num_tasks * heads * head_dim);
+  std::vector<SoftmaxState> states(num_tasks * kv_heads);
+  at::parallel_for(0, num_tasks, parallel ? 1 : std::max<int64_t>(num_tasks, 1), [&](int64_t first, int64_t last) {
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t r = task / splits, s = task % splits;
+      const int64_t begin = start_data[r], length = end_data[r] - begin;
+      const bool owns_new_keys = kn_data != nullptr && s == splits - 1;
+      SoftmaxState* task_states = states.data() + task * kv_heads;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        task_states[h].reset(group, head_dim, scratch.data() + (task * kv_heads + h) * group * head_dim);
+      }
+      attend_range(task_states, kv_heads, q_data + r * heads * head_dim, keys, values, table_data + r * width,
+                   begin + length * s / splits, begin + length * (s + 1) / splits,
+                   owns_new_keys ? kn_data + r * kv_heads * head_dim : nullptr,
+                   owns_new_keys ? vn_data + r * kv_heads * head_dim : nullptr, static_cast<float>(scale));
     }
   });
+  for (int64_t r = 0; r < rows; ++r) {
+    SoftmaxState* row_states = states.data() + r * splits * kv_heads;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t s = 1; s < splits; ++s) row_states[h].merge(row_states[s * kv_heads + h]);
+      row_states[h].write(out_data + (r * heads + h * group) * head_dim);
+    }
+  }
   return out;
 }
 

@@ -126,3 +126,41 @@ def test_torch_decode_workspace_is_bounded_by_the_slice_and_results_are_unchange
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, _dense(q, k_cache, v_cache, tables, positions, FullAttentionSpec(), 0.25),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(3, 3, 64), (1, 1, 128), (2, 4, 80), (2, 2, 12)])
+@pytest.mark.parametrize("lengths", [[1500], [1, 9, 700, 1500]])  # one long row is split among threads
+@pytest.mark.parametrize("spec", [FullAttentionSpec(), SlidingWindowSpec(300)])
+@pytest.mark.parametrize("with_new_key", [False, True])
+def test_native_decode_attention_over_long_contexts_and_every_head_shape(kv_heads, group, head_dim, lengths, spec,
+                                                                         with_new_key):
+    """Model-sized heads (vector paths and their scalar tails), contexts of many key tiles, and
+    the key ranges split among threads and merged, against a float64 softmax."""
+    require_native_kernels()
+    block_size, heads = 16, kv_heads * group
+    num_blocks = sum(math.ceil(n / block_size) for n in lengths) + 1
+    generator = torch.Generator().manual_seed(head_dim + len(lengths))
+    pool = torch.randn(num_blocks, 2, 2, block_size, kv_heads, head_dim, generator=generator)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    order = torch.randperm(num_blocks - 1, generator=generator).add(1).tolist()
+    tables, used = [], 0
+    for length in lengths:
+        count = math.ceil(length / block_size)
+        tables.append(order[used : used + count])
+        used += count
+    positions = [n - 1 for n in lengths]
+    q = torch.randn(len(lengths), heads, head_dim, generator=generator)
+    k_new = torch.randn(len(lengths), kv_heads, head_dim, generator=generator) if with_new_key else None
+    v_new = torch.randn(len(lengths), kv_heads, head_dim, generator=generator) if with_new_key else None
+    rows = build_decode_rows(spec, tables, positions, block_size, torch.device("cpu"), include_query_key=not with_new_key)
+    out = attend_decode(q, k_cache, v_cache, rows, head_dim**-0.5, k_new, v_new, native=True)
+    for row, (table, position) in enumerate(zip(tables, positions)):
+        last = position if with_new_key else position + 1
+        keys = torch.stack([k_cache[table[p // block_size], p % block_size] for p in range(spec.needed_from(position), last)]
+                           + ([k_new[row]] if with_new_key else []))
+        values = torch.stack([v_cache[table[p // block_size], p % block_size] for p in range(spec.needed_from(position), last)]
+                             + ([v_new[row]] if with_new_key else []))
+        keys = keys.double().repeat_interleave(group, dim=1)
+        values = values.double().repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,lhd->hl", q[row].double(), keys) * head_dim**-0.5, -1)
+        torch.testing.assert_close(out[row].double(), torch.einsum("hl,lhd->hd", weights, values), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,75 @@
+"""Micro-benchmark of the native decode attention at the embedded model's shapes (9 query heads
+over 3 KV heads of 64, block size 16) for one query row at several context lengths, each call on
+a different layer slot of one 30-layer pool, as a decode step walks them (so the keys come from
+memory, not cache). The library is cached per source, so comparing two kernels means running
+this on two checkouts one after the other:
+
+    python3 bench/decode_attention.py [--keys 200 400 1000 2000] [--out bench/results/decode_attention.json]
+
+Prints microseconds per call, and the same less a one-key call (the Python and dispatch cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pdserve.kernels.native import cpu_kernels_error, ops  # noqa: E402
+
+LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, HEADS = 30, 16, 3, 64, 9
+
+
+def microseconds_per_call(keys: int, rounds: int) -> float:
+    num_blocks = keys // BLOCK_SIZE + 2
+    pool = torch.randn(num_blocks, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    table = torch.arange(1, num_blocks, dtype=torch.int32)[None, :]
+    q = torch.randn(1, HEADS, HEAD_DIM)
+    start, end = torch.tensor([0], dtype=torch.int32), torch.tensor([keys], dtype=torch.int32)
+    k_new, v_new = torch.randn(1, KV_HEADS, HEAD_DIM), torch.randn(1, KV_HEADS, HEAD_DIM)
+    slots = [(pool[:, layer, 0], pool[:, layer, 1]) for layer in range(LAYERS)]
+    attend = ops().paged_decode_attention
+
+    def every_layer() -> None:
+        for k_cache, v_cache in slots:
+            attend(q, k_cache, v_cache, table, start, end, k_new, v_new, HEAD_DIM**-0.5)
+
+    every_layer()
+    samples = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for _ in range(10):
+            every_layer()
+        samples.append((time.perf_counter() - started) / 10 / LAYERS * 1e6)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--keys", type=int, nargs="+", default=[200, 400, 1000, 2000])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--out", default="bench/results/decode_attention.json")
+    args = parser.parse_args()
+    if cpu_kernels_error() is not None:
+        raise SystemExit(f"native kernels unavailable: {cpu_kernels_error()}")
+    torch.manual_seed(0)
+    overhead = microseconds_per_call(1, args.rounds)
+    results = {keys: microseconds_per_call(keys, args.rounds) for keys in args.keys}
+    print(f"| keys | us per call (median of {args.rounds}) | less a one-key call ({overhead:.1f} us) |")
+    print("|---:|---:|---:|")
+    for keys, value in results.items():
+        print(f"| {keys} | {value:.1f} | {value - overhead:.1f} |")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "one_key_us": overhead, "us_per_call": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
