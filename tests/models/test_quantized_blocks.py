@@ -30,6 +30,32 @@ def _gguf_packed(weight: torch.Tensor, qtype) -> np.ndarray:
     return gguf.quants.quantize(weight.numpy(), qtype)
 
 
+INT15_MAX = 16256  # the one-row Q4_1 kernel's activation integers: 127 * 128
+
+
+def _block_offsets(packed: PackedWeight) -> torch.Tensor:
+    """Each Q4_1 weight's block offset m, [out_features, in_features]."""
+    blocks = packed.blocks.reshape(packed.out_features, -1, packed.format.block_bytes)
+    m = blocks[:, :, 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+    return m.repeat_interleave(32, dim=1)
+
+
+def one_row_q4_1_reference(packed: PackedWeight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the one-row Q4_1 kernel computes, its error bound against the exact product), in float64.
+
+    The kernel rounds each block of 32 activations to 15-bit integers on the scale
+    s = max|x| / 16256 and multiplies those with the codes d * q, while the offsets m meet the
+    exact activations: y = (W - M) @ round(x / s) s + M @ x; and |y - W @ x| <= |W - M| @ s / 2."""
+    w = dequantize(packed).double()
+    offsets = _block_offsets(packed).double()
+    blocks = x.double().reshape(-1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / INT15_MAX
+    rounded = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)) * scale, 0).reshape(x.shape)
+    expected = rounded @ (w - offsets).t() + x.double() @ offsets.t()
+    bound = (scale / 2).expand(-1, 32).reshape(x.shape) @ (w - offsets).abs().t()
+    return expected, bound
+
+
 def require_native_kernels() -> None:
     """Skip only where the CPU cannot run them; a failed build on a capable CPU is a failure."""
     missing = [flag for flag in ("avx2", "fma", "f16c") if flag not in native._cpu_flags()]
@@ -96,6 +122,11 @@ def test_native_linear_matches_the_dequantized_reference(make, rows):
     layer = QuantizedLinear(packed, bias=torch.nn.Parameter(torch.randn(72), requires_grad=False))
     assert layer.native
     expected = F.linear(x, dequantize(packed), layer.bias)
+    if rows == 1 and packed.format is BlockFormat.Q4_1:  # 15-bit activations: see one_row_q4_1_reference
+        integer_expected, bound = one_row_q4_1_reference(packed, x)
+        torch.testing.assert_close(layer(x).double(), integer_expected + layer.bias.double(), rtol=1e-5, atol=1e-5)
+        assert torch.all((layer(x) - expected).abs() <= bound + 1e-5)
+        expected = (integer_expected + layer.bias.double()).float()
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x.reshape(rows, 1, 160)), expected.reshape(rows, 1, 72), rtol=1e-5, atol=1e-5)
 
@@ -120,7 +151,37 @@ def test_native_linear_on_gguf_blocks_matches_torch_dequantize_and_matmul(qtype,
     assert layer.native
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     expected = x @ torch.from_numpy(reference_weight).T
+    if rows == 1 and layer.format is BlockFormat.Q4_1:  # Q4_0 too: it is served as Q4_1
+        integer_expected, bound = one_row_q4_1_reference(layer.packed, x)
+        torch.testing.assert_close(layer(x).double(), integer_expected, rtol=1e-5, atol=1e-5)
+        assert torch.all((layer(x) - expected).abs() <= bound + 1e-5)
+        return
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("in_features", [32, 64, 96, 576])  # one block, one pair, a pair and a half, 18 blocks
+def test_one_row_q4_1_rounds_activations_as_documented_and_keeps_non_finite_values(in_features):
+    """The one-row Q4_1 kernel against the float64 model of its 15-bit activations (odd block
+    counts pair the last block with itself), zero blocks included; then a NaN or an infinity
+    in the row must reach every output, as it would in a float product."""
+    require_native_kernels()
+    packed = quantize_q4_1(_weights(50, in_features, seed=in_features))
+    layer = QuantizedLinear(packed)
+    x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(3)) * 4
+    x[0, :32] *= 1e-3  # a block of small values keeps its own scale
+    if in_features > 32:
+        x[0, 32:64] = 0  # an all-zero block
+    expected, bound = one_row_q4_1_reference(packed, x)
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-6)
+    exact = x.double() @ dequantize(packed).double().t()
+    error = (layer(x).double() - exact).abs()
+    assert torch.all(error <= bound + 1e-5)
+    assert float(bound.max()) < 1e-2 * float(exact.abs().max())  # the bound says something
+    assert float(error.max()) < 1e-4 * float(exact.abs().max())  # and the error sits well inside it
+    for bad in (float("nan"), float("inf")):
+        poisoned = x.clone()
+        poisoned[0, in_features - 1] = bad
+        assert not torch.isfinite(layer(poisoned)).any()
 
 
 def test_torch_fallback_linear_and_embedding_match_the_native_ones():
