@@ -452,10 +452,11 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
 
 constexpr int64_t kKeyTile = 64;  // keys scored at once; bounds the per-task scratch
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
-constexpr int64_t kKeysPerSplit = 256;  // the shortest key range a thread is given on its own
-// Multiply-adds below which one thread attends: a parallel region costs microseconds, far more
-// on a loaded machine, and one thread attends to ~1,000 keys of a 9-head layer in about that.
-constexpr int64_t kParallelAttentionWork = 1 << 18;
+constexpr int64_t kKeysPerSplit = 64;  // the shortest key range a thread is given on its own
+// Multiply-adds below which one thread attends (~60 keys of a 9-head layer of 64): a parallel
+// region costs a few microseconds, and above this two threads read the pages faster than one
+// (bench/decode_attention.py, 264 keys: 45 -> 33 us a call; 400 keys: 84 -> 47 us).
+constexpr int64_t kParallelAttentionWork = 1 << 16;
 
 inline float dot(const float* a, const float* b, int64_t n) {
 #if PDSERVE_AVX2
@@ -652,41 +653,23 @@ struct SoftmaxState {
   }
 };
 
-// Asks for token rows of `row_floats` floats ahead of use. The rows of a tile come from a few
-// pages far apart (a block's slot of one layer is a few kilobytes), too short a run for the
-// hardware prefetcher to learn; fetched a tile ahead, they stream while the current tile computes.
-void prefetch_rows(const float* const* rows, int64_t count, int64_t row_floats) {
-  for (int64_t t = 0; t < count; ++t) {
-    for (int64_t i = 0; i < row_floats; i += 16) __builtin_prefetch(rows[t] + i);  // one 64-byte line
-  }
-}
-
 // Folds keys [begin, end) of every KV head of one row (from the pages) into states[h], then the
-// row's own new keys when given ([kv_heads, head_dim]). Tile by tile, every head in turn, with
-// the next tile's rows prefetched.
+// row's own new keys when given ([kv_heads, head_dim]). Tile by tile, every head in turn, so that
+// each tile's token rows are read from memory once. (Prefetching the next tile in software made
+// no measurable difference here.)
 void attend_range(SoftmaxState* states, int64_t kv_heads, const float* q, const PagedCache& keys,
                   const PagedCache& values, const int32_t* table, int64_t begin, int64_t end, const float* new_keys,
                   const float* new_values, float scale) {
   const int64_t group = states[0].group, head_dim = states[0].head_dim;
-  const int64_t row_floats = (kv_heads - 1) * keys.head_stride + head_dim;
-  const float* rows[2][2][kKeyTile];  // [tile parity][keys, values][key]
-  int64_t count = std::min(kKeyTile, end - begin);
-  if (count > 0) {
-    token_rows(keys, table, begin, count, rows[0][0]);
-    token_rows(values, table, begin, count, rows[0][1]);
-  }
-  for (int64_t tile = begin, parity = 0; tile < end; tile += kKeyTile, parity ^= 1) {
-    const int64_t next_count = std::min(kKeyTile, end - tile - kKeyTile);
-    if (next_count > 0) {
-      token_rows(keys, table, tile + kKeyTile, next_count, rows[parity ^ 1][0]);
-      token_rows(values, table, tile + kKeyTile, next_count, rows[parity ^ 1][1]);
-      prefetch_rows(rows[parity ^ 1][0], next_count, row_floats);
-      prefetch_rows(rows[parity ^ 1][1], next_count, row_floats);
-    }
+  const float* key_rows[kKeyTile];
+  const float* value_rows[kKeyTile];
+  for (int64_t tile = begin; tile < end; tile += kKeyTile) {
+    const int64_t count = std::min(kKeyTile, end - tile);
+    token_rows(keys, table, tile, count, key_rows);
+    token_rows(values, table, tile, count, value_rows);
     for (int64_t h = 0; h < kv_heads; ++h) {
-      states[h].add(q + h * group * head_dim, rows[parity][0], rows[parity][1], h * keys.head_stride, count, scale);
+      states[h].add(q + h * group * head_dim, key_rows, value_rows, h * keys.head_stride, count, scale);
     }
-    count = next_count;
   }
   if (new_keys == nullptr) return;
   for (int64_t h = 0; h < kv_heads; ++h) {
