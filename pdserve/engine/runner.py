@@ -25,6 +25,7 @@ from pdserve.engine.paged_attention import PagedAttention
 from pdserve.engine.sampler import Sampler, unpack_sampled
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
 from pdserve.grammar.matchers import GrammarMatchers, bitmask_to_allowed
+from pdserve.kernels.native import cpu_kernels_available
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.models.base import CausalLM
@@ -42,7 +43,7 @@ class ModelRunner:
         self.device = device
         self.pool = layout.allocate(device)
         self.layer_caches = self._layer_caches()
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, native_greedy=device.type == "cpu" and cpu_kernels_available())
         self.decode_step = DecodeStep(model, plan, self.pool, self.layer_caches, layout.block_size, device,
                                       compile_step=compile_decode)
         self.synchronize()  # the pool's zeros land before NIXL registers it or a peer reads it

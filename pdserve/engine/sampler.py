@@ -32,6 +32,7 @@ import torch
 
 from pdserve.engine.logits_processors import adjust_logits, needs_adjustment
 from pdserve.engine.schedule_types import SampledToken, ScheduledChunk
+from pdserve.kernels.native import ops
 
 
 @dataclass(slots=True)
@@ -72,8 +73,11 @@ def _top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, native_greedy: bool = False):
+        """native_greedy: plain greedy steps (no penalties, bias, grammar or logprobs) take the
+        native kernels' one-call greedy choice; the caller says whether they are loaded."""
         self.device = device
+        self.native_greedy = native_greedy and device.type == "cpu"
         self.shared_generator = torch.Generator(device=device).manual_seed(seed)
         self._seeded: dict[str, _SeededState] = {}
 
@@ -90,6 +94,8 @@ class Sampler:
                       allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[rows, 1] (ids) or [rows, 2 + 2k] (ids, logprobs, k top ids, k top logprobs) float64 on the
         device: ids are exact in float64, so one transfer carries everything."""
+        if self.native_greedy and allowed is None and logits.dtype == torch.float32 and _plain_greedy(chunks):
+            return ops().greedy_tokens(logits)  # the same ids and failed rows, in one call
         token_ids, logprobs, top = self.sample_on_device(logits, chunks, allowed)
         if logprobs is None:
             return token_ids.double().unsqueeze(1)
@@ -173,6 +179,11 @@ class Sampler:
 
     def _on_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+
+def _plain_greedy(chunks: Sequence[ScheduledChunk]) -> bool:
+    """Every row takes its argmax as is: greedy, nothing adjusting the logits, no logprobs."""
+    return all(chunk.sampling.greedy and not chunk.sampling.logprobs for chunk in chunks) and not needs_adjustment(chunks)
 
 
 def _choosing_logits(logits: torch.Tensor, chunks: Sequence[ScheduledChunk],

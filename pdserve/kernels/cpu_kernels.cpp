@@ -479,11 +479,12 @@ inline __m256 horizontal_sums8(const __m256 (&a)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
-// e^x for x <= 0 (a score minus the running maximum): e^x = 2^n e^r with |r| <= ln(2)/2 and a
-// degree-6 polynomial for e^r, within 2 ulp of std::exp; x below -87 gives ~1e-38 (not 0), and a
-// NaN stays NaN so that a broken row shows in its logits.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);  // max(a, NaN) is NaN: the operand order matters
+// e^x, 8 at a time: e^x = 2^n e^r with |r| <= ln(2)/2 and a degree-6 polynomial for e^r, within
+// 2 ulp of std::exp. x is clamped to [-87, 88] (e^x stays a normal float: ~1e-38 below, not 0;
+// ~1.7e38 above, not inf), and a NaN stays NaN so that a broken row shows in its logits.
+inline __m256 exp8(__m256 x) {
+  // min/max return their second operand when either is NaN: the operand order keeps NaN.
+  x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -583,7 +584,7 @@ struct SoftmaxState {
       const __m256 shift = _mm256_set1_ps(tile_max);
       __m256 sums = _mm256_setzero_ps();
       for (; t + 8 <= count; t += 8) {
-        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores[g] + t), shift));
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores[g] + t), shift));
         _mm256_storeu_ps(scores[g] + t, e);
         sums = _mm256_add_ps(sums, e);
       }
@@ -758,6 +759,55 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       row_states[h].write(out_data + (r * heads + h * group) * head_dim);
     }
   }
+  return out;
+}
+
+// ---- greedy choice ----------------------------------------------------------------------------
+//
+// Per row of float32 logits [rows, vocab]: the first index of the largest value, as float64 (the
+// sampler's packed form: ids are exact in float64), or -1 when the row holds a NaN or an
+// infinity, which the sampler fails alone. One pass for the maximum and finiteness, one to find
+// where it is: what argmax, isfinite().all() and amax() take six passes and temporaries for.
+
+constexpr double kFailedToken = -1.0;  // pdserve.engine.sampler.FAILED_TOKEN_ID
+
+double greedy_row(const float* x, int64_t vocab) {
+  int64_t i = 0;
+  float largest = -std::numeric_limits<float>::infinity();
+  bool finite = true;
+#if PDSERVE_AVX2
+  __m256 top = _mm256_set1_ps(largest);
+  __m256 broken = _mm256_setzero_ps();  // lanes where some x - x was not 0 (x NaN or infinite)
+  for (; i + 8 <= vocab; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    top = _mm256_max_ps(top, v);
+    broken = _mm256_or_ps(broken, _mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+  }
+  finite = _mm256_movemask_ps(broken) == 0;
+  float lanes[8];
+  _mm256_storeu_ps(lanes, top);
+  for (float lane : lanes) largest = std::max(largest, lane);
+#endif
+  for (; i < vocab; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    largest = std::max(largest, x[i]);
+  }
+  if (!finite || vocab == 0) return kFailedToken;
+  for (int64_t j = 0; j < vocab; ++j) {
+    if (x[j] == largest) return static_cast<double>(j);
+  }
+  return kFailedToken;
+}
+
+at::Tensor greedy_tokens(const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
+              "greedy_tokens: logits must be float32 [rows, vocab] on the CPU");
+  const at::Tensor lc = logits.contiguous();
+  const int64_t rows = lc.size(0), vocab = lc.size(1);
+  at::Tensor out = at::empty({rows, 1}, lc.options().dtype(at::kDouble));
+  const float* x = lc.data_ptr<float>();
+  double* ids = out.data_ptr<double>();
+  for (int64_t r = 0; r < rows; ++r) ids[r] = greedy_row(x + r * vocab, vocab);
   return out;
 }
 
@@ -936,11 +986,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
   at::Tensor act = at::empty({rows, intermediate}, h.options());
   const float* gu = gate_up.data_ptr<float>();
   float* a = act.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < intermediate; ++i) {
-      const float gate = gu[r * 2 * intermediate + i], up = gu[r * 2 * intermediate + intermediate + i];
-      a[r * intermediate + i] = gate / (1.f + std::exp(-gate)) * up;
+  for (int64_t r = 0; r < rows; ++r) {  // silu(gate) * up
+    const float* gate = gu + r * 2 * intermediate;
+    const float* up = gate + intermediate;
+    float* out = a + r * intermediate;
+    int64_t i = 0;
+#if PDSERVE_AVX2
+    for (; i + 8 <= intermediate; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
     }
+#endif
+    for (; i < intermediate; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
   }
   at::Tensor mlp = layer_linear(act, weights[3], formats[3], biases.get(3));
   TORCH_CHECK(mlp.size(1) == hidden, "llama_decode_layer: down weight does not give the hidden size");
@@ -955,6 +1013,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("q8_0_linear(Tensor x, Tensor blocks) -> Tensor");
   m.def("f32_row_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("dequantize_blocks(Tensor blocks, int block_bytes) -> Tensor");
+  m.def("greedy_tokens(Tensor logits) -> Tensor");
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_start, "
       "Tensor key_end, Tensor? k_new, Tensor? v_new, float scale) -> Tensor");
@@ -970,6 +1029,7 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("q8_0_linear", &q8_0_linear);
   m.impl("f32_row_linear", &f32_row_linear);
   m.impl("dequantize_blocks", &dequantize_blocks);
+  m.impl("greedy_tokens", &greedy_tokens);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("llama_decode_layer", &llama_decode_layer);
 }

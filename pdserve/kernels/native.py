@@ -110,6 +110,10 @@ def _register_fakes() -> None:
     def _dequantize(blocks: torch.Tensor, block_bytes: int) -> torch.Tensor:
         return blocks.new_empty((blocks.shape[0], blocks.shape[1] // block_bytes * 32), dtype=torch.float32)
 
+    @torch.library.register_fake(f"{LIBRARY_NAMESPACE}::greedy_tokens")
+    def _greedy(logits: torch.Tensor) -> torch.Tensor:
+        return logits.new_empty((logits.shape[0], 1), dtype=torch.float64)
+
     @torch.library.register_fake(f"{LIBRARY_NAMESPACE}::paged_decode_attention")
     def _attention(q, k_cache, v_cache, block_table, key_start, key_end, k_new, v_new, scale):  # noqa: ANN001
         return torch.empty_like(q)

@@ -12,6 +12,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.request import SamplingParams
 from tests.devices import cuda_available
+from tests.models.test_quantized_blocks import require_native_kernels
 
 VOCAB = 50
 
@@ -143,3 +144,30 @@ def test_sampling_on_cuda_never_waits_for_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert token_ids.shape == (9,) and logprobs.shape == (9,)
+
+
+def test_native_greedy_choice_equals_the_torch_path_ties_and_broken_rows_included():
+    """Plain greedy steps on the CPU take one native call: the same ids (the first of tied
+    maxima), and the same rows failed (a NaN, +inf or -inf anywhere, or nothing but -inf)."""
+    require_native_kernels()
+    vocab = 49_157  # not a multiple of the kernel's 8 lanes
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(4)) * 5
+    logits[1, [17, 40_000]] = 100.0  # a tie: the first index wins
+    logits[2, -1] = 100.0  # the maximum in the scalar tail
+    logits[3, 123] = float("nan")
+    logits[4, vocab - 2] = float("inf")
+    logits[5, 7] = float("-inf")
+    logits[6] = float("-inf")
+    logits[7] = -3.0  # all equal
+    chunks = [chunk(f"g{row}", temperature=0) for row in range(8)]
+    native = Sampler(torch.device("cpu"), native_greedy=True)
+    reference = Sampler(torch.device("cpu"), native_greedy=False)
+    assert native.native_greedy and not reference.native_greedy
+    fast, slow = native.sample(logits, chunks), reference.sample(logits, chunks)
+    assert [(s.token_id, s.failed) for s in fast] == [(s.token_id, s.failed) for s in slow]
+    assert [s.token_id for s in fast[:3]] == [int(logits[0].argmax()), 17, vocab - 1]
+    assert [s.failed for s in fast] == [False, False, False, True, True, True, True, False]
+    assert fast[7].token_id == 0
+    # Anything beyond plain greedy (here logprobs) still takes the torch path, with its extras.
+    with_logprobs = native.sample(logits[:1], [chunk("l", temperature=0, logprobs=True)])
+    assert with_logprobs[0].logprob == pytest.approx(logits[0].double().log_softmax(-1).max().item(), abs=1e-5)
