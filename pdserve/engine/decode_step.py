@@ -29,7 +29,7 @@ import torch
 from pdserve.engine.decode_attention import (
     DecodeRows, attend_decode, attend_decode_static, build_decode_rows, uses_native_kernel,
 )
-from pdserve.engine.fused_layer import fused_layers
+from pdserve.engine.fused_layer import FusedDecoderStack, fused_layers
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.models.base import CausalLM, DecoderLayer
@@ -112,6 +112,7 @@ class DecodeStep:
         self.compiled = compile_step
         # One native call per layer (engine/fused_layer.py) where the whole model allows it.
         self._fused = fused_layers(model, device) if fuse_layers and self.native and not compile_step else None
+        self._fused_stack = FusedDecoderStack(self._fused, layer_caches) if self._fused is not None else None
         self.static_shapes = compile_step and not self.native
         # One compiled graph serves every layer of a kind (dynamo guards on the layer's type and
         # settings, not on which layer it is), so compile time does not grow with depth.
@@ -155,10 +156,8 @@ class DecodeStep:
         """Logits [len(chunks), vocab] of single-token `chunks`, their K/V stored in the pool."""
         step = self.inputs(chunks)
         h, rope = self.model.embed(step.input_ids, step.positions)
-        if self._fused is not None:  # each layer stores its own new K/V
-            for layer, (group_id, k_cache, v_cache) in zip(self._fused, self.layer_caches):
-                h = layer(h, rope, k_cache, v_cache, step.rows[group_id], step.write_block_ids[group_id],
-                          step.write_offsets)
+        if self._fused is not None:  # one native call for every layer; each stores its own new K/V
+            h = self._fused_stack(h, rope, step.rows, step.write_block_ids, step.write_offsets)
             return self.model.compute_logits(self.model.final_norm(h))
         new_keys, new_values = [], []
         for layer, (group_id, k_cache, v_cache) in zip(self.model.layers, self.layer_caches):

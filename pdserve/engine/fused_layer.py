@@ -94,6 +94,28 @@ class FusedLlamaLayer:
         return h
 
 
+class FusedDecoderStack:
+    """Every fused layer of a model as one native object (`pdserve_cpu::LlamaDecoderStack`): a
+    decode step calls it once instead of once per layer, each layer's fixed arguments and page
+    views handed over at start-up."""
+
+    def __init__(self, layers: Sequence[FusedLlamaLayer], layer_caches: Sequence[tuple[int, torch.Tensor, torch.Tensor]]):
+        self._stack = torch.classes.pdserve_cpu.LlamaDecoderStack()
+        no_bias = torch.empty(0)
+        for layer, (group_id, k_cache, v_cache) in zip(layers, layer_caches, strict=True):
+            self._stack.add_layer(list(layer.norms), layer.qk_norm, list(layer.weights), list(layer.formats),
+                                  [no_bias if bias is None else bias for bias in layer.biases], list(layer.geometry),
+                                  layer.eps, layer.scale, k_cache, v_cache, group_id)
+
+    def __call__(self, h: torch.Tensor, rope: Any, rows: Sequence[DecodeRows], write_blocks: Sequence[torch.Tensor],
+                 write_offsets: torch.Tensor) -> torch.Tensor:
+        """The residual stream after every layer (rows and write blocks per KV group); each layer's
+        new K/V are stored in their page slots, after it attends."""
+        cos, sin = rope
+        return self._stack.forward(h, cos, sin, [r.block_table for r in rows], [r.key_start for r in rows],
+                                   [r.key_end for r in rows], list(write_blocks), write_offsets)
+
+
 def _fuse(model: CausalLM, device: torch.device) -> tuple[Optional[list[FusedLlamaLayer]], Optional[str]]:
     """(one `FusedLlamaLayer` per layer, None), or (None, why not)."""
     if device.type != "cpu" or not cpu_kernels_available():
