@@ -252,7 +252,7 @@ def format_targets(checks: Sequence[TargetCheck]) -> str:
     lines = []
     for check in checks:
         measured = "n/a" if check.measured_ratio is None else f"{check.measured_ratio:.2f}x"
-        verdict = "met" if check.met else "MISSED"
+        verdict = "not measured in this run" if check.measured_ratio is None else "met" if check.met else "MISSED"
         lines.append(f"target {check.name} >= {check.required_ratio:g}x: {measured} ({verdict})")
     return "\n".join(lines)
 

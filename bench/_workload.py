@@ -88,7 +88,7 @@ class Workload:
 
 
 def full_workload() -> Workload:
-    return Workload(max_tokens=128, num_requests_by_concurrency={1: 3, 4: 8, 16: 16})
+    return Workload(max_tokens=128, num_requests_by_concurrency={1: 6, 4: 8, 16: 16})
 
 
 def quick_workload() -> Workload:

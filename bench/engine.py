@@ -12,6 +12,7 @@ burst of outside load hits one level, not one system.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import platform
@@ -81,6 +82,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="run a phase again (at most this often) when the machine was busy during it")
     parser.add_argument("--skip", action="append", default=[], choices=SYSTEM_CHOICES,
                         help="leave a system out (repeatable)")
+    parser.add_argument("--concurrency", type=int, action="append", default=[],
+                        help="run only this concurrency level (repeatable; default: every level)")
+    parser.add_argument("--skip-long-prompts", action="store_true",
+                        help="leave out the time to first token of long prompts")
     return parser.parse_args(argv)
 
 
@@ -251,10 +256,20 @@ def run_all(args: argparse.Namespace, workload: Workload, work_dir: str, report:
         for concurrency in workload.concurrencies:
             report.results += [measure_phase(system, workload, concurrency, args.settle_s, args.retries)
                                for system in systems]
-        report.long_prompts = measure_long_prompts(systems, workload, gguf_path)
+        if not args.skip_long_prompts:
+            report.long_prompts = measure_long_prompts(systems, workload, gguf_path)
     finally:
         for system in systems:
             system.close()
+
+
+def only_levels(workload: Workload, levels: Sequence[int]) -> Workload:
+    """The workload cut to these concurrency levels; SystemExit naming a level it does not have."""
+    unknown = set(levels) - set(workload.concurrencies)
+    if unknown:
+        raise SystemExit(f"no phase at concurrency {sorted(unknown)}; the workload has {list(workload.concurrencies)}")
+    kept = {c: n for c, n in workload.num_requests_by_concurrency.items() if c in levels}
+    return dataclasses.replace(workload, num_requests_by_concurrency=kept)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -262,6 +277,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress
     workload = quick_workload() if args.quick else full_workload()
+    if args.concurrency:
+        workload = only_levels(workload, args.concurrency)
     command = " ".join(["python3", "bench/engine.py", *(argv if argv is not None else sys.argv[1:])])
     report = BenchReport(command=command, machine=machine_info(args.device), workload=asdict(workload))
     started_s = time.monotonic()

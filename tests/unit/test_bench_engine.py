@@ -232,3 +232,19 @@ def test_wait_for_quiet_gives_up_after_its_budget():
     fraction = wait_for_quiet([], max_foreign_fraction=-1.0, max_wait_s=0.0, window_s=0.05)  # never quiet enough
     assert time.monotonic() - started_s < 1.0
     assert fraction is not None and 0.0 <= fraction <= 1.0
+
+
+def test_a_run_can_be_cut_to_some_concurrency_levels_and_names_a_level_it_lacks():
+    from bench._report import TargetCheck, format_targets
+    from bench._workload import full_workload
+    from bench.engine import only_levels
+
+    workload = full_workload()
+    cut = only_levels(workload, [1])
+    assert cut.concurrencies == (1,) and cut.num_requests_by_concurrency[1] == workload.num_requests_by_concurrency[1]
+    assert cut.prompt_indices(1) == workload.prompt_indices(1)  # the same prompts as in a full run
+    with pytest.raises(SystemExit, match="no phase at concurrency \\[3\\]"):
+        only_levels(workload, [1, 3])
+    lines = format_targets([TargetCheck("a", 1.0, None), TargetCheck("b", 1.5, 1.2), TargetCheck("c", 1.0, 1.1)])
+    assert lines.splitlines() == ["target a >= 1x: n/a (not measured in this run)", "target b >= 1.5x: 1.20x (MISSED)",
+                                  "target c >= 1x: 1.10x (met)"]
