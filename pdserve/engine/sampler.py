@@ -94,8 +94,6 @@ class Sampler:
                       allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[rows, 1] (ids) or [rows, 2 + 2k] (ids, logprobs, k top ids, k top logprobs) float64 on the
         device: ids are exact in float64, so one transfer carries everything."""
-        if self.native_greedy and allowed is None and logits.dtype == torch.float32 and _plain_greedy(chunks):
-            return ops().greedy_tokens(logits)  # the same ids and failed rows, in one call
         token_ids, logprobs, top = self.sample_on_device(logits, chunks, allowed)
         if logprobs is None:
             return token_ids.double().unsqueeze(1)
@@ -109,6 +107,9 @@ class Sampler:
                          ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[tuple[torch.Tensor, torch.Tensor]]]:
         """(token ids [rows] int64, logprobs [rows] or None, (top ids, top logprobs) [rows, k] or None)
         without waiting for the device."""
+        if self.native_greedy and allowed is None and logits.dtype == torch.float32 and _plain_greedy(chunks):
+            # The same ids and failed rows (FAILED_TOKEN_ID) as below, in one native call.
+            return ops().greedy_tokens(logits).squeeze(1).long(), None, None
         batch = self.batch(chunks, logits.shape[-1])
         choosing = _choosing_logits(logits, chunks, allowed)
         token_ids = choosing.argmax(dim=-1)
