@@ -13,9 +13,9 @@
 //   Q8_0  34 bytes  | d | qs[32]     |   w[j] = d * qs[j]            (qs signed)
 //
 // Activations are float32, except that one row against Q4_1 blocks (the batch-1 decode step) is
-// rounded to 15-bit integers per block of 32 and multiplied in bytes (see `int15_row`): 8-bit
-// activations, as llama.cpp uses, cost the embedded model 3.7% of its top-1 agreement with its
-// dequantized self (bench/activation_rounding.py); 15 bits cost it none.
+// rounded to 22-bit integers per block of 32, as fine as float32's own rounding, and multiplied
+// in bytes (see `integer_row`). 8-bit activations, as llama.cpp uses, cost the embedded model
+// 3.7% of its top-1 agreement with its dequantized self (bench/activation_rounding.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -232,41 +232,48 @@ RowTileKernels row_tile_kernels() {
 #if PDSERVE_AVX2
 // ---- one activation row against Q4_1 blocks, in integers ------------------------------------
 //
-// The row is cut into blocks of 32 like the weights; block g gets a scale s = max|x| / 16256 and
-// 15-bit integers q = round(x / s) = 128 hi + lo (hi in [-127, 127], lo in [0, 127]), so that
+// The row is cut into blocks of 32 like the weights; block g gets a scale s = max|x| / (2^21 - 1)
+// and 22-bit integers q = round(x / s), written in three 7-bit digits q = 2^14 t2 + 2^7 t1 + t0
+// (t2 in [-128, 127] carries the sign, t1 and t0 in [0, 127]), so that
 //
-//   dot(w, x) over block g = d s (128 sum(qs hi) + sum(qs lo)) + m sum(x)
+//   dot(w, x) over block g = d s (2^14 sum(qs t2) + 2^7 sum(qs t1) + sum(qs t0)) + m sum(x)
 //
-// where both integer sums are byte multiply-adds (vpmaddubsw: the 4-bit weights are its unsigned
-// operand) and sum(x) is taken in float. Error: |s q - x| <= s / 2, 3e-5 of the block's largest
-// activation. A NaN or infinity in x stays one in every output (via sum(x)).
+// where the three integer sums are byte multiply-adds (vpmaddubsw: the 4-bit codes are its
+// unsigned operand) and sum(x) is taken in float. Error: |s q - x| <= s / 2, 2.4e-7 of the
+// block's largest activation: float32's own rounding, so that a one-row step and a batched one
+// (float tiles) pick the same greedy tokens. (Two digits, 15 bits, were 5% faster but 3e-5
+// coarse, enough to flip near-tied tokens between batch sizes.) A NaN or infinity in x stays
+// one in every output (via sum(x)).
 //
-// Two blocks A, B are read as one vector, their nibbles in two 16-byte halves; the row's
-// integers are laid out per pair to match:
+// Two blocks A, B are read as one vector, their nibbles in two 16-byte halves; the row's digits
+// are laid out per pair to match:
 //
-//   pair p (128 bytes of integers, then 16 floats):
-//   +---------------+---------------+---------------+---------------+
-//   | hi A0..15     | hi A16..31    | lo A0..15     | lo A16..31    |   (each 32 bytes:
-//   |    B0..15     |    B16..31    |    B0..15     |    B16..31    |    A's 16, then B's 16)
-//   +---------------+---------------+---------------+---------------+
+//   pair p (192 bytes of digits, then 16 floats):
+//   +-------------+-------------+-------------+-------------+-------------+-------------+
+//   | t2 A0..15   | t2 A16..31  | t1 A0..15   | t1 A16..31  | t0 A0..15   | t0 A16..31  |
+//   |    B0..15   |    B16..31  |    B0..15   |    B16..31  |    B0..15   |    B16..31  |
+//   +-------------+-------------+-------------+-------------+-------------+-------------+
+//   (each 32 bytes: A's 16 digits, then B's 16)
+//   +----------------+------------------------+
 //   | s_A x4, s_B x4 | sum_A/4 x4, sum_B/4 x4 |   (a lane per partial sum of 8 weights' pairs)
 //   +----------------+------------------------+
 //
-// An odd last block pairs with itself, its B half's integers, scales and sums zero.
+// An odd last block pairs with itself, its B half's digits, scales and sums zero.
 
-constexpr float kInt15Max = 16256.f;  // 127 * 128: hi never reaches -128
+constexpr float kRowIntMax = 2097151.f;  // 2^21 - 1
+constexpr int64_t kPairDigitBytes = 192;
 
-struct Int15Row {
-  std::vector<int8_t> ints;  // [pairs, 128]
+struct IntegerRow {
+  std::vector<int8_t> digits;  // [pairs, 192]
   std::vector<float> scales;  // [pairs, 16]
   int64_t blocks = 0, pairs = 0;
 };
 
-Int15Row int15_row(const float* x, int64_t k) {
-  Int15Row row;
+IntegerRow integer_row(const float* x, int64_t k) {
+  IntegerRow row;
   row.blocks = k / kGroup;
   row.pairs = (row.blocks + 1) / 2;
-  row.ints.assign(row.pairs * 128, 0);
+  row.digits.assign(row.pairs * kPairDigitBytes, 0);
   row.scales.assign(row.pairs * 16, 0.f);
   for (int64_t g = 0; g < row.blocks; ++g) {
     const float* xs = x + g * kGroup;
@@ -275,28 +282,29 @@ Int15Row int15_row(const float* x, int64_t k) {
       largest = std::max(largest, std::fabs(xs[j]));
       total += xs[j];
     }
-    const float inverse = largest > 0.f ? kInt15Max / largest : 0.f;
+    const float inverse = largest > 0.f ? kRowIntMax / largest : 0.f;
     const int64_t pair = g / 2, half = g % 2;
-    int8_t* ints = row.ints.data() + pair * 128;
+    int8_t* digits = row.digits.data() + pair * kPairDigitBytes;
     for (int64_t j = 0; j < kGroup; ++j) {
-      const float scaled = std::min(kInt15Max, std::max(-kInt15Max, xs[j] * inverse));
+      const float scaled = std::min(kRowIntMax, std::max(-kRowIntMax, xs[j] * inverse));
       const int32_t q = std::isfinite(scaled) ? static_cast<int32_t>(std::nearbyint(scaled)) : 0;
       const int64_t at = (j / 16) * 32 + half * 16 + j % 16;
-      ints[at] = static_cast<int8_t>(q >> 7);  // arithmetic shift: floor(q / 128)
-      ints[64 + at] = static_cast<int8_t>(q & 127);
+      digits[at] = static_cast<int8_t>(q >> 14);  // arithmetic shift: floor(q / 2^14)
+      digits[64 + at] = static_cast<int8_t>((q >> 7) & 127);
+      digits[128 + at] = static_cast<int8_t>(q & 127);
     }
     float* scales = row.scales.data() + pair * 16 + half * 4;
     for (int lane = 0; lane < 4; ++lane) {
-      scales[lane] = largest / kInt15Max;
+      scales[lane] = largest / kRowIntMax;
       scales[8 + lane] = total / 4;
     }
   }
   return row;
 }
 
-float q4_1_int15_dot(const uint8_t* w, const Int15Row& row) {
+float q4_1_integer_dot(const uint8_t* w, const IntegerRow& row) {
   const __m256i nibble = _mm256_set1_epi8(0x0f);
-  const __m256i by_128 = _mm256_set1_epi16(128), by_1 = _mm256_set1_epi16(1);
+  const __m256i by_2_14 = _mm256_set1_epi16(1 << 14), by_2_7 = _mm256_set1_epi16(1 << 7), by_1 = _mm256_set1_epi16(1);
   __m256 scaled = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
   for (int64_t p = 0; p < row.pairs; ++p) {
     const uint8_t* a = w + 2 * p * kQ41Bytes;
@@ -304,21 +312,24 @@ float q4_1_int15_dot(const uint8_t* w, const Int15Row& row) {
     const __m256i packed = _mm256_inserti128_si256(
         _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 4))),
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)), 1);
-    const __m256i low = _mm256_and_si256(packed, nibble);  // weights 0..15 of A, then of B
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);  // weights 16..31
-    const __m256i* ints = reinterpret_cast<const __m256i*>(row.ints.data() + p * 128);
-    const __m256i by_hi = _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_loadu_si256(ints)),
-                                           _mm256_maddubs_epi16(high, _mm256_loadu_si256(ints + 1)));
-    const __m256i by_lo = _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_loadu_si256(ints + 2)),
-                                           _mm256_maddubs_epi16(high, _mm256_loadu_si256(ints + 3)));
-    const __m256 sums = _mm256_cvtepi32_ps(
-        _mm256_add_epi32(_mm256_madd_epi16(by_hi, by_128), _mm256_madd_epi16(by_lo, by_1)));
+    const __m256i low = _mm256_and_si256(packed, nibble);  // codes 0..15 of A, then of B
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);  // codes 16..31
+    const __m256i* digits = reinterpret_cast<const __m256i*>(row.digits.data() + p * kPairDigitBytes);
+    __m256i by_digit[3];  // pair sums of codes x digit, each at most 2 * 2 * 15 * 128: no int16 overflow
+    for (int d = 0; d < 3; ++d) {
+      by_digit[d] = _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_loadu_si256(digits + 2 * d)),
+                                     _mm256_maddubs_epi16(high, _mm256_loadu_si256(digits + 2 * d + 1)));
+    }
+    const __m256i sums = _mm256_add_epi32(
+        _mm256_add_epi32(_mm256_madd_epi16(by_digit[0], by_2_14), _mm256_madd_epi16(by_digit[1], by_2_7)),
+        _mm256_madd_epi16(by_digit[2], by_1));
     int32_t dm_a, dm_b;  // each block's (d, m) halves
     std::memcpy(&dm_a, a, sizeof(dm_a));
     std::memcpy(&dm_b, b, sizeof(dm_b));
     const __m256 dm = _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_set1_epi32(dm_a), _mm_set1_epi32(dm_b)));
     const float* scales = row.scales.data() + p * 16;
-    scaled = _mm256_fmadd_ps(_mm256_mul_ps(sums, _mm256_loadu_ps(scales)), _mm256_moveldup_ps(dm), scaled);
+    scaled = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_loadu_ps(scales)),
+                             _mm256_moveldup_ps(dm), scaled);
     offsets = _mm256_fmadd_ps(_mm256_movehdup_ps(dm), _mm256_loadu_ps(scales + 8), offsets);
   }
   return horizontal_sum(_mm256_add_ps(scaled, offsets));
@@ -326,14 +337,14 @@ float q4_1_int15_dot(const uint8_t* w, const Int15Row& row) {
 
 // y = x @ W.T for one row x [1, k] and Q4_1 blocks W [n, k / 32 * 20], the weight rows split
 // among threads.
-at::Tensor q4_1_int15_row_linear(const at::Tensor& x, const at::Tensor& blocks) {
+at::Tensor q4_1_integer_row_linear(const at::Tensor& x, const at::Tensor& blocks) {
   const int64_t k = x.size(1), n = blocks.size(0), row_bytes = blocks.size(1);
-  const Int15Row row = int15_row(x.data_ptr<float>(), k);
+  const IntegerRow row = integer_row(x.data_ptr<float>(), k);
   at::Tensor out = at::empty({1, n}, x.options());
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* y = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t col = begin; col < end; ++col) y[col] = q4_1_int15_dot(w + col * row_bytes, row);
+    for (int64_t col = begin; col < end; ++col) y[col] = q4_1_integer_dot(w + col * row_bytes, row);
   });
   return out;
 }
@@ -369,7 +380,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t b
   const at::Tensor wc = blocks.contiguous();
   if (rows > kKernelMaxRows) return at::mm(xc, dequantize_blocks(wc, block_bytes).t());
 #if PDSERVE_AVX2
-  if (rows == 1 && block_bytes == kQ41Bytes && n > 0) return q4_1_int15_row_linear(xc, wc);
+  if (rows == 1 && block_bytes == kQ41Bytes && n > 0) return q4_1_integer_row_linear(xc, wc);
 #endif
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
