@@ -224,13 +224,15 @@ class HttpSystem:
     def warm_up(self, indices: Sequence[int], concurrencies: Sequence[int], max_tokens: int) -> None:
         """At the highest concurrency only: lazy set-up (batchers, allocator pools) happens on first use."""
         top = max(concurrencies)
-        run_phase(self._target, indices[:top], top, max_tokens)
+        run_phase(self._target, indices[:top], top, max_tokens, keep_alive=False)
 
     def first_token_times(self, indices: Sequence[int], messages: Messages) -> list[float]:
         return first_token_times(self.target(), indices, messages)
 
     def run(self, indices: Sequence[int], concurrency: int, max_tokens: int) -> PhaseResult:
-        samples, wall_s = run_phase(self._target, indices, concurrency, max_tokens)
+        # A new connection per request, for every server alike: llama-server closes kept-alive
+        # connections between requests (see `first_token_times`), which failed its c=1 phase once.
+        samples, wall_s = run_phase(self._target, indices, concurrency, max_tokens, keep_alive=False)
         check_exact_lengths(samples, max_tokens, self.name)
         return summarize(self.name, concurrency, samples, wall_s)
 

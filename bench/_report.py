@@ -61,6 +61,7 @@ class PhaseResult:
     foreign_cpu_fraction: Optional[float] = None  # share of all cores other processes took meanwhile
     num_attempts: int = 1  # a phase on a busy machine runs again; the quieter attempt is kept
     error: Optional[str] = None
+    dropped_connection: bool = False  # the error: the server closed a connection without answering
 
     @property
     def output_tokens_per_s(self) -> Optional[float]:

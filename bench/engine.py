@@ -184,7 +184,8 @@ def _measure_once(system: System, workload: Workload, concurrency: int, settle_s
         result = system.run(workload.prompt_indices(concurrency, attempt), concurrency, workload.max_tokens)
     except (BenchError, httpx.HTTPError) as exc:
         logger.error("%s failed at c=%d: %s", system.name, concurrency, exc)
-        return PhaseResult(system=system.name, concurrency=concurrency, error=str(exc)[:300])
+        return PhaseResult(system=system.name, concurrency=concurrency, error=str(exc)[:300],
+                           dropped_connection=isinstance(exc, httpx.RemoteProtocolError))
     result.foreign_cpu_fraction = meter.foreign_fraction()
     logger.info("%s c=%d: %.1f tok/s, TTFT p50 %.0f ms, other processes used %s of the CPUs",
                 system.name, concurrency, result.output_tokens_per_s, (result.ttft_p50_s or 0) * 1000,
@@ -200,6 +201,12 @@ def measure_phase(system: System, workload: Workload, concurrency: int, settle_s
     for attempt in range(num_retries + 1):
         result = _measure_once(system, workload, concurrency, settle_s, attempt)
         if result.error is not None:
+            # A server that dropped a connection without answering (llama-server did, right after
+            # a restart, in two runs) gets the phase again on fresh prompts; other errors stand.
+            if result.dropped_connection and attempt < num_retries:
+                logger.warning("%s c=%d: a connection dropped unanswered; running the phase again",
+                               system.name, concurrency)
+                continue
             return result
         if kept is None or (result.foreign_cpu_fraction or 0) < (kept.foreign_cpu_fraction or 0):
             kept = result

@@ -248,3 +248,22 @@ def test_a_run_can_be_cut_to_some_concurrency_levels_and_names_a_level_it_lacks(
     lines = format_targets([TargetCheck("a", 1.0, None), TargetCheck("b", 1.5, 1.2), TargetCheck("c", 1.0, 1.1)])
     assert lines.splitlines() == ["target a >= 1x: n/a (not measured in this run)", "target b >= 1.5x: 1.20x (MISSED)",
                                   "target c >= 1x: 1.10x (met)"]
+
+
+def test_a_phase_whose_server_dropped_a_connection_runs_again_and_other_errors_stand(monkeypatch):
+    import bench.engine as engine
+    from bench._report import PhaseResult
+    from bench._workload import full_workload
+
+    outcomes = {"dropped": [PhaseResult("s", 1, error="Server disconnected", dropped_connection=True),
+                            PhaseResult("s", 1, num_requests=6, num_output_tokens=768, wall_s=12.0)],
+                "broken": [PhaseResult("s", 1, error="HTTP 500"), PhaseResult("s", 1, wall_s=1.0)]}
+    for name, sequence in outcomes.items():
+        attempts = iter(sequence)
+        monkeypatch.setattr(engine, "_measure_once", lambda *args, attempts=attempts: next(attempts))
+        system = type("System", (), {"name": "s"})()
+        result = engine.measure_phase(system, full_workload(), 1, 0.0, num_retries=1)
+        if name == "dropped":
+            assert result.error is None and result.output_tokens_per_s == 64.0 and result.num_attempts == 2
+        else:
+            assert result.error == "HTTP 500"
