@@ -647,7 +647,7 @@ struct SoftmaxState {
   // Folds another state over other keys of the same heads into this one.
   void merge(const SoftmaxState& other) {
     for (int64_t g = 0; g < group; ++g) {
-      if (other.sum[g] == 0.f && other.max[g] == -std::numeric_limits<float>::infinity()) continue;  // saw no key
+      if (other.max[g] == -std::numeric_limits<float>::infinity()) continue;  // saw no key
       const float top = std::max(max[g], other.max[g]);
       const float mine = std::exp(max[g] - top), theirs = std::exp(other.max[g] - top);
       for (int64_t i = 0; i < head_dim; ++i) {
@@ -1065,8 +1065,6 @@ struct LlamaDecoderStack : torch::CustomClassHolder {
     }
     return h;
   }
-
-  int64_t size() const { return static_cast<int64_t>(layers.size()); }
 };
 
 }  // namespace
@@ -1075,8 +1073,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.class_<LlamaDecoderStack>("LlamaDecoderStack")
       .def(torch::init<>())
       .def("add_layer", &LlamaDecoderStack::add_layer)
-      .def("forward", &LlamaDecoderStack::forward)
-      .def("size", &LlamaDecoderStack::size);
+      .def("forward", &LlamaDecoderStack::forward);
   m.def("q4_1_linear(Tensor x, Tensor blocks) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor blocks) -> Tensor");
   m.def("f32_row_linear(Tensor x, Tensor weight) -> Tensor");
