@@ -11,15 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._timing import median_ms  # noqa: E402
 from pdserve.kernels.native import cpu_kernels_error, ops  # noqa: E402
 from pdserve.models.quant.blocks import PackedWeight, dequantize, quantize_q4_1, quantize_q8_0  # noqa: E402
 
@@ -32,17 +31,6 @@ def _check(weight: PackedWeight, x: torch.Tensor, multiply: Callable) -> None:
     error = ((multiply(x, weight.blocks) - expected).abs().max() / expected.abs().max()).item()
     if error > 1e-4:
         raise SystemExit(f"kernel disagrees with the dequantized weights: relative error {error:.2e}")
-
-
-def _median_ms(work: Callable[[], None], repeats: int, rounds: int) -> float:
-    work()
-    samples = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        for _ in range(repeats):
-            work()
-        samples.append((time.perf_counter() - started) / repeats * 1000)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -65,10 +53,10 @@ def main() -> None:
             for weight, x in zip(layer, xs):
                 ops().q4_1_linear(x, weight.blocks)
 
-        results[f"layer's four Q4_1 products, {rows} row(s)"] = _median_ms(layer_products, 30, args.rounds)
+        results[f"layer's four Q4_1 products, {rows} row(s)"] = median_ms(layer_products, 30, args.rounds)
     x = torch.randn(1, HEAD_SHAPE[1])
     _check(head, x, ops().q8_0_linear)
-    results["Q8_0 output head, 1 row"] = _median_ms(lambda: ops().q8_0_linear(x, head.blocks), 5, args.rounds)
+    results["Q8_0 output head, 1 row"] = median_ms(lambda: ops().q8_0_linear(x, head.blocks), 5, args.rounds)
     print(f"| product | ms (median of {args.rounds}) |")
     print("|---|---:|")
     for name, value in results.items():

@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._timing import median_ms  # noqa: E402
 from pdserve.kernels.native import cpu_kernels_error, ops  # noqa: E402
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, HEADS = 30, 16, 3, 64, 9
@@ -41,14 +40,7 @@ def microseconds_per_call(keys: int, rounds: int) -> float:
         for k_cache, v_cache in slots:
             attend(q, k_cache, v_cache, table, start, end, k_new, v_new, HEAD_DIM**-0.5)
 
-    every_layer()
-    samples = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        for _ in range(10):
-            every_layer()
-        samples.append((time.perf_counter() - started) / 10 / LAYERS * 1e6)
-    return statistics.median(samples)
+    return median_ms(every_layer, 10, rounds) / LAYERS * 1000
 
 
 def main() -> None:

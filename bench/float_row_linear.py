@@ -12,13 +12,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._timing import mean_ms  # noqa: E402
 from pdserve.kernels.native import cpu_kernels_error, ops  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate|up, down
@@ -41,15 +41,8 @@ def main() -> None:
     samples = {name: {"layer": [], "head": []} for name in variants}
     for _ in range(args.rounds):
         for name, multiply in variants.items():
-            started = time.perf_counter()
-            for _ in range(20):
-                for weight, x in zip(weights, xs):
-                    multiply(x, weight)
-            samples[name]["layer"].append((time.perf_counter() - started) / 20 * 1000)
-            started = time.perf_counter()
-            for _ in range(10):
-                multiply(x_head, head)
-            samples[name]["head"].append((time.perf_counter() - started) / 10 * 1000)
+            samples[name]["layer"].append(mean_ms(lambda f=multiply: [f(x, w) for w, x in zip(weights, xs)], 20))
+            samples[name]["head"].append(mean_ms(lambda f=multiply: f(x_head, head), 10))
     medians = {name: {part: statistics.median(values) for part, values in parts.items()}
                for name, parts in samples.items()}
     print(f"| product (1 row, float32) | {' | '.join(variants)} |")
