@@ -41,6 +41,7 @@ class _Remote:
     source: RemoteSource
     lease_fresh_s: float  # monotonic: when P's lease was last known (or renewed) to be fresh
     handle: Optional[TransferHandle] = None  # set once the READ started
+    read_started_s: float = 0.0  # on the connector's clock, not the transport's: one clock times a pull
     aborted: bool = False  # the request ended while its READ was in flight
 
     @property
@@ -105,6 +106,7 @@ class DecodeConnector:
             self._send(remote, "free")
             return False
         try:
+            remote.read_started_s = self.clock()
             remote.handle = self.transport.start_read(remote.peer_key, pull.local_ids, pull.remote_ids,
                                                       KVMessage("done", params.remote_request_id).encode())
         except TransferError as error:
@@ -145,9 +147,9 @@ class DecodeConnector:
     def _poll_read(self, request_id: str, remote: _Remote, now: float, events: KVEvents) -> None:
         handle = remote.handle
         state = self.transport.poll(handle)
-        deadline_s = min(handle.started_at_s + self.pull_timeout_s, remote.lease_deadline_s())
+        deadline_s = min(remote.read_started_s + self.pull_timeout_s, remote.lease_deadline_s())
         if state is TransferState.PENDING and now > deadline_s:
-            logger.warning("request %s: KV pull gave up after %.1f s", request_id, now - handle.started_at_s)
+            logger.warning("request %s: KV pull gave up after %.1f s", request_id, now - remote.read_started_s)
             state = TransferState.FAILED
         if state is TransferState.DONE and now > remote.lease_deadline_s():
             state = TransferState.FAILED  # landed too late to trust: P may have reused the pages
@@ -157,7 +159,7 @@ class DecodeConnector:
         if remote.aborted:  # the request is gone; its blocks were kept only for the READ
             events.released.append(request_id)
         elif state is TransferState.DONE:
-            self.metrics.observe_pull(handle.num_bytes, handle.num_blocks, now - handle.started_at_s)
+            self.metrics.observe_pull(handle.num_bytes, handle.num_blocks, now - remote.read_started_s)
             events.landed.append(request_id)
         else:
             self.peers.forget(remote.peer_key)
