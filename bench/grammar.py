@@ -26,12 +26,12 @@ if REPO_ROOT not in sys.path:  # run as a script: make `pdserve` importable
 
 import torch  # noqa: E402
 
-from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig  # noqa: E402
+from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig  # noqa: E402
 from pdserve.engine.factory import build_engine  # noqa: E402
 from pdserve.grammar.compiler import compile_constraint  # noqa: E402
 from pdserve.metrics import Metrics  # noqa: E402
 from pdserve.request import GenerationRequest, SamplingParams  # noqa: E402
-from pdserve.structured_protocol import OutputConstraint  # noqa: E402
+from pdserve.api.structured_protocol import OutputConstraint  # noqa: E402
 
 CONCURRENCY = 8
 # Nested, and long enough that the answer stays inside the grammar for the whole run.

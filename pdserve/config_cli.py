@@ -1,4 +1,4 @@
-"""Command-line flags generated from the config models (pdserve/config.py), and configs built back from them.
+"""Command-line flags generated from the config models (pdserve/api/config.py), and configs built back from them.
 
 Invariant: a setting's flag, type, choices, default and help come from its
 one declaration in the config model; `pdserve serve|prefill|decode` parse
@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from pdserve.config import (
+from pdserve.api.config import (
     DEFAULT_PORTS, DEVICE_PATTERN, CacheConfig, LimitsConfig, ModelConfig, SchedulerConfig, ServerConfig,
     TransferConfig, WorkerConfig)
 
@@ -55,7 +55,7 @@ def parse_device(text: str) -> str:
     return text
 
 
-# The special parsers a setting can name with `parse=` (pdserve/config.py).
+# The special parsers a setting can name with `parse=` (pdserve/api/config.py).
 PARSERS: dict[str, Callable[[str], Any]] = {
     "bytes": parse_bytes, "size_or_auto": parse_size_or_auto, "device": parse_device}
 

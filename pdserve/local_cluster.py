@@ -25,7 +25,7 @@ from typing import IO, Callable, Optional, Sequence
 
 import httpx
 
-from pdserve.config import DEFAULT_PORTS, CacheConfig
+from pdserve.api.config import DEFAULT_PORTS, CacheConfig
 from pdserve.config_cli import FORWARDED_ARGS, add_worker_flags, parse_device
 from proxy.cli import INTERNAL_TOKEN_ENV, LIMIT_FLAGS
 
@@ -81,7 +81,7 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-device", type=parse_device, default=None,
                         help="the decode worker's device, e.g. cuda:1 (default: --device); two workers on one "
                              "GPU split --gpu-memory-utilization between them")
-    # Every other worker setting, declared once in pdserve/config.py, goes to both workers as given.
+    # Every other worker setting, declared once in pdserve/api/config.py, goes to both workers as given.
     add_worker_flags(parser, "decode", forward=True, exclude=_UP_OWNS)
 
 

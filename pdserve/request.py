@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # torch-free, but kept out of import time: request.py sits below pd/
-    from pdserve.errors import PdserveError
+    from pdserve.api.errors import PdserveError
     from pdserve.pd.connector import RemoteSource
     from pdserve.pd.params import KVTransferRequest, RemotePrefillParams
 

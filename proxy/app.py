@@ -23,8 +23,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pdserve.errors import PdserveError
-from pdserve.http_bounds import read_body
+from pdserve.api.errors import PdserveError
+from pdserve.api.http_bounds import read_body
 from proxy.backends import INTERNAL_TOKEN_HEADER, Backend, BackendPool, ClientFactory, Role, client_factory
 from proxy.config import ProxyConfig
 from proxy.discovery import DnsDiscovery, Resolver, resolve_with_getaddrinfo

@@ -13,7 +13,7 @@ from typing import Optional
 
 from pydantic import ValidationError
 
-from pdserve.config import LimitsConfig
+from pdserve.api.config import LimitsConfig
 from pdserve.config_cli import add_flags, section_flag_specs, section_values
 from proxy.config import DiscoveryConfig, HealthConfig, ProxyConfig, RoutingConfig, TimeoutConfig
 
@@ -128,7 +128,7 @@ def run_proxy(args: argparse.Namespace) -> int:
         return 2
     import uvicorn  # the server stack only when serving
 
-    from pdserve.http_bounds import http_protocol_with_header_deadline
+    from pdserve.api.http_bounds import http_protocol_with_header_deadline
     from proxy.app import create_app
 
     if config.log_level != "debug":

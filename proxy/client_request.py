@@ -1,7 +1,7 @@
 """A client's request as the proxy sees it, and the bodies of the two legs built from it.
 
 Invariants: a request is validated by the workers' own rules
-(`pdserve/validation.py`) before any leg is sent, so a prefill worker never
+(`pdserve/api/validation.py`) before any leg is sent, so a prefill worker never
 computes a request the decode worker would refuse; whatever
 `kv_transfer_params` a client sends is dropped before anything is forwarded
 (only the proxy may tell a worker to pin or pull KV), and the prefill leg
@@ -17,9 +17,9 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from pdserve.config import LimitsConfig
-from pdserve.errors import PdserveError
-from pdserve.validation import (MAX_REQUEST_ID_CHARS, REQUEST_ID_HEADER, check_request_id, parse_json_body,
+from pdserve.api.config import LimitsConfig
+from pdserve.api.errors import PdserveError
+from pdserve.api.validation import (MAX_REQUEST_ID_CHARS, REQUEST_ID_HEADER, check_request_id, parse_json_body,
                                 schema_for_path, validate_request)
 from proxy.errors import RejectedRequest
 

@@ -12,8 +12,8 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # The same bounds, defaults and flags as every worker's: a request the proxy
-# accepts is one the workers accept (pdserve/validation.py).
-from pdserve.config import LimitsConfig, check_token
+# accepts is one the workers accept (pdserve/api/validation.py).
+from pdserve.api.config import LimitsConfig, check_token
 
 PolicyName = Literal["round_robin", "least_loaded", "prefix", "kv_aware"]
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 from starlette.responses import Response
 
-from pdserve.errors import PdserveError
+from pdserve.api.errors import PdserveError
 
 
 class ProxyError(Exception):
@@ -26,7 +26,7 @@ class ProxyError(Exception):
 
 
 class RejectedRequest(ProxyError):
-    """The workers' own edge validation (pdserve/validation.py) refused the request:
+    """The workers' own edge validation (pdserve/api/validation.py) refused the request:
     the client gets exactly the status, type, message and param a worker would give."""
 
     def __init__(self, error: "PdserveError"):

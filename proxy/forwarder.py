@@ -18,8 +18,8 @@ from typing import Any, Collection, Optional
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from pdserve.errors import PdserveError
-from pdserve.http_bounds import read_body
+from pdserve.api.errors import PdserveError
+from pdserve.api.http_bounds import read_body
 
 from proxy.backends import Backend, BackendPool, Outcome, Role
 from proxy.client_request import REQUEST_ID_HEADER, ClientRequest, choose_request_id, parse_client_request

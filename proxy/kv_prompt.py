@@ -3,7 +3,7 @@
 Invariant: for every request a worker accepts, `PromptHasher.prompt_blocks`
 returns the token count and chained block hashes that worker's scheduler
 computes, because it runs the workers' own code on the worker's own data:
-`pdserve.protocol` (message normalization), `pdserve.models.chat_template`
+`pdserve.api.protocol` (message normalization), `pdserve.api.chat_template`
 (rendering), the worker's serialized tokenizer, `pdserve.kv.hashing` (the
 chain). A request the worker would reject yields None (routing then falls back
 to load). Everything imported here is torch-free (tests/unit/test_proxy_imports.py).
@@ -18,12 +18,12 @@ from typing import Any, Optional
 import tokenizers
 from pydantic import ValidationError
 
-from pdserve.errors import PdserveError
+from pdserve.api.errors import PdserveError
 from pdserve.kv.hashing import HASH_SCHEME, hash_full_blocks
 from pdserve.kv.routing_info import RoutingInfo
 from pdserve.kv.specs import KVGroupPlan
-from pdserve.models.chat_template import ChatTemplate
-from pdserve.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.chat_template import ChatTemplate
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from proxy.token_cache import ASYNC_MIN_CHARS, SegmentTokenizer
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 # Decode's answers that mean "the KV never arrived": prefill again (elsewhere) and retry.
 KV_RETRY_ERROR_TYPES = {503: "kv_pull_failed", 409: "kv_params_stale"}
-# 5xx error types a worker uses for a failure of this request alone (pdserve.errors.RequestFailed):
+# 5xx error types a worker uses for a failure of this request alone (pdserve.api.errors.RequestFailed):
 # the same request would fail the same way anywhere, and the worker is fine.
 CLIENT_FAULT_TYPES = frozenset({"request_failed"})
 

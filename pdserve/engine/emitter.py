@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from pdserve.engine.outputs import OutputProcessor
 from pdserve.engine.schedule_types import SampledToken
-from pdserve.errors import PdserveError
+from pdserve.api.errors import PdserveError
 from pdserve.request import FinishReason, Request, RequestOutput
 
 logger = logging.getLogger(__name__)

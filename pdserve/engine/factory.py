@@ -15,7 +15,7 @@ from typing import Optional
 import httpx
 import torch
 
-from pdserve.config import WorkerConfig
+from pdserve.api.config import WorkerConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.decode_step import should_compile
 from pdserve.engine.emitter import OutputEmitter

@@ -27,7 +27,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput, StepResult
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
-from pdserve.errors import EngineFailure, RequestFailed
+from pdserve.api.errors import EngineFailure, RequestFailed
 from pdserve.request import FinishReason, GenerationRequest, LoadReport, Request
 
 logger = logging.getLogger(__name__)

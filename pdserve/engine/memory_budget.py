@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from pdserve.config import WorkerConfig
+from pdserve.api.config import WorkerConfig
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput
 from pdserve.kv.layout import KVPoolLayout, num_blocks_for_budget

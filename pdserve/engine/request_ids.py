@@ -17,7 +17,7 @@ import uuid
 from typing import Optional
 
 # The rule itself lives with the rest of the edge validation, which the proxy shares.
-from pdserve.validation import MAX_REQUEST_ID_CHARS, REQUEST_ID_HEADER, check_request_id
+from pdserve.api.validation import MAX_REQUEST_ID_CHARS, REQUEST_ID_HEADER, check_request_id
 
 __all__ = ["MAX_REQUEST_ID_CHARS", "REQUEST_ID_HEADER", "RequestIdRegistry", "check_request_id"]
 

@@ -17,10 +17,10 @@ import logging
 import time
 from typing import Callable, Iterable, Optional
 
-from pdserve.config import SchedulerConfig
+from pdserve.api.config import SchedulerConfig
 from pdserve.engine.schedule_types import PromptLogprobs, SampledToken, ScheduledChunk, SchedulerOutput
 from pdserve.engine.stop_rules import check_stop
-from pdserve.errors import EngineFailure, PdserveError, RequestFailed
+from pdserve.api.errors import EngineFailure, PdserveError, RequestFailed
 from pdserve.kv.hashing import hash_full_blocks
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.prefix import PrefixHit

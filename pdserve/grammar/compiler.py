@@ -12,8 +12,8 @@ from typing import Any
 
 import llguidance
 
-from pdserve.errors import InvalidRequest
-from pdserve.structured_protocol import OutputConstraint, tool_calls_schema
+from pdserve.api.errors import InvalidRequest
+from pdserve.api.structured_protocol import OutputConstraint, tool_calls_schema
 
 # Compact JSON with the separators models are trained on; no free whitespace, so a
 # small model cannot wander off into endless newlines inside a structure.

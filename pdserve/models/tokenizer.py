@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 
 from tokenizers import Tokenizer as Backend
 
-from pdserve.models.chat_template import ChatTemplate, TemplateError
+from pdserve.api.chat_template import ChatTemplate, TemplateError
 from pdserve.models.gguf_file import GGUFVocab
 from pdserve.models.gguf_tokenizer import build_gguf_backend
 from pdserve.models.hf_config import ModelLoadError, eos_ids_of

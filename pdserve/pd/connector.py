@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
-from pdserve.errors import PdserveError
+from pdserve.api.errors import PdserveError
 from pdserve.pd.handshake import AgentInfo
 from pdserve.pd.params import RemotePrefillParams
 

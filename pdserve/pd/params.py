@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
-from pdserve.errors import InvalidRequest, PdserveError
+from pdserve.api.errors import InvalidRequest, PdserveError
 from pdserve.pd.peer_trust import bare_host
 
 PROTOCOL_VERSION = 1

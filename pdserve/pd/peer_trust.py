@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pdserve.config import parse_peer_allow_list
-from pdserve.errors import PdserveError
+from pdserve.api.config import parse_peer_allow_list
+from pdserve.api.errors import PdserveError
 
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, cast
 
 import httpx
 
-from pdserve.config import WorkerConfig
+from pdserve.api.config import WorkerConfig
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import Metrics
 from pdserve.pd.admission import DecodeAdmission, KVAdmission, LocalAdmission, PrefillAdmission, engine_thread_connector

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from fastapi import APIRouter, FastAPI
 
-from pdserve.config import LimitsConfig, ServerConfig
+from pdserve.api.config import LimitsConfig, ServerConfig
 from pdserve.metrics import Metrics
 from pdserve.server.context import ServingContext
 from pdserve.server.errors import install_error_handlers

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 from pydantic import BaseModel
 
-from pdserve.protocol import (
+from pdserve.api.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChoiceLogprobs,

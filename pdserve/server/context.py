@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdserve.config import LimitsConfig, ServerConfig
+from pdserve.api.config import LimitsConfig, ServerConfig
 from pdserve.engine.request_ids import REQUEST_ID_HEADER, RequestIdRegistry
 from pdserve.metrics import Metrics
 

@@ -18,11 +18,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from pdserve.errors import PdserveError, Unauthorized
+from pdserve.api.errors import PdserveError, Unauthorized
 from pdserve.metrics import RequestMetrics
-from pdserve.protocol import ErrorInfo, ErrorResponse
+from pdserve.api.protocol import ErrorInfo, ErrorResponse
 from pdserve.server.context import REQUEST_ID_HEADER
-from pdserve.validation import invalid_request_from_validation
+from pdserve.api.validation import invalid_request_from_validation
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, Optional, Protocol, Sequence
 from pydantic import BaseModel
 
 from pdserve.pd.params import RemotePrefillParams
-from pdserve.protocol import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo, openai_finish_reason
+from pdserve.api.protocol import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo, openai_finish_reason
 from pdserve.request import RequestOutput, TopLogprobs
 from pdserve.server.generation import GenerationResult, usage_info
 

@@ -18,9 +18,9 @@ from typing import Any, Awaitable, Optional, TypeVar
 import anyio
 from starlette.requests import Request
 
-from pdserve.errors import EngineFailure, PdserveError
+from pdserve.api.errors import EngineFailure, PdserveError
 from pdserve.pd.params import RemotePrefillParams
-from pdserve.protocol import PromptTokensDetails, UsageInfo
+from pdserve.api.protocol import PromptTokensDetails, UsageInfo
 from pdserve.request import FinishReason, GenerationRequest, RequestOutput, TopLogprobs
 from pdserve.server.context import ServingContext
 from pdserve.server.errors import ClientDisconnected, RequestAbortedByEngine

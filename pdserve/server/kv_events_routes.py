@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.errors import EngineNotReady
+from pdserve.api.errors import EngineNotReady
 from pdserve.kv.hashing import HASH_SCHEME
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.routing_info import EVENTS_PATH, RESET_PREFIX_CACHE_PATH, ROUTING_INFO_PATH, RoutingInfo, describe_groups

@@ -17,10 +17,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from pdserve.config import LimitsConfig
-from pdserve.errors import EngineOverloaded
-from pdserve.http_bounds import read_body
-from pdserve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIRequest
+from pdserve.api.config import LimitsConfig
+from pdserve.api.errors import EngineOverloaded
+from pdserve.api.http_bounds import read_body
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIRequest
 from pdserve.server.chat_formatting import ChatFormat, ToolMode
 from pdserve.server.choices import ChoiceStreams, plan_choices
 from pdserve.server.context import REQUEST_ID_HEADER, ServingContext
@@ -30,7 +30,7 @@ from pdserve.server.generation import GenerationResult, run_until_disconnected
 from pdserve.server.preprocess import PreparedRequest, check_model, ensure_ready, prepare_chat, prepare_completion
 from pdserve.server.streaming import EventStreamResponse, sse_events
 from pdserve.tools.parsers import parser_for_template
-from pdserve.validation import parse_request
+from pdserve.api.validation import parse_request
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 Preparer = Callable[[Any, Any], Awaitable[PreparedRequest]]
@@ -38,7 +38,7 @@ FormatFactory = Callable[[ServingContext, Any, str, PreparedRequest], ResponseFo
 
 
 def parse_body(schema: type[BodyT], raw_body: bytes, limits: LimitsConfig = LimitsConfig()) -> BodyT:
-    """The shared edge validation (pdserve/validation.py), the same the proxy runs."""
+    """The shared edge validation (pdserve/api/validation.py), the same the proxy runs."""
     return parse_request(schema, raw_body, limits)
 
 

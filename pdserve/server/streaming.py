@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pdserve.errors import PdserveError
+from pdserve.api.errors import PdserveError
 from pdserve.metrics import RequestMetrics
 from pdserve.request import RequestOutput
 from pdserve.server.errors import body_for_exception

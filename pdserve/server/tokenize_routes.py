@@ -11,12 +11,12 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from pdserve.errors import InvalidRequest
-from pdserve.http_bounds import read_body
+from pdserve.api.errors import InvalidRequest
+from pdserve.api.http_bounds import read_body
 from pdserve.server.context import ServingContext
 from pdserve.server.openai_routes import json_response, parse_body
 from pdserve.server.preprocess import check_model, check_token_ids, ensure_ready, tokenize_chat
-from pdserve.tokenize_protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from pdserve.api.tokenize_protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 
 def build_tokenize_router(ctx: ServingContext) -> APIRouter:

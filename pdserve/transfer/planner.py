@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from pdserve.errors import InvalidRequest
+from pdserve.api.errors import InvalidRequest
 from pdserve.kv.block_pool import NULL_BLOCK_ID
 
 _PARAM = "kv_transfer_params.remote_block_ids"

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from pdserve.errors import PdserveError
+from pdserve.api.errors import PdserveError
 
 MEM_TYPES = ("DRAM", "VRAM")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from pdserve.engine.factory import BuiltEngine, build_engine
 from pdserve.metrics import Metrics
 from pdserve.models.loader import LoadedModel

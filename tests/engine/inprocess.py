@@ -9,7 +9,7 @@ from typing import Any, Optional
 import httpx
 from fastapi import FastAPI
 
-from pdserve.config import CacheConfig, ModelConfig, ServerConfig, TransferConfig, WorkerConfig
+from pdserve.api.config import CacheConfig, ModelConfig, ServerConfig, TransferConfig, WorkerConfig
 from pdserve.engine.factory import BuiltEngine, build_engine
 from pdserve.metrics import Metrics
 from pdserve.server.app import create_app

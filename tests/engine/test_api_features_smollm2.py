@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 
-from pdserve.config import CacheConfig, ModelConfig, ServerConfig, WorkerConfig
+from pdserve.api.config import CacheConfig, ModelConfig, ServerConfig, WorkerConfig
 from pdserve.engine.factory import build_engine
 from pdserve.metrics import Metrics
 from pdserve.models.loader import embedded_model_path, load_model

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pdserve.engine.schedule_types import ScheduledChunk
-from pdserve.errors import EngineFailure, RequestFailed
+from pdserve.api.errors import EngineFailure, RequestFailed
 from pdserve.request import FinishReason, GenerationRequest
 from pdserve.transfer.fake_transport import FakeFabric
 from tests.engine.harness import Collected, generate, greedy, make_engine

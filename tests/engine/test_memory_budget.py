@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from pdserve.engine.memory_budget import (
     DEFAULT_HOST_KV_MEMORY_BYTES, StepLimits, pool_num_blocks, run_worst_case_steps, worst_case_steps)
 from pdserve.kv.specs import plan_groups

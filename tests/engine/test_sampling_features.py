@@ -15,7 +15,7 @@ from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.grammar.compiler import compile_constraint
 from pdserve.grammar.matchers import bitmask_to_allowed
 from pdserve.request import SamplingParams
-from pdserve.structured_protocol import OutputConstraint
+from pdserve.api.structured_protocol import OutputConstraint
 
 VOCAB = 40
 

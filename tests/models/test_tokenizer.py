@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.models.hf_oracle import write_word_tokenizer
-from pdserve.errors import InvalidRequest
+from pdserve.api.errors import InvalidRequest
 from pdserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [

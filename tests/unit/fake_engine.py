@@ -16,9 +16,9 @@ from typing import Any, AsyncIterator, Optional
 import httpx
 from fastapi import FastAPI
 
-from pdserve.config import LimitsConfig, ServerConfig
+from pdserve.api.config import LimitsConfig, ServerConfig
 from pdserve.engine.request_ids import RequestIdRegistry
-from pdserve.errors import EngineFailure, PdserveError
+from pdserve.api.errors import EngineFailure, PdserveError
 from pdserve.metrics import Metrics, create_metrics
 from pdserve.pd.params import RemotePrefillParams
 from pdserve.request import FinishReason, GenerationRequest, LoadReport, RequestOutput

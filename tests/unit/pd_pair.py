@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from pdserve.config import SchedulerConfig
+from pdserve.api.config import SchedulerConfig
 from pdserve.engine.schedule_types import SampledToken
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.manager import KVCacheManager

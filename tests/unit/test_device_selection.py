@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from pdserve.cli import build_parser
 from pdserve.config_cli import worker_config
-from pdserve.config import ModelConfig
+from pdserve.api.config import ModelConfig
 from pdserve.engine.factory import pick_device
 from tests.devices import cuda_available
 

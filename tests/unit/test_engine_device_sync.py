@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.config import SchedulerConfig
+from pdserve.api.config import SchedulerConfig
 from pdserve.engine.emitter import OutputEmitter
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.outputs import OutputProcessor

@@ -12,8 +12,8 @@ import pytest
 import uvicorn
 from tests.unit.fake_engine import FakeEngine, make_app
 
-from pdserve.config import LimitsConfig
-from pdserve.http_bounds import http_protocol_with_header_deadline
+from pdserve.api.config import LimitsConfig
+from pdserve.api.http_bounds import http_protocol_with_header_deadline
 
 LIMITS = LimitsConfig(max_body_bytes=2048, header_timeout_s=0.5, body_timeout_s=0.5)
 

@@ -16,7 +16,7 @@ NIXL_HOME = REPO_ROOT / "pdserve" / "transfer" / "nixl_transport.py"
 
 TORCH_AND_NIXL_FREE_MODULES = [
     # records, configuration, wire schemas, metrics
-    "pdserve.config", "pdserve.request", "pdserve.errors", "pdserve.protocol", "pdserve.metrics",
+    "pdserve.api.config", "pdserve.request", "pdserve.api.errors", "pdserve.api.protocol", "pdserve.metrics",
     # the allocator
     "pdserve.kv", "pdserve.kv.specs", "pdserve.kv.hashing", "pdserve.kv.block_pool", "pdserve.kv.prefix",
     "pdserve.kv.manager", "pdserve.kv.sizing", "pdserve.kv.events", "pdserve.kv.events_wire",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pdserve.config import SchedulerConfig
+from pdserve.api.config import SchedulerConfig
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.routing_info import RoutingInfo
@@ -19,7 +19,7 @@ from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from pdserve.models.gguf_file import GGUFCheckpoint
 from pdserve.models.loader import embedded_model_path
 from pdserve.models.tokenizer import Tokenizer
-from pdserve.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.request import Request, SamplingParams
 from pdserve.server.kv_events_routes import routing_info
 from pdserve.server.openai_routes import parse_body

@@ -7,8 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from pdserve.errors import ContextLengthExceeded, InvalidRequest
-from pdserve.protocol import (
+from pdserve.api.errors import ContextLengthExceeded, InvalidRequest
+from pdserve.api.protocol import (
     ChatCompletionRequest,
     ChatDelta,
     CompletionRequest,

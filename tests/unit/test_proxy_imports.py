@@ -28,14 +28,14 @@ BLOCKER = textwrap.dedent("""
 # Every pdserve module the proxy may load. Add to it only torch- and nixl-free modules the proxy
 # must share with the workers; each entry is a module the slim image has to carry.
 PROXY_PDSERVE_ALLOW_LIST = frozenset({
-    "pdserve", "pdserve.config", "pdserve.config_cli", "pdserve.errors", "pdserve.request", "pdserve.protocol",
-    "pdserve.validation", "pdserve.http_bounds",
+    "pdserve", "pdserve.api", "pdserve.api.config", "pdserve.config_cli", "pdserve.api.errors", "pdserve.request",
+    "pdserve.api.protocol", "pdserve.api.validation", "pdserve.api.http_bounds",
     # the wire schemas validation reads: output constraints and tools, /tokenize bodies (pydantic only)
-    "pdserve.structured_protocol", "pdserve.tokenize_protocol",
+    "pdserve.api.structured_protocol", "pdserve.api.tokenize_protocol",
     # KV-aware routing: the hash chain, the prefix rule, the event wire format, the routing info
     "pdserve.kv", "pdserve.kv.hashing", "pdserve.kv.prefix", "pdserve.kv.block_pool", "pdserve.kv.specs",
     "pdserve.kv.events", "pdserve.kv.events_wire", "pdserve.kv.routing_info",
-    "pdserve.models", "pdserve.models.chat_template",
+    "pdserve.models", "pdserve.api.chat_template",
 })
 
 
@@ -65,7 +65,7 @@ def test_proxy_serves_a_request_where_torch_and_nixl_cannot_be_imported():
     assert lines[:3] == ["from p0", "4", "[]"]
     imported = set(lines[3].split(","))
     assert imported <= PROXY_PDSERVE_ALLOW_LIST, f"not allow-listed: {sorted(imported - PROXY_PDSERVE_ALLOW_LIST)}"
-    assert "pdserve.validation" in imported  # it validates with the workers' own code
+    assert "pdserve.api.validation" in imported  # it validates with the workers' own code
 
 
 def test_pdserve_proxy_command_line_parses_without_torch():

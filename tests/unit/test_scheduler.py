@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.config import SchedulerConfig
+from pdserve.api.config import SchedulerConfig
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.manager import KVCacheManager

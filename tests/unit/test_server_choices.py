@@ -84,7 +84,7 @@ async def test_a_failing_choice_fails_the_request_and_aborts_the_others():
 
 
 async def test_tokenizer_endpoints_keep_the_request_bounds():
-    from pdserve.config import LimitsConfig
+    from pdserve.api.config import LimitsConfig
 
     app = make_app(FakeEngine(), limits=LimitsConfig(max_prompt_chars=10, max_messages=1, max_body_bytes=1024))
     async with asgi_client(app) as client:

@@ -7,7 +7,7 @@ import json
 import pytest
 from tests.unit.fake_engine import FakeEngine, asgi_client, make_app
 
-from pdserve.errors import EngineOverloaded
+from pdserve.api.errors import EngineOverloaded
 from pdserve.metrics import create_metrics
 
 pytestmark = pytest.mark.anyio
@@ -168,7 +168,7 @@ async def test_every_503_carries_retry_after():
 async def test_streams_past_the_cap_get_503_before_any_work_and_slots_come_back():
     import asyncio
 
-    from pdserve.config import ServerConfig
+    from pdserve.api.config import ServerConfig
 
     engine = FakeEngine(reply="abcdef", stall_after_tokens=2)  # streams stay open until their client leaves
     app = make_app(engine, server=ServerConfig(max_concurrent_streams=2))

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from tests.unit.fake_engine import FakeEngine, asgi_client, make_app
 
-from pdserve.errors import InvalidRequest
+from pdserve.api.errors import InvalidRequest
 from pdserve.metrics import create_metrics
 from pdserve.engine.request_ids import RequestIdRegistry
 
@@ -113,7 +113,7 @@ def test_request_id_registry_rejects_unprintable_or_long_ids(wanted):
 def test_liveness_readiness_and_load_endpoints():
     from fastapi.testclient import TestClient
 
-    from pdserve.config import ServerConfig
+    from pdserve.api.config import ServerConfig
     from pdserve.metrics import Metrics
     from pdserve.server.app import create_app
     from tests.unit.fake_engine import FakeEngine

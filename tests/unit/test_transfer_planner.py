@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.errors import InvalidRequest
+from pdserve.api.errors import InvalidRequest
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from pdserve.transfer.planner import InvalidRemoteBlockIds, PullPlan, plan_pull, validate_remote_block_ids

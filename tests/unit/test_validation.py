@@ -7,10 +7,10 @@ import json
 import pytest
 from tests.unit.fake_engine import FakeEngine, asgi_client, make_app
 
-from pdserve.config import LimitsConfig
-from pdserve.errors import InvalidRequest, RequestTooLarge
-from pdserve.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.validation import (MAX_REQUEST_ID_CHARS, check_json_depth, check_request_id, parse_json_body,
+from pdserve.api.config import LimitsConfig
+from pdserve.api.errors import InvalidRequest, RequestTooLarge
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.validation import (MAX_REQUEST_ID_CHARS, check_json_depth, check_request_id, parse_json_body,
                                 parse_request)
 
 LIMITS = LimitsConfig()

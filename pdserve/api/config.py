@@ -77,7 +77,7 @@ class SchedulerConfig(_Frozen):
 
 
 class LimitsConfig(_Frozen):
-    """Bounds on what one request may ask, checked before any work (pdserve/validation.py).
+    """Bounds on what one request may ask, checked before any work (pdserve/api/validation.py).
     The proxy applies the same model with the same defaults (proxy/config.py)."""
 
     max_body_bytes: int = setting(8 << 20, "largest request body; larger ones get 413", parse="bytes", ge=1 << 10)

@@ -2,7 +2,7 @@
 
 Invariant: a body the proxy accepts is one every worker accepts and the
 other way round, because both run this code with the same `LimitsConfig`:
-size, JSON well-formedness and depth, the schema (pdserve/protocol.py), then
+size, JSON well-formedness and depth, the schema (pdserve/api/protocol.py), then
 the bounds on prompts, messages, choices, stop conditions, logit bias and
 output constraints — all before anything is tokenized, computed or pinned. Torch-free; the proxy imports it.
 """
@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 import pydantic_core
 from pydantic import BaseModel, ValidationError
 
-from pdserve.config import LimitsConfig
-from pdserve.errors import InvalidRequest, RequestTooLarge
-from pdserve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAIRequest
-from pdserve.tokenize_protocol import TokenizeRequest
+from pdserve.api.config import LimitsConfig
+from pdserve.api.errors import InvalidRequest, RequestTooLarge
+from pdserve.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAIRequest
+from pdserve.api.tokenize_protocol import TokenizeRequest
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # What clients may send; internal records (kv_transfer_params, KV messages) allow 256: room for `#<n>`.

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.protocol import ChatMessage
+from pdserve.api.protocol import ChatMessage
 
 
 class _WireModel(BaseModel):

@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.errors import InvalidRequest
+from pdserve.api.errors import InvalidRequest
 
 
 class _WireModel(BaseModel):

@@ -17,7 +17,7 @@ import jinja2.nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from pdserve.errors import InvalidRequest
+from pdserve.api.errors import InvalidRequest
 
 
 class TemplateError(InvalidRequest):

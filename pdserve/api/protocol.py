@@ -13,9 +13,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pdserve.errors import ContextLengthExceeded, InvalidRequest
+from pdserve.api.errors import ContextLengthExceeded, InvalidRequest
 from pdserve.request import FinishReason, SamplingParams
-from pdserve.structured_protocol import (
+from pdserve.api.structured_protocol import (
     NamedToolChoice,
     OutputConstraint,
     ResponseFormat,
@@ -168,7 +168,7 @@ class CompletionRequest(OpenAIRequest):
             prompt = handler(value)
         except ValidationError:
             raise ValueError("must be a string, a list of strings, a list of token ids or a list of such lists") from None
-        return prompt  # how many prompts and how long: `LimitsConfig` (pdserve/validation.py)
+        return prompt  # how many prompts and how long: `LimitsConfig` (pdserve/api/validation.py)
 
     @field_validator("suffix")
     @classmethod

@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 from starlette.requests import Request
 
-from pdserve.config import LimitsConfig
-from pdserve.errors import RequestTimeout, RequestTooLarge
+from pdserve.api.config import LimitsConfig
+from pdserve.api.errors import RequestTimeout, RequestTooLarge
 
 logger = logging.getLogger(__name__)
 
