@@ -1,7 +1,11 @@
-"""Per-request records shared by the server, the scheduler and the engine loop.
+"""Per-request records shared by the server, the scheduler, the P/D side and the engine loop.
 
 Torch-free. A `Request` is owned by the engine thread only; the server sees
-`GenerationRequest` going in and `RequestOutput` coming out.
+`GenerationRequest` going in and `RequestOutput` coming out. This module sits
+below both `pd/` and `engine/` (it names P/D records, never P/D code), so the
+connectors can take a `Request` without `pd/` importing `engine/`. What a request
+asks for (`SamplingParams`) and how it ended (`FinishReason`) are contract:
+`pdserve.api.sampling`.
 """
 
 from __future__ import annotations
@@ -10,10 +14,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from pdserve.api.sampling import FinishReason, SamplingParams, TopLogprobs
+
 if TYPE_CHECKING:  # torch-free, but kept out of import time: request.py sits below pd/
     from pdserve.api.errors import PdserveError
-    from pdserve.pd.connector import RemoteSource
     from pdserve.pd.params import KVTransferRequest, RemotePrefillParams
+    from pdserve.pd.source import RemoteSource
 
 
 class RequestStatus(enum.Enum):
@@ -21,47 +27,6 @@ class RequestStatus(enum.Enum):
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks allocated, a KV pull is in flight
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, stop token id or stop string
-    LENGTH = "length"  # max_tokens or context limit
-    ABORT = "abort"  # client went away or the request was cancelled
-    ERROR = "error"  # the engine could not serve it (e.g. failed KV pull under policy `fail`)
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 disables
-    seed: Optional[int] = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    logprobs: bool = False  # return the log-probability of each sampled token
-    top_logprobs: int = 0  # and of this many most likely alternatives
-    prompt_logprobs: Optional[int] = None  # log-probabilities of the prompt's tokens (with alternatives)
-    presence_penalty: float = 0.0  # OpenAI: minus this once for every token already generated
-    frequency_penalty: float = 0.0  # OpenAI: minus this per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # HF: logits of prompt and generated tokens divided (>0) or multiplied (<0)
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
-    grammar: Optional[str] = None  # llguidance grammar the output must match (pdserve/grammar/)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    @property
-    def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
-
-# The most likely tokens at one position, most likely first: ((token id, logprob), ...).
-# For a prompt token the token itself comes first, then the alternatives.
-TopLogprobs = tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,11 +14,11 @@ from typing import Optional
 import uvicorn
 
 from pdserve.api.config import WorkerConfig
+from pdserve.api.http_bounds import http_protocol_with_header_deadline
 from pdserve.drain import DrainingServer
 from pdserve.engine.async_engine import LoadingEngine
 from pdserve.engine.factory import BuiltEngine, build_engine
 from pdserve.engine.request_ids import RequestIdRegistry
-from pdserve.api.http_bounds import http_protocol_with_header_deadline
 from pdserve.metrics import Metrics
 from pdserve.pd.wiring import TransportFactory, nixl_transport
 from pdserve.server.app import create_app

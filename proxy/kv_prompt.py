@@ -18,12 +18,12 @@ from typing import Any, Optional
 import tokenizers
 from pydantic import ValidationError
 
+from pdserve.api.chat_template import ChatTemplate
 from pdserve.api.errors import PdserveError
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.kv.hashing import HASH_SCHEME, hash_full_blocks
 from pdserve.kv.routing_info import RoutingInfo
 from pdserve.kv.specs import KVGroupPlan
-from pdserve.api.chat_template import ChatTemplate
-from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from proxy.token_cache import ASYNC_MIN_CHARS, SegmentTokenizer
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdserve.api.errors import ContextLengthExceeded, InvalidRequest
-from pdserve.request import FinishReason, SamplingParams
+from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.api.structured_protocol import (
     NamedToolChoice,
     OutputConstraint,

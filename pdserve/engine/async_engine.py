@@ -12,9 +12,9 @@ import asyncio
 import logging
 from typing import Any, Optional
 
+from pdserve.api.errors import EngineNotReady, EngineOverloaded
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.request_ids import RequestIdRegistry
-from pdserve.api.errors import EngineNotReady, EngineOverloaded
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.pd.admission import KVAdmission, LocalAdmission
 from pdserve.request import GenerationRequest, LoadReport, RequestOutput

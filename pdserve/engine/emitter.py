@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
+from pdserve.api.errors import PdserveError
+from pdserve.api.sampling import FinishReason
 from pdserve.engine.outputs import OutputProcessor
 from pdserve.engine.schedule_types import SampledToken
-from pdserve.api.errors import PdserveError
-from pdserve.request import FinishReason, Request, RequestOutput
+from pdserve.request import Request, RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -21,14 +21,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+from pdserve.api.errors import EngineFailure, RequestFailed
+from pdserve.api.sampling import FinishReason
 from pdserve.engine.emitter import OutputEmitter, OutputSink
 from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput, StepResult
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
-from pdserve.api.errors import EngineFailure, RequestFailed
-from pdserve.request import FinishReason, GenerationRequest, LoadReport, Request
+from pdserve.request import GenerationRequest, LoadReport, Request
 
 logger = logging.getLogger(__name__)
 

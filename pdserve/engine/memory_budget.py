@@ -16,13 +16,13 @@ from typing import Optional
 import torch
 
 from pdserve.api.config import WorkerConfig
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput
 from pdserve.kv.layout import KVPoolLayout, num_blocks_for_budget
 from pdserve.kv.sizing import DeviceMemory, kv_pool_budget
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.models.base import CausalLM
-from pdserve.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 

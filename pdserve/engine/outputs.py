@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from pdserve.api.sampling import FinishReason, TopLogprobs
 from pdserve.engine.schedule_types import SampledToken
 from pdserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.request import FinishReason, Request, RequestOutput, TopLogprobs
+from pdserve.request import Request, RequestOutput
 
 
 def _held_back_length(text: str, stops: tuple[str, ...]) -> int:

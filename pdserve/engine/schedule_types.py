@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pdserve.request import SamplingParams, TopLogprobs
+from pdserve.api.sampling import SamplingParams, TopLogprobs
 
 
 @dataclass(slots=True)

@@ -18,14 +18,15 @@ import time
 from typing import Callable, Iterable, Optional
 
 from pdserve.api.config import SchedulerConfig
+from pdserve.api.errors import EngineFailure, PdserveError, RequestFailed
+from pdserve.api.sampling import FinishReason
 from pdserve.engine.schedule_types import PromptLogprobs, SampledToken, ScheduledChunk, SchedulerOutput
 from pdserve.engine.stop_rules import check_stop
-from pdserve.api.errors import EngineFailure, PdserveError, RequestFailed
 from pdserve.kv.hashing import hash_full_blocks
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.prefix import PrefixHit
 from pdserve.pd.connector import FREE_NOW, AdmissionKind, KVConnector, KVEvents, NoConnector
-from pdserve.request import FinishReason, Request, RequestStatus
+from pdserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

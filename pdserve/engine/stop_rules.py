@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pdserve.request import FinishReason, Request
+from pdserve.api.sampling import FinishReason
+from pdserve.request import Request
 
 
 def check_stop(request: Request, max_model_len: int) -> Optional[FinishReason]:

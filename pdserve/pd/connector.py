@@ -11,33 +11,15 @@ freed. Everything here runs on the engine thread and never blocks. Torch-free.
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 from pdserve.api.errors import PdserveError
-from pdserve.pd.handshake import AgentInfo
 from pdserve.pd.params import RemotePrefillParams
 
 if TYPE_CHECKING:
-    from pdserve.request import FinishReason, Request
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteSource:
-    """Verified on the async side: where a decode request's prompt KV lives.
-
-    `params` passed every check against the peer's handshake `agent`; the
-    transport connection to that peer was ready when the request was admitted.
-    `received_s` (monotonic) is when P's lease was last known to be fresh."""
-
-    params: RemotePrefillParams
-    agent: AgentInfo
-    received_s: float = field(default_factory=time.monotonic)
-
-    @property
-    def peer_identity(self) -> tuple[str, str]:
-        return self.agent.engine_id, self.agent.epoch
+    from pdserve.api.sampling import FinishReason
+    from pdserve.request import Request
 
 
 class AdmissionKind(enum.Enum):

@@ -17,15 +17,17 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
 
+from pdserve.api.sampling import FinishReason
+from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import TransferMetrics
 from pdserve.pd.connector import (ADMIT_LOCAL, ADMIT_REMOTE, FREE_NOW, Admission, AdmissionKind, FinishAction,
-                                  KVEvents, LoadFailure, RemoteSource)
+                                  KVEvents, LoadFailure)
 from pdserve.pd.geometry import blocks_already_held, handoff_ranges, handoff_slices
 from pdserve.pd.messages import KVMessage
 from pdserve.pd.params import KVPullFailed
 from pdserve.pd.peers import PeerConnections
-from pdserve.kv.specs import KVGroupPlan
-from pdserve.request import FinishReason, Request
+from pdserve.pd.source import RemoteSource
+from pdserve.request import Request
 from pdserve.transfer.planner import plan_pull
 from pdserve.transfer.transport import KVTransport, TransferError, TransferHandle, TransferState
 

@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from pdserve.api.sampling import FinishReason
 from pdserve.kv.block_pool import NULL_BLOCK_ID, KVInvariantError
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import TransferMetrics
@@ -23,7 +24,7 @@ from pdserve.pd.geometry import handoff_ranges, handoff_slices
 from pdserve.pd.leases import LeaseTable
 from pdserve.pd.messages import parse_message
 from pdserve.pd.params import KVPinnedFull, RemotePrefillParams
-from pdserve.request import FinishReason, Request
+from pdserve.request import Request
 from pdserve.transfer.transport import KVTransport
 
 logger = logging.getLogger(__name__)

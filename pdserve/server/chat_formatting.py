@@ -32,7 +32,8 @@ from pdserve.api.protocol import (
     UsageInfo,
     openai_finish_reason,
 )
-from pdserve.request import FinishReason, RequestOutput, TopLogprobs
+from pdserve.api.sampling import FinishReason, TopLogprobs
+from pdserve.request import RequestOutput
 from pdserve.server.formatting import token_strings, wire_params
 from pdserve.server.generation import GenerationResult
 from pdserve.tools.parsers import ParsedToolCall, ToolParser, held_back_length, parse_named, parse_required

@@ -23,8 +23,9 @@ from typing import Optional, Union
 
 import anyio
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.request_ids import MAX_REQUEST_ID_CHARS, RequestIdRegistry
-from pdserve.request import GenerationRequest, RequestOutput, SamplingParams
+from pdserve.request import GenerationRequest, RequestOutput
 from pdserve.server.context import ServingContext
 from pdserve.server.generation import GenerationStream
 from pdserve.server.preprocess import PreparedRequest

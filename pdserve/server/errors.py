@@ -19,10 +19,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from pdserve.api.errors import PdserveError, Unauthorized
-from pdserve.metrics import RequestMetrics
 from pdserve.api.protocol import ErrorInfo, ErrorResponse
-from pdserve.server.context import REQUEST_ID_HEADER
 from pdserve.api.validation import invalid_request_from_validation
+from pdserve.metrics import RequestMetrics
+from pdserve.server.context import REQUEST_ID_HEADER
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.api.errors import EngineNotReady
 from pdserve.kv.hashing import HASH_SCHEME
 from pdserve.kv.manager import KVCacheManager
-from pdserve.kv.routing_info import EVENTS_PATH, RESET_PREFIX_CACHE_PATH, ROUTING_INFO_PATH, RoutingInfo, describe_groups
+from pdserve.kv.routing_info import (EVENTS_PATH, RESET_PREFIX_CACHE_PATH, ROUTING_INFO_PATH, RoutingInfo,
+                                     describe_groups)
 from pdserve.metrics import Metrics
 from pdserve.server.errors import check_internal_token
 from pdserve.server.kv_events import KVEventHub, KVEventMetrics, KVEventSource, run_on_engine_thread

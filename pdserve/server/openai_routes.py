@@ -21,6 +21,7 @@ from pdserve.api.config import LimitsConfig
 from pdserve.api.errors import EngineOverloaded
 from pdserve.api.http_bounds import read_body
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIRequest
+from pdserve.api.validation import parse_request
 from pdserve.server.chat_formatting import ChatFormat, ToolMode
 from pdserve.server.choices import ChoiceStreams, plan_choices
 from pdserve.server.context import REQUEST_ID_HEADER, ServingContext
@@ -30,7 +31,6 @@ from pdserve.server.generation import GenerationResult, run_until_disconnected
 from pdserve.server.preprocess import PreparedRequest, check_model, ensure_ready, prepare_chat, prepare_completion
 from pdserve.server.streaming import EventStreamResponse, sse_events
 from pdserve.tools.parsers import parser_for_template
-from pdserve.api.validation import parse_request
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 Preparer = Callable[[Any, Any], Awaitable[PreparedRequest]]

@@ -20,8 +20,8 @@ from starlette.types import Receive, Scope, Send
 from pdserve.api.errors import PdserveError
 from pdserve.metrics import RequestMetrics
 from pdserve.request import RequestOutput
-from pdserve.server.errors import body_for_exception
 from pdserve.server.choices import ChoiceStreams
+from pdserve.server.errors import body_for_exception
 from pdserve.server.formatting import ResponseFormat
 from pdserve.server.generation import usage_info
 

@@ -13,10 +13,10 @@ from fastapi.responses import Response
 
 from pdserve.api.errors import InvalidRequest
 from pdserve.api.http_bounds import read_body
+from pdserve.api.tokenize_protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from pdserve.server.context import ServingContext
 from pdserve.server.openai_routes import json_response, parse_body
 from pdserve.server.preprocess import check_model, check_token_ids, ensure_ready, tokenize_chat
-from pdserve.api.tokenize_protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 
 def build_tokenize_router(ctx: ServingContext) -> APIRouter:

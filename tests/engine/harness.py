@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.factory import BuiltEngine, build_engine
 from pdserve.metrics import Metrics
 from pdserve.models.loader import LoadedModel
-from pdserve.request import GenerationRequest, RequestOutput, SamplingParams
+from pdserve.request import GenerationRequest, RequestOutput
 
 
 @dataclass

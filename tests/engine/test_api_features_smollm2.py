@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from pdserve.api.config import CacheConfig, ModelConfig, ServerConfig, WorkerConfig
+from pdserve.api.sampling import FinishReason
 from pdserve.engine.factory import build_engine
 from pdserve.metrics import Metrics
 from pdserve.models.loader import embedded_model_path, load_model
-from pdserve.request import FinishReason
 from pdserve.server.app import create_app
 from tests.engine.harness import generate, greedy, make_engine
 from tests.engine.oracle import load_hf_gguf

@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 
+from pdserve.api.sampling import SamplingParams
+from pdserve.api.structured_protocol import OutputConstraint
 from pdserve.grammar.compiler import compile_constraint
 from pdserve.models.loader import embedded_model_path, load_model
-from pdserve.request import GenerationRequest, SamplingParams
-from pdserve.api.structured_protocol import OutputConstraint
+from pdserve.request import GenerationRequest
 from tests.engine.harness import Collected, make_engine
 from tests.models.test_quantized_blocks import require_native_kernels
 

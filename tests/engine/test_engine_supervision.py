@@ -9,9 +9,10 @@ import time
 import httpx
 import pytest
 
-from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.api.errors import EngineFailure, RequestFailed
-from pdserve.request import FinishReason, GenerationRequest
+from pdserve.api.sampling import FinishReason
+from pdserve.engine.schedule_types import ScheduledChunk
+from pdserve.request import GenerationRequest
 from pdserve.transfer.fake_transport import FakeFabric
 from tests.engine.harness import Collected, generate, greedy, make_engine
 from tests.engine.inprocess import start_worker

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.decode_attention import uses_native_kernel
 from pdserve.engine.paged_attention import PagedAttention, fold_query_heads, unfold_query_heads
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
-from pdserve.request import SamplingParams
 from tests.devices import cuda_available
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 8, 2, 16, 4, 40

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.request import GenerationRequest, SamplingParams
+from pdserve.api.sampling import SamplingParams
+from pdserve.request import GenerationRequest
 from pdserve.transfer.fake_transport import FakeFabric
 from tests.engine.inprocess import DECODE_REQUEST, metric_value, start_worker
 from tests.tiny_models import make_tiny_qwen3

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_types import ScheduledChunk
-from pdserve.request import SamplingParams
 from tests.devices import cuda_available
 from tests.models.test_quantized_blocks import require_native_kernels
 

@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.logits_processors import adjust_logits
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_types import ScheduledChunk
-from pdserve.request import SamplingParams
 
 VOCAB = 64
 

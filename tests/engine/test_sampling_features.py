@@ -9,13 +9,13 @@ import llguidance
 import pytest
 import torch
 
+from pdserve.api.sampling import SamplingParams
+from pdserve.api.structured_protocol import OutputConstraint
 from pdserve.engine.logits_processors import adjust_logits
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.grammar.compiler import compile_constraint
 from pdserve.grammar.matchers import bitmask_to_allowed
-from pdserve.request import SamplingParams
-from pdserve.api.structured_protocol import OutputConstraint
 
 VOCAB = 40
 

@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.paged_attention import PagedAttention
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.schedule_types import ScheduledChunk
@@ -17,7 +18,6 @@ from pdserve.kv.layout import KVPoolLayout
 from pdserve.kv.specs import plan_groups
 from pdserve.models.loader import load_model
 from pdserve.models.quant.modules import QuantizedLinear
-from pdserve.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 

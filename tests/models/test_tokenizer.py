@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from tests.models.hf_oracle import write_word_tokenizer
 from pdserve.api.errors import InvalidRequest
 from pdserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.models.hf_oracle import write_word_tokenizer
 
 TEXTS = [
     "Hello, world!",

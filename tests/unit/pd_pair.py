@@ -8,19 +8,20 @@ from typing import Optional
 import torch
 
 from pdserve.api.config import SchedulerConfig
+from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.schedule_types import SampledToken
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from pdserve.metrics import Metrics
-from pdserve.pd.connector import RemoteSource
 from pdserve.pd.decode import DecodeConnector
 from pdserve.pd.handshake import AgentInfo, PoolGeometry, groups_to_wire
 from pdserve.pd.leases import LeaseTable
 from pdserve.pd.params import RemotePrefillParams
 from pdserve.pd.peers import PeerConnections
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
-from pdserve.request import FinishReason, Request, SamplingParams
+from pdserve.pd.source import RemoteSource
+from pdserve.request import Request
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
 
 BLOCK = 4

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cli import build_parser, main
 from pdserve.api.config import (DEFAULT_PORTS, CacheConfig, LimitsConfig, ModelConfig, SchedulerConfig, ServerConfig,
                             TransferConfig)
+from pdserve.cli import build_parser, main
 from pdserve.config_cli import ConfigError, flag_specs, worker_config
 from pdserve.local_cluster import build_specs
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from pdserve.api.config import ModelConfig
 from pdserve.cli import build_parser
 from pdserve.config_cli import worker_config
-from pdserve.api.config import ModelConfig
 from pdserve.engine.factory import pick_device
 from tests.devices import cuda_available
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pdserve.api.config import SchedulerConfig
+from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.emitter import OutputEmitter
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.outputs import OutputProcessor
@@ -22,7 +23,7 @@ from pdserve.kv.specs import FullAttentionSpec, plan_groups
 from pdserve.metrics import Metrics
 from pdserve.pd.leases import LeaseTable
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
-from pdserve.request import FinishReason, GenerationRequest, SamplingParams
+from pdserve.request import GenerationRequest
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
 from tests.devices import cuda_available
 from tests.unit.fake_engine import FakeTokenizer

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import pytest
 
 from pdserve.api.config import SchedulerConfig
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.routing_info import RoutingInfo
@@ -19,8 +21,7 @@ from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from pdserve.models.gguf_file import GGUFCheckpoint
 from pdserve.models.loader import embedded_model_path
 from pdserve.models.tokenizer import Tokenizer
-from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.request import Request, SamplingParams
+from pdserve.request import Request
 from pdserve.server.kv_events_routes import routing_info
 from pdserve.server.openai_routes import parse_body
 from pdserve.server.preprocess import prepare_chat, prepare_completion

@@ -16,7 +16,7 @@ from pdserve.api.protocol import (
     openai_finish_reason,
     to_sampling_params,
 )
-from pdserve.request import FinishReason, SamplingParams
+from pdserve.api.sampling import FinishReason, SamplingParams
 
 
 def completion(**fields) -> CompletionRequest:

@@ -28,7 +28,7 @@ BLOCKER = textwrap.dedent("""
 # Every pdserve module the proxy may load. Add to it only torch- and nixl-free modules the proxy
 # must share with the workers; each entry is a module the slim image has to carry.
 PROXY_PDSERVE_ALLOW_LIST = frozenset({
-    "pdserve", "pdserve.api", "pdserve.api.config", "pdserve.config_cli", "pdserve.api.errors", "pdserve.request",
+    "pdserve", "pdserve.api", "pdserve.api.config", "pdserve.config_cli", "pdserve.api.errors", "pdserve.api.sampling",
     "pdserve.api.protocol", "pdserve.api.validation", "pdserve.api.http_bounds",
     # the wire schemas validation reads: output constraints and tools, /tokenize bodies (pydantic only)
     "pdserve.api.structured_protocol", "pdserve.api.tokenize_protocol",

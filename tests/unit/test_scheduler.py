@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 
 from pdserve.api.config import SchedulerConfig
+from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
-from pdserve.request import FinishReason, Request, RequestStatus, SamplingParams
+from pdserve.request import Request, RequestStatus
 
 BLOCK = 4
 

@@ -8,8 +8,8 @@ import pytest
 from tests.unit.fake_engine import FakeEngine, asgi_client, make_app
 
 from pdserve.api.errors import InvalidRequest
-from pdserve.metrics import create_metrics
 from pdserve.engine.request_ids import RequestIdRegistry
+from pdserve.metrics import create_metrics
 
 pytestmark = pytest.mark.anyio
 
