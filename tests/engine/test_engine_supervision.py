@@ -4,6 +4,7 @@ processing fails that request only; a fault of the loop itself makes the worker 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -121,15 +122,29 @@ async def test_a_dead_engine_loop_fails_live_within_a_second_and_its_requests_ge
     try:
         async with worker.client() as client:
             assert (await client.get("/live")).status_code == 200
-            in_flight = asyncio.create_task(client.post(
-                "/v1/completions", json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "temperature": 0}))
-            await asyncio.sleep(0.2)
+            engine_loop = worker.built.engine.engine_loop
+            processor = engine_loop.emitter.processor
+            original = processor.process
+            fault_queued = threading.Event()
 
             def broken() -> None:
                 raise RuntimeError("injected fault in the engine loop itself")
 
+            def queue_fault_mid_request(request, *args, **kwargs):
+                # On the engine thread, with 397 of 400 tokens still to go: the fault lands at the
+                # loop's next iteration, so the request is certainly in flight when the loop dies.
+                if len(request.output_token_ids) == 3 and not fault_queued.is_set():
+                    engine_loop.call_soon(broken)
+                    fault_queued.set()
+                return original(request, *args, **kwargs)
+
+            processor.process = queue_fault_mid_request
+            in_flight = asyncio.create_task(client.post(
+                "/v1/completions", json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "temperature": 0}))
+            while not fault_queued.is_set():
+                assert not in_flight.done(), "the request ended before the fault was queued"
+                await asyncio.sleep(0.01)
             killed_s = time.monotonic()
-            worker.built.engine.engine_loop.call_soon(broken)
             while (await client.get("/live")).status_code == 200:
                 assert time.monotonic() - killed_s < 1.0, "/live still says alive"
                 await asyncio.sleep(0.02)
