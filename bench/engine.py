@@ -107,7 +107,7 @@ def machine_info(device: str) -> dict:
 
 def pdserve_system(name: str, extra_args: Sequence[str], device: str, log_dir: str) -> HttpSystem:
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    argv = [sys.executable, "-m", "pdserve.app.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--device", device, "--num-blocks", str(_PDSERVE_NUM_BLOCKS),
             "--block-size", str(_PDSERVE_BLOCK_TOKENS), "--log-level", "warning", *extra_args]
     python_path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)

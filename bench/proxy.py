@@ -304,7 +304,7 @@ async def wait_kv_ready(port: int, timeout_s: float = 60.0) -> None:
 async def run(args: argparse.Namespace, kv_file: str) -> dict:
     ports = {name: free_port() for name in ("prefill", "decode", "proxy_pd", "proxy_1leg", "proxy_kv")}
     stub = [os.path.abspath(__file__), "--kv-file", kv_file, "--serve-stub"]
-    proxy = ["-m", "pdserve.cli", "proxy", "--log-level", "warning", "--decode", f"127.0.0.1:{ports['decode']}"]
+    proxy = ["-m", "pdserve.app.cli", "proxy", "--log-level", "warning", "--decode", f"127.0.0.1:{ports['decode']}"]
     two_legs = ["--prefill", f"127.0.0.1:{ports['prefill']}"]
     processes = [
         spawn([*stub, str(ports["prefill"])]), spawn([*stub, str(ports["decode"])]),

@@ -61,7 +61,7 @@ def process_pids(up: ServerProcess) -> dict[str, int]:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
         role = next((r for r in _PROCESS_ROLES if r.encode() in argv), None)
-        if role is not None and b"pdserve.cli" in argv:
+        if role is not None and b"pdserve.app.cli" in argv:
             pids[role] = pid
     return pids
 
@@ -83,7 +83,7 @@ def watch(urls: dict[str, str], stop: threading.Event, into: Watch, interval_s: 
 
 def start_cluster(num_blocks: int, log_dir: str) -> tuple[ServerProcess, dict[str, str]]:
     ports = {role: free_port() for role in _PROCESS_ROLES}
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(ports["proxy"]), "--prefill-port",
+    argv = [sys.executable, "-m", "pdserve.app.cli", "up", "--port", str(ports["proxy"]), "--prefill-port",
             str(ports["prefill"]), "--decode-port", str(ports["decode"]), "--num-blocks", str(num_blocks),
             "--log-level", "warning"]
     up = ServerProcess("pdserve up", argv, ports["proxy"], os.path.join(log_dir, "up.log"))

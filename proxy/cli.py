@@ -1,6 +1,6 @@
 """Command line of `pdserve proxy`: flags -> `ProxyConfig` -> uvicorn.
 
-Importing this module is cheap (argparse and pydantic only): `pdserve/cli.py`
+Importing this module is cheap (argparse and pydantic only): `pdserve/app/cli.py`
 builds its parser from it, and the server stack is imported only to run.
 """
 
@@ -14,7 +14,7 @@ from typing import Optional
 from pydantic import ValidationError
 
 from pdserve.api.config import LimitsConfig
-from pdserve.config_cli import add_flags, section_flag_specs, section_values
+from pdserve.api.flags import add_flags, section_flag_specs, section_values
 from proxy.config import DiscoveryConfig, HealthConfig, ProxyConfig, RoutingConfig, TimeoutConfig
 
 logger = logging.getLogger(__name__)

@@ -67,7 +67,7 @@ class RoutingCluster:
 
     def _worker(self, role: str, index: int) -> ServerProcess:
         port = free_port()
-        argv = [sys.executable, "-m", "pdserve.cli", role, "--port", str(port), "--num-blocks",
+        argv = [sys.executable, "-m", "pdserve.app.cli", role, "--port", str(port), "--num-blocks",
                 str(self.spec.num_blocks), "--num-threads", str(self.spec.num_threads), "--log-level", "warning",
                 "--internal-token", self.spec.token, *PATIENT_PD]
         return ServerProcess(f"{role}{index}", argv, port, os.path.join(self.spec.log_dir, f"{role}{index}.log"))
@@ -93,7 +93,7 @@ class RoutingCluster:
 
     def start_proxy(self, policy: str, prefills: Optional[list[ServerProcess]] = None) -> ServerProcess:
         port = free_port()
-        argv = [sys.executable, "-m", "pdserve.cli", "proxy", "--port", str(port), "--policy", policy,
+        argv = [sys.executable, "-m", "pdserve.app.cli", "proxy", "--port", str(port), "--policy", policy,
                 "--prefill", *(w.base_url for w in prefills or self.prefills),
                 "--decode", *(w.base_url for w in self.decodes),
                 "--internal-token", self.spec.token, "--log-level", "warning"]

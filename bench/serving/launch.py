@@ -38,12 +38,12 @@ def free_port() -> int:
 
 def pd_cluster_argv(port: int, num_blocks: int) -> list[str]:
     """`pdserve up`: it pins prefill and decode to half of the cores each and gives each that many threads."""
-    return [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--prefill-port", "0",
+    return [sys.executable, "-m", "pdserve.app.cli", "up", "--port", str(port), "--prefill-port", "0",
             "--decode-port", "0", "--num-blocks", str(num_blocks), "--log-level", "warning"]
 
 
 def colocated_argv(port: int, num_blocks: int, num_threads: int) -> list[str]:
-    return [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--num-blocks", str(num_blocks),
+    return [sys.executable, "-m", "pdserve.app.cli", "serve", "--port", str(port), "--num-blocks", str(num_blocks),
             "--num-threads", str(num_threads), "--log-level", "warning"]
 
 
@@ -139,7 +139,7 @@ def _kill_if_alive(pid: int) -> None:
     """Kills a leftover child, after checking the pid still names a pdserve process (pids get reused)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"pdserve.cli" not in f.read():
+            if b"pdserve.app.cli" not in f.read():
                 return
         os.kill(pid, signal.SIGKILL)
     except (OSError, ProcessLookupError):

@@ -1,7 +1,7 @@
 """Frozen configuration of a worker, one sub-config per component: the single home of every setting.
 
 Each field declares its default, its constraints, its help text and (where
-it differs from the field name) its command-line flag; `pdserve/config_cli.py`
+it differs from the field name) its command-line flag; `pdserve/api/flags.py`
 builds the flags of `pdserve serve|prefill|decode|up` from these models, so a
 setting is written once. Built once at start-up and passed down; nothing
 reads flags or environment variables afterwards.
@@ -24,7 +24,7 @@ def setting(default: Any, help: str, *, flag: Optional[str] = None, env: Optiona
             parse: Optional[str] = None, **constraints: Any) -> Any:
     """A config field with its CLI metadata: `flag` overrides the derived --field-name,
     `env` names a variable that supplies the value when the flag is absent,
-    `parse` names a special parser ("bytes", "size_or_auto", "device": see config_cli.PARSERS)."""
+    `parse` names a special parser ("bytes", "size_or_auto", "device": see pdserve.api.flags.PARSERS)."""
     extra = {key: value for key, value in (("flag", flag), ("env", env), ("parse", parse)) if value is not None}
     return Field(default, description=help, json_schema_extra=extra or None, **constraints)
 

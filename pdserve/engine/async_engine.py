@@ -97,7 +97,7 @@ class AsyncEngine:
         if self.num_in_flight >= self.max_in_flight:
             raise EngineOverloaded(f"too many requests in flight ({self.num_in_flight}); retry later")
 
-    # ---- drain (see pdserve/drain.py) ------------------------------------------------
+    # ---- drain (see pdserve/app/drain.py) ------------------------------------------------
 
     def start_drain(self) -> None:
         self.draining = True

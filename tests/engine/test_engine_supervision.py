@@ -163,7 +163,7 @@ def test_the_worker_server_exits_with_failure_once_its_engine_is_dead():
     import uvicorn
     from fastapi import FastAPI
 
-    from pdserve.drain import DrainingServer
+    from pdserve.app.drain import DrainingServer
     from tests.integration.cluster import free_port
 
     alive = threading.Event()

@@ -38,7 +38,7 @@ class Worker:
 
     def start(self) -> "Worker":
         # One torch thread each: several workers share this host's few cores.
-        command = [sys.executable, "-m", "pdserve.cli", self.role, "--host", "127.0.0.1", "--port", str(self.port),
+        command = [sys.executable, "-m", "pdserve.app.cli", self.role, "--host", "127.0.0.1", "--port", str(self.port),
                    "--log-level", "info", "--num-threads", "1", "--device", self.device, *self.extra_args]
         env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **self.env)
         log = open(self.log_path, "ab")
@@ -96,7 +96,7 @@ class ProxyProcess:
         self.start()
 
     def start(self) -> "ProxyProcess":
-        command = [sys.executable, "-m", "pdserve.cli", "proxy", "--port", str(self.port), *self.args]
+        command = [sys.executable, "-m", "pdserve.app.cli", "proxy", "--port", str(self.port), *self.args]
         env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)

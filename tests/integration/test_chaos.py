@@ -291,7 +291,7 @@ def test_no_one_without_the_token_can_make_workers_read_pin_or_release(cluster):
 ])
 def test_workers_refuse_to_start_exposed_without_a_token(argv, message):
     env = {"PYTHONPATH": REPO_ROOT, "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, "-m", "pdserve.cli", *argv, "--port", "0"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "pdserve.app.cli", *argv, "--port", "0"], capture_output=True,
                             text=True, timeout=60, env=env, cwd=REPO_ROOT)
     assert result.returncode == 2 and message in result.stderr, result.stderr
 

@@ -19,7 +19,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 def start_proxy(port: int, prefill: Worker, decode: Worker, log_path: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "pdserve.cli", "proxy", "--host", "127.0.0.1", "--port", str(port),
+    command = [sys.executable, "-m", "pdserve.app.cli", "proxy", "--host", "127.0.0.1", "--port", str(port),
                "--prefill", prefill.url, "--decode", decode.url]
     env = dict(os.environ, PYTHONPATH=REPO_ROOT)
     return subprocess.Popen(command, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.openai_features import CHECKS
 from tests.integration.cluster import REPO_ROOT, free_port, wait_for
+from tests.integration.openai_features import CHECKS
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ class UpProcess:
     def __init__(self, log_path: str):
         self.ports = {"proxy": free_port(), "prefill": free_port(), "decode": free_port()}
         self.log_path = log_path
-        command = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(self.ports["proxy"]),
+        command = [sys.executable, "-m", "pdserve.app.cli", "up", "--port", str(self.ports["proxy"]),
                    "--prefill-port", str(self.ports["prefill"]), "--decode-port", str(self.ports["decode"]),
                    "--num-blocks", "400"]
         env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -221,7 +221,7 @@ def test_auto_quantization_keeps_gguf_blocks_on_the_cpu_except_in_the_exact_mode
 
 
 def test_cli_quantization_and_compile_flags_reach_the_model_config():
-    from pdserve.cli import build_parser, worker_config
+    from pdserve.app.cli import build_parser, worker_config
 
     args = build_parser().parse_args(["serve", "--quantization", "int8", "--no-compile"])
     model = worker_config(args, "colocated").model

@@ -6,9 +6,9 @@ import pytest
 
 from pdserve.api.config import (DEFAULT_PORTS, CacheConfig, LimitsConfig, ModelConfig, SchedulerConfig, ServerConfig,
                             TransferConfig)
-from pdserve.cli import build_parser, main
-from pdserve.config_cli import ConfigError, flag_specs, worker_config
-from pdserve.local_cluster import build_specs
+from pdserve.api.flags import ConfigError, flag_specs, worker_config
+from pdserve.app.cli import build_parser, main
+from pdserve.app.local_cluster import build_specs
 
 
 def parse(*argv: str):

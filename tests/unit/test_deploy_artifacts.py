@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.cli import build_parser
+from pdserve.app.cli import build_parser
 from pdserve.metrics import Metrics
 from proxy.metrics import create_proxy_metrics
 

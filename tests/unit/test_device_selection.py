@@ -7,8 +7,8 @@ import torch
 from pydantic import ValidationError
 
 from pdserve.api.config import ModelConfig
-from pdserve.cli import build_parser
-from pdserve.config_cli import worker_config
+from pdserve.api.flags import worker_config
+from pdserve.app.cli import build_parser
 from pdserve.engine.factory import pick_device
 from tests.devices import cuda_available
 

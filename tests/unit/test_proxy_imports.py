@@ -28,7 +28,7 @@ BLOCKER = textwrap.dedent("""
 # Every pdserve module the proxy may load. Add to it only torch- and nixl-free modules the proxy
 # must share with the workers; each entry is a module the slim image has to carry.
 PROXY_PDSERVE_ALLOW_LIST = frozenset({
-    "pdserve", "pdserve.api", "pdserve.api.config", "pdserve.config_cli", "pdserve.api.errors", "pdserve.api.sampling",
+    "pdserve", "pdserve.api", "pdserve.api.config", "pdserve.api.flags", "pdserve.api.errors", "pdserve.api.sampling",
     "pdserve.api.protocol", "pdserve.api.validation", "pdserve.api.http_bounds",
     # the wire schemas validation reads: output constraints and tools, /tokenize bodies (pydantic only)
     "pdserve.api.structured_protocol", "pdserve.api.tokenize_protocol",
@@ -70,7 +70,7 @@ def test_proxy_serves_a_request_where_torch_and_nixl_cannot_be_imported():
 
 def test_pdserve_proxy_command_line_parses_without_torch():
     result = run_blocked(("torch", "nixl"), """
-        from pdserve.cli import build_parser
+        from pdserve.app.cli import build_parser
         from proxy.cli import proxy_config
 
         args = build_parser().parse_args(["proxy", "--prefill", "p:1", "p:2", "--decode", "http://d:3/",

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from pdserve.cli import build_parser
-from pdserve.local_cluster import ChildSpec, CorePlan, LocalCluster, PrefixedOutput, build_specs, plan_cores
+from pdserve.app.cli import build_parser
+from pdserve.app.local_cluster import ChildSpec, CorePlan, LocalCluster, PrefixedOutput, build_specs, plan_cores
 from proxy.cli import proxy_config
 
 
@@ -129,7 +129,7 @@ def test_children_die_with_their_parent(tmp_path):
     pid_file = tmp_path / "pid"
     script = (
         "import io, sys, time\n"
-        "from pdserve.local_cluster import ChildSpec, LocalCluster, PrefixedOutput\n"
+        "from pdserve.app.local_cluster import ChildSpec, LocalCluster, PrefixedOutput\n"
         f"spec = ChildSpec('proxy', [sys.executable, '-c', 'import time; time.sleep(60)'], 0)\n"
         "cluster = LocalCluster([spec], PrefixedOutput(io.StringIO()))\n"
         "cluster.start()\n"
@@ -159,7 +159,7 @@ def test_children_die_with_their_parent(tmp_path):
 def test_supervisor_exits_non_zero_when_a_child_dies_and_zero_on_request():
     import threading
 
-    from pdserve.local_cluster import supervise
+    from pdserve.app.local_cluster import supervise
 
     out = io.StringIO()
     dying = LocalCluster([child("decode", "import sys; sys.exit(2)"), child("proxy", "import time; time.sleep(60)")],

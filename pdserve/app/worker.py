@@ -15,7 +15,7 @@ import uvicorn
 
 from pdserve.api.config import WorkerConfig
 from pdserve.api.http_bounds import http_protocol_with_header_deadline
-from pdserve.drain import DrainingServer
+from pdserve.app.drain import DrainingServer
 from pdserve.engine.async_engine import LoadingEngine
 from pdserve.engine.factory import BuiltEngine, build_engine
 from pdserve.engine.request_ids import RequestIdRegistry

@@ -11,8 +11,8 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from pdserve.config_cli import ConfigError, add_worker_flags, worker_config
-from pdserve.local_cluster import add_up_arguments, run_local_cluster
+from pdserve.api.flags import ConfigError, add_worker_flags, worker_config
+from pdserve.app.local_cluster import add_up_arguments, run_local_cluster
 from proxy.cli import add_proxy_arguments, run_proxy
 
 _ROLES = {"serve": "colocated", "prefill": "prefill", "decode": "decode"}
@@ -48,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as error:
         print(f"pdserve {args.command}: error: {error}", file=sys.stderr)
         return 2
-    from pdserve.worker import serve_worker  # heavy imports (torch) only when serving
+    from pdserve.app.worker import serve_worker  # heavy imports (torch) only when serving
 
     return serve_worker(config)
 

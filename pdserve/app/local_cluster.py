@@ -26,7 +26,7 @@ from typing import IO, Callable, Optional, Sequence
 import httpx
 
 from pdserve.api.config import DEFAULT_PORTS, CacheConfig
-from pdserve.config_cli import FORWARDED_ARGS, add_worker_flags, parse_device
+from pdserve.api.flags import FORWARDED_ARGS, add_worker_flags, parse_device
 from proxy.cli import INTERNAL_TOKEN_ENV, LIMIT_FLAGS
 
 _PR_SET_PDEATHSIG = 1
@@ -105,7 +105,7 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int]) -> list[ChildSpe
         plan = CorePlan(None, None, plan.prefill_threads, plan.decode_threads)
     # The token travels in the environment, not in argv, which any local user can list.
     env = {INTERNAL_TOKEN_ENV: args.internal_token or secrets.token_hex(16)}
-    base = [sys.executable, "-m", "pdserve.cli"]
+    base = [sys.executable, "-m", "pdserve.app.cli"]
     common = ["--host", args.host, "--log-level", args.log_level]
     forwarded = list(getattr(args, FORWARDED_ARGS, None) or [])
     worker_args = role_worker_args(args, forwarded)
