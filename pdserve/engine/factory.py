@@ -19,6 +19,7 @@ from pdserve.api.config import WorkerConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.decode_step import should_compile
 from pdserve.engine.emitter import OutputEmitter
+from pdserve.engine.grammar_matchers import GrammarMatchers, GrammarTokenizer
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.memory_budget import StepLimits, free_device_bytes, pool_num_blocks
 from pdserve.engine.outputs import OutputProcessor
@@ -26,7 +27,6 @@ from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
-from pdserve.grammar.matchers import GrammarMatchers, GrammarTokenizer
 from pdserve.kv.events import KVEventRecorder
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.manager import KVCacheManager

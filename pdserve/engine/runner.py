@@ -21,10 +21,10 @@ import torch
 
 from pdserve.engine import prompt_logprobs
 from pdserve.engine.decode_step import DecodeStep
+from pdserve.engine.grammar_matchers import GrammarMatchers, bitmask_to_allowed
 from pdserve.engine.paged_attention import PagedAttention
 from pdserve.engine.sampler import Sampler, unpack_sampled
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
-from pdserve.grammar.matchers import GrammarMatchers, bitmask_to_allowed
 from pdserve.kernels.native import cpu_kernels_available
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.kv.specs import KVGroupPlan

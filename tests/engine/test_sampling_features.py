@@ -11,11 +11,11 @@ import torch
 
 from pdserve.api.sampling import SamplingParams
 from pdserve.api.structured_protocol import OutputConstraint
+from pdserve.engine.grammar_matchers import bitmask_to_allowed
 from pdserve.engine.logits_processors import adjust_logits
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.grammar.compiler import compile_constraint
-from pdserve.grammar.matchers import bitmask_to_allowed
 
 VOCAB = 40
 
@@ -219,8 +219,8 @@ def test_min_tokens_leaves_a_grammar_row_to_its_grammar(device):
 def test_a_tokenizer_llguidance_cannot_read_is_a_remembered_request_fault():
     from types import SimpleNamespace
 
+    from pdserve.engine.grammar_matchers import GrammarTokenizer
     from pdserve.grammar.errors import GrammarTokenizerUnavailable
-    from pdserve.grammar.matchers import GrammarTokenizer
 
     calls = []
     backend = SimpleNamespace(to_str=lambda: calls.append(1) or json.dumps({"model": {"type": "BPE"}}))
