@@ -26,9 +26,10 @@ from pdserve.models.hf_config import (
     require,
     standard_rope,
 )
-from pdserve.models.layers import Embedding, GatedMLP, activation_named, copy_rows, empty_linear, empty_param, rms_norm_fp32_scale
+from pdserve.models.layers import GatedMLP, activation_named, rms_norm_fp32_scale
 from pdserve.models.rope import RotaryTable, apply_rotary
 from pdserve.models.weight_loader import WeightLoader
+from pdserve.models.weight_targets import Embedding, copy_rows, empty_linear, empty_param
 
 DEFAULT_GLOBAL_THETA = 1_000_000.0
 DEFAULT_LOCAL_THETA = 10_000.0

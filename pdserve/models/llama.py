@@ -24,9 +24,10 @@ from pdserve.models.hf_config import (
     layer_specs_from_types,
     require,
 )
-from pdserve.models.layers import Embedding, GatedMLP, activation_named, copy_rows, empty_linear, empty_param, rms_norm
+from pdserve.models.layers import GatedMLP, activation_named, rms_norm
 from pdserve.models.rope import RotaryTable, apply_rotary
 from pdserve.models.weight_loader import WeightLoader
+from pdserve.models.weight_targets import Embedding, copy_rows, empty_linear, empty_param
 
 
 @dataclass(frozen=True, slots=True)

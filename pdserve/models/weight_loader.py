@@ -15,9 +15,9 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 
 from pdserve.models.hf_config import ModelLoadError
-from pdserve.models.layers import Embedding, Linear, copy_rows
 from pdserve.models.quant.blocks import BlockFormat, PackedWeight, concat_rows, dequantize, quantize_q4_1, quantize_q8_0
 from pdserve.models.quant.modules import QuantizedEmbedding, QuantizedLinear
+from pdserve.models.weight_targets import Embedding, Linear, copy_rows
 from pdserve.models.weights import WeightSource
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.native import ops
-from pdserve.models.layers import linear
+from pdserve.models.weight_targets import linear
 from tests.models.test_quantized_blocks import require_native_kernels
 
 
