@@ -32,8 +32,8 @@ from proxy.errors import NoBackendAvailable, RejectedRequest, error_body, error_
 from proxy.forwarder import Forwarder
 from proxy.health import HealthMonitor
 from proxy.kv_routes import explain_route
-from proxy.kv_routing import KV_AWARE, KVRouting
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics, create_proxy_metrics
+from proxy.routing.kv_routing import KV_AWARE, KVRouting
 
 logger = logging.getLogger(__name__)
 

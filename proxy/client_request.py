@@ -24,7 +24,7 @@ from pdserve.api.validation import (MAX_REQUEST_ID_CHARS, REQUEST_ID_HEADER, che
 from proxy.errors import RejectedRequest
 
 if TYPE_CHECKING:
-    from proxy.kv_routing import KVRoute
+    from proxy.routing.kv_routing import KVRoute
 
 __all__ = ["MAX_REQUEST_ID_CHARS", "REQUEST_ID_HEADER"]
 # A chat template wraps each message in a few tokens of markup (role, separators).
@@ -47,7 +47,7 @@ class ClientRequest:
     max_tokens: Optional[int] = None  # what decode will be asked for: the prefill worker checks it fits
     min_tokens: Optional[int] = None
     needs_local_prompt: bool = False  # the decode worker must compute the prompt itself (see below)
-    kv_route: Optional["KVRoute"] = None  # set by kv_aware routing (proxy/kv_routing.py)
+    kv_route: Optional["KVRoute"] = None  # set by kv_aware routing (proxy/routing/kv_routing.py)
 
     def prefix_key(self, num_chars: int) -> bytes:
         return self.prompt_text[:num_chars].encode("utf-8", "surrogatepass")

@@ -54,7 +54,7 @@ class RoutingConfig(_Frozen):
     chars_per_token: float = Field(4.0, gt=0)
     # 0 = no cap; otherwise a backend with this many proxy requests in flight is saturated.
     max_in_flight_per_backend: int = Field(0, ge=0)
-    # kv_aware (proxy/policies_kv.py): one unit of load costs as much as computing this many prompt tokens.
+    # kv_aware (proxy/routing/policies_kv.py): one unit of load costs as much as computing this many prompt tokens.
     kv_load_tokens: float = Field(128.0, ge=0)
     # Cache-aware disaggregation: with a kv_aware decode policy, skip the prefill leg when the chosen
     # decode worker's cache leaves at most this many prompt tokens for it to compute (0 = never).

@@ -26,11 +26,11 @@ from proxy.client_request import REQUEST_ID_HEADER, ClientRequest, choose_reques
 from proxy.config import ProxyConfig
 from proxy.errors import NoBackendAvailable, ProxyError, RejectedRequest, error_response
 from proxy.kv_release import KVReleaser, PrefillHold
-from proxy.kv_routing import KVRouting
 from proxy.legs import KVRetry, LegFailed, LegSender, OpenLeg, PassThrough, cached_tokens_of
 from proxy.metrics import ProxyMetrics, status_class
-from proxy.policies import RoutingPolicy, build_policy
 from proxy.relay import ClientGone, RelayStreamResponse, until_client_disconnects
+from proxy.routing.kv_routing import KVRouting
+from proxy.routing.policies import RoutingPolicy, build_policy
 
 logger = logging.getLogger(__name__)
 

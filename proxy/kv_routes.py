@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from proxy.backends import INTERNAL_TOKEN_HEADER
 from proxy.errors import error_body
-from proxy.kv_routing import KVRouting
+from proxy.routing.kv_routing import KVRouting
 
 EXPLAIN_PATH = "/internal/routing/explain"
 CHAT_PATH = "/v1/chat/completions"

@@ -25,7 +25,7 @@ from pdserve.request import Request
 from pdserve.server.kv_events_routes import routing_info
 from pdserve.server.openai_routes import parse_body
 from pdserve.server.preprocess import prepare_chat, prepare_completion
-from proxy.kv_prompt import PromptHasher
+from proxy.routing.kv_prompt import PromptHasher
 from tests.chat_styles import STYLES, write_hf_tokenizer
 
 pytestmark = pytest.mark.anyio

@@ -11,7 +11,7 @@ from pdserve.kv.events import KVEventRecorder
 from pdserve.kv.hashing import hash_full_blocks
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
-from proxy.kv_index import KVIndex, SequenceGap
+from proxy.routing.kv_index import KVIndex, SequenceGap
 
 BLOCK = 4
 URL = "http://w0"

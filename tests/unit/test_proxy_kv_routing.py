@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.kv.events import KVEventRecorder
 from proxy.config import RoutingConfig
-from proxy.kv_prompt import PromptHasher
+from proxy.routing.kv_prompt import PromptHasher
 from tests.unit.kv_stubs import KVStubWorker, stub_routing_info
 from tests.unit.proxy_stubs import Served, ServedProxy, fast_config
 
@@ -166,7 +166,7 @@ def test_kv_aware_routing_serves_where_torch_and_nixl_cannot_be_imported():
         import asyncio, time
         import httpx
         from proxy.config import RoutingConfig
-        from proxy.kv_prompt import PromptHasher
+        from proxy.routing.kv_prompt import PromptHasher
         from tests.unit.kv_stubs import KVStubWorker, stub_routing_info
         from tests.unit.proxy_stubs import Served, ServedProxy, fast_config
 

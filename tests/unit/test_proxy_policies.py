@@ -10,7 +10,7 @@ import pytest
 from proxy.backends import Backend, BackendPool, LoadReport, Outcome, Role
 from proxy.breaker import CircuitBreaker
 from proxy.config import ProxyConfig, RoutingConfig
-from proxy.policies import LeastLoadedPolicy, PrefixAwarePolicy, RoundRobinPolicy, build_policy
+from proxy.routing.policies import LeastLoadedPolicy, PrefixAwarePolicy, RoundRobinPolicy, build_policy
 
 URLS = ["http://p0:1", "http://p1:1", "http://p2:1"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import AddedToken
 
-from proxy import token_cache
-from proxy.token_cache import SegmentTokenizer
+from proxy.routing import token_cache
+from proxy.routing.token_cache import SegmentTokenizer
 from tests.chat_styles import STYLES, build_tokenizer
 
 pytestmark = pytest.mark.anyio

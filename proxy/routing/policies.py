@@ -70,6 +70,6 @@ class PrefixAwarePolicy:
 def build_policy(name: PolicyName, config: RoutingConfig) -> RoutingPolicy:
     if name == "round_robin":
         return RoundRobinPolicy()
-    if name in ("least_loaded", "kv_aware"):  # kv_aware scores in proxy/kv_routing.py; this is its fallback
+    if name in ("least_loaded", "kv_aware"):  # kv_aware scores in proxy/routing/kv_routing.py; this is its fallback
         return LeastLoadedPolicy()
     return PrefixAwarePolicy(config.prefix_max_load)

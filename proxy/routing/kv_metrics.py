@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from proxy.kv_index import KVIndex
+from proxy.routing.kv_index import KVIndex
 
 # |actual - predicted| cached tokens: 0 when the index is exact; a block or
 # two when an eviction raced the request; more means the index is stale.

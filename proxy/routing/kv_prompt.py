@@ -24,7 +24,7 @@ from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.kv.hashing import HASH_SCHEME, hash_full_blocks
 from pdserve.kv.routing_info import RoutingInfo
 from pdserve.kv.specs import KVGroupPlan
-from proxy.token_cache import ASYNC_MIN_CHARS, SegmentTokenizer
+from proxy.routing.token_cache import ASYNC_MIN_CHARS, SegmentTokenizer
 
 logger = logging.getLogger(__name__)
 

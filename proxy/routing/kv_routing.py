@@ -19,12 +19,12 @@ from prometheus_client import CollectorRegistry
 
 from proxy.backends import Backend, BackendPool, Role
 from proxy.config import RoutingConfig
-from proxy.kv_events_client import KVEventSubscriptions, fetch_prompt_hasher
-from proxy.kv_index import KVIndex
-from proxy.kv_metrics import KVRoutingMetrics
-from proxy.kv_prompt import PromptBlocks, PromptHasher
-from proxy.policies import LeastLoadedPolicy
-from proxy.policies_kv import NO_BLOCKS, KVAwarePolicy, ScoredCandidate, rank, reason_for, score_candidate
+from proxy.routing.kv_events_client import KVEventSubscriptions, fetch_prompt_hasher
+from proxy.routing.kv_index import KVIndex
+from proxy.routing.kv_metrics import KVRoutingMetrics
+from proxy.routing.kv_prompt import PromptBlocks, PromptHasher
+from proxy.routing.policies import LeastLoadedPolicy
+from proxy.routing.policies_kv import NO_BLOCKS, KVAwarePolicy, ScoredCandidate, rank, reason_for, score_candidate
 
 if TYPE_CHECKING:
     from proxy.client_request import ClientRequest

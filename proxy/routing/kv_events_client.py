@@ -19,9 +19,9 @@ import httpx
 from pdserve.kv.events_wire import EVENTS, HEARTBEAT, SNAPSHOT, KVWireError, decode_line
 from pdserve.kv.routing_info import EVENTS_PATH, ROUTING_INFO_PATH, RoutingInfo
 from proxy.backends import Backend, BackendPool
-from proxy.kv_index import KVIndex, SequenceGap
-from proxy.kv_metrics import KVRoutingMetrics
-from proxy.kv_prompt import PromptHasher
+from proxy.routing.kv_index import KVIndex, SequenceGap
+from proxy.routing.kv_metrics import KVRoutingMetrics
+from proxy.routing.kv_prompt import PromptHasher
 
 logger = logging.getLogger(__name__)
 
