@@ -15,8 +15,8 @@ from typing import Callable, Iterable, Optional
 
 import httpx
 
+from pdserve.api.validation import REQUEST_ID_HEADER
 from proxy.breaker import CircuitBreaker
-from proxy.client_request import REQUEST_ID_HEADER
 from proxy.config import ProxyConfig
 from proxy.transport import LeanTransport
 

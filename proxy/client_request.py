@@ -24,7 +24,7 @@ from pdserve.api.validation import (MAX_REQUEST_ID_CHARS, REQUEST_ID_HEADER, che
 from proxy.errors import RejectedRequest
 
 if TYPE_CHECKING:
-    from proxy.routing.kv_routing import KVRoute
+    from proxy.routing.kv_prompt import KVRoute
 
 __all__ = ["MAX_REQUEST_ID_CHARS", "REQUEST_ID_HEADER"]
 # A chat template wraps each message in a few tokens of markup (role, separators).

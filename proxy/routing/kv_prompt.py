@@ -1,4 +1,5 @@
-"""A request's prompt blocks as a worker will hash them: same validation, template, tokenizer and chain.
+"""A request's prompt blocks as a worker will hash them: same validation, template, tokenizer and chain;
+and `KVRoute`, the routing state a request carries (its blocks, what was predicted per worker).
 
 Invariant: for every request a worker accepts, `PromptHasher.prompt_blocks`
 returns the token count and chained block hashes that worker's scheduler
@@ -12,7 +13,7 @@ to load). Everything imported here is torch-free (tests/unit/test_proxy_imports.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import tokenizers
@@ -85,3 +86,11 @@ class PromptHasher:
         if len(prompt) >= ASYNC_MIN_CHARS:
             return (await self._tokenizer.async_encode(prompt, add_special_tokens=True)).ids
         return self._tokenizer.encode(prompt, add_special_tokens=True).ids
+
+
+@dataclass(slots=True)
+class KVRoute:
+    """One request's routing state: its prompt blocks and what was predicted for each worker chosen."""
+
+    blocks: Optional[PromptBlocks]
+    predicted: dict[str, int] = field(default_factory=dict)  # backend url -> cached tokens predicted

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from prometheus_client import CollectorRegistry
@@ -22,7 +21,7 @@ from proxy.config import RoutingConfig
 from proxy.routing.kv_events_client import KVEventSubscriptions, fetch_prompt_hasher
 from proxy.routing.kv_index import KVIndex
 from proxy.routing.kv_metrics import KVRoutingMetrics
-from proxy.routing.kv_prompt import PromptBlocks, PromptHasher
+from proxy.routing.kv_prompt import KVRoute, PromptBlocks, PromptHasher
 from proxy.routing.policies import LeastLoadedPolicy
 from proxy.routing.policies_kv import NO_BLOCKS, KVAwarePolicy, ScoredCandidate, rank, reason_for, score_candidate
 
@@ -33,14 +32,6 @@ logger = logging.getLogger(__name__)
 
 KV_AWARE = "kv_aware"
 SKIPPED_DECODE_CACHED = "skipped_decode_cached"
-
-
-@dataclass(slots=True)
-class KVRoute:
-    """One request's routing state: its prompt blocks and what was predicted for each worker chosen."""
-
-    blocks: Optional[PromptBlocks]
-    predicted: dict[str, int] = field(default_factory=dict)  # backend url -> cached tokens predicted
 
 
 class KVRouting:
