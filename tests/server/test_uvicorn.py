@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from tests.unit.fake_engine import FakeEngine, make_app
+from tests.server.fake_engine import FakeEngine, make_app
 
 from pdserve.metrics import create_metrics
 

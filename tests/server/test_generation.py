@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.pd.params import RemoteDecodeRequest, RemotePrefillParams
-from tests.unit.fake_engine import BOS_ID, FakeEngine, FakeTokenizer, asgi_client, make_app, sse_payloads
+from tests.server.fake_engine import BOS_ID, FakeEngine, FakeTokenizer, asgi_client, make_app, sse_payloads
 
 pytestmark = pytest.mark.anyio
 

@@ -2,7 +2,7 @@
 
 import httpx
 
-from tests.unit.proxy_stubs import Served, StubWorker
+from tests.proxy.proxy_stubs import Served, StubWorker
 
 
 def test_stub_prefill_returns_kv_params_and_records_the_call():

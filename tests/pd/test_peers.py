@@ -6,7 +6,7 @@ import torch
 
 from pdserve.pd.peers import PeerConnections
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
-from tests.unit.pd_pair import FakeClock
+from tests.pd.pd_pair import FakeClock
 
 
 def pair():

@@ -11,7 +11,7 @@ from pdserve.pd.geometry import handoff_ranges, handoff_slices
 from pdserve.pd.params import KVPullFailed
 from pdserve.request import Request, RequestStatus
 from pdserve.transfer.fake_transport import FakeFabric
-from tests.unit.pd_pair import BLOCK, PLAN, DecodeSide, FakeClock, PrefillSide, make_request, source_for
+from tests.pd.pd_pair import BLOCK, PLAN, DecodeSide, FakeClock, PrefillSide, make_request, source_for
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ import pytest
 from pdserve.kv.events import KVEventRecorder
 from proxy.config import RoutingConfig
 from proxy.routing.kv_prompt import PromptHasher
-from tests.unit.kv_stubs import KVStubWorker, stub_routing_info
-from tests.unit.proxy_stubs import Served, ServedProxy, fast_config
+from tests.kv.kv_stubs import KVStubWorker, stub_routing_info
+from tests.proxy.proxy_stubs import Served, ServedProxy, fast_config
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant. Answer briefly and politely."},
             {"role": "user", "content": "What is the capital of France? Tell me a joke about numbers 12345."}]
@@ -160,15 +160,15 @@ def test_explain_says_when_kv_aware_routing_is_off():
 
 
 def test_kv_aware_routing_serves_where_torch_and_nixl_cannot_be_imported():
-    from tests.unit.test_proxy_imports import PROXY_PDSERVE_ALLOW_LIST, run_blocked
+    from tests.test_proxy_imports import PROXY_PDSERVE_ALLOW_LIST, run_blocked
 
     result = run_blocked(("torch", "nixl"), """
         import asyncio, time
         import httpx
         from proxy.config import RoutingConfig
         from proxy.routing.kv_prompt import PromptHasher
-        from tests.unit.kv_stubs import KVStubWorker, stub_routing_info
-        from tests.unit.proxy_stubs import Served, ServedProxy, fast_config
+        from tests.kv.kv_stubs import KVStubWorker, stub_routing_info
+        from tests.proxy.proxy_stubs import Served, ServedProxy, fast_config
 
         body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 2}
         blocks = asyncio.run(PromptHasher(stub_routing_info()).prompt_blocks("/v1/chat/completions", body))

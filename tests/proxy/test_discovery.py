@@ -88,7 +88,7 @@ def test_ipv6_addresses_are_bracketed():
 
 
 def test_discovered_backends_serve_through_the_proxy():
-    from tests.unit.proxy_stubs import Served, ServedProxy, StubWorker
+    from tests.proxy.proxy_stubs import Served, ServedProxy, StubWorker
 
     decode, prefill = StubWorker("decode", "d0"), StubWorker("prefill", "p0")
     with Served(decode.app()) as d, Served(prefill.app()) as p:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from proxy.config import HealthConfig, RoutingConfig, TimeoutConfig
-from tests.unit.proxy_stubs import Served, ServedProxy, StubWorker, fast_config, unused_url
+from tests.proxy.proxy_stubs import Served, ServedProxy, StubWorker, fast_config, unused_url
 
 SLOW_POLLS = HealthConfig(interval_s=60)  # the first poll only: the test plays the backend's death itself
 BODY = {"model": "m", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}

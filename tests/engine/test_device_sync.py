@@ -26,7 +26,7 @@ from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
 from pdserve.request import GenerationRequest
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
 from tests.devices import cuda_available
-from tests.unit.fake_engine import FakeTokenizer
+from tests.server.fake_engine import FakeTokenizer
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 32
 PLAN = plan_groups([FullAttentionSpec()])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 NIXL_HOME = REPO_ROOT / "pdserve" / "transfer" / "nixl_transport.py"
 
 TORCH_AND_NIXL_FREE_MODULES = [

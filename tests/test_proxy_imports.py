@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BLOCKER = textwrap.dedent("""
     import sys
@@ -48,7 +48,7 @@ def test_proxy_serves_a_request_where_torch_and_nixl_cannot_be_imported():
     result = run_blocked(("torch", "nixl", "llguidance"), """
         import httpx
         from proxy.app import create_app
-        from tests.unit.proxy_stubs import Served, ServedProxy, StubWorker, fast_config
+        from tests.proxy.proxy_stubs import Served, ServedProxy, StubWorker, fast_config
 
         with Served(StubWorker("prefill", "p0").app()) as p, Served(StubWorker("decode", "d0").app()) as d:
             with ServedProxy(fast_config([p.url], [d.url])) as proxy:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests.unit.fake_engine import FakeEngine, asgi_client, make_app
+from tests.server.fake_engine import FakeEngine, asgi_client, make_app
 
 from pdserve.api.config import LimitsConfig
 from pdserve.api.errors import InvalidRequest, RequestTooLarge

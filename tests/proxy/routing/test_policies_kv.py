@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from proxy.routing.policies_kv import CACHE_HIT, LOAD, NO_HIT, KVAwarePolicy, rank, score_candidate
-from tests.unit.test_proxy_policies import URLS, backend
+from tests.proxy.routing.test_policies import URLS, backend
 
 PROMPT_TOKENS = 100
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 import uvicorn
-from tests.unit.fake_engine import FakeEngine, make_app
+from tests.server.fake_engine import FakeEngine, make_app
 
 from pdserve.api.config import LimitsConfig
 from pdserve.api.http_bounds import http_protocol_with_header_deadline

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.unit.fake_engine import FakeEngine, FakeTokenizer, asgi_client, make_app, sse_payloads
+from tests.server.fake_engine import FakeEngine, FakeTokenizer, asgi_client, make_app, sse_payloads
 
 pytestmark = pytest.mark.anyio
 

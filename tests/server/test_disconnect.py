@@ -10,7 +10,7 @@ import asyncio
 import json
 
 import pytest
-from tests.unit.fake_engine import FakeEngine, make_app
+from tests.server.fake_engine import FakeEngine, make_app
 
 from pdserve.metrics import create_metrics
 from pdserve.server.streaming import EventStreamResponse

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tests.unit.fake_engine import FakeEngine, asgi_client, make_app
+from tests.server.fake_engine import FakeEngine, asgi_client, make_app
 
 from pdserve.api.errors import InvalidRequest
 from pdserve.engine.request_ids import RequestIdRegistry
@@ -116,7 +116,7 @@ def test_liveness_readiness_and_load_endpoints():
     from pdserve.api.config import ServerConfig
     from pdserve.metrics import Metrics
     from pdserve.server.app import create_app
-    from tests.unit.fake_engine import FakeEngine
+    from tests.server.fake_engine import FakeEngine
 
     engine = FakeEngine()
     client = TestClient(create_app(engine, Metrics(), ServerConfig()))

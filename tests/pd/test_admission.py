@@ -16,7 +16,7 @@ from pdserve.pd.params import (KVParamsInvalid, KVParamsStale, KVPullFailed, Rem
 from pdserve.pd.peer_trust import KVPeerNotAllowed, PeerAllowList
 from pdserve.request import GenerationRequest
 from pdserve.transfer.fake_transport import FakeFabric
-from tests.unit.pd_pair import BLOCK, PLAN, FakeClock, PrefillSide
+from tests.pd.pd_pair import BLOCK, PLAN, FakeClock, PrefillSide
 
 pytestmark = pytest.mark.anyio
 

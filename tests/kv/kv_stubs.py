@@ -23,7 +23,7 @@ from pdserve.kv.events_wire import encode_events, encode_heartbeat, encode_snaps
 from pdserve.kv.hashing import HASH_SCHEME
 from pdserve.kv.routing_info import EVENTS_PATH, ROUTING_INFO_PATH, GroupInfo, RoutingInfo
 from tests.chat_styles import STYLES, build_tokenizer
-from tests.unit.proxy_stubs import StubWorker
+from tests.proxy.proxy_stubs import StubWorker
 
 BLOCK = 4
 
