@@ -7,7 +7,7 @@ computes, because it runs the workers' own code on the worker's own data:
 `pdserve.api.protocol` (message normalization), `pdserve.api.chat_template`
 (rendering), the worker's serialized tokenizer, `pdserve.kv.hashing` (the
 chain). A request the worker would reject yields None (routing then falls back
-to load). Everything imported here is torch-free (tests/test_proxy_imports.py).
+to load). Everything imported here is torch-free (tests/test_import_rules.py).
 """
 
 from __future__ import annotations
