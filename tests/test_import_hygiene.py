@@ -15,7 +15,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 NIXL_HOME = REPO_ROOT / "pdserve" / "transfer" / "nixl_transport.py"
 
 TORCH_AND_NIXL_FREE_MODULES = [
-    # records, configuration, wire schemas, metrics
+    # the contract shared with the proxy (every module of pdserve.api), records, metrics
+    "pdserve.api", "pdserve.api.sampling", "pdserve.api.flags", "pdserve.api.validation", "pdserve.api.http_bounds",
+    "pdserve.api.structured_protocol", "pdserve.api.tokenize_protocol", "pdserve.api.chat_template",
     "pdserve.api.config", "pdserve.request", "pdserve.api.errors", "pdserve.api.protocol", "pdserve.metrics",
     # the allocator
     "pdserve.kv", "pdserve.kv.specs", "pdserve.kv.hashing", "pdserve.kv.block_pool", "pdserve.kv.prefix",
@@ -28,6 +30,7 @@ TORCH_AND_NIXL_FREE_MODULES = [
     "pdserve.pd", "pdserve.pd.params", "pdserve.pd.handshake", "pdserve.pd.leases", "pdserve.pd.messages",
     "pdserve.pd.geometry", "pdserve.pd.connector", "pdserve.pd.prefill", "pdserve.pd.decode", "pdserve.pd.peers",
     "pdserve.pd.admission", "pdserve.pd.wiring",
+    "pdserve.pd.source", "pdserve.pd.peer_trust",
     # the transport contract, planner and fake
     "pdserve.transfer", "pdserve.transfer.transport", "pdserve.transfer.planner", "pdserve.transfer.fake_transport",
     # the HTTP layer

@@ -1,4 +1,9 @@
-"""Composition roots: the command line, a worker's assembly, graceful drain, `pdserve up`.
+"""Composition roots: where processes are wired together from the packages below.
 
-Nothing imports this package; it imports whatever it wires together.
+Read in this order: `cli` (`pdserve serve|prefill|decode|proxy|up`), `worker`
+(one worker process: config -> metrics, engine, app -> uvicorn), `drain`
+(SIGTERM: finish what is in flight, then exit), `local_cluster` (`pdserve up`:
+prefill, decode and proxy as child processes).
+
+May import: anything, the proxy included. Nothing imports this package.
 """

@@ -4,6 +4,10 @@ llguidance was chosen over xgrammar and outlines-core: it installs from PyPI wit
 no dependencies (xgrammar pulls transformers, triton and an unpinned torch),
 needs no ahead-of-time index per schema (outlines-core builds a full automaton
 per schema, seconds for nested ones) and computes a 49k-token mask in well
-under a millisecond on one CPU core. Everything llguidance-specific lives in
-this package; the rest of pdserve sees grammar text (a string) and masks.
+under a millisecond on one CPU core. llguidance lives in two places: this
+package (`compiler`: constraint -> validated grammar text at the HTTP edge;
+`errors`) and `pdserve.engine.grammar_matchers` (per-request matchers on the
+engine thread). The rest of pdserve sees grammar text (a string) and masks.
+
+May import: api only.
 """

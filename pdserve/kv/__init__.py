@@ -1,7 +1,12 @@
 """Paged KV cache: hybrid layer groups, the shared block pool and its tensor layout.
 
-Module map: specs (layer specs -> groups), hashing (prefix-cache keys),
+Read in this order: specs (layer specs -> groups), hashing (prefix-cache keys),
 block_pool (block ids, refs, LRU), prefix (hit matching across groups),
-manager (per-request tables; the scheduler's API), layout (the pool tensor).
-Only `layout` imports torch; importing this package imports nothing else.
+manager (per-request tables; the scheduler's API), layout (the pool tensor),
+sizing (how many blocks a device's memory holds); then what leaves the
+worker: events (what enters and leaves the prefix cache), events_wire (their
+NDJSON format) and routing_info (what a router needs to hash prompts itself).
+
+May import: api only. Only `layout` imports torch; importing this package
+imports nothing else, so the proxy can use the hashing, prefix and event modules.
 """

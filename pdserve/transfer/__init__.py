@@ -1,1 +1,9 @@
-"""KV transfer: transport contract, NIXL agent, fake, descriptor planner. nixl is imported by nixl_transport only."""
+"""KV transfer: pages move between workers' pools through a small transport contract.
+
+Read in this order: `transport` (the contract: `KVTransport`, `PeerInfo`,
+handles that are begun and polled, never waited on), `planner` (block ids ->
+descriptor indices; wire block-id checks), `nixl_transport` (the only module
+that imports nixl), `fake_transport` (in-process, for unit tests).
+
+May import: api, kv. Torch-free but for `nixl_transport`.
+"""
