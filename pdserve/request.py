@@ -2,24 +2,26 @@
 
 Torch-free. A `Request` is owned by the engine thread only; the server sees
 `GenerationRequest` going in and `RequestOutput` coming out. This module sits
-below both `pd/` and `engine/` (it names P/D records, never P/D code), so the
-connectors can take a `Request` without `pd/` importing `engine/`. What a request
-asks for (`SamplingParams`) and how it ended (`FinishReason`) are contract:
-`pdserve.api.sampling`.
+below both `pd/` and `engine/` and imports only the contract (`pdserve.api`),
+so the connectors can take a `Request` without `pd/` importing `engine/`. What
+a request asks for (`SamplingParams`) and how it ended (`FinishReason`), and the
+kv_transfer records a request carries, are contract too: `pdserve.api.sampling`,
+`pdserve.api.kv_transfer`.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from pdserve.api.sampling import FinishReason, SamplingParams, TopLogprobs
+from pdserve.pd.params import AgentInfo, RemotePrefillParams
 
-if TYPE_CHECKING:  # torch-free, but kept out of import time: request.py sits below pd/
+if TYPE_CHECKING:
     from pdserve.api.errors import PdserveError
-    from pdserve.pd.params import KVTransferRequest, RemotePrefillParams
-    from pdserve.pd.source import RemoteSource
+    from pdserve.pd.params import KVTransferRequest
 
 
 class RequestStatus(enum.Enum):
@@ -27,6 +29,23 @@ class RequestStatus(enum.Enum):
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks allocated, a KV pull is in flight
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSource:
+    """Verified on the async side: where a decode request's prompt KV lives.
+
+    `params` passed every check against the peer's handshake `agent`; the
+    transport connection to that peer was ready when the request was admitted.
+    `received_s` (monotonic) is when P's lease was last known to be fresh."""
+
+    params: RemotePrefillParams
+    agent: AgentInfo
+    received_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def peer_identity(self) -> tuple[str, str]:
+        return self.agent.engine_id, self.agent.epoch
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ TORCH_AND_NIXL_FREE_MODULES = [
     "pdserve.pd", "pdserve.pd.params", "pdserve.pd.handshake", "pdserve.pd.leases", "pdserve.pd.messages",
     "pdserve.pd.geometry", "pdserve.pd.connector", "pdserve.pd.prefill", "pdserve.pd.decode", "pdserve.pd.peers",
     "pdserve.pd.admission", "pdserve.pd.wiring",
-    "pdserve.pd.source", "pdserve.pd.peer_trust",
+    "pdserve.pd.peer_trust",
     # the transport contract, planner and fake
     "pdserve.transfer", "pdserve.transfer.transport", "pdserve.transfer.planner", "pdserve.transfer.fake_transport",
     # the HTTP layer

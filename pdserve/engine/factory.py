@@ -34,7 +34,8 @@ from pdserve.kv.specs import KVGroupPlan, plan_groups
 from pdserve.metrics import Metrics
 from pdserve.models.base import ModelSpec
 from pdserve.models.loader import LoadedModel, load_model, resolve_quantization
-from pdserve.pd.handshake import AgentInfo, compatibility_hash
+from pdserve.pd.handshake import compatibility_hash
+from pdserve.pd.params import AgentInfo
 from pdserve.pd.prefill import PrefillConnector
 from pdserve.pd.wiring import KVSide, PoolDescription, TransportFactory, build_admission, build_kv_side, nixl_transport
 

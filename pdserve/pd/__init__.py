@@ -1,8 +1,8 @@
 """P/D disaggregation: everything about a prompt's KV moving from a prefill worker to a decode worker.
 
-Read in this order: `params` (the wire dict, parsed once), `handshake` (who a
-prefill worker is), `source` (a verified pointer to P's KV), `geometry`
-(which blocks travel), `peer_trust` (which hosts D may contact), `connector` (the
+Read in this order: `params` (the wire dict and the handshake's answer, parsed once),
+`handshake` (who a prefill worker is), `geometry` (which blocks travel),
+`peer_trust` (which hosts D may contact), `connector` (the
 contract with the scheduler), `prefill` and `decode` (the two sides, engine
 thread), `peers` (decode-side connections, never waited on), `admission`
 (async-side checks before the engine sees a request), `leases` and `messages`

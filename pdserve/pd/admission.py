@@ -21,10 +21,11 @@ from typing import Awaitable, Callable, Literal, Optional, Protocol
 from pdserve.kv.block_pool import NULL_BLOCK_ID
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.pd.geometry import handoff_ranges
-from pdserve.pd.handshake import AgentInfo, HandshakeClient
+from pdserve.pd.handshake import HandshakeClient
+from pdserve.pd.params import AgentInfo
 from pdserve.pd.params import KVParamsInvalid, KVPinnedFull, KVPullFailed, RemoteDecodeRequest, RemotePrefillParams
 from pdserve.pd.peer_trust import PeerAllowList
-from pdserve.pd.source import RemoteSource
+from pdserve.request import RemoteSource
 from pdserve.request import GenerationRequest
 from pdserve.transfer.planner import validate_remote_block_ids
 from pdserve.transfer.transport import PeerInfo, TransferError

@@ -26,7 +26,7 @@ from pdserve.pd.geometry import blocks_already_held, handoff_ranges, handoff_sli
 from pdserve.pd.messages import KVMessage
 from pdserve.pd.params import KVPullFailed
 from pdserve.pd.peers import PeerConnections
-from pdserve.pd.source import RemoteSource
+from pdserve.request import RemoteSource
 from pdserve.request import Request
 from pdserve.transfer.planner import plan_pull
 from pdserve.transfer.transport import KVTransport, TransferError, TransferHandle, TransferState

@@ -13,45 +13,18 @@ import asyncio
 import hashlib
 import json
 import logging
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Optional
 
 import httpx
-from pydantic import BaseModel, ConfigDict
 
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan
-from pdserve.pd.params import PROTOCOL_VERSION, KVParamsInvalid, KVParamsStale, KVPullFailed, RemotePrefillParams
-from pdserve.pd.peer_trust import url_host
+from pdserve.pd.params import (PROTOCOL_VERSION, AgentInfo, GroupWire, KVParamsInvalid, KVParamsStale, KVPullFailed,
+                               PoolGeometry, RemotePrefillParams, url_host)
 
 logger = logging.getLogger(__name__)
 
 AGENT_INFO_PATH = "/internal/kv/agent_info"
 TOKEN_HEADER = "X-Pdserve-Internal-Token"  # same header as pdserve.server.errors.INTERNAL_TOKEN_HEADER
-
-
-class GroupWire(BaseModel):
-    model_config = ConfigDict(frozen=True)
-    kind: Literal["full", "sliding"]
-    window_tokens: Optional[int] = None
-    layer_ids: list[int]
-
-
-class PoolGeometry(BaseModel):
-    model_config = ConfigDict(frozen=True)
-    num_blocks: int
-    page_bytes: int
-    block_size: int
-    group_size: int
-    groups: list[GroupWire]
-
-
-class AgentInfo(BaseModel):
-    model_config = ConfigDict(frozen=True)
-    protocol_version: int
-    compat_hash: str
-    engine_id: str
-    epoch: str
-    geometry: PoolGeometry
-    transport: dict[str, Any]  # the transport's own peer record (JSON-safe)
 
 
 def groups_to_wire(plan: KVGroupPlan) -> list[GroupWire]:

@@ -10,15 +10,36 @@ typed error with its HTTP status. Torch-free.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+import ipaddress
+import re
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
 from pdserve.api.errors import InvalidRequest, PdserveError
-from pdserve.pd.peer_trust import bare_host
 
 PROTOCOL_VERSION = 1
 _PARAM = "kv_transfer_params"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
+
+
+def bare_host(host: str) -> str:
+    """The host itself when it is an IP literal (IPv6 with or without brackets) or a DNS name;
+    ValueError otherwise. IPv6 comes back without brackets."""
+    unbracketed = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        return str(ipaddress.ip_address(unbracketed))
+    except ValueError:
+        pass
+    if len(host) > 253 or not _HOST_NAME.fullmatch(host):
+        raise ValueError("must be a bare host name or IP address (no port, path, query or user)")
+    return host
+
+
+def url_host(host: str) -> str:
+    """How `host` is written in a URL (IPv6 literals in brackets)."""
+    return f"[{host}]" if ":" in host else host
 
 
 class KVParamsInvalid(InvalidRequest):
@@ -138,3 +159,31 @@ def _check_version(parsed: RemotePrefillParams) -> None:
         )
     if parsed.tp_size != 1:
         raise KVParamsInvalid(f"{_PARAM}.tp_size: only tp_size=1 is supported", param=_PARAM)
+
+
+# ---- the handshake's answer: GET /internal/kv/agent_info on P (pd/handshake.py) ----------------
+
+class GroupWire(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    kind: Literal["full", "sliding"]
+    window_tokens: Optional[int] = None
+    layer_ids: list[int]
+
+
+class PoolGeometry(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    num_blocks: int
+    page_bytes: int
+    block_size: int
+    group_size: int
+    groups: list[GroupWire]
+
+
+class AgentInfo(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    protocol_version: int
+    compat_hash: str
+    engine_id: str
+    epoch: str
+    geometry: PoolGeometry
+    transport: dict[str, Any]  # the transport's own peer record (JSON-safe)

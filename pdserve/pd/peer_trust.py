@@ -1,25 +1,22 @@
-"""Which prefill peers a decode worker may contact: a bare host, and (optionally) one on its allow-list.
+"""Which prefill peers a decode worker may contact: one on its allow-list, when it has one.
 
 Invariant: `remote_host` from kv_transfer_params is a bare host — an IP
 literal or a DNS name, never a port, path, query or credentials smuggled into
-the handshake URL — and, when the operator gave `--kv-allowed-peers`, a
-decode worker handshakes and reads only with listed hosts: a name matches
-only itself (no DNS lookup that could answer differently later), an IP
-literal must lie in a listed address or CIDR. Torch-free.
+the handshake URL (`bare_host`, applied where the params are parsed) — and,
+when the operator gave `--kv-allowed-peers`, a decode worker handshakes and
+reads only with listed hosts: a name matches only itself (no DNS lookup that
+could answer differently later), an IP literal must lie in a listed address
+or CIDR. Torch-free.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdserve.api.config import parse_peer_allow_list
 from pdserve.api.errors import PdserveError
-
-_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
 
 
 class KVPeerNotAllowed(PdserveError):
@@ -27,24 +24,6 @@ class KVPeerNotAllowed(PdserveError):
 
     status_code = 403
     error_type = "permission_error"
-
-
-def bare_host(host: str) -> str:
-    """The host itself when it is an IP literal (IPv6 with or without brackets) or a DNS name;
-    ValueError otherwise. IPv6 comes back without brackets."""
-    unbracketed = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    try:
-        return str(ipaddress.ip_address(unbracketed))
-    except ValueError:
-        pass
-    if len(host) > 253 or not _HOST_NAME.fullmatch(host):
-        raise ValueError("must be a bare host name or IP address (no port, path, query or user)")
-    return host
-
-
-def url_host(host: str) -> str:
-    """How `host` is written in a URL (IPv6 literals in brackets)."""
-    return f"[{host}]" if ":" in host else host
 
 
 @dataclass(frozen=True, slots=True)

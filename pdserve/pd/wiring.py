@@ -21,8 +21,9 @@ from pdserve.metrics import Metrics
 from pdserve.pd.admission import DecodeAdmission, KVAdmission, LocalAdmission, PrefillAdmission, engine_thread_connector
 from pdserve.pd.connector import KVConnector, NoConnector
 from pdserve.pd.decode import DecodeConnector
-from pdserve.pd.handshake import PROTOCOL_VERSION, AgentInfo, HandshakeClient, PoolGeometry, groups_to_wire
+from pdserve.pd.handshake import HandshakeClient, groups_to_wire
 from pdserve.pd.leases import LeaseTable
+from pdserve.pd.params import PROTOCOL_VERSION, AgentInfo, PoolGeometry
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.pd.peers import PeerConnections
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity

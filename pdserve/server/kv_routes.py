@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from pdserve.api.errors import EngineNotReady
 from pdserve.api.validation import invalid_request_from_validation
-from pdserve.pd.handshake import AGENT_INFO_PATH, AgentInfo
+from pdserve.pd.handshake import AGENT_INFO_PATH
+from pdserve.pd.params import AgentInfo
 from pdserve.pd.params import KVParamsStale, KVReleaseRequest
 from pdserve.server.errors import check_internal_token
 

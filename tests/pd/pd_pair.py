@@ -15,12 +15,13 @@ from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from pdserve.metrics import Metrics
 from pdserve.pd.decode import DecodeConnector
-from pdserve.pd.handshake import AgentInfo, PoolGeometry, groups_to_wire
+from pdserve.pd.handshake import groups_to_wire
 from pdserve.pd.leases import LeaseTable
+from pdserve.pd.params import AgentInfo, PoolGeometry
 from pdserve.pd.params import RemotePrefillParams
 from pdserve.pd.peers import PeerConnections
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
-from pdserve.pd.source import RemoteSource
+from pdserve.request import RemoteSource
 from pdserve.request import Request
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
 
