@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from pdserve.api.kv_transfer import AgentInfo, RemotePrefillParams
 from pdserve.api.sampling import FinishReason, SamplingParams, TopLogprobs
-from pdserve.pd.params import AgentInfo, RemotePrefillParams
 
 if TYPE_CHECKING:
     from pdserve.api.errors import PdserveError
-    from pdserve.pd.params import KVTransferRequest
+    from pdserve.api.kv_transfer import KVTransferRequest
 
 
 class RequestStatus(enum.Enum):

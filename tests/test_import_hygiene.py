@@ -27,7 +27,7 @@ TORCH_AND_NIXL_FREE_MODULES = [
     "pdserve.engine.schedule_types", "pdserve.engine.scheduler", "pdserve.engine.stop_rules",
     "pdserve.engine.request_ids",
     # the P/D package: params, handshake, geometry, both sides, admission, wiring
-    "pdserve.pd", "pdserve.pd.params", "pdserve.pd.handshake", "pdserve.pd.leases", "pdserve.pd.messages",
+    "pdserve.pd", "pdserve.api.kv_transfer", "pdserve.pd.handshake", "pdserve.pd.leases", "pdserve.pd.messages",
     "pdserve.pd.geometry", "pdserve.pd.connector", "pdserve.pd.prefill", "pdserve.pd.decode", "pdserve.pd.peers",
     "pdserve.pd.admission", "pdserve.pd.wiring",
     "pdserve.pd.peer_trust",

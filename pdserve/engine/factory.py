@@ -16,6 +16,7 @@ import httpx
 import torch
 
 from pdserve.api.config import WorkerConfig
+from pdserve.api.kv_transfer import AgentInfo
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.decode_step import should_compile
 from pdserve.engine.emitter import OutputEmitter
@@ -35,7 +36,6 @@ from pdserve.metrics import Metrics
 from pdserve.models.base import ModelSpec
 from pdserve.models.loader import LoadedModel, load_model, resolve_quantization
 from pdserve.pd.handshake import compatibility_hash
-from pdserve.pd.params import AgentInfo
 from pdserve.pd.prefill import PrefillConnector
 from pdserve.pd.wiring import KVSide, PoolDescription, TransportFactory, build_admission, build_kv_side, nixl_transport
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 from pdserve.api.errors import PdserveError
-from pdserve.pd.params import RemotePrefillParams
+from pdserve.api.kv_transfer import RemotePrefillParams
 
 if TYPE_CHECKING:
     from pdserve.api.sampling import FinishReason

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
 
+from pdserve.api.kv_transfer import KVPullFailed
 from pdserve.api.sampling import FinishReason
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import TransferMetrics
@@ -24,7 +25,6 @@ from pdserve.pd.connector import (ADMIT_LOCAL, ADMIT_REMOTE, FREE_NOW, Admission
                                   KVEvents, LoadFailure)
 from pdserve.pd.geometry import blocks_already_held, handoff_ranges, handoff_slices
 from pdserve.pd.messages import KVMessage
-from pdserve.pd.params import KVPullFailed
 from pdserve.pd.peers import PeerConnections
 from pdserve.request import RemoteSource
 from pdserve.request import Request

@@ -17,9 +17,9 @@ from typing import Any, Callable, Optional
 
 import httpx
 
+from pdserve.api.kv_transfer import (PROTOCOL_VERSION, AgentInfo, GroupWire, KVParamsInvalid, KVParamsStale,
+                                     KVPullFailed, PoolGeometry, RemotePrefillParams, url_host)
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan
-from pdserve.pd.params import (PROTOCOL_VERSION, AgentInfo, GroupWire, KVParamsInvalid, KVParamsStale, KVPullFailed,
-                               PoolGeometry, RemotePrefillParams, url_host)
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from pdserve.api.kv_transfer import KVPinnedFull, RemotePrefillParams
 from pdserve.api.sampling import FinishReason
 from pdserve.kv.block_pool import NULL_BLOCK_ID, KVInvariantError
 from pdserve.kv.specs import KVGroupPlan
@@ -23,7 +24,6 @@ from pdserve.pd.connector import ADMIT_LOCAL, FREE_NOW, Admission, FinishAction,
 from pdserve.pd.geometry import handoff_ranges, handoff_slices
 from pdserve.pd.leases import LeaseTable
 from pdserve.pd.messages import parse_message
-from pdserve.pd.params import KVPinnedFull, RemotePrefillParams
 from pdserve.request import Request
 from pdserve.transfer.transport import KVTransport
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, cast
 import httpx
 
 from pdserve.api.config import WorkerConfig
+from pdserve.api.kv_transfer import PROTOCOL_VERSION, AgentInfo, PoolGeometry
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import Metrics
 from pdserve.pd.admission import DecodeAdmission, KVAdmission, LocalAdmission, PrefillAdmission, engine_thread_connector
@@ -23,7 +24,6 @@ from pdserve.pd.connector import KVConnector, NoConnector
 from pdserve.pd.decode import DecodeConnector
 from pdserve.pd.handshake import HandshakeClient, groups_to_wire
 from pdserve.pd.leases import LeaseTable
-from pdserve.pd.params import PROTOCOL_VERSION, AgentInfo, PoolGeometry
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.pd.peers import PeerConnections
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity

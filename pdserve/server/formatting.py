@@ -16,10 +16,10 @@ from typing import Any, Optional, Protocol, Sequence
 
 from pydantic import BaseModel
 
+from pdserve.api.kv_transfer import RemotePrefillParams
 from pdserve.api.protocol import (CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo,
                                   openai_finish_reason)
 from pdserve.api.sampling import TopLogprobs
-from pdserve.pd.params import RemotePrefillParams
 from pdserve.request import RequestOutput
 from pdserve.server.generation import GenerationResult, usage_info
 

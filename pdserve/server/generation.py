@@ -19,9 +19,9 @@ import anyio
 from starlette.requests import Request
 
 from pdserve.api.errors import EngineFailure, PdserveError
+from pdserve.api.kv_transfer import RemotePrefillParams
 from pdserve.api.protocol import PromptTokensDetails, UsageInfo
 from pdserve.api.sampling import FinishReason, TopLogprobs
-from pdserve.pd.params import RemotePrefillParams
 from pdserve.request import GenerationRequest, RequestOutput
 from pdserve.server.context import ServingContext
 from pdserve.server.errors import ClientDisconnected, RequestAbortedByEngine

@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from pdserve.api.errors import EngineNotReady
+from pdserve.api.kv_transfer import AgentInfo
+from pdserve.api.kv_transfer import KVParamsStale, KVReleaseRequest
 from pdserve.api.validation import invalid_request_from_validation
 from pdserve.pd.handshake import AGENT_INFO_PATH
-from pdserve.pd.params import AgentInfo
-from pdserve.pd.params import KVParamsStale, KVReleaseRequest
 from pdserve.server.errors import check_internal_token
 
 RELEASE_PATH = "/internal/kv/release"

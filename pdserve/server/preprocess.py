@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from pdserve.api.errors import EngineNotReady, InvalidRequest, ModelNotFound, PdserveError
+from pdserve.api.kv_transfer import (KVTransferRequest, RemoteDecodeRequest, RemotePrefillParams,
+                                     parse_kv_transfer_params)
 from pdserve.api.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIRequest, check_token_budget,
                               to_sampling_params)
 from pdserve.api.sampling import SamplingParams
 from pdserve.grammar.compiler import compile_constraint
 from pdserve.grammar.errors import GrammarTokenizerUnavailable
-from pdserve.pd.params import KVTransferRequest, RemoteDecodeRequest, RemotePrefillParams, parse_kv_transfer_params
 
 if TYPE_CHECKING:
     from pdserve.engine.api import EngineClient

@@ -8,6 +8,8 @@ from typing import Optional
 import torch
 
 from pdserve.api.config import SchedulerConfig
+from pdserve.api.kv_transfer import AgentInfo, PoolGeometry
+from pdserve.api.kv_transfer import RemotePrefillParams
 from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.schedule_types import SampledToken
 from pdserve.engine.scheduler import Scheduler
@@ -17,8 +19,6 @@ from pdserve.metrics import Metrics
 from pdserve.pd.decode import DecodeConnector
 from pdserve.pd.handshake import groups_to_wire
 from pdserve.pd.leases import LeaseTable
-from pdserve.pd.params import AgentInfo, PoolGeometry
-from pdserve.pd.params import RemotePrefillParams
 from pdserve.pd.peers import PeerConnections
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
 from pdserve.request import RemoteSource

@@ -8,11 +8,11 @@ import asyncio
 import httpx
 import pytest
 
+from pdserve.api.kv_transfer import (KVParamsInvalid, KVParamsStale, KVPullFailed, RemoteDecodeRequest,
+                                     RemotePrefillParams, parse_kv_transfer_params)
 from pdserve.api.sampling import SamplingParams
 from pdserve.pd.admission import DecodeAdmission, PeerFailureMemory, PrefillAdmission
 from pdserve.pd.handshake import HandshakeClient
-from pdserve.pd.params import (KVParamsInvalid, KVParamsStale, KVPullFailed, RemoteDecodeRequest, RemotePrefillParams,
-                               parse_kv_transfer_params)
 from pdserve.pd.peer_trust import KVPeerNotAllowed, PeerAllowList
 from pdserve.request import GenerationRequest
 from pdserve.transfer.fake_transport import FakeFabric

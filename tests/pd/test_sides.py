@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.api.kv_transfer import KVPullFailed
 from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.schedule_types import SampledToken
 from pdserve.pd.geometry import handoff_ranges, handoff_slices
-from pdserve.pd.params import KVPullFailed
 from pdserve.request import Request, RequestStatus
 from pdserve.transfer.fake_transport import FakeFabric
 from tests.pd.pd_pair import BLOCK, PLAN, DecodeSide, FakeClock, PrefillSide, make_request, source_for

@@ -18,10 +18,10 @@ from fastapi import FastAPI
 
 from pdserve.api.config import LimitsConfig, ServerConfig
 from pdserve.api.errors import EngineFailure, PdserveError
+from pdserve.api.kv_transfer import RemotePrefillParams
 from pdserve.api.sampling import FinishReason
 from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.metrics import Metrics, create_metrics
-from pdserve.pd.params import RemotePrefillParams
 from pdserve.request import GenerationRequest, LoadReport, RequestOutput
 from pdserve.server.app import create_app
 

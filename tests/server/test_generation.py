@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.pd.params import RemoteDecodeRequest, RemotePrefillParams
+from pdserve.api.kv_transfer import RemoteDecodeRequest, RemotePrefillParams
 from tests.server.fake_engine import BOS_ID, FakeEngine, FakeTokenizer, asgi_client, make_app, sse_payloads
 
 pytestmark = pytest.mark.anyio
