@@ -1,20 +1,21 @@
 """pdserve: disaggregated prefill/decode LLM serving.
 
-Packages, in the direction imports may go (each imports only those before it;
-tests/test_import_rules.py checks the rules that matter most):
+Packages, in the direction imports go (each imports only packages above it;
+tests/test_import_rules.py checks that pdserve's packages form no cycle and
+the rules that matter most):
 
-    api        the contract shared with the proxy: OpenAI schemas, validation, bounds,
-               errors, settings, flags, sampling records, chat template   (torch-free)
+    api        the contract: OpenAI schemas, validation, bounds, errors, settings, flags,
+               sampling records, chat template, kv_transfer records       (torch-free)
     kv         the hybrid block allocator and the pool's layout           (torch-free but layout)
     transfer   the transport contract, the NIXL agent, the descriptor planner
-    request    (module) the engine-thread request record, below pd/ and engine/
-    pd         the P/D connector: params, handshake, both sides, leases    (torch-free)
-    models     architectures, checkpoint loaders, tokenizer; kernels: native CPU kernels
+    request    (module) the engine's request records, below pd/ and engine/ (imports api only)
+    metrics    (module) the Prometheus metrics every layer feeds
+    pd         the P/D connector: handshake, both sides, leases, admission (torch-free)
+    kernels    native CPU kernels;  models: architectures, checkpoint loaders, tokenizer
+    grammar    structured outputs compiled at the HTTP edge;  tools: tool-call parsers
     engine     scheduler, runner, sampler, the engine thread and its grammar matchers
-    grammar, tools    structured outputs and tool calls at the HTTP edge
     server     a worker's HTTP app
     app        composition roots (cli, worker, drain, `pdserve up`); nothing imports it
 
-`metrics` (module) holds the Prometheus metrics every layer feeds. The proxy
-(top-level package `proxy`) imports only `pdserve.api` and `pdserve.kv`.
+The proxy (top-level package `proxy`) imports only `pdserve.api` and `pdserve.kv`.
 """

@@ -1,7 +1,8 @@
 """The import rules of the house, checked on the source so they cannot drift:
 
 * no import cycle among the modules of pdserve/ and proxy/, counting every import
-  (function-level and `if TYPE_CHECKING:` ones too);
+  (function-level and `if TYPE_CHECKING:` ones too), nor among pdserve's packages
+  (imports go one way: api <- kv <- transfer <- request <- pd <- engine <- server <- app);
 * the proxy imports pdserve only through `pdserve.api` (the contract) and the
   torch-free `pdserve.kv` (the hash chain, prefix rule and event format kv_aware
   routing shares with the workers), and loading all of it pulls in neither torch nor nixl;
@@ -39,6 +40,26 @@ def test_no_import_cycle_among_the_modules_of_pdserve_and_proxy():
     graph = import_graph(REPO_ROOT)
     assert len(graph) > 100, "the source tree was not found"
     assert import_cycles(graph) == []
+
+
+def package_graph(graph: dict[str, set[str]], root: str) -> dict[str, set[str]]:
+    """The graph of `root`'s packages and loose modules (pdserve.kv.hashing counts as pdserve.kv)."""
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    packages: dict[str, set[str]] = {}
+    for importer, targets in graph.items():
+        if importer.split(".")[0] != root or importer == root:
+            continue
+        packages.setdefault(package(importer), set()).update(
+            package(t) for t in targets if t.split(".")[0] == root and t != root and package(t) != package(importer))
+    return packages
+
+
+def test_no_import_cycle_among_the_packages_of_pdserve():
+    packages = package_graph(import_graph(REPO_ROOT), "pdserve")
+    assert {"pdserve.api", "pdserve.kv", "pdserve.pd", "pdserve.engine", "pdserve.app"} <= set(packages)
+    assert import_cycles(packages) == []
 
 
 def test_the_proxy_imports_pdserve_only_through_its_contract_and_the_torch_free_kv_package():
@@ -120,6 +141,14 @@ def test_the_graph_reader_counts_type_checking_function_level_and_relative_impor
     assert subpackages_imported_by(graph, "proxy", "pdserve") == {"pdserve.sub", "pdserve.a"}
     assert importers_of(graph, "pdserve.a", outside="pdserve.a") == {
         "pdserve.c": ["pdserve.a"], "pdserve.sub.leaf": ["pdserve.a"], "proxy.p": ["pdserve.a"]}
+
+
+def test_package_graph_folds_modules_into_their_packages():
+    graph = {"pdserve.a.x": {"pdserve.b.y", "pdserve.a.z", "proxy.p"}, "pdserve.b.y": {"pdserve.a.z"},
+             "pdserve.a.z": set(), "pdserve.m": {"pdserve.a.x"}, "pdserve": {"pdserve.m"}}
+    assert package_graph(graph, "pdserve") == {"pdserve.a": {"pdserve.b"}, "pdserve.b": {"pdserve.a"},
+                                               "pdserve.m": {"pdserve.a"}}
+    assert import_cycles(package_graph(graph, "pdserve")) == [["pdserve.a", "pdserve.b"]]
 
 
 def test_cycle_finder_reports_each_strongly_connected_group_once():

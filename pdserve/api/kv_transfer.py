@@ -5,7 +5,9 @@ fields of our own are documented in docs/protocol.md. Invariant: past the
 HTTP layer nothing handles the raw dict: a request carries a
 `RemoteDecodeRequest` (P: keep the KV for a decode worker) or a
 `RemotePrefillParams` (D: pull the KV from there), and every failure is a
-typed error with its HTTP status. Torch-free.
+typed error with its HTTP status. Also here: the handshake's answer
+(`AgentInfo`, what P tells D about itself; the client is pdserve/pd/handshake.py)
+and `bare_host`, the one rule for how a peer's host is written. Torch-free.
 """
 
 from __future__ import annotations

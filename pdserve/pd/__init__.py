@@ -1,12 +1,13 @@
 """P/D disaggregation: everything about a prompt's KV moving from a prefill worker to a decode worker.
 
-Read in this order: `params` (the wire dict and the handshake's answer, parsed once),
-`handshake` (who a prefill worker is), `geometry` (which blocks travel),
-`peer_trust` (which hosts D may contact), `connector` (the
-contract with the scheduler), `prefill` and `decode` (the two sides, engine
-thread), `peers` (decode-side connections, never waited on), `admission`
-(async-side checks before the engine sees a request), `leases` and `messages`
-(P's pins and D's notes to P), `wiring` (building it all for a worker).
+The wire records (kv_transfer_params, the handshake's answer) are contract:
+`pdserve.api.kv_transfer`. Read in this order: `handshake` (who a prefill
+worker is), `geometry` (which blocks travel), `peer_trust` (which hosts D may
+contact), `connector` (the contract with the scheduler), `prefill` and
+`decode` (the two sides, engine thread), `peers` (decode-side connections,
+never waited on), `admission` (async-side checks before the engine sees a
+request), `leases` and `messages` (P's pins and D's notes to P), `wiring`
+(building it all for a worker).
 Torch-free and nixl-free: pages move through `pdserve.transfer`.
 May import: api, kv, transfer, request (the engine-thread record), metrics;
 never engine (tests/test_import_rules.py).
