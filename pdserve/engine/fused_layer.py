@@ -25,7 +25,7 @@ from pdserve.models.llama import LlamaDecoderLayer
 from pdserve.models.quant.blocks import BlockFormat
 from pdserve.models.quant.modules import QuantizedLinear
 
-_FLOAT_WEIGHT, _Q4_1_WEIGHT, _Q8_0_WEIGHT = 0, 1, 2  # formats as cpu_kernels.cpp numbers them
+_FLOAT_WEIGHT, _Q4_1_WEIGHT, _Q8_0_WEIGHT = 0, 1, 2  # formats as kernels/fused_layer.cpp numbers them
 _BLOCK_FORMATS = {BlockFormat.Q4_1: _Q4_1_WEIGHT, BlockFormat.Q8_0: _Q8_0_WEIGHT}
 
 

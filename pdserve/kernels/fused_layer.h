@@ -1,0 +1,55 @@
+// The fused decoder layer's entry points, for fused_layer.cpp that defines them and
+// registration.cpp that registers them. Invariant: a stack holds only what is fixed from
+// start-up (weights, norms, geometry, page views); everything per step is an argument.
+
+#pragma once
+
+#include <ATen/core/List.h>
+#include <ATen/core/ivalue.h>
+
+#include <tuple>
+
+#include "kernels.h"
+
+namespace pdserve::kernels {
+
+// One decoder layer of the Llama family for single-token rows (fused_layer.cpp): the residual
+// stream after the layer, and the rows' new K and V (also stored in their page slots).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
+    const at::Tensor& h_in, at::TensorList norms, const std::optional<at::Tensor>& qk_norm, at::TensorList weights,
+    at::IntArrayRef formats, const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+    const at::Tensor& key_start, const at::Tensor& key_end, const at::Tensor& write_blocks,
+    const at::Tensor& write_offsets, at::IntArrayRef geometry, double eps, double scale);
+
+// ---- every decoder layer of a model in one call --------------------------------------------
+//
+// `llama_decode_layer` for each layer in turn, its fixed arguments (norms, weights, biases,
+// geometry, its slot's page views and KV group) held here from start-up: a decode step then
+// crosses from Python once, not once per layer (~30 us of argument conversion each on the CI
+// machine, a tenth of a batch-1 step of the embedded model).
+struct LlamaDecoderStack : torch::CustomClassHolder {
+  struct Layer {
+    std::vector<at::Tensor> norms, weights;
+    std::optional<at::Tensor> qk_norm;
+    std::vector<int64_t> formats, geometry;
+    c10::List<std::optional<at::Tensor>> biases;
+    at::Tensor k_cache, v_cache;
+    int64_t group = 0;
+    double eps = 0, scale = 0;
+  };
+  std::vector<Layer> layers;
+
+  // biases: an empty tensor stands for none (a method argument cannot be a list of optionals).
+  void add_layer(std::vector<at::Tensor> norms, std::optional<at::Tensor> qk_norm, std::vector<at::Tensor> weights,
+                 std::vector<int64_t> formats, std::vector<at::Tensor> biases, std::vector<int64_t> geometry,
+                 double eps, double scale, at::Tensor k_cache, at::Tensor v_cache, int64_t group);
+
+  // The residual stream after every layer; each layer's new K/V stored in its slot. Per KV group
+  // g: block_tables[g], key_starts[g], key_ends[g], write_blocks[g]; write_offsets for all.
+  at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> block_tables,
+                     std::vector<at::Tensor> key_starts, std::vector<at::Tensor> key_ends,
+                     std::vector<at::Tensor> write_blocks, at::Tensor write_offsets);
+};
+
+}  // namespace pdserve::kernels

@@ -1,0 +1,49 @@
+// The kernels' entry points, declared once for the file that defines each and the files that
+// call or register it. Invariant: with fused_layer.h, these are the only names shared across
+// the sources; every other helper stays in its file's anonymous namespace (or inline in a header).
+
+#pragma once
+
+#include "common.h"
+
+namespace pdserve::kernels {
+
+// ---- quantized_matmul.cpp ------------------------------------------------------------------
+
+// Q4_1 (block_bytes 20) or Q8_0 (34) blocks [rows, bytes] as float32 weights [rows, in_features].
+at::Tensor dequantize_blocks(const at::Tensor& blocks, int64_t block_bytes);
+// y = x @ W.T for float32 activations x [rows, in_features] and W as Q4_1 / Q8_0 blocks.
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks);
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks);
+// y = x @ W.T for float32 x [rows, k] and W [n, k]; one row has its own kernel, more go to BLAS.
+at::Tensor f32_row_linear(const at::Tensor& x, const at::Tensor& weight);
+
+// ---- decode_attention.cpp ------------------------------------------------------------------
+
+// A paged K or V cache [blocks, block_size, kv_heads, head_dim], head_dim contiguous.
+struct PagedCache {
+  const float* data;
+  int64_t block_stride, token_stride, head_stride;
+  int64_t block_size, num_blocks;
+};
+
+inline PagedCache paged_cache(const at::Tensor& cache) {
+  TORCH_CHECK(cache.dim() == 4 && cache.scalar_type() == at::kFloat && cache.stride(3) == 1,
+              "paged_decode_attention: caches must be float32 [blocks, block_size, kv_heads, head_dim], head_dim contiguous");
+  return PagedCache{cache.data_ptr<float>(), cache.stride(0), cache.stride(1), cache.stride(2), cache.size(1),
+                    cache.size(0)};
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, const at::Tensor& key_start,
+                                  const at::Tensor& key_end, const std::optional<at::Tensor>& k_new,
+                                  const std::optional<at::Tensor>& v_new, double scale);
+
+// ---- greedy.cpp ----------------------------------------------------------------------------
+
+// Each row's greedy token id as float64 [rows, 1], or -1 for a row with a NaN or an infinity.
+at::Tensor greedy_tokens(const at::Tensor& logits);
+
+// (fused_layer.cpp's llama_decode_layer and LlamaDecoderStack: fused_layer.h.)
+
+}  // namespace pdserve::kernels

@@ -1,0 +1,42 @@
+// The pdserve_cpu op library: each op's schema and its CPU implementation, and the decoder
+// stack class. Invariant: each schema matches the C++ function it binds (kernels.h,
+// fused_layer.h) and what Python passes, native.py's fake (shape) functions included.
+
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "fused_layer.h"
+
+namespace pdserve::kernels {
+
+TORCH_LIBRARY(pdserve_cpu, m) {
+  m.class_<LlamaDecoderStack>("LlamaDecoderStack")
+      .def(torch::init<>())
+      .def("add_layer", &LlamaDecoderStack::add_layer)
+      .def("forward", &LlamaDecoderStack::forward);
+  m.def("q4_1_linear(Tensor x, Tensor blocks) -> Tensor");
+  m.def("q8_0_linear(Tensor x, Tensor blocks) -> Tensor");
+  m.def("f32_row_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("dequantize_blocks(Tensor blocks, int block_bytes) -> Tensor");
+  m.def("greedy_tokens(Tensor logits) -> Tensor");
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_start, "
+      "Tensor key_end, Tensor? k_new, Tensor? v_new, float scale) -> Tensor");
+  m.def(
+      "llama_decode_layer(Tensor h, Tensor[] norms, Tensor? qk_norm, Tensor[] weights, int[] formats, "
+      "Tensor?[] biases, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, "
+      "Tensor key_start, Tensor key_end, Tensor write_blocks, Tensor write_offsets, int[] geometry, float eps, "
+      "float scale) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("q4_1_linear", &q4_1_linear);
+  m.impl("q8_0_linear", &q8_0_linear);
+  m.impl("f32_row_linear", &f32_row_linear);
+  m.impl("dequantize_blocks", &dequantize_blocks);
+  m.impl("greedy_tokens", &greedy_tokens);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("llama_decode_layer", &llama_decode_layer);
+}
+
+}  // namespace pdserve::kernels
