@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any, Optional
 
 from starlette.requests import Request
@@ -22,10 +23,23 @@ from pdserve.api.errors import RequestTimeout, RequestTooLarge
 logger = logging.getLogger(__name__)
 
 
+_DECIMAL = re.compile(r"[0-9]+")
+_LENGTH_DIGITS = 18  # past this a length is certainly over any body limit (and int() may refuse it)
+
+
+def declared_length(header: str) -> Optional[int]:
+    """A Content-Length header's value, or None when it is not a plain ASCII decimal (str.isdigit()
+    also takes "²", on which int() raises). An absurdly long one counts as larger than any limit."""
+    if _DECIMAL.fullmatch(header) is None:
+        return None
+    digits = header.lstrip("0") or "0"
+    return int(digits) if len(digits) <= _LENGTH_DIGITS else 10**_LENGTH_DIGITS
+
+
 async def read_body(request: Request, limits: LimitsConfig) -> bytes:
     """The whole body, or `RequestTooLarge` (413) / `RequestTimeout` (408)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limits.max_body_bytes:
+    declared = declared_length(request.headers.get("content-length", ""))
+    if declared is not None and declared > limits.max_body_bytes:
         raise RequestTooLarge(f"the request body has {declared} bytes; at most {limits.max_body_bytes} are accepted")
     try:
         return await asyncio.wait_for(_read_at_most(request, limits.max_body_bytes), limits.body_timeout_s)

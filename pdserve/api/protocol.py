@@ -8,12 +8,13 @@ extras. docs/api.md lists every field and the behaviour it follows.
 
 from __future__ import annotations
 
-import json
+import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from pdserve.api.errors import ContextLengthExceeded, InvalidRequest
+from pdserve.api.json_text import EMBEDDED_JSON_MAX_DEPTH, parse_json_text
 from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.api.structured_protocol import (
     NamedToolChoice,
@@ -27,6 +28,8 @@ from pdserve.api.structured_protocol import (
     tool_constraint,
 )
 
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # a logit_bias key: ASCII digits, int32-sized
+_MAX_TOKEN_ID = 2**31 - 1
 MAX_CHOICES = 128  # OpenAI's bound on n; n times the prompts is bounded by `LimitsConfig.max_choices`
 
 # Validators raise `InvalidRequest` (not ValueError) for semantic rejections:
@@ -49,6 +52,8 @@ class StreamOptions(_WireModel):
 
 class OpenAIRequest(_WireModel):
     """Fields shared by completions and chat completions."""
+
+    _logit_bias_pairs: tuple[tuple[int, float], ...] = PrivateAttr(default=())
 
     model: Optional[str] = None  # absent: the served model
     max_tokens: Optional[int] = Field(None, ge=1)
@@ -100,13 +105,18 @@ class OpenAIRequest(_WireModel):
         if not value:
             return value
         for key, bias in value.items():
-            _reject_unless(key.isdigit(), f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            # ASCII digits only and int32-sized: str.isdigit() also takes "²" and 5,000-digit keys,
+            # on which int() raises. The pairs are parsed here, once (`logit_bias_pairs`).
+            shown = key if len(key) <= 24 else key[:24] + "..."
+            _reject_unless(_TOKEN_ID_KEY.fullmatch(key) is not None and int(key) <= _MAX_TOKEN_ID,
+                           f"logit_bias keys must be token ids, got {shown!r}", "logit_bias")
             _reject_unless(-100.0 <= bias <= 100.0, f"logit_bias values must be in [-100, 100], got {bias}",
                            "logit_bias")
         return value
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "OpenAIRequest":
+        self._logit_bias_pairs = tuple((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items())
         _reject_unless(
             self.stream_options is None or bool(self.stream),
             "stream_options is only allowed when stream is true", "stream_options",
@@ -123,7 +133,8 @@ class OpenAIRequest(_WireModel):
         return self.n or 1
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
-        return tuple((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items())
+        """(token id, bias) pairs, parsed when the request was validated."""
+        return self._logit_bias_pairs
 
     def output_constraint(self) -> Optional[OutputConstraint]:
         """The grammar the answer must follow, from whichever one field asks for it (a second is a 400)."""
@@ -262,8 +273,8 @@ class ChatMessage(_WireModel):
 
 def _json_or_text(text: str) -> Any:
     try:
-        return json.loads(text)
-    except ValueError:
+        return parse_json_text(text, EMBEDDED_JSON_MAX_DEPTH, "tool call arguments")
+    except InvalidRequest:
         return text
 
 

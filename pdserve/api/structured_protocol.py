@@ -9,13 +9,13 @@ Invariant: every combination we cannot honour is a 400 naming the parameter.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.api.errors import InvalidRequest
+from pdserve.api.json_text import EMBEDDED_JSON_MAX_DEPTH, parse_json_text
 
 
 class _WireModel(BaseModel):
@@ -117,10 +117,13 @@ def guided_constraint(guided_json: Any, guided_regex: Optional[str],
     if len(given) > 1:
         raise _reject(f"use only one of {', '.join(given)}", given[1])
     if guided_json is not None:
-        try:
-            schema = json.loads(guided_json) if isinstance(guided_json, str) else guided_json
-        except ValueError:
-            raise _reject("guided_json is not valid JSON", "guided_json") from None
+        if isinstance(guided_json, str):
+            try:
+                schema = parse_json_text(guided_json, EMBEDDED_JSON_MAX_DEPTH, "guided_json")
+            except InvalidRequest as error:
+                raise _reject(error.message, "guided_json") from None
+        else:
+            schema = guided_json
         if not isinstance(schema, dict):
             raise _reject("guided_json must be a JSON schema object", "guided_json")
         return OutputConstraint("json_schema", schema=schema, param="guided_json")

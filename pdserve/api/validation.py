@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 from typing import Any, TypeVar
 
-import pydantic_core
 from pydantic import BaseModel, ValidationError
 
 from pdserve.api.config import LimitsConfig
 from pdserve.api.errors import InvalidRequest, RequestTooLarge
+from pdserve.api.json_text import parse_json_text
 from pdserve.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAIRequest
 from pdserve.api.tokenize_protocol import TokenizeRequest
 
@@ -24,7 +24,6 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # What clients may send; internal records (kv_transfer_params, KV messages) allow 256: room for `#<n>`.
 MAX_REQUEST_ID_CHARS = 240
 _MAX_REPORTED_ERRORS = 3
-_CONTAINER_TYPES = frozenset((list, dict))
 # What shapes the output's grammar (tools too: a tool_choice turns their schemas into one).
 _CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "tools")
 
@@ -47,32 +46,7 @@ def parse_json_body(raw: bytes, limits: LimitsConfig) -> Any:
     """The body as Python values; 413 when too large, 400 when not strict JSON or nested too deep."""
     if len(raw) > limits.max_body_bytes:
         raise RequestTooLarge(f"the request body has {len(raw)} bytes; at most {limits.max_body_bytes} are accepted")
-    try:
-        # NaN and Infinity are not JSON; lone surrogates in strings are refused too.
-        value = pydantic_core.from_json(raw, allow_inf_nan=False)
-    except ValueError as error:
-        if "recursion limit" in str(error):
-            raise _too_deep(limits.max_json_depth) from None
-        raise InvalidRequest(f"the request body is not valid JSON: {error}") from None
-    check_json_depth(value, limits.max_json_depth)
-    return value
-
-
-def check_json_depth(value: Any, max_depth: int) -> None:
-    """Iterative (a deep document must not exhaust the stack); the top-level value is depth 1."""
-    stack = [(value, 1)] if type(value) in _CONTAINER_TYPES else []
-    while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node
-        if _CONTAINER_TYPES.isdisjoint(map(type, children)):
-            continue
-        if depth >= max_depth:
-            raise _too_deep(max_depth)
-        stack.extend((child, depth + 1) for child in children if type(child) in _CONTAINER_TYPES)
-
-
-def _too_deep(max_depth: int) -> InvalidRequest:
-    return InvalidRequest(f"the request body is nested deeper than {max_depth} levels")
+    return parse_json_text(raw, limits.max_json_depth, "the request body")
 
 
 def validate_request(schema: type[BodyT], body: Any, limits: LimitsConfig) -> BodyT:

@@ -13,7 +13,7 @@ import uvicorn
 from tests.server.fake_engine import FakeEngine, make_app
 
 from pdserve.api.config import LimitsConfig
-from pdserve.api.http_bounds import http_protocol_with_header_deadline
+from pdserve.api.http_bounds import declared_length, http_protocol_with_header_deadline
 
 LIMITS = LimitsConfig(max_body_bytes=2048, header_timeout_s=0.5, body_timeout_s=0.5)
 
@@ -116,3 +116,11 @@ def test_an_answer_slower_than_the_head_deadline_is_not_cut_off(served):
             response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
             assert response.status_code == 200, response.text
             assert response.json()["choices"][0]["text"] == "Hell"
+
+
+@pytest.mark.parametrize("header, length", [
+    ("12", 12), ("0012", 12), ("", None), ("²", None), ("٣", None), (" 5", None), ("1e3", None), ("-1", None),
+    ("9" * 5000, 10**18),  # int() would refuse it; it is over any limit all the same
+])
+def test_a_declared_length_is_read_only_from_plain_ascii_digits(header, length):
+    assert declared_length(header) == length

@@ -10,8 +10,8 @@ from tests.server.fake_engine import FakeEngine, asgi_client, make_app
 from pdserve.api.config import LimitsConfig
 from pdserve.api.errors import InvalidRequest, RequestTooLarge
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.api.validation import (MAX_REQUEST_ID_CHARS, check_json_depth, check_request_id, parse_json_body,
-                                parse_request)
+from pdserve.api.json_text import check_json_depth
+from pdserve.api.validation import MAX_REQUEST_ID_CHARS, check_request_id, parse_json_body, parse_request
 
 LIMITS = LimitsConfig()
 
@@ -190,4 +190,66 @@ async def test_a_prefill_leg_whose_decode_leg_would_not_fit_is_refused_before_co
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
     assert too_many_min.status_code == 400 and too_many_min.json()["error"]["param"] == "min_tokens"
     assert fits.status_code == 200
+    assert len(engine.requests) == 1
+
+
+# ---- converted once, at the edge: nothing a later int() or json parse can trip over ----------------
+
+HOSTILE_FIELDS = {
+    "a superscript digit as a logit_bias key (str.isdigit() says yes, int() raises)": ({"logit_bias": {"²": 1}},
+                                                                                     "logit_bias"),
+    "an Arabic-Indic digit as a logit_bias key": ({"logit_bias": {"٣": 1}}, "logit_bias"),
+    "a 5,000-digit logit_bias key (past int()'s digit limit)": ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    "a logit_bias key past int32": ({"logit_bias": {str(2**31): 1}}, "logit_bias"),
+    "a guided_json string nested 3,000 deep (past the recursive parser)": (
+        {"guided_json": "[" * 3000 + "]" * 3000}, "guided_json"),
+    "a guided_json string with NaN": ({"guided_json": '{"type": NaN}'}, "guided_json"),
+}
+
+
+@pytest.mark.parametrize("fields, param", HOSTILE_FIELDS.values(), ids=list(HOSTILE_FIELDS))
+def test_fields_a_later_step_would_convert_are_400s_at_validation(fields, param):
+    with pytest.raises(InvalidRequest) as caught:
+        request = parse_request(CompletionRequest, completion(**fields), LIMITS)
+        request.output_constraint()  # what the proxy and the workers ask of every request
+    assert caught.value.param == param
+
+
+def test_logit_bias_is_parsed_once_into_the_pairs_the_engine_uses():
+    request = parse_request(CompletionRequest, completion(logit_bias={"12": 1.5, "0": -100, "2147483647": 3}), LIMITS)
+    assert request.logit_bias_pairs() == ((12, 1.5), (0, -100.0), (2147483647, 3.0))
+
+
+def test_a_guided_json_schema_string_is_parsed_with_the_body_depth_bound():
+    nested = {"type": "object", "properties": {"a": {"type": "string"}}}
+    request = parse_request(CompletionRequest, completion(guided_json=json.dumps(nested)), LIMITS)
+    assert request.output_constraint().schema == nested
+
+
+def test_tool_call_arguments_too_deep_to_parse_stay_text():
+    deep = "[" * 3000 + "]" * 3000
+    chat = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+                         {"role": "user", "content": "again"}]}
+    request = parse_request(ChatCompletionRequest, json.dumps(chat).encode(), LIMITS)
+    arguments = request.template_messages()[1]["tool_calls"][0]["function"]["arguments"]
+    assert arguments == deep
+    shallow = {**chat, "messages": [chat["messages"][0], {**chat["messages"][1], "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": [1]}'}}]}]}
+    request = parse_request(ChatCompletionRequest, json.dumps(shallow).encode(), LIMITS)
+    assert request.template_messages()[1]["tool_calls"][0]["function"]["arguments"] == {"x": [1]}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_worker_answers_each_hostile_field_with_a_400_and_computes_nothing(anyio_backend):
+    engine = FakeEngine()
+    async with asgi_client(make_app(engine)) as client:
+        for fields, param in HOSTILE_FIELDS.values():
+            response = await client.post("/v1/completions", json={"prompt": "hi", **fields})
+            assert response.status_code == 400, (fields, response.text)
+            assert response.json()["error"]["param"] == param
+        good = await client.post("/v1/completions", json={"prompt": "hi", "logit_bias": {"3": 2}})
+    assert good.status_code == 200
     assert len(engine.requests) == 1
