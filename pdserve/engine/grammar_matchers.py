@@ -71,6 +71,14 @@ def bitmask_to_allowed(bitmask: torch.Tensor, vocab_size: int, device: torch.dev
     return allowed.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
+def allow_only(words: torch.Tensor, token_ids: Sequence[int]) -> None:
+    """Set one row of an int32 bitmask to allow exactly `token_ids`. Bit 31 of a word is its sign bit:
+    torch stores `1 << 31` there as -2**31, and `bitmask_to_allowed` reads it back as set."""
+    words.zero_()
+    for token_id in token_ids:
+        words[token_id // 32] |= 1 << (token_id % 32)
+
+
 class GrammarMatchers:
     def __init__(self, tokenizer: GrammarTokenizer):
         self.tokenizer = tokenizer
@@ -98,9 +106,7 @@ class GrammarMatchers:
         llguidance_torch.fill_next_token_bitmask_par(self._executor, rows, bitmask)
         for matcher, row in rows:
             if matcher.is_error():  # only EOS: end the answer rather than sample garbage
-                bitmask[row].zero_()
-                for eos in self.tokenizer.eos_token_ids:
-                    bitmask[row, eos // 32] |= 1 << (eos % 32)
+                allow_only(bitmask[row], self.tokenizer.eos_token_ids)
         return bitmask
 
     def consume(self, chunks: Sequence[ScheduledChunk], sampled: Sequence[SampledToken]) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from pdserve.api.sampling import SamplingParams
 from pdserve.api.structured_protocol import OutputConstraint
-from pdserve.engine.grammar_matchers import bitmask_to_allowed
+from pdserve.engine.grammar_matchers import allow_only, bitmask_to_allowed
 from pdserve.engine.logits_processors import adjust_logits
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.schedule_types import ScheduledChunk
@@ -92,6 +92,13 @@ def test_top_logprobs_are_the_k_most_likely_tokens_per_row(device):
         if k:
             assert [token for token, _ in sampled[row].top_logprobs] == expected.indices.tolist()
             assert [lp for _, lp in sampled[row].top_logprobs] == pytest.approx(expected.values.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("eos_ids", [[31], [63], [31, 63, 64, 95], [0, 2]])
+def test_an_eos_only_mask_allows_exactly_the_eos_tokens_even_on_a_words_sign_bit(eos_ids):
+    bitmask = torch.full((1, 3), -1, dtype=torch.int32)  # everything allowed before
+    allow_only(bitmask[0], eos_ids)
+    assert bitmask_to_allowed(bitmask, 96, torch.device("cpu"))[0].nonzero().flatten().tolist() == sorted(eos_ids)
 
 
 def test_a_grammar_mask_limits_greedy_and_random_rows_to_allowed_tokens(device):
