@@ -18,16 +18,14 @@ import logging
 import time
 from typing import Awaitable, Callable, Literal, Optional, Protocol
 
-from pdserve.api.kv_transfer import AgentInfo
-from pdserve.api.kv_transfer import (KVParamsInvalid, KVPinnedFull, KVPullFailed, RemoteDecodeRequest,
+from pdserve.api.kv_transfer import (AgentInfo, KVParamsInvalid, KVPinnedFull, KVPullFailed, RemoteDecodeRequest,
                                      RemotePrefillParams)
 from pdserve.kv.block_pool import NULL_BLOCK_ID
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.pd.geometry import handoff_ranges
 from pdserve.pd.handshake import HandshakeClient
 from pdserve.pd.peer_trust import PeerAllowList
-from pdserve.request import RemoteSource
-from pdserve.request import GenerationRequest
+from pdserve.request import GenerationRequest, RemoteSource
 from pdserve.transfer.planner import validate_remote_block_ids
 from pdserve.transfer.transport import PeerInfo, TransferError
 

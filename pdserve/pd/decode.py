@@ -26,8 +26,7 @@ from pdserve.pd.connector import (ADMIT_LOCAL, ADMIT_REMOTE, FREE_NOW, Admission
 from pdserve.pd.geometry import blocks_already_held, handoff_ranges, handoff_slices
 from pdserve.pd.messages import KVMessage
 from pdserve.pd.peers import PeerConnections
-from pdserve.request import RemoteSource
-from pdserve.request import Request
+from pdserve.request import RemoteSource, Request
 from pdserve.transfer.planner import plan_pull
 from pdserve.transfer.transport import KVTransport, TransferError, TransferHandle, TransferState
 

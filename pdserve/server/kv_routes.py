@@ -15,15 +15,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from pdserve.api.config import LimitsConfig
 from pdserve.api.errors import EngineNotReady
-from pdserve.api.kv_transfer import AgentInfo
-from pdserve.api.kv_transfer import KVParamsStale, KVReleaseRequest
+from pdserve.api.http_bounds import read_body
+from pdserve.api.kv_transfer import AgentInfo, KVParamsStale, KVReleaseRequest
 from pdserve.api.validation import invalid_request_from_validation
 from pdserve.pd.handshake import AGENT_INFO_PATH
 from pdserve.server.errors import check_internal_token
 
 RELEASE_PATH = "/internal/kv/release"
-_MAX_RELEASE_BODY_BYTES = 4096
+# A release names three short ids: read at most this much of its body (413 past it, never the rest).
+_RELEASE_BODY_LIMITS = LimitsConfig(max_body_bytes=4096)
 
 
 def create_kv_router(agent_info: Callable[[], Optional[AgentInfo]], internal_token: Optional[str],
@@ -47,7 +49,7 @@ def create_kv_router(agent_info: Callable[[], Optional[AgentInfo]], internal_tok
         async def release_pinned(request: Request) -> Response:
             check_internal_token(request, internal_token)
             try:
-                body = KVReleaseRequest.model_validate_json((await request.body())[:_MAX_RELEASE_BODY_BYTES])
+                body = KVReleaseRequest.model_validate_json(await read_body(request, _RELEASE_BODY_LIMITS))
             except ValidationError as error:
                 raise invalid_request_from_validation(error) from None
             info = ready_agent()

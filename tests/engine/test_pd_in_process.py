@@ -175,8 +175,10 @@ async def test_the_proxys_release_call_frees_a_pinned_prefill_at_once(prefill):
     async with prefill.client() as client:
         stale = await client.post("/internal/kv/release", json={**release, "remote_epoch": "0" * 16})
         malformed = await client.post("/internal/kv/release", json={"remote_request_id": 5})
+        oversized = await client.post("/internal/kv/release", json={**release, "padding": "x" * 10_000})
         accepted = await client.post("/internal/kv/release", json=release)
     assert stale.status_code == 409 and malformed.status_code == 400
+    assert oversized.status_code == 413  # read up to its bound, never whole
     assert accepted.status_code == 202
     assert await wait_until(lambda: metric_value(prefill.metrics, "pdserve_transfer_pinned_blocks") == 0)
     assert await wait_until(lambda: prefill.built.kv_manager.pool.num_in_use_by_group(0) == 0)

@@ -8,8 +8,7 @@ from typing import Optional
 import torch
 
 from pdserve.api.config import SchedulerConfig
-from pdserve.api.kv_transfer import AgentInfo, PoolGeometry
-from pdserve.api.kv_transfer import RemotePrefillParams
+from pdserve.api.kv_transfer import AgentInfo, PoolGeometry, RemotePrefillParams
 from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.schedule_types import SampledToken
 from pdserve.engine.scheduler import Scheduler
@@ -21,8 +20,7 @@ from pdserve.pd.handshake import groups_to_wire
 from pdserve.pd.leases import LeaseTable
 from pdserve.pd.peers import PeerConnections
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
-from pdserve.request import RemoteSource
-from pdserve.request import Request
+from pdserve.request import RemoteSource, Request
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
 
 BLOCK = 4
