@@ -26,9 +26,8 @@ logger = logging.getLogger(__name__)
 
 # Decode's answers that mean "the KV never arrived": prefill again (elsewhere) and retry.
 KV_RETRY_ERROR_TYPES = {503: "kv_pull_failed", 409: "kv_params_stale"}
-# 5xx error types a worker uses for a failure of this request alone (pdserve.api.errors.RequestFailed):
-# the same request would fail the same way anywhere, and the worker is fine.
-CLIENT_FAULT_TYPES = frozenset({"request_failed"})
+# Answers that say the path to a worker failed, not the request: retried elsewhere, counted by the breaker.
+PATH_FAILURE_STATUSES = frozenset({408, 502, 504})
 
 
 class LegFailed(Exception):
@@ -125,15 +124,18 @@ def _transport_failure(exc: httpx.HTTPError, leg: str) -> LegFailed:
 
 
 def _status_failure(answer: RelayedAnswer, leg: str) -> tuple[Outcome, Exception]:
-    """Non-200 answers: a 4xx, or a failure the worker pins on the request alone (`request_failed`), is
-    about the request: passed through, never retried, never counted against the worker. 503/429 is a
-    busy worker; any other 5xx a failing one."""
+    """Non-200 answers. A worker that answered is alive: its 4xx, and its own 5xx (500 and kin, e.g. a
+    fault in this request's handling), are about the request: passed through unchanged, never retried,
+    never counted against the worker, so that no sequence of client requests can open a breaker on a
+    healthy worker. 503/429 is a busy worker (retried elsewhere, counted neither way). 502/504 (a
+    gateway between us could not reach it) and 408 (it did not get our request in time) are failures
+    of the path to the worker: retried elsewhere and counted by the breaker, like transport errors."""
     status = answer.status_code
-    if (400 <= status < 500 and status not in (408, 429)) or _error_type(answer.content) in CLIENT_FAULT_TYPES:
-        return Outcome.NEUTRAL, PassThrough(answer)
     if status in (503, 429):
         return Outcome.NEUTRAL, LegFailed("busy", NoBackendAvailable(f"the {leg} worker is busy"))
-    return Outcome.FAILURE, LegFailed(f"http_{status}", UpstreamFailed(f"the {leg} worker failed (HTTP {status})"))
+    if status in PATH_FAILURE_STATUSES:
+        return Outcome.FAILURE, LegFailed(f"http_{status}", UpstreamFailed(f"the {leg} worker failed (HTTP {status})"))
+    return Outcome.NEUTRAL, PassThrough(answer)
 
 
 def _begin(backend: Backend, leg: str) -> bool:
@@ -178,8 +180,7 @@ class LegSender:
             self._count(backend, status_class(response.status_code))
             if response.status_code != 200:
                 outcome, exc = _status_failure(_answer(response), "prefill")
-                if outcome is Outcome.FAILURE:
-                    self._count_error(backend, exc)
+                self._count_error(backend, exc)
                 raise exc
             answer = _prefill_answer(response)
             if answer is None:
@@ -192,8 +193,12 @@ class LegSender:
             backend.end(outcome, trial)
 
     def _count_error(self, backend: Backend, exc: Exception) -> None:
-        if isinstance(exc, LegFailed):
+        """A failed leg by its reason; a worker's own 5xx, passed through, in a metric of its own."""
+        if isinstance(exc, LegFailed) and exc.reason != "busy":
             self._metrics.backend_errors.labels(backend.role.value, backend.url, exc.reason).inc()
+        elif isinstance(exc, PassThrough) and exc.answer.status_code >= 500:
+            self._metrics.backend_server_errors.labels(backend.role.value, backend.url,
+                                                       str(exc.answer.status_code)).inc()
 
     async def open_decode(self, backend: Backend, request: ClientRequest,
                           params: Optional[dict[str, Any]]) -> OpenLeg:
@@ -236,8 +241,7 @@ class LegSender:
             self._metrics.backend_errors.labels("decode", backend.url, kv_error).inc()
             return Outcome.SUCCESS, KVRetry(kv_error, answer)
         outcome, exc = _status_failure(answer, "decode")
-        if outcome is Outcome.FAILURE:
-            self._count_error(backend, exc)
+        self._count_error(backend, exc)
         return outcome, exc
 
 

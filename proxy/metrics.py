@@ -41,6 +41,10 @@ class ProxyMetrics:
         self.backend_errors = Counter(
             "pdserve_proxy_backend_errors_total", "Failed requests to a backend, by reason",
             ["role", "backend", "reason"], registry=registry)
+        self.backend_server_errors = Counter(
+            "pdserve_proxy_backend_server_errors_total",
+            "5xx answers a worker gave about one request, passed to the client unchanged (they never open a "
+            "breaker: the worker answered), by status code", ["role", "backend", "status"], registry=registry)
         self.retries = Counter(
             "pdserve_proxy_retries_total", "Legs re-sent to another backend, by role and reason",
             ["role", "reason"], registry=registry)

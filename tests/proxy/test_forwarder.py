@@ -95,16 +95,16 @@ def test_round_robin_alternates_prefill_workers(cluster, proxy):
 
 def test_failed_prefill_leg_is_retried_on_the_other_worker(cluster, proxy):
     workers, _ = cluster
-    workers["p0"].fail_status = 500
+    workers["p0"].fail_status = 502  # a gateway in front of p0 cannot reach it
     texts = [httpx.post(proxy.url + "/v1/completions", json=BODY).json()["choices"][0]["text"] for _ in range(4)]
     assert texts == ["from p1"] * 4
-    assert proxy.metric("pdserve_proxy_retries_total", role="prefill", reason="http_500") >= 1
-    assert proxy.metric("pdserve_proxy_backend_errors_total", role="prefill", reason="http_500") >= 1
+    assert proxy.metric("pdserve_proxy_retries_total", role="prefill", reason="http_502") >= 1
+    assert proxy.metric("pdserve_proxy_backend_errors_total", role="prefill", reason="http_502") >= 1
 
 
 def test_breaker_opens_after_consecutive_failures_and_traffic_moves(cluster):
     workers, urls = cluster
-    workers["p0"].fail_status = 500
+    workers["p0"].fail_status = 502
     health = HealthConfig(interval_s=0.05, breaker_failures=3, breaker_cooldown_s=60)
     served = start_proxy([urls["p0"], urls["p1"]], [urls["d0"]], health=health)
     try:
@@ -119,7 +119,7 @@ def test_breaker_opens_after_consecutive_failures_and_traffic_moves(cluster):
 
 def test_breaker_half_opens_and_closes_when_the_worker_recovers(cluster, proxy):
     workers, urls = cluster
-    workers["p0"].fail_status = 500
+    workers["p0"].fail_status = 504
     for _ in range(6):
         httpx.post(proxy.url + "/v1/completions", json=BODY)
     workers["p0"].fail_status = None
@@ -417,7 +417,8 @@ def test_served_requests_release_nothing(cluster, proxy):
     assert released(workers) == []
 
 
-@pytest.mark.parametrize("status, error_type", [(400, "invalid_request_error"), (500, "request_failed")])
+@pytest.mark.parametrize("status, error_type", [(400, "invalid_request_error"), (500, "request_failed"),
+                                                (500, "internal_error"), (501, "not_implemented")])
 def test_errors_the_request_caused_pass_through_unretried_and_never_trip_the_breaker(cluster, status, error_type):
     workers, urls = cluster
     for name in ("p0", "p1"):
@@ -437,11 +438,37 @@ def test_errors_the_request_caused_pass_through_unretried_and_never_trip_the_bre
         served.__exit__(None, None, None)
 
 
+def test_a_hundred_requests_a_worker_answers_with_500s_and_4xxs_open_no_breaker(cluster):
+    """No sequence of client requests can take a healthy worker out: each answer it gives about one
+    request, 4xx or its own 5xx, reaches the client unchanged; the breakers stay closed."""
+    workers, urls = cluster
+    health = HealthConfig(interval_s=0.05, breaker_failures=2, breaker_cooldown_s=60)
+    served = start_proxy([urls["p0"]], [urls["d0"]], health=health)
+    answers = [(500, "internal_error"), (400, "invalid_request_error"), (500, "request_failed"), (422, "unprocessable")]
+    try:
+        for index in range(100):
+            status, error_type = answers[index // 2 % len(answers)]
+            failing = workers["p0"] if index % 2 == 0 else workers["d0"]  # both legs take their share
+            failing.fail_status, failing.fail_type = status, error_type
+            response = httpx.post(served.url + "/v1/completions", json=BODY)
+            failing.fail_status = None
+            assert response.status_code == status and response.json()["error"]["type"] == error_type, index
+        pools = (served.components.prefill_pool, served.components.decode_pool)
+        assert all(b.breaker.state.name == "CLOSED" for pool in pools for b in pool.backends())
+        assert served.metric("pdserve_proxy_backend_server_errors_total", role="prefill", status="500") == 25
+        assert served.metric("pdserve_proxy_backend_server_errors_total", role="decode", status="500") == 25
+        assert served.metric("pdserve_proxy_backend_errors_total") == 0
+        good = httpx.post(served.url + "/v1/completions", json=BODY)
+        assert good.status_code == 200 and good.json()["choices"][0]["text"] == "from p0"
+    finally:
+        served.__exit__(None, None, None)
+
+
 def test_a_half_open_decode_breaker_admits_exactly_one_trial(cluster):
     import concurrent.futures
 
     workers, urls = cluster
-    workers["d0"].fail_status = 500
+    workers["d0"].fail_status = 502
     health = HealthConfig(interval_s=0.05, breaker_failures=2, breaker_cooldown_s=0.5)
     served = start_proxy([urls["p0"], urls["p1"]], [urls["d0"]], health=health)
     try:
