@@ -162,6 +162,26 @@ def test_openai_client_feature(client, up, check):
     check(client, up.url("proxy"))
 
 
+HOSTILE_FIELDS = {  # each took a worker (500) or the proxy (500) down a path, and three opened the breaker
+    "superscript logit_bias key": ({"logit_bias": {"²": 1}}, "logit_bias"),
+    "5,000-digit logit_bias key": ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    "guided_json string 3,000 deep": ({"guided_json": "[" * 3000 + "]" * 3000}, "guided_json"),
+}
+
+
+def test_inputs_that_once_opened_the_breaker_are_400s_and_the_cluster_keeps_serving(up):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    errors_before = proxy_metric(up, "pdserve_proxy_backend_errors_total")
+    for _ in range(3):  # nine in all, three times the breaker's threshold
+        for name, (fields, param) in HOSTILE_FIELDS.items():
+            response = httpx.post(up.url("proxy") + "/v1/completions", json={**body, **fields}, timeout=120)
+            assert response.status_code == 400, (name, response.status_code, response.text)
+            assert response.json()["error"]["param"] == param, name
+    assert proxy_metric(up, "pdserve_proxy_backend_errors_total") == errors_before
+    good = httpx.post(up.url("proxy") + "/v1/completions", json=body, timeout=120)
+    assert good.status_code == 200, good.text
+
+
 # Last: it stops the module's cluster.
 def test_ctrl_c_stops_all_three_processes(up):
     pids = up.child_pids()
