@@ -128,7 +128,8 @@ class ServerConfig(_Frozen):
         env="PDSERVE_INTERNAL_TOKEN")
     insecure_no_token: bool = setting(
         False, "let a prefill or decode worker listen on a non-loopback address without an internal token (anyone "
-               "who reaches its port can then make it pin, read or release KV memory)",
+               "who reaches its port can then make it pin, read or release KV memory), and open any worker's "
+               "internal KV-event routes there without one",
         flag="--insecure-no-token")
     max_concurrent_streams: int = setting(
         256, "streamed answers open at once; past this a new streamed request gets 503", ge=1)

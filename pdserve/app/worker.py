@@ -13,7 +13,7 @@ from typing import Optional
 
 import uvicorn
 
-from pdserve.api.config import WorkerConfig
+from pdserve.api.config import WorkerConfig, is_loopback_host
 from pdserve.api.http_bounds import http_protocol_with_header_deadline
 from pdserve.app.drain import DrainingServer
 from pdserve.engine.async_engine import LoadingEngine
@@ -55,7 +55,9 @@ def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nix
     metrics = Metrics()
     handle = LoadingEngine(config.model.served_name or "default", RequestIdRegistry())
     loaded = _Loaded()
-    routers = [create_kv_events_router(handle, lambda: loaded.built, metrics, config.server.internal_token)]
+    internal_open = is_loopback_host(config.server.host) or config.server.insecure_no_token
+    routers = [create_kv_events_router(handle, lambda: loaded.built, metrics, config.server.internal_token,
+                                       open_without_token=internal_open)]
     if config.role != "colocated":
         def release(request_id: str) -> None:  # the route answers 503 until the engine is built
             if loaded.built is not None:

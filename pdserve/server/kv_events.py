@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable, Optional, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pdserve.api.errors import EngineOverloaded
 from pdserve.kv.events import KVEvent, KVEventRecorder, KVSnapshot
 from pdserve.kv.events_wire import encode_events, encode_heartbeat, encode_snapshot
 from pdserve.kv.manager import KVCacheManager
@@ -31,6 +32,9 @@ POLL_INTERVAL_S = 0.02
 HEARTBEAT_INTERVAL_S = 1.0
 SNAPSHOT_TIMEOUT_S = 10.0  # the engine thread answers between two steps
 MAX_PENDING_LINES = 4096  # a subscriber this far behind is cut off
+# Each subscriber costs a snapshot of the prefix cache taken on the engine thread; routers need one
+# stream per proxy replica, so this leaves room for many proxies and none for a flood.
+MAX_SUBSCRIBERS = 32
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,9 @@ class KVEventMetrics:
                                  ["reason"], registry=registry)
         self.cut_off = Counter("pdserve_kv_events_subscribers_cut_total",
                                "KV event subscribers disconnected for falling behind.", registry=registry)
+        self.refused = Counter("pdserve_kv_events_subscribers_refused_total",
+                               "KV event subscriptions refused because the worker had as many as it takes.",
+                               registry=registry)
         self.subscribers = Gauge("pdserve_kv_events_subscribers", "Connected KV event subscribers.",
                                  registry=registry)
 
@@ -80,8 +87,10 @@ class KVEventHub:
     """One per worker process; created on the server's event loop."""
 
     def __init__(self, source: KVEventSource, metrics: KVEventMetrics,
-                 poll_interval_s: float = POLL_INTERVAL_S, heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S):
+                 poll_interval_s: float = POLL_INTERVAL_S, heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+                 max_subscribers: int = MAX_SUBSCRIBERS):
         self._source = source
+        self._max_subscribers = max_subscribers
         self._metrics = metrics
         self._poll_interval_s = poll_interval_s
         self._heartbeat_interval_s = heartbeat_interval_s
@@ -93,8 +102,18 @@ class KVEventHub:
     def num_subscribers(self) -> int:
         return len(self._subscribers)
 
+    def check_capacity(self) -> None:
+        """`EngineOverloaded` (503) when no more subscribers are taken; `stream` enforces it too."""
+        if len(self._subscribers) >= self._max_subscribers:
+            self._metrics.refused.inc()
+            raise EngineOverloaded(f"this worker already streams KV events to {self._max_subscribers} subscribers")
+
     async def stream(self) -> AsyncIterator[bytes]:
-        """The NDJSON lines of one subscription: a snapshot, then events and heartbeats."""
+        """The NDJSON lines of one subscription: a snapshot, then events and heartbeats. A stream begun past
+        the subscriber cap (several opened at once after `check_capacity`) ends at once, empty."""
+        if len(self._subscribers) >= self._max_subscribers:
+            self._metrics.refused.inc()
+            return
         subscriber = _Subscriber()
         self._subscribers.add(subscriber)
         self._metrics.subscribers.set(len(self._subscribers))

@@ -2,8 +2,10 @@
 
 All three need the shared internal token when one is configured: the stream
 reveals which prompts this worker has seen, the info its tokenizer, and the
-reset changes its state. Built for every role (a colocated worker's cache is
-worth routing to as well).
+reset changes its state. Without a token they are open only on a loopback
+address (or with --insecure-no-token): a colocated worker serving the OpenAI
+API on a public address keeps them shut. Built for every role (a colocated
+worker's cache is worth routing to as well).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.api.errors import EngineNotReady
+from pdserve.api.errors import EngineNotReady, Unauthorized
 from pdserve.kv.hashing import HASH_SCHEME
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.routing_info import (EVENTS_PATH, RESET_PREFIX_CACHE_PATH, ROUTING_INFO_PATH, RoutingInfo,
@@ -83,23 +85,32 @@ class _KVEventsService:
 
 
 def create_kv_events_router(engine: "EngineClient", built: Callable[[], Optional["BuiltEngine"]], metrics: Metrics,
-                            internal_token: Optional[str]) -> APIRouter:
+                            internal_token: Optional[str], *, open_without_token: bool = True) -> APIRouter:
+    """`open_without_token`: whether, with no token configured, the routes answer at all (loopback only)."""
     router = APIRouter()
     service = _KVEventsService(engine, built, KVEventMetrics(metrics.registry))
 
+    def check_access(request: Request) -> None:
+        if internal_token is None and not open_without_token:
+            raise Unauthorized("this worker listens on a non-loopback address without an internal token, so its "
+                               "internal endpoints are shut (set $PDSERVE_INTERNAL_TOKEN, or --insecure-no-token)")
+        check_internal_token(request, internal_token)
+
     @router.get(EVENTS_PATH)
     async def kv_events(request: Request) -> Response:
-        check_internal_token(request, internal_token)
-        return StreamingResponse(service.hub().stream(), media_type=NDJSON)
+        check_access(request)
+        hub = service.hub()
+        hub.check_capacity()
+        return StreamingResponse(hub.stream(), media_type=NDJSON)
 
     @router.get(ROUTING_INFO_PATH)
     async def get_routing_info(request: Request) -> Response:
-        check_internal_token(request, internal_token)
+        check_access(request)
         return Response(await service.info(), media_type="application/json")
 
     @router.post(RESET_PREFIX_CACHE_PATH)
     async def reset_prefix_cache(request: Request) -> Response:
-        check_internal_token(request, internal_token)
+        check_access(request)
         return JSONResponse({"num_blocks_dropped": await service.reset_prefix_cache()})
 
     return router

@@ -10,6 +10,7 @@ from typing import AsyncIterator
 import pytest
 from prometheus_client import CollectorRegistry
 
+from pdserve.api.errors import EngineOverloaded
 from pdserve.kv.events import KVEventRecorder
 from pdserve.kv.events_wire import EVENTS, HEARTBEAT, SNAPSHOT, StreamMessage, decode_line
 from pdserve.kv.hashing import hash_full_blocks
@@ -160,3 +161,24 @@ async def test_a_subscriber_that_does_not_read_is_cut_off(monkeypatch):
     with pytest.raises(StopAsyncIteration):
         await stream.__anext__()
     assert worker.hub.num_subscribers == 0
+
+
+async def test_subscribers_past_the_cap_are_refused_and_a_freed_slot_is_taken_again():
+    worker = Worker()
+    worker.hub = KVEventHub(worker.source, KVEventMetrics(CollectorRegistry()), poll_interval_s=0.005,
+                            heartbeat_interval_s=0.05, max_subscribers=2)
+    readers = [Reader(worker.hub.stream()) for _ in range(2)]
+    for reader in readers:
+        await reader.wait_for(lambda r: types(r) == [SNAPSHOT])
+    with pytest.raises(EngineOverloaded):  # what the route answers: 503 before any work
+        worker.hub.check_capacity()
+    late = Reader(worker.hub.stream())  # begun past the cap anyway (opened together): ends at once, empty
+    await late.wait_for(lambda r: r.ended)
+    assert late.messages == [] and worker.hub.num_subscribers == 2
+    readers[0].cancel()
+    await readers[1].wait_for(lambda r: worker.hub.num_subscribers == 1)
+    worker.hub.check_capacity()
+    again = Reader(worker.hub.stream())
+    await again.wait_for(lambda r: types(r) == [SNAPSHOT])
+    readers[1].cancel()
+    again.cancel()
