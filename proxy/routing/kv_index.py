@@ -6,6 +6,10 @@ number of the same epoch (else `SequenceGap`, and the caller resyncs), and a
 worker whose stream broke or who left the pool holds nothing. Matching a
 prompt against a worker uses the workers' own prefix rule (`pdserve.kv.prefix`),
 so a prediction is the hit the worker will find if nothing changes meanwhile.
+Bounded: a worker's entries stop growing at `max_keys_per_worker` (blocks it
+stores past that are not indexed and counted): a worker cannot grow the
+proxy's memory without limit, and an index that misses blocks only predicts
+fewer hits than there are.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from pdserve.kv.prefix import match_prefix, max_hit_blocks
 from pdserve.kv.specs import KVGroupPlan
 
 BlockKey = tuple[bytes, int]  # (chained block hash, KV group)
+# A million keys is ~200 MB of index and more blocks than a 140 GB pool of the embedded model holds.
+MAX_KEYS_PER_WORKER = 1 << 20
 
 
 class SequenceGap(Exception):
@@ -49,9 +55,11 @@ class _HeldBy:
 
 
 class KVIndex:
-    def __init__(self) -> None:
+    def __init__(self, max_keys_per_worker: int = MAX_KEYS_PER_WORKER) -> None:
         self._holders: dict[BlockKey, set[str]] = {}
         self._workers: dict[str, WorkerBlocks] = {}
+        self._max_keys_per_worker = max_keys_per_worker
+        self.num_keys_not_indexed = 0  # stored blocks past a worker's bound, since start
 
     # ---- updates ---------------------------------------------------------------------
 
@@ -96,6 +104,9 @@ class KVIndex:
                     del self._holders[key]
 
     def _add(self, worker: WorkerBlocks, key: BlockKey) -> None:
+        if len(worker.keys) >= self._max_keys_per_worker and key not in worker.keys:
+            self.num_keys_not_indexed += 1
+            return
         worker.keys.add(key)
         self._holders.setdefault(key, set()).add(worker.url)
 

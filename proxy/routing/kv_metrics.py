@@ -7,7 +7,7 @@ read from the live index at scrape time.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from proxy.routing.kv_index import KVIndex
@@ -63,4 +63,7 @@ class _IndexCollector(Collector):
             blocks.add_metric([role], float(count))
         keys = GaugeMetricFamily("pdserve_proxy_kv_index_keys", "Distinct (block hash, group) keys in the KV index")
         keys.add_metric([], float(self._index.num_keys))
-        return [blocks, keys]
+        skipped = CounterMetricFamily("pdserve_proxy_kv_index_keys_not_indexed",
+                                      "Blocks a worker stored past the index's per-worker bound (not indexed)")
+        skipped.add_metric([], float(self._index.num_keys_not_indexed))
+        return [blocks, keys, skipped]

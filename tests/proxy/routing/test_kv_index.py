@@ -101,6 +101,23 @@ def test_removed_and_cleared_events_drop_blocks_and_a_dropped_worker_holds_nothi
     assert index.cached_tokens(URL, [b"b"], 8, plan_groups([FullAttentionSpec()]), BLOCK) == 0
 
 
+def test_a_worker_cannot_grow_the_index_past_its_bound_and_removals_still_apply():
+    recorder = KVEventRecorder()
+    recorder.enabled = True
+    index = KVIndex(max_keys_per_worker=3)
+    index.apply_snapshot(URL, "prefill", "e1", 0, blocks(b"a", b"b", b"c", b"d"))  # one past the bound
+    index.apply_snapshot("http://w1", "prefill", "e1", 0, blocks(b"a"))  # others keep their own room
+    assert len(index.worker(URL).keys) == 3 and index.num_keys_not_indexed == 1
+    for name in (b"e", b"f"):
+        recorder.stored(name, None, 0)
+    recorder.removed(b"a", 0)
+    recorder.stored(b"g", None, 0)
+    index.apply_events(URL, "e1", recorder.drain())
+    held = {key for key, _ in index.worker(URL).keys}
+    assert held == {b"b", b"c", b"g"} and index.num_keys_not_indexed == 3  # d, e, f never indexed
+    assert index.holders(b"a") == {"http://w1"}
+
+
 @pytest.mark.parametrize("layer_specs", [
     [FullAttentionSpec()] * 2,
     [SlidingWindowSpec(6), SlidingWindowSpec(6), FullAttentionSpec(), SlidingWindowSpec(6)],
