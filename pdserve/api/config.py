@@ -92,6 +92,10 @@ class LimitsConfig(_Frozen):
     max_choices: int = setting(
         256, "most answers one request may ask for (n times its prompts): each is an engine request", ge=1)
     max_logit_bias_entries: int = setting(1024, "most logit_bias entries in one request", ge=0)
+    max_output_entries: int = setting(
+        1 << 22, "most token entries one request's answer may hold: for each answer (n times the prompts), "
+                 "max_tokens (absent: the rest of the context) times 1 + top_logprobs, plus with echoed "
+                 "logprobs the prompt's tokens times 1 + logprobs (400 beyond; bounds the answer's memory)", ge=1)
     max_tools: int = setting(128, "most tools in one chat request", ge=0)
     max_constraint_chars: int = setting(
         65_536, "largest output constraint (response_format, guided_*, tools as JSON text), before compiling", ge=1)

@@ -10,7 +10,7 @@ output constraints — all before anything is tokenized, computed or pinned. Tor
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import Any, Optional, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -86,7 +86,25 @@ def check_request_bounds(request: BaseModel, limits: LimitsConfig) -> None:
     _check_at_most(len(request.stop_token_ids or ()), limits.max_stop_token_ids, "stop_token_ids",
                    "stop_token_ids")
     _check_at_most(len(request.logit_bias or ()), limits.max_logit_bias_entries, "logit_bias entries", "logit_bias")
+    if request.requested_max_tokens is not None:  # without it, the workers check (they know the context)
+        check_output_budget(num_prompts * request.num_choices * answer_entries(
+            request.requested_max_tokens, request.top_logprobs_count), limits)
     _check_constraint(request, limits)
+
+
+def answer_entries(max_tokens: int, top_logprobs: int, num_prompt_tokens: int = 0,
+                   prompt_logprobs: Optional[int] = None) -> int:
+    """Token entries one answer may carry: each generated token with its alternatives, and with prompt
+    logprobs each prompt token with its alternatives."""
+    prompt = num_prompt_tokens * (1 + prompt_logprobs) if prompt_logprobs is not None else 0
+    return max_tokens * (1 + top_logprobs) + prompt
+
+
+def check_output_budget(num_entries: int, limits: LimitsConfig) -> None:
+    """A 400 when a request's answer could hold more token entries than `max_output_entries`."""
+    _check_at_most(num_entries, limits.max_output_entries,
+                   "token entries the answer could hold (answers x max_tokens x (1 + top_logprobs), "
+                   "plus echoed prompt logprobs)", "max_tokens")
 
 
 def _check_messages(messages: list[ChatMessage], limits: LimitsConfig) -> None:

@@ -33,7 +33,7 @@ from pdserve.server.streaming import EventStreamResponse, sse_events
 from pdserve.tools.parsers import parser_for_template
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
-Preparer = Callable[[Any, Any], Awaitable[PreparedRequest]]
+Preparer = Callable[[Any, Any, LimitsConfig], Awaitable[PreparedRequest]]
 FormatFactory = Callable[[ServingContext, Any, str, PreparedRequest], ResponseFormat]
 
 
@@ -102,7 +102,7 @@ async def _serve(
         check_model(ctx.engine, body.model)
         if body.stream:
             holds_stream_slot = _take_stream_slot(ctx)
-        prepared = await prepare(ctx.engine, body)
+        prepared = await prepare(ctx.engine, body, ctx.limits)
         response_format = make_format(ctx, body, request_id, prepared)
         streams = ChoiceStreams(ctx, plan_choices(prepared, request_id, ctx.request_ids), arrival_s)
         headers = {REQUEST_ID_HEADER: request_id}

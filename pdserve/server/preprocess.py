@@ -12,12 +12,14 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from pdserve.api.config import LimitsConfig
 from pdserve.api.errors import EngineNotReady, InvalidRequest, ModelNotFound, PdserveError
 from pdserve.api.kv_transfer import (KVTransferRequest, RemoteDecodeRequest, RemotePrefillParams,
                                      parse_kv_transfer_params)
 from pdserve.api.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIRequest, check_token_budget,
                               to_sampling_params)
 from pdserve.api.sampling import SamplingParams
+from pdserve.api.validation import answer_entries, check_output_budget
 from pdserve.grammar.compiler import compile_constraint
 from pdserve.grammar.errors import GrammarTokenizerUnavailable
 
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from pdserve.engine.api import EngineClient
 
 logger = logging.getLogger(__name__)
+DEFAULT_LIMITS = LimitsConfig()  # frozen: the bounds a caller that passes none gets
 
 
 def ensure_ready(engine: "EngineClient") -> None:
@@ -63,8 +66,15 @@ class PreparedRequest:
     num_choices: int
     kv_params: Optional[KVTransferRequest] = None
 
+    def num_output_entries(self) -> int:
+        """Token entries the whole answer could hold (`max_output_entries` bounds it)."""
+        return self.num_choices * sum(
+            answer_entries(s.max_tokens, s.top_logprobs, len(ids), s.prompt_logprobs)
+            for ids, s in zip(self.prompts, self.sampling))
 
-async def prepare_completion(engine: "EngineClient", body: CompletionRequest) -> PreparedRequest:
+
+async def prepare_completion(engine: "EngineClient", body: CompletionRequest,
+                             limits: LimitsConfig = DEFAULT_LIMITS) -> PreparedRequest:
     prompts = []
     for prompt in body.prompt_inputs():
         if isinstance(prompt, str):
@@ -73,12 +83,13 @@ async def prepare_completion(engine: "EngineClient", body: CompletionRequest) ->
         else:
             check_token_ids(prompt, _vocab_size(engine), "prompt")
             prompts.append(list(prompt))
-    return await _build(engine, body, prompts, prompt_param="prompt")
+    return await _build(engine, body, prompts, limits, prompt_param="prompt")
 
 
-async def prepare_chat(engine: "EngineClient", body: ChatCompletionRequest) -> PreparedRequest:
+async def prepare_chat(engine: "EngineClient", body: ChatCompletionRequest,
+                       limits: LimitsConfig = DEFAULT_LIMITS) -> PreparedRequest:
     token_ids = await asyncio.to_thread(tokenize_chat, engine.tokenizer, body)
-    return await _build(engine, body, [token_ids], prompt_param="messages")
+    return await _build(engine, body, [token_ids], limits, prompt_param="messages")
 
 
 def tokenize_chat(tokenizer: Any, body: Any) -> list[int]:
@@ -100,7 +111,7 @@ def tokenize_chat(tokenizer: Any, body: Any) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-async def _build(engine: "EngineClient", body: OpenAIRequest, prompts: list[list[int]], *,
+async def _build(engine: "EngineClient", body: OpenAIRequest, prompts: list[list[int]], limits: LimitsConfig, *,
                  prompt_param: str) -> PreparedRequest:
     kv_params = parse_kv_transfer_params(body.kv_transfer_params)
     _check_pd_combinations(body, kv_params, len(prompts))
@@ -121,7 +132,9 @@ async def _build(engine: "EngineClient", body: OpenAIRequest, prompts: list[list
                                engine.max_model_len, prompt_param=prompt_param)
     # A prefill leg computes the prompt once, whatever n: the decode worker fans out.
     num_choices = 1 if prefill_leg else body.num_choices
-    return PreparedRequest(tuple(tuple(ids) for ids in prompts), tuple(sampling), num_choices, kv_params)
+    prepared = PreparedRequest(tuple(tuple(ids) for ids in prompts), tuple(sampling), num_choices, kv_params)
+    check_output_budget(prepared.num_output_entries(), limits)
+    return prepared
 
 
 def _check_pd_combinations(body: OpenAIRequest, kv_params: Optional[KVTransferRequest], num_prompts: int) -> None:

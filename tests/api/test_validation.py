@@ -253,3 +253,34 @@ async def test_the_worker_answers_each_hostile_field_with_a_400_and_computes_not
         good = await client.post("/v1/completions", json={"prompt": "hi", "logit_bias": {"3": 2}})
     assert good.status_code == 200
     assert len(engine.requests) == 1
+
+
+# ---- a bound on the answer's size, not only on the request's -------------------------------------
+
+def test_an_answer_that_could_hold_too_many_token_entries_is_refused_where_max_tokens_is_known():
+    # 100 answers x 10,000 tokens x (1 + 5 alternatives) = 6M entries: past the default 4M (2^22)
+    assert rejected(CompletionRequest, completion(n=100, max_tokens=10_000, logprobs=5)).param == "max_tokens"
+    parse_request(CompletionRequest, completion(n=100, max_tokens=10_000), LIMITS)  # 1M: fine
+    two_prompts = completion(prompt=["a", "b"], max_tokens=100, logprobs=4)  # 2 x 100 x 5 = 1,000 entries
+    assert rejected(CompletionRequest, two_prompts, LimitsConfig(max_output_entries=999)).param == "max_tokens"
+    parse_request(CompletionRequest, two_prompts, LimitsConfig(max_output_entries=1000))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_worker_bounds_the_answer_with_the_rest_of_the_context_and_echoed_logprobs(anyio_backend):
+    engine = FakeEngine()  # a 128-token context; "hi" is 3 tokens with BOS
+    app = make_app(engine, limits=LimitsConfig(max_output_entries=600))
+    async with asgi_client(app) as client:
+        # no max_tokens: the rest of the context, 125 tokens, times n = 5 -> 625 entries
+        rest = await client.post("/v1/completions", json={"prompt": "hi", "n": 5})
+        fits = await client.post("/v1/completions", json={"prompt": "hi", "n": 4})  # 500
+        # echoed prompt logprobs count too: 51 prompt tokens x (1 + 5) + 1 x (1 + 5) = 312 an answer
+        long_prompt = {"prompt": "x" * 50, "max_tokens": 1, "logprobs": 5}
+        echo = await client.post("/v1/completions", json={**long_prompt, "n": 2, "echo": True})  # 624
+        no_echo = await client.post("/v1/completions", json={**long_prompt, "n": 2})  # 12
+    assert rest.status_code == 400 and rest.json()["error"]["param"] == "max_tokens"
+    assert fits.status_code == 200
+    assert echo.status_code == 400 and echo.json()["error"]["param"] == "max_tokens"
+    assert no_echo.status_code == 200
+    assert len(engine.requests) == 4 + 2  # only the answers of the requests that fit
