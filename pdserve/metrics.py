@@ -219,6 +219,10 @@ class TransferMetrics:
             "pdserve_transfer_notification_failures_total", "Messages to a prefill worker that could not be sent.",
             registry=registry,
         )
+        self.rejected_messages = Counter(
+            "pdserve_transfer_rejected_messages_total",
+            "P: done/free/renew messages ignored, by reason (malformed; stale: no live pin of that id carries "
+            "its nonce, a late message about an earlier pin or a stranger's)", ["reason"], registry=registry)
         self.expired_leases = Counter(
             "pdserve_transfer_expired_leases_total", "Pinned prefills freed because their lease ran out.",
             registry=registry,

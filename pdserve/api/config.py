@@ -122,6 +122,9 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+PIN_LIFETIME_LEASES = 10  # --kv-max-pin-s by default: ten leases (300 s with the default lease)
+
+
 class ServerConfig(_Frozen):
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "port to listen on (default per role: serve 8000, prefill 8100, decode 8200)",
@@ -153,6 +156,9 @@ class TransferConfig(_Frozen):
     lease_s: float = setting(30.0, "how long a prefill worker keeps unread KV without news from its reader "
                                    "(set the same value on decode workers: it bounds their pull timeout)",
                              flag="--kv-lease-s", gt=0)
+    max_pin_s: Optional[float] = setting(
+        None, "P: the longest a prefill's KV stays pinned, renewals included (a decode worker that keeps renewing "
+              "cannot hold it longer; default: 10 leases)", flag="--kv-max-pin-s", gt=0)
     heartbeat_s: float = setting(5.0, "D: renew leases of queued and in-flight pulls this often",
                                  flag="--kv-heartbeat-s", gt=0)
     pull_timeout_s: float = setting(10.0, "D: give up on a KV read after this long (at most half the lease)",
@@ -178,6 +184,11 @@ class TransferConfig(_Frozen):
         if value is not None:
             parse_peer_allow_list(value)
         return value
+
+    @property
+    def pin_lifetime_s(self) -> float:
+        """How long P may keep a pin, renewals included."""
+        return self.max_pin_s if self.max_pin_s is not None else PIN_LIFETIME_LEASES * self.lease_s
 
 
 def parse_peer_allow_list(text: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
@@ -214,6 +225,13 @@ class WorkerConfig(_Frozen):
             raise ValueError(f"a {self.role} worker listening on {server.host} needs an internal token "
                              "($PDSERVE_INTERNAL_TOKEN or --internal-token); pass --insecure-no-token to run "
                              "without one anyway")
+        return self
+
+    @model_validator(mode="after")
+    def _a_pin_outlives_one_lease(self) -> "WorkerConfig":
+        if self.transfer.max_pin_s is not None and self.transfer.max_pin_s < self.transfer.lease_s:
+            raise ValueError(f"--kv-max-pin-s ({self.transfer.max_pin_s:g}) must be at least --kv-lease-s "
+                             f"({self.transfer.lease_s:g})")
         return self
 
     @model_validator(mode="after")

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from pdserve.api.errors import InvalidRequest, PdserveError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: pins carry a nonce (remote_pin_nonce) that D's done/free/renew must echo
 _PARAM = "kv_transfer_params"
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
@@ -108,6 +108,9 @@ class RemotePrefillParams(BaseModel):
     num_prompt_tokens: StrictInt = Field(ge=1)
     lease_s: float = Field(gt=0)
     protocol_version: StrictInt = PROTOCOL_VERSION
+    # The pin's capability: D's messages about the pin must carry it (required since version 2; optional in
+    # the schema only so that an older peer's params get the version refusal, not a missing-field one).
+    remote_pin_nonce: Optional[StrictStr] = Field(None, pattern=r"^[0-9a-f]{16,64}$")
 
     @field_validator("remote_host")
     @classmethod
@@ -159,6 +162,8 @@ def _check_version(parsed: RemotePrefillParams) -> None:
             f"{_PARAM}.protocol_version {parsed.protocol_version} is not supported "
             f"(this worker speaks {PROTOCOL_VERSION})", param=_PARAM,
         )
+    if parsed.remote_pin_nonce is None:
+        raise KVParamsInvalid(f"{_PARAM}.remote_pin_nonce is required", param=_PARAM)
     if parsed.tp_size != 1:
         raise KVParamsInvalid(f"{_PARAM}.tp_size: only tp_size=1 is supported", param=_PARAM)
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
 
-from pdserve.api.kv_transfer import KVPullFailed
+from pdserve.api.kv_transfer import KVPullFailed, RemotePrefillParams
 from pdserve.api.sampling import FinishReason
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import TransferMetrics
@@ -49,10 +49,11 @@ class _Remote:
     def peer_key(self) -> str:
         return f"{self.source.agent.engine_id}@{self.source.agent.epoch}"
 
-    def lease_deadline_s(self) -> float:
-        # Half the lease as margin: P's clock started before ours, and a
-        # renewal in flight may not have landed yet.
-        return self.lease_fresh_s + self.source.params.lease_s / 2
+    def lease_deadline_s(self, own_lease_s: float) -> float:
+        # Half the lease as margin: P's clock started before ours, and a renewal in flight may not
+        # have landed yet. The lease is the shorter of P's (on the wire) and D's own configured one:
+        # params claiming a long lease cannot make D trust a read that lands after P freed the pages.
+        return self.lease_fresh_s + min(self.source.params.lease_s, own_lease_s) / 2
 
 
 class DecodeConnector:
@@ -62,7 +63,7 @@ class DecodeConnector:
 
     def __init__(self, transport: KVTransport, peers: PeerConnections, plan: KVGroupPlan, block_size: int,
                  metrics: TransferMetrics, policy: FailurePolicy = "recompute", pull_timeout_s: float = 10.0,
-                 heartbeat_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+                 heartbeat_s: float = 5.0, clock: Callable[[], float] = time.monotonic, lease_s: float = 30.0):
         self.transport = transport
         self.peers = peers
         self.plan = plan
@@ -71,6 +72,7 @@ class DecodeConnector:
         self.policy = policy
         self.pull_timeout_s = pull_timeout_s
         self.heartbeat_s = heartbeat_s
+        self.lease_s = lease_s  # D's own --kv-lease-s: the longest lease it trusts a prefill worker to keep
         self.clock = clock
         self._remotes: dict[str, _Remote] = {}
         self._failed_to_start: list[LoadFailure] = []
@@ -90,7 +92,7 @@ class DecodeConnector:
         remote = self._remotes.get(request.request_id)
         if request.remote is None or remote is None:
             return ADMIT_LOCAL
-        if self.clock() > remote.lease_deadline_s():
+        if self.clock() > remote.lease_deadline_s(self.lease_s):
             return self._unusable(request, remote, "the prefill worker's lease may have expired before the pull")
         if self.peers.key_for(remote.peer_key) is None:
             return self._unusable(request, remote, f"prefill worker {remote.peer_key} is no longer connected")
@@ -108,8 +110,8 @@ class DecodeConnector:
             return False
         try:
             remote.read_started_s = self.clock()
-            remote.handle = self.transport.start_read(remote.peer_key, pull.local_ids, pull.remote_ids,
-                                                      KVMessage("done", params.remote_request_id).encode())
+            done = KVMessage("done", params.remote_request_id, _nonce(params))
+            remote.handle = self.transport.start_read(remote.peer_key, pull.local_ids, pull.remote_ids, done.encode())
         except TransferError as error:
             del self._remotes[request.request_id]
             self._failed_to_start.append(self._failure(request.request_id, f"KV read could not start: {error.message}"))
@@ -148,11 +150,11 @@ class DecodeConnector:
     def _poll_read(self, request_id: str, remote: _Remote, now: float, events: KVEvents) -> None:
         handle = remote.handle
         state = self.transport.poll(handle)
-        deadline_s = min(remote.read_started_s + self.pull_timeout_s, remote.lease_deadline_s())
+        deadline_s = min(remote.read_started_s + self.pull_timeout_s, remote.lease_deadline_s(self.lease_s))
         if state is TransferState.PENDING and now > deadline_s:
             logger.warning("request %s: KV pull gave up after %.1f s", request_id, now - remote.read_started_s)
             state = TransferState.FAILED
-        if state is TransferState.DONE and now > remote.lease_deadline_s():
+        if state is TransferState.DONE and now > remote.lease_deadline_s(self.lease_s):
             state = TransferState.FAILED  # landed too late to trust: P may have reused the pages
         if state is TransferState.PENDING or not self.transport.release(handle):
             return  # still running, or could not be cancelled: its pages stay ours until it ends
@@ -200,9 +202,14 @@ class DecodeConnector:
         if peer_key is None:
             return False
         try:
-            self.transport.send_message(peer_key, KVMessage(kind, remote.source.params.remote_request_id).encode())
+            params = remote.source.params
+            self.transport.send_message(peer_key, KVMessage(kind, params.remote_request_id, _nonce(params)).encode())
             return True
         except TransferError:
             self.metrics.notification_failures.inc()
             logger.warning("could not send %s for %s", kind, remote.source.params.remote_request_id)
             return False
+
+
+def _nonce(params: RemotePrefillParams) -> str:
+    return params.remote_pin_nonce or ""  # parsed params always carry one (api/kv_transfer.py)

@@ -1,28 +1,33 @@
 """The small messages a decode worker sends a prefill worker over the transport.
 
-`done:<id>` rides on the READ itself (NIXL delivers it once the data landed),
-`free:<id>` releases blocks D will not read, `renew:<id>` extends a lease while
-the request waits in D's queue. Torch-free; unknown or malformed messages parse
-to None and are ignored by the receiver.
+`done:<nonce>:<id>` rides on the READ itself (NIXL delivers it once the data
+landed), `free:<nonce>:<id>` releases blocks D will not read, `renew:<nonce>:<id>`
+extends a lease while the request waits in D's queue. The nonce is the pin's
+(`remote_pin_nonce` in kv_transfer_params): P honours a message only when it
+matches the live pin of that id. Torch-free; unknown or malformed messages
+parse to None and are ignored by the receiver.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 MessageKind = Literal["done", "free", "renew"]
 _KINDS = ("done", "free", "renew")
 MAX_MESSAGE_BYTES = 512
+_NONCE = re.compile(r"[0-9a-f]{16,64}")
 
 
 @dataclass(frozen=True, slots=True)
 class KVMessage:
     kind: MessageKind
     request_id: str
+    nonce: str  # the pin's, from kv_transfer_params
 
     def encode(self) -> bytes:
-        return f"{self.kind}:{self.request_id}".encode()
+        return f"{self.kind}:{self.nonce}:{self.request_id}".encode()
 
 
 def parse_message(payload: bytes) -> Optional[KVMessage]:
@@ -32,7 +37,8 @@ def parse_message(payload: bytes) -> Optional[KVMessage]:
         text = payload.decode()
     except UnicodeDecodeError:
         return None
-    kind, sep, request_id = text.partition(":")
-    if not sep or kind not in _KINDS or not request_id:
+    kind, sep, rest = text.partition(":")
+    nonce, sep_2, request_id = rest.partition(":")
+    if not sep or not sep_2 or kind not in _KINDS or not request_id or _NONCE.fullmatch(nonce) is None:
         return None
-    return KVMessage(kind, request_id)  # type: ignore[arg-type]
+    return KVMessage(kind, request_id, nonce)  # type: ignore[arg-type]

@@ -89,7 +89,7 @@ class PrefillConnector:
         self.metrics.pinned_blocks.set(self.leases.num_pinned_blocks)
         logger.info("request %s: %d blocks pinned for a decode worker (lease %.0fs)",
                     request.request_id, lease.num_blocks, self.leases.lease_s)
-        return FinishAction(free_blocks=False, kv_transfer_params=self._params(request, block_ids))
+        return FinishAction(free_blocks=False, kv_transfer_params=self._params(request, block_ids, lease.nonce))
 
     def has_room_to_pin(self, num_blocks: int) -> bool:
         """Whether `num_blocks` more may be pinned (read from other threads too: plain int compares).
@@ -107,7 +107,7 @@ class PrefillConnector:
             self._released_early.append(request_id)
             logger.info("request %s: blocks released (the proxy gave up on its decode leg)", request_id)
 
-    def _params(self, request: Request, block_ids: list[list[int]]) -> RemotePrefillParams:
+    def _params(self, request: Request, block_ids: list[list[int]], nonce: str) -> RemotePrefillParams:
         return RemotePrefillParams(
             do_remote_prefill=True,
             do_remote_decode=False,
@@ -120,6 +120,7 @@ class PrefillConnector:
             remote_epoch=self.identity.epoch,
             num_prompt_tokens=request.num_prompt_tokens,
             lease_s=self.leases.lease_s,
+            remote_pin_nonce=nonce,
         )
 
     # ---- the engine loop's tick -------------------------------------------------------
@@ -143,7 +144,14 @@ class PrefillConnector:
     def _apply_message(self, payload: bytes, events: KVEvents) -> None:
         message = parse_message(payload)
         if message is None:
+            self.metrics.rejected_messages.labels(reason="malformed").inc()
             logger.warning("ignoring malformed KV message %r", payload[:80])
+            return
+        if not self.leases.holds(message.request_id, message.nonce):
+            # Late (the pin was released, or a newer pin reuses the id) or forged: it touches nothing.
+            self.metrics.rejected_messages.labels(reason="stale").inc()
+            logger.info("ignoring a %s message for request %s: no live pin carries its nonce", message.kind,
+                        message.request_id)
             return
         if message.kind == "renew":
             self.leases.renew([message.request_id])

@@ -80,12 +80,13 @@ def build_kv_side(config: WorkerConfig, metrics: Metrics, pool: PoolDescription,
     if config.role == "prefill":
         identity = PrefillIdentity(engine_id, epoch, transfer.advertise_host or config.server.host, config.server.port)
         max_pinned = int(transfer.max_pinned_share * (pool.num_blocks - 1))  # block 0 is the null block
-        connector = PrefillConnector(transport, LeaseTable(transfer.lease_s), identity, pool.plan, pool.block_size,
+        connector = PrefillConnector(transport, LeaseTable(transfer.lease_s, max_pin_s=transfer.pin_lifetime_s), identity, pool.plan, pool.block_size,
                                      metrics.transfer, max_pinned_blocks=max_pinned)
         return KVSide(connector, transport, agent_info)
     peers = PeerConnections(transport, transfer.connect_timeout_s)
     connector = DecodeConnector(transport, peers, pool.plan, pool.block_size, metrics.transfer,
-                                transfer.failure_policy, transfer.pull_timeout_s, transfer.heartbeat_s)
+                                transfer.failure_policy, transfer.pull_timeout_s, transfer.heartbeat_s,
+                                lease_s=transfer.lease_s)
     return KVSide(connector, transport, agent_info, peers)
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from pdserve.api.config import SchedulerConfig
-from pdserve.api.kv_transfer import AgentInfo, PoolGeometry, RemotePrefillParams
+from pdserve.api.kv_transfer import PROTOCOL_VERSION, AgentInfo, PoolGeometry, RemotePrefillParams
 from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.schedule_types import SampledToken
 from pdserve.engine.scheduler import Scheduler
@@ -70,7 +70,7 @@ class PrefillSide:
 
     def agent_info(self) -> AgentInfo:
         return AgentInfo(
-            protocol_version=1, compat_hash="h", engine_id=self.name, epoch="epoch-1",
+            protocol_version=PROTOCOL_VERSION, compat_hash="h", engine_id=self.name, epoch="epoch-1",
             geometry=PoolGeometry(num_blocks=NUM_BLOCKS, page_bytes=PAGE_BYTES, block_size=BLOCK,
                                   group_size=PLAN.group_size, groups=groups_to_wire(PLAN)),
             transport=self.transport.local_peer_info(self.name, "epoch-1").to_dict(),

@@ -166,6 +166,18 @@ def test_bare_hosts_are_accepted(host, parsed):
     assert parse_kv_transfer_params({**wire, "remote_host": host}).remote_host == (parsed or host)
 
 
+def test_params_of_an_older_protocol_get_the_version_refusal_and_version_2_needs_the_pins_nonce():
+    wire = StubPrefill().params().to_wire()
+    assert parse_kv_transfer_params(wire).remote_pin_nonce == wire["remote_pin_nonce"]
+    older = {key: value for key, value in wire.items() if key != "remote_pin_nonce"}
+    with pytest.raises(KVParamsInvalid, match="protocol_version 1 is not supported"):
+        parse_kv_transfer_params({**older, "protocol_version": 1})
+    with pytest.raises(KVParamsInvalid, match="remote_pin_nonce is required"):
+        parse_kv_transfer_params(older)
+    with pytest.raises(KVParamsInvalid):
+        parse_kv_transfer_params({**wire, "remote_pin_nonce": "not-hex!"})
+
+
 async def test_a_peer_off_the_allow_list_is_refused_before_any_contact():
     stub, connect = StubPrefill(), Connector()
     gate = admission(stub, connect)

@@ -4,14 +4,17 @@ transport: block lifetime on both sides, failure policies, leases, the running c
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve.api.kv_transfer import KVPullFailed
 from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.schedule_types import SampledToken
 from pdserve.pd.geometry import handoff_ranges, handoff_slices
+from pdserve.pd.messages import KVMessage
 from pdserve.request import Request, RequestStatus
-from pdserve.transfer.fake_transport import FakeFabric
-from tests.pd.pd_pair import BLOCK, PLAN, DecodeSide, FakeClock, PrefillSide, make_request, source_for
+from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
+from pdserve.transfer.transport import PeerInfo
+from tests.pd.pd_pair import BLOCK, PAGE_BYTES, PLAN, DecodeSide, FakeClock, PrefillSide, make_request, source_for
 
 
 @pytest.fixture
@@ -310,3 +313,62 @@ def test_a_prefill_larger_than_the_whole_limit_pins_alone(fabric, clock):
     first = side.prefill("big", 30)  # more blocks than the limit, but nothing else is pinned
     assert first is not None and side.connector.num_pinned_blocks > 2
     assert not side.connector.has_room_to_pin(1)
+
+
+# ---- pins are capabilities -------------------------------------------------------------------------
+
+def test_messages_without_the_pins_nonce_touch_nothing_and_are_counted(p, fabric, clock):
+    p.prefill("r1", 30)
+    pinned = p.connector.num_pinned_blocks
+    stranger = FakeTransport(torch.zeros(4, PAGE_BYTES, dtype=torch.int8), "stranger", fabric)
+    peer_key = stranger.connect(PeerInfo.from_dict(p.agent_info().transport))
+    forged = "f" * 32
+    for kind in ("free", "done", "renew"):
+        stranger.send_message(peer_key, KVMessage(kind, "r1", forged).encode())
+    stranger.send_message(peer_key, b"free:r1")  # version 1's form
+    p.tick()
+    assert p.connector.num_pinned_blocks == pinned and p.kv.has_request("r1")
+    assert rejected_messages(p, "stale") == 3 and rejected_messages(p, "malformed") == 1
+    clock.advance(p.connector.leases.lease_s + 1)  # the forged renew bought nothing: the lease runs out
+    p.tick()
+    assert p.connector.num_pinned_blocks == 0 and not p.kv.has_request("r1")
+
+
+def test_the_nonce_from_the_params_frees_the_pin(p, fabric):
+    params = p.prefill("r1", 30)
+    stranger = FakeTransport(torch.zeros(4, PAGE_BYTES, dtype=torch.int8), "holder", fabric)
+    peer_key = stranger.connect(PeerInfo.from_dict(p.agent_info().transport))
+    stranger.send_message(peer_key, KVMessage("free", "r1", params.remote_pin_nonce).encode())
+    p.tick()
+    assert p.connector.num_pinned_blocks == 0 and not p.kv.has_request("r1")
+
+
+def test_a_late_message_about_an_earlier_pin_cannot_free_a_newer_pin_of_the_same_id(p, fabric, clock):
+    first = p.prefill("r1", 30)
+    p.connector.release_early("r1")
+    p.tick()
+    second = p.prefill("r1", 30)  # the id comes back (a client's own X-Request-Id, say)
+    assert second.remote_pin_nonce != first.remote_pin_nonce
+    late = FakeTransport(torch.zeros(4, PAGE_BYTES, dtype=torch.int8), "late", fabric)
+    peer_key = late.connect(PeerInfo.from_dict(p.agent_info().transport))
+    late.send_message(peer_key, KVMessage("done", "r1", first.remote_pin_nonce).encode())
+    p.tick()
+    assert p.kv.has_request("r1") and p.connector.num_pinned_blocks > 0
+    assert rejected_messages(p, "stale") == 1
+
+
+def rejected_messages(side: PrefillSide, reason: str) -> float:
+    return sum(sample.value for family in side.metrics.registry.collect() for sample in family.samples
+               if sample.name == "pdserve_transfer_rejected_messages_total" and sample.labels.get("reason") == reason)
+
+
+def test_decode_trusts_no_longer_lease_than_its_own_whatever_the_params_say(p, d, clock):
+    params = p.prefill("r1", 30)
+    forged = params.model_copy(update={"lease_s": 1e9})
+    d.connector.lease_s = 30.0
+    d.transport.hold_reads = True
+    request = admit(d, p, clock, "r1-d", 30, forged)
+    clock.advance(30.0 / 2 + 1)  # past half of D's own lease; far inside the claimed one
+    d.transport.hold_reads = False
+    d.tick()
+    assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0  # not trusted: recompute

@@ -159,7 +159,8 @@ async def test_auto_tool_choice_parses_the_templates_native_format_and_streams_t
 
 REMOTE_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p0",
                  "remote_request_id": "r", "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1",
-                 "remote_port": 8100, "remote_epoch": "e1", "num_prompt_tokens": 3, "lease_s": 30.0}
+                 "remote_port": 8100, "remote_epoch": "e1", "num_prompt_tokens": 3, "lease_s": 30.0,
+                 "remote_pin_nonce": "0" * 32}
 
 
 async def test_a_prefill_leg_computes_one_choice_without_a_grammar_whatever_n():
