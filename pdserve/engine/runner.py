@@ -80,7 +80,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepResult:
-        self.sampler.forget(step.finished_request_ids)
         if self.grammar is not None:
             self.grammar.forget(step.finished_request_ids)
         if step.is_empty:

@@ -48,10 +48,21 @@ class SamplingBatch:
     num_top_logprobs: int = 0  # the most alternatives any row asked for
 
 
-@dataclass(slots=True)
-class _SeededState:
-    generator: torch.Generator
-    num_draws: int  # rows of noise drawn so far = tokens the request sampled
+_MASK_64 = (1 << 64) - 1
+
+
+def _mix_64(value: int) -> int:
+    """SplitMix64's finaliser: a 64-bit bijection that scatters neighbouring inputs."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK_64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return value ^ (value >> 31)
+
+
+def draw_seed(seed: int, draw_index: int) -> int:
+    """The seed of a request's `draw_index`-th draw: a function of its seed and that index alone, so any
+    draw is reached at once (no replay of the earlier ones), whichever worker or step makes it."""
+    return _mix_64((seed & _MASK_64) ^ _mix_64(draw_index)) >> 1  # 63 bits: any torch generator takes it
 
 
 # Temperatures are floored here: dividing by a smaller float32 (or by a float64 that
@@ -79,11 +90,6 @@ class Sampler:
         self.device = device
         self.native_greedy = native_greedy and device.type == "cpu"
         self.shared_generator = torch.Generator(device=device).manual_seed(seed)
-        self._seeded: dict[str, _SeededState] = {}
-
-    def forget(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
-            self._seeded.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
                allowed: Optional[torch.Tensor] = None) -> list[SampledToken]:
@@ -137,7 +143,7 @@ class Sampler:
             return SamplingBatch(None, None, None, None, [], wants_logprobs, num_top)
         params = [chunk.sampling for _, chunk in random]
         filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
-        seeded = [(index, self._generator(chunk, vocab_size)) for index, (_, chunk) in enumerate(random)
+        seeded = [(index, self._generator(chunk)) for index, (_, chunk) in enumerate(random)
                   if chunk.sampling.seed is not None]
         return SamplingBatch(
             random_rows=self._on_device([row for row, _ in random], torch.int64),
@@ -161,22 +167,12 @@ class Sampler:
         # A zero draw would turn p/E into 0/0 for a masked token.
         return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
-    def _generator(self, chunk: ScheduledChunk, vocab_size: int) -> torch.Generator:
-        """The request's own generator, positioned at its `num_sampled_so_far`-th draw.
-
-        Kept across steps and preemptions; rebuilt from the seed (and advanced) when
-        the count disagrees: a request recomputed before its first token, or one
-        whose earlier tokens another worker drew."""
-        state = self._seeded.get(chunk.request_id)
-        if state is None or state.num_draws != chunk.num_sampled_so_far:
-            generator = torch.Generator(device=self.device).manual_seed(chunk.sampling.seed)
-            skipped = torch.empty(vocab_size, device=self.device)
-            for _ in range(chunk.num_sampled_so_far):
-                skipped.exponential_(generator=generator)
-            state = _SeededState(generator, chunk.num_sampled_so_far)
-            self._seeded[chunk.request_id] = state
-        state.num_draws += 1
-        return state.generator
+    def _generator(self, chunk: ScheduledChunk) -> torch.Generator:
+        """A generator for the request's `num_sampled_so_far`-th draw, seeded for that draw alone: the
+        same after a preemption, a recompute or on another worker, at the same cost for the 10,000th
+        draw as for the first (rebuilding one generator per request replayed every earlier draw)."""
+        seed = draw_seed(chunk.sampling.seed, chunk.num_sampled_so_far)
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     def _on_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

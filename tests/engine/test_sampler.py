@@ -87,7 +87,6 @@ def _seeded_run(sampler: Sampler, request_id: str, steps: range, neighbours: int
         chunks = [*others[:half], chunk(request_id, step, temperature=1.0, top_k=20, seed=1234), *others[half:]]
         logits = torch.cat([neighbour_logits[:half], own, neighbour_logits[half:]])
         tokens.append(sampler.sample(logits, chunks)[half].token_id)
-        sampler.forget([c.request_id for c in others])
     return tokens
 
 
@@ -109,6 +108,17 @@ def test_a_seeded_request_resumes_identically_after_preemption_or_on_another_wor
     assert resumed == uninterrupted
     # A worker that never saw its first 4 draws (e.g. a decode worker) lands on the same draws.
     assert _seeded_run(Sampler(torch.device(device)), "s", range(4, 10), 2, device) == uninterrupted[4:]
+
+
+def test_a_late_draw_costs_what_the_first_does_and_each_draw_has_its_own_seed():
+    from pdserve.engine.sampler import draw_seed
+
+    sampler = Sampler(torch.device("cpu"))
+    late = chunk("s", 1_000_000_000, temperature=1.0, seed=7)  # a billion earlier draws, none replayed
+    generator = sampler.batch([late], VOCAB).seeded[0][1]
+    assert generator.initial_seed() == draw_seed(7, 1_000_000_000)
+    seeds = {draw_seed(seed, index) for seed in (0, 1, -2**63, 2**64 - 1) for index in range(1000)}
+    assert len(seeds) == 4000 and all(0 <= s < 2**63 for s in seeds)
 
 
 def test_one_transfer_to_the_host_per_step_whatever_the_batch(device, monkeypatch):
