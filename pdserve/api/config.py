@@ -140,6 +140,9 @@ class ServerConfig(_Frozen):
         flag="--insecure-no-token")
     max_concurrent_streams: int = setting(
         256, "streamed answers open at once; past this a new streamed request gets 503", ge=1)
+    stream_send_timeout_s: float = setting(
+        30.0, "drop a streamed answer whose client takes no part of an event for this long (it stopped reading): "
+              "its stream slot and request are freed", gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = setting("info", "log verbosity")
     drain_timeout_s: float = setting(
         60.0, "on SIGTERM, wait this long for in-flight work (and pinned KV) before exiting", ge=0)

@@ -113,7 +113,8 @@ async def _serve(
             first = await run_until_disconnected(raw, streams.__anext__())
             events = sse_events(streams, first, response_format, body.include_usage, ctx.metrics.request)
             handed_off = True
-            return EventStreamResponse(events, on_close=_StreamCloser(ctx, streams), headers=headers)
+            return EventStreamResponse(events, on_close=_StreamCloser(ctx, streams), headers=headers,
+                                       send_timeout_s=ctx.config.stream_send_timeout_s)
         results = await run_until_disconnected(raw, _collect(streams))
         usage = results_usage(results, [len(p) for p in prepared.prompts], prepared.num_choices)
         return json_response(response_format.final_response(results, usage), headers)

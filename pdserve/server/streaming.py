@@ -35,11 +35,19 @@ def sse_event(payload: BaseModel) -> bytes:
     return b"data: " + payload.model_dump_json().encode() + b"\n\n"
 
 
+class _SendTimedOut(Exception):
+    """The client took no part of an event within the send timeout."""
+
+
 class EventStreamResponse(StreamingResponse):
-    """A `StreamingResponse` that always runs its cleanup, even if its body never started.
+    """A `StreamingResponse` that always runs its cleanup, even if its body never started, and gives
+    up on a client that stops reading.
 
     An async generator that was never iterated skips its own `finally`, so the
-    cleanup cannot live only inside the body generator.
+    cleanup cannot live only inside the body generator. A client that does not
+    take an event within `send_timeout_s` (its socket buffers full: it stopped
+    reading) is dropped like a disconnected one, so it cannot hold a stream
+    slot, its request or its connection for ever.
     """
 
     media_type = "text/event-stream"
@@ -49,14 +57,18 @@ class EventStreamResponse(StreamingResponse):
         content: AsyncIterator[bytes],
         on_close: Callable[[], Awaitable[None]],
         headers: Optional[Mapping[str, str]] = None,
+        send_timeout_s: Optional[float] = None,
     ):
         super().__init__(content, headers={**_STREAM_HEADERS, **(headers or {})})
         self._content = content
         self._on_close = on_close
+        self._send_timeout_s = send_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, self._bounded(send))
+        except _SendTimedOut:
+            logger.warning("a streamed answer's client took nothing for %g s; dropping it", self._send_timeout_s)
         except ClientDisconnect:
             # ASGI >= 2.4 servers report a gone client by failing `send`; the
             # headers are out, so there is no one left to tell: just clean up.
@@ -67,6 +79,21 @@ class EventStreamResponse(StreamingResponse):
                 if aclose is not None:
                     await aclose()
                 await self._on_close()
+
+
+    def _bounded(self, send: Send) -> Send:
+        if self._send_timeout_s is None:
+            return send
+        timeout_s = self._send_timeout_s
+
+        async def bounded_send(message: dict) -> None:
+            try:
+                with anyio.fail_after(timeout_s):
+                    await send(message)
+            except TimeoutError:
+                raise _SendTimedOut() from None
+
+        return bounded_send
 
 
 async def sse_events(

@@ -12,6 +12,7 @@ import json
 import pytest
 from tests.server.fake_engine import FakeEngine, make_app
 
+from pdserve.api.config import ServerConfig
 from pdserve.metrics import create_metrics
 from pdserve.server.streaming import EventStreamResponse
 
@@ -26,11 +27,13 @@ def anyio_backend():
 class AsgiExchange:
     """One HTTP exchange whose client disconnects when `disconnect` is set, or whose sends start failing."""
 
-    def __init__(self, app, body: dict, *, spec_version: str = "2.3", fail_sends_after: int | None = None):
+    def __init__(self, app, body: dict, *, spec_version: str = "2.3", fail_sends_after: int | None = None,
+                 stall_sends_after: int | None = None):
         self.app = app
         self.body = json.dumps(body).encode()
         self.spec_version = spec_version
         self.fail_sends_after = fail_sends_after
+        self.stall_sends_after = stall_sends_after  # then sends never complete: a client that stopped reading
         self.disconnect = asyncio.Event()
         self.sent: list[dict] = []
         self._body_sent = False
@@ -58,6 +61,8 @@ class AsgiExchange:
     async def _send(self, message: dict) -> None:
         if self.fail_sends_after is not None and len(self.body_chunks) >= self.fail_sends_after:
             raise OSError("connection reset by peer")
+        if self.stall_sends_after is not None and len(self.body_chunks) >= self.stall_sends_after:
+            await asyncio.Event().wait()  # never set: the socket's buffers are full for good
         self.sent.append(message)
 
 
@@ -124,6 +129,18 @@ async def test_failed_send_on_an_asgi_2_4_server_aborts_the_engine_request():
     await asyncio.wait_for(exchange.run("/v1/completions"), 5)
     assert_cleaned_up(app, engine, metrics)
     assert metrics.registry.get_sample_value("pdserve_request_errors_total", {"status": "500"}) is None
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+async def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout(spec_version):
+    # 1,000 tokens 20 ms apart: the answer is nowhere near its end when the client is dropped.
+    engine, metrics = FakeEngine(reply="ab" * 500, token_delay_s=0.02), create_metrics()
+    app = make_app(engine, metrics, server=ServerConfig(stream_send_timeout_s=0.2))
+    exchange = AsgiExchange(app, {"prompt": "x", "stream": True}, spec_version=spec_version, stall_sends_after=2)
+    await asyncio.wait_for(exchange.run("/v1/completions"), 10)  # it hung for ever before
+    assert_cleaned_up(app, engine, metrics)
+    assert app.state.serving.num_open_streams == 0  # the stream slot is free again
+    assert len(exchange.body_chunks) == 2
 
 
 async def test_event_stream_response_runs_its_cleanup_even_if_the_body_never_started():
