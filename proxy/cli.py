@@ -86,6 +86,8 @@ def _add_failure_arguments(parser: argparse.ArgumentParser) -> None:
     failures.add_argument("--prefill-timeout-s", type=float, default=120.0, help="the whole prefill leg")
     failures.add_argument("--decode-timeout-s", type=float, default=120.0,
                           help="decode's first byte, and any gap between two bytes of its stream")
+    failures.add_argument("--client-send-timeout-s", type=float, default=30.0,
+                          help="drop a streaming client that takes no part of the answer for this long")
     failures.add_argument("--max-connections-per-backend", type=int, default=1024)
 
 
@@ -110,7 +112,7 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
             breaker_failures=args.breaker_failures, breaker_cooldown_s=args.breaker_cooldown_s,
         ),
         timeouts=TimeoutConfig(connect_s=args.connect_timeout_s, prefill_s=args.prefill_timeout_s,
-                               decode_s=args.decode_timeout_s),
+                               decode_s=args.decode_timeout_s, client_send_s=args.client_send_timeout_s),
         discovery=DiscoveryConfig(prefill_dns=args.prefill_dns, decode_dns=args.decode_dns,
                                   interval_s=args.dns_interval_s),
         limits=LimitsConfig(**section_values(args, LIMIT_FLAGS)),

@@ -75,6 +75,7 @@ class TimeoutConfig(_Frozen):
     decode_s: float = Field(120.0, gt=0)  # to decode's first byte, and between any two bytes after
     write_s: float = Field(30.0, gt=0)
     pool_s: float = Field(10.0, gt=0)  # waiting for a free connection to a backend
+    client_send_s: float = Field(30.0, gt=0)  # a streaming client that takes nothing this long is dropped
 
 
 class DiscoveryConfig(_Frozen):

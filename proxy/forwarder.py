@@ -259,7 +259,8 @@ class Forwarder:
             def on_broken(reason: str) -> None:
                 errors.labels(Role.DECODE.value, leg.backend.url, reason).inc()
 
-            return RelayStreamResponse(leg, lambda now_s: self._observe(timing, leg, now_s, True), on_broken, headers)
+            return RelayStreamResponse(leg, lambda now_s: self._observe(timing, leg, now_s, True), on_broken, headers,
+                                       send_timeout_s=self._config.timeouts.client_send_s)
         leg.finish(Outcome.SUCCESS)  # the whole body is in: the leg is over
         self._observe(timing, leg, time.perf_counter(), False)
         if self._kv is not None and self._kv.handles(Role.DECODE):

@@ -33,6 +33,10 @@ class ClientGone(Exception):
     """The client disconnected; there is nobody left to answer."""
 
 
+class ClientStalled(Exception):
+    """The client took no part of the answer within the send timeout: it stopped reading."""
+
+
 class DisconnectWatch:
     """Cancels the current task when the client disconnects, until `stop()`.
 
@@ -100,8 +104,9 @@ class RelayStreamResponse:
     """An ASGI response that streams decode's SSE bytes as they arrive and closes the leg always."""
 
     def __init__(self, leg: OpenLeg, on_first_byte: Callable[[float], None], on_broken: Callable[[str], None],
-                 headers: Mapping[str, str]):
+                 headers: Mapping[str, str], send_timeout_s: float = 30.0):
         self.status_code = 200
+        self._send_timeout_s = send_timeout_s  # a client that takes nothing this long has stopped reading
         self._leg = leg
         self._on_first_byte = on_first_byte
         self._on_broken = on_broken
@@ -109,9 +114,16 @@ class RelayStreamResponse:
         self._raw_headers = [(b"content-type", media_type.encode("latin-1")), *_STREAM_HEADERS,
                              *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())]
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, raw_send: Send) -> None:
         watch = DisconnectWatch(receive)
         outcome = Outcome.NEUTRAL
+
+        async def send(message: dict) -> None:
+            try:
+                await asyncio.wait_for(raw_send(message), self._send_timeout_s)
+            except asyncio.TimeoutError:
+                raise ClientStalled() from None
+
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self._raw_headers})
             outcome = await self._relay(send)
@@ -126,6 +138,8 @@ class RelayStreamResponse:
             raise
         except OSError:  # ASGI >= 2.4 servers report a gone client by failing `send`
             logger.debug("client of a streamed answer disconnected")
+        except ClientStalled:
+            logger.warning("a streaming client took nothing for %g s; dropping it", self._send_timeout_s)
         finally:
             watch.stop()
             await close_leg(self._leg, outcome)
