@@ -12,12 +12,13 @@ from typing import Any, Union
 
 import pydantic_core
 
+from pdserve.api.config import LimitsConfig
 from pdserve.api.errors import InvalidRequest
 
 _CONTAINER_TYPES = frozenset({dict, list})
 # JSON carried inside a string field (a guided_json schema, tool-call arguments) is held to the
-# depth the body itself gets by default (LimitsConfig.max_json_depth).
-EMBEDDED_JSON_MAX_DEPTH = 32
+# depth the body itself gets by default.
+EMBEDDED_JSON_MAX_DEPTH: int = LimitsConfig.model_fields["max_json_depth"].default
 
 
 def too_deep(max_depth: int, what: str = "the request body") -> InvalidRequest:

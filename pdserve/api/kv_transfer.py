@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pdserve.api.errors import InvalidRequest, PdserveError
 
 PROTOCOL_VERSION = 2  # 2: pins carry a nonce (remote_pin_nonce) that D's done/free/renew must echo
+PIN_NONCE_PATTERN = r"[0-9a-f]{16,64}"  # a pin's nonce as params and messages carry it (P makes 32 hex digits)
 _PARAM = "kv_transfer_params"
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
@@ -110,7 +111,7 @@ class RemotePrefillParams(BaseModel):
     protocol_version: StrictInt = PROTOCOL_VERSION
     # The pin's capability: D's messages about the pin must carry it (required since version 2; optional in
     # the schema only so that an older peer's params get the version refusal, not a missing-field one).
-    remote_pin_nonce: Optional[StrictStr] = Field(None, pattern=r"^[0-9a-f]{16,64}$")
+    remote_pin_nonce: Optional[StrictStr] = Field(None, pattern=f"^{PIN_NONCE_PATTERN}$")
 
     @field_validator("remote_host")
     @classmethod

@@ -43,7 +43,7 @@ class SamplingBatch:
     temperatures: Optional[torch.Tensor]  # [r, 1] float32, for the random rows
     top_k: Optional[torch.Tensor]  # [r, 1] int64 (vocab when off); None: no row filters
     top_p: Optional[torch.Tensor]  # [r, 1] float32 (inf when off)
-    seeded: list[tuple[int, torch.Generator]]  # (index among the random rows, its generator)
+    seeded: list[tuple[int, int]]  # (index among the random rows, the seed of its draw: `draw_seed`)
     wants_logprobs: bool
     num_top_logprobs: int = 0  # the most alternatives any row asked for
 
@@ -90,6 +90,7 @@ class Sampler:
         self.device = device
         self.native_greedy = native_greedy and device.type == "cpu"
         self.shared_generator = torch.Generator(device=device).manual_seed(seed)
+        self._draw_generator = torch.Generator(device=device)  # re-seeded for each seeded row's draw
 
     def sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk],
                allowed: Optional[torch.Tensor] = None) -> list[SampledToken]:
@@ -143,8 +144,10 @@ class Sampler:
             return SamplingBatch(None, None, None, None, [], wants_logprobs, num_top)
         params = [chunk.sampling for _, chunk in random]
         filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
-        seeded = [(index, self._generator(chunk)) for index, (_, chunk) in enumerate(random)
-                  if chunk.sampling.seed is not None]
+        # A seeded row's draw is seeded for that draw alone, by its seed and its index: the same after a
+        # preemption, a recompute or on another worker, and the 10,000th draw costs what the first does.
+        seeded = [(index, draw_seed(chunk.sampling.seed, chunk.num_sampled_so_far))
+                  for index, (_, chunk) in enumerate(random) if chunk.sampling.seed is not None]
         return SamplingBatch(
             random_rows=self._on_device([row for row, _ in random], torch.int64),
             temperatures=self._on_device([[max(p.temperature, MIN_TEMPERATURE)] for p in params], torch.float32),
@@ -162,17 +165,10 @@ class Sampler:
             scaled = _top_k_top_p_mask(scaled, batch.top_k, batch.top_p)
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.shared_generator)
-        for index, generator in batch.seeded:
-            noise[index].exponential_(generator=generator)
+        for index, seed in batch.seeded:
+            noise[index].exponential_(generator=self._draw_generator.manual_seed(seed))
         # A zero draw would turn p/E into 0/0 for a masked token.
         return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
-
-    def _generator(self, chunk: ScheduledChunk) -> torch.Generator:
-        """A generator for the request's `num_sampled_so_far`-th draw, seeded for that draw alone: the
-        same after a preemption, a recompute or on another worker, at the same cost for the 10,000th
-        draw as for the first (rebuilding one generator per request replayed every earlier draw)."""
-        seed = draw_seed(chunk.sampling.seed, chunk.num_sampled_so_far)
-        return torch.Generator(device=self.device).manual_seed(seed)
 
     def _on_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

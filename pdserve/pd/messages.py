@@ -14,10 +14,12 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from pdserve.api.kv_transfer import PIN_NONCE_PATTERN
+
 MessageKind = Literal["done", "free", "renew"]
 _KINDS = ("done", "free", "renew")
 MAX_MESSAGE_BYTES = 512
-_NONCE = re.compile(r"[0-9a-f]{16,64}")
+_NONCE = re.compile(PIN_NONCE_PATTERN)
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,15 +104,20 @@ class KVEventHub:
 
     def check_capacity(self) -> None:
         """`EngineOverloaded` (503) when no more subscribers are taken; `stream` enforces it too."""
-        if len(self._subscribers) >= self._max_subscribers:
-            self._metrics.refused.inc()
+        if self._refuse_one():
             raise EngineOverloaded(f"this worker already streams KV events to {self._max_subscribers} subscribers")
+
+    def _refuse_one(self) -> bool:
+        """True (and counted) when the hub is full."""
+        full = len(self._subscribers) >= self._max_subscribers
+        if full:
+            self._metrics.refused.inc()
+        return full
 
     async def stream(self) -> AsyncIterator[bytes]:
         """The NDJSON lines of one subscription: a snapshot, then events and heartbeats. A stream begun past
         the subscriber cap (several opened at once after `check_capacity`) ends at once, empty."""
-        if len(self._subscribers) >= self._max_subscribers:
-            self._metrics.refused.inc()
+        if self._refuse_one():
             return
         subscriber = _Subscriber()
         self._subscribers.add(subscriber)
