@@ -21,11 +21,13 @@ DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
 
 
 def setting(default: Any, help: str, *, flag: Optional[str] = None, env: Optional[str] = None,
-            parse: Optional[str] = None, **constraints: Any) -> Any:
+            parse: Optional[str] = None, alias: Optional[str] = None, **constraints: Any) -> Any:
     """A config field with its CLI metadata: `flag` overrides the derived --field-name,
     `env` names a variable that supplies the value when the flag is absent,
-    `parse` names a special parser ("bytes", "size_or_auto", "device": see pdserve.api.flags.PARSERS)."""
-    extra = {key: value for key, value in (("flag", flag), ("env", env), ("parse", parse)) if value is not None}
+    `parse` names a special parser ("bytes", "size_or_auto", "device": see pdserve.api.flags.PARSERS),
+    `alias` a second, short flag."""
+    extra = {key: value for key, value in (("flag", flag), ("env", env), ("parse", parse), ("alias", alias))
+             if value is not None}
     return Field(default, description=help, json_schema_extra=extra or None, **constraints)
 
 
@@ -208,6 +210,35 @@ def parse_peer_allow_list(text: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     return tuple(names), tuple(networks)
 
 
+class ParallelConfig(_Frozen):
+    tensor_parallel_size: int = setting(
+        1, "ranks (processes, one device each) one worker's model is split over, Megatron-style; the head count "
+           "must divide by it", alias="-tp", ge=1, le=64)
+    tp_rank: Optional[int] = setting(
+        None, "this process's rank when every rank starts as its own command (several hosts: one command per "
+              "rank, e.g. a LeaderWorkerSet); unset: rank 0 starts the other ranks on this host", ge=0)
+    tp_master_addr: str = setting("127.0.0.1", "address of rank 0's rendezvous (torch.distributed TCP store)")
+    tp_master_port: Optional[int] = setting(
+        None, "port of rank 0's rendezvous (needed with --tp-rank; default on one host: a free port)", ge=1, le=65535)
+    tp_timeout_s: float = setting(
+        30.0, "a collective that does not complete in this many seconds means a rank is lost: the worker exits "
+              "non-zero (its orchestrator restarts it)", gt=0)
+
+    @model_validator(mode="after")
+    def _rank_fits(self) -> "ParallelConfig":
+        if self.tp_rank is not None and self.tp_rank >= self.tensor_parallel_size:
+            raise ValueError(f"--tp-rank {self.tp_rank} is not below --tensor-parallel-size "
+                             f"{self.tensor_parallel_size}")
+        if self.tp_rank is not None and self.tp_master_port is None:
+            raise ValueError("--tp-rank needs --tp-master-port (every rank meets rank 0 there)")
+        return self
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0: the HTTP server, the scheduler and the KV manager live here."""
+        return not self.tp_rank
+
+
 class WorkerConfig(_Frozen):
     # colocated: one worker, no KV transport; decode/prefill: the two P/D halves.
     role: Role = "colocated"
@@ -217,6 +248,7 @@ class WorkerConfig(_Frozen):
     server: ServerConfig = ServerConfig()
     transfer: TransferConfig = TransferConfig()
     limits: LimitsConfig = LimitsConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     @model_validator(mode="after")
     def _internal_endpoints_need_a_token_off_loopback(self) -> "WorkerConfig":

@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable, Optional
 from pydantic import BaseModel, ValidationError
 
 from pdserve.api.config import (
-    DEFAULT_PORTS, DEVICE_PATTERN, CacheConfig, LimitsConfig, ModelConfig, SchedulerConfig, ServerConfig,
-    TransferConfig, WorkerConfig)
+    DEFAULT_PORTS, DEVICE_PATTERN, CacheConfig, LimitsConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+    ServerConfig, TransferConfig, WorkerConfig)
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
@@ -31,6 +31,7 @@ SECTIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("server", ServerConfig, "server"),
     ("transfer", TransferConfig, "P/D KV transfer"),
     ("limits", LimitsConfig, "request bounds"),
+    ("parallel", ParallelConfig, "tensor parallelism"),
 )
 FORWARDED_ARGS = "forwarded_worker_args"  # where `up` collects the worker flags it was given
 
@@ -70,6 +71,7 @@ class FlagSpec:
     converter: Optional[Callable[[str], Any]]  # None: a boolean on/off flag
     choices: Optional[tuple[str, ...]]
     env: Optional[str]
+    alias: Optional[str] = None  # a second, short flag
 
     @property
     def dest(self) -> str:
@@ -108,7 +110,7 @@ def section_flag_specs(section: str, model: type[BaseModel], role: str = "coloca
             converter = PARSERS[extra["parse"]]
         default = DEFAULT_PORTS[role] if (section, name) == ("server", "port") else field.default
         specs.append(FlagSpec(section, name, extra.get("flag") or "--" + name.replace("_", "-"), default,
-                              field.description or "", converter, choices, extra.get("env")))
+                              field.description or "", converter, choices, extra.get("env"), extra.get("alias")))
     return specs
 
 
@@ -149,15 +151,19 @@ def add_flags(parser: argparse.ArgumentParser, specs: Iterable[FlagSpec], *, for
             help_text += f"; default from ${spec.env}"
         if forward:
             boolean = {"nargs": 0} if spec.converter is None else {"choices": spec.choices}
-            names = [spec.flag, "--no-" + spec.flag[2:]] if spec.converter is None else [spec.flag]
+            names = [spec.flag, "--no-" + spec.flag[2:]] if spec.converter is None else [spec.flag, *_alias(spec)]
             group.add_argument(*names, action=_Forward, spec=spec, dest=spec.dest, default=argparse.SUPPRESS,
                                help=help_text, **boolean)
         elif spec.converter is None:
             group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, dest=spec.dest,
                                default=spec.default, help=spec.help)
         else:
-            group.add_argument(spec.flag, dest=spec.dest, type=spec.converter, choices=spec.choices,
+            group.add_argument(spec.flag, *_alias(spec), dest=spec.dest, type=spec.converter, choices=spec.choices,
                                default=spec.default, help=help_text)
+
+
+def _alias(spec: FlagSpec) -> list[str]:
+    return [spec.alias] if spec.alias else []
 
 
 def section_values(args: argparse.Namespace, specs: Iterable[FlagSpec]) -> dict[str, Any]:

@@ -61,7 +61,8 @@ def free_port(host: str) -> int:
 
 
 # Settings `up` decides per child (ports, cores, threads, token, identity) rather than forwarding.
-_UP_OWNS = ("--host", "--port", "--num-threads", "--internal-token", "--log-level", "--engine-id", "--advertise-host")
+_UP_OWNS = ("--host", "--port", "--num-threads", "--internal-token", "--log-level", "--engine-id", "--advertise-host",
+            "--tp-rank", "--tp-master-addr", "--tp-master-port")
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +82,10 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-device", type=parse_device, default=None,
                         help="the decode worker's device, e.g. cuda:1 (default: --device); two workers on one "
                              "GPU split --gpu-memory-utilization between them")
+    for role in ("prefill", "decode"):
+        parser.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
+                            help=f"ranks of the {role} worker (default: --tensor-parallel-size); its ranks start "
+                                 "on this host")
     # Every other worker setting, declared once in pdserve/api/config.py, goes to both workers as given.
     add_worker_flags(parser, "decode", forward=True, exclude=_UP_OWNS)
 
@@ -150,14 +155,18 @@ def _with_value(argv: Sequence[str], flag: str, value: str) -> list[str]:
 
 
 def role_worker_args(args: argparse.Namespace, forwarded: list[str]) -> dict[str, list[str]]:
-    """Each worker's flags: the forwarded ones, its own --device when `--prefill-device` or
-    `--decode-device` names one, and half the GPU share each when both land on one GPU
+    """Each worker's flags: the forwarded ones, its own --device and --tensor-parallel-size when
+    `--prefill-device` / `--decode-device` or `--prefill-tensor-parallel-size` /
+    `--decode-tensor-parallel-size` name them, and half the GPU share each when both land on one GPU
     (auto and cuda mean cuda:0 there; on the CPU the share is unused)."""
     shared = _last_value(forwarded, "--device") or "auto"
     per_role, devices = {}, {}
     for role in ("prefill", "decode"):
         own = getattr(args, f"{role}_device", None)
         per_role[role] = _with_value(forwarded, "--device", own) if own else list(forwarded)
+        ranks = getattr(args, f"{role}_tensor_parallel_size", None)
+        if ranks is not None:
+            per_role[role] = _with_value(per_role[role], "--tensor-parallel-size", str(ranks))
         devices[role] = {"auto": "cuda:0", "cuda": "cuda:0"}.get(own or shared, own or shared)
     if devices["prefill"] == devices["decode"]:
         share = float(_last_value(forwarded, "--gpu-memory-utilization")

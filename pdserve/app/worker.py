@@ -16,6 +16,7 @@ import uvicorn
 from pdserve.api.config import WorkerConfig, is_loopback_host
 from pdserve.api.http_bounds import http_protocol_with_header_deadline
 from pdserve.app.drain import DrainingServer
+from pdserve.app.ranks import start_local_ranks, stop_local_ranks
 from pdserve.engine.async_engine import LoadingEngine
 from pdserve.engine.factory import BuiltEngine, build_engine
 from pdserve.engine.request_ids import RequestIdRegistry
@@ -51,7 +52,11 @@ def _load_in_background(config: WorkerConfig, metrics: Metrics, handle: LoadingE
 
 
 def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nixl_transport) -> int:
-    """Serve until told to stop; returns the process exit status (1 when the worker could not serve)."""
+    """Serve until told to stop; returns the process exit status (1 when the worker could not serve).
+    A tensor-parallel worker started without --tp-rank starts its other ranks on this host first."""
+    children = []
+    if config.parallel.tensor_parallel_size > 1 and config.parallel.tp_rank is None:
+        config, children = start_local_ranks(config)
     metrics = Metrics()
     handle = LoadingEngine(config.model.served_name or "default", RequestIdRegistry())
     loaded = _Loaded()
@@ -77,4 +82,5 @@ def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nix
     finally:
         if loaded.built is not None:
             loaded.built.close()
+        stop_local_ranks(children)
     return 1 if server.died else 0

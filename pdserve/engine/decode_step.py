@@ -152,13 +152,14 @@ class DecodeStep:
         pad_rows = lambda t: torch.nn.functional.pad(t, (0, _bucket(num_rows) - num_rows))  # noqa: E731
         return DecodeRows(table, pad_rows(rows.key_start), pad_rows(rows.key_end), rows.starts, rows.ends)
 
-    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Logits [len(chunks), vocab] of single-token `chunks`, their K/V stored in the pool."""
+    def run(self, chunks: Sequence[ScheduledChunk], with_logits: bool = True) -> Optional[torch.Tensor]:
+        """Logits [len(chunks), vocab] of single-token `chunks` (None without `with_logits`: a
+        tensor-parallel follower), their K/V stored in the pool."""
         step = self.inputs(chunks)
         h, rope = self.model.embed(step.input_ids, step.positions)
         if self._fused is not None:  # one native call for every layer; each stores its own new K/V
             h = self._fused_stack(h, rope, step.rows, step.write_block_ids, step.write_offsets)
-            return self.model.compute_logits(self.model.final_norm(h))
+            return self.model.compute_logits(self.model.final_norm(h)) if with_logits else None
         new_keys, new_values = [], []
         for layer, (group_id, k_cache, v_cache) in zip(self.model.layers, self.layer_caches):
             rows = step.rows[group_id]
@@ -169,7 +170,7 @@ class DecodeStep:
                 h, k, v = _layer_step(layer, h, rope, k_cache, v_cache, rows, self.native)
             new_keys.append(k)
             new_values.append(v)
-        logits = self.model.compute_logits(self.model.final_norm(h[: step.num_rows]))
+        logits = self.model.compute_logits(self.model.final_norm(h[: step.num_rows])) if with_logits else None
         self._store(step, new_keys, new_values)
         return logits
 

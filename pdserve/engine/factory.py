@@ -28,6 +28,8 @@ from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
+from pdserve.engine.devices import pick_device, pick_dtype, rank_device, rank_threads
+from pdserve.engine.tensor_parallel import LeaderRunner
 from pdserve.kv.events import KVEventRecorder
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.manager import KVCacheManager
@@ -35,37 +37,15 @@ from pdserve.kv.specs import KVGroupPlan, plan_groups
 from pdserve.metrics import Metrics
 from pdserve.models.base import ModelSpec
 from pdserve.models.loader import LoadedModel, load_model, resolve_quantization
+from pdserve.models.registry import TensorParallelRank
+from pdserve.parallel.channel import LeaderChannel, RankSetup
+from pdserve.parallel.ranks import RankGroup
 from pdserve.pd.handshake import compatibility_hash
 from pdserve.pd.prefill import PrefillConnector
 from pdserve.pd.wiring import KVSide, PoolDescription, TransportFactory, build_admission, build_kv_side, nixl_transport
+from pdserve.transfer.ranked_transport import RankedTransport
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pick_device(choice: str) -> torch.device:
-    """auto, cpu, cuda or cuda:N -> a device with an index on CUDA (the pool's NIXL device id)."""
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(choice)
-    if device.type != "cuda":
-        return device
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {choice}: CUDA is not available (torch {torch.__version__})")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"--device {choice}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    # Library handles and kernels launched without an explicit device land here too.
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
-def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
-    if choice == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[choice]
-
 
 def max_tokens_in_pool(plan: KVGroupPlan, num_blocks: int, block_size: int) -> int:
     """Longest sequence whose blocks fit in the pool's usable blocks (all groups together)."""
@@ -104,13 +84,16 @@ class BuiltEngine:
             self.engine.engine_loop.call_soon(functools.partial(connector.release_early, request_id))
 
     def close(self) -> None:
-        """Stop the engine thread, then release the transport (never the other way round)."""
+        """Stop the engine thread, then release the transport and the other ranks (never the other way round)."""
         self.engine.shutdown()
         self.kv_side.close()
+        self.runner.close()
 
 
 def _fingerprint(model_name: str, spec: ModelSpec) -> str:
-    return f"{model_name}|{spec.architecture}|{spec.num_layers}|{spec.hidden_size}|{spec.vocab_size}"
+    """What must be equal for two workers to share KV; the heads are one rank's, so the TP size counts."""
+    tensor_parallel = f"|tp={spec.tensor_parallel_size}" if spec.tensor_parallel_size > 1 else ""
+    return f"{model_name}|{spec.architecture}|{spec.num_layers}|{spec.hidden_size}|{spec.vocab_size}{tensor_parallel}"
 
 
 def _pool_description(model_name: str, spec: ModelSpec, plan: KVGroupPlan, layout: KVPoolLayout,
@@ -133,6 +116,25 @@ def _context_limit(config: WorkerConfig, spec: ModelSpec, plan: KVGroupPlan, num
     return max_model_len
 
 
+def _meet_ranks(config: WorkerConfig, device: torch.device) -> Optional[RankGroup]:
+    """Rank 0's group when the worker is tensor-parallel (waits for every rank to join), else None."""
+    parallel = config.parallel
+    if parallel.tensor_parallel_size == 1:
+        return None
+    if parallel.tp_master_port is None:
+        raise ValueError("a tensor-parallel worker needs its rendezvous port (--tp-master-port)")
+    return RankGroup(0, parallel.tensor_parallel_size, parallel.tp_master_addr, parallel.tp_master_port,
+                     parallel.tp_timeout_s, device)
+
+
+def _ranked(factory: TransportFactory, channel: LeaderChannel, followers: list) -> TransportFactory:
+    """Rank 0's transport: its own slice's, commanding the other ranks' agents too."""
+    def make(pool_view, agent_name: str):  # type: ignore[no-untyped-def]
+        return RankedTransport(factory(pool_view, agent_name), channel, followers)
+
+    return make
+
+
 def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | None = None, *,
                  request_ids: Optional[RequestIdRegistry] = None,
                  transport_factory: TransportFactory = nixl_transport,
@@ -141,13 +143,18 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     it must have been loaded with the device and dtype `config` implies. The
     transport factory and the handshake's HTTP transport let in-process tests
     replace NIXL and the network."""
-    device = pick_device(config.model.device)
+    parallel = config.parallel
+    device = rank_device(pick_device(config.model.device), 0)
     dtype = pick_dtype(config.model.dtype, device)
-    if config.model.num_threads is not None:
+    ranks = _meet_ranks(config, device)
+    if ranks is not None:
+        torch.set_num_threads(rank_threads(config.model.num_threads, parallel.tensor_parallel_size))
+    elif config.model.num_threads is not None:
         torch.set_num_threads(config.model.num_threads)
     quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
     free_before_load = None if loaded is not None else free_device_bytes(device)
-    loaded = loaded or load_model(config.model.path, dtype, device, quantization)
+    shard = TensorParallelRank(0, ranks.size, ranks.all_reduce) if ranks is not None else None
+    loaded = loaded or load_model(config.model.path, dtype, device, quantization, parallel=shard)
     spec = loaded.model.spec
     plan = plan_groups(spec.layer_specs)
     cache = config.cache
@@ -160,9 +167,17 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     kv_events = KVEventRecorder()
     kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching, kv_events)
     grammar_tokenizer = GrammarTokenizer(loaded.tokenizer, spec.vocab_size)
-    compile_decode = should_compile(config.model.compile, device, dtype)
-    runner = ModelRunner(loaded.model, plan, layout, device, compile_decode=compile_decode,
-                         grammar=GrammarMatchers(grammar_tokenizer))
+    # A compiled step would need its collectives traced; tensor-parallel ranks run eagerly.
+    compile_decode = should_compile(config.model.compile, device, dtype) and ranks is None
+    grammar = GrammarMatchers(grammar_tokenizer)
+    if ranks is not None:
+        ranks.broadcast(RankSetup(num_blocks, with_transport=config.role != "colocated"))
+        channel = LeaderChannel(ranks)
+        runner: ModelRunner = LeaderRunner(loaded.model, plan, layout, device, grammar=grammar, channel=channel)
+        follower_transports = (ranks.gather(None) or [None])[1:]
+        transport_factory = _ranked(transport_factory, channel, follower_transports)
+    else:
+        runner = ModelRunner(loaded.model, plan, layout, device, compile_decode=compile_decode, grammar=grammar)
     runner.warm_up(config.scheduler.max_num_running)
     model_name = config.model.served_name or loaded.name
     pool = _pool_description(model_name, spec, plan, layout, dtype)
@@ -178,8 +193,9 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     engine = AsyncEngine(loop, model_name, max_model_len, loaded.tokenizer, max_in_flight, admission)
     engine.grammar_tokenizer = grammar_tokenizer
     logger.info(
-        "engine ready: role=%s model=%s device=%s dtype=%s groups=%d group_size=%d blocks=%d block_size=%d page_bytes=%d max_model_len=%d",
-        config.role, engine.model_name, device, dtype, len(plan.groups), plan.group_size, num_blocks, cache.block_size,
+        "engine ready: role=%s model=%s device=%s dtype=%s tp=%d groups=%d group_size=%d blocks=%d block_size=%d "
+        "page_bytes=%d max_model_len=%d", config.role, engine.model_name, device, dtype,
+        parallel.tensor_parallel_size, len(plan.groups), plan.group_size, num_blocks, cache.block_size,
         layout.page_bytes, max_model_len,
     )
     epoch = kv_side.agent_info.epoch if kv_side.agent_info is not None else uuid.uuid4().hex[:16]

@@ -29,6 +29,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput, StepResult
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
+from pdserve.parallel.ranks import RanksLost
 from pdserve.request import GenerationRequest, LoadReport, Request
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class EngineLoop:
         self._poll_connector()
         self._stalled = self.scheduler.has_work() and not self.step()
         self._settle()
+        self.runner.keep_ranks_alive()
         self.last_progress_s = time.monotonic()
 
     def run_until_idle(self) -> None:
@@ -191,6 +193,8 @@ class EngineLoop:
     def _poll_connector(self) -> None:
         try:
             events = self.scheduler.connector.poll()
+        except RanksLost:  # the worker's own ranks are gone: nothing can be served
+            raise
         except Exception:  # a transport fault must not take the worker down; the next poll retries
             logger.exception("the P/D connector's poll failed")
             return
@@ -243,6 +247,8 @@ class EngineLoop:
     def _execute(self, scheduled: SchedulerOutput) -> StepResult:
         try:
             return self._execute_synchronized(scheduled)
+        except RanksLost:  # not one request's fault, and no retry can help: the loop dies
+            raise
         except Exception:
             self._settle_device()
             if len(scheduled.chunks) <= 1:

@@ -66,6 +66,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    def keep_ranks_alive(self) -> None:
+        """Called by the engine loop every turn; tensor-parallel rank 0 heartbeats its ranks here."""
+
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (tensor-parallel rank 0: its ranks)."""
+
     def warm_up(self, max_rows: int) -> Optional[float]:
         """Compile what runs per step before serving; seconds spent, None when nothing is compiled."""
         return self.decode_step.warm_up(max_rows)
@@ -112,8 +118,7 @@ class ModelRunner:
         """(logits of the sampling rows or None, hidden states or None). Decode-only steps take
         `DecodeStep` where the native kernel runs or compilation was asked for, unless they need
         prompt logprobs, which are read from the eager pass's hidden states."""
-        decode_only = chunks[-1].num_tokens == 1 and not wants_prompt_logprobs
-        if decode_only and (self.decode_step.native or self.decode_step.compiled):
+        if self.takes_decode_step(chunks, wants_prompt_logprobs):
             logits = self.decode_step.run(chunks)
             if num_sampling == 0:
                 return None, None
@@ -123,6 +128,24 @@ class ModelRunner:
         attention = PagedAttention(self.plan, self.layer_caches, chunks, self.layout.block_size, self.device)
         hidden = self.model(input_ids, positions, attention)
         return (self.model.compute_logits(hidden[sample_rows]) if num_sampling else None), hidden
+
+    def takes_decode_step(self, chunks: Sequence[ScheduledChunk], wants_prompt_logprobs: bool) -> bool:
+        """Whether a step (chunks sorted as `execute` sorts them) runs through `DecodeStep`."""
+        decode_only = chunks[-1].num_tokens == 1 and not wants_prompt_logprobs
+        return decode_only and (self.decode_step.native or self.decode_step.compiled)
+
+    @torch.inference_mode()
+    def run_shard(self, step: SchedulerOutput, decode_step: bool) -> None:
+        """A tensor-parallel follower's part of a step: the forward pass over its heads (storing its
+        K/V) on the path rank 0 took, no logits, no sampling. Rows line up with rank 0's because the
+        chunks arrive in the order rank 0 runs them."""
+        chunks = step.chunks
+        if decode_step:
+            self.decode_step.run(chunks, with_logits=False)
+            return
+        input_ids, positions = self._inputs(chunks)
+        self.model(input_ids, positions, PagedAttention(self.plan, self.layer_caches, chunks, self.layout.block_size,
+                                                        self.device))
 
     def _inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         token_ids: list[int] = []

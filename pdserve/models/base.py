@@ -43,6 +43,8 @@ class ModelSpec:
     vocab_size: int
     max_position_embeddings: int
     layer_specs: tuple[AttentionSpec, ...]  # one per layer
+    # Ranks the model is split over; num_heads and num_kv_heads above are then one rank's.
+    tensor_parallel_size: int = 1
 
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -21,7 +21,7 @@ import torch
 from pdserve.models.base import CausalLM
 from pdserve.models.gguf_file import GGUFCheckpoint
 from pdserve.models.hf_config import ModelLoadError
-from pdserve.models.registry import build_model
+from pdserve.models.registry import TensorParallelRank, build_model
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.models.weight_loader import QuantizationChoice, WeightPolicy
 from pdserve.models.weights import SafetensorsSource
@@ -69,19 +69,22 @@ def resolve_quantization(choice: str, dtype_choice: str, device: torch.device) -
 
 
 def load_model(
-    path: str | None, dtype: torch.dtype, device: torch.device, quantization: QuantizationChoice = "none"
+    path: str | None, dtype: torch.dtype, device: torch.device, quantization: QuantizationChoice = "none",
+    parallel: TensorParallelRank | None = None,
 ) -> LoadedModel:
     """The model at `path` (HF directory or .gguf file; None = embedded SmolLM2) on `device` in `dtype`
-    (activations, KV, and float weights); `quantization` says which linear weights stay or become blocks."""
+    (activations, KV, and float weights); `quantization` says which linear weights stay or become blocks;
+    `parallel`: load only this tensor-parallel rank's shard."""
     device = torch.device(device)
     policy = WeightPolicy.for_choice(quantization)
     started_s = time.monotonic()
     if path is None:
-        loaded = load_gguf(embedded_model_path(), dtype, device, name=EMBEDDED_MODEL_NAME, policy=policy)
+        loaded = load_gguf(embedded_model_path(), dtype, device, name=EMBEDDED_MODEL_NAME, policy=policy,
+                           parallel=parallel)
     elif os.path.isdir(path):
-        loaded = load_hf_dir(path, dtype, device, policy)
+        loaded = load_hf_dir(path, dtype, device, policy, parallel)
     elif os.path.isfile(path) and path.endswith(".gguf"):
-        loaded = load_gguf(path, dtype, device, policy=policy)
+        loaded = load_gguf(path, dtype, device, policy=policy, parallel=parallel)
     else:
         raise ModelLoadError(f"{path!r} is neither a Hugging Face model directory nor a .gguf file")
     logger.info("loaded model %s in %.1f s", loaded.name, time.monotonic() - started_s)
@@ -89,7 +92,8 @@ def load_model(
 
 
 def load_hf_dir(
-    directory: str, dtype: torch.dtype, device: torch.device, policy: WeightPolicy = WeightPolicy()
+    directory: str, dtype: torch.dtype, device: torch.device, policy: WeightPolicy = WeightPolicy(),
+    parallel: TensorParallelRank | None = None,
 ) -> LoadedModel:
     config_path = os.path.join(directory, "config.json")
     if not os.path.exists(config_path):
@@ -98,17 +102,18 @@ def load_hf_dir(
         config = json.load(f)
     tokenizer = Tokenizer.from_hf_dir(directory)
     with SafetensorsSource(directory) as weights:
-        model = build_model(config, weights, dtype, device, policy)
+        model = build_model(config, weights, dtype, device, policy, parallel)
     name = os.path.basename(os.path.normpath(directory))
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
 
 
 def load_gguf(
-    path: str, dtype: torch.dtype, device: torch.device, name: str | None = None, policy: WeightPolicy = WeightPolicy()
+    path: str, dtype: torch.dtype, device: torch.device, name: str | None = None, policy: WeightPolicy = WeightPolicy(),
+    parallel: TensorParallelRank | None = None,
 ) -> LoadedModel:
     checkpoint = GGUFCheckpoint(path)
     tokenizer = Tokenizer.from_gguf_vocab(checkpoint.vocab())
-    model = build_model(checkpoint.hf_config(), checkpoint, dtype, device, policy)
+    model = build_model(checkpoint.hf_config(), checkpoint, dtype, device, policy, parallel)
     if name is None:
         name = os.path.basename(path).removesuffix(".gguf")
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)

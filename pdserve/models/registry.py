@@ -8,6 +8,7 @@ one line here and an unknown one fails at load with the list of known ones.
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -18,10 +19,20 @@ from pdserve.models.base import CausalLM
 from pdserve.models.gemma3 import Gemma3ForCausalLM, gemma3_args
 from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.llama import LlamaForCausalLM, llama_args, mistral_args, qwen2_args, qwen3_args
+from pdserve.models.tensor_parallel import AllReduce, ShardedWeights, shard_for, sharded_args, wrap_row_parallel
 from pdserve.models.weight_loader import WeightLoader, WeightPolicy
 from pdserve.models.weights import WeightSource
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallelRank:
+    """Which rank of how many builds this model, and how its ranks sum their partial outputs."""
+
+    rank: int
+    size: int
+    all_reduce: AllReduce
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +71,11 @@ def architecture_of(config: Mapping[str, Any]) -> str:
 
 def build_model(
     config: Mapping[str, Any], weights: WeightSource, dtype: torch.dtype, device: torch.device,
-    policy: WeightPolicy = WeightPolicy(),
+    policy: WeightPolicy = WeightPolicy(), parallel: TensorParallelRank | None = None,
 ) -> CausalLM:
     """Instantiate the model class for `config` on `device` and fill it from `weights`,
-    keeping or making linear weights quantized as `policy` says."""
+    keeping or making linear weights quantized as `policy` says; with `parallel`, only this
+    rank's shard (`pdserve.models.tensor_parallel`)."""
     registry = model_registry()
     architecture = architecture_of(config)
     entry = registry.get(architecture)
@@ -72,9 +84,15 @@ def build_model(
             f"model architecture {architecture!r} is not supported (supported: {sorted(registry)})"
         )
     args = entry.parse_config(config)
+    if parallel is not None and parallel.size > 1:
+        shard = shard_for(args, parallel.rank, parallel.size)
+        args, weights = sharded_args(args, shard), ShardedWeights(weights, shard)
     model = entry.model_class(args, dtype, device)
     loader = WeightLoader(weights, policy, device)
     model.load_weights(loader)  # type: ignore[attr-defined]
+    if parallel is not None and parallel.size > 1:
+        wrap_row_parallel(model, parallel.all_reduce)
+        model.spec = dataclasses.replace(model.spec, tensor_parallel_size=parallel.size)
     model.eval()
     logger.info("built %s (%s, %d layers) in %s on %s, %d quantized linear layers", architecture,
                 model.spec.architecture, model.spec.num_layers, dtype, device, loader.num_quantized_layers)

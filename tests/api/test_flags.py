@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.api.config import (DEFAULT_PORTS, CacheConfig, LimitsConfig, ModelConfig, SchedulerConfig, ServerConfig,
-                            TransferConfig)
+from pdserve.api.config import (DEFAULT_PORTS, CacheConfig, LimitsConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                                ServerConfig, TransferConfig)
 from pdserve.api.flags import ConfigError, flag_specs, worker_config
 from pdserve.app.cli import build_parser, main
 from pdserve.app.local_cluster import build_specs
@@ -18,7 +18,8 @@ def parse(*argv: str):
 def test_every_config_field_has_exactly_one_flag_on_p_and_d():
     fields = {(section, name) for section, model in (("model", ModelConfig), ("cache", CacheConfig),
                                                      ("scheduler", SchedulerConfig), ("server", ServerConfig),
-                                                     ("transfer", TransferConfig), ("limits", LimitsConfig))
+                                                     ("transfer", TransferConfig), ("limits", LimitsConfig),
+                                                     ("parallel", ParallelConfig))
               for name in model.model_fields}
     specs = flag_specs("decode")
     assert {(spec.section, spec.name) for spec in specs} == fields
@@ -115,3 +116,28 @@ def test_request_bounds_are_flags_of_every_worker():
     limits = config.limits
     assert (limits.max_body_bytes, limits.max_json_depth, limits.max_prompt_chars) == (1 << 20, 8, 100)
     assert limits.header_timeout_s == 2
+
+
+def test_tensor_parallel_flags_parse_with_the_short_alias_and_name_the_bad_combinations():
+    config = worker_config(parse("prefill", "-tp", "3"), "prefill")
+    assert config.parallel.tensor_parallel_size == 3 and config.parallel.tp_rank is None and config.parallel.is_leader
+    follower = worker_config(parse("decode", "--tensor-parallel-size", "2", "--tp-rank", "1", "--tp-master-addr",
+                                   "10.0.0.5", "--tp-master-port", "29500"), "decode")
+    assert (follower.parallel.tp_rank, follower.parallel.tp_master_addr) == (1, "10.0.0.5")
+    assert not follower.parallel.is_leader
+    with pytest.raises(ConfigError, match="--tp-rank 2 is not below --tensor-parallel-size 2"):
+        worker_config(parse("serve", "-tp", "2", "--tp-rank", "2", "--tp-master-port", "29500"), "colocated")
+    with pytest.raises(ConfigError, match="--tp-rank needs --tp-master-port"):
+        worker_config(parse("serve", "-tp", "2", "--tp-rank", "1"), "colocated")
+    with pytest.raises(ConfigError, match="--tensor-parallel-size"):
+        worker_config(parse("serve", "-tp", "0"), "colocated")
+
+
+def test_up_gives_each_role_its_own_tensor_parallel_size_and_keeps_the_rank_flags_to_itself():
+    specs = build_specs(parse("up", "-tp", "2", "--decode-tensor-parallel-size", "3", "--no-pin"), [0, 1])
+    prefill, decode = specs[0].argv, specs[1].argv
+    assert prefill[prefill.index("-tp") + 1] == "2"
+    assert decode[decode.index("--tensor-parallel-size") + 1] == "3"
+    assert decode.index("--tensor-parallel-size") > decode.index("-tp")  # the last one wins
+    with pytest.raises(SystemExit):
+        parse("up", "--tp-rank", "1")

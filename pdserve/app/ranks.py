@@ -1,0 +1,72 @@
+"""Starting and stopping the other tensor-parallel ranks of a worker on this host.
+
+`pdserve prefill -tp 3` is rank 0: it picks a free rendezvous port and starts
+ranks 1 and 2 as child processes (`python -m pdserve.app.ranks`, the config in
+the environment, never on the command line where the internal token would
+show). Ranks on other hosts are started as their own commands instead
+(`--tp-rank`, `--tp-master-addr`, `--tp-master-port`); both paths meet in
+the same rendezvous. A child that loses rank 0 exits on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+from pdserve.api.config import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+CONFIG_VARIABLE = "PDSERVE_RANK_CONFIG"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def with_rank(config: WorkerConfig, rank: int, master_port: int, master_addr: str) -> WorkerConfig:
+    parallel = config.parallel.model_copy(update={"tp_rank": rank, "tp_master_port": master_port,
+                                                  "tp_master_addr": master_addr})
+    return config.model_copy(update={"parallel": parallel})
+
+
+def start_local_ranks(config: WorkerConfig) -> tuple[WorkerConfig, list[subprocess.Popen]]:
+    """(rank 0's config, the started ranks 1..N-1) for a worker whose ranks all live on this host."""
+    port = config.parallel.tp_master_port or free_port()
+    children = []
+    for rank in range(1, config.parallel.tensor_parallel_size):
+        environment = {**os.environ, CONFIG_VARIABLE: with_rank(config, rank, port, "127.0.0.1").model_dump_json()}
+        children.append(subprocess.Popen([sys.executable, "-m", "pdserve.app.ranks"], env=environment))
+    logger.info("started tensor-parallel ranks 1-%d (pids %s), rendezvous on 127.0.0.1:%d",
+                len(children), [child.pid for child in children], port)
+    return with_rank(config, 0, port, "127.0.0.1"), children
+
+
+def stop_local_ranks(children: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    """Wait for the ranks rank 0 told to stop; end those that do not."""
+    for child in children:
+        try:
+            child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("rank pid %d did not stop; killing it", child.pid)
+            child.kill()
+            child.wait()
+
+
+def main() -> int:
+    from pdserve.engine.tensor_parallel import serve_follower  # noqa: PLC0415 - torch only in the child
+
+    config = WorkerConfig.model_validate_json(os.environ[CONFIG_VARIABLE])
+    logging.basicConfig(level=getattr(logging, config.server.log_level.upper()),
+                        format=f"%(asctime)s %(levelname)s rank{config.parallel.tp_rank} %(name)s: %(message)s",
+                        stream=sys.stderr)
+    return serve_follower(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

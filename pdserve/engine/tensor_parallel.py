@@ -1,0 +1,137 @@
+"""A worker split over tensor-parallel ranks: rank 0's runner, and the loop every other rank runs.
+
+    rank 0                                        rank r > 0
+    scheduler.schedule() -> SchedulerOutput
+    LeaderRunner.execute(step)
+      channel.send(chunks, path) -------------->  receive -> apply transport commands
+      forward over its heads   <-- all-reduce -->  forward over its heads (runner.run_shard)
+      logits (replicated head), sample             (no logits, no sampling)
+
+Rank 0 keeps the HTTP server, the scheduler, the KV manager and the sampler; the block ids in a
+step are the same on every rank (each rank's pool slice holds its own heads of the same blocks).
+Invariant: every rank runs the same collectives in the same order, because every collective
+follows from a message rank 0 broadcast. Any failure while the ranks run a step is therefore
+fatal (`RanksLost`): once a rank stops part-way, no later collective can be trusted, so rank 0's
+loop dies, /live fails, and the worker exits non-zero for its orchestrator to restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from typing import Optional
+
+import torch
+
+from pdserve.api.config import WorkerConfig
+from pdserve.api.sampling import SamplingParams
+from pdserve.engine import prompt_logprobs
+from pdserve.engine.devices import pick_device, pick_dtype, rank_device, rank_threads
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
+from pdserve.kv.layout import KVPoolLayout, page_bytes_for
+from pdserve.kv.specs import plan_groups
+from pdserve.models.loader import load_model, resolve_quantization
+from pdserve.models.registry import TensorParallelRank
+from pdserve.parallel.channel import LeaderChannel, RankMessage, RankSetup, follower_report
+from pdserve.parallel.ranks import RankGroup, RanksLost
+from pdserve.pd.wiring import TransportFactory, nixl_transport
+from pdserve.transfer.ranked_transport import FollowerTransport
+
+logger = logging.getLogger(__name__)
+
+_FOLLOWER_SAMPLING = SamplingParams()
+
+
+def _slim(chunk: ScheduledChunk) -> ScheduledChunk:
+    """What a follower needs of a chunk: tokens, positions and blocks (no histories, no sampling)."""
+    return dataclasses.replace(chunk, sampling=_FOLLOWER_SAMPLING, prompt_token_ids=(), output_token_ids=(),
+                               eos_token_ids=())
+
+
+class LeaderRunner(ModelRunner):
+    """Rank 0's runner: sends each step to the other ranks, then runs its own shard and samples."""
+
+    def __init__(self, *args, channel: LeaderChannel, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.channel = channel
+
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        try:
+            if not step.is_empty:
+                chunks = sorted(step.chunks, key=lambda chunk: chunk.num_tokens != 1)  # execute's order
+                path = self.takes_decode_step(chunks, bool(prompt_logprobs.wanted_rows(chunks)))
+                self.channel.send(SchedulerOutput(chunks=[_slim(chunk) for chunk in chunks]), path)
+            return super().execute(step)
+        except RanksLost:
+            raise
+        except Exception as error:  # the ranks' collectives are out of step now: nothing later can be trusted
+            raise RanksLost(f"a tensor-parallel step failed on rank 0: {error!r}") from error
+
+    def keep_ranks_alive(self) -> None:
+        self.channel.keep_alive()
+
+    def close(self) -> None:
+        self.channel.stop()
+        self.channel.group.close()
+
+
+def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = nixl_transport) -> int:
+    """Run rank `config.parallel.tp_rank` (> 0) until rank 0 stops it (0) or is lost (1)."""
+    parallel = config.parallel
+    rank, size = parallel.tp_rank or 0, parallel.tensor_parallel_size
+    device = rank_device(pick_device(config.model.device), rank)
+    dtype = pick_dtype(config.model.dtype, device)
+    torch.set_num_threads(rank_threads(config.model.num_threads, size))
+    group = RankGroup(rank, size, parallel.tp_master_addr, parallel.tp_master_port or 0, parallel.tp_timeout_s, device)
+    transport = None
+    try:
+        quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
+        loaded = load_model(config.model.path, dtype, device, quantization,
+                            parallel=TensorParallelRank(rank, size, group.all_reduce))
+        spec = loaded.model.spec
+        plan = plan_groups(spec.layer_specs)
+        setup: RankSetup = group.broadcast()
+        page_bytes = page_bytes_for(plan.group_size, config.cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+        layout = KVPoolLayout(setup.num_blocks, plan.group_size, config.cache.block_size, spec.num_kv_heads,
+                              spec.head_dim, dtype)
+        runner = ModelRunner(loaded.model, plan, layout, device)
+        runner.bind_thread()
+        logger.info("rank %d/%d ready: %d blocks of %d bytes, %d heads and %d KV heads here", rank, size,
+                    setup.num_blocks, page_bytes, spec.num_heads, spec.num_kv_heads)
+        if setup.with_transport:
+            agent = f"{config.transfer.engine_id or config.role}-rank{rank}-{uuid.uuid4().hex[:12]}"
+            transport = FollowerTransport(transport_factory(layout.canonical_view(runner.pool), agent), rank)
+        follower_report(group, transport.descriptor() if transport is not None else None)
+        return _follow(group, runner, transport)
+    except RanksLost as error:
+        logger.critical("rank %d/%d: %s; exiting", rank, size, error)
+        return 1
+    except Exception:  # noqa: BLE001 - e.g. a model that cannot be split: rank 0 says why as well
+        logger.critical("rank %d/%d could not start", rank, size, exc_info=True)
+        return 1
+    finally:
+        if transport is not None:
+            transport.close()
+        group.close()
+
+
+def _follow(group: RankGroup, runner: ModelRunner, transport: Optional[FollowerTransport]) -> int:
+    while True:
+        message: RankMessage = group.broadcast()
+        if message.stop:
+            logger.info("rank %d: rank 0 is shutting down", group.rank)
+            return 0
+        if transport is not None:
+            transport.apply(message.commands)
+        if message.step is not None:
+            try:
+                runner.run_shard(message.step, message.decode_step)
+                runner.synchronize()
+            except RanksLost:
+                raise
+            except Exception as error:  # out of step with the other ranks from here on
+                raise RanksLost(f"rank {group.rank}: a step failed: {error!r}") from error
+        if message.want_report:
+            follower_report(group, transport.report() if transport is not None else None)

@@ -1,0 +1,186 @@
+"""Megatron-style sharding of a model over tensor-parallel ranks: which heads and rows each rank owns.
+
+Rank r of N builds the same model class with fewer heads and a narrower MLP, and loads only its
+slice of each weight through `ShardedWeights` (a `WeightSource` over the full checkpoint):
+
+    q/k/v, gate/up  (column parallel)  output rows split:  rank r gets its heads / its MLP rows
+    o, down         (row parallel)     input columns split; the partial sums are all-reduced
+    embedding, LM head, norms          replicated (see docs/operations.md for the measurement)
+
+    q heads  0 1 2 3 | 4 5 6 7      N=2, 8 q heads, 2 KV heads: rank 0 owns q 0-3 and KV head 0
+    kv heads 0       | 1
+
+    q heads  0 1 | 2 3              N=2, 4 q heads, 1 KV head: the KV head is replicated, every
+    kv heads 0   | 0                rank owns it and keeps its own copy of its K/V
+
+A row-parallel layer's bias is added once: rank 0 loads it, the others load zeros. Quantized
+GGUF blocks are sliced on block boundaries (32 weights); a slice that would cut a block is
+dequantized instead. Invariant: the sum over ranks of every row-parallel output equals the
+unsharded layer's output, so norms, RoPE, sliding windows and soft-capping are untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from pdserve.models.hf_config import ModelLoadError
+from pdserve.models.quant.blocks import GROUP_SIZE, PackedWeight
+from pdserve.models.weights import WeightSource
+
+logger = logging.getLogger(__name__)
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallelShard:
+    """This rank's place among `size` ranks, and the full model's head counts."""
+
+    rank: int
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.size
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads each rank holds: a share, or one replicated head when there are fewer than ranks."""
+        return max(1, self.num_kv_heads // self.size)
+
+    @property
+    def first_kv_head(self) -> int:
+        return self.rank * self.num_kv_heads // self.size
+
+    def q_rows(self) -> slice:
+        return _span(self.rank * self.heads_per_rank * self.head_dim, self.heads_per_rank * self.head_dim)
+
+    def kv_rows(self) -> slice:
+        return _span(self.first_kv_head * self.head_dim, self.kv_heads_per_rank * self.head_dim)
+
+    def mlp_rows(self) -> slice:
+        width = self.intermediate_size // self.size
+        return _span(self.rank * width, width)
+
+
+def _span(start: int, length: int) -> slice:
+    return slice(start, start + length)
+
+
+def tensor_parallel_problem(size: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> Optional[str]:
+    """Why a model cannot be split over `size` ranks (None when it can); names the numbers."""
+    if size == 1:
+        return None
+    if num_heads % size:
+        return (f"--tensor-parallel-size {size} does not divide the model's {num_heads} attention heads "
+                f"(sizes that do: {_divisors(num_heads)})")
+    if num_kv_heads % size and size % num_kv_heads:
+        return (f"--tensor-parallel-size {size} and the model's {num_kv_heads} KV heads: one must divide the other "
+                f"(KV heads are split when there are more of them than ranks, replicated when fewer)")
+    if intermediate_size % size:
+        return f"--tensor-parallel-size {size} does not divide the model's MLP width {intermediate_size}"
+    return None
+
+
+def _divisors(value: int) -> list[int]:
+    return [d for d in range(1, value + 1) if value % d == 0]
+
+
+def shard_for(args: Any, rank: int, size: int) -> TensorParallelShard:
+    """The shard of a model's parsed args (any family with heads, KV heads, head_dim and an MLP width);
+    ModelLoadError when `size` does not fit the model."""
+    problem = tensor_parallel_problem(size, args.num_heads, args.num_kv_heads, args.intermediate_size)
+    if problem is not None:
+        raise ModelLoadError(problem)
+    return TensorParallelShard(rank, size, args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size)
+
+
+def sharded_args(args: Any, shard: TensorParallelShard) -> Any:
+    """The args a rank builds its model from: its heads and its slice of the MLP."""
+    return dataclasses.replace(args, num_heads=shard.heads_per_rank, num_kv_heads=shard.kv_heads_per_rank,
+                               intermediate_size=shard.intermediate_size // shard.size)
+
+
+_COLUMN_PARALLEL = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
+_ROW_PARALLEL = {"o_proj": "q", "down_proj": "mlp"}
+
+
+class ShardedWeights:
+    """A `WeightSource` that hands out this rank's slice of each tensor (by Hugging Face name)."""
+
+    def __init__(self, source: WeightSource, shard: TensorParallelShard):
+        self.source = source
+        self.shard = shard
+
+    def has(self, name: str) -> bool:
+        return self.source.has(name)
+
+    def _rule(self, name: str) -> tuple[Optional[str], Optional[slice]]:
+        """("column" | "row" | None, the slice of the split dimension) for `name`."""
+        parts = name.rsplit(".", 2)
+        if len(parts) != 3:
+            return None, None
+        module = parts[1]
+        spans = {"q": self.shard.q_rows, "kv": self.shard.kv_rows, "mlp": self.shard.mlp_rows}
+        if module in _COLUMN_PARALLEL:
+            return "column", spans[_COLUMN_PARALLEL[module]]()
+        if module in _ROW_PARALLEL:
+            return "row", spans[_ROW_PARALLEL[module]]()
+        return None, None
+
+    def get(self, name: str) -> torch.Tensor:
+        tensor = self.source.get(name)
+        kind, span = self._rule(name)
+        if kind == "column":
+            return tensor[span].contiguous()
+        if kind == "row" and name.endswith(".bias"):
+            return tensor if self.shard.rank == 0 else torch.zeros_like(tensor)  # added once, after the sum
+        if kind == "row":
+            return tensor[:, span].contiguous()
+        return tensor
+
+    def get_packed(self, name: str) -> Optional[PackedWeight]:
+        """The slice as blocks; None (the loader dequantizes) when the source has no blocks or the
+        slice would cut a quantization block."""
+        getter = getattr(self.source, "get_packed", None)
+        packed = getter(name) if getter is not None else None
+        kind, span = self._rule(name)
+        if packed is None or kind is None:
+            return packed
+        if kind == "column":
+            return PackedWeight(packed.blocks[span].contiguous(), packed.format, packed.in_features)
+        if span.start % GROUP_SIZE or span.stop % GROUP_SIZE:
+            logger.warning("%s: rank %d's columns %d-%d cut a %d-weight block; dequantizing this weight",
+                           name, self.shard.rank, span.start, span.stop, GROUP_SIZE)
+            return None
+        width = packed.format.block_bytes
+        columns = slice(span.start // GROUP_SIZE * width, span.stop // GROUP_SIZE * width)
+        return PackedWeight(packed.blocks[:, columns].contiguous(), packed.format, span.stop - span.start)
+
+
+class RowParallel(torch.nn.Module):
+    """A row-parallel linear layer: this rank's partial product, summed over the ranks."""
+
+    def __init__(self, inner: torch.nn.Module, all_reduce: AllReduce):
+        super().__init__()
+        self.inner = inner
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(self.inner(x))
+
+
+def wrap_row_parallel(model: torch.nn.Module, all_reduce: AllReduce) -> None:
+    """Sum each layer's attention output projection and MLP down projection over the ranks."""
+    for layer in model.layers:  # type: ignore[union-attr]
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, all_reduce)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, all_reduce)

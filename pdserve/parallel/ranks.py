@@ -1,0 +1,92 @@
+"""The ranks of one tensor-parallel worker: a torch.distributed process group with bounded collectives.
+
+    rank 0 (leader)                       rank r > 0 (follower)
+    HTTP, scheduler, KV manager           model shard, pool slice, NIXL agent
+    ---------------------------           -----------------------------------
+    broadcast(message) ---- control ----> broadcast() -> message
+    gather(report)     <--- control ----- gather(report)
+    all_reduce(partial sums) <-- tensors --> all_reduce(partial sums)
+
+Control records go over gloo (pickled; only a worker's own ranks may reach the
+rendezvous port); tensors go over gloo on the CPU and NCCL on CUDA. Every
+collective is bounded by the group's timeout: a rank that dies or hangs makes
+the others' next collective raise `RanksLost` instead of blocking forever.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from pdserve.api.errors import PdserveError
+
+logger = logging.getLogger(__name__)
+
+
+class RanksLost(PdserveError):
+    """A collective failed or timed out: some rank of this worker is gone, so the worker cannot serve."""
+
+
+class RankGroup:
+    """This process's membership of its worker's ranks (one per process)."""
+
+    def __init__(self, rank: int, size: int, master_addr: str, master_port: int, timeout_s: float,
+                 device: torch.device):
+        self.rank = rank
+        self.size = size
+        self.timeout_s = timeout_s
+        timeout = timedelta(seconds=timeout_s)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        host = f"[{master_addr}]" if ":" in master_addr else master_addr
+        logger.info("rank %d/%d: meeting the other ranks at %s:%d (%s)", rank, size, master_addr, master_port, backend)
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://{host}:{master_port}", rank=rank, world_size=size,
+                                    timeout=timeout, device_id=device if device.type == "cuda" else None)
+            self._control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+        except Exception as error:  # noqa: BLE001 - torch raises several kinds; all mean the same here
+            raise RanksLost(f"rank {rank}/{size} could not meet the other ranks at {master_addr}:{master_port} "
+                            f"within {timeout_s:g} s: {error}") from error
+        logger.info("rank %d/%d: all %d ranks met", rank, size, size)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place; returns it."""
+        try:
+            dist.all_reduce(tensor)
+        except Exception as error:  # noqa: BLE001
+            raise RanksLost(f"rank {self.rank}: an all-reduce failed: {error}") from error
+        return tensor
+
+    def broadcast(self, record: Any = None) -> Any:
+        """Rank 0 sends `record`; every rank returns it."""
+        box = [record]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self._control)
+        except Exception as error:  # noqa: BLE001
+            raise RanksLost(f"rank {self.rank}: no word from the other ranks within {self.timeout_s:g} s "
+                            f"({error})") from error
+        return box[0]
+
+    def gather(self, record: Any) -> Optional[list[Any]]:
+        """Every rank sends `record`; rank 0 gets them all in rank order, the others None."""
+        box: Optional[list[Any]] = [None] * self.size if self.is_leader else None
+        try:
+            dist.gather_object(record, box, dst=0, group=self._control)
+        except Exception as error:  # noqa: BLE001
+            raise RanksLost(f"rank {self.rank}: gathering the ranks' reports failed: {error}") from error
+        return box
+
+    def close(self) -> None:
+        """Leave the group (best effort: the others may be gone already)."""
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            logger.debug("leaving the process group failed", exc_info=True)
