@@ -103,7 +103,7 @@ class RemotePrefillParams(BaseModel):
     remote_block_ids: list[list[StrictInt]]
     remote_host: StrictStr = Field(min_length=1, max_length=255)
     remote_port: StrictInt = Field(ge=1, le=65535)
-    tp_size: StrictInt = Field(1, ge=1)
+    tp_size: StrictInt = Field(1, ge=1, le=64)  # P's tensor-parallel ranks: D must have as many (issue 20 lifts it)
     # Our own fields.
     remote_epoch: StrictStr = Field(min_length=1, max_length=64)
     num_prompt_tokens: StrictInt = Field(ge=1)
@@ -165,8 +165,6 @@ def _check_version(parsed: RemotePrefillParams) -> None:
         )
     if parsed.remote_pin_nonce is None:
         raise KVParamsInvalid(f"{_PARAM}.remote_pin_nonce is required", param=_PARAM)
-    if parsed.tp_size != 1:
-        raise KVParamsInvalid(f"{_PARAM}.tp_size: only tp_size=1 is supported", param=_PARAM)
 
 
 # ---- the handshake's answer: GET /internal/kv/agent_info on P (pd/handshake.py) ----------------

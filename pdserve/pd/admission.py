@@ -116,8 +116,9 @@ class DecodeAdmission:
     def __init__(self, handshake: HandshakeClient, plan: KVGroupPlan, block_size: int,
                  policy: Literal["recompute", "fail"], connect_peer: ConnectPeer,
                  failures: Optional[PeerFailureMemory] = None, count_failure: Callable[[], None] = lambda: None,
-                 allowed_peers: Optional[PeerAllowList] = None):
+                 allowed_peers: Optional[PeerAllowList] = None, tp_size: int = 1):
         self.count_failure = count_failure
+        self.tp_size = tp_size
         self.allowed_peers = allowed_peers
         self.handshake = handshake
         self.plan = plan
@@ -135,6 +136,11 @@ class DecodeAdmission:
             raise KVParamsInvalid(
                 f"kv_transfer_params.num_prompt_tokens is {params.num_prompt_tokens} but the prompt has "
                 f"{len(request.prompt_token_ids)} tokens here (different prompt or tokenizer)"
+            )
+        if params.tp_size != self.tp_size:
+            raise KVParamsInvalid(
+                f"kv_transfer_params.tp_size is {params.tp_size} but this decode worker has {self.tp_size} "
+                "tensor-parallel ranks; pair workers of the same size"
             )
         if self.allowed_peers is not None:
             self.allowed_peers.check(params.remote_host)  # before any connection to it

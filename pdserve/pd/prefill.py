@@ -38,6 +38,7 @@ class PrefillIdentity:
     epoch: str
     host: str  # the address decode workers reach this worker's HTTP server on
     port: int
+    tp_size: int = 1  # tensor-parallel ranks: a decode worker reads rank r's slice from rank r
 
 
 class PrefillConnector:
@@ -116,7 +117,7 @@ class PrefillConnector:
             remote_block_ids=block_ids,
             remote_host=self.identity.host,
             remote_port=self.identity.port,
-            tp_size=1,
+            tp_size=self.identity.tp_size,
             remote_epoch=self.identity.epoch,
             num_prompt_tokens=request.num_prompt_tokens,
             lease_s=self.leases.lease_s,

@@ -78,7 +78,8 @@ def build_kv_side(config: WorkerConfig, metrics: Metrics, pool: PoolDescription,
         transport=transport.local_peer_info(engine_id, epoch).to_dict(),
     )
     if config.role == "prefill":
-        identity = PrefillIdentity(engine_id, epoch, transfer.advertise_host or config.server.host, config.server.port)
+        identity = PrefillIdentity(engine_id, epoch, transfer.advertise_host or config.server.host, config.server.port,
+                                   config.parallel.tensor_parallel_size)
         max_pinned = int(transfer.max_pinned_share * (pool.num_blocks - 1))  # block 0 is the null block
         connector = PrefillConnector(transport, LeaseTable(transfer.lease_s, max_pin_s=transfer.pin_lifetime_s), identity, pool.plan, pool.block_size,
                                      metrics.transfer, max_pinned_blocks=max_pinned)
@@ -118,4 +119,5 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
     connect = engine_thread_connector(run_on_engine_thread, side.peers.ensure, transfer.connect_timeout_s + 1.0)
     failures = metrics.transfer.failures.labels(policy=transfer.failure_policy)
     return DecodeAdmission(handshake, pool.plan, pool.block_size, transfer.failure_policy, connect,
+                           tp_size=config.parallel.tensor_parallel_size,
                            count_failure=failures.inc, allowed_peers=PeerAllowList.parse(transfer.allowed_peers))
