@@ -177,6 +177,22 @@ class EngineMetrics:
             "Seconds since the engine loop last completed an iteration (grows while a step runs or the loop is stuck).",
             registry=registry,
         )
+        self.tensor_parallel_size = Gauge(
+            "pdserve_engine_tensor_parallel_ranks",
+            "Tensor-parallel ranks this worker's model is split over (1: not split).",
+            registry=registry,
+        )
+        self.tensor_parallel_ranks = Gauge(
+            "pdserve_engine_tensor_parallel_serving_ranks",
+            "Ranks serving together right now: the TP size while the engine runs, 0 once a rank is lost.",
+            registry=registry,
+        )
+        self.tensor_parallel_size.set(1)
+
+    def watch_ranks(self, size: int, serving: Callable[[], bool]) -> None:
+        """Export the TP size, and the ranks serving (all of them while `serving()`, else none)."""
+        self.tensor_parallel_size.set(size)
+        self.tensor_parallel_ranks.set_function(lambda: size if serving() else 0)
 
     def observe_step(self, duration_s: float) -> None:
         self.step_duration_s.observe(duration_s)

@@ -5,22 +5,39 @@ ranks 1 and 2 as child processes (`python -m pdserve.app.ranks`, the config in
 the environment, never on the command line where the internal token would
 show). Ranks on other hosts are started as their own commands instead
 (`--tp-rank`, `--tp-master-addr`, `--tp-master-port`); both paths meet in
-the same rendezvous. A child that loses rank 0 exits on its own.
+the same rendezvous. A child that loses rank 0 exits on its own: its next
+collective fails, and Linux kills it when rank 0's process ends.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
+from typing import Callable, Optional
 
 from pdserve.api.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
 CONFIG_VARIABLE = "PDSERVE_RANK_CONFIG"
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Optional[Callable[[], None]]:
+    """A child set-up that has Linux kill the rank when rank 0's process ends, however it ends
+    (rank 0 killed while the ranks still wait to meet would otherwise leave them waiting)."""
+    if sys.platform != "linux":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    return lambda: libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -41,7 +58,8 @@ def start_local_ranks(config: WorkerConfig) -> tuple[WorkerConfig, list[subproce
     children = []
     for rank in range(1, config.parallel.tensor_parallel_size):
         environment = {**os.environ, CONFIG_VARIABLE: with_rank(config, rank, port, "127.0.0.1").model_dump_json()}
-        children.append(subprocess.Popen([sys.executable, "-m", "pdserve.app.ranks"], env=environment))
+        children.append(subprocess.Popen([sys.executable, "-m", "pdserve.app.ranks"], env=environment,
+                                         preexec_fn=_die_with_parent()))
     logger.info("started tensor-parallel ranks 1-%d (pids %s), rendezvous on 127.0.0.1:%d",
                 len(children), [child.pid for child in children], port)
     return with_rank(config, 0, port, "127.0.0.1"), children

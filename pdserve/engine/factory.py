@@ -124,7 +124,7 @@ def _meet_ranks(config: WorkerConfig, device: torch.device) -> Optional[RankGrou
     if parallel.tp_master_port is None:
         raise ValueError("a tensor-parallel worker needs its rendezvous port (--tp-master-port)")
     return RankGroup(0, parallel.tensor_parallel_size, parallel.tp_master_addr, parallel.tp_master_port,
-                     parallel.tp_timeout_s, device)
+                     parallel.tp_timeout_s, device, parallel.tp_join_timeout_s)
 
 
 def _ranked(factory: TransportFactory, channel: LeaderChannel, followers: list) -> TransportFactory:
@@ -153,7 +153,7 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
         torch.set_num_threads(config.model.num_threads)
     quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
     free_before_load = None if loaded is not None else free_device_bytes(device)
-    shard = TensorParallelRank(0, ranks.size, ranks.all_reduce) if ranks is not None else None
+    shard = TensorParallelRank(0, ranks.size, ranks.all_reduce, ranks.all_gather) if ranks is not None else None
     loaded = loaded or load_model(config.model.path, dtype, device, quantization, parallel=shard)
     spec = loaded.model.spec
     plan = plan_groups(spec.layer_specs)
@@ -188,6 +188,7 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     loop = EngineLoop(scheduler, runner, OutputEmitter(OutputProcessor(loaded.tokenizer)),
                       loaded.tokenizer.eos_token_ids, stats, request_ids)
     metrics.engine.watch_progress(loop.progress_age_s)
+    metrics.engine.watch_ranks(parallel.tensor_parallel_size, loop.is_alive)
     admission = build_admission(config, metrics, pool, kv_side, loop.call_soon, http_transport)
     max_in_flight = config.scheduler.max_num_running + config.scheduler.max_num_waiting
     engine = AsyncEngine(loop, model_name, max_model_len, loaded.tokenizer, max_in_flight, admission)

@@ -39,11 +39,16 @@ def wanted_rows(chunks: Sequence[ScheduledChunk]) -> list[_Rows]:
     return wanted
 
 
+def row_indices(wanted: list[_Rows]) -> list[int]:
+    """The flat-batch rows whose logits `compute_packed` computes, in its order."""
+    return [r.first_row + i for r in wanted for i in range(r.num_rows)]
+
+
 def compute_packed(hidden: torch.Tensor, wanted: list[_Rows],
                    compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """[sum rows, 1 + 2k] float64 on the device (k = the most alternatives any chunk asked for)."""
     device = hidden.device
-    rows = torch.tensor([r.first_row + i for r in wanted for i in range(r.num_rows)], dtype=torch.int64)
+    rows = torch.tensor(row_indices(wanted), dtype=torch.int64)
     targets = torch.tensor([t for r in wanted for t in _targets(r)], dtype=torch.int64)
     log_probs = compute_logits(hidden[rows.to(device, non_blocking=True)]).log_softmax(dim=-1)
     chosen = log_probs.gather(-1, targets.to(device, non_blocking=True).unsqueeze(-1))

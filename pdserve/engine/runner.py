@@ -135,17 +135,21 @@ class ModelRunner:
         return decode_only and (self.decode_step.native or self.decode_step.compiled)
 
     @torch.inference_mode()
-    def run_shard(self, step: SchedulerOutput, decode_step: bool) -> None:
+    def run_shard(self, step: SchedulerOutput, decode_step: bool, logit_rows: Sequence[Sequence[int]]) -> None:
         """A tensor-parallel follower's part of a step: the forward pass over its heads (storing its
-        K/V) on the path rank 0 took, no logits, no sampling. Rows line up with rank 0's because the
-        chunks arrive in the order rank 0 runs them."""
+        K/V) on the path rank 0 took, and its vocabulary share of every logits computation rank 0
+        makes (`logit_rows`, eager path; the decode step computes all its rows'), no sampling. Rows
+        line up with rank 0's because the chunks arrive in the order rank 0 runs them, and the
+        hidden states are the same on every rank after the last all-reduce."""
         chunks = step.chunks
         if decode_step:
-            self.decode_step.run(chunks, with_logits=False)
+            self.decode_step.run(chunks)
             return
         input_ids, positions = self._inputs(chunks)
-        self.model(input_ids, positions, PagedAttention(self.plan, self.layer_caches, chunks, self.layout.block_size,
-                                                        self.device))
+        hidden = self.model(input_ids, positions, PagedAttention(self.plan, self.layer_caches, chunks,
+                                                                 self.layout.block_size, self.device))
+        for rows in logit_rows:
+            self.model.compute_logits(hidden[torch.tensor(list(rows), dtype=torch.int64, device=self.device)])
 
     def _inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         token_ids: list[int] = []
@@ -157,15 +161,20 @@ class ModelRunner:
         return as_tensor(token_ids), as_tensor(positions)
 
     def _sample_rows(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        rows, sampled = [], []
-        offset = 0
-        for chunk in chunks:
-            offset += chunk.num_tokens
-            if chunk.sample:
-                rows.append(offset - 1)
-                sampled.append(chunk)
+        rows = sample_row_indices(chunks)
+        sampled = [chunk for chunk in chunks if chunk.sample]
         # Asynchronous copy: `torch.tensor(..., device=cuda)` would wait for the device.
         return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True), sampled
+
+
+def sample_row_indices(chunks: Sequence[ScheduledChunk]) -> list[int]:
+    """The flat-batch row of each sampling chunk: its last token's."""
+    rows, offset = [], 0
+    for chunk in chunks:
+        offset += chunk.num_tokens
+        if chunk.sample:
+            rows.append(offset - 1)
+    return rows
 
 
 def _to_host(packed: list[torch.Tensor], has_sampled: bool) -> tuple[list[list[float]], list[list[float]]]:

@@ -5,7 +5,8 @@
     LeaderRunner.execute(step)
       channel.send(chunks, path) -------------->  receive -> apply transport commands
       forward over its heads   <-- all-reduce -->  forward over its heads (runner.run_shard)
-      logits (replicated head), sample             (no logits, no sampling)
+      logits of its vocab rows <-- all-gather -->  logits of its vocab rows (the same rows)
+      sample                                       (no sampling)
 
 Rank 0 keeps the HTTP server, the scheduler, the KV manager and the sampler; the block ids in a
 step are the same on every rank (each rank's pool slice holds its own heads of the same blocks).
@@ -28,7 +29,7 @@ from pdserve.api.config import WorkerConfig
 from pdserve.api.sampling import SamplingParams
 from pdserve.engine import prompt_logprobs
 from pdserve.engine.devices import pick_device, pick_dtype, rank_device, rank_threads
-from pdserve.engine.runner import ModelRunner
+from pdserve.engine.runner import ModelRunner, sample_row_indices
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.specs import plan_groups
@@ -61,8 +62,12 @@ class LeaderRunner(ModelRunner):
         try:
             if not step.is_empty:
                 chunks = sorted(step.chunks, key=lambda chunk: chunk.num_tokens != 1)  # execute's order
-                path = self.takes_decode_step(chunks, bool(prompt_logprobs.wanted_rows(chunks)))
-                self.channel.send(SchedulerOutput(chunks=[_slim(chunk) for chunk in chunks]), path)
+                prompt_rows = prompt_logprobs.wanted_rows(chunks)
+                path = self.takes_decode_step(chunks, bool(prompt_rows))
+                # The eager path's logits computations, in execute's order (the head is split over the ranks).
+                logit_rows = () if path else tuple(rows for rows in (
+                    tuple(sample_row_indices(chunks)), tuple(prompt_logprobs.row_indices(prompt_rows))) if rows)
+                self.channel.send(SchedulerOutput(chunks=[_slim(chunk) for chunk in chunks]), path, logit_rows)
             return super().execute(step)
         except RanksLost:
             raise
@@ -84,12 +89,13 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
     device = rank_device(pick_device(config.model.device), rank)
     dtype = pick_dtype(config.model.dtype, device)
     torch.set_num_threads(rank_threads(config.model.num_threads, size))
-    group = RankGroup(rank, size, parallel.tp_master_addr, parallel.tp_master_port or 0, parallel.tp_timeout_s, device)
+    group = RankGroup(rank, size, parallel.tp_master_addr, parallel.tp_master_port or 0, parallel.tp_timeout_s, device,
+                      parallel.tp_join_timeout_s)
     transport = None
     try:
         quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
         loaded = load_model(config.model.path, dtype, device, quantization,
-                            parallel=TensorParallelRank(rank, size, group.all_reduce))
+                            parallel=TensorParallelRank(rank, size, group.all_reduce, group.all_gather))
         spec = loaded.model.spec
         plan = plan_groups(spec.layer_specs)
         setup: RankSetup = group.broadcast()
@@ -127,7 +133,7 @@ def _follow(group: RankGroup, runner: ModelRunner, transport: Optional[FollowerT
             transport.apply(message.commands)
         if message.step is not None:
             try:
-                runner.run_shard(message.step, message.decode_step)
+                runner.run_shard(message.step, message.decode_step, message.logit_rows)
                 runner.synchronize()
             except RanksLost:
                 raise

@@ -19,7 +19,8 @@ from pdserve.models.base import CausalLM
 from pdserve.models.gemma3 import Gemma3ForCausalLM, gemma3_args
 from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.llama import LlamaForCausalLM, llama_args, mistral_args, qwen2_args, qwen3_args
-from pdserve.models.tensor_parallel import AllReduce, ShardedWeights, shard_for, sharded_args, wrap_row_parallel
+from pdserve.models.tensor_parallel import (
+    AllGather, AllReduce, ShardedWeights, shard_for, shard_output_head, sharded_args, wrap_row_parallel)
 from pdserve.models.weight_loader import WeightLoader, WeightPolicy
 from pdserve.models.weights import WeightSource
 
@@ -33,6 +34,7 @@ class TensorParallelRank:
     rank: int
     size: int
     all_reduce: AllReduce
+    all_gather: AllGather
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,7 @@ def build_model(
     model.load_weights(loader)  # type: ignore[attr-defined]
     if parallel is not None and parallel.size > 1:
         wrap_row_parallel(model, parallel.all_reduce)
+        shard_output_head(model, parallel.rank, parallel.size, parallel.all_gather)
         model.spec = dataclasses.replace(model.spec, tensor_parallel_size=parallel.size)
     model.eval()
     logger.info("built %s (%s, %d layers) in %s on %s, %d quantized linear layers", architecture,

@@ -20,6 +20,7 @@ from pdserve.parallel.ranks import RankGroup
 class RankMessage:
     step: Any = None  # the chunks to run (pdserve.engine.tensor_parallel), None: no step
     decode_step: bool = False  # which forward path rank 0 takes, so every rank takes it
+    logit_rows: tuple[tuple[int, ...], ...] = ()  # eager path: the rows of each logits computation, in order
     commands: tuple[Any, ...] = ()  # transport commands, applied before the step
     want_report: bool = False  # followers answer with their transport's report
     stop: bool = False  # the worker is shutting down: leave the loop and exit 0
@@ -50,9 +51,10 @@ class LeaderChannel:
     def has_queued(self) -> bool:
         return bool(self._commands)
 
-    def send(self, step: Any = None, decode_step: bool = False, want_report: bool = False) -> list[Any]:
+    def send(self, step: Any = None, decode_step: bool = False, logit_rows: tuple[tuple[int, ...], ...] = (),
+             want_report: bool = False) -> list[Any]:
         """Send a message (with every queued command); the followers' reports in rank order when asked."""
-        message = RankMessage(step, decode_step, tuple(self._commands), want_report)
+        message = RankMessage(step, decode_step, logit_rows, tuple(self._commands), want_report)
         self._commands.clear()
         self.group.broadcast(message)
         self._last_sent_s = self._clock()

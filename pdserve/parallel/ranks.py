@@ -35,21 +35,26 @@ class RankGroup:
     """This process's membership of its worker's ranks (one per process)."""
 
     def __init__(self, rank: int, size: int, master_addr: str, master_port: int, timeout_s: float,
-                 device: torch.device):
+                 device: torch.device, join_timeout_s: Optional[float] = None):
+        """Blocks until all `size` ranks joined (at most `join_timeout_s`, default `timeout_s`);
+        every later collective is bounded by `timeout_s`."""
         self.rank = rank
         self.size = size
         self.timeout_s = timeout_s
         timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        host = f"[{master_addr}]" if ":" in master_addr else master_addr
+        join_timeout = timedelta(seconds=join_timeout_s or timeout_s)
         logger.info("rank %d/%d: meeting the other ranks at %s:%d (%s)", rank, size, master_addr, master_port, backend)
         try:
-            dist.init_process_group(backend, init_method=f"tcp://{host}:{master_port}", rank=rank, world_size=size,
-                                    timeout=timeout, device_id=device if device.type == "cuda" else None)
+            # Rank 0 hosts the rendezvous store; the others retry connecting until the join timeout.
+            store = dist.TCPStore(master_addr, master_port, size, is_master=rank == 0, timeout=join_timeout,
+                                  wait_for_workers=False)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
             self._control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
         except Exception as error:  # noqa: BLE001 - torch raises several kinds; all mean the same here
             raise RanksLost(f"rank {rank}/{size} could not meet the other ranks at {master_addr}:{master_port} "
-                            f"within {timeout_s:g} s: {error}") from error
+                            f"within {join_timeout.total_seconds():g} s: {error}") from error
         logger.info("rank %d/%d: all %d ranks met", rank, size, size)
 
     @property
@@ -63,6 +68,15 @@ class RankGroup:
         except Exception as error:  # noqa: BLE001
             raise RanksLost(f"rank {self.rank}: an all-reduce failed: {error}") from error
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` [..., k] side by side along the last dimension, in rank order."""
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        try:
+            dist.all_gather(parts, tensor)
+        except Exception as error:  # noqa: BLE001
+            raise RanksLost(f"rank {self.rank}: an all-gather failed: {error}") from error
+        return torch.cat(parts, dim=-1)
 
     def broadcast(self, record: Any = None) -> Any:
         """Rank 0 sends `record`; every rank returns it."""

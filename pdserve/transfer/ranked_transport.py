@@ -50,7 +50,8 @@ class FollowerLink(Protocol):
     @property
     def has_queued(self) -> bool: ...
 
-    def send(self, step: Any = None, decode_step: bool = False, want_report: bool = False) -> list[Any]: ...
+    def send(self, step: Any = None, decode_step: bool = False, logit_rows: tuple = (),
+             want_report: bool = False) -> list[Any]: ...
 
 
 # ---- commands rank 0 sends, and what the other ranks report --------------------------------------

@@ -87,6 +87,8 @@ def tp2_workers(tmp_path_factory):
         directory = str(tmp_path_factory.mktemp(name))
         oracles[name] = (tiny_llama(directory, heads, kv_heads, bias, seed), VOCAB)
         workers[name] = tp_worker("serve", directory, logs, name, "-tp", "2")
+        if bias:  # the same model on one rank, for what transformers cannot answer
+            workers["single"] = tp_worker("serve", directory, logs, "single")
     gemma_dir = str(tmp_path_factory.mktemp("gemma3"))
     oracles["gemma3-window"] = (make_tiny_gemma3(gemma_dir), GEMMA_VOCAB)
     workers["gemma3-window"] = tp_worker("serve", gemma_dir, logs, "gemma3", "-tp", "2")
@@ -104,7 +106,26 @@ def test_tp2_greedy_matches_transformers(tp2_workers, name):
         prompt = random_prompt(length, vocab, seed)
         want, margins = hf_greedy_with_margins(oracle, prompt, NUM_NEW)
         assert_greedy_parity(greedy(workers[name], prompt), want, margins)
-    assert "tp=2" in workers[name].log_tail(200_000)
+    assert workers[name].metric("pdserve_engine_tensor_parallel_ranks") == 2
+    assert workers[name].metric("pdserve_engine_tensor_parallel_serving_ranks") == 2
+
+
+def test_prompt_logprobs_and_seeded_sampling_at_tp2_match_one_rank(tp2_workers):
+    """The eager path's two logits computations (sampling rows, prompt rows) over a vocabulary split
+    between the ranks: the same tokens and, to summation order, the same logprobs as one rank."""
+    _, workers = tp2_workers
+    body = {"prompt": random_prompt(17, VOCAB, 11), "max_tokens": 8, "temperature": 0.9, "seed": 1234,
+            "ignore_eos": True, "logprobs": 2, "echo": True}
+    answers = []
+    for worker in (workers["llama-4q-2kv-biases"], workers["single"]):
+        response = httpx.post(worker.url + "/v1/completions", json={**body, "model": worker_model(worker)}, timeout=60)
+        assert response.status_code == 200, response.text
+        answers.append(response.json()["choices"][0]["logprobs"])
+    split, whole = answers
+    assert split["tokens"] == whole["tokens"] and len(split["tokens"]) == 17 + 8
+    assert split["token_logprobs"][0] is None and whole["token_logprobs"][0] is None
+    assert split["token_logprobs"][1:] == pytest.approx(whole["token_logprobs"][1:], abs=1e-4)
+    assert [sorted(top) for top in split["top_logprobs"][1:]] == [sorted(top) for top in whole["top_logprobs"][1:]]
 
 
 def test_ranks_started_as_separate_commands_serve_the_same_answers(tp2_workers, tmp_path):

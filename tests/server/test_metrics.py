@@ -7,7 +7,7 @@ import re
 from pdserve.metrics import Metrics, create_metrics
 
 NAME_PATTERN = re.compile(r"^pdserve_(request|scheduler|kv|engine|transfer)_[a-z0-9_]+$")
-UNIT_SUFFIXES = ("_seconds", "_ratio", "_requests", "_total", "_blocks", "_bytes_per_second")
+UNIT_SUFFIXES = ("_seconds", "_ratio", "_requests", "_total", "_blocks", "_bytes_per_second", "_ranks")
 
 
 def declared_types(metrics: Metrics) -> dict[str, str]:

@@ -33,7 +33,8 @@ class InProcessLink:
     def has_queued(self) -> bool:
         return bool(self.queued)
 
-    def send(self, step: Any = None, decode_step: bool = False, want_report: bool = False) -> list[Any]:
+    def send(self, step: Any = None, decode_step: bool = False, logit_rows: tuple = (),
+             want_report: bool = False) -> list[Any]:
         commands, self.queued = tuple(self.queued), []
         self.messages += 1
         for follower in self.followers:
