@@ -3,7 +3,8 @@
 Read in this order: `cli` (`pdserve serve|prefill|decode|proxy|up`), `worker`
 (one worker process: config -> metrics, engine, app -> uvicorn), `drain`
 (SIGTERM: finish what is in flight, then exit), `local_cluster` (`pdserve up`:
-prefill, decode and proxy as child processes).
+prefill, decode and proxy as child processes), `ranks` (a tensor-parallel
+worker's other ranks on this host).
 
 May import: anything, the proxy included. Nothing imports this package.
 """

@@ -9,8 +9,10 @@ every request-state change and block allocation), `emitter` and `outputs`
 of the pool tensor and the model), `paged_attention`, `decode_step`,
 `decode_attention` and `fused_layer` (decode-only steps), `sampler`,
 `logits_processors`, `prompt_logprobs`, `grammar_matchers` (llguidance masks
-computed beside the forward pass). Assembly: `memory_budget`, `factory`.
+computed beside the forward pass). Assembly: `devices`, `memory_budget`,
+`factory`. Tensor parallelism: `tensor_parallel` (rank 0's runner, the other
+ranks' loop).
 
-May import: api, kv, transfer, request, pd, models, kernels, grammar, metrics.
+May import: api, kv, transfer, request, pd, models, kernels, grammar, metrics, parallel.
 Never imports server or app.
 """

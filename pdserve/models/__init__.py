@@ -6,7 +6,8 @@ built from `layers`, `rope` and `weight_targets`), `loader` (a servable model
 from a path) with `weights`, `weight_loader` and `quant/` (float or
 block-quantized layers), `hf_config`, the GGUF reader (`gguf_reader`,
 `gguf_file`, `gguf_tokenizer`), and `tokenizer` (text <-> ids, streaming
-detokenization; its chat template renders through `pdserve.api.chat_template`).
+detokenization; its chat template renders through `pdserve.api.chat_template`),
+and `tensor_parallel` (one rank's shard of a model).
 
 May import: api, kv (layer specs), kernels. Never imports engine, server or app.
 """
