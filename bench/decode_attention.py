@@ -2,11 +2,14 @@
 over 3 KV heads of 64, block size 16) for one query row at several context lengths, each call on
 a different layer slot of one 30-layer pool, as a decode step walks them (so the keys come from
 memory, not cache). The library is cached per source, so comparing two kernels means running
-this on two checkouts one after the other:
+this on two checkouts one after the other; the two page layouts are compared side by side in one
+run: `token` (the pages of P/D protocol 2: tokens outer, heads inner) and `head` (today's, heads
+outermost: pdserve/kv/layout.py), the same kernel reading both through strided views:
 
     python3 bench/decode_attention.py [--keys 200 400 1000 2000] [--out bench/results/decode_attention.json]
 
-Prints microseconds per call, and the same less a one-key call (the Python and dispatch cost).
+Prints microseconds per call per layout, the head layout's time over the token layout's, and the
+same less a one-key call (the Python and dispatch cost).
 """
 
 from __future__ import annotations
@@ -22,18 +25,32 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._timing import median_ms  # noqa: E402
 from pdserve.kernels.native import cpu_kernels_error, ops  # noqa: E402
+from pdserve.kv.layout import KVPoolLayout  # noqa: E402
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, HEADS = 30, 16, 3, 64, 9
 
 
-def microseconds_per_call(keys: int, rounds: int) -> float:
+LAYOUTS = ("token", "head")
+
+
+def layer_caches(layout: str, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's (k_cache, v_cache) views [blocks, block_size, kv_heads, head_dim] of one pool."""
+    if layout == "token":  # [block, layer, K/V, token, head, dim]
+        pool = torch.randn(num_blocks, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        return [(pool[:, layer, 0], pool[:, layer, 1]) for layer in range(LAYERS)]
+    geometry = KVPoolLayout(num_blocks, LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, torch.float32)
+    pool = geometry.allocate("cpu")
+    pool.copy_(torch.randn(geometry.shape))
+    return [geometry.layer_view(pool, layer) for layer in range(LAYERS)]
+
+
+def microseconds_per_call(keys: int, rounds: int, layout: str = "head") -> float:
     num_blocks = keys // BLOCK_SIZE + 2
-    pool = torch.randn(num_blocks, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    slots = layer_caches(layout, num_blocks)
     table = torch.arange(1, num_blocks, dtype=torch.int32)[None, :]
     q = torch.randn(1, HEADS, HEAD_DIM)
     start, end = torch.tensor([0], dtype=torch.int32), torch.tensor([keys], dtype=torch.int32)
     k_new, v_new = torch.randn(1, KV_HEADS, HEAD_DIM), torch.randn(1, KV_HEADS, HEAD_DIM)
-    slots = [(pool[:, layer, 0], pool[:, layer, 1]) for layer in range(LAYERS)]
     attend = ops().paged_decode_attention
 
     def every_layer() -> None:
@@ -53,11 +70,15 @@ def main() -> None:
         raise SystemExit(f"native kernels unavailable: {cpu_kernels_error()}")
     torch.manual_seed(0)
     overhead = microseconds_per_call(1, args.rounds)
-    results = {keys: microseconds_per_call(keys, args.rounds) for keys in args.keys}
-    print(f"| keys | us per call (median of {args.rounds}) | less a one-key call ({overhead:.1f} us) |")
-    print("|---:|---:|---:|")
+    # Each context length measures both layouts back to back, so drift on a noisy machine hits both.
+    results = {keys: {layout: microseconds_per_call(keys, args.rounds, layout) for layout in LAYOUTS}
+               for keys in args.keys}
+    print(f"| keys | token layout, us per call | head layout, us per call | head / token "
+          f"| head less a one-key call ({overhead:.1f} us) |")
+    print("|---:|---:|---:|---:|---:|")
     for keys, value in results.items():
-        print(f"| {keys} | {value:.1f} | {value - overhead:.1f} |")
+        print(f"| {keys} | {value['token']:.1f} | {value['head']:.1f} | {value['head'] / value['token']:.2f} "
+              f"| {value['head'] - overhead:.1f} |")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "one_key_us": overhead, "us_per_call": results}, f, indent=2)

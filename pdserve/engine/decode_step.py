@@ -180,8 +180,9 @@ class DecodeStep:
         real = step.num_rows
         for (slots, layer_ids), block_ids in zip(self.group_slots, step.write_block_ids):
             blocks, offsets = block_ids[:, None], step.write_offsets[:, None]
-            self.pool[blocks, slots[None, :], 0, offsets] = torch.stack([keys[i][:real] for i in layer_ids], dim=1)
-            self.pool[blocks, slots[None, :], 1, offsets] = torch.stack([values[i][:real] for i in layer_ids], dim=1)
+            # pool[block, :, slot, kv, offset] is [rows, layers, kv_heads, head_dim] (the indexed dims lead).
+            self.pool[blocks, :, slots[None, :], 0, offsets] = torch.stack([keys[i][:real] for i in layer_ids], dim=1)
+            self.pool[blocks, :, slots[None, :], 1, offsets] = torch.stack([values[i][:real] for i in layer_ids], dim=1)
 
     def warm_up(self, max_rows: int) -> Optional[float]:
         """Compile the layer step for one row and for any number of rows (both with any table

@@ -1,9 +1,11 @@
 """Tensor layout of the paged KV pool; the only module of `kv/` that imports torch.
 
 Invariant: block b is one contiguous page of `page_bytes` bytes at byte offset
-b * page_bytes, holding K and V of every layer slot of the group that owns it.
+b * page_bytes, holding K and V of every layer slot of the group that owns it,
+heads outermost: one KV head's share of a block (all its layers, K and V) is
+one contiguous slab, so any range of heads is one contiguous range of a page.
 
-    pool: [num_blocks, G, 2, block_size, num_kv_heads, head_dim]  (contiguous)
+    pool: [num_blocks, num_kv_heads, G, 2, block_size, head_dim]  (contiguous)
 
     byte 0        page_bytes    2*page_bytes              b*page_bytes
     +-------------+-------------+-------------+-----+-------------+-----+
@@ -11,32 +13,38 @@ b * page_bytes, holding K and V of every layer slot of the group that owns it.
     | (null page) |             |             |     |             |     |
     +-------------+-------------+-------------+-----+------+------+-----+
                                                            |
-       one page (G slots; slot s holds layer group.layer_ids[s])
+       one page: num_kv_heads head slabs
        +------------------+------------------+-----+------------------+
-       | slot 0           | slot 1           | ... | slot G-1         |
+       | head 0           | head 1           | ... | head H-1         |
        +------------------+------------------+-----+------------------+
-       0                  slot_bytes                  (G-1)*slot_bytes
+       0                  slab_bytes                  (H-1)*slab_bytes
          |
-         +-> one slot:  +--------------------+--------------------+
-                        | K                  | V                  |
-                        +--------------------+--------------------+
-                        0                    kv_bytes
-                          |
-                          +-> K (or V): block_size tokens, token t at t*token_bytes
-                              +---------+---------+-----+----------------+
-                              | token 0 | token 1 | ... | token bs-1     |
-                              +---------+---------+-----+----------------+
+         +-> one head slab: G slots (slot s holds layer group.layer_ids[s])
+             +------------------+------------------+-----+------------------+
+             | slot 0           | slot 1           | ... | slot G-1         |
+             +------------------+------------------+-----+------------------+
+               |
+               +-> one slot:  +--------------------+--------------------+
+                              | K                  | V                  |
+                              +--------------------+--------------------+
                                 |
-                                +-> one token: num_kv_heads heads of head_dim
-                                    elements, head h at h*head_bytes
+                                +-> K (or V): block_size tokens of head_dim elements,
+                                    token t at t*head_bytes (a head's keys are contiguous)
 
     head_bytes  = head_dim * element_bytes
-    token_bytes = num_kv_heads * head_bytes
-    kv_bytes    = block_size * token_bytes
+    kv_bytes    = block_size * head_bytes          (one head, one layer, K or V)
     slot_bytes  = 2 * kv_bytes
-    page_bytes  = G * slot_bytes
+    slab_bytes  = G * slot_bytes                   (one head, every layer of the group)
+    page_bytes  = num_kv_heads * slab_bytes
 
-    offset(b, s, kv, t, h) = b*page_bytes + s*slot_bytes + kv*kv_bytes + t*token_bytes + h*head_bytes
+    offset(b, h, s, kv, t) = b*page_bytes + h*slab_bytes + s*slot_bytes + kv*kv_bytes + t*head_bytes
+
+Why heads outermost: a tensor-parallel rank holds a range of KV heads, and with
+heads outermost its share of a block is one contiguous range whatever the
+number of layers, so a decode rank pulls its heads of a remote block as one
+descriptor per (block, remote rank) even when P and D split the heads
+differently. Within a slab a head's keys for the block's tokens are contiguous,
+which is how the attention kernels walk them.
 
 Why one page per block: the pool is registered with NIXL once, as the int8
 canonical view [num_blocks, page_bytes] (one memory region), and moving a block
@@ -116,16 +124,21 @@ class KVPoolLayout:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of K (or of V) of one layer slot of one block."""
-        return self.block_size * self.num_kv_heads * self.head_dim * self.element_bytes
+        """Bytes of K (or of V) of one head of one layer slot of one block."""
+        return self.block_size * self.head_dim * self.element_bytes
 
     @property
     def slot_bytes(self) -> int:
         return 2 * self.kv_bytes
 
     @property
-    def page_bytes(self) -> int:
+    def slab_bytes(self) -> int:
+        """Bytes of one KV head's share of a page (every slot, K and V)."""
         return self.group_size * self.slot_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_kv_heads * self.slab_bytes
 
     @property
     def pool_bytes(self) -> int:
@@ -133,14 +146,19 @@ class KVPoolLayout:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        return (self.num_blocks, self.group_size, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_blocks, self.num_kv_heads, self.group_size, 2, self.block_size, self.head_dim)
 
     def byte_offset(self, block_id: int, slot: int, kv: int, token: int, head: int = 0) -> int:
         """Byte offset of one head vector inside the pool (the diagram's formula)."""
         head_bytes = self.head_dim * self.element_bytes
-        token_bytes = self.num_kv_heads * head_bytes
-        return (block_id * self.page_bytes + slot * self.slot_bytes + kv * self.kv_bytes
-                + token * token_bytes + head * head_bytes)
+        return (block_id * self.page_bytes + head * self.slab_bytes + slot * self.slot_bytes + kv * self.kv_bytes
+                + token * head_bytes)
+
+    def head_range_bytes(self, first_head: int, num_heads: int) -> tuple[int, int]:
+        """(offset inside a page, length) of heads [first_head, first_head + num_heads): one range."""
+        if first_head < 0 or num_heads < 1 or first_head + num_heads > self.num_kv_heads:
+            raise ValueError(f"heads {first_head}..{first_head + num_heads - 1} outside 0..{self.num_kv_heads - 1}")
+        return first_head * self.slab_bytes, num_heads * self.slab_bytes
 
     def allocate(self, device: torch.device | str) -> torch.Tensor:
         # Zeros, not empty: the null page is read under masks, and garbage NaNs
@@ -151,11 +169,12 @@ class KVPoolLayout:
 
     def layer_view(self, pool: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer slot, each a strided view
-        [num_blocks, block_size, num_kv_heads, head_dim] indexed by block id."""
+        [num_blocks, block_size, num_kv_heads, head_dim] indexed by block id (head_dim contiguous,
+        tokens head_dim apart, heads a slab apart)."""
         self._check_pool(pool)
         if not 0 <= slot < self.group_size:
             raise ValueError(f"slot {slot} outside 0..{self.group_size - 1}")
-        return pool[:, slot, 0], pool[:, slot, 1]
+        return pool[:, :, slot, 0].transpose(1, 2), pool[:, :, slot, 1].transpose(1, 2)
 
     def canonical_view(self, pool: torch.Tensor) -> torch.Tensor:
         """int8 [num_blocks, page_bytes] over the same storage (no copy): the

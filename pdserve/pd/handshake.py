@@ -47,7 +47,7 @@ def compatibility_hash(model_fingerprint: str, dtype: str, num_kv_heads: int, he
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
         "block_size": block_size,
-        "layout": "block,group_slot,kv,token,head,dim",
+        "layout": "block,head,group_slot,kv,token,dim",
         "group_size": plan.group_size,
         "groups": [g.model_dump() for g in groups_to_wire(plan)],
     }

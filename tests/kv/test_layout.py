@@ -16,7 +16,7 @@ def test_page_bytes_is_group_times_kv_times_tokens_times_heads_times_dim_times_e
     layout = small_layout(torch.bfloat16)
     assert layout.page_bytes == 3 * 2 * 4 * 2 * 8 * 2 == 768
     assert layout.page_bytes == page_bytes_for(3, 4, 2, 8, torch.bfloat16)
-    assert layout.shape == (5, 3, 2, 4, 2, 8)
+    assert layout.shape == (5, 2, 3, 2, 4, 8)  # blocks, heads, slots, K/V, tokens, dim
     assert layout.pool_bytes == 5 * 768
     assert small_layout(torch.float32).page_bytes == 2 * layout.page_bytes
 
@@ -48,7 +48,7 @@ def test_copying_one_canonical_row_moves_a_whole_block_between_pools():
     assert torch.equal(dst[4], src[1])
 
 
-def test_byte_offsets_follow_block_slot_kv_token_head_order():
+def test_byte_offsets_follow_block_head_slot_kv_token_order():
     layout = small_layout(torch.float32)
     pool = layout.allocate("cpu")
     k_cache, v_cache = layout.layer_view(pool, slot=2)
@@ -57,6 +57,22 @@ def test_byte_offsets_follow_block_slot_kv_token_head_order():
     raw = layout.canonical_view(pool).flatten()[offset : offset + 4 * layout.head_dim]
     assert torch.equal(raw.view(torch.float32), torch.full((layout.head_dim,), 7.0))
     assert layout.byte_offset(1, 0, 0, 0) == layout.page_bytes
+    assert layout.byte_offset(0, 0, 0, 0, head=1) == layout.slab_bytes == layout.page_bytes // 2
+
+
+def test_a_range_of_heads_is_one_contiguous_range_of_every_page_across_all_layers():
+    layout = KVPoolLayout(num_blocks=3, group_size=3, block_size=4, num_kv_heads=4, head_dim=8, dtype=torch.float32)
+    pool = layout.allocate("cpu")
+    for slot in range(layout.group_size):  # heads 1 and 2 of block 2, every layer, K and V
+        k_cache, v_cache = layout.layer_view(pool, slot)
+        k_cache[2, :, 1:3].fill_(1.0)
+        v_cache[2, :, 1:3].fill_(1.0)
+    offset, length = layout.head_range_bytes(1, 2)
+    page = layout.canonical_view(pool)[2].view(torch.float32)
+    start, stop = offset // 4, (offset + length) // 4
+    assert torch.all(page[start:stop] == 1.0) and torch.count_nonzero(page) == stop - start
+    with pytest.raises(ValueError):
+        layout.head_range_bytes(3, 2)
 
 
 def test_layer_views_alias_their_slot_of_every_block():
@@ -66,8 +82,8 @@ def test_layer_views_alias_their_slot_of_every_block():
     assert tuple(k_cache.shape) == tuple(v_cache.shape) == (5, 4, 2, 8)
     k_cache[2, 3].fill_(1.0)
     v_cache[2, 3].fill_(2.0)
-    assert torch.all(pool[2, 1, 0, 3] == 1.0) and torch.all(pool[2, 1, 1, 3] == 2.0)
-    assert torch.count_nonzero(pool[:, 0]) == 0 and torch.count_nonzero(pool[:, 2]) == 0
+    assert torch.all(pool[2, :, 1, 0, 3] == 1.0) and torch.all(pool[2, :, 1, 1, 3] == 2.0)
+    assert torch.count_nonzero(pool[:, :, 0]) == 0 and torch.count_nonzero(pool[:, :, 2]) == 0
     with pytest.raises(ValueError):
         layout.layer_view(pool, slot=3)
 
