@@ -1,0 +1,468 @@
+"""Tensor-parallel decode benchmark: one random-weight Llama checkpoint served by
+`pdserve serve -tp N` for each N in --sizes, side by side in one run, with each size's
+decode tokens/s as a ratio of TP=1's (the ratio is the figure to read: machines are noisy).
+
+    python3 bench/tensor_parallel.py [--sizes 1,2,3] [--num-layers 12] [--num-threads 2] \\
+        [--max-tokens 96] [--repeats 3] [--streams 4] [--wait-for-idle-s 0] [--out bench-tensor-parallel.json]
+
+Per size: start the worker (every size gets the same --num-threads, shared out over its
+ranks), wait until it answers a completion, send one warm-up request, then measure
+(a) batch 1: one streamed request at a time, decode tokens/s = tokens after the first chunk /
+(last chunk - first chunk), the median over --repeats requests; (b) --streams streams sent at
+once: tokens after each stream's first chunk, summed, over the span from the earliest first
+chunk to the latest last chunk. Prints a table and writes JSON (--out).
+
+Invariant: one worker at a time, stopped (all its ranks) before the next starts, also on
+Ctrl-C or an error; every size sees the same prompts and output lengths; a size that failed
+shows up as a row with its reason, never as zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import random
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as a script: make `bench` and `tests` importable
+    sys.path.insert(0, REPO_ROOT)
+
+import httpx  # noqa: E402
+
+from bench.serving.client import Endpoint, RequestRecord, run_load  # noqa: E402
+from bench.serving.launch import LaunchError, ServerProcess, free_port  # noqa: E402
+from bench.serving.machine import wait_for_idle  # noqa: E402
+from bench._cpu import CpuMeter  # noqa: E402
+from bench.serving.workload import SyntheticRequest  # noqa: E402
+
+logger = logging.getLogger("bench.tensor_parallel")
+
+_READY_TIMEOUT_S = 300.0  # N ranks import torch and load their shards on the same few cores
+_NUM_BLOCKS = 512
+_PROMPT_TOKENS = 32
+_WARMUP_TOKENS = 16
+_NOISY_FOREIGN_FRACTION = 0.10
+_FIRST_TOKEN_ID = 3  # ids 0-2 are the word tokenizer's <unk>, <eos> and <bos>
+_EXCEPTION = re.compile(r"\b[A-Z]\w*(?:Error|Exception): ")  # the last one in a log tail names the failure
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """A Llama whose query and KV head counts divide by 1, 2 and 3 (SmolLM2's 9/3 heads do not split in 2)."""
+
+    num_layers: int = 12
+    hidden_size: int = 576
+    num_heads: int = 12
+    num_kv_heads: int = 6
+    head_dim: int = 48
+    intermediate_size: int = 1536
+    vocab_size: int = 8192
+    max_position_embeddings: int = 2048
+
+    def num_params(self) -> int:
+        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        norms = 2 * self.hidden_size
+        return self.num_layers * (attention + mlp + norms) + 2 * self.vocab_size * self.hidden_size + self.hidden_size
+
+
+@dataclass(slots=True)
+class SizeResult:
+    """One TP size: its batch-1 runs and its concurrent-streams run, or why it could not run."""
+
+    tp_size: int
+    threads_per_rank: int
+    batch1_runs_tokens_per_s: list[float] = field(default_factory=list)
+    streams_tokens_per_s: Optional[float] = None
+    streams_output_tokens: int = 0
+    foreign_cpu_fraction: Optional[float] = None  # share of all cores other processes used while measuring
+    machine_idle_before: Optional[bool] = None  # --wait-for-idle-s saw the machine go idle (None: not asked)
+    error: Optional[str] = None
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tp_size
+
+    @property
+    def batch1_tokens_per_s(self) -> Optional[float]:
+        return None if self.error is not None else median(self.batch1_runs_tokens_per_s)
+
+
+# --- pure parts: no server -----------------------------------------------------------------------
+
+def parse_sizes(text: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3]; each a positive integer, none twice."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--sizes must be comma-separated integers, got {text!r}") from None
+    if not sizes:
+        raise ValueError("--sizes is empty")
+    if any(size < 1 for size in sizes):
+        raise ValueError(f"TP sizes must be at least 1, got {text!r}")
+    if len(set(sizes)) != len(sizes):
+        raise ValueError(f"TP sizes repeat in {text!r}")
+    return sizes
+
+
+def check_divisible(shape: ModelShape, sizes: Sequence[int]) -> None:
+    """Megatron sharding splits query and KV heads over the ranks: both counts must divide by every size."""
+    bad = [size for size in sizes if shape.num_heads % size or shape.num_kv_heads % size]
+    if bad:
+        raise ValueError(f"{shape.num_heads} query / {shape.num_kv_heads} KV heads do not divide by TP size(s) {bad}")
+
+
+def threads_per_rank(num_threads: int, tp_size: int) -> int:
+    """What each rank gets of the worker's --num-threads (pdserve.engine.devices.rank_threads)."""
+    return max(1, num_threads // tp_size)
+
+
+def median(values: Sequence[float]) -> Optional[float]:
+    """The median; None for no values."""
+    return statistics.median(values) if values else None
+
+
+def decode_tokens_per_s(chunk_times_s: Sequence[float], chunk_num_tokens: Sequence[int]) -> Optional[float]:
+    """Tokens after the first chunk over the time from the first chunk to the last; None with
+    fewer than two chunks or no time between them (the first chunk holds prefill, not decode)."""
+    if len(chunk_times_s) != len(chunk_num_tokens):
+        raise ValueError("one token count per chunk time expected")
+    if len(chunk_times_s) < 2:
+        return None
+    span_s = chunk_times_s[-1] - chunk_times_s[0]
+    if span_s <= 0:
+        return None
+    return sum(chunk_num_tokens[1:]) / span_s
+
+
+def aggregate_decode_tokens_per_s(streams: Sequence[tuple[Sequence[float], Sequence[int]]]) -> Optional[float]:
+    """Concurrent streams, each (chunk times, tokens per chunk): the tokens after each stream's first
+    chunk, summed, over the wall span from the earliest first chunk to the latest last chunk."""
+    streams = [(times, counts) for times, counts in streams if len(times)]
+    if not streams:
+        return None
+    if any(len(times) != len(counts) for times, counts in streams):
+        raise ValueError("one token count per chunk time expected")
+    decoded = sum(sum(counts[1:]) for _, counts in streams)
+    span_s = max(times[-1] for times, _ in streams) - min(times[0] for times, _ in streams)
+    if decoded == 0 or span_s <= 0:
+        return None
+    return decoded / span_s
+
+
+def ratio(value: Optional[float], baseline: Optional[float]) -> Optional[float]:
+    """value / baseline; None when either is missing or the baseline is not positive."""
+    if value is None or baseline is None or baseline <= 0:
+        return None
+    return value / baseline
+
+
+def baseline(results: Sequence[SizeResult]) -> Optional[SizeResult]:
+    """The TP=1 result the ratios divide by; None when TP=1 was not run or failed."""
+    return next((r for r in results if r.tp_size == 1 and r.error is None), None)
+
+
+def ratios(results: Sequence[SizeResult]) -> dict[int, dict[str, Optional[float]]]:
+    """Per TP size: batch-1 and streams tokens/s as a ratio of TP=1's."""
+    base = baseline(results)
+    base_batch1 = base.batch1_tokens_per_s if base else None
+    base_streams = base.streams_tokens_per_s if base else None
+    return {r.tp_size: {"batch1": ratio(r.batch1_tokens_per_s, base_batch1),
+                        "streams": ratio(r.streams_tokens_per_s if r.error is None else None, base_streams)}
+            for r in results}
+
+
+def _rate(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _times(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def short_error(text: str, limit: int = 160) -> str:
+    """One line for a table cell: from the last `SomethingError: ...` in a log tail if there is one."""
+    text = " ".join(text.split())
+    matches = list(_EXCEPTION.finditer(text))
+    if matches:
+        text = text[matches[-1].start():]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _percent(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def format_table(results: Sequence[SizeResult], num_streams: int) -> str:
+    """Markdown table, one row per TP size; also fine on a terminal. `other CPU`: the share of all
+    cores that processes other than the bench and the worker took while the size was measured."""
+    lines = [f"| TP size | ranks | threads per rank | batch-1 decode tok/s | ratio vs TP=1 | {num_streams}-stream tok/s "
+             "| ratio vs TP=1 | other CPU |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    by_size = ratios(results)
+    for r in results:
+        prefix = f"| {r.tp_size} | {r.num_ranks} | {r.threads_per_rank} "
+        if r.error is not None:
+            lines.append(prefix + f"| failed: {short_error(r.error)} | - | - | - | - |")
+            continue
+        lines.append(prefix + f"| {_rate(r.batch1_tokens_per_s)} | {_times(by_size[r.tp_size]['batch1'])} "
+                              f"| {_rate(r.streams_tokens_per_s)} | {_times(by_size[r.tp_size]['streams'])} "
+                              f"| {_percent(r.foreign_cpu_fraction)} |")
+    return "\n".join(lines)
+
+
+def report_dict(command: str, config: dict, machine: dict, results: Sequence[SizeResult]) -> dict:
+    by_size = ratios(results)
+    sizes = []
+    for r in results:
+        row = asdict(r)
+        row.update(num_ranks=r.num_ranks, batch1_tokens_per_s=r.batch1_tokens_per_s,
+                   batch1_ratio_vs_tp1=by_size[r.tp_size]["batch1"],
+                   streams_ratio_vs_tp1=by_size[r.tp_size]["streams"])
+        sizes.append(row)
+    return {"command": command, "config": config, "machine": machine, "sizes": sizes}
+
+
+def write_json(path: str, report: dict) -> None:
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+
+
+def prompts(num_prompts: int, vocab_size: int, seed: int, length: int = _PROMPT_TOKENS) -> list[tuple[int, ...]]:
+    """Random token ids in [3, vocab): past the tokenizer's special tokens, inside the model's vocabulary."""
+    rng = random.Random(seed)
+    return [tuple(rng.randrange(_FIRST_TOKEN_ID, vocab_size) for _ in range(length)) for _ in range(num_prompts)]
+
+
+# --- the run: checkpoint, workers, requests ------------------------------------------------------
+
+def build_checkpoint(directory: str, shape: ModelShape, seed: int) -> str:
+    """A random-weight Llama in the HF layout (safetensors + a word-level tokenizer)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.models.hf_oracle import write_word_tokenizer
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim, intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+        vocab_size=shape.vocab_size, max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=False, bos_token_id=2, eos_token_id=1,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    write_word_tokenizer(directory, shape.vocab_size)
+    return directory
+
+
+def worker_argv(model_dir: str, port: int, tp_size: int, num_threads: int, num_blocks: int) -> list[str]:
+    return [sys.executable, "-m", "pdserve.app.cli", "serve", "--model", model_dir, "-tp", str(tp_size),
+            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
+            "--num-threads", str(num_threads), "--num-blocks", str(num_blocks), "--log-level", "warning"]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def stop_worker(server: ServerProcess) -> None:
+    """Stops rank 0 (it stops its ranks), then kills any rank it left behind: ServerProcess.stop only
+    reaps leftovers started as `pdserve.app.cli`, and local ranks run as `pdserve.app.ranks`."""
+    descendants = [pid for pid in server.pids() if pid != (server.process.pid if server.process else None)]
+    server.stop()
+    deadline_s = time.monotonic() + 10.0
+    for pid in descendants:
+        while b"pdserve" in _cmdline(pid) and time.monotonic() < deadline_s:
+            time.sleep(0.2)
+        if b"pdserve" in _cmdline(pid):  # still one of ours (pids get reused)
+            logger.warning("rank pid %d outlived its worker; killing it", pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def served_model_id(base_url: str) -> str:
+    reply = httpx.get(f"{base_url}/v1/models", timeout=30.0)
+    reply.raise_for_status()
+    return reply.json()["data"][0]["id"]
+
+
+def _check(records: Sequence[RequestRecord], max_tokens: int) -> None:
+    for record in records:
+        if not record.ok:
+            raise RuntimeError(f"request {record.index} failed: {record.error}")
+        if record.num_output_tokens != max_tokens:
+            raise RuntimeError(f"request {record.index} got {record.num_output_tokens} tokens, asked {max_tokens}")
+
+
+def measure_worker(endpoint: Endpoint, args: argparse.Namespace, result: SizeResult) -> None:
+    """Warm-up, batch-1 runs, then the concurrent streams, into `result`."""
+    batch1_prompts = prompts(args.repeats, args.shape.vocab_size, args.seed)
+    stream_prompts = prompts(args.streams, args.shape.vocab_size, args.seed + 1)
+    warm = prompts(1, args.shape.vocab_size, args.seed + 2)[0]
+    _check(run_load(endpoint, [SyntheticRequest(-1, "warmup", warm, _WARMUP_TOKENS, 0.0)]).records, _WARMUP_TOKENS)
+    for index, prompt in enumerate(batch1_prompts):
+        record = run_load(endpoint, [SyntheticRequest(index, "batch1", prompt, args.max_tokens, 0.0)]).records[0]
+        _check([record], args.max_tokens)
+        tokens_per_s = decode_tokens_per_s(record.chunk_times_s, record.chunk_num_tokens)
+        if tokens_per_s is None:
+            raise RuntimeError(f"batch-1 request {index}: fewer than two timed chunks")
+        result.batch1_runs_tokens_per_s.append(tokens_per_s)
+        logger.info("TP=%d batch 1, run %d: %.1f decode tok/s", result.tp_size, index + 1, tokens_per_s)
+    requests = [SyntheticRequest(i, "streams", p, args.max_tokens, 0.0) for i, p in enumerate(stream_prompts)]
+    records = run_load(endpoint, requests).records
+    _check(records, args.max_tokens)
+    result.streams_tokens_per_s = aggregate_decode_tokens_per_s(
+        [(r.chunk_times_s, r.chunk_num_tokens) for r in records])
+    result.streams_output_tokens = sum(r.num_output_tokens for r in records)
+    logger.info("TP=%d %d streams: %s decode tok/s", result.tp_size, args.streams, _rate(result.streams_tokens_per_s))
+
+
+def run_size(model_dir: str, tp_size: int, args: argparse.Namespace) -> SizeResult:
+    result = SizeResult(tp_size, threads_per_rank(args.num_threads, tp_size))
+    port = free_port()
+    server = ServerProcess(f"pdserve serve -tp {tp_size}",
+                           worker_argv(model_dir, port, tp_size, args.num_threads, args.num_blocks), port,
+                           os.path.join(args.log_dir, f"tp{tp_size}.log"))
+    try:
+        if args.wait_for_idle_s > 0:
+            result.machine_idle_before = wait_for_idle(args.wait_for_idle_s)
+        server.start()
+        server.wait_ready(_READY_TIMEOUT_S)
+        endpoint = Endpoint(server.base_url, served_model_id(server.base_url), with_logprobs=True)
+        meter = CpuMeter(server.pids())  # rank 0 and its ranks, once all of them are up
+        meter.start()
+        measure_worker(endpoint, args, result)
+        result.foreign_cpu_fraction = meter.foreign_fraction()
+        if (result.foreign_cpu_fraction or 0.0) > _NOISY_FOREIGN_FRACTION:
+            logger.warning("TP=%d: other processes used %.0f%% of the CPUs meanwhile; its figures are not clean",
+                           tp_size, result.foreign_cpu_fraction * 100)
+    except (LaunchError, RuntimeError, httpx.HTTPError, KeyError, IndexError) as exc:
+        result.error = " ".join(str(exc).split())[-1000:]
+        logger.error("TP=%d failed: %s\nlog tail (%s):\n%s", tp_size, exc, server.log_path,
+                     server.log_tail(3000) if server.process else "")
+    finally:
+        stop_worker(server)
+    return result
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def git_commit() -> Optional[str]:
+    out = _git("rev-parse", "HEAD")
+    return out.strip() if out else None
+
+
+def uncommitted_paths() -> Optional[list[str]]:
+    """Tracked files that differ from the commit: the workers ran the working tree, not the commit alone."""
+    out = _git("status", "--porcelain", "--untracked-files=no")
+    return None if out is None else [line[3:] for line in out.splitlines() if line.strip()]
+
+
+def machine_dict() -> dict:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu_count": os.cpu_count(), "usable_cores": usable, "platform": platform.platform(),
+            "python": platform.python_version(), "commit": git_commit(),
+            "uncommitted_changes": uncommitted_paths()}
+
+
+def config_dict(args: argparse.Namespace) -> dict:
+    return {"sizes": args.sizes, "num_threads": args.num_threads, "max_tokens": args.max_tokens,
+            "repeats": args.repeats, "streams": args.streams, "prompt_tokens": _PROMPT_TOKENS,
+            "warmup_tokens": _WARMUP_TOKENS, "num_blocks": args.num_blocks, "seed": args.seed, "dtype": "float32",
+            "device": "cpu", "model": asdict(args.shape) | {"num_params": args.shape.num_params()},
+            "wait_for_idle_s": args.wait_for_idle_s, "log_dir": args.log_dir}
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1,2,3", help="TP sizes, one worker each, in this order")
+    parser.add_argument("--num-layers", type=int, default=12, help="layers of the random Llama")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads of each worker, shared out over its ranks (default: every usable core)")
+    parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per request (EOS ignored)")
+    parser.add_argument("--repeats", type=int, default=3, help="batch-1 requests per size (the median is reported)")
+    parser.add_argument("--streams", type=int, default=4, help="concurrent streams of the aggregate measurement")
+    parser.add_argument("--num-blocks", type=int, default=_NUM_BLOCKS, help="KV pool of each worker, in blocks")
+    parser.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    parser.add_argument("--wait-for-idle-s", type=float, default=0.0,
+                        help="before each size, wait up to this long for the machine to go idle (0: do not wait)")
+    parser.add_argument("--log-dir", default=None, help="worker logs (default: a temporary directory, kept)")
+    parser.add_argument("--out", default="bench-tensor-parallel.json", help="JSON report path")
+    args = parser.parse_args(argv)
+    try:
+        args.sizes = parse_sizes(args.sizes)
+        args.shape = ModelShape(num_layers=args.num_layers)
+        check_divisible(args.shape, args.sizes)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.num_threads is None:
+        args.num_threads = machine_dict()["usable_cores"] or 1
+    for name in ("num_layers", "num_threads", "repeats", "streams", "num_blocks"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_tokens < 2:
+        parser.error("--max-tokens must be at least 2 (decode starts after the first token)")
+    return args
+
+
+def _raise_on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through the `finally` that stops the worker
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    command = shlex.join(["python3", "bench/tensor_parallel.py", *(argv if argv is not None else sys.argv[1:])])
+    args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-tp-bench-")
+    os.makedirs(args.log_dir, exist_ok=True)
+    started_s = time.monotonic()
+    machine = machine_dict()  # before any worker: the commit and working tree the workers run
+    results: list[SizeResult] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="pdserve-tp-model-") as model_dir:
+            logger.info("building a random Llama: %s (%.1f M params)", args.shape, args.shape.num_params() / 1e6)
+            build_checkpoint(model_dir, args.shape, args.seed)
+            for tp_size in args.sizes:  # one worker at a time: run_size stops it before returning
+                results.append(run_size(model_dir, tp_size, args))
+    except KeyboardInterrupt:  # the worker is already stopped (run_size's finally); no report for half a run
+        logger.warning("interrupted after %d of %d sizes; no report written", len(results), len(args.sizes))
+        return 130
+    print(format_table(results, args.streams))
+    report = report_dict(command, config_dict(args), machine, results)
+    write_json(args.out, report)
+    logger.info("wrote %s; worker logs in %s; done in %.0f s", args.out, args.log_dir, time.monotonic() - started_s)
+    return 0 if all(r.error is None for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
