@@ -105,7 +105,7 @@ class RemotePrefillParams(BaseModel):
     remote_block_ids: list[list[StrictInt]]
     remote_host: StrictStr = Field(min_length=1, max_length=255)
     remote_port: StrictInt = Field(ge=1, le=65535)
-    tp_size: StrictInt = Field(1, ge=1, le=64)  # P's tensor-parallel ranks: D must have as many (issue 20 lifts it)
+    tp_size: StrictInt = Field(1, ge=1, le=64)  # P's tensor-parallel ranks (D's may differ)
     # Our own fields.
     remote_epoch: StrictStr = Field(min_length=1, max_length=64)
     num_prompt_tokens: StrictInt = Field(ge=1)
@@ -194,4 +194,5 @@ class AgentInfo(BaseModel):
     engine_id: str
     epoch: str
     geometry: PoolGeometry
-    transport: dict[str, Any]  # the transport's own peer record (JSON-safe)
+    transport: dict[str, Any]  # the transport's own peer record (JSON-safe): every rank's agent
+    tp_size: int = Field(1, ge=1, le=64)  # tensor-parallel ranks of the worker (pool geometry is one rank's)

@@ -91,14 +91,14 @@ class BuiltEngine:
 
 
 def _fingerprint(model_name: str, spec: ModelSpec) -> str:
-    """What must be equal for two workers to share KV; the heads are one rank's, so the TP size counts."""
-    tensor_parallel = f"|tp={spec.tensor_parallel_size}" if spec.tensor_parallel_size > 1 else ""
-    return f"{model_name}|{spec.architecture}|{spec.num_layers}|{spec.hidden_size}|{spec.vocab_size}{tensor_parallel}"
+    """What must be equal for two workers to share KV (whatever their TP sizes)."""
+    return f"{model_name}|{spec.architecture}|{spec.num_layers}|{spec.hidden_size}|{spec.vocab_size}"
 
 
 def _pool_description(model_name: str, spec: ModelSpec, plan: KVGroupPlan, layout: KVPoolLayout,
                       dtype: torch.dtype) -> PoolDescription:
-    compat_hash = compatibility_hash(_fingerprint(model_name, spec), str(dtype), spec.num_kv_heads, spec.head_dim,
+    # The model's KV heads, not this rank's share: workers of any TP sizes may pair.
+    compat_hash = compatibility_hash(_fingerprint(model_name, spec), str(dtype), spec.total_kv_heads, spec.head_dim,
                                      layout.block_size, plan)
     return PoolDescription(plan, layout.num_blocks, layout.block_size, layout.page_bytes, compat_hash)
 
@@ -127,10 +127,12 @@ def _meet_ranks(config: WorkerConfig, device: torch.device) -> Optional[RankGrou
                      parallel.tp_timeout_s, device, parallel.tp_join_timeout_s)
 
 
-def _ranked(factory: TransportFactory, channel: LeaderChannel, followers: list) -> TransportFactory:
-    """Rank 0's transport: its own slice's, commanding the other ranks' agents too."""
+def _ranked(factory: TransportFactory, channel: Optional[LeaderChannel], followers: list,
+            num_kv_heads: int) -> TransportFactory:
+    """Rank 0's transport (every P/D worker's, TP=1 included): its own slice's, reading each head
+    from the peer rank that holds it, and commanding the other ranks' agents too."""
     def make(pool_view, agent_name: str):  # type: ignore[no-untyped-def]
-        return RankedTransport(factory(pool_view, agent_name), channel, followers)
+        return RankedTransport(factory(pool_view, agent_name), channel, followers, num_kv_heads)
 
     return make
 
@@ -175,9 +177,10 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
         channel = LeaderChannel(ranks)
         runner: ModelRunner = LeaderRunner(loaded.model, plan, layout, device, grammar=grammar, channel=channel)
         follower_transports = (ranks.gather(None) or [None])[1:]
-        transport_factory = _ranked(transport_factory, channel, follower_transports)
+        transport_factory = _ranked(transport_factory, channel, follower_transports, spec.total_kv_heads)
     else:
         runner = ModelRunner(loaded.model, plan, layout, device, compile_decode=compile_decode, grammar=grammar)
+        transport_factory = _ranked(transport_factory, None, [], spec.total_kv_heads)
     runner.warm_up(config.scheduler.max_num_running)
     model_name = config.model.served_name or loaded.name
     pool = _pool_description(model_name, spec, plan, layout, dtype)

@@ -38,7 +38,7 @@ from pdserve.models.registry import TensorParallelRank
 from pdserve.parallel.channel import LeaderChannel, RankMessage, RankSetup, follower_report
 from pdserve.parallel.ranks import RankGroup, RanksLost
 from pdserve.pd.wiring import TransportFactory, nixl_transport
-from pdserve.transfer.ranked_transport import FollowerTransport
+from pdserve.transfer.ranked_transport import FollowerTransport, RankReader
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
                     setup.num_blocks, page_bytes, spec.num_heads, spec.num_kv_heads)
         if setup.with_transport:
             agent = f"{config.transfer.engine_id or config.role}-rank{rank}-{uuid.uuid4().hex[:12]}"
-            transport = FollowerTransport(transport_factory(layout.canonical_view(runner.pool), agent), rank)
+            local = transport_factory(layout.canonical_view(runner.pool), agent)
+            transport = FollowerTransport(RankReader(local, rank, size, spec.total_kv_heads))
         follower_report(group, transport.descriptor() if transport is not None else None)
         return _follow(group, runner, transport)
     except RanksLost as error:

@@ -45,6 +45,12 @@ class ModelSpec:
     layer_specs: tuple[AttentionSpec, ...]  # one per layer
     # Ranks the model is split over; num_heads and num_kv_heads above are then one rank's.
     tensor_parallel_size: int = 1
+    model_kv_heads: int = 0  # the whole model's KV heads when split (0: num_kv_heads, not split)
+
+    @property
+    def total_kv_heads(self) -> int:
+        """KV heads of the whole model, whatever share of them this rank holds."""
+        return self.model_kv_heads or self.num_kv_heads
 
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -86,6 +86,7 @@ def build_model(
             f"model architecture {architecture!r} is not supported (supported: {sorted(registry)})"
         )
     args = entry.parse_config(config)
+    model_kv_heads = args.num_kv_heads
     if parallel is not None and parallel.size > 1:
         shard = shard_for(args, parallel.rank, parallel.size)
         args, weights = sharded_args(args, shard), ShardedWeights(weights, shard)
@@ -95,7 +96,7 @@ def build_model(
     if parallel is not None and parallel.size > 1:
         wrap_row_parallel(model, parallel.all_reduce)
         shard_output_head(model, parallel.rank, parallel.size, parallel.all_gather)
-        model.spec = dataclasses.replace(model.spec, tensor_parallel_size=parallel.size)
+        model.spec = dataclasses.replace(model.spec, tensor_parallel_size=parallel.size, model_kv_heads=model_kv_heads)
     model.eval()
     logger.info("built %s (%s, %d layers) in %s on %s, %d quantized linear layers", architecture,
                 model.spec.architecture, model.spec.num_layers, dtype, device, loader.num_quantized_layers)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from pdserve.kv.head_split import heads_split_problem, rank_kv_heads
 from pdserve.models.hf_config import ModelLoadError
 from pdserve.models.quant.blocks import GROUP_SIZE, PackedWeight
 from pdserve.models.quant.modules import QuantizedLinear
@@ -63,11 +64,11 @@ class TensorParallelShard:
     @property
     def kv_heads_per_rank(self) -> int:
         """KV heads each rank holds: a share, or one replicated head when there are fewer than ranks."""
-        return max(1, self.num_kv_heads // self.size)
+        return rank_kv_heads(self.num_kv_heads, self.size, self.rank)[1]
 
     @property
     def first_kv_head(self) -> int:
-        return self.rank * self.num_kv_heads // self.size
+        return rank_kv_heads(self.num_kv_heads, self.size, self.rank)[0]
 
     def q_rows(self) -> slice:
         return _span(self.rank * self.heads_per_rank * self.head_dim, self.heads_per_rank * self.head_dim)
@@ -91,7 +92,7 @@ def tensor_parallel_problem(size: int, num_heads: int, num_kv_heads: int, interm
     if num_heads % size:
         return (f"--tensor-parallel-size {size} does not divide the model's {num_heads} attention heads "
                 f"(sizes that do: {_divisors(num_heads)})")
-    if num_kv_heads % size and size % num_kv_heads:
+    if heads_split_problem(num_kv_heads, size) is not None:
         return (f"--tensor-parallel-size {size} and the model's {num_kv_heads} KV heads: one must divide the other "
                 f"(KV heads are split when there are more of them than ranks, replicated when fewer)")
     if intermediate_size % size:

@@ -116,9 +116,8 @@ class DecodeAdmission:
     def __init__(self, handshake: HandshakeClient, plan: KVGroupPlan, block_size: int,
                  policy: Literal["recompute", "fail"], connect_peer: ConnectPeer,
                  failures: Optional[PeerFailureMemory] = None, count_failure: Callable[[], None] = lambda: None,
-                 allowed_peers: Optional[PeerAllowList] = None, tp_size: int = 1):
+                 allowed_peers: Optional[PeerAllowList] = None):
         self.count_failure = count_failure
-        self.tp_size = tp_size
         self.allowed_peers = allowed_peers
         self.handshake = handshake
         self.plan = plan
@@ -137,11 +136,7 @@ class DecodeAdmission:
                 f"kv_transfer_params.num_prompt_tokens is {params.num_prompt_tokens} but the prompt has "
                 f"{len(request.prompt_token_ids)} tokens here (different prompt or tokenizer)"
             )
-        if params.tp_size != self.tp_size:
-            raise KVParamsInvalid(
-                f"kv_transfer_params.tp_size is {params.tp_size} but this decode worker has {self.tp_size} "
-                "tensor-parallel ranks; pair workers of the same size"
-            )
+
         if self.allowed_peers is not None:
             self.allowed_peers.check(params.remote_host)  # before any connection to it
         peer_key = f"{params.remote_engine_id}@{params.remote_epoch}"
@@ -152,6 +147,9 @@ class DecodeAdmission:
             agent = await self.handshake.peer_for(params)
         except KVPullFailed as error:
             return self._unreachable(local, error.message, peer_key)
+        if params.tp_size != agent.tp_size:
+            raise KVParamsInvalid(f"kv_transfer_params.tp_size is {params.tp_size} but prefill worker "
+                                  f"{params.remote_engine_id} runs {agent.tp_size} tensor-parallel ranks")
         check_block_ids(params, agent, self.plan, self.block_size)
         try:
             error_text = await self.connect_peer(PeerInfo.from_dict(agent.transport))

@@ -76,6 +76,7 @@ def build_kv_side(config: WorkerConfig, metrics: Metrics, pool: PoolDescription,
         geometry=PoolGeometry(num_blocks=pool.num_blocks, page_bytes=pool.page_bytes, block_size=pool.block_size,
                               group_size=pool.plan.group_size, groups=groups_to_wire(pool.plan)),
         transport=transport.local_peer_info(engine_id, epoch).to_dict(),
+        tp_size=config.parallel.tensor_parallel_size,
     )
     if config.role == "prefill":
         identity = PrefillIdentity(engine_id, epoch, transfer.advertise_host or config.server.host, config.server.port,
@@ -119,5 +120,4 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
     connect = engine_thread_connector(run_on_engine_thread, side.peers.ensure, transfer.connect_timeout_s + 1.0)
     failures = metrics.transfer.failures.labels(policy=transfer.failure_policy)
     return DecodeAdmission(handshake, pool.plan, pool.block_size, transfer.failure_policy, connect,
-                           tp_size=config.parallel.tensor_parallel_size,
                            count_failure=failures.inc, allowed_peers=PeerAllowList.parse(transfer.allowed_peers))

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pdserve.transfer.transport import PeerInfo, TransferError, TransferHandle, TransferState, wait_connected
+from pdserve.transfer.transport import (
+    PeerInfo, TransferError, TransferHandle, TransferState, num_chunks, wait_connected)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class _FakeRead:
     remote_ids: list[int]
     remote_name: str
     notification: bytes
+    chunk_bytes: int
 
 
 class FakeTransport:
@@ -70,6 +72,7 @@ class FakeTransport:
         self._fabric = fabric
         self._peers: dict[str, PeerInfo] = {}
         self._connecting: dict[str, PeerInfo] = {}
+        self._chunk_bytes: dict[str, int] = {}  # peer key -> the unit of reads from it
         self._connect_failures: dict[str, str] = {}
         self._reads: dict[int, _FakeRead] = {}
         self._inbox: collections.deque[bytes] = collections.deque()  # appended by readers' threads
@@ -98,16 +101,21 @@ class FakeTransport:
                         agent_metadata=self.agent_name.encode(), mem_type="DRAM", device_id=0,
                         base_address=0, num_blocks=self.num_blocks, page_bytes=self.page_bytes)
 
-    def begin_connect(self, peer: PeerInfo) -> str:
+    def begin_connect(self, peer: PeerInfo, chunk_bytes: int | None = None) -> str:
         if peer.key in self._peers or peer.key in self._connecting:
             return peer.key
-        if peer.page_bytes != self.page_bytes:
+        if chunk_bytes is None and peer.page_bytes != self.page_bytes:
             raise TransferError(f"peer {peer.key} has pages of {peer.page_bytes} bytes, this pool {self.page_bytes}")
+        chunk = chunk_bytes or self.page_bytes
+        if self.page_bytes % chunk or peer.page_bytes % chunk:
+            raise TransferError(f"chunks of {chunk} bytes divide neither pages of {peer.page_bytes} (peer {peer.key}) "
+                                f"nor of {self.page_bytes} (here)")
         for stale_key in [k for k, p in {**self._peers, **self._connecting}.items()
                           if p.engine_id == peer.engine_id or p.agent_name == peer.agent_name]:
             self.disconnect(stale_key)
         self._connect_failures.pop(peer.key, None)
         self._connecting[peer.key] = peer
+        self._chunk_bytes[peer.key] = chunk
         return peer.key
 
     def poll_connect(self, peer_key: str) -> TransferState:
@@ -142,13 +150,14 @@ class FakeTransport:
         local_ids, remote_ids = list(local_block_ids), list(remote_block_ids)
         if len(local_ids) != len(remote_ids):
             raise ValueError(f"{len(local_ids)} local block ids for {len(remote_ids)} remote ones")
-        _check_range("local", local_ids, self.num_blocks)
-        _check_range("remote", remote_ids, peer.num_blocks)
-        handle = TransferHandle(next(self._handle_ids), peer_key, len(local_ids),
-                                len(local_ids) * self.page_bytes, time.monotonic())
+        chunk = self._chunk_bytes[peer_key]
+        _check_range("local", local_ids, num_chunks(self.page_bytes, chunk, self.num_blocks))
+        _check_range("remote", remote_ids, num_chunks(peer.page_bytes, chunk, peer.num_blocks))
+        handle = TransferHandle(next(self._handle_ids), peer_key, len(local_ids), len(local_ids) * chunk,
+                                time.monotonic())
         if not local_ids:
             return self._finish_empty(handle, notification)
-        self._reads[handle.handle_id] = _FakeRead(local_ids, remote_ids, peer.agent_name, notification)
+        self._reads[handle.handle_id] = _FakeRead(local_ids, remote_ids, peer.agent_name, notification, chunk)
         return handle
 
     def _finish_empty(self, handle: TransferHandle, notification: bytes) -> TransferHandle:
@@ -169,8 +178,9 @@ class FakeTransport:
             handle.state = TransferState.FAILED
             handle.error = "injected failure" if remote is not None else f"peer {read.remote_name} is gone"
             return handle.state
+        local_chunks, remote_chunks = self._view.reshape(-1, read.chunk_bytes), remote._view.reshape(-1, read.chunk_bytes)
         for local_id, remote_id in zip(read.local_ids, read.remote_ids):
-            self._view[local_id] = remote._view[remote_id]
+            local_chunks[local_id] = remote_chunks[remote_id]
         if read.notification:
             remote._inbox.append(read.notification)
         handle.state = TransferState.DONE

@@ -41,7 +41,8 @@ import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
-from pdserve.transfer.transport import PeerInfo, TransferError, TransferHandle, TransferState, wait_connected
+from pdserve.transfer.transport import (
+    PeerInfo, TransferError, TransferHandle, TransferState, num_chunks, wait_connected)
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ _WARM_UP_BYTES = 64
 class _Peer:
     info: PeerInfo
     remote_name: str
-    dlist: Any  # nixl_prepped_dlist_handle over the peer's pages
+    dlist: Any  # nixl_prepped_dlist_handle over the peer's pages (or chunks of them)
+    chunk_bytes: int  # the unit of reads from this peer: a page, or a head range of one
     warm_up: Any = None  # the warm-up read while connecting, None once connected
 
 
@@ -111,8 +113,9 @@ class NixlTransport:
                 raise TransferError("the NIXL UCX backend plugin is not available")
             self._registration = self._agent.register_memory(view)
             self._scratch_registration = self._agent.register_memory(self._scratch)
-            self._local_dlist = self._agent.prep_xfer_dlist(
-                _LOCAL_AGENT, self._descriptors(), self._mem_type)
+            # Local descriptor lists by unit (whole pages, or the chunks a peer's reads move).
+            self._local_dlists = {self.page_bytes: self._agent.prep_xfer_dlist(
+                _LOCAL_AGENT, self._descriptors(self.page_bytes), self._mem_type)}
             self._metadata = self._agent.get_agent_metadata()
         except TransferError:
             raise
@@ -133,8 +136,16 @@ class NixlTransport:
     def agent_name(self) -> str:
         return self._agent_name
 
-    def _descriptors(self) -> np.ndarray:
-        return page_descriptors(self._view.data_ptr(), self.num_blocks, self.page_bytes, self._device_id)
+    def _descriptors(self, chunk_bytes: int) -> np.ndarray:
+        return page_descriptors(self._view.data_ptr(), num_chunks(self.page_bytes, chunk_bytes, self.num_blocks),
+                                chunk_bytes, self._device_id)
+
+    def _local_dlist(self, chunk_bytes: int) -> Any:
+        dlist = self._local_dlists.get(chunk_bytes)
+        if dlist is None:
+            dlist = self._local_dlists[chunk_bytes] = self._agent.prep_xfer_dlist(
+                _LOCAL_AGENT, self._descriptors(chunk_bytes), self._mem_type)
+        return dlist
 
     def local_peer_info(self, engine_id: str, epoch: str) -> PeerInfo:
         return PeerInfo(engine_id=engine_id, epoch=epoch, agent_name=self._agent_name,
@@ -143,12 +154,16 @@ class NixlTransport:
 
     # ---- peers -----------------------------------------------------------------------
 
-    def begin_connect(self, peer: PeerInfo) -> str:
+    def begin_connect(self, peer: PeerInfo, chunk_bytes: int | None = None) -> str:
         key = peer.key
         if key in self._peers or key in self._connecting:
             return key
-        if peer.page_bytes != self.page_bytes:
+        if chunk_bytes is None and peer.page_bytes != self.page_bytes:
             raise TransferError(f"peer {key} has pages of {peer.page_bytes} bytes, this pool {self.page_bytes}")
+        chunk = chunk_bytes or self.page_bytes
+        if self.page_bytes % chunk or peer.page_bytes % chunk:
+            raise TransferError(f"chunks of {chunk} bytes divide neither pages of {peer.page_bytes} (peer {key}) "
+                                f"nor of {self.page_bytes} (here)")
         if peer.agent_name == self._agent_name:
             raise TransferError(f"peer {key} uses this agent's own name {peer.agent_name!r}")
         self._connect_failures.pop(key, None)
@@ -158,8 +173,10 @@ class NixlTransport:
             self.disconnect(stale_key)
         remote_name = self._load_remote(peer)
         try:
-            descs = page_descriptors(peer.base_address, peer.num_blocks, peer.page_bytes, peer.device_id)
+            descs = page_descriptors(peer.base_address, num_chunks(peer.page_bytes, chunk, peer.num_blocks), chunk,
+                                     peer.device_id)
             dlist = self._agent.prep_xfer_dlist(remote_name, descs, peer.mem_type)
+            self._local_dlist(chunk)
         except Exception as exc:
             self._forget_remote(remote_name)
             raise TransferError(f"cannot describe the pool of peer {key}: {exc!r}") from exc
@@ -169,7 +186,7 @@ class NixlTransport:
             dlist.release()
             self._forget_remote(remote_name)
             raise
-        self._connecting[key] = _Peer(peer, remote_name, dlist, warm_up)
+        self._connecting[key] = _Peer(peer, remote_name, dlist, chunk, warm_up)
         return key
 
     def poll_connect(self, peer_key: str) -> TransferState:
@@ -272,16 +289,18 @@ class NixlTransport:
         peer = self._peers.get(peer_key)
         if peer is None:
             raise TransferError(f"unknown peer {peer_key!r}: connect first")
-        local_ids = _check_ids("local", local_block_ids, self.num_blocks)
-        remote_ids = _check_ids("remote", remote_block_ids, peer.info.num_blocks)
+        chunk = peer.chunk_bytes
+        local_ids = _check_ids("local", local_block_ids, num_chunks(self.page_bytes, chunk, self.num_blocks))
+        remote_ids = _check_ids("remote", remote_block_ids, num_chunks(peer.info.page_bytes, chunk,
+                                                                       peer.info.num_blocks))
         if len(local_ids) != len(remote_ids):
             raise ValueError(f"{len(local_ids)} local block ids for {len(remote_ids)} remote ones")
-        handle = TransferHandle(next(self._handle_ids), peer_key, len(local_ids),
-                                len(local_ids) * self.page_bytes, time.monotonic())
+        handle = TransferHandle(next(self._handle_ids), peer_key, len(local_ids), len(local_ids) * chunk,
+                                time.monotonic())
         if len(local_ids) == 0:
             return self._finish_empty(handle, notification)
         try:
-            xfer = self._agent.make_prepped_xfer("READ", self._local_dlist, local_ids,
+            xfer = self._agent.make_prepped_xfer("READ", self._local_dlist(chunk), local_ids,
                                                  peer.dlist, remote_ids, notification)
         except Exception as exc:
             return _fail(handle, f"cannot create the read from peer {peer_key}: {exc!r}")
@@ -375,7 +394,8 @@ class NixlTransport:
                 logger.warning("a NIXL transfer still active at close: %r", exc)
         self._unreleased.clear()
         try:
-            self._local_dlist.release()
+            for dlist in self._local_dlists.values():
+                dlist.release()
             self._agent.deregister_memory(self._registration)
             self._agent.deregister_memory(self._scratch_registration)
         except Exception as exc:

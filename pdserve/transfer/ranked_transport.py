@@ -1,23 +1,27 @@
-"""KV transfer for a tensor-parallel worker: rank r of a decode worker reads from rank r of a prefill worker.
+"""KV transfer between tensor-parallel workers of any TP sizes: each decode rank reads its KV heads
+from the prefill ranks that hold them, one descriptor per (block, source rank).
 
-Each rank's pool slice holds its own heads of the same block ids, and each rank registers its
-slice with its own agent. Rank 0 is the only rank the P/D code sees: `RankedTransport` is a
-`KVTransport` that does to rank 0's slice what it is asked and sends the same command to the
-other ranks (`FollowerTransport`), then reports the worst state of all:
+Each rank's pool slice holds its own heads of the same block ids, registered with its own agent,
+and pages hold heads outermost, so what a decode rank needs from one prefill rank is one
+contiguous range of both pages (pdserve/kv/head_split.py: which rank holds which head). Rank 0
+is the only rank the P/D code sees: `RankedTransport` is a `KVTransport` that does its own
+rank's share (`RankReader`) and sends the same command to the other ranks (`FollowerTransport`),
+then reports the worst state of all:
 
-    decode rank 0                                        prefill rank 0
-      start_read(blocks) -- own slice --- NIXL READ ---->  slice 0   (its agent)
+    decode rank 0  --- its heads of each block: one READ per source rank --->  prefill rank(s)
         |  StartRead (next rank message)
         v
-    decode rank r        -- own slice --- NIXL READ ---->  slice r   (rank r's agent)
+    decode rank r  --- its heads of each block: one READ per source rank --->  prefill rank(s)
 
-    poll: DONE only when every rank's read is DONE; then rank 0 alone sends the read's
+    poll: DONE only when every rank's reads are DONE; then rank 0 alone sends the read's
           notification to prefill rank 0, so P releases its pin once, after every slice landed
     release: True only when no rank may still write the pages
 
-What a peer advertises in the handshake is rank 0's `PeerInfo` whose opaque `agent_metadata`
-lists every rank's agent (JSON, metadata in base64): the compatibility hash covers the TP size,
-so two workers that connect always have as many ranks. Torch-free and nixl-free.
+What a worker advertises in the handshake is rank 0's `PeerInfo` whose opaque `agent_metadata`
+lists every rank's agent (JSON, metadata in base64); every P/D worker advertises it so, TP=1
+included. Each source rank is a peer of its own to the transport below (engine id
+`<engine>/rank<r>`), connected with reads in units of the heads one descriptor moves.
+Torch-free and nixl-free.
 """
 
 from __future__ import annotations
@@ -32,14 +36,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
+from pdserve.kv.head_split import HeadSource, chunk_heads, head_sources, rank_kv_heads
 from pdserve.transfer.transport import KVTransport, PeerInfo, TransferError, TransferHandle, TransferState, wait_connected
 
 logger = logging.getLogger(__name__)
 
 _RANKS_KEY = "pdserve_ranks"
 _RANK_FIELDS = ("agent_name", "agent_metadata", "mem_type", "device_id", "base_address")
+MAX_RANKS = 64
 _SYNC_INTERVAL_S = 0.001  # reports younger than this are reused (many handles are polled per turn)
 _PROGRESS_INTERVAL_S = 0.005  # how often idle followers are asked to move their agents' messages
+_STATE_ORDER = {"FAILED": 0, "PENDING": 1, "DONE": 2}
 
 
 class FollowerLink(Protocol):
@@ -59,7 +66,8 @@ class FollowerLink(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Connect:
-    peers: tuple[dict, ...]  # PeerInfo.to_dict() of every rank of the peer; rank r connects to peers[r]
+    peer_key: str  # the peer as the P/D code names it (rank 0's key)
+    peers: tuple[dict, ...]  # PeerInfo.to_dict() of every rank of the peer
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +99,8 @@ def encode_ranks(ranks: Sequence[dict]) -> bytes:
     return json.dumps({_RANKS_KEY: list(ranks)}).encode()
 
 
-def decode_ranks(peer: PeerInfo, expected: int) -> list[PeerInfo]:
-    """Every rank's PeerInfo from rank 0's; TransferError when it does not describe `expected` ranks."""
+def decode_ranks(peer: PeerInfo) -> list[PeerInfo]:
+    """Every rank's PeerInfo from rank 0's; TransferError when it does not describe 1..64 ranks."""
     try:
         ranks = json.loads(peer.agent_metadata.decode())[_RANKS_KEY]
         if not isinstance(ranks, list):
@@ -103,8 +111,8 @@ def decode_ranks(peer: PeerInfo, expected: int) -> list[PeerInfo]:
                                       base_address=int(rank["base_address"])) for rank in ranks]
     except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as error:
         raise TransferError(f"peer {peer.key} does not describe its tensor-parallel ranks: {error}") from None
-    if len(parsed) != expected:
-        raise TransferError(f"peer {peer.key} has {len(parsed)} tensor-parallel ranks, this worker {expected}")
+    if not 1 <= len(parsed) <= MAX_RANKS:
+        raise TransferError(f"peer {peer.key} lists {len(parsed)} tensor-parallel ranks (1 to {MAX_RANKS} expected)")
     return parsed
 
 
@@ -114,31 +122,153 @@ def rank_descriptor(info: PeerInfo) -> dict:
     return {name: data[name] for name in _RANK_FIELDS}
 
 
+def _worst(states: Sequence[tuple[str, Optional[str]]]) -> tuple[str, Optional[str]]:
+    return min(states, key=lambda state: _STATE_ORDER[state[0]], default=("DONE", None))
+
+
+# ---- one rank's share ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Link:
+    """This rank's connections to one peer: a sub-peer per source rank."""
+
+    sources: list[HeadSource]
+    sub_keys: list[str]  # per source
+    local_chunks: int  # chunks (of chunk_heads heads) in a local page
+    remote_chunks: int  # ... in a remote rank's page
+    chunk_heads: int
+    failure: Optional[str] = None  # set when a sub-connection could not even start
+
+
+class RankReader:
+    """One rank's reads: which source ranks hold its heads, a connection to each, one READ each."""
+
+    def __init__(self, local: KVTransport, rank: int, size: int, num_kv_heads: int):
+        self.local = local
+        self.rank = rank
+        self.size = size
+        self.num_kv_heads = num_kv_heads
+        self.num_local_heads = rank_kv_heads(num_kv_heads, size, rank)[1]
+        if local.page_bytes % self.num_local_heads:
+            raise ValueError(f"pages of {local.page_bytes} bytes do not hold {self.num_local_heads} equal head slabs")
+        self.slab_bytes = local.page_bytes // self.num_local_heads
+        self._links: dict[str, _Link] = {}
+        self._reads: dict[int, list[TransferHandle]] = {}
+        self._read_errors: dict[int, str] = {}
+
+    def connect(self, peer_key: str, ranks: Sequence[PeerInfo]) -> None:
+        if peer_key in self._links:
+            return
+        remote_size = len(ranks)
+        heads = chunk_heads(self.num_kv_heads, self.size, remote_size)
+        remote_heads = rank_kv_heads(self.num_kv_heads, remote_size, 0)[1]
+        link = _Link(head_sources(self.num_kv_heads, self.size, self.rank, remote_size), [],
+                     self.num_local_heads // heads, remote_heads // heads, heads)
+        self._links[peer_key] = link
+        for source in link.sources:
+            remote = ranks[source.remote_rank]
+            sub_peer = dataclasses.replace(remote, engine_id=f"{remote.engine_id}/rank{source.remote_rank}")
+            try:
+                link.sub_keys.append(self.local.begin_connect(sub_peer, chunk_bytes=heads * self.slab_bytes))
+            except TransferError as error:
+                link.failure = f"rank {self.rank} -> peer rank {source.remote_rank}: {error.message}"
+                return
+
+    def connect_state(self, peer_key: str) -> tuple[str, Optional[str]]:
+        link = self._links.get(peer_key)
+        if link is None:
+            return "FAILED", "not connecting"
+        if link.failure is not None:
+            return "FAILED", link.failure
+        states = []
+        for sub_key in link.sub_keys:
+            state = self.local.poll_connect(sub_key)
+            states.append((state.name, self.local.connect_failure(sub_key) if state is TransferState.FAILED else None))
+        return _worst(states)
+
+    def disconnect(self, peer_key: str) -> None:
+        link = self._links.pop(peer_key, None)
+        for sub_key in link.sub_keys if link is not None else ():
+            self.local.disconnect(sub_key)
+
+    def sub_key(self, peer_key: str) -> str:
+        """The connection to the peer's rank 0, or the first source (messages go there)."""
+        link = self._links.get(peer_key)
+        if link is None or not link.sub_keys:
+            raise TransferError(f"unknown peer {peer_key!r}: connect first")
+        return link.sub_keys[0]
+
+    def start_read(self, handle_id: int, peer_key: str, local_block_ids: Sequence[int],
+                   remote_block_ids: Sequence[int]) -> list[TransferHandle]:
+        link = self._links.get(peer_key)
+        if link is None or link.failure is not None or len(link.sub_keys) != len(link.sources):
+            raise TransferError(f"unknown peer {peer_key!r}: connect first")
+        handles = []
+        try:
+            for source, sub_key in zip(link.sources, link.sub_keys):
+                local_ids = [b * link.local_chunks + source.local_offset // link.chunk_heads for b in local_block_ids]
+                remote_ids = [b * link.remote_chunks + source.remote_offset // link.chunk_heads
+                              for b in remote_block_ids]
+                handles.append(self.local.start_read(sub_key, local_ids, remote_ids, b""))
+        except (TransferError, ValueError) as error:
+            self._read_errors[handle_id] = str(error)
+        self._reads[handle_id] = handles
+        return handles
+
+    def read_state(self, handle_id: int) -> tuple[str, Optional[str]]:
+        if handle_id in self._read_errors:
+            return "FAILED", self._read_errors[handle_id]
+        states = [(self.local.poll(handle).name, handle.error) for handle in self._reads.get(handle_id, [])]
+        return _worst(states)
+
+    def release(self, handle_id: int) -> bool:
+        """True once none of the read's pages can still be written here (then it is forgotten)."""
+        handles = self._reads.get(handle_id, [])
+        kept = [handle for handle in handles if not self.local.release(handle)]
+        if kept:
+            self._reads[handle_id] = kept
+            return False
+        self._reads.pop(handle_id, None)
+        self._read_errors.pop(handle_id, None)
+        return True
+
+    @property
+    def held(self) -> frozenset[int]:
+        return frozenset(self._reads)
+
+    def peer_keys(self) -> list[str]:
+        return list(self._links)
+
+
 # ---- rank 0 -------------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
 class _RankedRead:
-    local: TransferHandle
     peer_key: str
     notification: bytes
+    num_blocks: int
     notified: bool = False
 
 
 class RankedTransport:
-    """Rank 0's KVTransport over every rank's slice (see the module docstring)."""
+    """Rank 0's KVTransport over every rank's slice (see the module docstring); with no followers
+    (TP=1) it is rank 0's reader alone."""
 
-    def __init__(self, local: KVTransport, link: FollowerLink, follower_descriptors: Sequence[dict],
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, local: KVTransport, link: Optional[FollowerLink], follower_descriptors: Sequence[dict],
+                 num_kv_heads: int, clock: Callable[[], float] = time.monotonic):
         self.local = local
         self.link = link
         self.num_ranks = 1 + len(follower_descriptors)
+        self.reader = RankReader(local, 0, self.num_ranks, num_kv_heads)
         self._followers = list(follower_descriptors)
         self._clock = clock
         self._reports: list[FollowerReport] = []
         self._reported_s = float("-inf")
         self._progressed_s = float("-inf")
         self._reads: dict[int, _RankedRead] = {}
+        self._remote_sizes: dict[str, int] = {}  # peer key -> its TP size
         self._ids = itertools.count(1)
 
     @property
@@ -157,36 +287,41 @@ class RankedTransport:
 
     def _followers_now(self) -> list[FollowerReport]:
         """The other ranks' latest reports (asks again unless the last answer is fresh and nothing is queued)."""
+        if self.link is None:
+            return []
         now = self._clock()
         if now - self._reported_s >= _SYNC_INTERVAL_S or self.link.has_queued:
             self._reports = [report for report in self.link.send(want_report=True) if report is not None]
             self._reported_s = self._progressed_s = self._clock()
         return self._reports
 
+    def _queue(self, command: Any) -> None:
+        if self.link is not None:
+            self.link.queue(command)
+
     # ---- peers -----------------------------------------------------------------------------
 
-    def begin_connect(self, peer: PeerInfo) -> str:
-        ranks = decode_ranks(peer, self.num_ranks)
-        key = self.local.begin_connect(ranks[0])
-        self.link.queue(Connect(tuple(rank.to_dict() for rank in ranks)))
+    def begin_connect(self, peer: PeerInfo, chunk_bytes: Optional[int] = None) -> str:
+        """Connect every rank to the peer's ranks it reads from (`chunk_bytes` is decided here)."""
+        ranks = decode_ranks(peer)
+        self._remote_sizes[peer.key] = len(ranks)
+        self.reader.connect(peer.key, ranks)
+        self._queue(Connect(peer.key, tuple(rank.to_dict() for rank in ranks)))
         self._reported_s = float("-inf")  # the next poll must see the followers' answer to this
-        return key
+        return peer.key
 
     def poll_connect(self, peer_key: str) -> TransferState:
-        state = self.local.poll_connect(peer_key)
-        if state is TransferState.FAILED:
-            return state
-        states = [report.connects.get(peer_key, ("FAILED", "not connecting"))[0] for report in self._followers_now()]
-        if "FAILED" in states:
+        state, _ = self.reader.connect_state(peer_key)
+        if state == "FAILED":
             return TransferState.FAILED
-        if state is TransferState.DONE and all(name == "DONE" for name in states):
-            return TransferState.DONE
-        return TransferState.PENDING
+        states = [state] + [report.connects.get(peer_key, ("FAILED", "not connecting"))[0]
+                            for report in self._followers_now()]
+        return TransferState[_worst([(name, None) for name in states])[0]]
 
     def connect_failure(self, peer_key: str) -> Optional[str]:
-        failure = self.local.connect_failure(peer_key)
-        if failure is not None:
-            return failure
+        state, error = self.reader.connect_state(peer_key)
+        if state == "FAILED":
+            return f"rank 0: {error}"
         for rank, report in enumerate(self._reports, start=1):
             state, error = report.connects.get(peer_key, ("FAILED", None))
             if state == "FAILED":
@@ -197,21 +332,29 @@ class RankedTransport:
         return wait_connected(self, peer, 30.0)
 
     def disconnect(self, peer_key: str) -> None:
-        self.local.disconnect(peer_key)
-        self.link.queue(Disconnect(peer_key))
+        self.reader.disconnect(peer_key)
+        self._remote_sizes.pop(peer_key, None)
+        self._queue(Disconnect(peer_key))
 
     # ---- reads -----------------------------------------------------------------------------
 
     def start_read(self, peer_key: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
                    notification: bytes) -> TransferHandle:
-        local = self.local.start_read(peer_key, local_block_ids, remote_block_ids, b"")
+        if len(local_block_ids) != len(remote_block_ids):
+            raise ValueError(f"{len(local_block_ids)} local block ids for {len(remote_block_ids)} remote ones")
         handle_id = next(self._ids)
+        local = self.reader.start_read(handle_id, peer_key, local_block_ids, remote_block_ids)
         if local_block_ids:
-            self.link.queue(StartRead(handle_id, peer_key, tuple(local_block_ids), tuple(remote_block_ids)))
-        read = _RankedRead(local, peer_key, notification)
+            self._queue(StartRead(handle_id, peer_key, tuple(local_block_ids), tuple(remote_block_ids)))
+        read = _RankedRead(peer_key, notification, len(local_block_ids))
         self._reads[handle_id] = read
-        handle = TransferHandle(handle_id, peer_key, local.num_blocks, local.num_bytes * self.num_ranks,
-                                local.started_at_s)
+        # Every rank moves the same bytes; descriptors: one per block and source rank, over all ranks.
+        num_bytes = sum(handle.num_bytes for handle in local) * self.num_ranks
+        remote_size = self._remote_sizes.get(peer_key, 1)
+        per_block = sum(len(head_sources(self.reader.num_kv_heads, self.num_ranks, rank, remote_size))
+                        for rank in range(self.num_ranks))
+        started_s = min((handle.started_at_s for handle in local), default=time.monotonic())
+        handle = TransferHandle(handle_id, peer_key, len(local_block_ids) * per_block, num_bytes, started_s)
         if not local_block_ids:
             self._notify(read)
             handle.state = TransferState.DONE
@@ -221,7 +364,7 @@ class RankedTransport:
         if read.notification and not read.notified:
             read.notified = True
             try:
-                self.local.send_message(read.peer_key, read.notification)
+                self.local.send_message(self.reader.sub_key(read.peer_key), read.notification)
             except TransferError as error:  # the peer's lease frees the pages instead
                 logger.warning("could not tell %s a read landed: %s", read.peer_key, error)
 
@@ -229,16 +372,16 @@ class RankedTransport:
         read = self._reads.get(handle.handle_id)
         if read is None or handle.state is not TransferState.PENDING:
             return handle.state if read is not None else TransferState.FAILED
-        state = self.local.poll(read.local)
-        if state is TransferState.FAILED:
-            return self._fail(handle, f"rank 0: {read.local.error}")
+        state, error = self.reader.read_state(handle.handle_id)
+        if state == "FAILED":
+            return self._fail(handle, f"rank 0: {error}")
         follower_states = []
         for rank, report in enumerate(self._followers_now(), start=1):
             name, error = report.reads.get(handle.handle_id, ("PENDING", None))
             if name == "FAILED":
                 return self._fail(handle, f"rank {rank}: {error}")
             follower_states.append(name)
-        if state is TransferState.DONE and all(name == "DONE" for name in follower_states):
+        if state == "DONE" and all(name == "DONE" for name in follower_states):
             self._notify(read)
             handle.state = TransferState.DONE
         return handle.state
@@ -248,12 +391,11 @@ class RankedTransport:
         return handle.state
 
     def release(self, handle: TransferHandle) -> bool:
-        read = self._reads.get(handle.handle_id)
-        if read is None:
+        if handle.handle_id not in self._reads:
             return True
-        if not self.local.release(read.local):
+        if not self.reader.release(handle.handle_id):
             return False
-        self.link.queue(Release(handle.handle_id))
+        self._queue(Release(handle.handle_id))
         if any(handle.handle_id in report.held for report in self._followers_now()):
             return False
         del self._reads[handle.handle_id]
@@ -262,13 +404,13 @@ class RankedTransport:
     # ---- messages --------------------------------------------------------------------------
 
     def poll_notifications(self) -> list[bytes]:
-        if self._clock() - self._progressed_s >= _PROGRESS_INTERVAL_S:
+        if self.link is not None and self._clock() - self._progressed_s >= _PROGRESS_INTERVAL_S:
             self.link.send()  # the other ranks move their agents' traffic too
             self._progressed_s = self._clock()
         return self.local.poll_notifications()
 
     def send_message(self, peer_key: str, payload: bytes) -> None:
-        self.local.send_message(peer_key, payload)
+        self.local.send_message(self.reader.sub_key(peer_key), payload)
 
     def close(self) -> None:
         self.local.close()
@@ -281,13 +423,12 @@ class RankedTransport:
 class FollowerTransport:
     """Rank r's agent, doing what rank 0 commands on rank r's slice."""
 
-    local: KVTransport
-    rank: int
-    _peer_keys: set[str] = field(default_factory=set)
-    _connect_errors: dict[str, str] = field(default_factory=dict)
-    _reads: dict[int, TransferHandle] = field(default_factory=dict)
-    _read_errors: dict[int, str] = field(default_factory=dict)
+    reader: RankReader
     _releasing: set[int] = field(default_factory=set)
+
+    @property
+    def local(self) -> KVTransport:
+        return self.reader.local
 
     def descriptor(self) -> dict:
         return rank_descriptor(self.local.local_peer_info("", ""))
@@ -295,56 +436,26 @@ class FollowerTransport:
     def apply(self, commands: Sequence[Any]) -> None:
         for command in commands:
             if isinstance(command, Connect):
-                self._connect(command)
+                try:
+                    self.reader.connect(command.peer_key, [PeerInfo.from_dict(peer) for peer in command.peers])
+                except TransferError as error:
+                    logger.warning("rank %d: cannot connect to %s: %s", self.reader.rank, command.peer_key, error)
             elif isinstance(command, Disconnect):
-                self._peer_keys.discard(command.peer_key)
-                self._connect_errors.pop(command.peer_key, None)
-                self.local.disconnect(command.peer_key)
+                self.reader.disconnect(command.peer_key)
             elif isinstance(command, StartRead):
-                self._start_read(command)
+                self.reader.start_read(command.handle_id, command.peer_key, command.local_block_ids,
+                                       command.remote_block_ids)
             elif isinstance(command, Release):
                 self._releasing.add(command.handle_id)
         self.local.poll_notifications()  # progress; messages go to rank 0 only, so none arrive here
         for handle_id in list(self._releasing):
-            handle = self._reads.get(handle_id)
-            if handle is None or (self.local.poll(handle) is not TransferState.PENDING and self.local.release(handle)):
-                self._reads.pop(handle_id, None)
-                self._read_errors.pop(handle_id, None)
+            if self.reader.release(handle_id):
                 self._releasing.discard(handle_id)
 
-    def _connect(self, command: Connect) -> None:
-        try:
-            peer = PeerInfo.from_dict(command.peers[self.rank])
-            key = peer.key
-            self._peer_keys.add(key)
-            self._connect_errors.pop(key, None)
-            self.local.begin_connect(peer)
-        except (TransferError, IndexError) as error:
-            key = PeerInfo.from_dict(command.peers[0]).key if command.peers else "?"
-            self._peer_keys.add(key)
-            self._connect_errors[key] = str(error)
-
-    def _start_read(self, command: StartRead) -> None:
-        try:
-            self._reads[command.handle_id] = self.local.start_read(
-                command.peer_key, command.local_block_ids, command.remote_block_ids, b"")
-        except (TransferError, ValueError) as error:
-            self._read_errors[command.handle_id] = str(error)
-
     def report(self) -> FollowerReport:
-        connects: dict[str, tuple[str, Optional[str]]] = {}
-        for key in self._peer_keys:
-            if key in self._connect_errors:
-                connects[key] = ("FAILED", self._connect_errors[key])
-            else:
-                state = self.local.poll_connect(key)
-                connects[key] = (state.name, self.local.connect_failure(key) if state is TransferState.FAILED else None)
-        reads: dict[int, tuple[str, Optional[str]]] = {
-            handle_id: ("FAILED", error) for handle_id, error in self._read_errors.items()}
-        for handle_id, handle in self._reads.items():
-            state = self.local.poll(handle)
-            reads[handle_id] = (state.name, handle.error)
-        return FollowerReport(connects, reads, frozenset(self._reads))
+        connects = {key: self.reader.connect_state(key) for key in self.reader.peer_keys()}
+        reads = {handle_id: self.reader.read_state(handle_id) for handle_id in self.reader.held}
+        return FollowerReport(connects, reads, self.reader.held)
 
     def close(self) -> None:
         self.local.close()

@@ -12,7 +12,7 @@ import binascii
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from pdserve.api.errors import PdserveError
 
@@ -111,7 +111,7 @@ class TransferHandle:
 
     handle_id: int
     peer_key: str
-    num_blocks: int
+    num_blocks: int  # descriptors the read moves (a page or a head range of one each)
     num_bytes: int
     started_at_s: float
     state: TransferState = TransferState.PENDING
@@ -145,8 +145,15 @@ class KVTransport(Protocol):
         """What a reader needs to pull from this process's pool."""
         ...
 
-    def begin_connect(self, peer: PeerInfo) -> str:
+    def begin_connect(self, peer: PeerInfo, chunk_bytes: Optional[int] = None) -> str:
         """Start connecting to a peer without waiting; returns the peer key.
+
+        `chunk_bytes` is the unit the reads from this peer move: None, whole
+        pages (the peer's pages must then be as large as ours); otherwise a
+        size that divides both sides' pages, and the ids `start_read` takes
+        for this peer count chunks (chunk i of page b is id
+        b * page_bytes // chunk_bytes + i on its side): what moves one KV head
+        range of a block when the two workers split their heads differently.
 
         Loads the peer's metadata and starts a small warm-up read that proves
         its data path works; `poll_connect` reports when it has. Idempotent per
@@ -177,8 +184,8 @@ class KVTransport(Protocol):
 
     def start_read(self, peer_key: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
                    notification: bytes) -> TransferHandle:
-        """Start copying remote page remote_block_ids[i] into local page
-        local_block_ids[i] for every i. A non-empty `notification` is delivered
+        """Start copying remote page (or chunk, see `begin_connect`) remote_block_ids[i]
+        into local page (chunk) local_block_ids[i] for every i: one descriptor each. A non-empty `notification` is delivered
         to the peer's `poll_notifications` only after the whole read has landed
         (empty: none is sent); with no blocks, it is sent at once and the handle
         is already DONE. A read that cannot start or whose peer fails reports
@@ -212,6 +219,13 @@ class KVTransport(Protocol):
     def close(self) -> None:
         """Disconnect all peers and unregister the pool. Idempotent."""
         ...
+
+
+def num_chunks(page_bytes: int, chunk_bytes: int, num_blocks: int) -> int:
+    """Chunks of `chunk_bytes` in a pool of `num_blocks` pages; ValueError when a chunk does not divide a page."""
+    if chunk_bytes < 1 or page_bytes % chunk_bytes:
+        raise ValueError(f"chunks of {chunk_bytes} bytes do not divide pages of {page_bytes}")
+    return num_blocks * (page_bytes // chunk_bytes)
 
 
 def wait_connected(transport: KVTransport, peer: PeerInfo, timeout_s: float, poll_interval_s: float = 0.0005) -> str:

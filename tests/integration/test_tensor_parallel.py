@@ -211,11 +211,12 @@ def test_pd_at_tp2_equals_one_worker_with_every_rank_slice_pulled(pd_tp2):
         assert response.status_code == 200, response.text
         assert token_ids(response.json()["choices"][0]["logprobs"]["tokens"]) == expected
         sent = sum(len(ids) for ids in params["remote_block_ids"])
-        assert decode.metric("pdserve_transfer_descriptors_total") - pulled_before == sent > 0
+        # One descriptor per block and rank: each decode rank reads its heads from the same prefill rank.
+        assert decode.metric("pdserve_transfer_descriptors_total") - pulled_before == 2 * sent > 0
     assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, 30)
 
 
-def test_params_from_a_worker_of_another_tp_size_are_refused(pd_tp2):
+def test_params_naming_another_tp_size_than_the_prefill_worker_runs_are_refused(pd_tp2):
     prefill, decode, single = pd_tp2
     body = {"model": worker_model(single), "prompt": random_prompt(9, VOCAB, 1), "max_tokens": 2}
     params, _ = two_legs(prefill, decode, "/v1/completions", body, "tp-size-probe")

@@ -84,11 +84,11 @@ async def test_a_prompt_of_another_length_is_a_400():
         await admission(stub, Connector()).admit(request(stub.params(30), num_prompt=31))
 
 
-async def test_params_from_a_prefill_worker_with_another_tensor_parallel_size_are_a_400_before_any_handshake():
+async def test_a_tp_size_the_prefill_worker_does_not_run_is_a_400_before_any_connection():
     stub, connect = StubPrefill(), Connector()
-    with pytest.raises(KVParamsInvalid, match="tp_size is 2 but this decode worker has 1 tensor-parallel ranks"):
+    with pytest.raises(KVParamsInvalid, match="tp_size is 2 but prefill worker P runs 1 tensor-parallel ranks"):
         await admission(stub, connect).admit(request(stub.params(tp_size=2)))
-    assert stub.calls == 0 and connect.calls == 0
+    assert stub.calls == 1 and connect.calls == 0
 
 
 async def test_block_lists_that_do_not_fit_the_prompt_are_a_400():

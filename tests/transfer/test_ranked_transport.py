@@ -1,5 +1,6 @@
-"""RankedTransport: rank 0 of a tensor-parallel worker drives every rank's slice; a read is DONE,
-and its notification reaches the prefill worker, only once every rank's slice has landed."""
+"""RankedTransport: each decode rank reads its KV heads from the prefill ranks that hold them,
+whatever the two TP sizes (one descriptor per block and source rank); a read is DONE, and its
+notification reaches the prefill worker, only once every rank's share has landed."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.kv.head_split import head_sources, rank_kv_heads
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
 from pdserve.transfer.ranked_transport import (
-    FollowerTransport, RankedTransport, decode_ranks, encode_ranks, rank_descriptor)
+    FollowerTransport, RankedTransport, RankReader, decode_ranks, encode_ranks, rank_descriptor)
 from pdserve.transfer.transport import PeerInfo, TransferError, TransferState
 
-NUM_RANKS = 2
-NUM_BLOCKS, PAGE_BYTES = 8, 16
+NUM_BLOCKS, SLAB_BYTES = 8, 16  # a head's share of a page
 
 
 class InProcessLink:
@@ -24,7 +25,6 @@ class InProcessLink:
     def __init__(self, followers: list[FollowerTransport]):
         self.followers = followers
         self.queued: list[Any] = []
-        self.messages = 0
 
     def queue(self, command: Any) -> None:
         self.queued.append(command)
@@ -36,7 +36,6 @@ class InProcessLink:
     def send(self, step: Any = None, decode_step: bool = False, logit_rows: tuple = (),
              want_report: bool = False) -> list[Any]:
         commands, self.queued = tuple(self.queued), []
-        self.messages += 1
         for follower in self.followers:
             follower.apply(commands)
         return [follower.report() for follower in self.followers] if want_report else []
@@ -51,92 +50,122 @@ class Clock:
         return self.now
 
 
-def ranked_worker(fabric: FakeFabric, name: str, fill: bool) -> tuple[RankedTransport, list[FakeTransport], list]:
-    """A worker of NUM_RANKS ranks: (rank 0's transport, every rank's fake transport, every rank's pool view)."""
+@dataclasses.dataclass
+class Worker:
+    transport: RankedTransport
+    fakes: list[FakeTransport]
+    views: list[torch.Tensor]  # per rank: int8 [blocks, heads * SLAB_BYTES]
+    heads: int
+    size: int
+
+    def slab(self, head: int, block: int) -> torch.Tensor:
+        """Global KV head `head` of `block` on the first rank that holds it."""
+        for rank in range(self.size):
+            first, count = rank_kv_heads(self.heads, self.size, rank)
+            if first <= head < first + count:
+                return self.views[rank][block].view(-1, SLAB_BYTES)[head - first]
+        raise AssertionError(head)
+
+
+def worker(fabric: FakeFabric, name: str, heads: int, size: int, fill: bool) -> Worker:
+    """A worker of `size` ranks whose pages hold global head h of block b as bytes 10*b + h (when filled)."""
     views = []
-    for rank in range(NUM_RANKS):
-        view = torch.zeros(NUM_BLOCKS, PAGE_BYTES, dtype=torch.int8)
+    for rank in range(size):
+        first, count = rank_kv_heads(heads, size, rank)
+        view = torch.zeros(NUM_BLOCKS, count * SLAB_BYTES, dtype=torch.int8)
         if fill:
-            view.copy_((torch.arange(NUM_BLOCKS * PAGE_BYTES).view(NUM_BLOCKS, PAGE_BYTES) + 7 * rank) % 100)
+            for block in range(NUM_BLOCKS):
+                for offset in range(count):
+                    view[block].view(-1, SLAB_BYTES)[offset] = 10 * block + first + offset
         views.append(view)
-    locals_ = [FakeTransport(view, f"{name}-rank{rank}", fabric) for rank, view in enumerate(views)]
-    followers = [FollowerTransport(transport, rank) for rank, transport in enumerate(locals_) if rank]
-    ranked = RankedTransport(locals_[0], InProcessLink(followers), [f.descriptor() for f in followers], clock=Clock())
-    return ranked, locals_, views
+    fakes = [FakeTransport(view, f"{name}-rank{rank}", fabric) for rank, view in enumerate(views)]
+    followers = [FollowerTransport(RankReader(fakes[rank], rank, size, heads)) for rank in range(1, size)]
+    link = InProcessLink(followers) if followers else None
+    ranked = RankedTransport(fakes[0], link, [follower.descriptor() for follower in followers], heads, clock=Clock())
+    return Worker(ranked, fakes, views, heads, size)
 
 
-@pytest.fixture
-def pair():
+def connect(decode: Worker, prefill: Worker) -> str:
+    peer = PeerInfo.from_dict(prefill.transport.local_peer_info("engine-p", "epoch-1").to_dict())  # as sent
+    key = decode.transport.begin_connect(peer)
+    assert decode.transport.poll_connect(key) is TransferState.DONE
+    return key
+
+
+@pytest.mark.parametrize("heads, prefill_size, decode_size", [
+    (4, 1, 2), (4, 2, 1), (4, 2, 2), (4, 4, 1), (2, 4, 1), (2, 1, 4), (2, 4, 2), (4, 2, 4)])
+def test_every_decode_rank_gets_each_of_its_heads_from_a_prefill_rank_that_holds_it(heads, prefill_size, decode_size):
     fabric = FakeFabric()
-    prefill, prefill_locals, prefill_views = ranked_worker(fabric, "prefill", fill=True)
-    decode, decode_locals, decode_views = ranked_worker(fabric, "decode", fill=False)
-    peer = PeerInfo.from_dict(prefill.local_peer_info("engine-p", "epoch-1").to_dict())  # as the handshake carries it
-    key = decode.begin_connect(peer)
-    assert decode.poll_connect(key) is TransferState.DONE
-    return decode, decode_locals, decode_views, prefill, prefill_views, key
+    prefill = worker(fabric, "prefill", heads, prefill_size, fill=True)
+    decode = worker(fabric, "decode", heads, decode_size, fill=False)
+    key = connect(decode, prefill)
+    handle = decode.transport.start_read(key, [3, 5], [6, 1], b"")
+    assert decode.transport.poll(handle) is TransferState.DONE
+    for rank in range(decode_size):
+        first, count = rank_kv_heads(heads, decode_size, rank)
+        for local, remote in ((3, 6), (5, 1)):
+            slabs = decode.views[rank][local].view(-1, SLAB_BYTES)
+            for offset in range(count):
+                assert torch.all(slabs[offset] == 10 * remote + first + offset), (rank, local, offset)
+        assert torch.count_nonzero(decode.views[rank][[0, 1, 2, 4, 6, 7]]) == 0  # no other page touched
+    # One descriptor per block and source rank: replicas are read once, never from every holder.
+    sources = sum(len(head_sources(heads, decode_size, rank, prefill_size)) for rank in range(decode_size))
+    assert sources == max(decode_size, min(prefill_size, heads))
 
 
-def test_each_rank_reads_its_own_slice_from_the_same_rank_of_the_peer(pair):
-    decode, _, decode_views, _, prefill_views, key = pair
-    handle = decode.start_read(key, [3, 5], [6, 1], b"")
-    assert decode.poll(handle) is TransferState.DONE
-    for rank in range(NUM_RANKS):
-        assert torch.equal(decode_views[rank][3], prefill_views[rank][6])
-        assert torch.equal(decode_views[rank][5], prefill_views[rank][1])
-    assert not torch.equal(decode_views[0][3], decode_views[1][3])  # the slices differ: no rank read another's
-    assert handle.num_bytes == 2 * PAGE_BYTES * NUM_RANKS
+def test_the_notification_is_sent_once_and_only_after_every_rank_landed():
+    fabric = FakeFabric()
+    prefill = worker(fabric, "prefill", 4, 2, fill=True)
+    decode = worker(fabric, "decode", 4, 2, fill=False)
+    key = connect(decode, prefill)
+    decode.fakes[1].hold_reads = True  # rank 1's share is still on its way
+    handle = decode.transport.start_read(key, [2], [4], b"req-1:done")
+    assert decode.transport.poll(handle) is TransferState.PENDING
+    assert prefill.transport.poll_notifications() == []  # rank 0 landed, but P must not release yet
+    decode.fakes[1].hold_reads = False
+    assert decode.transport.poll(handle) is TransferState.DONE
+    assert decode.transport.poll(handle) is TransferState.DONE
+    assert prefill.transport.poll_notifications() == [b"req-1:done"]
+    assert decode.transport.release(handle)
+    assert all(fake.num_unreleased_handles == 0 for fake in decode.fakes)
 
 
-def test_the_notification_is_sent_once_and_only_after_every_rank_landed(pair):
-    decode, decode_locals, _, prefill, _, key = pair
-    decode_locals[1].hold_reads = True  # rank 1's slice is still on its way
-    handle = decode.start_read(key, [2], [4], b"req-1:done")
-    assert decode.poll(handle) is TransferState.PENDING
-    assert prefill.poll_notifications() == []  # rank 0 landed, but P must not release yet
-    decode_locals[1].hold_reads = False
-    assert decode.poll(handle) is TransferState.DONE
-    assert decode.poll(handle) is TransferState.DONE
-    assert prefill.poll_notifications() == [b"req-1:done"]
-    assert decode.release(handle)
-    assert all(transport.num_unreleased_handles == 0 for transport in decode_locals)
-
-
-def test_one_rank_failing_fails_the_read_and_its_pages_are_kept_until_every_rank_let_go(pair):
-    decode, decode_locals, _, prefill, _, key = pair
-    decode_locals[1].fail_reads = True
-    decode_locals[0].hold_reads = True
-    decode_locals[0].cancellable = False
-    handle = decode.start_read(key, [2], [4], b"req-2:done")
-    assert decode.poll(handle) is TransferState.FAILED
+def test_one_rank_failing_fails_the_read_and_its_pages_are_kept_until_every_rank_let_go():
+    fabric = FakeFabric()
+    prefill = worker(fabric, "prefill", 4, 2, fill=True)
+    decode = worker(fabric, "decode", 4, 2, fill=False)
+    key = connect(decode, prefill)
+    decode.fakes[1].fail_reads = True
+    decode.fakes[0].hold_reads, decode.fakes[0].cancellable = True, False
+    handle = decode.transport.start_read(key, [2], [4], b"req-2:done")
+    assert decode.transport.poll(handle) is TransferState.FAILED
     assert "rank 1" in handle.error
-    assert not decode.release(handle)  # rank 0's read is still in flight: its pages may still be written
-    decode_locals[0].hold_reads = False
-    decode_locals[0].cancellable = True
-    assert decode.release(handle)
-    assert prefill.poll_notifications() == []  # a failed read never tells P it landed
-    assert all(transport.num_unreleased_handles == 0 for transport in decode_locals)
+    assert not decode.transport.release(handle)  # rank 0's read is in flight: its pages may still be written
+    decode.fakes[0].cancellable = True
+    assert decode.transport.release(handle)
+    assert prefill.transport.poll_notifications() == []  # a failed read never tells P it landed
+    assert all(fake.num_unreleased_handles == 0 for fake in decode.fakes)
 
 
-def test_a_follower_that_cannot_reach_its_peer_fails_the_connection_and_says_which_rank(pair):
-    decode, _, _, prefill, _, _ = pair
+def test_a_follower_that_cannot_reach_its_source_fails_the_connection_and_says_which_rank():
     fabric = FakeFabric()
-    lonely, _, _ = ranked_worker(fabric, "other-decode", fill=False)
-    other_prefill, other_locals, _ = ranked_worker(fabric, "other-prefill", fill=True)
-    fabric.kill(other_locals[1].agent_name)  # rank 1 of the peer is gone
-    key = lonely.begin_connect(other_prefill.local_peer_info("engine-q", "epoch-9"))
-    assert lonely.poll_connect(key) is TransferState.FAILED
-    assert "rank 1" in lonely.connect_failure(key)
+    prefill = worker(fabric, "prefill", 4, 2, fill=True)
+    decode = worker(fabric, "decode", 4, 2, fill=False)
+    fabric.kill(prefill.fakes[1].agent_name)  # prefill rank 1 is gone: decode rank 1 reads from it
+    peer = prefill.transport.local_peer_info("engine-q", "epoch-9")
+    key = decode.transport.begin_connect(peer)
+    assert decode.transport.poll_connect(key) is TransferState.FAILED
+    assert "rank 1" in decode.transport.connect_failure(key)
 
 
-def test_a_peer_with_another_rank_count_or_no_rank_list_is_refused():
-    info = PeerInfo("e", "x", "agent", b"not json", "DRAM", 0, 0, NUM_BLOCKS, PAGE_BYTES)
+def test_a_peer_without_a_rank_list_or_with_too_many_ranks_is_refused():
+    info = PeerInfo("e", "x", "agent", b"not json", "DRAM", 0, 0, NUM_BLOCKS, SLAB_BYTES)
     with pytest.raises(TransferError, match="does not describe its tensor-parallel ranks"):
-        decode_ranks(info, 2)
-    one_rank = dataclasses.replace(info, agent_metadata=encode_ranks([rank_descriptor(info)]))
-    with pytest.raises(TransferError, match="has 1 tensor-parallel ranks, this worker 2"):
-        decode_ranks(one_rank, 2)
+        decode_ranks(info)
+    with pytest.raises(TransferError, match="lists 65 tensor-parallel ranks"):
+        decode_ranks(dataclasses.replace(info, agent_metadata=encode_ranks([rank_descriptor(info)] * 65)))
     forged = dataclasses.replace(info, agent_metadata=encode_ranks([{"agent_name": "a"}, {"agent_name": "b"}]))
     with pytest.raises(TransferError):
-        decode_ranks(forged, 2)
-    assert [peer.agent_name for peer in decode_ranks(dataclasses.replace(
-        info, agent_metadata=encode_ranks([rank_descriptor(info)] * 2)), 2)] == ["agent", "agent"]
+        decode_ranks(forged)
+    two = decode_ranks(dataclasses.replace(info, agent_metadata=encode_ranks([rank_descriptor(info)] * 2)))
+    assert [peer.agent_name for peer in two] == ["agent", "agent"]
