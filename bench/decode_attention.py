@@ -7,6 +7,7 @@ run: `token` (the pages of P/D protocol 2: tokens outer, heads inner) and `head`
 outermost: pdserve/kv/layout.py), the same kernel reading both through strided views:
 
     python3 bench/decode_attention.py [--keys 200 400 1000 2000] [--out bench/results/decode_attention.json]
+    python3 bench/decode_attention.py --device cuda --rows 16   # the torch path on a GPU, bfloat16
 
 Prints microseconds per call per layout, the head layout's time over the token layout's, and the
 same less a one-key call (the Python and dispatch cost).
@@ -24,7 +25,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._timing import median_ms  # noqa: E402
+from pdserve.engine.decode_attention import attend_decode_torch, build_decode_rows  # noqa: E402
 from pdserve.kernels.native import cpu_kernels_error, ops  # noqa: E402
+from pdserve.kv.specs import FullAttentionSpec  # noqa: E402
 from pdserve.kv.layout import KVPoolLayout  # noqa: E402
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, HEADS = 30, 16, 3, 64, 9
@@ -33,15 +36,34 @@ LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, HEADS = 30, 16, 3, 64, 9
 LAYOUTS = ("token", "head")
 
 
-def layer_caches(layout: str, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def layer_caches(layout: str, num_blocks: int, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every layer's (k_cache, v_cache) views [blocks, block_size, kv_heads, head_dim] of one pool."""
     if layout == "token":  # [block, layer, K/V, token, head, dim]
-        pool = torch.randn(num_blocks, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        pool = torch.randn(num_blocks, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=device).to(dtype)
         return [(pool[:, layer, 0], pool[:, layer, 1]) for layer in range(LAYERS)]
-    geometry = KVPoolLayout(num_blocks, LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, torch.float32)
-    pool = geometry.allocate("cpu")
-    pool.copy_(torch.randn(geometry.shape))
+    geometry = KVPoolLayout(num_blocks, LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype)
+    pool = geometry.allocate(device)
+    pool.copy_(torch.randn(geometry.shape, device=device))
     return [geometry.layer_view(pool, layer) for layer in range(LAYERS)]
+
+
+def cuda_microseconds_per_call(keys: int, rows: int, rounds: int, layout: str) -> float:
+    """The torch decode attention (what a GPU runs eagerly) for `rows` rows of `keys` keys each, bf16."""
+    per_row = keys // BLOCK_SIZE + 1
+    slots = layer_caches(layout, rows * per_row + 1, "cuda", torch.bfloat16)
+    tables = [list(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(rows)]
+    decode_rows = build_decode_rows(FullAttentionSpec(), tables, [keys] * rows, BLOCK_SIZE, torch.device("cuda"),
+                                    include_query_key=False)
+    q = torch.randn(rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k_new = torch.randn(rows, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+
+    def every_layer() -> None:
+        for k_cache, v_cache in slots:
+            attend_decode_torch(q, k_cache, v_cache, decode_rows, HEAD_DIM**-0.5, k_new, k_new)
+        torch.cuda.synchronize()
+
+    return median_ms(every_layer, 5, rounds) / LAYERS * 1000
 
 
 def microseconds_per_call(keys: int, rounds: int, layout: str = "head") -> float:
@@ -65,7 +87,22 @@ def main() -> None:
     parser.add_argument("--keys", type=int, nargs="+", default=[200, 400, 1000, 2000])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", default="bench/results/decode_attention.json")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rows", type=int, default=16, help="decode rows per call (--device cuda)")
     args = parser.parse_args()
+    if args.device == "cuda":
+        torch.manual_seed(0)
+        cuda = {keys: {layout: cuda_microseconds_per_call(keys, args.rows, args.rounds, layout) for layout in LAYOUTS}
+                for keys in args.keys}
+        print("| keys | rows | token layout, us per call | head layout, us per call | head / token |")
+        print("|---:|---:|---:|---:|---:|")
+        for keys, value in cuda.items():
+            print(f"| {keys} | {args.rows} | {value['token']:.1f} | {value['head']:.1f} | "
+                  f"{value['head'] / value['token']:.2f} |")
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "us_per_call": cuda}, f, indent=2)
+        return
     if cpu_kernels_error() is not None:
         raise SystemExit(f"native kernels unavailable: {cpu_kernels_error()}")
     torch.manual_seed(0)
