@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
+from pdserve.transfer.planner import Run, contiguous_runs
 from pdserve.transfer.transport import (
     PeerInfo, TransferError, TransferHandle, TransferState, num_chunks, wait_connected)
 
@@ -295,13 +296,17 @@ class NixlTransport:
                                                                        peer.info.num_blocks))
         if len(local_ids) != len(remote_ids):
             raise ValueError(f"{len(local_ids)} local block ids for {len(remote_ids)} remote ones")
-        handle = TransferHandle(next(self._handle_ids), peer_key, len(local_ids), len(local_ids) * chunk,
+        runs = contiguous_runs(local_ids.tolist(), remote_ids.tolist())
+        handle = TransferHandle(next(self._handle_ids), peer_key, len(runs), len(local_ids) * chunk,
                                 time.monotonic())
         if len(local_ids) == 0:
             return self._finish_empty(handle, notification)
         try:
-            xfer = self._agent.make_prepped_xfer("READ", self._local_dlist(chunk), local_ids,
-                                                 peer.dlist, remote_ids, notification)
+            if len(runs) < len(local_ids):  # pages adjacent on both sides move as one descriptor
+                xfer = self._coalesced_read(peer, runs, chunk, notification)
+            else:  # nothing to merge: the descriptor lists prepared at connect
+                xfer = self._agent.make_prepped_xfer("READ", self._local_dlist(chunk), local_ids,
+                                                     peer.dlist, remote_ids, notification)
         except Exception as exc:
             return _fail(handle, f"cannot create the read from peer {peer_key}: {exc!r}")
         self._in_flight[handle.handle_id] = _InFlight(xfer, peer_key)
@@ -311,6 +316,16 @@ class NixlTransport:
             status, handle.error = "ERR", repr(exc)
         self._apply_status(handle, status)
         return handle
+
+    def _coalesced_read(self, peer: _Peer, runs: list[Run], chunk: int, notification: bytes) -> Any:
+        """A READ of one descriptor per run (described for this read: runs differ in length)."""
+        local = np.array([(self._view.data_ptr() + run.local_first * chunk, run.count * chunk, self._device_id)
+                          for run in runs], dtype=np.uint64)
+        remote = np.array([(peer.info.base_address + run.remote_first * chunk, run.count * chunk, peer.info.device_id)
+                           for run in runs], dtype=np.uint64)
+        return self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, self._mem_type),
+                                           self._agent.get_xfer_descs(remote, peer.info.mem_type), peer.remote_name,
+                                           notification)
 
     def _finish_empty(self, handle: TransferHandle, notification: bytes) -> TransferHandle:
         if notification:

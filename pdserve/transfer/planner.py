@@ -116,3 +116,31 @@ def _check_block_id(group_id: int, block_id: Any, num_remote_blocks: int) -> Non
     if not 0 <= block_id < num_remote_blocks:
         raise InvalidRemoteBlockIds(f"group {group_id} holds block {block_id}, "
                                     f"outside the peer's pool of {num_remote_blocks} blocks (0..{num_remote_blocks - 1})")
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Pages (or chunks) local_first.. <- remote_first.., `count` of them, contiguous on both sides."""
+
+    local_first: int
+    remote_first: int
+    count: int
+
+
+def contiguous_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[Run]:
+    """The pairs (local_ids[i] <- remote_ids[i]) grouped into runs that are consecutive on both
+    sides, in order: each run can move as one descriptor.
+
+        local  [ 5, 6, 7, 9, 10 ]      runs: (5 <- 20, 3 pages), (9 <- 30, 1), (10 <- 40, 1)
+        remote [20,21,22,30, 40 ]
+    """
+    runs: list[Run] = []
+    for local_id, remote_id in zip(local_ids, remote_ids):
+        last = runs[-1] if runs else None
+        follows = last is not None and (local_id, remote_id) == (last.local_first + last.count,
+                                                                 last.remote_first + last.count)
+        if last is not None and follows:
+            runs[-1] = Run(last.local_first, last.remote_first, last.count + 1)
+        else:
+            runs.append(Run(local_id, remote_id, 1))
+    return runs

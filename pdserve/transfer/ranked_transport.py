@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from pdserve.kv.head_split import HeadSource, chunk_heads, head_sources, rank_kv_heads
-from pdserve.transfer.transport import KVTransport, PeerInfo, TransferError, TransferHandle, TransferState, wait_connected
+from pdserve.transfer.transport import (
+    KVTransport, PeerInfo, TransferError, TransferHandle, TransferState, wait_connected)
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +269,6 @@ class RankedTransport:
         self._reported_s = float("-inf")
         self._progressed_s = float("-inf")
         self._reads: dict[int, _RankedRead] = {}
-        self._remote_sizes: dict[str, int] = {}  # peer key -> its TP size
         self._ids = itertools.count(1)
 
     @property
@@ -304,7 +304,6 @@ class RankedTransport:
     def begin_connect(self, peer: PeerInfo, chunk_bytes: Optional[int] = None) -> str:
         """Connect every rank to the peer's ranks it reads from (`chunk_bytes` is decided here)."""
         ranks = decode_ranks(peer)
-        self._remote_sizes[peer.key] = len(ranks)
         self.reader.connect(peer.key, ranks)
         self._queue(Connect(peer.key, tuple(rank.to_dict() for rank in ranks)))
         self._reported_s = float("-inf")  # the next poll must see the followers' answer to this
@@ -333,7 +332,6 @@ class RankedTransport:
 
     def disconnect(self, peer_key: str) -> None:
         self.reader.disconnect(peer_key)
-        self._remote_sizes.pop(peer_key, None)
         self._queue(Disconnect(peer_key))
 
     # ---- reads -----------------------------------------------------------------------------
@@ -348,13 +346,11 @@ class RankedTransport:
             self._queue(StartRead(handle_id, peer_key, tuple(local_block_ids), tuple(remote_block_ids)))
         read = _RankedRead(peer_key, notification, len(local_block_ids))
         self._reads[handle_id] = read
-        # Every rank moves the same bytes; descriptors: one per block and source rank, over all ranks.
+        # The ranks of a worker split evenly: each moves rank 0's bytes in as many descriptors.
         num_bytes = sum(handle.num_bytes for handle in local) * self.num_ranks
-        remote_size = self._remote_sizes.get(peer_key, 1)
-        per_block = sum(len(head_sources(self.reader.num_kv_heads, self.num_ranks, rank, remote_size))
-                        for rank in range(self.num_ranks))
+        num_descriptors = sum(handle.num_blocks for handle in local) * self.num_ranks
         started_s = min((handle.started_at_s for handle in local), default=time.monotonic())
-        handle = TransferHandle(handle_id, peer_key, len(local_block_ids) * per_block, num_bytes, started_s)
+        handle = TransferHandle(handle_id, peer_key, num_descriptors, num_bytes, started_s)
         if not local_block_ids:
             self._notify(read)
             handle.state = TransferState.DONE

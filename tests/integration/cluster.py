@@ -179,6 +179,12 @@ def two_legs(prefill: Worker, decode: Worker, path: str, body: dict, request_id:
     return params, decode_leg(decode, path, body, params, request_id, headers)
 
 
+def page_bytes(worker: Worker, headers: Optional[dict] = None) -> int:
+    """Bytes of one page of a P or D worker's pool (one rank's, for a tensor-parallel worker)."""
+    info = httpx.get(worker.url + "/internal/kv/agent_info", headers=headers or {}, timeout=10).json()
+    return int(info["geometry"]["page_bytes"])
+
+
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.cluster import Worker, free_port, start_workers, two_legs, wait_for
+from tests.integration.cluster import Worker, free_port, page_bytes, start_workers, two_legs, wait_for
 from tests.integration.test_tensor_parallel import NUM_NEW, VOCAB, assert_greedy_parity, tiny_llama, token_ids
 from tests.models.hf_oracle import hf_greedy_with_margins
 from tests.tiny_models import GEMMA_VOCAB, GEMMA_WINDOW, make_tiny_gemma3, random_prompt
@@ -55,16 +55,24 @@ def test_pd_between_tp_sizes_matches_transformers_with_the_kv_pulled(shapes, pre
         body = {"model": model, "prompt": prompt, "max_tokens": NUM_NEW, "temperature": 0, "ignore_eos": True,
                 "logprobs": 0}
         before = decode.metric("pdserve_transfer_descriptors_total")
+        bytes_before = decode.metric("pdserve_transfer_bytes_total")
         computed_before = decode.metric("pdserve_engine_computed_prompt_tokens_total")
         params, response = two_legs(prefill, decode, "/v1/completions", body,
                                     f"het-{prefill_size}-{decode_size}-{seed}")
         assert params["tp_size"] == prefill_size
         assert response.status_code == 200, response.text
         assert_greedy_parity(token_ids(response.json()["choices"][0]["logprobs"]["tokens"]), want, margins)
-        # Each decode rank reads each block once from every prefill rank holding its heads (2 KV heads).
+        # Each decode rank reads each block once from every prefill rank holding its heads (2 KV heads):
+        # its whole page, whatever the split; head ranges of pages never merge across blocks, whole
+        # pages adjacent on both sides do (equal TP).
         sources = max(decode_size, prefill_size)
         sent = sum(len(ids) for ids in params["remote_block_ids"])
-        assert decode.metric("pdserve_transfer_descriptors_total") - before == sent * sources > 0
+        assert decode.metric("pdserve_transfer_bytes_total") - bytes_before == sent * decode_size * page_bytes(decode)
+        descriptors = decode.metric("pdserve_transfer_descriptors_total") - before
+        if prefill_size == decode_size:
+            assert sources <= descriptors <= sent * sources
+        else:
+            assert descriptors == sent * sources > 0
         # Pulled, not recomputed: D computes only the prompt's last token (P sampled from it, D needs its KV).
         assert decode.metric("pdserve_engine_computed_prompt_tokens_total") - computed_before == 1
     assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, 30)

@@ -210,3 +210,18 @@ def test_pools_on_two_gpus_carry_their_own_device_ids_and_read_across():
     finally:
         transport.close()
         child.shutdown()
+
+
+def test_pages_adjacent_on_both_sides_move_as_one_descriptor_and_land_exactly(prefill, decode):
+    transport, view = decode
+    key = transport.connect(prefill.peer_info)
+    local_ids, remote_ids = [4, 5, 6, 7, 12, 13, 2], [30, 31, 32, 33, 8, 20, 21]  # runs: 4, 1, 1, 1
+    handle = transport.start_read(key, local_ids, remote_ids, b"")
+    assert handle.num_blocks == 4  # descriptors
+    assert wait(transport, handle) is TransferState.DONE, handle.error
+    assert transport.release(handle)
+    expected = pattern(NUM_PREFILL_BLOCKS, transport.page_bytes, seed=1)
+    for local_id, remote_id in zip(local_ids, remote_ids):
+        assert torch.equal(view[local_id].cpu(), expected[remote_id]), f"local {local_id} <- remote {remote_id}"
+    untouched = [b for b in range(NUM_DECODE_BLOCKS) if b not in local_ids]
+    assert not view[untouched].any()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.cluster import Worker, free_port, same_path_reference, start_workers, two_legs
+from tests.integration.cluster import Worker, free_port, page_bytes, same_path_reference, start_workers, two_legs
 from tests.tiny_models import GEMMA_VOCAB, GEMMA_WINDOW, make_tiny_gemma3, random_prompt
 
 pytestmark = pytest.mark.slow
@@ -38,6 +38,7 @@ def test_gemma3_pd_matches_the_same_kv_on_the_same_path_and_moves_only_the_live_
                 "logprobs": 0}
         expected = same_path_reference(prefill, "/v1/completions", body, f"gemma-ref-{seed}", block_size=BLOCK_SIZE)
         descriptors_before = decode.metric("pdserve_transfer_descriptors_total")
+        bytes_before = decode.metric("pdserve_transfer_bytes_total")
         params, response = two_legs(prefill, decode, "/v1/completions", body, f"gemma-{seed}")
         assert response.status_code == 200, response.text
         got, want = response.json()["choices"][0], expected["choices"][0]
@@ -55,7 +56,8 @@ def test_gemma3_pd_matches_the_same_kv_on_the_same_path_and_moves_only_the_live_
             else:
                 assert 0 < len(ids) <= window_blocks < num_prompt_blocks
         sent = sum(len(ids) for ids in params["remote_block_ids"])
-        assert decode.metric("pdserve_transfer_descriptors_total") - descriptors_before == sent
+        assert decode.metric("pdserve_transfer_bytes_total") - bytes_before == sent * page_bytes(decode)
+        assert 1 <= decode.metric("pdserve_transfer_descriptors_total") - descriptors_before <= sent
         num_sliding = kinds.count("sliding")
         unclipped = num_prompt_blocks * len(kinds)
         assert sent <= unclipped - (num_prompt_blocks - window_blocks) * num_sliding

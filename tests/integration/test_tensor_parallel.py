@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from tests.integration.cluster import Worker, free_port, start_workers, two_legs, wait_for
+from tests.integration.cluster import Worker, free_port, page_bytes, start_workers, two_legs, wait_for
 from tests.models.hf_oracle import hf_greedy_with_margins, randomize_norms, save_tiny_checkpoint
 from tests.tiny_models import GEMMA_VOCAB, GEMMA_WINDOW, make_tiny_gemma3, random_prompt
 
@@ -206,13 +206,15 @@ def test_pd_at_tp2_equals_one_worker_with_every_rank_slice_pulled(pd_tp2):
                 "ignore_eos": True, "logprobs": 0}
         expected = greedy(single, prompt)
         pulled_before = decode.metric("pdserve_transfer_descriptors_total")
+        bytes_before = decode.metric("pdserve_transfer_bytes_total")
         params, response = two_legs(prefill, decode, "/v1/completions", body, f"tp-pd-{seed}")
         assert params["tp_size"] == 2
         assert response.status_code == 200, response.text
         assert token_ids(response.json()["choices"][0]["logprobs"]["tokens"]) == expected
         sent = sum(len(ids) for ids in params["remote_block_ids"])
-        # One descriptor per block and rank: each decode rank reads its heads from the same prefill rank.
-        assert decode.metric("pdserve_transfer_descriptors_total") - pulled_before == 2 * sent > 0
+        # Each decode rank reads its heads of every block from the same prefill rank, adjacent pages as one.
+        assert decode.metric("pdserve_transfer_bytes_total") - bytes_before == 2 * sent * page_bytes(decode) > 0
+        assert 2 <= decode.metric("pdserve_transfer_descriptors_total") - pulled_before <= 2 * sent
     assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, 30)
 
 

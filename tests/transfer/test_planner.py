@@ -7,7 +7,8 @@ import pytest
 from pdserve.api.errors import InvalidRequest
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
-from pdserve.transfer.planner import InvalidRemoteBlockIds, PullPlan, plan_pull, validate_remote_block_ids
+from pdserve.transfer.planner import (
+    InvalidRemoteBlockIds, PullPlan, Run, contiguous_runs, plan_pull, validate_remote_block_ids)
 
 
 def test_plan_pairs_positions_and_flattens_groups_in_order():
@@ -109,3 +110,11 @@ def test_validate_rejects_malformed_ids_with_a_clear_message(ids, message):
     assert isinstance(info.value, InvalidRequest)
     assert info.value.status_code == 400
     assert info.value.param == "kv_transfer_params.remote_block_ids"
+
+
+def test_runs_merge_pairs_consecutive_on_both_sides_only():
+    assert contiguous_runs([5, 6, 7, 9, 10], [20, 21, 22, 30, 40]) == [Run(5, 20, 3), Run(9, 30, 1), Run(10, 40, 1)]
+    assert contiguous_runs([1, 2], [7, 6]) == [Run(1, 7, 1), Run(2, 6, 1)]  # adjacent locally, reversed remotely
+    assert contiguous_runs([], []) == []
+    pairs = list(zip(range(3, 11), range(100, 108)))
+    assert contiguous_runs([p[0] for p in pairs], [p[1] for p in pairs]) == [Run(3, 100, 8)]
