@@ -196,3 +196,4 @@ class AgentInfo(BaseModel):
     geometry: PoolGeometry
     transport: dict[str, Any]  # the transport's own peer record (JSON-safe): every rank's agent
     tp_size: int = Field(1, ge=1, le=64)  # tensor-parallel ranks of the worker (pool geometry is one rank's)
+    compatibility: dict[str, Any] = Field(default_factory=dict)  # what compat_hash hashes, so D can name a mismatch

@@ -40,7 +40,7 @@ from pdserve.models.loader import LoadedModel, load_model, resolve_quantization
 from pdserve.models.registry import TensorParallelRank
 from pdserve.parallel.channel import LeaderChannel, RankSetup
 from pdserve.parallel.ranks import RankGroup
-from pdserve.pd.handshake import compatibility_hash
+from pdserve.pd.handshake import compatibility_document, compatibility_hash
 from pdserve.pd.prefill import PrefillConnector
 from pdserve.pd.wiring import KVSide, PoolDescription, TransportFactory, build_admission, build_kv_side, nixl_transport
 from pdserve.transfer.ranked_transport import RankedTransport
@@ -98,9 +98,10 @@ def _fingerprint(model_name: str, spec: ModelSpec) -> str:
 def _pool_description(model_name: str, spec: ModelSpec, plan: KVGroupPlan, layout: KVPoolLayout,
                       dtype: torch.dtype) -> PoolDescription:
     # The model's KV heads, not this rank's share: workers of any TP sizes may pair.
-    compat_hash = compatibility_hash(_fingerprint(model_name, spec), str(dtype), spec.total_kv_heads, spec.head_dim,
-                                     layout.block_size, plan)
-    return PoolDescription(plan, layout.num_blocks, layout.block_size, layout.page_bytes, compat_hash)
+    document = compatibility_document(_fingerprint(model_name, spec), str(dtype), spec.total_kv_heads,
+                                      spec.head_dim, layout.block_size, plan)
+    return PoolDescription(plan, layout.num_blocks, layout.block_size, layout.page_bytes,
+                           compatibility_hash(document), document)
 
 
 def _configured_context(config: WorkerConfig, spec: ModelSpec) -> int:

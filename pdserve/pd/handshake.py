@@ -36,11 +36,12 @@ def groups_to_wire(plan: KVGroupPlan) -> list[GroupWire]:
     ]
 
 
-def compatibility_hash(model_fingerprint: str, dtype: str, num_kv_heads: int, head_dim: int,
-                       block_size: int, plan: KVGroupPlan) -> str:
-    """Two workers may share KV only if this matches. The model fingerprint
-    covers weights identity (architecture, layer count, vocabulary, name)."""
-    document = {
+def compatibility_document(model_fingerprint: str, dtype: str, num_kv_heads: int, head_dim: int,
+                           block_size: int, plan: KVGroupPlan) -> dict[str, Any]:
+    """What two workers must agree on to share KV. The model fingerprint covers weights identity
+    (architecture, layer count, vocabulary, name); `num_kv_heads` is the whole model's (workers of
+    any TP sizes pair). Each side sends its own, so a refusal can name what differs."""
+    return {
         "protocol_version": PROTOCOL_VERSION,
         "model": model_fingerprint,
         "dtype": dtype,
@@ -51,7 +52,21 @@ def compatibility_hash(model_fingerprint: str, dtype: str, num_kv_heads: int, he
         "group_size": plan.group_size,
         "groups": [g.model_dump() for g in groups_to_wire(plan)],
     }
+
+
+def compatibility_hash(document: dict[str, Any]) -> str:
+    """Two workers may share KV only if this matches (the hash of `compatibility_document`)."""
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
+
+
+def incompatibilities(own: dict[str, Any], theirs: dict[str, Any], limit: int = 120) -> str:
+    """What differs between two compatibility documents, named: "block_size: 16 here, 32 there"."""
+    differences = []
+    for name in sorted(set(own) | set(theirs)):
+        if own.get(name) != theirs.get(name):
+            here, there = (json.dumps(side.get(name))[:limit] for side in (own, theirs))
+            differences.append(f"{name}: {here} here, {there} there")
+    return "; ".join(differences) or "their compatibility hashes differ"
 
 
 class HandshakeClient:
@@ -64,10 +79,13 @@ class HandshakeClient:
 
     def __init__(self, own_hash: str, token: Optional[str], timeout_s: float = 5.0,
                  on_handshake: Callable[[], None] = lambda: None,
-                 http_transport: Optional[httpx.AsyncBaseTransport] = None):
-        """`http_transport` replaces the network (in-process tests route to a prefill app)."""
+                 http_transport: Optional[httpx.AsyncBaseTransport] = None,
+                 own_compatibility: Optional[dict[str, Any]] = None):
+        """`http_transport` replaces the network (in-process tests route to a prefill app);
+        `own_compatibility` (the document behind `own_hash`) lets a refusal say what differs."""
         self.http_transport = http_transport
         self.own_hash = own_hash
+        self.own_compatibility = own_compatibility
         self.on_handshake = on_handshake
         self.token = token
         self.timeout_s = timeout_s
@@ -117,8 +135,11 @@ class HandshakeClient:
         if info is None or (info.engine_id, info.epoch) != (params.remote_engine_id, params.remote_epoch):
             info = await self._shared_fetch(address)
         if info.compat_hash != self.own_hash:
+            why = (incompatibilities(self.own_compatibility, info.compatibility)
+                   if self.own_compatibility is not None and info.compatibility else "")
             raise KVParamsInvalid(
-                f"prefill worker {address[0]}:{address[1]} serves an incompatible model or KV layout",
+                f"prefill worker {address[0]}:{address[1]} serves an incompatible model or KV layout"
+                + (f" ({why})" if why else ""),
                 param="kv_transfer_params",
             )
         if info.engine_id != params.remote_engine_id:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, cast
 
 import httpx
@@ -48,6 +48,7 @@ class PoolDescription:
     block_size: int
     page_bytes: int
     compat_hash: str  # see pdserve/pd/handshake.py: equal on both sides or no sharing
+    compatibility: dict = field(default_factory=dict)  # what the hash covers, named (refusals say what differs)
 
 
 @dataclass
@@ -76,7 +77,7 @@ def build_kv_side(config: WorkerConfig, metrics: Metrics, pool: PoolDescription,
         geometry=PoolGeometry(num_blocks=pool.num_blocks, page_bytes=pool.page_bytes, block_size=pool.block_size,
                               group_size=pool.plan.group_size, groups=groups_to_wire(pool.plan)),
         transport=transport.local_peer_info(engine_id, epoch).to_dict(),
-        tp_size=config.parallel.tensor_parallel_size,
+        tp_size=config.parallel.tensor_parallel_size, compatibility=pool.compatibility,
     )
     if config.role == "prefill":
         identity = PrefillIdentity(engine_id, epoch, transfer.advertise_host or config.server.host, config.server.port,
@@ -115,6 +116,7 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
                                                                                metrics))
     transfer = config.transfer
     handshake = HandshakeClient(pool.compat_hash, config.server.internal_token, transfer.handshake_timeout_s,
+                                own_compatibility=pool.compatibility,
                                 on_handshake=metrics.transfer.handshakes.inc, http_transport=http_transport)
     # The engine thread abandons a connection after connect_timeout_s; wait a little longer for its word.
     connect = engine_thread_connector(run_on_engine_thread, side.peers.ensure, transfer.connect_timeout_s + 1.0)

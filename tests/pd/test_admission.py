@@ -12,7 +12,8 @@ from pdserve.api.kv_transfer import (KVParamsInvalid, KVParamsStale, KVPullFaile
                                      RemotePrefillParams, parse_kv_transfer_params)
 from pdserve.api.sampling import SamplingParams
 from pdserve.pd.admission import DecodeAdmission, PeerFailureMemory, PrefillAdmission
-from pdserve.pd.handshake import HandshakeClient
+from pdserve.kv.specs import FullAttentionSpec, plan_groups
+from pdserve.pd.handshake import HandshakeClient, compatibility_document, compatibility_hash, incompatibilities
 from pdserve.pd.peer_trust import KVPeerNotAllowed, PeerAllowList
 from pdserve.request import GenerationRequest
 from pdserve.transfer.fake_transport import FakeFabric
@@ -221,3 +222,20 @@ async def test_a_failed_shared_handshake_fails_every_waiter():
                                    return_exceptions=True)
     assert all(isinstance(r, KVPullFailed) for r in results), results
     assert stub.calls == 1
+
+
+async def test_an_incompatible_prefill_worker_is_a_400_that_names_what_differs():
+    plan = plan_groups([FullAttentionSpec()] * 2)
+    ours = compatibility_document("m|llama|2|64|300", "torch.float32", 2, 16, 16, plan)
+    theirs = compatibility_document("m|llama|2|64|300", "torch.float32", 2, 16, 32, plan)
+    assert incompatibilities(ours, theirs) == "block_size: 16 here, 32 there"
+    assert incompatibilities(ours, ours) == "their compatibility hashes differ"
+    stub, connect = StubPrefill(), Connector()
+    info = stub.side.agent_info().model_copy(update={"compatibility": theirs})
+    stub.handler = lambda request: httpx.Response(200, content=info.model_dump_json())
+    handshake = HandshakeClient(compatibility_hash(ours), None, http_transport=httpx.MockTransport(stub.handler),
+                                own_compatibility=ours)
+    gate = DecodeAdmission(handshake, PLAN, BLOCK, "recompute", connect)
+    with pytest.raises(KVParamsInvalid, match=r"incompatible model or KV layout \(block_size: 16 here, 32 there\)"):
+        await gate.admit(request(stub.params()))
+    assert connect.calls == 0
