@@ -105,7 +105,13 @@ def wait(transport: NixlTransport, handle) -> TransferState:
 def test_read_copies_scattered_remote_pages_into_other_local_pages_exactly(prefill, decode):
     transport, view = decode
     key = transport.connect(prefill.peer_info)
-    local_ids, remote_ids = [3, 17, 5, 9, 1], [38, 2, 11, 7, 20]
+    handle = read_and_check(transport, view, key, [3, 17, 5, 9, 1], [38, 2, 11, 7, 20])
+    assert handle.num_blocks == 5  # nothing adjacent on both sides: one descriptor a page
+
+
+def read_and_check(transport: NixlTransport, view: torch.Tensor, key: str, local_ids: list[int],
+                   remote_ids: list[int]):
+    """Read, wait, release; every local page now holds its remote page and no other page changed."""
     handle = transport.start_read(key, local_ids, remote_ids, b"")
     assert wait(transport, handle) is TransferState.DONE, handle.error
     assert transport.release(handle)
@@ -114,6 +120,7 @@ def test_read_copies_scattered_remote_pages_into_other_local_pages_exactly(prefi
         assert torch.equal(view[local_id].cpu(), expected[remote_id]), f"local {local_id} <- remote {remote_id}"
     untouched = [b for b in range(NUM_DECODE_BLOCKS) if b not in local_ids]
     assert not view[untouched].any()
+    return handle
 
 
 def test_prefill_receives_the_notification_after_the_read_lands(prefill, decode):
@@ -215,13 +222,5 @@ def test_pools_on_two_gpus_carry_their_own_device_ids_and_read_across():
 def test_pages_adjacent_on_both_sides_move_as_one_descriptor_and_land_exactly(prefill, decode):
     transport, view = decode
     key = transport.connect(prefill.peer_info)
-    local_ids, remote_ids = [4, 5, 6, 7, 12, 13, 2], [30, 31, 32, 33, 8, 20, 21]  # runs: 4, 1, 1, 1
-    handle = transport.start_read(key, local_ids, remote_ids, b"")
-    assert handle.num_blocks == 4  # descriptors
-    assert wait(transport, handle) is TransferState.DONE, handle.error
-    assert transport.release(handle)
-    expected = pattern(NUM_PREFILL_BLOCKS, transport.page_bytes, seed=1)
-    for local_id, remote_id in zip(local_ids, remote_ids):
-        assert torch.equal(view[local_id].cpu(), expected[remote_id]), f"local {local_id} <- remote {remote_id}"
-    untouched = [b for b in range(NUM_DECODE_BLOCKS) if b not in local_ids]
-    assert not view[untouched].any()
+    handle = read_and_check(transport, view, key, [4, 5, 6, 7, 12, 13, 2], [30, 31, 32, 33, 8, 20, 21])
+    assert handle.num_blocks == 4  # descriptors: runs of 4, 1, 1 and 1 pages
