@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -79,9 +80,13 @@ def allow_only(words: torch.Tensor, token_ids: Sequence[int]) -> None:
         words[token_id // 32] |= 1 << (token_id % 32)
 
 
+MASK_TIMEOUT_S = 5.0  # a step waits this long for its grammar masks, then fails the grammar rows
+
+
 class GrammarMatchers:
-    def __init__(self, tokenizer: GrammarTokenizer):
+    def __init__(self, tokenizer: GrammarTokenizer, mask_timeout_s: float = MASK_TIMEOUT_S):
         self.tokenizer = tokenizer
+        self.mask_timeout_s = mask_timeout_s
         self.vocab_size = tokenizer.vocab_size
         self._matchers: dict[str, _Matcher] = {}
         self._executor: Optional[llguidance.LLExecutor] = None
@@ -100,6 +105,26 @@ class GrammarMatchers:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
             self._executor = llguidance.LLExecutor()
         return self._pool.submit(self._fill, rows, len(chunks))
+
+    def result(self, masks: Future, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
+        """(the step's bitmask, the rows whose grammar gave no mask in time). Never waits more than
+        `mask_timeout_s`: a grammar stuck on its helper thread fails its own rows (none allowed)
+        and is abandoned with its thread; the other rows sample unconstrained as usual."""
+        try:
+            return masks.result(timeout=self.mask_timeout_s), []
+        except FutureTimeout:
+            pass
+        late = [row for row, chunk in enumerate(chunks) if chunk.sampling.grammar]
+        logger.error("grammar masks for requests %s took over %.1f s; failing those requests",
+                     [chunks[row].request_id for row in late], self.mask_timeout_s)
+        self.forget([chunks[row].request_id for row in late])
+        if self._pool is not None:  # its thread may stay busy: later steps get a fresh one
+            self._pool.shutdown(wait=False)
+        self._pool = self._executor = None
+        bitmask = llguidance_torch.allocate_token_bitmask(len(chunks), self.vocab_size)
+        for row in late:
+            bitmask[row].zero_()
+        return bitmask, late
 
     def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], num_rows: int) -> torch.Tensor:
         bitmask = llguidance_torch.allocate_token_bitmask(num_rows, self.vocab_size)

@@ -235,9 +235,9 @@ class EngineLoop:
         """Rows the sampler could not draw from fail their own requests; the rest go on."""
         for token in sampled:
             if token.failed:
-                logger.error("request %s: the model produced non-finite logits; failing it", token.request_id)
-                self._finish(token.request_id, FinishReason.ERROR,
-                             RequestFailed("internal error: the model produced invalid logits for this request"))
+                reason = token.failure or "internal error: the model produced invalid logits for this request"
+                logger.error("request %s: no token could be drawn (%s); failing it", token.request_id, reason)
+                self._finish(token.request_id, FinishReason.ERROR, RequestFailed(reason))
         return [token for token in sampled if not token.failed]
 
     def _queue_sizes(self) -> tuple[int, int, int]:

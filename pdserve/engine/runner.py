@@ -14,6 +14,7 @@ reused or read remotely.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional, Sequence
 
@@ -98,10 +99,14 @@ class ModelRunner:
         prompt_rows = prompt_logprobs.wanted_rows(chunks)
         logits, hidden = self._forward(chunks, sample_rows, len(sample_chunks), bool(prompt_rows))
         packed: list[torch.Tensor] = []
+        late_rows: list[int] = []  # grammar rows whose masks did not come in time
         if logits is not None:
             # Whichever path made the logits, the sampler gets the same inputs: penalties, bias,
             # min_tokens, grammar masks, logprobs.
-            allowed = bitmask_to_allowed(masks.result(), logits.shape[-1], self.device) if masks else None
+            allowed = None
+            if masks is not None:
+                bitmask, late_rows = self.grammar.result(masks, sample_chunks)  # bounded wait
+                allowed = bitmask_to_allowed(bitmask, logits.shape[-1], self.device)
             packed.append(self.sampler.sample_packed(logits, sample_chunks, allowed))
         if prompt_rows:
             packed.append(prompt_logprobs.compute_packed(hidden, prompt_rows, self.model.compute_logits))
@@ -109,6 +114,9 @@ class ModelRunner:
             return StepResult()
         sampled_values, prompt_values = _to_host(packed, bool(sample_chunks))
         sampled = unpack_sampled(sampled_values, sample_chunks)
+        for row in late_rows:  # no token was allowed: say why
+            sampled[row] = dataclasses.replace(sampled[row], failed=True,
+                                               failure="internal error: the grammar took too long to answer")
         if self.grammar is not None:
             self.grammar.consume(sample_chunks, sampled)
         return StepResult(sampled, prompt_logprobs.unpack(prompt_values, prompt_rows) if prompt_rows else [])

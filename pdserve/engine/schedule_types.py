@@ -82,6 +82,7 @@ class SampledToken:
     logprob: float
     top_logprobs: TopLogprobs = ()  # the most likely alternatives, when asked
     failed: bool = False  # no token could be drawn for this row (its logits were not finite)
+    failure: str = ""  # why, when not the logits (what the request's error then says)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,14 +4,18 @@ from fails alone."""
 
 from __future__ import annotations
 
+import types
+from concurrent.futures import Future
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.api.sampling import SamplingParams
+from pdserve.engine.grammar_matchers import GrammarMatchers, bitmask_to_allowed
 from pdserve.engine.logits_processors import adjust_logits
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, unpack_sampled
 from pdserve.engine.schedule_types import ScheduledChunk
 
 VOCAB = 64
@@ -108,3 +112,18 @@ def test_every_accepted_parameter_mix_gives_valid_tokens(rows, logits_seed):
         assert torch.isfinite(torch.tensor(token.logprob))
         if p["temperature"] < 1e-30:  # at or under the float32 floor the distribution is the argmax's
             assert token.token_id == chosen_from[row].argmax().item()
+
+
+def test_grammar_masks_that_do_not_come_in_time_fail_only_the_grammar_rows_and_a_fresh_helper_takes_over():
+    matchers = GrammarMatchers(types.SimpleNamespace(vocab_size=VOCAB), mask_timeout_s=0.01)
+    stuck = Future()  # a helper thread that never answers
+    chunks = [chunk("free", temperature=0), chunk("json", temperature=0, grammar="start: /[0-9]+/")]
+    bitmask, late = matchers.result(stuck, chunks)
+    assert late == [1]
+    allowed = bitmask_to_allowed(bitmask, VOCAB, torch.device("cpu"))
+    assert allowed[0].all() and not allowed[1].any()
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    sampled = unpack_sampled(Sampler(torch.device("cpu")).sample_packed(logits, chunks, allowed).tolist(), chunks)
+    assert not sampled[0].failed and sampled[0].token_id == int(logits[0].argmax())
+    assert sampled[1].failed
+    assert matchers._pool is None  # the stuck helper is abandoned; the next step starts another
