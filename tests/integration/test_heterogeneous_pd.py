@@ -76,3 +76,39 @@ def test_pd_between_tp_sizes_matches_transformers_with_the_kv_pulled(shapes, pre
         # Pulled, not recomputed: D computes only the prompt's last token (P sampled from it, D needs its KV).
         assert decode.metric("pdserve_engine_computed_prompt_tokens_total") - computed_before == 1
     assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, 30)
+
+
+def test_a_partial_prefix_hit_on_a_decode_worker_of_another_tp_size_pulls_only_the_missing_tail(tmp_path):
+    """P at TP=1, D at TP=2 with its prefix cache on: a second prompt sharing the first blocks of an
+    earlier one reads only the blocks past the shared ones, and the answer still matches transformers."""
+    model_dir = str(tmp_path / "llama")
+    oracle = tiny_llama(model_dir, 4, 2, True, seed=4)
+    prefill = worker("prefill", model_dir, tmp_path, 1)
+    decode = Worker("decode", free_port(), str(tmp_path / "decode-cached.log"),
+                    ["--model", model_dir, "--dtype", "float32", "--num-blocks", "160", "--block-size",
+                     str(BLOCK_SIZE), "-tp", "2", "--kv-failure-policy", "fail"])
+    start_workers(prefill, decode)
+    try:
+        model = httpx.get(decode.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        shared = random_prompt(6 * BLOCK_SIZE, VOCAB, 7)
+        first, second = shared + random_prompt(9, VOCAB, 8), shared + random_prompt(9, VOCAB, 9)
+        pulled = []
+        for index, prompt in enumerate((first, second)):
+            body = {"model": model, "prompt": prompt, "max_tokens": NUM_NEW, "temperature": 0, "ignore_eos": True,
+                    "logprobs": 0}
+            bytes_before = decode.metric("pdserve_transfer_bytes_total")
+            params, response = two_legs(prefill, decode, "/v1/completions", body, f"prefix-{index}")
+            assert response.status_code == 200, response.text
+            want, margins = hf_greedy_with_margins(oracle, prompt, NUM_NEW)
+            assert_greedy_parity(token_ids(response.json()["choices"][0]["logprobs"]["tokens"]), want, margins)
+            cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            sent = sum(len(ids) for ids in params["remote_block_ids"])
+            pulled.append((cached, sent, (decode.metric("pdserve_transfer_bytes_total") - bytes_before)
+                           / (2 * page_bytes(decode))))
+        (cached_first, sent_first, blocks_first), (cached_second, sent_second, blocks_second) = pulled
+        assert cached_first == 0 and blocks_first == sent_first
+        assert cached_second == 6 * BLOCK_SIZE  # the shared blocks, from D's own cache
+        assert blocks_second == sent_second - 6 > 0  # only the tail travelled
+    finally:
+        for each in (prefill, decode):
+            each.stop()
