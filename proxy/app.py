@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from pdserve.api.errors import PdserveError
 from pdserve.api.http_bounds import read_body
+from pdserve.api.openapi import OPENAPI_PATH, PROTOCOL_VERSION_LABEL, openapi_document
 from proxy.backends import INTERNAL_TOKEN_HEADER, Backend, BackendPool, ClientFactory, Role, client_factory
 from proxy.config import ProxyConfig
 from proxy.discovery import DnsDiscovery, Resolver, resolve_with_getaddrinfo
@@ -151,6 +152,11 @@ def _routes(components: ProxyComponents) -> list[Route]:
     async def metrics(request: Request) -> Response:
         return Response(components.metrics.render(), media_type=CONTENT_TYPE)
 
+    document = openapi_document("pdserve proxy", PROTOCOL_VERSION_LABEL)
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(document)
+
     return [
         Route(COMPLETIONS_PATH, completions, methods=["POST"]),
         Route(CHAT_COMPLETIONS_PATH, chat_completions, methods=["POST"]),
@@ -161,6 +167,7 @@ def _routes(components: ProxyComponents) -> list[Route]:
         Route("/ready", health, methods=["GET"]),
         Route("/live", live, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route(OPENAPI_PATH, openapi, methods=["GET"]),
         explain_route(components.kv, components.config.internal_token),
     ]
 
