@@ -9,9 +9,10 @@ choices, metrics, id release).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -44,6 +45,28 @@ def parse_body(schema: type[BodyT], raw_body: bytes, limits: LimitsConfig = Limi
 
 def json_response(body: BaseModel, headers: dict[str, str] | None = None, status_code: int = 200) -> Response:
     return Response(body.model_dump_json(), status_code=status_code, media_type="application/json", headers=headers)
+
+
+# Answers carrying more entries than this (tokens, logprobs, alternatives) are built on a worker
+# thread: formatting tens of thousands of logprobs takes milliseconds, and on the event loop every
+# other request's stream would wait for it.
+OFF_LOOP_ENTRIES = 4096
+
+
+def answer_size(results: Sequence[GenerationResult]) -> int:
+    """Entries a final answer formats: tokens, their alternatives, prompt logprobs and theirs."""
+    size = 0
+    for result in results:
+        size += len(result.token_ids) + sum(len(top) for top in result.top_logprobs)
+        size += sum(1 + len(top) for top in result.prompt_logprobs or () if top is not None)
+    return size
+
+
+async def final_json_response(build: Callable[[], BaseModel], size: int, headers: dict[str, str]) -> Response:
+    """`json_response(build())`, off the event loop when the answer is large."""
+    if size <= OFF_LOOP_ENTRIES:
+        return json_response(build(), headers)
+    return await asyncio.to_thread(lambda: json_response(build(), headers))
 
 
 def _completion_format(ctx: ServingContext, body: CompletionRequest, request_id: str,
@@ -117,7 +140,8 @@ async def _serve(
                                        send_timeout_s=ctx.config.stream_send_timeout_s)
         results = await run_until_disconnected(raw, _collect(streams))
         usage = results_usage(results, [len(p) for p in prepared.prompts], prepared.num_choices)
-        return json_response(response_format.final_response(results, usage), headers)
+        return await final_json_response(lambda: response_format.final_response(results, usage),
+                                         answer_size(results), headers)
     finally:
         if not handed_off:
             if holds_stream_slot:
