@@ -90,36 +90,30 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--rows", type=int, default=16, help="decode rows per call (--device cuda)")
     args = parser.parse_args()
-    if args.device == "cuda":
-        torch.manual_seed(0)
-        cuda = {keys: {layout: cuda_microseconds_per_call(keys, args.rows, args.rounds, layout) for layout in LAYOUTS}
-                for keys in args.keys}
-        print("| keys | rows | token layout, us per call | head layout, us per call | head / token |")
-        print("|---:|---:|---:|---:|---:|")
-        for keys, value in cuda.items():
-            print(f"| {keys} | {args.rows} | {value['token']:.1f} | {value['head']:.1f} | "
-                  f"{value['head'] / value['token']:.2f} |")
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "us_per_call": cuda}, f, indent=2)
-        return
-    if cpu_kernels_error() is not None:
-        raise SystemExit(f"native kernels unavailable: {cpu_kernels_error()}")
     torch.manual_seed(0)
-    overhead = microseconds_per_call(1, args.rounds)
     # Each context length measures both layouts back to back, so drift on a noisy machine hits both.
-    results = {keys: {layout: microseconds_per_call(keys, args.rounds, layout) for layout in LAYOUTS}
-               for keys in args.keys}
-    print(f"| keys | token layout, us per call | head layout, us per call | head / token "
-          f"| head less a one-key call ({overhead:.1f} us) |")
+    if args.device == "cuda":
+        results = {keys: {layout: cuda_microseconds_per_call(keys, args.rows, args.rounds, layout)
+                          for layout in LAYOUTS} for keys in args.keys}
+        columns, extra = "| rows ", lambda value: f"| {args.rows} "
+        record = {"device": torch.cuda.get_device_name()}
+    else:
+        if cpu_kernels_error() is not None:
+            raise SystemExit(f"native kernels unavailable: {cpu_kernels_error()}")
+        overhead = microseconds_per_call(1, args.rounds)
+        results = {keys: {layout: microseconds_per_call(keys, args.rounds, layout) for layout in LAYOUTS}
+                   for keys in args.keys}
+        columns = f"| head less a one-key call ({overhead:.1f} us) "
+        extra = lambda value: f"| {value['head'] - overhead:.1f} "  # noqa: E731
+        record = {"one_key_us": overhead}
+    print(f"| keys | token layout, us per call | head layout, us per call | head / token {columns}|")
     print("|---:|---:|---:|---:|---:|")
     for keys, value in results.items():
         print(f"| {keys} | {value['token']:.1f} | {value['head']:.1f} | {value['head'] / value['token']:.2f} "
-              f"| {value['head'] - overhead:.1f} |")
+              f"{extra(value)}|")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "one_key_us": overhead, "us_per_call": results}, f, indent=2)
-
+        json.dump({"args": vars(args), **record, "us_per_call": results}, f, indent=2)
 
 if __name__ == "__main__":
     main()

@@ -352,19 +352,28 @@ def main(argv: Sequence[str] | None = None) -> int:
              for row in measure_pulls(args.shape, mode, args.device, args.prompt_tokens, args.reps)]
     clipping = clipping_rows()
     print(format_tables(shape, pulls, clipping))
-    report = {
-        "command": " ".join(["python3", "bench/kv_transfer.py", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "memcpy_threads": args.memcpy_threads, "load_average": os.getloadavg(),
-                    "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device)},
-        "reps": args.reps, "shape": dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}, "pulls": pulls, "clipping": clipping,
-        "wall_s": time.perf_counter() - started_s,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=2)
-    print(f"\nwrote {args.out} in {report['wall_s']:.1f} s")
+    device = args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device)
+    write_report(args.out, "bench/kv_transfer.py", argv, started_s,
+                 machine={**machine_record(args.memcpy_threads), "device": device},
+                 reps=args.reps, shape=dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}, pulls=pulls,
+                 clipping=clipping)
     return 0
+
+
+def machine_record(memcpy_threads: int) -> dict:
+    """What a KV transfer report says of the machine it ran on."""
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "memcpy_threads": memcpy_threads, "load_average": os.getloadavg()}
+
+
+def write_report(out: str, script: str, argv: Sequence[str] | None, started_s: float, **fields: object) -> None:
+    """Write a report as JSON: the command that made it, `fields`, and the run's wall time."""
+    report = {"command": " ".join(["python3", script, *(argv if argv is not None else sys.argv[1:])]), **fields,
+              "wall_s": time.perf_counter() - started_s}
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2)
+    print(f"\nwrote {out} in {report['wall_s']:.1f} s")
 
 
 if __name__ == "__main__":

@@ -29,10 +29,9 @@ import logging
 import math
 import multiprocessing
 import os
-import platform
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script: make `pdserve` and `bench` importable
@@ -42,10 +41,11 @@ import torch  # noqa: E402
 
 from bench._cpu import CpuMeter  # noqa: E402
 from bench.kv_transfer import (  # noqa: E402
-    MEMORY_MODES, SHAPES, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, memcpy_run)
+    MEMORY_MODES, SHAPES, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record, memcpy_run,
+    write_report)
 from pdserve.kv.head_split import heads_split_problem, rank_kv_heads  # noqa: E402
 from pdserve.kv.layout import KVPoolLayout  # noqa: E402
-from pdserve.transfer.transport import PeerInfo, TransferState  # noqa: E402
+from pdserve.transfer.transport import PeerInfo  # noqa: E402
 
 logger = logging.getLogger("bench.kv_transfer_tp")
 
@@ -464,19 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(rows))
     gains = coalescing_gains(rows)
     print("\ncontiguous / scattered GB/s: " + ", ".join(f"{m} {t} {pair}: {g:.2f}" for (m, t, pair), g in gains.items()))
-    report = {
-        "command": " ".join(["python3", "bench/kv_transfer_tp.py", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "memcpy_threads": args.memcpy_threads, "load_average": os.getloadavg()},
-        "reps": args.reps, "shape": dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}, "pulls": rows,
-        "coalescing_gain": [{"memory": m, "prompt_tokens": t, "pair": pair, "contiguous_over_scattered": g}
-                            for (m, t, pair), g in gains.items()],
-        "wall_s": time.perf_counter() - started_s,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=2)
-    print(f"\nwrote {args.out} in {report['wall_s']:.1f} s")
+    write_report(args.out, "bench/kv_transfer_tp.py", argv, started_s, machine=machine_record(args.memcpy_threads),
+                 reps=args.reps, shape=dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}, pulls=rows,
+                 coalescing_gain=[{"memory": m, "prompt_tokens": t, "pair": pair, "contiguous_over_scattered": g}
+                                  for (m, t, pair), g in gains.items()])
     return 0
 
 

@@ -4,7 +4,8 @@ Read in this order: `cli` (`pdserve serve|prefill|decode|proxy|up`), `worker`
 (one worker process: config -> metrics, engine, app -> uvicorn), `drain`
 (SIGTERM: finish what is in flight, then exit), `local_cluster` (`pdserve up`:
 prefill, decode and proxy as child processes), `ranks` (a tensor-parallel
-worker's other ranks on this host).
+worker's other ranks on this host), `children` (what every child process they start
+shares: a free port, dying with its parent).
 
 May import: anything, the proxy included. Nothing imports this package.
 """

@@ -48,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as error:
         print(f"pdserve {args.command}: error: {error}", file=sys.stderr)
         return 2
-    if config.parallel.tp_rank:  # a rank started as its own command (another host): no HTTP server
+    if not config.parallel.is_leader:  # a rank started as its own command (another host): no HTTP server
         from pdserve.engine.tensor_parallel import serve_follower
 
         return serve_follower(config)

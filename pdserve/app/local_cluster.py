@@ -15,7 +15,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,9 +26,9 @@ import httpx
 
 from pdserve.api.config import DEFAULT_PORTS, CacheConfig
 from pdserve.api.flags import FORWARDED_ARGS, add_worker_flags, parse_device
+from pdserve.app.children import die_with_parent, free_port, linux_libc
 from proxy.cli import INTERNAL_TOKEN_ENV, LIMIT_FLAGS
 
-_PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 20.0  # workers drain in-flight requests on SIGTERM; past this they are killed
 
 
@@ -52,12 +51,6 @@ def plan_cores(cores: Sequence[int]) -> CorePlan:
     half = len(ordered) // 2
     prefill, decode = ordered[:half], ordered[half:]
     return CorePlan(prefill, decode, len(prefill), len(decode))
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 # Settings `up` decides per child (ports, cores, threads, token, identity) rather than forwarding.
@@ -183,7 +176,7 @@ def _child_setup(cores: Optional[tuple[int, ...]], libc: Optional[ctypes.CDLL]) 
         if cores is not None:
             os.sched_setaffinity(0, cores)
         if libc is not None:
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            die_with_parent(libc, signal.SIGTERM)
 
     return setup
 
@@ -220,10 +213,7 @@ class LocalCluster:
     _pumps: list[threading.Thread] = field(default_factory=list)
 
     def start(self) -> None:
-        try:
-            libc: Optional[ctypes.CDLL] = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-        except OSError:
-            libc = None
+        libc = linux_libc()
         # Every child is forked before any pump thread exists (preexec_fn and threads do not mix).
         for spec in self.specs:
             self.processes[spec.name] = subprocess.Popen(

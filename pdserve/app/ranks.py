@@ -11,41 +11,18 @@ collective fails, and Linux kills it when rank 0's process ends.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
-from typing import Callable, Optional
 
 from pdserve.api.config import WorkerConfig
+from pdserve.app.children import die_with_parent, free_port, linux_libc
 
 logger = logging.getLogger(__name__)
 
 CONFIG_VARIABLE = "PDSERVE_RANK_CONFIG"
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> Optional[Callable[[], None]]:
-    """A child set-up that has Linux kill the rank when rank 0's process ends, however it ends
-    (rank 0 killed while the ranks still wait to meet would otherwise leave them waiting)."""
-    if sys.platform != "linux":
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-    return lambda: libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
-
-
 def with_rank(config: WorkerConfig, rank: int, master_port: int, master_addr: str) -> WorkerConfig:
     parallel = config.parallel.model_copy(update={"tp_rank": rank, "tp_master_port": master_port,
                                                   "tp_master_addr": master_addr})
@@ -56,10 +33,14 @@ def start_local_ranks(config: WorkerConfig) -> tuple[WorkerConfig, list[subproce
     """(rank 0's config, the started ranks 1..N-1) for a worker whose ranks all live on this host."""
     port = config.parallel.tp_master_port or free_port()
     children = []
+    libc = linux_libc()
+    # Linux kills a rank when rank 0's process ends, however it ends (rank 0 killed while the
+    # ranks still wait to meet would otherwise leave them waiting).
+    set_up = (lambda: die_with_parent(libc, signal.SIGKILL)) if libc is not None else None
     for rank in range(1, config.parallel.tensor_parallel_size):
         environment = {**os.environ, CONFIG_VARIABLE: with_rank(config, rank, port, "127.0.0.1").model_dump_json()}
         children.append(subprocess.Popen([sys.executable, "-m", "pdserve.app.ranks"], env=environment,
-                                         preexec_fn=_die_with_parent()))
+                                         preexec_fn=set_up))
     logger.info("started tensor-parallel ranks 1-%d (pids %s), rendezvous on 127.0.0.1:%d",
                 len(children), [child.pid for child in children], port)
     return with_rank(config, 0, port, "127.0.0.1"), children

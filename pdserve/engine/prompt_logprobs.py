@@ -21,30 +21,30 @@ from pdserve.engine.schedule_types import PromptLogprobs, ScheduledChunk
 
 
 @dataclass(slots=True)
-class _Rows:
+class WantedRows:
     chunk: ScheduledChunk
     first_row: int  # in the flat batch of hidden states
     num_rows: int
 
 
-def wanted_rows(chunks: Sequence[ScheduledChunk]) -> list[_Rows]:
+def wanted_rows(chunks: Sequence[ScheduledChunk]) -> list[WantedRows]:
     """Chunks (in flat-batch order) whose prompt positions need logprobs, with their rows."""
     wanted, offset = [], 0
     for chunk in chunks:
         last_target = min(chunk.end_position, chunk.num_prompt_tokens - 1)
         num_rows = last_target - chunk.start_position
         if chunk.sampling.prompt_logprobs is not None and num_rows > 0:
-            wanted.append(_Rows(chunk, offset, num_rows))
+            wanted.append(WantedRows(chunk, offset, num_rows))
         offset += chunk.num_tokens
     return wanted
 
 
-def row_indices(wanted: list[_Rows]) -> list[int]:
+def row_indices(wanted: list[WantedRows]) -> list[int]:
     """The flat-batch rows whose logits `compute_packed` computes, in its order."""
     return [r.first_row + i for r in wanted for i in range(r.num_rows)]
 
 
-def compute_packed(hidden: torch.Tensor, wanted: list[_Rows],
+def compute_packed(hidden: torch.Tensor, wanted: list[WantedRows],
                    compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """[sum rows, 1 + 2k] float64 on the device (k = the most alternatives any chunk asked for)."""
     device = hidden.device
@@ -60,12 +60,12 @@ def compute_packed(hidden: torch.Tensor, wanted: list[_Rows],
     return torch.cat(columns, dim=1)
 
 
-def _targets(rows: _Rows) -> Sequence[int]:
+def _targets(rows: WantedRows) -> Sequence[int]:
     start = rows.chunk.start_position + 1
     return rows.chunk.prompt_token_ids[start : start + rows.num_rows]
 
 
-def unpack(values: list[list[float]], wanted: list[_Rows]) -> list[PromptLogprobs]:
+def unpack(values: list[list[float]], wanted: list[WantedRows]) -> list[PromptLogprobs]:
     results, cursor = [], 0
     for rows in wanted:
         targets = _targets(rows)

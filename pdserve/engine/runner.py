@@ -67,6 +67,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    def _share_step(self, chunks: Sequence[ScheduledChunk], sample_rows: Sequence[int],
+                    prompt_rows: Sequence[prompt_logprobs.WantedRows]) -> None:
+        """Called with a step's chunks in the order they run, before the forward pass; tensor-parallel
+        rank 0 sends them to its other ranks here."""
+
     def keep_ranks_alive(self) -> None:
         """Called by the engine loop every turn; tensor-parallel rank 0 heartbeats its ranks here."""
 
@@ -93,10 +98,12 @@ class ModelRunner:
             return StepResult()
         # Single-token chunks first: they share one decode attention call per layer.
         chunks = sorted(step.chunks, key=lambda chunk: chunk.num_tokens != 1)
-        sample_rows, sample_chunks = self._sample_rows(chunks)
+        row_indices = sample_row_indices(chunks)
+        sample_rows, sample_chunks = self._sample_rows(chunks, row_indices)
         # Grammar masks are computed on a helper thread while the model runs.
         masks = self.grammar.start_masks(sample_chunks) if self.grammar is not None and sample_chunks else None
         prompt_rows = prompt_logprobs.wanted_rows(chunks)
+        self._share_step(chunks, row_indices, prompt_rows)
         logits, hidden = self._forward(chunks, sample_rows, len(sample_chunks), bool(prompt_rows))
         packed: list[torch.Tensor] = []
         late_rows: list[int] = []  # grammar rows whose masks did not come in time
@@ -168,8 +175,8 @@ class ModelRunner:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
         return as_tensor(token_ids), as_tensor(positions)
 
-    def _sample_rows(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        rows = sample_row_indices(chunks)
+    def _sample_rows(self, chunks: Sequence[ScheduledChunk],
+                     rows: list[int]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         sampled = [chunk for chunk in chunks if chunk.sample]
         # Asynchronous copy: `torch.tensor(..., device=cuda)` would wait for the device.
         return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True), sampled

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -29,13 +29,13 @@ from pdserve.api.config import WorkerConfig
 from pdserve.api.sampling import SamplingParams
 from pdserve.engine import prompt_logprobs
 from pdserve.engine.devices import pick_device, pick_dtype, rank_device, rank_threads
-from pdserve.engine.runner import ModelRunner, sample_row_indices
+from pdserve.engine.runner import ModelRunner
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.specs import plan_groups
 from pdserve.models.loader import load_model, resolve_quantization
 from pdserve.models.registry import TensorParallelRank
-from pdserve.parallel.channel import LeaderChannel, RankMessage, RankSetup, follower_report
+from pdserve.parallel.channel import LeaderChannel, RankMessage, RankSetup
 from pdserve.parallel.ranks import RankGroup, RanksLost
 from pdserve.pd.wiring import TransportFactory, nixl_transport
 from pdserve.transfer.ranked_transport import FollowerTransport, RankReader
@@ -58,16 +58,16 @@ class LeaderRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.channel = channel
 
+    def _share_step(self, chunks: Sequence[ScheduledChunk], sample_rows: Sequence[int],
+                    prompt_rows: Sequence[prompt_logprobs.WantedRows]) -> None:
+        path = self.takes_decode_step(chunks, bool(prompt_rows))
+        # The eager path's logits computations, in execute's order (the head is split over the ranks).
+        logit_rows = () if path else tuple(rows for rows in (
+            tuple(sample_rows), tuple(prompt_logprobs.row_indices(prompt_rows))) if rows)
+        self.channel.send(SchedulerOutput(chunks=[_slim(chunk) for chunk in chunks]), path, logit_rows)
+
     def execute(self, step: SchedulerOutput) -> StepResult:
         try:
-            if not step.is_empty:
-                chunks = sorted(step.chunks, key=lambda chunk: chunk.num_tokens != 1)  # execute's order
-                prompt_rows = prompt_logprobs.wanted_rows(chunks)
-                path = self.takes_decode_step(chunks, bool(prompt_rows))
-                # The eager path's logits computations, in execute's order (the head is split over the ranks).
-                logit_rows = () if path else tuple(rows for rows in (
-                    tuple(sample_row_indices(chunks)), tuple(prompt_logprobs.row_indices(prompt_rows))) if rows)
-                self.channel.send(SchedulerOutput(chunks=[_slim(chunk) for chunk in chunks]), path, logit_rows)
             return super().execute(step)
         except RanksLost:
             raise
@@ -110,7 +110,7 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
             agent = f"{config.transfer.engine_id or config.role}-rank{rank}-{uuid.uuid4().hex[:12]}"
             local = transport_factory(layout.canonical_view(runner.pool), agent)
             transport = FollowerTransport(RankReader(local, rank, size, spec.total_kv_heads))
-        follower_report(group, transport.descriptor() if transport is not None else None)
+        group.gather(transport.descriptor() if transport is not None else None)  # rank 0 builds its transport
         return _follow(group, runner, transport)
     except RanksLost as error:
         logger.critical("rank %d/%d: %s; exiting", rank, size, error)
@@ -141,4 +141,4 @@ def _follow(group: RankGroup, runner: ModelRunner, transport: Optional[FollowerT
             except Exception as error:  # out of step with the other ranks from here on
                 raise RanksLost(f"rank {group.rank}: a step failed: {error!r}") from error
         if message.want_report:
-            follower_report(group, transport.report() if transport is not None else None)
+            group.gather(transport.report() if transport is not None else None)

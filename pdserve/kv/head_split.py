@@ -33,7 +33,7 @@ def rank_kv_heads(num_kv_heads: int, size: int, rank: int) -> tuple[int, int]:
 def heads_split_problem(num_kv_heads: int, size: int) -> str | None:
     """Why `size` ranks cannot split `num_kv_heads` KV heads (None when they can)."""
     if num_kv_heads % size and size % num_kv_heads:
-        return (f"{size} ranks and {num_kv_heads} KV heads: one must divide the other "
+        return (f"{size} ranks and the model's {num_kv_heads} KV heads: one must divide the other "
                 f"(KV heads are split when there are more of them than ranks, replicated when fewer)")
     return None
 

@@ -92,9 +92,9 @@ def tensor_parallel_problem(size: int, num_heads: int, num_kv_heads: int, interm
     if num_heads % size:
         return (f"--tensor-parallel-size {size} does not divide the model's {num_heads} attention heads "
                 f"(sizes that do: {_divisors(num_heads)})")
-    if heads_split_problem(num_kv_heads, size) is not None:
-        return (f"--tensor-parallel-size {size} and the model's {num_kv_heads} KV heads: one must divide the other "
-                f"(KV heads are split when there are more of them than ranks, replicated when fewer)")
+    kv_problem = heads_split_problem(num_kv_heads, size)
+    if kv_problem is not None:
+        return f"--tensor-parallel-size {size}: {kv_problem}"
     if intermediate_size % size:
         return f"--tensor-parallel-size {size} does not divide the model's MLP width {intermediate_size}"
     return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from pdserve.parallel.ranks import RankGroup
 
@@ -74,7 +74,3 @@ class LeaderChannel:
         except Exception:  # noqa: BLE001 - a lost rank is exactly when this may fail
             pass
 
-
-def follower_report(group: RankGroup, report: Optional[Any]) -> None:
-    """A follower's answer to a message that asked for one."""
-    group.gather(report)

@@ -249,7 +249,6 @@ class RankReader:
 class _RankedRead:
     peer_key: str
     notification: bytes
-    num_blocks: int
     notified: bool = False
 
 
@@ -344,7 +343,7 @@ class RankedTransport:
         local = self.reader.start_read(handle_id, peer_key, local_block_ids, remote_block_ids)
         if local_block_ids:
             self._queue(StartRead(handle_id, peer_key, tuple(local_block_ids), tuple(remote_block_ids)))
-        read = _RankedRead(peer_key, notification, len(local_block_ids))
+        read = _RankedRead(peer_key, notification)
         self._reads[handle_id] = read
         # The ranks of a worker split evenly: each moves rank 0's bytes in as many descriptors.
         num_bytes = sum(handle.num_bytes for handle in local) * self.num_ranks

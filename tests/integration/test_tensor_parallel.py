@@ -80,17 +80,17 @@ CASES = {  # name: (query heads, KV heads, biases)
 
 @pytest.fixture(scope="module")
 def tp2_workers(tmp_path_factory):
-    """One TP=2 worker per tiny model, with its transformers oracle."""
+    """One TP=2 worker per tiny model, with its transformers oracle: {name: (oracle, vocab, checkpoint dir)}."""
     logs = tmp_path_factory.mktemp("tp-logs")
     oracles, workers = {}, {}
     for seed, (name, (heads, kv_heads, bias)) in enumerate(CASES.items()):
         directory = str(tmp_path_factory.mktemp(name))
-        oracles[name] = (tiny_llama(directory, heads, kv_heads, bias, seed), VOCAB)
+        oracles[name] = (tiny_llama(directory, heads, kv_heads, bias, seed), VOCAB, directory)
         workers[name] = tp_worker("serve", directory, logs, name, "-tp", "2")
         if bias:  # the same model on one rank, for what transformers cannot answer
             workers["single"] = tp_worker("serve", directory, logs, "single")
     gemma_dir = str(tmp_path_factory.mktemp("gemma3"))
-    oracles["gemma3-window"] = (make_tiny_gemma3(gemma_dir), GEMMA_VOCAB)
+    oracles["gemma3-window"] = (make_tiny_gemma3(gemma_dir), GEMMA_VOCAB, gemma_dir)
     workers["gemma3-window"] = tp_worker("serve", gemma_dir, logs, "gemma3", "-tp", "2")
     start_workers(*workers.values())
     yield oracles, workers
@@ -101,7 +101,7 @@ def tp2_workers(tmp_path_factory):
 @pytest.mark.parametrize("name", [*CASES, "gemma3-window"])
 def test_tp2_greedy_matches_transformers(tp2_workers, name):
     oracles, workers = tp2_workers
-    oracle, vocab = oracles[name]
+    oracle, vocab, _ = oracles[name]
     for seed, length in ((1, 9), (2, 3 * GEMMA_WINDOW + 5)):  # the second prompt outgrows Gemma's window
         prompt = random_prompt(length, vocab, seed)
         want, margins = hf_greedy_with_margins(oracle, prompt, NUM_NEW)
@@ -132,7 +132,7 @@ def test_ranks_started_as_separate_commands_serve_the_same_answers(tp2_workers, 
     """The multi-host path: rank 0 and rank 1 each started as their own command, meeting at one port."""
     oracles, workers = tp2_workers
     name = "llama-4q-2kv-biases"
-    model_dir = re.search(r"--model', '([^']+)'", repr(workers[name].extra_args)).group(1)
+    model_dir = oracles[name][2]
     port = str(free_port())
     rendezvous = ["-tp", "2", "--tp-master-addr", "127.0.0.1", "--tp-master-port", port]
     leader = tp_worker("serve", model_dir, tmp_path, "rank0", *rendezvous, "--tp-rank", "0")
