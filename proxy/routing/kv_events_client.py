@@ -4,8 +4,10 @@ Invariant: one subscription per backend of a kv_aware role while it is in its
 pool; whatever ends a stream (error, lost events, the backend leaving) drops
 that worker's blocks from the index before anything else happens, so routing
 never trusts a history it could not follow; the next stream starts with a
-snapshot. Reconnects back off from 0.1 s to 1 s, so a restarted worker is
-followed again within a second of serving.
+snapshot, which also names the worker's block size (the index matches each
+worker over its own; a snapshot without one is a broken stream). Reconnects
+back off from 0.1 s to 1 s, so a restarted worker is followed again within a
+second of serving.
 """
 
 from __future__ import annotations
@@ -80,14 +82,17 @@ class KVEventSubscription:
         message = decode_line(line)
         url = self.backend.url
         if message.type == SNAPSHOT:
-            self._index.apply_snapshot(url, self._role, message.epoch, message.seq, message.blocks)
+            if message.block_size < 1:
+                raise KVWireError(f"a snapshot of blocks of {message.block_size} tokens")
+            self._index.apply_snapshot(url, self._role, message.epoch, message.seq, message.block_size,
+                                       message.blocks)
             restarted = self._last_epoch is not None and self._last_epoch != message.epoch
             reason = "restart" if restarted else self._snapshot_reason
             self._last_epoch = message.epoch
             self._synced = True
             self._metrics.resyncs.labels(self._role, reason).inc()
-            logger.info("KV index: %s has %d cached blocks (epoch %s, %s)", url, len(message.blocks),
-                        message.epoch, reason)
+            logger.info("KV index: %s has %d cached blocks of %d tokens (epoch %s, %s)", url, len(message.blocks),
+                        message.block_size, message.epoch, reason)
             return
         if message.type == EVENTS:
             self._index.apply_events(url, message.epoch, message.events)

@@ -6,6 +6,10 @@ number of the same epoch (else `SequenceGap`, and the caller resyncs), and a
 worker whose stream broke or who left the pool holds nothing. Matching a
 prompt against a worker uses the workers' own prefix rule (`pdserve.kv.prefix`),
 so a prediction is the hit the worker will find if nothing changes meanwhile.
+Each worker's entries are keyed by its own block size (the one its snapshot
+names): its hashes chain blocks of that many tokens, so a prompt is matched
+against it with the prompt's chain for that size, and prefill and decode
+workers may use different sizes.
 Bounded: a worker's entries stop growing at `max_keys_per_worker` (blocks it
 stores past that are not indexed and counted): a worker cannot grow the
 proxy's memory without limit, and an index that misses blocks only predicts
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Protocol, Sequence
 
 from pdserve.kv.events import CachedBlock, KVEvent, KVEventKind
 from pdserve.kv.prefix import match_prefix, max_hit_blocks
@@ -31,12 +35,26 @@ class SequenceGap(Exception):
     """Events that do not continue the worker's history: resync from a snapshot."""
 
 
+class HashedPrompt(Protocol):
+    """A prompt as the index matches it (`proxy.routing.kv_prompt.PromptBlocks`)."""
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def block_hashes(self, block_size: int) -> Sequence[bytes]:
+        """The prompt's chained hashes of its full blocks of `block_size` tokens."""
+        ...
+
+
 @dataclass(slots=True)
 class WorkerBlocks:
+    """What the index knows of one worker. `keys` are hashes of blocks of `block_size` tokens (>= 1)."""
+
     url: str
     role: str
     epoch: str
     last_seq: int
+    block_size: int
     keys: set[BlockKey] = field(default_factory=set)
 
 
@@ -63,10 +81,13 @@ class KVIndex:
 
     # ---- updates ---------------------------------------------------------------------
 
-    def apply_snapshot(self, url: str, role: str, epoch: str, seq: int, blocks: Iterable[CachedBlock]) -> None:
-        """Replace everything known of the worker."""
+    def apply_snapshot(self, url: str, role: str, epoch: str, seq: int, block_size: int,
+                       blocks: Iterable[CachedBlock]) -> None:
+        """Replace everything known of the worker, whose blocks hold `block_size` tokens each."""
+        if block_size < 1:
+            raise ValueError(f"{url}: a snapshot of blocks of {block_size} tokens")
         self.drop_worker(url)
-        worker = self._workers[url] = WorkerBlocks(url, role, epoch, seq)
+        worker = self._workers[url] = WorkerBlocks(url, role, epoch, seq, block_size)
         for block in blocks:
             self._add(worker, (block.block_hash, block.group_id))
 
@@ -120,12 +141,17 @@ class KVIndex:
 
     # ---- queries ---------------------------------------------------------------------
 
-    def cached_tokens(self, url: str, block_hashes: Sequence[bytes], num_prompt_tokens: int,
-                      plan: KVGroupPlan, block_size: int) -> int:
-        """Prompt tokens the worker's prefix cache would serve, by the worker's own matching rule."""
-        if url not in self._workers or not block_hashes:
+    def cached_tokens(self, url: str, prompt: HashedPrompt, plan: KVGroupPlan) -> int:
+        """Prompt tokens the worker's prefix cache would serve, by the worker's own matching rule
+        over the worker's own block size (0 for a worker the index does not follow)."""
+        worker = self._workers.get(url)
+        if worker is None:
             return 0
-        max_blocks = max_hit_blocks(num_prompt_tokens, block_size)
+        block_size = worker.block_size
+        block_hashes = prompt.block_hashes(block_size)
+        if not block_hashes:
+            return 0
+        max_blocks = max_hit_blocks(prompt.num_tokens, block_size)
         return match_prefix(_HeldBy(self._holders, url), plan, block_hashes, max_blocks, block_size).num_tokens
 
     def worker(self, url: str) -> Optional[WorkerBlocks]:

@@ -2,19 +2,23 @@
 and `KVRoute`, the routing state a request carries (its blocks, what was predicted per worker).
 
 Invariant: for every request a worker accepts, `PromptHasher.prompt_blocks`
-returns the token count and chained block hashes that worker's scheduler
-computes, because it runs the workers' own code on the worker's own data:
+returns the token ids that worker's scheduler computes, and their chained block
+hashes for the worker's block size, because it runs the workers' own code on
+the worker's own data:
 `pdserve.api.protocol` (message normalization), `pdserve.api.chat_template`
 (rendering), the worker's serialized tokenizer, `pdserve.kv.hashing` (the
-chain). A request the worker would reject yields None (routing then falls back
-to load). Everything imported here is torch-free (tests/test_import_rules.py).
+chain). Rendering and tokenizing happen once per request, hashing once per
+block size asked for: workers may differ in block size, while the tokenizer,
+template and KV group plan are the model's, the same on every worker. A
+request the worker would reject yields None (routing then falls back to
+load). Everything imported here is torch-free (tests/test_import_rules.py).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import tokenizers
 from pydantic import ValidationError
@@ -29,6 +33,8 @@ from proxy.routing.token_cache import ASYNC_MIN_CHARS, SegmentTokenizer
 
 logger = logging.getLogger(__name__)
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the token ids a block hash can pack
+
 
 class IncompatibleWorker(ValueError):
     """The worker hashes blocks in a way this proxy cannot reproduce."""
@@ -36,8 +42,28 @@ class IncompatibleWorker(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class PromptBlocks:
-    num_tokens: int
-    block_hashes: tuple[bytes, ...]
+    """A prompt's token ids, and its chained block hashes for any block size.
+
+    Invariant: `block_hashes(n)` equals `hash_full_blocks(token_ids, n, [])`, the
+    chain a worker with blocks of n tokens computes, and never raises for n >= 1
+    (every id is an int64); each size is hashed at most once per prompt, however
+    many candidates ask. Equality compares the token ids alone.
+    """
+
+    token_ids: tuple[int, ...]
+    _hashes_by_block_size: dict[int, tuple[bytes, ...]] = field(
+        default_factory=dict, init=False, compare=False, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def block_hashes(self, block_size: int) -> tuple[bytes, ...]:
+        hashes = self._hashes_by_block_size.get(block_size)
+        if hashes is None:
+            hashes = tuple(hash_full_blocks(self.token_ids, block_size, []))
+            self._hashes_by_block_size[block_size] = hashes
+        return hashes
 
 
 class PromptHasher:
@@ -46,8 +72,10 @@ class PromptHasher:
     def __init__(self, info: RoutingInfo):
         if info.hash_scheme != HASH_SCHEME:
             raise IncompatibleWorker(f"worker hashes with {info.hash_scheme!r}, this proxy with {HASH_SCHEME!r}")
+        if info.block_size < 1:
+            raise IncompatibleWorker(f"worker has blocks of {info.block_size} tokens")
         self.model = info.model
-        self.block_size = info.block_size
+        self.block_size = info.block_size  # the answering worker's; each worker is matched with its own
         self.prefix_caching = info.prefix_caching
         self.plan: KVGroupPlan = info.group_plan()
         self._tokenizer = tokenizers.Tokenizer.from_str(info.tokenizer_json)
@@ -67,7 +95,7 @@ class PromptHasher:
             return None
         if not token_ids:
             return None
-        return PromptBlocks(len(token_ids), tuple(hash_full_blocks(token_ids, self.block_size, [])))
+        return PromptBlocks(tuple(token_ids))
 
     async def _token_ids(self, path: str, body: dict[str, Any]) -> Optional[list[int]]:
         if path.endswith("/chat/completions"):
@@ -82,10 +110,17 @@ class PromptHasher:
         # A batch is computed by the decode worker alone: its first prompt routes it.
         prompt = CompletionRequest.model_validate(body).prompt_inputs()[0]
         if not isinstance(prompt, str):
-            return list(prompt)
+            return _hashable_token_ids(prompt)
         if len(prompt) >= ASYNC_MIN_CHARS:
             return (await self._tokenizer.async_encode(prompt, add_special_tokens=True)).ids
         return self._tokenizer.encode(prompt, add_special_tokens=True).ids
+
+
+def _hashable_token_ids(token_ids: Sequence[int]) -> list[int]:
+    """A client's token ids, or ValueError when one does not fit the int64 a block hash packs."""
+    if min(token_ids) < INT64_MIN or max(token_ids) > INT64_MAX:
+        raise ValueError("a prompt token id does not fit in 64 bits")
+    return list(token_ids)
 
 
 @dataclass(slots=True)

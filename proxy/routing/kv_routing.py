@@ -5,7 +5,9 @@ Invariant: routing by cache never fails a request: without the prompt's
 blocks (tokenizer not fetched yet, a request the worker will reject) the role
 falls back to least_loaded; the prefill leg is skipped only when the chosen
 decode worker's cache leaves at most `kv_decode_only_max_tokens` prompt tokens
-for it to compute.
+for it to compute. Each candidate's cached prefix is matched over that
+worker's own block size (the index records it), so prefill and decode workers
+with different block sizes are each predicted exactly.
 """
 
 from __future__ import annotations
@@ -114,15 +116,15 @@ class KVRouting:
 
     def _score(self, candidates: Sequence[Backend], blocks: PromptBlocks,
                hasher: PromptHasher) -> list[ScoredCandidate]:
-        return [score_candidate(
-            backend, self.index.cached_tokens(backend.url, blocks.block_hashes, blocks.num_tokens, hasher.plan,
-                                              hasher.block_size),
-            blocks.num_tokens, self._config.kv_load_tokens) for backend in candidates]
+        """One KV group plan for all (it is the model's); each worker's hit over its own block size."""
+        return [score_candidate(backend, self.index.cached_tokens(backend.url, blocks, hasher.plan),
+                                blocks.num_tokens, self._config.kv_load_tokens) for backend in candidates]
 
     # ---- debugging ---------------------------------------------------------------------
 
     async def explain(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Each candidate's score for this body, and what kv_aware would do; changes nothing."""
+        """Each candidate's score and block size for this body, and what kv_aware would do; changes nothing.
+        The top-level `block_size` and `num_blocks` are those of the worker whose routing info was loaded."""
         hasher = self.hasher
         if hasher is None:
             return {"ready": False, "reason": "no worker has served its routing info yet"}
@@ -130,13 +132,14 @@ class KVRouting:
         if blocks is None:
             return {"ready": True, "num_prompt_tokens": None, "reason": "the request is not one a worker accepts"}
         answer: dict[str, Any] = {"ready": True, "model": hasher.model, "block_size": hasher.block_size,
-                                  "num_prompt_tokens": blocks.num_tokens, "num_blocks": len(blocks.block_hashes)}
+                                  "num_prompt_tokens": blocks.num_tokens,
+                                  "num_blocks": len(blocks.block_hashes(hasher.block_size))}
         for role, pool in self._pools.items():
             scored = self._score(pool.available(), blocks, hasher)
             ranked = rank(scored)
             answer[role.value] = {
                 "policy": KV_AWARE if self.handles(role) else "other",
-                "candidates": [c.as_dict() for c in ranked],
+                "candidates": [self._explained(c) for c in ranked],
                 "choice": ranked[0].backend.url if ranked else None,
                 "reason": reason_for(ranked[0], scored) if ranked else None,
             }
@@ -144,3 +147,8 @@ class KVRouting:
         answer["skip_prefill"] = self.handles(Role.DECODE) and bool(best_decode) and self._decode_alone_suffices(
             blocks.num_tokens, best_decode[0]["cached_tokens"])
         return answer
+
+    def _explained(self, candidate: ScoredCandidate) -> dict[str, Any]:
+        """The candidate's score, and the block size its prefix was matched over (None: not in the index)."""
+        worker = self.index.worker(candidate.backend.url)
+        return {**candidate.as_dict(), "block_size": worker.block_size if worker is not None else None}

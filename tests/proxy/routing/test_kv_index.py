@@ -1,5 +1,6 @@
 """The proxy's KV index: snapshots and events per worker, gaps detected, and predictions equal to what the
-worker's own prefix cache finds (full attention and a Gemma-like hybrid of sliding and full groups)."""
+worker's own prefix cache finds (full attention and a Gemma-like hybrid of sliding and full groups), each
+worker matched over its own block size."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import random
 
 import pytest
 
-from pdserve.kv.events import KVEventRecorder
+from pdserve.kv.events import CachedBlock, KVEventRecorder
 from pdserve.kv.hashing import hash_full_blocks
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from proxy.routing.kv_index import KVIndex, SequenceGap
+from proxy.routing.kv_prompt import PromptBlocks
 
 BLOCK = 4
 URL = "http://w0"
@@ -20,18 +22,21 @@ URL = "http://w0"
 class RecordingWorker:
     """A worker's KV manager whose events feed an index, as the event stream would."""
 
-    def __init__(self, layer_specs, num_blocks: int = 48):
+    def __init__(self, layer_specs, num_blocks: int = 48, block_size: int = BLOCK, url: str = URL,
+                 index: KVIndex | None = None):
         self.recorder = KVEventRecorder()
         self.recorder.enabled = True
-        self.manager = KVCacheManager(plan_groups(layer_specs), num_blocks, BLOCK, events=self.recorder)
-        self.index = KVIndex()
+        self.block_size = block_size
+        self.url = url
+        self.manager = KVCacheManager(plan_groups(layer_specs), num_blocks, block_size, events=self.recorder)
+        self.index = KVIndex() if index is None else index
         self.num_removed = 0
         snapshot = self.manager.snapshot_cache()
-        self.index.apply_snapshot(URL, "prefill", "e1", snapshot.seq, snapshot.blocks)
+        self.index.apply_snapshot(url, "prefill", "e1", snapshot.seq, block_size, snapshot.blocks)
 
     def compute(self, request_id: str, tokens: list[int]) -> None:
         """Admit with the cache's hit, compute the rest, commit, free (LRU eviction as the pool goes)."""
-        hashes = hash_full_blocks(tokens, BLOCK, [])
+        hashes = hash_full_blocks(tokens, self.block_size, [])
         hit = self.manager.find_prefix(hashes, len(tokens))
         if not self.manager.allocate(request_id, hit.num_tokens, len(tokens) - hit.num_tokens, hit):
             return
@@ -40,26 +45,31 @@ class RecordingWorker:
         self.manager.check_invariants()
         events = self.recorder.drain()
         self.num_removed += sum(event.kind.value == "removed" for event in events)
-        self.index.apply_events(URL, "e1", events)
+        self.index.apply_events(self.url, "e1", events)
 
-    def predicted_and_actual(self, tokens: list[int]) -> tuple[int, int]:
-        hashes = hash_full_blocks(tokens, BLOCK, [])
-        predicted = self.index.cached_tokens(URL, hashes, len(tokens), self.manager.plan, BLOCK)
-        return predicted, self.manager.find_prefix(hashes, len(tokens)).num_tokens
+    def predicted_and_actual(self, prompt: PromptBlocks) -> tuple[int, int]:
+        """The index's prediction from the prompt as the proxy holds it, and the worker's own hit."""
+        predicted = self.index.cached_tokens(self.url, prompt, self.manager.plan)
+        hashes = hash_full_blocks(prompt.token_ids, self.block_size, [])
+        return predicted, self.manager.find_prefix(hashes, prompt.num_tokens).num_tokens
+
+
+def held_prefix(tokens: list[int], num_computed: int, block_size: int) -> list[CachedBlock]:
+    """The blocks a worker with `block_size`-token blocks holds after computing the first tokens."""
+    hashes = hash_full_blocks(tokens[:num_computed], block_size, [])
+    return [CachedBlock(h, hashes[i - 1] if i else None, 0) for i, h in enumerate(hashes)]
 
 
 def blocks(*names: bytes):
-    from pdserve.kv.events import CachedBlock
-
     return [CachedBlock(name, None, 0) for name in names]
 
 
 def test_a_snapshot_replaces_everything_known_of_a_worker():
     index = KVIndex()
-    index.apply_snapshot(URL, "decode", "e1", 5, blocks(b"a", b"b"))
-    index.apply_snapshot("http://w1", "decode", "x", 1, blocks(b"a"))
+    index.apply_snapshot(URL, "decode", "e1", 5, BLOCK, blocks(b"a", b"b"))
+    index.apply_snapshot("http://w1", "decode", "x", 1, BLOCK, blocks(b"a"))
     assert index.holders(b"a") == {URL, "http://w1"}
-    index.apply_snapshot(URL, "decode", "e2", 0, blocks(b"c"))
+    index.apply_snapshot(URL, "decode", "e2", 0, BLOCK, blocks(b"c"))
     assert index.holders(b"a") == {"http://w1"} and index.holders(b"b") == frozenset()
     assert index.holders(b"c") == {URL} and index.worker(URL).epoch == "e2"
     assert index.num_keys == 2 and index.num_blocks_by_role() == {"decode": 2}
@@ -69,7 +79,7 @@ def test_events_must_continue_the_worker_history_or_raise_a_gap():
     recorder = KVEventRecorder()
     recorder.enabled = True
     index = KVIndex()
-    index.apply_snapshot(URL, "prefill", "e1", 0, [])
+    index.apply_snapshot(URL, "prefill", "e1", 0, BLOCK, [])
     recorder.stored(b"a", None, 0)
     index.apply_events(URL, "e1", recorder.drain())
     recorder.stored(b"b", b"a", 0)
@@ -87,7 +97,7 @@ def test_removed_and_cleared_events_drop_blocks_and_a_dropped_worker_holds_nothi
     recorder = KVEventRecorder()
     recorder.enabled = True
     index = KVIndex()
-    index.apply_snapshot(URL, "prefill", "e1", 0, blocks(b"x"))
+    index.apply_snapshot(URL, "prefill", "e1", 0, BLOCK, blocks(b"x"))
     recorder.stored(b"a", None, 0)
     recorder.stored(b"b", b"a", 0)
     recorder.removed(b"a", 0)
@@ -98,15 +108,15 @@ def test_removed_and_cleared_events_drop_blocks_and_a_dropped_worker_holds_nothi
     assert index.num_keys == 0
     index.drop_worker(URL)
     assert index.worker(URL) is None
-    assert index.cached_tokens(URL, [b"b"], 8, plan_groups([FullAttentionSpec()]), BLOCK) == 0
+    assert index.cached_tokens(URL, PromptBlocks(tuple(range(8))), plan_groups([FullAttentionSpec()])) == 0
 
 
 def test_a_worker_cannot_grow_the_index_past_its_bound_and_removals_still_apply():
     recorder = KVEventRecorder()
     recorder.enabled = True
     index = KVIndex(max_keys_per_worker=3)
-    index.apply_snapshot(URL, "prefill", "e1", 0, blocks(b"a", b"b", b"c", b"d"))  # one past the bound
-    index.apply_snapshot("http://w1", "prefill", "e1", 0, blocks(b"a"))  # others keep their own room
+    index.apply_snapshot(URL, "prefill", "e1", 0, BLOCK, blocks(b"a", b"b", b"c", b"d"))  # one past the bound
+    index.apply_snapshot("http://w1", "prefill", "e1", 0, BLOCK, blocks(b"a"))  # others keep their own room
     assert len(index.worker(URL).keys) == 3 and index.num_keys_not_indexed == 1
     for name in (b"e", b"f"):
         recorder.stored(name, None, 0)
@@ -130,9 +140,71 @@ def test_predictions_equal_the_workers_own_prefix_hits_through_eviction_churn(la
     for step in range(80):
         stem = rng.choice(stems)
         tokens = stem[: rng.randrange(1, len(stem) + 1)] + [rng.randrange(50, 99) for _ in range(rng.randrange(0, 9))]
-        predicted, actual = worker.predicted_and_actual(tokens)
+        predicted, actual = worker.predicted_and_actual(PromptBlocks(tuple(tokens)))
         assert predicted == actual, (step, tokens)
         num_checked_hits += actual > 0
         worker.compute(f"r{step}", tokens)
     assert num_checked_hits > 20  # the churn exercised real hits, not only misses
     assert worker.num_removed > 20  # and evictions
+
+
+def test_each_worker_is_matched_over_its_own_block_size():
+    """Prefill blocks of 16 tokens, decode blocks of 32: one prompt, one index, each hit by the worker's own chain."""
+    plan = plan_groups([FullAttentionSpec()])
+    tokens = [random.Random(1).randrange(1, 1000) for _ in range(70)]
+    index = KVIndex()
+    for num_computed, expected in [(64, {16: 64, 32: 64}), (48, {16: 48, 32: 32}), (70, {16: 64, 32: 64})]:
+        for block_size in (16, 32):
+            index.apply_snapshot(f"http://w{block_size}", "prefill", "e1", 0, block_size,
+                                 held_prefix(tokens, num_computed, block_size))
+        prompt = PromptBlocks(tuple(tokens))
+        predicted = {size: index.cached_tokens(f"http://w{size}", prompt, plan) for size in (16, 32)}
+        assert predicted == expected, num_computed
+    assert (index.worker("http://w16").block_size, index.worker("http://w32").block_size) == (16, 32)
+
+
+def test_a_prompt_shorter_than_a_workers_block_has_no_hit_there():
+    plan = plan_groups([FullAttentionSpec()])
+    tokens = list(range(1, 25))
+    index = KVIndex()
+    index.apply_snapshot("http://w16", "decode", "e1", 0, 16, held_prefix(tokens, 24, 16))
+    index.apply_snapshot("http://w32", "decode", "e1", 0, 32, held_prefix(tokens, 24, 32))
+    prompt = PromptBlocks(tuple(tokens))
+    assert index.cached_tokens("http://w16", prompt, plan) == 16
+    assert index.cached_tokens("http://w32", prompt, plan) == 0
+
+
+def test_a_snapshot_without_a_usable_block_size_is_refused_and_changes_nothing():
+    index = KVIndex()
+    index.apply_snapshot(URL, "decode", "e1", 0, BLOCK, blocks(b"a"))
+    with pytest.raises(ValueError):
+        index.apply_snapshot(URL, "decode", "e2", 0, 0, blocks(b"b"))
+    assert index.worker(URL).epoch == "e1" and index.holders(b"a") == {URL}
+
+
+@pytest.mark.parametrize("layer_specs", [
+    [FullAttentionSpec()] * 2,
+    [SlidingWindowSpec(10), FullAttentionSpec(), SlidingWindowSpec(10)],
+], ids=["full", "sliding+full"])
+def test_predictions_equal_each_workers_own_hits_when_block_sizes_differ(layer_specs):
+    """Two workers of one model, blocks of 4 and of 8 tokens, behind one index and one prompt object each."""
+    index = KVIndex()
+    workers = [RecordingWorker(layer_specs, block_size=size, url=f"http://w{size}", index=index) for size in (4, 8)]
+    rng = random.Random(2)
+    stems = [[rng.randrange(1, 50) for _ in range(rng.randrange(12, 40))] for _ in range(6)]
+    hits = {worker.url: 0 for worker in workers}
+    num_unequal_hits = 0
+    for step in range(80):
+        stem = rng.choice(stems)
+        tokens = stem[: rng.randrange(1, len(stem) + 1)] + [rng.randrange(50, 99) for _ in range(rng.randrange(0, 9))]
+        prompt = PromptBlocks(tuple(tokens))  # shared by both predictions, as one request's is
+        actuals = []
+        for worker in workers:
+            predicted, actual = worker.predicted_and_actual(prompt)
+            assert predicted == actual, (step, worker.url, tokens)
+            hits[worker.url] += actual > 0
+            actuals.append(actual)
+            worker.compute(f"r{step}", tokens)
+        num_unequal_hits += actuals[0] != actuals[1]
+    assert min(hits.values()) > 20 and all(worker.num_removed > 10 for worker in workers)
+    assert num_unequal_hits > 20  # the block sizes mattered: one size served more of the prompt than the other

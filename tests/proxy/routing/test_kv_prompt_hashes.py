@@ -90,7 +90,7 @@ async def worker_hashes(worker: WorkerSide, kv: KVCacheManager, path: str, body:
         prepared = await prepare_chat(worker, parse_body(ChatCompletionRequest, json.dumps(body).encode()))
     else:
         prepared = await prepare_completion(worker, parse_body(CompletionRequest, json.dumps(body).encode()))
-    scheduler = Scheduler(SchedulerConfig(), kv, BLOCK, worker.max_model_len)
+    scheduler = Scheduler(SchedulerConfig(), kv, kv.block_size, worker.max_model_len)
     request = Request("r", list(prepared.prompts[0]), SamplingParams(max_tokens=1), (), time.monotonic())
     scheduler.add_request(request)
     return request.num_prompt_tokens, request.block_hashes
@@ -112,7 +112,7 @@ async def test_proxy_block_hashes_equal_the_workers_for_every_prompt_form(tokeni
             expected_count, expected = await worker_hashes(worker, kv, path, body)
             blocks = await hasher.prompt_blocks(path, body)
             assert blocks is not None, body
-            assert (blocks.num_tokens, list(blocks.block_hashes)) == (expected_count, expected), body
+            assert (blocks.num_tokens, list(blocks.block_hashes(BLOCK))) == (expected_count, expected), body
     assert hasher.segments.num_hits > 0
 
 
@@ -133,3 +133,27 @@ async def test_a_batch_of_prompts_is_routed_by_its_first_prompt(tokenizer):
     first = await hasher.prompt_blocks("/v1/completions", {"prompt": "the first prompt of the batch " * 4})
     batch = await hasher.prompt_blocks("/v1/completions", {"prompt": ["the first prompt of the batch " * 4, "b"]})
     assert batch is not None and batch == first
+
+
+async def test_one_tokenization_gives_every_block_sizes_worker_its_own_hashes(tokenizer):
+    """The hasher comes from a worker of 4-token blocks; a worker of 8-token blocks gets its own chain too."""
+    worker = WorkerSide(tokenizer)
+    specs = [SlidingWindowSpec(8), FullAttentionSpec()]
+    hasher = proxy_hasher(worker, KVCacheManager(plan_groups(specs), 64, BLOCK))
+    wider = KVCacheManager(plan_groups(specs), 64, 2 * BLOCK)
+    bodies = [("/v1/chat/completions", CHAT_BODIES[3]), ("/v1/completions", COMPLETION_BODIES[0])]
+    for path, body in bodies:
+        blocks = await hasher.prompt_blocks(path, body)
+        expected_count, expected = await worker_hashes(worker, wider, path, body)
+        assert blocks is not None and (blocks.num_tokens, list(blocks.block_hashes(2 * BLOCK))) == (
+            expected_count, expected), body
+        assert len(expected) == blocks.num_tokens // (2 * BLOCK) > 0
+        assert blocks.block_hashes(2 * BLOCK) is blocks.block_hashes(2 * BLOCK)  # hashed once per block size
+
+
+async def test_a_token_id_the_block_hash_cannot_pack_routes_by_load():
+    hasher = proxy_hasher(WorkerSide(smollm2_tokenizer()), KVCacheManager(plan_groups([FullAttentionSpec()]), 16,
+                                                                          BLOCK))
+    assert await hasher.prompt_blocks("/v1/completions", {"prompt": [5, 2**63]}) is None
+    blocks = await hasher.prompt_blocks("/v1/completions", {"prompt": [5, 2**63 - 1, 7, 8, 9]})
+    assert blocks is not None and len(blocks.block_hashes(1)) == 5

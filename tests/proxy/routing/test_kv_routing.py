@@ -1,25 +1,55 @@
 """kv_aware routing through the real proxy over real HTTP, against stub workers whose caches the test sets:
 the worker holding the prompt wins unless its queue costs more, cache-aware disaggregation skips the
 prefill leg, predictions are checked against the workers' reports, restarts and gaps resync the index,
-and /internal/routing/explain shows the scores."""
+workers of different block sizes are each matched over their own, and /internal/routing/explain shows the
+scores."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
-from pdserve.kv.events import KVEventRecorder
+from pdserve.kv.events import KVEventRecorder, KVSnapshot
+from pdserve.kv.events_wire import decode_line, encode_snapshot
+from proxy.backends import BackendPool, Role
+from proxy.client_request import ClientRequest
 from proxy.config import RoutingConfig
 from proxy.routing.kv_prompt import PromptHasher
-from tests.kv.kv_stubs import KVStubWorker, stub_routing_info
+from proxy.routing.kv_routing import KVRouting
+from tests.kv.kv_stubs import BLOCK, KVStubWorker, stub_routing_info
 from tests.proxy.proxy_stubs import Served, ServedProxy, fast_config
+from tests.proxy.routing.test_kv_index import held_prefix
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant. Answer briefly and politely."},
             {"role": "user", "content": "What is the capital of France? Tell me a joke about numbers 12345."}]
 BODY = {"model": "stub-model", "messages": MESSAGES, "max_tokens": 4}
+# 70 token ids: a prefix cached on a worker counts in its own blocks, 16 or 32 tokens (never the last token).
+TOKENS = list(range(100, 170))
+
+
+@dataclass
+class SizedKVStubWorker(KVStubWorker):
+    """A stub worker whose blocks hold `block_size` tokens: its snapshot says so, its held hashes chain them."""
+
+    block_size: int = BLOCK
+
+    async def _lines(self):
+        lines = super()._lines()
+        snapshot = decode_line(await anext(lines))
+        yield encode_snapshot(self.epoch, KVSnapshot(snapshot.seq, tuple(snapshot.blocks)), self.block_size)
+        async for line in lines:
+            yield line
+
+
+def sized_worker(role: str, block_size: int, num_computed: int, **fields) -> SizedKVStubWorker:
+    """A worker that computed the first `num_computed` of TOKENS: it holds their full blocks of its size."""
+    held = [block.block_hash for block in held_prefix(TOKENS, num_computed, block_size)]
+    return SizedKVStubWorker(role, f"{role[0]}{block_size}", held=held, block_size=block_size, **fields)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +82,7 @@ def chat(proxy: ServedProxy, body=BODY, **headers) -> httpx.Response:
 
 def test_prefill_goes_to_the_worker_that_holds_the_prompt_and_the_prediction_is_checked(prompt):
     cold = KVStubWorker("prefill", "p-cold")
-    warm = KVStubWorker("prefill", "p-warm", held=list(prompt.block_hashes[:3]), reported_cached_tokens=12)
+    warm = KVStubWorker("prefill", "p-warm", held=list(prompt.block_hashes(BLOCK)[:3]), reported_cached_tokens=12)
     decode = KVStubWorker("decode", "d0")
     with Served(cold.app()) as c, Served(warm.app()) as w, Served(decode.app()) as d:
         with ServedProxy(kv_config([c.url, w.url], [d.url], kv_decode_only_max_tokens=0)) as proxy:
@@ -72,7 +102,7 @@ def test_prefill_goes_to_the_worker_that_holds_the_prompt_and_the_prediction_is_
 
 def test_a_busy_worker_loses_to_an_idle_one_when_its_cached_prefix_is_short(prompt):
     idle = KVStubWorker("prefill", "p-idle")
-    busy = KVStubWorker("prefill", "p-busy", held=list(prompt.block_hashes[:1]))
+    busy = KVStubWorker("prefill", "p-busy", held=list(prompt.block_hashes(BLOCK)[:1]))
     decode = KVStubWorker("decode", "d0")
     with Served(idle.app()) as i, Served(busy.app()) as b, Served(decode.app()) as d:
         with ServedProxy(kv_config([i.url, b.url], [d.url], kv_load_tokens=16, kv_decode_only_max_tokens=0)) as proxy:
@@ -96,8 +126,8 @@ def test_without_routing_info_requests_are_served_by_load(prompt):
 
 def test_a_decode_worker_holding_the_prompt_serves_it_without_a_prefill_leg(prompt):
     prefill = KVStubWorker("prefill", "p0")
-    decode = KVStubWorker("decode", "d0", held=list(prompt.block_hashes), reported_cached_tokens=len(
-        prompt.block_hashes) * 4)
+    decode = KVStubWorker("decode", "d0", held=list(prompt.block_hashes(BLOCK)),
+                          reported_cached_tokens=len(prompt.block_hashes(BLOCK)) * BLOCK)
     with Served(prefill.app()) as p, Served(decode.app()) as d:
         with ServedProxy(kv_config([p.url], [d.url], kv_decode_only_max_tokens=16)) as proxy:
             proxy.wait_ready()
@@ -113,29 +143,30 @@ def test_a_decode_worker_holding_the_prompt_serves_it_without_a_prefill_leg(prom
 
 
 def test_a_restart_replaces_the_workers_blocks_and_a_lost_event_forces_a_resync(prompt):
-    worker = KVStubWorker("prefill", "p0", held=list(prompt.block_hashes[:2]))
+    worker = KVStubWorker("prefill", "p0", held=list(prompt.block_hashes(BLOCK)[:2]))
     decode = KVStubWorker("decode", "d0")
     with Served(worker.app()) as p, Served(decode.app()) as d:
         with ServedProxy(kv_config([p.url], [d.url])) as proxy:
             proxy.wait_ready()
             index = proxy.components.kv.index
-            wait_until(lambda: index.holders(prompt.block_hashes[1]) == {p.url})
-            worker.restart("e2", [prompt.block_hashes[3]])
+            wait_until(lambda: index.holders(prompt.block_hashes(BLOCK)[1]) == {p.url})
+            worker.restart("e2", [prompt.block_hashes(BLOCK)[3]])
             wait_until(lambda: index.worker(p.url) is not None and index.worker(p.url).epoch == "e2")
-            assert index.holders(prompt.block_hashes[0]) == frozenset()
-            assert index.holders(prompt.block_hashes[3]) == {p.url}
+            assert index.holders(prompt.block_hashes(BLOCK)[0]) == frozenset()
+            assert index.holders(prompt.block_hashes(BLOCK)[3]) == {p.url}
             assert proxy.metric("pdserve_proxy_kv_resyncs_total", role="prefill", reason="restart") == 1
             recorder = KVEventRecorder()
             recorder.enabled = True
-            recorder.stored(prompt.block_hashes[0], None, 0)
-            recorder.stored(prompt.block_hashes[1], prompt.block_hashes[0], 0)
+            hashes = prompt.block_hashes(BLOCK)
+            recorder.stored(hashes[0], None, 0)
+            recorder.stored(hashes[1], hashes[0], 0)
             worker.push_events(recorder.drain()[1:])  # event 1 never arrives
             wait_until(lambda: proxy.metric("pdserve_proxy_kv_resyncs_total", role="prefill", reason="gap") == 1)
             assert worker.num_streams >= 3
 
 
 def test_explain_shows_each_candidates_score_and_needs_the_token(prompt):
-    warm = KVStubWorker("prefill", "p-warm", held=list(prompt.block_hashes[:2]))
+    warm = KVStubWorker("prefill", "p-warm", held=list(prompt.block_hashes(BLOCK)[:2]))
     decode = KVStubWorker("decode", "d0")
     with Served(warm.app()) as w, Served(decode.app()) as d:
         config = kv_config([w.url], [d.url]).model_copy(update={"internal_token": "s3cret"})
@@ -147,9 +178,58 @@ def test_explain_shows_each_candidates_score_and_needs_the_token(prompt):
             answer = httpx.request("GET", url, json=BODY, headers={"X-Pdserve-Internal-Token": "s3cret"}).json()
             assert answer["num_prompt_tokens"] == prompt.num_tokens
             assert answer["prefill"]["candidates"] == [
-                {"url": w.url, "cached_tokens": 8, "load": 0.0, "score": prompt.num_tokens - 8}]
+                {"url": w.url, "cached_tokens": 8, "load": 0.0, "score": prompt.num_tokens - 8, "block_size": BLOCK}]
             assert answer["prefill"]["reason"] == "cache_hit" and answer["skip_prefill"] is False
             assert not warm.calls  # explaining routes nothing
+
+
+def test_each_candidate_is_scored_over_its_own_block_size_and_explain_shows_it():
+    """No network: one index, workers of 16- and 32-token blocks, a hasher from a worker of 4-token blocks."""
+    workers = [(Role.PREFILL, "http://p16", 16, 48), (Role.PREFILL, "http://p32", 32, 64),
+               (Role.DECODE, "http://d16", 16, 48), (Role.DECODE, "http://d32", 32, 48)]  # url, size, computed
+    config = kv_config([w[1] for w in workers[:2]], [w[1] for w in workers[2:]], kv_decode_only_max_tokens=0)
+    pools = {role: BackendPool(role, config, lambda url: httpx.AsyncClient(base_url=url)) for role in Role}
+    routing = KVRouting(config.routing, pools, CollectorRegistry())
+    routing.hasher = PromptHasher(stub_routing_info())
+    for role, url, block_size, num_computed in workers:
+        pools[role].add(url).healthy = True
+        blocks = held_prefix(TOKENS, num_computed, block_size)
+        routing.index.apply_snapshot(url, role.value, "e1", 0, block_size, blocks)
+    request = ClientRequest("/v1/completions", {"prompt": TOKENS, "max_tokens": 1}, "r1", False, "", len(TOKENS))
+    asyncio.run(routing.prepare(request))
+    prefill = routing.choose(Role.PREFILL, pools[Role.PREFILL].available(), request)
+    decode = routing.choose(Role.DECODE, pools[Role.DECODE].available(), request)
+    assert (prefill.url, decode.url) == ("http://p32", "http://d16")
+    assert request.kv_route.predicted == {"http://p32": 64, "http://d16": 48}
+    answer = asyncio.run(routing.explain(request.path, request.body))
+    assert (answer["block_size"], answer["num_prompt_tokens"], answer["num_blocks"]) == (BLOCK, 70, 70 // BLOCK)
+    assert [(c["url"], c["block_size"], c["cached_tokens"], c["score"]) for c in answer["prefill"]["candidates"]] == [
+        ("http://p32", 32, 64, 6), ("http://p16", 16, 48, 22)]
+    assert [(c["url"], c["block_size"], c["cached_tokens"], c["score"]) for c in answer["decode"]["candidates"]] == [
+        ("http://d16", 16, 48, 22), ("http://d32", 32, 32, 38)]
+    assert answer["prefill"]["reason"] == answer["decode"]["reason"] == "cache_hit"
+
+
+def test_workers_of_different_block_sizes_are_each_routed_by_their_own_hits():
+    """Over HTTP: each worker's snapshot names its block size, and the predictions match what each reports."""
+    prefill = [sized_worker("prefill", 16, 48), sized_worker("prefill", 32, 64, reported_cached_tokens=64)]
+    decode = [sized_worker("decode", 16, 48, reported_cached_tokens=48), sized_worker("decode", 32, 48)]
+    body = {"model": "stub-model", "prompt": TOKENS, "max_tokens": 1}
+    with Served(prefill[0].app()) as p16, Served(prefill[1].app()) as p32, \
+            Served(decode[0].app()) as d16, Served(decode[1].app()) as d32:
+        with ServedProxy(kv_config([p16.url, p32.url], [d16.url, d32.url], kv_decode_only_max_tokens=0)) as proxy:
+            proxy.wait_ready()
+            wait_until(lambda: index_synced(proxy, p16.url, p32.url, d16.url, d32.url))
+            index = proxy.components.kv.index
+            assert [index.worker(u).block_size for u in (p16.url, p32.url, d16.url, d32.url)] == [16, 32, 16, 32]
+            for _ in range(2):  # equal scores would alternate: every request going to one worker is the cache
+                assert httpx.post(proxy.url + "/v1/completions", json=body, timeout=10).status_code == 200
+            assert (len(prefill[0].calls), len(prefill[1].calls), len(decode[0].calls), len(decode[1].calls)) == (
+                0, 2, 2, 0)
+            for role, cached in (("prefill", 64), ("decode", 48)):
+                assert proxy.metric("pdserve_proxy_kv_routing_decisions_total", role=role, reason="cache_hit") == 2
+                assert proxy.metric("pdserve_proxy_kv_predicted_cached_tokens_total", role=role) == 2 * cached
+                assert proxy.metric("pdserve_proxy_kv_prediction_error_tokens_sum", role=role) == 0
 
 
 def test_explain_says_when_kv_aware_routing_is_off():
@@ -172,7 +252,7 @@ def test_kv_aware_routing_serves_where_torch_and_nixl_cannot_be_imported():
 
         body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 2}
         blocks = asyncio.run(PromptHasher(stub_routing_info()).prompt_blocks("/v1/chat/completions", body))
-        cold, warm = KVStubWorker("prefill", "cold"), KVStubWorker("prefill", "warm", held=list(blocks.block_hashes))
+        cold, warm = KVStubWorker("prefill", "cold"), KVStubWorker("prefill", "warm", held=list(blocks.block_hashes(4)))
         with Served(cold.app()) as c, Served(warm.app()) as w, Served(KVStubWorker("decode", "d").app()) as d:
             config = fast_config([c.url, w.url], [d.url], routing=RoutingConfig(prefill_policy="kv_aware"))
             with ServedProxy(config) as proxy:
