@@ -65,7 +65,7 @@ from dataclasses import dataclass
 import torch
 
 
-def _huge_page_zeros(num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+def huge_page_zeros(num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor on anonymous memory advised for transparent huge pages.
 
     UCX moves host memory between processes page by page (it pins every page
@@ -164,7 +164,7 @@ class KVPoolLayout:
         # Zeros, not empty: the null page is read under masks, and garbage NaNs
         # would survive a zero attention weight (0 * NaN = NaN).
         if torch.device(device).type == "cpu":
-            return _huge_page_zeros(self.pool_bytes, self.dtype).view(self.shape)
+            return huge_page_zeros(self.pool_bytes, self.dtype).view(self.shape)
         return torch.zeros(self.shape, dtype=self.dtype, device=device)
 
     def layer_view(self, pool: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
