@@ -264,7 +264,7 @@ def open_decode_workers(buffer: torch.Tensor, shape: PoolShape, mode: str, tps: 
     for tp in tps:
         views = rank_views(buffer, shape, tp)
         transports = [NixlTransport(view, f"bench-tp-decode-{tp}-{rank}-{mode}") for rank, (view, _) in enumerate(views)]
-        readers = [RankReader(transport, rank, tp, shape.num_kv_heads) for rank, transport in enumerate(transports)]
+        readers = [RankReader(transport, rank, tp, shape.num_kv_heads, shape.group_size) for rank, transport in enumerate(transports)]
         workers[tp] = DecodeWorker(tp, views, transports, readers)
     return workers
 

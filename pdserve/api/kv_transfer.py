@@ -21,8 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pdserve.api.errors import InvalidRequest, PdserveError
 
 # 2: pins carry a nonce (remote_pin_nonce) that D's done/free/renew must echo; 3: pages hold heads outermost
-# (pdserve/kv/layout.py), so a version-2 peer's pages would be read wrongly.
-PROTOCOL_VERSION = 3
+# (pdserve/kv/layout.py), so a version-2 peer's pages would be read wrongly; 4: the block size is
+# negotiated, not hashed (P and D may page in different block sizes, one dividing the other).
+PROTOCOL_VERSION = 4
 PIN_NONCE_PATTERN = r"[0-9a-f]{16,64}"  # a pin's nonce as params and messages carry it (P makes 32 hex digits)
 _PARAM = "kv_transfer_params"
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"

@@ -99,7 +99,7 @@ def _pool_description(model_name: str, spec: ModelSpec, plan: KVGroupPlan, layou
                       dtype: torch.dtype) -> PoolDescription:
     # The model's KV heads, not this rank's share: workers of any TP sizes may pair.
     document = compatibility_document(_fingerprint(model_name, spec), str(dtype), spec.total_kv_heads,
-                                      spec.head_dim, layout.block_size, plan)
+                                      spec.head_dim, plan)
     return PoolDescription(plan, layout.num_blocks, layout.block_size, layout.page_bytes,
                            compatibility_hash(document), document)
 
@@ -129,11 +129,11 @@ def _meet_ranks(config: WorkerConfig, device: torch.device) -> Optional[RankGrou
 
 
 def _ranked(factory: TransportFactory, channel: Optional[LeaderChannel], followers: list,
-            num_kv_heads: int) -> TransportFactory:
+            num_kv_heads: int, num_layer_slots: int) -> TransportFactory:
     """Rank 0's transport (every P/D worker's, TP=1 included): its own slice's, reading each head
     from the peer rank that holds it, and commanding the other ranks' agents too."""
     def make(pool_view, agent_name: str):  # type: ignore[no-untyped-def]
-        return RankedTransport(factory(pool_view, agent_name), channel, followers, num_kv_heads)
+        return RankedTransport(factory(pool_view, agent_name), channel, followers, num_kv_heads, num_layer_slots)
 
     return make
 
@@ -178,10 +178,10 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
         channel = LeaderChannel(ranks)
         runner: ModelRunner = LeaderRunner(loaded.model, plan, layout, device, grammar=grammar, channel=channel)
         follower_transports = (ranks.gather(None) or [None])[1:]
-        transport_factory = _ranked(transport_factory, channel, follower_transports, spec.total_kv_heads)
+        transport_factory = _ranked(transport_factory, channel, follower_transports, spec.total_kv_heads, plan.group_size)
     else:
         runner = ModelRunner(loaded.model, plan, layout, device, compile_decode=compile_decode, grammar=grammar)
-        transport_factory = _ranked(transport_factory, None, [], spec.total_kv_heads)
+        transport_factory = _ranked(transport_factory, None, [], spec.total_kv_heads, plan.group_size)
     runner.warm_up(config.scheduler.max_num_running)
     model_name = config.model.served_name or loaded.name
     pool = _pool_description(model_name, spec, plan, layout, dtype)

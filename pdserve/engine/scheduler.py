@@ -139,6 +139,8 @@ class Scheduler:
             self._free(request_id)
         for request_id in events.landed:
             request = self.loading.pop(request_id, None)
+            if request_id in events.uncached:
+                self.kv.withhold_from_cache(request_id, events.uncached[request_id])
             if request is not None:  # within the cap: it was counted while loading
                 self._start_running(request, request.num_prompt_tokens - 1)
         for failure in events.failed:

@@ -109,7 +109,7 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
         if setup.with_transport:
             agent = f"{config.transfer.engine_id or config.role}-rank{rank}-{uuid.uuid4().hex[:12]}"
             local = transport_factory(layout.canonical_view(runner.pool), agent)
-            transport = FollowerTransport(RankReader(local, rank, size, spec.total_kv_heads))
+            transport = FollowerTransport(RankReader(local, rank, size, spec.total_kv_heads, plan.group_size))
         group.gather(transport.descriptor() if transport is not None else None)  # rank 0 builds its transport
         return _follow(group, runner, transport)
     except RanksLost as error:

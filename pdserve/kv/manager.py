@@ -104,6 +104,15 @@ class KVCacheManager:
                     self.pool.cache(table[index], block_hashes[index], group_id, parent)
             state.num_committed[group_id] = max(state.num_committed[group_id], end)
 
+    def withhold_from_cache(self, request_id: str, num_blocks: Sequence[int]) -> None:
+        """Never offer table entries [0, num_blocks[g]) of group g to the prefix cache: their pages
+        hold tokens nothing computed or pulled (unknown request ids are ignored)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        for group_id, count in enumerate(num_blocks):
+            state.num_committed[group_id] = max(state.num_committed[group_id], count)
+
     def clear_prefix_cache(self) -> int:
         """Forget every cached prefix (blocks in use stay with their requests); returns the keys dropped."""
         return self.pool.clear_cache()

@@ -27,6 +27,7 @@ from pdserve.pd.handshake import HandshakeClient
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.request import GenerationRequest, RemoteSource
 from pdserve.transfer.planner import validate_remote_block_ids
+from pdserve.transfer.token_units import block_size_problem
 from pdserve.transfer.transport import PeerInfo, TransferError
 
 logger = logging.getLogger(__name__)
@@ -97,10 +98,10 @@ class PeerFailureMemory:
         self._failures.pop(peer_key, None)
 
 
-def check_block_ids(params: RemotePrefillParams, agent: AgentInfo, plan: KVGroupPlan, block_size: int) -> None:
-    """Shape and range of the block lists against the peer's pool and this prompt.
-    Our prefill workers never send null entries, so none is accepted."""
-    expected = [len(r) for r in handoff_ranges(plan, params.num_prompt_tokens, block_size)]
+def check_block_ids(params: RemotePrefillParams, agent: AgentInfo, plan: KVGroupPlan) -> None:
+    """Shape and range of the block lists against the peer's pool and this prompt, in the peer's
+    own block size. Our prefill workers never send null entries, so none is accepted."""
+    expected = [len(r) for r in handoff_ranges(plan, params.num_prompt_tokens, agent.geometry.block_size)]
     lists = validate_remote_block_ids(params.remote_block_ids, len(expected), agent.geometry.num_blocks, max(expected))
     for group_id, (ids, count) in enumerate(zip(lists, expected)):
         if len(ids) != count or NULL_BLOCK_ID in ids:
@@ -150,7 +151,11 @@ class DecodeAdmission:
         if params.tp_size != agent.tp_size:
             raise KVParamsInvalid(f"kv_transfer_params.tp_size is {params.tp_size} but prefill worker "
                                   f"{params.remote_engine_id} runs {agent.tp_size} tensor-parallel ranks")
-        check_block_ids(params, agent, self.plan, self.block_size)
+        problem = block_size_problem(self.block_size, agent.geometry.block_size)
+        if problem is not None:
+            raise KVParamsInvalid(f"prefill worker {params.remote_engine_id} cannot hand its KV to this worker: "
+                                  f"{problem}", param="kv_transfer_params")
+        check_block_ids(params, agent, self.plan)
         try:
             error_text = await self.connect_peer(PeerInfo.from_dict(agent.transport))
         except TransferError as error:  # the peer's transport record is malformed

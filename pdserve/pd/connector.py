@@ -64,6 +64,9 @@ class KVEvents:
     landed: list[str] = field(default_factory=list)  # prompt KV (all but the last token) is in place
     failed: list[LoadFailure] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # blocks held past finish may be freed now
+    # Of landed requests: per group, table entries [0, n) hold tokens the pull did not fill (a sliding
+    # window that starts inside a larger decode block); they must never enter the prefix cache.
+    uncached: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.landed or self.failed or self.released)

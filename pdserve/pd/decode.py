@@ -23,7 +23,7 @@ from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import TransferMetrics
 from pdserve.pd.connector import (ADMIT_LOCAL, ADMIT_REMOTE, FREE_NOW, Admission, AdmissionKind, FinishAction,
                                   KVEvents, LoadFailure)
-from pdserve.pd.geometry import blocks_already_held, handoff_ranges, handoff_slices
+from pdserve.pd.geometry import handoff_ranges, handoff_sides, handoff_slices
 from pdserve.pd.messages import KVMessage
 from pdserve.pd.peers import PeerConnections
 from pdserve.request import RemoteSource, Request
@@ -44,6 +44,7 @@ class _Remote:
     handle: Optional[TransferHandle] = None  # set once the READ started
     read_started_s: float = 0.0  # on the connector's clock, not the transport's: one clock times a pull
     aborted: bool = False  # the request ended while its READ was in flight
+    uncached_blocks: tuple[int, ...] = ()  # per group: leading table entries the pull left partly unfilled
 
     @property
     def peer_key(self) -> str:
@@ -101,9 +102,13 @@ class DecodeConnector:
     def start_load(self, request: Request, block_tables: Sequence[Sequence[int]], num_cached_tokens: int) -> bool:
         remote = self._remotes[request.request_id]
         params = remote.source.params
-        ranges = handoff_ranges(self.plan, request.num_prompt_tokens, self.block_size)
-        pull = plan_pull(params.remote_block_ids, handoff_slices(block_tables, ranges),
-                         blocks_already_held(ranges, num_cached_tokens, self.block_size))
+        num_tokens = request.num_prompt_tokens
+        theirs = remote.source.agent.geometry.block_size  # may differ from ours: the pull cuts both into units
+        ours = handoff_ranges(self.plan, num_tokens, self.block_size)
+        pull = plan_pull(handoff_sides(params.remote_block_ids, handoff_ranges(self.plan, num_tokens, theirs), theirs),
+                         handoff_sides(handoff_slices(block_tables, ours), ours, self.block_size),
+                         num_tokens, num_cached_tokens)
+        remote.uncached_blocks = pull.uncached_blocks
         if not pull.local_ids:  # D's prefix cache holds everything it needs
             del self._remotes[request.request_id]
             self._send(remote, "free")
@@ -164,6 +169,8 @@ class DecodeConnector:
         elif state is TransferState.DONE:
             self.metrics.observe_pull(handle.num_bytes, handle.num_blocks, now - remote.read_started_s)
             events.landed.append(request_id)
+            if any(remote.uncached_blocks):
+                events.uncached[request_id] = remote.uncached_blocks
         else:
             self.peers.forget(remote.peer_key)
             events.failed.append(self._failure(request_id, "could not read the prompt's KV from the prefill worker"

@@ -19,6 +19,7 @@ from typing import Sequence
 
 from pdserve.kv.prefix import first_live_block
 from pdserve.kv.specs import KVGroup, KVGroupPlan
+from pdserve.transfer.planner import HandoffSide
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -41,7 +42,6 @@ def handoff_slices(tables: Sequence[Sequence[int]], ranges: Sequence[range]) -> 
     return [list(table[r.start : r.stop]) for table, r in zip(tables, ranges)]
 
 
-def blocks_already_held(ranges: Sequence[range], num_cached_tokens: int, block_size: int) -> list[int]:
-    """Per group, how many leading entries of the handoff D's prefix cache already covers."""
-    num_cached_blocks = num_cached_tokens // block_size
-    return [max(0, min(num_cached_blocks, r.stop) - r.start) for r in ranges]
+def handoff_sides(slices: Sequence[Sequence[int]], ranges: Sequence[range], block_size: int) -> list[HandoffSide]:
+    """Per group, a handoff slice with where it starts, as the pull planner pairs them."""
+    return [HandoffSide(block_size, r.start, list(ids)) for ids, r in zip(slices, ranges)]

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import httpx
 
 from pdserve.api.kv_transfer import (PROTOCOL_VERSION, AgentInfo, GroupWire, KVParamsInvalid, KVParamsStale,
-                                     KVPullFailed, PoolGeometry, RemotePrefillParams, url_host)
+                                     KVPullFailed, RemotePrefillParams, url_host)
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan
 
 logger = logging.getLogger(__name__)
@@ -37,17 +37,18 @@ def groups_to_wire(plan: KVGroupPlan) -> list[GroupWire]:
 
 
 def compatibility_document(model_fingerprint: str, dtype: str, num_kv_heads: int, head_dim: int,
-                           block_size: int, plan: KVGroupPlan) -> dict[str, Any]:
+                           plan: KVGroupPlan) -> dict[str, Any]:
     """What two workers must agree on to share KV. The model fingerprint covers weights identity
     (architecture, layer count, vocabulary, name); `num_kv_heads` is the whole model's (workers of
-    any TP sizes pair). Each side sends its own, so a refusal can name what differs."""
+    any TP sizes pair). The block size is not here: workers whose block sizes divide one another
+    pair, reading in units of the smaller one (the admission checks it, from the peer's geometry).
+    Each side sends its own, so a refusal can name what differs."""
     return {
         "protocol_version": PROTOCOL_VERSION,
         "model": model_fingerprint,
         "dtype": dtype,
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
-        "block_size": block_size,
         "layout": "block,head,group_slot,kv,token,dim",
         "group_size": plan.group_size,
         "groups": [g.model_dump() for g in groups_to_wire(plan)],
@@ -60,7 +61,7 @@ def compatibility_hash(document: dict[str, Any]) -> str:
 
 
 def incompatibilities(own: dict[str, Any], theirs: dict[str, Any], limit: int = 120) -> str:
-    """What differs between two compatibility documents, named: "block_size: 16 here, 32 there"."""
+    """What differs between two compatibility documents, named: "dtype: \"float32\" here, \"bfloat16\" there"."""
     differences = []
     for name in sorted(set(own) | set(theirs)):
         if own.get(name) != theirs.get(name):

@@ -1,28 +1,38 @@
-"""Turns per-group block tables of P and D into the two descriptor index lists of one READ,
-and validates the remote block ids a decode worker receives on the wire.
+"""Turns the per-group handoffs of P and D into the two unit-id lists of one READ, and validates the
+remote block ids a decode worker receives on the wire.
 
-Invariant: a pair (local, remote) is emitted only for a position both tables
-hold a real block at, past the blocks D already has, and each remote block at
-most once, so a READ never touches the null page or writes a block twice.
-Torch-free and nixl-free.
+Invariant: a pair (local, remote) is emitted only for a unit of tokens both
+sides hold a real block at, inside the prompt, past the tokens D already has,
+and each unit at most once, so a READ never touches the null page or writes a
+unit twice. Torch-free and nixl-free.
 
-Both tables of a group are positional (entry k covers tokens [k*bs, (k+1)*bs)),
-as `KVCacheManager.live_block_ids` produces them; 0 is the null block:
+Each side hands over a positional slice of its table (`HandoffSide`: entry k
+covers tokens [(first_block + k) * bs, (first_block + k + 1) * bs)); 0 is the
+null block. The two block sizes may differ (one divides the other): both are
+cut into units of the smaller one, and a unit id is `block * (bs // unit) + slot`
+(pdserve/transfer/token_units.py). With equal block sizes a unit is a block:
 
-    position          0    1    2    3    4
-    remote (P) sw  [  0 ,  0 ,  4 , 11 , 20 ]   slid out of the window on P
-    local  (D) sw  [  0 ,  0 ,  6 ,  2 ,  9 ]
-    skip_blocks = 3        ^^^^ D has position 2 already (prefix hit)
-    pairs             (2<-11), (9<-20)
+    token              0        16       32       48       64
+    remote (P) bs 16   [  11   ][  12   ][  20   ][  21   ]
+    local  (D) bs 32   [       5        ][       9        ]
+    units (16 tokens)  (5,0)<-11 (5,1)<-12 (9,0)<-20 (9,1)<-21
+    unit ids           10<-11    11<-12    18<-20    19<-21
+
+A sliding-window group hands over only its live window, and P's window starts
+on P's block boundary: with larger D blocks the first D block of the window may
+begin before P's first token. Its head then holds nothing P sent; the attention
+mask never reads it for this prompt, but the block must not enter D's prefix
+cache (`PullPlan.uncached_blocks`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from pdserve.api.errors import InvalidRequest
 from pdserve.kv.block_pool import NULL_BLOCK_ID
+from pdserve.transfer.token_units import block_size_problem
 
 _PARAM = "kv_transfer_params.remote_block_ids"
 
@@ -35,47 +45,74 @@ class InvalidRemoteBlockIds(InvalidRequest):
 
 
 @dataclass(frozen=True, slots=True)
+class HandoffSide:
+    """One worker's handoff of one group: its table entries from index `first_block` on."""
+
+    block_size: int
+    first_block: int
+    block_ids: Sequence[int]
+
+    @property
+    def first_token(self) -> int:
+        return self.first_block * self.block_size
+
+    @property
+    def end_token(self) -> int:
+        return (self.first_block + len(self.block_ids)) * self.block_size
+
+    def unit_id(self, token: int, unit_tokens: int) -> int:
+        """The unit holding `token` (NULL_BLOCK_ID's units map to a negative id)."""
+        index, offset = divmod(token, self.block_size)
+        block_id = self.block_ids[index - self.first_block]
+        if block_id == NULL_BLOCK_ID:
+            return -1
+        return block_id * (self.block_size // unit_tokens) + offset // unit_tokens
+
+
+@dataclass(frozen=True, slots=True)
 class PullPlan:
-    """Descriptor index lists of one READ: local page local_ids[i] <- remote page remote_ids[i]."""
+    """Unit-id lists of one READ: local unit local_ids[i] <- remote unit remote_ids[i]."""
 
     local_ids: tuple[int, ...]
     remote_ids: tuple[int, ...]
-    num_blocks_per_group: tuple[int, ...]
+    unit_tokens: int
+    num_units_per_group: tuple[int, ...]
+    uncached_blocks: tuple[int, ...]  # per group: D's table entries [0, n) must not enter its prefix cache
 
     @property
-    def num_blocks(self) -> int:
+    def num_units(self) -> int:
         return len(self.local_ids)
 
 
-def plan_pull(remote_block_ids: Sequence[Sequence[int]], local_block_ids: Sequence[Sequence[int]],
-              skip_blocks: Optional[Sequence[int]] = None) -> PullPlan:
-    """Pair each group's remote and local tables position by position.
-
-    Drops positions where either side is the null block and the first
-    `skip_blocks[g]` positions of group g (blocks D already holds). A remote
-    table may be shorter than the local one (D may already hold room for
-    tokens P has not computed), never longer.
-    """
-    num_groups = len(local_block_ids)
-    if len(remote_block_ids) != num_groups:
-        raise InvalidRemoteBlockIds(f"{len(remote_block_ids)} groups, this worker has {num_groups}")
-    skips = [0] * num_groups if skip_blocks is None else list(skip_blocks)
-    if len(skips) != num_groups or any(skip < 0 for skip in skips):
-        raise ValueError(f"skip_blocks must hold {num_groups} non-negative counts, got {skip_blocks!r}")
+def plan_pull(remote: Sequence[HandoffSide], local: Sequence[HandoffSide], num_tokens: int,
+              num_held_tokens: int = 0) -> PullPlan:
+    """Pair each group's remote and local handoffs unit by unit over the prompt's `num_tokens` tokens,
+    from the first token both hold that D does not (its prefix cache holds `num_held_tokens`)."""
+    if len(remote) != len(local):
+        raise InvalidRemoteBlockIds(f"{len(remote)} groups, this worker has {len(local)}")
+    if num_held_tokens < 0 or num_tokens < 0:
+        raise ValueError(f"token counts must be >= 0, got {num_tokens} and {num_held_tokens}")
+    sizes = {side.block_size for side in (*remote, *local)}
+    if len(sizes) > 2 or any(block_size_problem(min(sizes), size) for size in sizes):
+        raise ValueError(f"block sizes {sorted(sizes)} do not pair")
+    unit = min(sizes, default=1)
     local_ids: list[int] = []
     remote_ids: list[int] = []
     counts: list[int] = []
-    for group_id, (remote, local, skip) in enumerate(zip(remote_block_ids, local_block_ids, skips)):
-        if len(remote) > len(local):
-            raise InvalidRemoteBlockIds(f"group {group_id} has {len(remote)} blocks, "
-                                        f"the local table only {len(local)}")
+    uncached: list[int] = []
+    for theirs, ours in zip(remote, local):
+        start = max(theirs.first_token, ours.first_token, num_held_tokens)
+        end = min(-(-num_tokens // unit) * unit, theirs.end_token, ours.end_token)
         num_before = len(local_ids)
-        for position in range(skip, len(remote)):
-            if remote[position] != NULL_BLOCK_ID and local[position] != NULL_BLOCK_ID:
-                local_ids.append(local[position])
-                remote_ids.append(remote[position])
+        for token in range(start, end, unit):
+            local_unit, remote_unit = ours.unit_id(token, unit), theirs.unit_id(token, unit)
+            if local_unit >= 0 and remote_unit >= 0:
+                local_ids.append(local_unit)
+                remote_ids.append(remote_unit)
         counts.append(len(local_ids) - num_before)
-    return PullPlan(tuple(local_ids), tuple(remote_ids), tuple(counts))
+        starts_mid_block = start < end and start % ours.block_size != 0
+        uncached.append(start // ours.block_size + 1 if starts_mid_block else 0)
+    return PullPlan(tuple(local_ids), tuple(remote_ids), unit, tuple(counts), tuple(uncached))
 
 
 def validate_remote_block_ids(remote_block_ids: Any, num_groups: int, num_remote_blocks: int,

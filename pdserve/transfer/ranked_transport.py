@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from pdserve.kv.head_split import HeadSource, chunk_heads, head_sources, rank_kv_heads
+from pdserve.transfer.token_units import UnitGeometry, unit_chunk_ids, unit_geometry
 from pdserve.transfer.transport import (
     KVTransport, PeerInfo, TransferError, TransferHandle, TransferState, wait_connected)
 
@@ -139,17 +140,24 @@ class _Link:
     local_chunks: int  # chunks (of chunk_heads heads) in a local page
     remote_chunks: int  # ... in a remote rank's page
     chunk_heads: int
+    units: Optional[UnitGeometry] = None  # set when the peer's block size differs: reads move row units
     failure: Optional[str] = None  # set when a sub-connection could not even start
 
 
 class RankReader:
-    """One rank's reads: which source ranks hold its heads, a connection to each, one READ each."""
+    """One rank's reads: which source ranks hold its heads, a connection to each, one READ each.
 
-    def __init__(self, local: KVTransport, rank: int, size: int, num_kv_heads: int):
+    With a peer of the same block size a read names blocks and moves one head range per (block,
+    source). With a peer of another block size it names units (pdserve/transfer/token_units.py)
+    and moves one row of one unit per descriptor: the rows of a head slab, (layer slot, K|V) each,
+    are `2 * num_layer_slots` to a head on both sides."""
+
+    def __init__(self, local: KVTransport, rank: int, size: int, num_kv_heads: int, num_layer_slots: int):
         self.local = local
         self.rank = rank
         self.size = size
         self.num_kv_heads = num_kv_heads
+        self.rows_per_head = 2 * num_layer_slots
         self.num_local_heads = rank_kv_heads(num_kv_heads, size, rank)[1]
         if local.page_bytes % self.num_local_heads:
             raise ValueError(f"pages of {local.page_bytes} bytes do not hold {self.num_local_heads} equal head slabs")
@@ -167,11 +175,20 @@ class RankReader:
         link = _Link(head_sources(self.num_kv_heads, self.size, self.rank, remote_size), [],
                      self.num_local_heads // heads, remote_heads // heads, heads)
         self._links[peer_key] = link
+        chunk_bytes = heads * self.slab_bytes
+        if ranks[0].page_bytes * self.num_local_heads != self.local.page_bytes * remote_heads:  # another block size
+            try:
+                link.units = unit_geometry(self.local.page_bytes, self.num_local_heads * self.rows_per_head,
+                                           ranks[0].page_bytes, remote_heads * self.rows_per_head)
+            except ValueError as error:
+                link.failure = f"rank {self.rank} cannot read pages of {ranks[0].page_bytes} bytes: {error}"
+                return
+            chunk_bytes = link.units.unit_bytes
         for source in link.sources:
             remote = ranks[source.remote_rank]
             sub_peer = dataclasses.replace(remote, engine_id=f"{remote.engine_id}/rank{source.remote_rank}")
             try:
-                link.sub_keys.append(self.local.begin_connect(sub_peer, chunk_bytes=heads * self.slab_bytes))
+                link.sub_keys.append(self.local.begin_connect(sub_peer, chunk_bytes=chunk_bytes))
             except TransferError as error:
                 link.failure = f"rank {self.rank} -> peer rank {source.remote_rank}: {error.message}"
                 return
@@ -208,14 +225,22 @@ class RankReader:
         handles = []
         try:
             for source, sub_key in zip(link.sources, link.sub_keys):
-                local_ids = [b * link.local_chunks + source.local_offset // link.chunk_heads for b in local_block_ids]
-                remote_ids = [b * link.remote_chunks + source.remote_offset // link.chunk_heads
-                              for b in remote_block_ids]
+                local_ids, remote_ids = self._chunk_ids(link, source, local_block_ids, remote_block_ids)
                 handles.append(self.local.start_read(sub_key, local_ids, remote_ids, b""))
         except (TransferError, ValueError) as error:
             self._read_errors[handle_id] = str(error)
         self._reads[handle_id] = handles
         return handles
+
+    def _chunk_ids(self, link: _Link, source: HeadSource, local_ids: Sequence[int],
+                   remote_ids: Sequence[int]) -> tuple[Sequence[int], Sequence[int]]:
+        """What one source's READ moves: its head range of each block, or each row of it per unit."""
+        if link.units is None:
+            return ([b * link.local_chunks + source.local_offset // link.chunk_heads for b in local_ids],
+                    [b * link.remote_chunks + source.remote_offset // link.chunk_heads for b in remote_ids])
+        num_rows = source.num_heads * self.rows_per_head
+        return (unit_chunk_ids(link.units.local, local_ids, source.local_offset * self.rows_per_head, num_rows),
+                unit_chunk_ids(link.units.remote, remote_ids, source.remote_offset * self.rows_per_head, num_rows))
 
     def read_state(self, handle_id: int) -> tuple[str, Optional[str]]:
         if handle_id in self._read_errors:
@@ -257,11 +282,11 @@ class RankedTransport:
     (TP=1) it is rank 0's reader alone."""
 
     def __init__(self, local: KVTransport, link: Optional[FollowerLink], follower_descriptors: Sequence[dict],
-                 num_kv_heads: int, clock: Callable[[], float] = time.monotonic):
+                 num_kv_heads: int, num_layer_slots: int, clock: Callable[[], float] = time.monotonic):
         self.local = local
         self.link = link
         self.num_ranks = 1 + len(follower_descriptors)
-        self.reader = RankReader(local, 0, self.num_ranks, num_kv_heads)
+        self.reader = RankReader(local, 0, self.num_ranks, num_kv_heads, num_layer_slots)
         self._followers = list(follower_descriptors)
         self._clock = clock
         self._reports: list[FollowerReport] = []

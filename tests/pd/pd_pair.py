@@ -3,6 +3,7 @@ connectors, with the fake transport (in-process page copies) standing in for NIX
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -22,6 +23,8 @@ from pdserve.pd.peers import PeerConnections
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
 from pdserve.request import RemoteSource, Request
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
+from pdserve.transfer.ranked_transport import RankedTransport, encode_ranks, rank_descriptor
+from pdserve.transfer.transport import KVTransport
 
 BLOCK = 4
 NUM_BLOCKS = 64
@@ -69,25 +72,33 @@ class PrefillSide:
         self.scheduler.apply_kv_events(self.connector.poll())
 
     def agent_info(self) -> AgentInfo:
+        peer = self.transport.local_peer_info(self.name, "epoch-1")
+        ranked = dataclasses.replace(peer, agent_metadata=encode_ranks([rank_descriptor(peer)]))  # as workers send it
         return AgentInfo(
             protocol_version=PROTOCOL_VERSION, compat_hash="h", engine_id=self.name, epoch="epoch-1",
             geometry=PoolGeometry(num_blocks=NUM_BLOCKS, page_bytes=PAGE_BYTES, block_size=BLOCK,
                                   group_size=PLAN.group_size, groups=groups_to_wire(PLAN)),
-            transport=self.transport.local_peer_info(self.name, "epoch-1").to_dict(),
+            transport=ranked.to_dict(),
         )
 
 
 class DecodeSide:
+    """With `block_size` other than the prefill side's, the connector reads through the rank reader
+    (one rank) in units of the smaller block, as every worker's does; otherwise page by page."""
+
     def __init__(self, fabric: FakeFabric, clock: FakeClock, policy: str = "recompute", max_running: int = 64,
-                 pull_timeout_s: float = 60.0, heartbeat_s: float = 5.0):
-        self.kv = KVCacheManager(PLAN, NUM_BLOCKS, BLOCK)
-        self.pool = torch.zeros(NUM_BLOCKS, PAGE_BYTES, dtype=torch.int8)
+                 pull_timeout_s: float = 60.0, heartbeat_s: float = 5.0, block_size: int = BLOCK):
+        self.kv = KVCacheManager(PLAN, NUM_BLOCKS, block_size)
+        self.pool = torch.zeros(NUM_BLOCKS, PAGE_BYTES * block_size // BLOCK, dtype=torch.int8)
         self.transport = FakeTransport(self.pool, "D", fabric)
         self.metrics = Metrics()
-        self.peers = PeerConnections(self.transport, connect_timeout_s=5.0, clock=clock)
-        self.connector = DecodeConnector(self.transport, self.peers, PLAN, BLOCK, self.metrics.transfer, policy,
+        reader: KVTransport = self.transport
+        if block_size != BLOCK:
+            reader = RankedTransport(self.transport, None, [], num_kv_heads=1, num_layer_slots=PLAN.group_size)
+        self.peers = PeerConnections(reader, connect_timeout_s=5.0, clock=clock)
+        self.connector = DecodeConnector(reader, self.peers, PLAN, block_size, self.metrics.transfer, policy,
                                          pull_timeout_s=pull_timeout_s, heartbeat_s=heartbeat_s, clock=clock)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_running=max_running), self.kv, BLOCK, 10_000,
+        self.scheduler = Scheduler(SchedulerConfig(max_num_running=max_running), self.kv, block_size, 10_000,
                                    connector=self.connector)
 
     def connect(self, p: PrefillSide) -> Optional[str]:

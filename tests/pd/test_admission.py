@@ -8,6 +8,7 @@ import asyncio
 import httpx
 import pytest
 
+from pdserve.api.errors import InvalidRequest
 from pdserve.api.kv_transfer import (KVParamsInvalid, KVParamsStale, KVPullFailed, RemoteDecodeRequest,
                                      RemotePrefillParams, parse_kv_transfer_params)
 from pdserve.api.sampling import SamplingParams
@@ -98,6 +99,30 @@ async def test_block_lists_that_do_not_fit_the_prompt_are_a_400():
     short = params.model_copy(update={"remote_block_ids": [ids[1:] for ids in params.remote_block_ids]})
     with pytest.raises(KVParamsInvalid, match="non-null blocks"):
         await admission(stub, Connector()).admit(request(short))
+
+
+async def test_a_prefill_block_size_that_does_not_divide_ours_is_a_400_that_says_so():
+    stub, connect = StubPrefill(), Connector()
+    info = stub.side.agent_info()
+    odd = info.model_copy(update={"geometry": info.geometry.model_copy(update={"block_size": BLOCK + 1})})
+    stub.handler = lambda request: httpx.Response(200, content=odd.model_dump_json())
+    with pytest.raises(KVParamsInvalid, match=f"block sizes {BLOCK} here and {BLOCK + 1} there: one must divide"):
+        await admission(stub, connect).admit(request(stub.params()))
+    assert connect.calls == 0
+
+
+async def test_block_lists_are_checked_in_the_prefill_workers_block_size():
+    """A peer paging in blocks twice ours sends half as many ids per group."""
+    stub, connect = StubPrefill(), Connector()
+    info = stub.side.agent_info()
+    doubled = info.model_copy(update={"geometry": info.geometry.model_copy(update={"block_size": BLOCK * 2})})
+    stub.handler = lambda request: httpx.Response(200, content=doubled.model_dump_json())
+    params = stub.params()
+    with pytest.raises(InvalidRequest, match="group 0 has 8 blocks, at most 4"):  # twice what the peer's blocks need
+        await admission(stub, connect).admit(request(params))
+    halved = params.model_copy(update={"remote_block_ids": [ids[: -(-len(ids) // 2)] for ids in params.remote_block_ids]})
+    admitted = await admission(stub, connect).admit(request(halved))
+    assert admitted.remote is not None and connect.calls == 1
 
 
 async def test_a_stale_epoch_is_a_409_and_not_remembered_as_a_dead_peer():
@@ -226,9 +251,9 @@ async def test_a_failed_shared_handshake_fails_every_waiter():
 
 async def test_an_incompatible_prefill_worker_is_a_400_that_names_what_differs():
     plan = plan_groups([FullAttentionSpec()] * 2)
-    ours = compatibility_document("m|llama|2|64|300", "torch.float32", 2, 16, 16, plan)
-    theirs = compatibility_document("m|llama|2|64|300", "torch.float32", 2, 16, 32, plan)
-    assert incompatibilities(ours, theirs) == "block_size: 16 here, 32 there"
+    ours = compatibility_document("m|llama|2|64|300", "torch.float32", 2, 16, plan)
+    theirs = compatibility_document("m|llama|2|64|300", "torch.float32", 2, 32, plan)
+    assert incompatibilities(ours, theirs) == "head_dim: 16 here, 32 there"
     assert incompatibilities(ours, ours) == "their compatibility hashes differ"
     stub, connect = StubPrefill(), Connector()
     info = stub.side.agent_info().model_copy(update={"compatibility": theirs})
@@ -236,6 +261,6 @@ async def test_an_incompatible_prefill_worker_is_a_400_that_names_what_differs()
     handshake = HandshakeClient(compatibility_hash(ours), None, http_transport=httpx.MockTransport(stub.handler),
                                 own_compatibility=ours)
     gate = DecodeAdmission(handshake, PLAN, BLOCK, "recompute", connect)
-    with pytest.raises(KVParamsInvalid, match=r"incompatible model or KV layout \(block_size: 16 here, 32 there\)"):
+    with pytest.raises(KVParamsInvalid, match=r"incompatible model or KV layout \(head_dim: 16 here, 32 there\)"):
         await gate.admit(request(stub.params()))
     assert connect.calls == 0

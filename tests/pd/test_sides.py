@@ -9,6 +9,7 @@ import torch
 from pdserve.api.kv_transfer import KVPullFailed
 from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.schedule_types import SampledToken
+from pdserve.kv.specs import SlidingWindowSpec
 from pdserve.pd.geometry import handoff_ranges, handoff_slices
 from pdserve.pd.messages import KVMessage
 from pdserve.request import Request, RequestStatus
@@ -372,3 +373,40 @@ def test_decode_trusts_no_longer_lease_than_its_own_whatever_the_params_say(p, d
     d.transport.hold_reads = False
     d.tick()
     assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0  # not trusted: recompute
+
+
+def test_a_decode_worker_of_twice_the_block_size_pulls_units_and_keeps_a_half_filled_window_block_uncached(
+        fabric, clock, p):
+    """P pages in blocks of 4, D in blocks of 8. A 30-token prompt's last token reads keys 22..29 in
+    the sliding groups: P hands them over from token 20 (its block 5), D needs them from token 16 (its
+    block 2), so tokens 16..19 of D's block 2 receive nothing. The pull lands token for token; that
+    block is withheld from D's prefix cache, the full groups' blocks are not."""
+    d = DecodeSide(fabric, clock, block_size=2 * BLOCK)
+    assert d.connect(p) is None
+    params = p.prefill("r1", 30)
+    request = admit(d, p, clock, "r1-d", 30, params)
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    events = d.connector.poll()
+    assert events.landed == ["r1-d"]
+    sliding = [group.group_id for group in PLAN.groups if isinstance(group.spec, SlidingWindowSpec)]
+    assert events.uncached == {"r1-d": tuple(3 if g in sliding else 0 for g in range(len(PLAN.groups)))}
+    d.scheduler.apply_kv_events(events)
+    assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == 29
+    # Every unit landed where its tokens live: P's page b holds the byte b everywhere (PrefillSide.prefill).
+    tables = d.kv.block_ids("r1-d")
+    for group_id, remote_ids in enumerate(params.remote_block_ids):
+        first_p = handoff_ranges(PLAN, 30, BLOCK)[group_id].start
+        for index, remote_id in enumerate(remote_ids):
+            token = (first_p + index) * BLOCK
+            unit_bytes = PAGE_BYTES // (2 * PLAN.group_size)  # one row of a P page: 2 per layer slot
+            rows = d.pool[tables[group_id][token // (2 * BLOCK)]].view(-1, 2, unit_bytes)  # [row][slot][bytes]
+            assert torch.all(rows[:, (token % (2 * BLOCK)) // BLOCK] == remote_id), (group_id, token)
+    # D computes the last prompt token and a few more; then its prefix cache holds every full block of the
+    # full groups but not the sliding groups' block 2 (tokens 16..23), whose first half is stale.
+    step = d.scheduler.schedule()
+    d.scheduler.update(step, [SampledToken("r1-d", 7, 0.0)])
+    cached = {(block.group_id, block.block_hash) for block in d.kv.snapshot_cache().blocks}
+    assert len(request.block_hashes) >= 3
+    for group_id in range(len(PLAN.groups)):
+        assert ((group_id, request.block_hashes[2]) in cached) is (group_id not in sliding), group_id
+    d.kv.check_invariants()

@@ -8,55 +8,90 @@ from pdserve.api.errors import InvalidRequest
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from pdserve.transfer.planner import (
-    InvalidRemoteBlockIds, PullPlan, Run, contiguous_runs, plan_pull, validate_remote_block_ids)
+    HandoffSide, InvalidRemoteBlockIds, PullPlan, Run, contiguous_runs, plan_pull, validate_remote_block_ids)
+
+
+def sides(tables, block_size=4, first_blocks=None):
+    firsts = first_blocks or [0] * len(tables)
+    return [HandoffSide(block_size, first, ids) for ids, first in zip(tables, firsts)]
 
 
 def test_plan_pairs_positions_and_flattens_groups_in_order():
-    plan = plan_pull([[7, 3, 9], [4, 11]], [[1, 2, 5], [6, 8]], None)
-    assert plan == PullPlan(local_ids=(1, 2, 5, 6, 8), remote_ids=(7, 3, 9, 4, 11), num_blocks_per_group=(3, 2))
-    assert plan.num_blocks == 5
+    plan = plan_pull(sides([[7, 3, 9], [4, 11]]), sides([[1, 2, 5], [6, 8]]), num_tokens=12)
+    assert plan == PullPlan(local_ids=(1, 2, 5, 6, 8), remote_ids=(7, 3, 9, 4, 11), unit_tokens=4,
+                            num_units_per_group=(3, 2), uncached_blocks=(0, 0))
+    assert plan.num_units == 5
 
 
 def test_plan_drops_null_entries_on_either_side():
-    plan = plan_pull([[0, 0, 4, 11, 20]], [[0, 3, 6, 0, 9]])
+    plan = plan_pull(sides([[0, 0, 4, 11, 20]]), sides([[0, 3, 6, 0, 9]]), num_tokens=20)
     assert plan.local_ids == (6, 9)
     assert plan.remote_ids == (4, 20)
-    assert plan.num_blocks_per_group == (2,)
+    assert plan.num_units_per_group == (2,)
 
 
-def test_plan_skips_blocks_decode_already_holds_per_group():
-    plan = plan_pull([[7, 3, 9, 12], [0, 0, 4, 11]], [[1, 2, 5, 10], [0, 0, 6, 8]], skip_blocks=[3, 1])
-    assert plan.local_ids == (10, 6, 8)
-    assert plan.remote_ids == (12, 4, 11)
-    assert plan.num_blocks_per_group == (1, 2)
+def test_plan_skips_the_tokens_decode_already_holds():
+    # D holds 12 tokens (3 blocks of 4): only the 4th block of the full group and the window's blocks past it.
+    plan = plan_pull(sides([[7, 3, 9, 12], [4, 11]], first_blocks=[0, 2]),
+                     sides([[1, 2, 5, 10], [6, 8]], first_blocks=[0, 2]), num_tokens=16, num_held_tokens=12)
+    assert plan.local_ids == (10, 8)
+    assert plan.remote_ids == (12, 11)
+    assert plan.num_units_per_group == (1, 1)
 
 
 def test_plan_of_a_full_prefix_hit_is_empty_but_keeps_group_counts():
-    plan = plan_pull([[7, 3], [5, 6]], [[1, 2], [3, 4]], skip_blocks=[2, 2])
-    assert plan.num_blocks == 0
-    assert plan.num_blocks_per_group == (0, 0)
+    plan = plan_pull(sides([[7, 3], [5, 6]]), sides([[1, 2], [3, 4]]), num_tokens=8, num_held_tokens=8)
+    assert plan.num_units == 0
+    assert plan.num_units_per_group == (0, 0)
 
 
-def test_plan_accepts_a_remote_table_shorter_than_the_local_one():
-    plan = plan_pull([[7, 3]], [[1, 2, 5]])
-    assert plan.local_ids == (1, 2)
-    assert plan.remote_ids == (7, 3)
+def test_plan_moves_only_what_both_tables_cover():
+    plan = plan_pull(sides([[7, 3]]), sides([[1, 2, 5]]), num_tokens=12)
+    assert (plan.local_ids, plan.remote_ids) == ((1, 2), (7, 3))
+    plan = plan_pull(sides([[7, 3, 9]]), sides([[1, 2]]), num_tokens=12)
+    assert (plan.local_ids, plan.remote_ids) == ((1, 2), (7, 3))
 
 
-def test_plan_rejects_a_remote_table_longer_than_the_local_one():
-    with pytest.raises(InvalidRemoteBlockIds, match="group 0 has 3 blocks"):
-        plan_pull([[7, 3, 9]], [[1, 2]])
+def test_plan_stops_at_the_prompt_end():
+    plan = plan_pull(sides([[7, 3, 9]]), sides([[1, 2, 5]]), num_tokens=5)  # tokens 0..4: blocks 0 and 1
+    assert (plan.local_ids, plan.remote_ids) == ((1, 2), (7, 3))
 
 
 def test_plan_rejects_a_group_count_mismatch():
     with pytest.raises(InvalidRemoteBlockIds, match="1 groups, this worker has 2"):
-        plan_pull([[7]], [[1], [2]])
+        plan_pull(sides([[7]]), sides([[1], [2]]), num_tokens=4)
 
 
-@pytest.mark.parametrize("skip_blocks", [[1], [1, -1], [0, 0, 0]])
-def test_plan_rejects_skip_blocks_of_the_wrong_shape(skip_blocks):
-    with pytest.raises(ValueError, match="skip_blocks"):
-        plan_pull([[7], [8]], [[1], [2]], skip_blocks)
+def test_plan_rejects_block_sizes_that_do_not_divide():
+    with pytest.raises(ValueError, match="do not pair"):
+        plan_pull(sides([[7]], block_size=16), sides([[1]], block_size=24), num_tokens=4)
+
+
+def test_plan_cuts_larger_decode_blocks_into_units_of_the_prefill_block():
+    """P blocks of 16, D blocks of 32: each D block takes two P blocks, slot 0 then slot 1 (the module diagram)."""
+    plan = plan_pull(sides([[11, 12, 20, 21, 30]], block_size=16), sides([[5, 9, 4]], block_size=32),
+                     num_tokens=70)
+    assert plan.unit_tokens == 16
+    assert plan.local_ids == (10, 11, 18, 19, 8)
+    assert plan.remote_ids == (11, 12, 20, 21, 30)
+    assert plan.uncached_blocks == (0,)
+
+
+def test_plan_cuts_larger_prefill_blocks_into_units_of_the_decode_block():
+    plan = plan_pull(sides([[5, 9, 4]], block_size=32), sides([[11, 12, 20, 21, 30]], block_size=16),
+                     num_tokens=70, num_held_tokens=32)
+    assert plan.local_ids == (20, 21, 30)
+    assert plan.remote_ids == (18, 19, 8)  # block 9 slots 0 and 1, then block 4 slot 0
+
+
+def test_plan_marks_a_decode_block_that_starts_before_the_prefill_window_as_uncached():
+    """Sliding window: P (blocks of 16) hands over from token 48 (block 3); D (blocks of 32) needs from
+    token 32 (block 1): tokens 32..47 of D's block 1 get nothing, so that block stays out of its cache."""
+    plan = plan_pull(sides([[40, 41]], block_size=16, first_blocks=[3]),
+                     sides([[7, 8]], block_size=32, first_blocks=[1]), num_tokens=80)
+    assert plan.local_ids == (15, 16)  # block 7 slot 1 (tokens 48..63), block 8 slot 0 (64..79)
+    assert plan.remote_ids == (40, 41)
+    assert plan.uncached_blocks == (2,)
 
 
 def test_plan_of_manager_live_tables_moves_only_the_sliding_window():
@@ -69,9 +104,9 @@ def test_plan_of_manager_live_tables_moves_only_the_sliding_window():
     assert decode.allocate("d", num_prompt_tokens - 1, 1)
     remote = prefill.live_block_ids("p", num_prompt_tokens - 1)
     local = decode.block_ids("d")
-    pull = plan_pull(remote, local)
+    pull = plan_pull(sides(remote), sides(local), num_prompt_tokens)
     # full group (0): all 8 blocks; sliding group (1): window 8 tokens at position 29 reads 22..29 -> blocks 5..7
-    assert pull.num_blocks_per_group == (8, 3)
+    assert pull.num_units_per_group == (8, 3)
     assert pull.remote_ids[:8] == tuple(remote[0])
     assert pull.remote_ids[8:] == tuple(remote[1][5:])
     assert pull.local_ids[8:] == tuple(local[1][5:])

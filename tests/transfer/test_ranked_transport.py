@@ -5,6 +5,7 @@ notification reaches the prefill worker, only once every rank's share has landed
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from pdserve.kv.head_split import head_sources, rank_kv_heads
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
+from pdserve.transfer.planner import HandoffSide, plan_pull
 from pdserve.transfer.ranked_transport import (
     FollowerTransport, RankedTransport, RankReader, decode_ranks, encode_ranks, rank_descriptor)
 from pdserve.transfer.transport import PeerInfo, TransferError, TransferState
@@ -67,21 +69,21 @@ class Worker:
         raise AssertionError(head)
 
 
-def worker(fabric: FakeFabric, name: str, heads: int, size: int, fill: bool) -> Worker:
+def worker(fabric: FakeFabric, name: str, heads: int, size: int, fill: bool, slab_bytes: int = SLAB_BYTES) -> Worker:
     """A worker of `size` ranks whose pages hold global head h of block b as bytes 10*b + h (when filled)."""
     views = []
     for rank in range(size):
         first, count = rank_kv_heads(heads, size, rank)
-        view = torch.zeros(NUM_BLOCKS, count * SLAB_BYTES, dtype=torch.int8)
+        view = torch.zeros(NUM_BLOCKS, count * slab_bytes, dtype=torch.int8)
         if fill:
             for block in range(NUM_BLOCKS):
                 for offset in range(count):
-                    view[block].view(-1, SLAB_BYTES)[offset] = 10 * block + first + offset
+                    view[block].view(-1, slab_bytes)[offset] = 10 * block + first + offset
         views.append(view)
     fakes = [FakeTransport(view, f"{name}-rank{rank}", fabric) for rank, view in enumerate(views)]
-    followers = [FollowerTransport(RankReader(fakes[rank], rank, size, heads)) for rank in range(1, size)]
+    followers = [FollowerTransport(RankReader(fakes[rank], rank, size, heads, 1)) for rank in range(1, size)]
     link = InProcessLink(followers) if followers else None
-    ranked = RankedTransport(fakes[0], link, [follower.descriptor() for follower in followers], heads, clock=Clock())
+    ranked = RankedTransport(fakes[0], link, [follower.descriptor() for follower in followers], heads, 1, clock=Clock())
     return Worker(ranked, fakes, views, heads, size)
 
 
@@ -169,3 +171,42 @@ def test_a_peer_without_a_rank_list_or_with_too_many_ranks_is_refused():
         decode_ranks(forged)
     two = decode_ranks(dataclasses.replace(info, agent_metadata=encode_ranks([rank_descriptor(info)] * 2)))
     assert [peer.agent_name for peer in two] == ["agent", "agent"]
+
+
+def token_pattern(block: int, head: int, kv: int, token: int) -> int:
+    """What a prefill page holds at one (block, global head, K|V, token of the block): one byte per token."""
+    return (block * 29 + head * 7 + kv * 3 + token) % 101 + 1
+
+
+@pytest.mark.parametrize("prefill_block, decode_block", [(8, 16), (16, 8)])
+@pytest.mark.parametrize("heads, prefill_size, decode_size", [(4, 1, 1), (4, 2, 1), (4, 1, 2), (2, 4, 1)])
+def test_pages_of_another_block_size_land_token_for_token_in_every_rank(prefill_block, decode_block, heads,
+                                                                          prefill_size, decode_size):
+    """One layer slot, one byte per token: a head's slab is [K tokens][V tokens]. The pull is planned as
+    the decode connector plans it (units of the smaller block), for a 32-token prompt."""
+    fabric = FakeFabric()
+    prefill = worker(fabric, "prefill", heads, prefill_size, fill=False, slab_bytes=2 * prefill_block)
+    decode = worker(fabric, "decode", heads, decode_size, fill=False, slab_bytes=2 * decode_block)
+    for rank, view in enumerate(prefill.views):
+        first, count = rank_kv_heads(heads, prefill_size, rank)
+        for block in range(NUM_BLOCKS):
+            rows = view[block].view(count, 2, prefill_block)
+            for offset, kv, token in itertools.product(range(count), range(2), range(prefill_block)):
+                rows[offset, kv, token] = token_pattern(block, first + offset, kv, token)
+    prefill_table = {8: [6, 1, 3, 7], 16: [5, 2]}[prefill_block]
+    decode_table = {8: [4, 7, 2, 6], 16: [3, 1]}[decode_block]
+    pull = plan_pull([HandoffSide(prefill_block, 0, prefill_table)], [HandoffSide(decode_block, 0, decode_table)], 32)
+    key = connect(decode, prefill)
+    handle = decode.transport.start_read(key, pull.local_ids, pull.remote_ids, b"")
+    assert decode.transport.poll(handle) is TransferState.DONE
+    assert handle.num_blocks == len(pull.local_ids) * heads * 2  # one descriptor per unit and row
+    for rank, view in enumerate(decode.views):
+        first, count = rank_kv_heads(heads, decode_size, rank)
+        for position in range(32):
+            local = view[decode_table[position // decode_block]].view(count, 2, decode_block)
+            remote_block = prefill_table[position // prefill_block]
+            for offset, kv in itertools.product(range(count), range(2)):
+                expected = token_pattern(remote_block, first + offset, kv, position % prefill_block)
+                assert local[offset, kv, position % decode_block] == expected, (rank, position, offset, kv)
+        untouched = [b for b in range(NUM_BLOCKS) if b not in decode_table]
+        assert torch.count_nonzero(view[untouched]) == 0
