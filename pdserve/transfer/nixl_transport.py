@@ -1,8 +1,8 @@
 """KVTransport over NIXL (UCX backend): the only module of pdserve that imports nixl.
 
-Invariant: the pool's canonical view is registered once as one region and
-described once as one descriptor per page, so block id b is descriptor index b
-on both sides and a READ of n blocks is n descriptors whatever the layer count.
+Invariant: the pool's canonical view is registered once as one region; a READ moves chunks
+(whole pages, or the `chunk_bytes` pieces of `begin_connect`) and the handle is DONE only once
+every chunk is in its local place.
 
     local pool (canonical int8 view [num_blocks, page_bytes], one NIXL region)
     base                                                     base + num_blocks*page_bytes
@@ -23,6 +23,30 @@ on both sides and a READ of n blocks is n descriptors whatever the layer count.
         -> local page 5 <- remote page 2, local page 9 <- remote page 3,
            then the notification reaches the remote agent.
 
+Direct reads: one descriptor per run of chunks consecutive on both sides (pdserve/transfer/
+descriptor_runs.py), straight into the pool. Descriptor lists are prepared at connect only for
+coarse chunks (at most MAX_PREPPED_CHUNKS_PER_PAGE per page on both sides: whole pages, head
+ranges); finer chunks are described per read, from numpy arrays.
+
+Staged reads: between pages of different block sizes a read is one small chunk per (unit, row),
+so a direct read takes hundreds of descriptors per block. A staged read instead fetches runs
+consecutive on the remote side (typically whole remote pages) into a registered staging buffer,
+then copies the chunks into the pool with one vectorized index_copy_:
+
+    remote pool   | P page 7 (rows r0 r1 r2 ..) | P page 8 (rows r0 r1 r2 ..) |     1 descriptor per run
+                          |  NIXL READ (+ notification: P's pages are free now)
+                          v
+    staging       [ 7.r0 | 7.r1 | 7.r2 | .. | 8.r0 | 8.r1 | .. ]   chunk i, ordered by remote id
+                          |  poll() sees DONE: pool_chunks.index_copy_(0, local_ids_by_remote, staging)
+                          v
+    local pool    | D page 3: [r0: 7.r0 8.r0][r1: 7.r1 8.r1][r2: ..] |   then the handle is DONE
+
+`read_mode` "auto" stages a read when its direct descriptors number at least
+`staged_descriptor_factor` times its staged ones (docs/benchmarks.md, "KV pulls between block
+sizes"); "direct" and "staged" force one way (benchmarks, tests). A staged read that fails
+copies nothing into the pool. Staging buffers are reused (pdserve/transfer/staging.py); on
+CUDA the handle is DONE, and the buffer free, only once the copy's event completed.
+
 NIXL raises its own exception classes (no common base beyond Exception) from
 C++ bindings; every call into the agent is therefore wrapped, and a failure
 becomes a TransferError or a FAILED handle, never an engine crash.
@@ -30,18 +54,22 @@ becomes a TransferError or a FAILED handle, never an engine crash.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
-from pdserve.transfer.planner import Run, contiguous_runs
+from pdserve.kv.layout import huge_page_zeros
+from pdserve.transfer.descriptor_runs import (
+    READ_MODES, DirectRuns, StagedRuns, choose_runs, chunk_descriptors, run_descriptors)
+from pdserve.transfer.staging import StagingBuffer, StagingBuffers
 from pdserve.transfer.transport import (
     PeerInfo, TransferError, TransferHandle, TransferState, num_chunks, wait_connected)
 
@@ -49,30 +77,38 @@ logger = logging.getLogger(__name__)
 
 _LOCAL_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for "the local side of a prepared list"
 _WARM_UP_BYTES = 64
+MAX_PREPPED_CHUNKS_PER_PAGE = 64  # head-range chunks of the TP path; never a pool of (unit, row) chunks
+# "auto" stages a read whose direct descriptors are at least this many times its staged ones.
+# Measured (bench/kv_transfer_block_size.py, docs/benchmarks.md "KV pulls between block sizes").
+DEFAULT_STAGED_DESCRIPTOR_FACTOR = 8.0
+DEFAULT_STAGING_IDLE_BYTES = 1 << 30  # staging buffers kept for reuse between reads
 
 
 @dataclass(slots=True)
 class _Peer:
     info: PeerInfo
     remote_name: str
-    dlist: Any  # nixl_prepped_dlist_handle over the peer's pages (or chunks of them)
-    chunk_bytes: int  # the unit of reads from this peer: a page, or a head range of one
+    dlist: Any  # nixl_prepped_dlist_handle over the peer's chunks; None for fine chunks (described per read)
+    chunk_bytes: int  # the unit of reads from this peer: a page, a head range of one, or a (unit, row) piece
     warm_up: Any = None  # the warm-up read while connecting, None once connected
+
+
+@dataclass(slots=True)
+class _Scatter:
+    """What is left of a staged read once NIXL is done: staging chunk i -> local chunk local_ids[i]."""
+
+    buffer: StagingBuffer
+    local_ids: torch.Tensor  # int64, on the pool's device
+    chunk_bytes: int
+    copied: bool = False
+    fence: Any = None  # CUDA event recorded after the copy (None on CPU: the copy is synchronous)
 
 
 @dataclass(slots=True)
 class _InFlight:
     xfer: Any  # nixl_xfer_handle
     peer_key: str
-
-
-def page_descriptors(base_address: int, num_blocks: int, page_bytes: int, device_id: int) -> np.ndarray:
-    """NIXL's Nx3 descriptor array (address, length, device id): row b is page b."""
-    descs = np.empty((num_blocks, 3), dtype=np.uint64)
-    descs[:, 0] = base_address + np.arange(num_blocks, dtype=np.uint64) * np.uint64(page_bytes)
-    descs[:, 1] = page_bytes
-    descs[:, 2] = device_id
-    return descs
+    scatter: Optional[_Scatter] = None  # set for a staged read
 
 
 class NixlTransport:
@@ -84,13 +120,23 @@ class NixlTransport:
     must call `poll_notifications` every step on both roles (and `poll` while
     reads are pending). `connect_timeout_s` bounds the blocking `connect` (tools and tests);
     the engine uses `begin_connect`/`poll_connect` and its own deadline.
+    `read_mode`, `staged_descriptor_factor` and `staging_idle_bytes` choose between direct and
+    staged reads and bound the staging memory kept idle (see the module docstring).
     """
 
     def __init__(self, pool_canonical_view: torch.Tensor, agent_name: str, *, progress_thread: bool = False,
-                 connect_timeout_s: float = 5.0):
+                 connect_timeout_s: float = 5.0, read_mode: str = "auto",
+                 staged_descriptor_factor: float = DEFAULT_STAGED_DESCRIPTOR_FACTOR,
+                 staging_idle_bytes: int = DEFAULT_STAGING_IDLE_BYTES):
         view = pool_canonical_view
         if view.dim() != 2 or view.dtype != torch.int8 or not view.is_contiguous():
             raise ValueError("pool_canonical_view must be a contiguous int8 [num_blocks, page_bytes] tensor")
+        if read_mode not in READ_MODES:
+            raise ValueError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
+        if not staged_descriptor_factor >= 1:
+            raise ValueError(f"staged_descriptor_factor must be >= 1, got {staged_descriptor_factor}")
+        self._read_mode = read_mode
+        self._staged_factor = staged_descriptor_factor
         self._view = view  # keeps the registered memory alive
         self._agent_name = agent_name
         self._connect_timeout_s = connect_timeout_s
@@ -118,6 +164,12 @@ class NixlTransport:
             self._local_dlists = {self.page_bytes: self._agent.prep_xfer_dlist(
                 _LOCAL_AGENT, self._descriptors(self.page_bytes), self._mem_type)}
             self._metadata = self._agent.get_agent_metadata()
+            # No callback holds `self`: a reference cycle would leave the agent to the cyclic garbage
+            # collector, whose arbitrary finalization order aborts inside NIXL.
+            self._staging = StagingBuffers(functools.partial(_allocate_staging, view.device),
+                                           lambda memory: memory.data_ptr(),
+                                           self._agent.register_memory, self._agent.deregister_memory,
+                                           max_idle_bytes=staging_idle_bytes)
         except TransferError:
             raise
         except Exception as exc:  # NIXL binding errors share no base class
@@ -137,9 +189,19 @@ class NixlTransport:
     def agent_name(self) -> str:
         return self._agent_name
 
+    @property
+    def prepared_chunk_bytes(self) -> tuple[int, ...]:
+        """Chunk sizes whose local descriptor lists are prepared (whole pages always; fine chunks never)."""
+        return tuple(sorted(self._local_dlists))
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of staging buffers held (idle or lent to a read)."""
+        return self._staging.total_bytes
+
     def _descriptors(self, chunk_bytes: int) -> np.ndarray:
-        return page_descriptors(self._view.data_ptr(), num_chunks(self.page_bytes, chunk_bytes, self.num_blocks),
-                                chunk_bytes, self._device_id)
+        return chunk_descriptors(self._view.data_ptr(), num_chunks(self.page_bytes, chunk_bytes, self.num_blocks),
+                                 chunk_bytes, self._device_id)
 
     def _local_dlist(self, chunk_bytes: int) -> Any:
         dlist = self._local_dlists.get(chunk_bytes)
@@ -173,18 +235,23 @@ class NixlTransport:
             logger.info("peer %s replaced by %s (restart)", stale_key, key)
             self.disconnect(stale_key)
         remote_name = self._load_remote(peer)
+        dlist = None
         try:
-            descs = page_descriptors(peer.base_address, num_chunks(peer.page_bytes, chunk, peer.num_blocks), chunk,
-                                     peer.device_id)
-            dlist = self._agent.prep_xfer_dlist(remote_name, descs, peer.mem_type)
-            self._local_dlist(chunk)
+            if max(self.page_bytes, peer.page_bytes) // chunk <= MAX_PREPPED_CHUNKS_PER_PAGE:
+                descs = chunk_descriptors(peer.base_address, num_chunks(peer.page_bytes, chunk, peer.num_blocks),
+                                          chunk, peer.device_id)
+                dlist = self._agent.prep_xfer_dlist(remote_name, descs, peer.mem_type)
+                self._local_dlist(chunk)
         except Exception as exc:
+            if dlist is not None:
+                dlist.release()
             self._forget_remote(remote_name)
             raise TransferError(f"cannot describe the pool of peer {key}: {exc!r}") from exc
         try:
             warm_up = self._start_warm_up(peer, remote_name)
         except TransferError:
-            dlist.release()
+            if dlist is not None:
+                dlist.release()
             self._forget_remote(remote_name)
             raise
         self._connecting[key] = _Peer(peer, remote_name, dlist, chunk, warm_up)
@@ -278,7 +345,8 @@ class NixlTransport:
 
     def _drop(self, peer: _Peer) -> None:
         try:
-            peer.dlist.release()
+            if peer.dlist is not None:
+                peer.dlist.release()
         except Exception as exc:
             logger.warning("releasing the descriptors of peer %s failed: %r", peer.info.key, exc)
         self._forget_remote(peer.remote_name)
@@ -296,33 +364,59 @@ class NixlTransport:
                                                                        peer.info.num_blocks))
         if len(local_ids) != len(remote_ids):
             raise ValueError(f"{len(local_ids)} local block ids for {len(remote_ids)} remote ones")
-        runs = contiguous_runs(local_ids.tolist(), remote_ids.tolist())
-        handle = TransferHandle(next(self._handle_ids), peer_key, len(runs), len(local_ids) * chunk,
-                                time.monotonic())
+        handle = TransferHandle(next(self._handle_ids), peer_key, 0, len(local_ids) * chunk, time.monotonic())
         if len(local_ids) == 0:
             return self._finish_empty(handle, notification)
+        direct, staged = choose_runs(local_ids, remote_ids, self._read_mode, self._staged_factor)
+        buffer = None
+        if staged is not None:
+            try:
+                buffer = self._staging.acquire(staged.num_chunks * chunk)
+            except Exception as exc:
+                if self._read_mode == "staged":
+                    return _fail(handle, f"no staging buffer for the read from peer {peer_key}: {exc!r}")
+                logger.warning("no staging buffer (%r): reading directly from peer %s", exc, peer_key)
+                staged = None
+        scatter = None
         try:
-            if len(runs) < len(local_ids):  # pages adjacent on both sides move as one descriptor
-                xfer = self._coalesced_read(peer, runs, chunk, notification)
-            else:  # nothing to merge: the descriptor lists prepared at connect
-                xfer = self._agent.make_prepped_xfer("READ", self._local_dlist(chunk), local_ids,
-                                                     peer.dlist, remote_ids, notification)
+            if staged is not None and buffer is not None:
+                handle.num_blocks = len(staged)
+                scatter = _Scatter(buffer, torch.from_numpy(staged.local_ids_by_remote).to(self._view.device), chunk)
+                xfer = self._staged_xfer(peer, staged, buffer, notification)
+            else:
+                handle.num_blocks = len(direct)
+                xfer = self._direct_xfer(peer, direct, local_ids, remote_ids, notification)
         except Exception as exc:
+            if buffer is not None:
+                self._staging.give_back(buffer)
             return _fail(handle, f"cannot create the read from peer {peer_key}: {exc!r}")
-        self._in_flight[handle.handle_id] = _InFlight(xfer, peer_key)
+        in_flight = self._in_flight[handle.handle_id] = _InFlight(xfer, peer_key, scatter)
         try:
             status = self._agent.transfer(xfer)
         except Exception as exc:  # e.g. the peer disconnected after the request was made
             status, handle.error = "ERR", repr(exc)
-        self._apply_status(handle, status)
+        self._apply_status(handle, in_flight, status)
         return handle
 
-    def _coalesced_read(self, peer: _Peer, runs: list[Run], chunk: int, notification: bytes) -> Any:
-        """A READ of one descriptor per run (described for this read: runs differ in length)."""
-        local = np.array([(self._view.data_ptr() + run.local_first * chunk, run.count * chunk, self._device_id)
-                          for run in runs], dtype=np.uint64)
-        remote = np.array([(peer.info.base_address + run.remote_first * chunk, run.count * chunk, peer.info.device_id)
-                           for run in runs], dtype=np.uint64)
+    def _direct_xfer(self, peer: _Peer, runs: DirectRuns, local_ids: np.ndarray, remote_ids: np.ndarray,
+                     notification: bytes) -> Any:
+        """A READ straight into the pool: the prepared lists where nothing merges, else one descriptor per run."""
+        chunk = peer.chunk_bytes
+        if peer.dlist is not None and len(runs) == len(local_ids):
+            return self._agent.make_prepped_xfer("READ", self._local_dlist(chunk), local_ids.astype(np.int32),
+                                                 peer.dlist, remote_ids.astype(np.int32), notification)
+        local = run_descriptors(self._view.data_ptr(), runs.local_first, runs.count, chunk, self._device_id)
+        remote = run_descriptors(peer.info.base_address, runs.remote_first, runs.count, chunk, peer.info.device_id)
+        return self._described_xfer(peer, local, remote, notification)
+
+    def _staged_xfer(self, peer: _Peer, runs: StagedRuns, buffer: StagingBuffer, notification: bytes) -> Any:
+        """A READ of one descriptor per remote run into consecutive chunks of the staging buffer."""
+        chunk = peer.chunk_bytes
+        local = run_descriptors(buffer.address, runs.staging_first, runs.count, chunk, self._device_id)
+        remote = run_descriptors(peer.info.base_address, runs.remote_first, runs.count, chunk, peer.info.device_id)
+        return self._described_xfer(peer, local, remote, notification)
+
+    def _described_xfer(self, peer: _Peer, local: np.ndarray, remote: np.ndarray, notification: bytes) -> Any:
         return self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, self._mem_type),
                                            self._agent.get_xfer_descs(remote, peer.info.mem_type), peer.remote_name,
                                            notification)
@@ -342,31 +436,66 @@ class NixlTransport:
         in_flight = self._in_flight.get(handle.handle_id)
         if in_flight is None:
             return _fail(handle, "the handle was released while pending").state
-        try:
-            status = self._agent.check_xfer_state(in_flight.xfer)
-        except Exception as exc:
-            status, handle.error = "ERR", repr(exc)
-        self._apply_status(handle, status)
+        if in_flight.scatter is not None and in_flight.scatter.copied:
+            status = "DONE"  # NIXL finished earlier: only the copy out of staging is left to complete
+        else:
+            try:
+                status = self._agent.check_xfer_state(in_flight.xfer)
+            except Exception as exc:
+                status, handle.error = "ERR", repr(exc)
+        self._apply_status(handle, in_flight, status)
         return handle.state
 
-    def _apply_status(self, handle: TransferHandle, status: str) -> None:
+    def _apply_status(self, handle: TransferHandle, in_flight: _InFlight, status: str) -> None:
         if status == "DONE":
-            handle.state = TransferState.DONE
+            if in_flight.scatter is None:
+                handle.state = TransferState.DONE
+            else:
+                self._finish_staged(handle, in_flight.scatter)
         elif status != "PROC":
             _fail(handle, handle.error or f"NIXL reported {status} for the read from peer {handle.peer_key}")
+
+    def _finish_staged(self, handle: TransferHandle, scatter: _Scatter) -> None:
+        """Copy the staged chunks into the pool (once); DONE when that copy has completed."""
+        if not scatter.copied:
+            try:
+                self._copy_out_of_staging(scatter)
+            except Exception as exc:
+                _fail(handle, f"copying the staged chunks into the pool failed: {exc!r}")
+                return
+        if scatter.fence is None or scatter.fence.query():
+            handle.state = TransferState.DONE
+
+    def _copy_out_of_staging(self, scatter: _Scatter) -> None:
+        """Pool chunk local_ids[i] <- staging chunk i, for every i: one index_copy_ over rows of the widest
+        integer dividing a chunk (over int8 rows the same copy ran about 5x slower on the CPU)."""
+        chunk, num = scatter.chunk_bytes, len(scatter.local_ids)
+        word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.int8) if chunk % w.itemsize == 0)
+        pool_chunks = self._view.view(-1).view(word).view(-1, chunk // word.itemsize)
+        staged = scatter.buffer.memory[:num * chunk].view(word).view(num, chunk // word.itemsize)
+        pool_chunks.index_copy_(0, scatter.local_ids, staged)
+        scatter.copied = True
+        if self._view.is_cuda:
+            scatter.fence = torch.cuda.Event()
+            scatter.fence.record(torch.cuda.current_stream(self._view.device))
 
     def release(self, handle: TransferHandle) -> bool:
         in_flight = self._in_flight.get(handle.handle_id)
         if in_flight is None:
             return True
+        scatter = in_flight.scatter
+        if scatter is not None and scatter.fence is not None and not scatter.fence.query():
+            return False  # the copy into the pool is still running on the GPU
         try:
             in_flight.xfer.release()
         except Exception as exc:
-            # NIXL refuses to free a transfer it cannot cancel: its pages stay busy.
+            # NIXL refuses to free a transfer it cannot cancel: its pages (and staging buffer) stay busy.
             logger.warning("read %d from peer %s could not be released yet: %r",
                            handle.handle_id, handle.peer_key, exc)
             return False
         del self._in_flight[handle.handle_id]
+        if scatter is not None:
+            self._staging.give_back(scatter.buffer, scatter.fence)
         if handle.state is TransferState.PENDING:
             _fail(handle, "cancelled by release")
         return True
@@ -408,6 +537,7 @@ class NixlTransport:
             except Exception as exc:
                 logger.warning("a NIXL transfer still active at close: %r", exc)
         self._unreleased.clear()
+        self._staging.close()
         try:
             for dlist in self._local_dlists.values():
                 dlist.release()
@@ -421,7 +551,14 @@ def _check_ids(side: str, block_ids: Sequence[int], num_blocks: int) -> np.ndarr
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
         raise ValueError(f"{side} block ids must lie in 0..{num_blocks - 1}")
-    return ids.astype(np.int32)
+    return ids
+
+
+def _allocate_staging(device: torch.device, num_bytes: int) -> torch.Tensor:
+    """Staging memory beside the pool: huge-page backed on the CPU (UCX pins host memory page by page)."""
+    if device.type == "cuda":
+        return torch.empty(num_bytes, dtype=torch.int8, device=device)
+    return huge_page_zeros(num_bytes, torch.int8)
 
 
 def _fail(handle: TransferHandle, error: str) -> TransferHandle:

@@ -8,17 +8,20 @@ forwards every notification it receives; the decode side runs in the test.
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
 import signal
 import time
+import weakref
 
 import pytest
 import torch
 
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.transfer.nixl_transport import NixlTransport
+from pdserve.transfer.token_units import unit_chunk_ids, unit_geometry
 from pdserve.transfer.transport import PeerInfo, TransferError, TransferState
 from tests.devices import cuda_available
 
@@ -224,3 +227,243 @@ def test_pages_adjacent_on_both_sides_move_as_one_descriptor_and_land_exactly(pr
     key = transport.connect(prefill.peer_info)
     handle = read_and_check(transport, view, key, [4, 5, 6, 7, 12, 13, 2], [30, 31, 32, 33, 8, 20, 21])
     assert handle.num_blocks == 4  # descriptors: runs of 4, 1, 1 and 1 pages
+
+
+# ---- pages of different block sizes: unit chunks, direct and staged reads ---------------------------
+
+# Same heads, slots and head size on both sides; only the block size differs. "few-rows": 8 rows of
+# 512-byte units (at most 16 chunks a page: prepared lists); "many-rows": 48 rows (96 chunks in a
+# 32-token page: described per read).
+ROW_LAYOUTS = {"few-rows": dict(group_size=2, num_kv_heads=2, head_dim=8, dtype=torch.float32),
+               "many-rows": dict(group_size=12, num_kv_heads=2, head_dim=8, dtype=torch.float32)}
+BLOCK_SIZES = (16, 32)
+NUM_BLOCK_TEST_BLOCKS = 24
+
+
+def word_pattern(num_blocks: int, page_bytes: int, tag: int) -> torch.Tensor:
+    """int64 word i of the pool holds i + tag << 40: every 8 bytes of every pool differ."""
+    words = torch.arange(num_blocks * page_bytes // 8, dtype=torch.int64) + (tag << 40)
+    return words.view(torch.int8).view(num_blocks, page_bytes)
+
+
+def pool_tag(layout_name: str, block_size: int) -> int:
+    return 1 + sorted(ROW_LAYOUTS).index(layout_name) * 2 + BLOCK_SIZES.index(block_size)
+
+
+def block_layout(layout_name: str, block_size: int) -> KVPoolLayout:
+    return KVPoolLayout(num_blocks=NUM_BLOCK_TEST_BLOCKS, block_size=block_size, **ROW_LAYOUTS[layout_name])
+
+
+def run_block_size_prefill(device: str, out: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+    """Child: one patterned pool per (row layout, block size), each with its own agent."""
+    transports, published = [], {}
+    for name in ROW_LAYOUTS:
+        for block_size in BLOCK_SIZES:
+            layout = block_layout(name, block_size)
+            view = layout.canonical_view(layout.allocate(device))
+            view.copy_(word_pattern(layout.num_blocks, layout.page_bytes, pool_tag(name, block_size)))
+            if view.is_cuda:
+                torch.cuda.synchronize()
+            transport = NixlTransport(view, f"prefill-blocks-{name}-{block_size}-{device}")
+            transports.append(transport)
+            published[f"{name}/{block_size}"] = transport.local_peer_info(f"prefill-{name}-{block_size}",
+                                                                          "epoch-1").to_dict()
+    out.put(json.dumps(published))
+    while not stop.is_set():
+        for transport in transports:
+            transport.poll_notifications()
+        time.sleep(0.002)
+    for transport in transports:
+        transport.close()
+
+
+@pytest.fixture(scope="module")
+def block_prefill(device):
+    context = multiprocessing.get_context("spawn")
+    out, stop = context.Queue(), context.Event()
+    process = context.Process(target=run_block_size_prefill, args=(device, out, stop), daemon=True)
+    process.start()
+    published = {key: PeerInfo.from_dict(info)
+                 for key, info in json.loads(out.get(timeout=CHILD_START_TIMEOUT_S)).items()}
+    yield published
+    stop.set()
+    process.join(timeout=MAX_WAIT_S)
+    if process.is_alive():
+        process.kill()
+
+
+def connect_chunked(transport: NixlTransport, peer: PeerInfo, chunk_bytes: int) -> str:
+    key = transport.begin_connect(peer, chunk_bytes=chunk_bytes)
+    deadline = time.monotonic() + MAX_WAIT_S
+    while (state := transport.poll_connect(key)) is TransferState.PENDING and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    assert state is TransferState.DONE, transport.connect_failure(key)
+    return key
+
+
+def prompt_chunk_pairs(geometry, remote_blocks: list[int], local_blocks: list[int], remote_block_size: int,
+                       local_block_size: int, num_tokens: int, rows: int):
+    """Unit k covers tokens [k*u, (k+1)*u) (u the smaller block size); every row of it is one chunk pair."""
+    unit = min(remote_block_size, local_block_size)
+    tokens = range(0, num_tokens, unit)
+    remote_units = [remote_blocks[t // remote_block_size] * (remote_block_size // unit)
+                    + (t % remote_block_size) // unit for t in tokens]
+    local_units = [local_blocks[t // local_block_size] * (local_block_size // unit)
+                   + (t % local_block_size) // unit for t in tokens]
+    return (unit_chunk_ids(geometry.local, local_units, 0, rows),
+            unit_chunk_ids(geometry.remote, remote_units, 0, rows))
+
+
+def check_tokens(view: torch.Tensor, local_blocks: list[int], local_block_size: int, remote: torch.Tensor,
+                 remote_blocks: list[int], remote_block_size: int, num_tokens: int, rows: int) -> None:
+    """Token t of every row sits where each side's block table puts it; nothing else was written."""
+    local_rows = view.cpu().view(view.shape[0], rows, local_block_size, -1)
+    remote_rows = remote.view(remote.shape[0], rows, remote_block_size, -1)
+    written = torch.zeros(local_rows.shape[:3], dtype=torch.bool)
+    for t in range(num_tokens):
+        block, slot = local_blocks[t // local_block_size], t % local_block_size
+        expected = remote_rows[remote_blocks[t // remote_block_size], :, t % remote_block_size]
+        assert torch.equal(local_rows[block, :, slot], expected), f"token {t}: local block {block} slot {slot}"
+        written[block, :, slot] = True
+    assert not local_rows[~written].any(), "bytes outside the prompt's tokens were written"
+
+
+def expected_descriptors(remote_block_size: int, local_block_size: int, num_tokens: int, rows: int) -> tuple[int, int]:
+    """(direct, staged) descriptors with no block adjacent to another on either side: one per (unit,
+    row) directly; staged, one per remote page read whole and one per row of a page read in part."""
+    unit = min(remote_block_size, local_block_size)
+    direct = -(-num_tokens // unit) * rows
+    whole, rest = divmod(num_tokens, remote_block_size)
+    return direct, whole + (rows if rest else 0)
+
+
+def spaced_blocks(count: int, first: int) -> list[int]:
+    """Block ids two apart, out of order: never adjacent, so no run merges on their side."""
+    ids = list(range(first, first + 2 * count, 2))
+    return ids[1::2] + ids[::2]
+
+
+@pytest.mark.parametrize("layout_name", sorted(ROW_LAYOUTS))
+@pytest.mark.parametrize("remote_block_size,local_block_size", [(16, 32), (32, 16)])
+@pytest.mark.parametrize("read_mode", ["direct", "staged", "auto"])
+@pytest.mark.parametrize("num_tokens", [96, 80])
+def test_reads_between_block_sizes_put_every_token_of_every_row_in_place(
+        block_prefill, device, layout_name, remote_block_size, local_block_size, read_mode, num_tokens):
+    local_layout = block_layout(layout_name, local_block_size)
+    remote_layout = block_layout(layout_name, remote_block_size)
+    rows = local_layout.num_kv_heads * local_layout.group_size * 2
+    view = local_layout.canonical_view(local_layout.allocate(device))
+    factor = 6.0
+    transport = NixlTransport(view, f"decode-blocks-{os.getpid()}-{time.monotonic_ns()}", read_mode=read_mode,
+                              staged_descriptor_factor=factor)
+    try:
+        geometry = unit_geometry(local_layout.page_bytes, rows, remote_layout.page_bytes, rows)
+        key = connect_chunked(transport, block_prefill[f"{layout_name}/{remote_block_size}"], geometry.unit_bytes)
+        prepared = max(local_layout.page_bytes, remote_layout.page_bytes) // geometry.unit_bytes <= 64
+        assert (geometry.unit_bytes in transport.prepared_chunk_bytes) == prepared
+        remote_blocks = spaced_blocks(-(-num_tokens // remote_block_size), first=3)
+        local_blocks = spaced_blocks(-(-num_tokens // local_block_size), first=2)
+        local_ids, remote_ids = prompt_chunk_pairs(geometry, remote_blocks, local_blocks, remote_block_size,
+                                                   local_block_size, num_tokens, rows)
+        handle = transport.start_read(key, local_ids, remote_ids, b"")
+        assert wait(transport, handle) is TransferState.DONE, handle.error
+        assert transport.release(handle)
+        direct, staged = expected_descriptors(remote_block_size, local_block_size, num_tokens, rows)
+        if read_mode == "auto":
+            read_mode = "staged" if direct >= factor * staged and staged < direct else "direct"
+        assert handle.num_blocks == {"direct": direct, "staged": staged}[read_mode]
+        assert handle.num_bytes == len(local_ids) * geometry.unit_bytes
+        assert (transport.staging_bytes > 0) == (read_mode == "staged")
+        remote = word_pattern(remote_layout.num_blocks, remote_layout.page_bytes,
+                              pool_tag(layout_name, remote_block_size))
+        check_tokens(view, local_blocks, local_block_size, remote, remote_blocks, remote_block_size, num_tokens,
+                     rows)
+    finally:
+        transport.close()
+
+
+class AgentFailingAfterTheData:
+    """Wraps a NIXL agent: a read runs for real (its bytes reach the staging buffer), then reports ERR."""
+
+    def __init__(self, agent):
+        self._agent = agent
+
+    def __getattr__(self, name):
+        return getattr(self._agent, name)
+
+    def transfer(self, xfer, *args):
+        status = self._agent.transfer(xfer, *args)
+        return "PROC" if status == "DONE" else status
+
+    def check_xfer_state(self, xfer):
+        status = self._agent.check_xfer_state(xfer)
+        return "ERR" if status == "DONE" else status
+
+
+def test_staged_reads_reuse_their_buffer_and_a_failed_one_leaves_the_pool_untouched(block_prefill, device):
+    layout_name, remote_block_size, local_block_size = "many-rows", 16, 32
+    local_layout = block_layout(layout_name, local_block_size)
+    remote_layout = block_layout(layout_name, remote_block_size)
+    rows = local_layout.num_kv_heads * local_layout.group_size * 2
+    view = local_layout.canonical_view(local_layout.allocate(device))
+    transport = NixlTransport(view, f"decode-staged-{os.getpid()}-{time.monotonic_ns()}", read_mode="staged")
+    try:
+        geometry = unit_geometry(local_layout.page_bytes, rows, remote_layout.page_bytes, rows)
+        key = connect_chunked(transport, block_prefill[f"{layout_name}/{remote_block_size}"], geometry.unit_bytes)
+        remote_blocks, local_blocks = spaced_blocks(6, first=3), spaced_blocks(3, first=2)
+        local_ids, remote_ids = prompt_chunk_pairs(geometry, remote_blocks, local_blocks, remote_block_size,
+                                                   local_block_size, 96, rows)
+        real_agent = transport._agent
+        transport._agent = AgentFailingAfterTheData(real_agent)
+        handle = transport.start_read(key, local_ids, remote_ids, b"")
+        assert wait(transport, handle) is TransferState.FAILED
+        assert transport.release(handle)
+        assert not view.any(), "a failed staged read wrote into the pool"
+        held = transport.staging_bytes
+        assert held > 0
+        transport._agent = real_agent
+        for _ in range(3):
+            view.zero_()
+            handle = transport.start_read(key, local_ids, remote_ids, b"")
+            assert wait(transport, handle) is TransferState.DONE, handle.error
+            assert transport.release(handle)
+            assert transport.staging_bytes == held  # the same buffer, every time
+        remote = word_pattern(remote_layout.num_blocks, remote_layout.page_bytes,
+                              pool_tag(layout_name, remote_block_size))
+        check_tokens(view, local_blocks, local_block_size, remote, remote_blocks, remote_block_size, 96, rows)
+    finally:
+        transport.close()
+    assert transport.staging_bytes == 0
+
+
+def test_a_staged_read_from_a_killed_peer_fails_and_writes_nothing(device):
+    layout = KVPoolLayout(num_blocks=NUM_DECODE_BLOCKS, **LAYOUT)
+    view = layout.canonical_view(layout.allocate(device))
+    transport = NixlTransport(view, f"decode-killed-{os.getpid()}-{time.monotonic_ns()}", read_mode="staged")
+    doomed = PrefillProcess("prefill-agent-staged", epoch="epoch-1", seed=5, device=device)
+    try:
+        key = transport.connect(doomed.peer_info)
+        doomed.kill()
+        handle = transport.start_read(key, [1, 3, 5], [4, 2, 9], b"never")
+        assert wait(transport, handle) is TransferState.FAILED
+        assert handle.error
+        assert transport.release(handle)
+        assert not view.any()
+    finally:
+        transport.close()
+        doomed.shutdown()
+
+
+def test_a_closed_transport_is_freed_without_the_cycle_collector(device):
+    """No reference cycle through the transport: left to the cyclic collector, NIXL's objects are
+    finalized in any order, and that aborted the process."""
+    layout = KVPoolLayout(num_blocks=4, **LAYOUT)
+    transport = NixlTransport(layout.canonical_view(layout.allocate(device)), f"decode-freed-{os.getpid()}")
+    transport.close()
+    freed = weakref.ref(transport)
+    gc.disable()
+    try:
+        del transport
+        assert freed() is None
+    finally:
+        gc.enable()
