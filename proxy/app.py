@@ -59,10 +59,11 @@ class ProxyComponents:
         return [*self.prefill_pool.backends(), *self.decode_pool.backends()]
 
     def is_ready(self) -> bool:
-        """Serving is possible: a decode worker, and a prefill worker unless there is no prefill tier."""
+        """Serving is possible: a decode worker, and a prefill worker unless there is no prefill tier or
+        the decode workers may compute prompts themselves meanwhile (`colocated_fallback`)."""
         if not self.decode_pool.available():
             return False
-        return not self.config.has_prefill or bool(self.prefill_pool.available())
+        return not self.config.has_prefill or self.config.colocated_fallback or bool(self.prefill_pool.available())
 
 
 def build_components(config: ProxyConfig, resolver: Optional[Resolver] = None,

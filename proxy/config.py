@@ -106,6 +106,9 @@ class ProxyConfig(_Frozen):
     limits: LimitsConfig = LimitsConfig()
     max_prefill_attempts: int = Field(3, ge=1)  # prefill legs tried per request (on distinct workers)
     max_decode_attempts: int = Field(2, ge=1)  # decode workers tried when one refuses before starting
+    # When no prefill worker can take a request (none healthy, or every one tried failed), a decode
+    # worker computes the prompt itself instead of the client getting a 503 (counted).
+    colocated_fallback: bool = True
     retry_after_s: int = Field(2, ge=1)  # the Retry-After of a 503
     max_connections_per_backend: int = Field(1024, ge=1)
     log_level: str = "info"

@@ -5,6 +5,16 @@ decode, no wasted prefill: a quick 503); a failed prefill leg is retried on
 another prefill worker; decode's "the KV never arrived" answer re-runs the
 prefill (on another worker when there is one) and retries exactly once; the
 client's `X-Request-Id` (or a fresh one) goes on both legs and back.
+
+What a process death costs (nothing, where nothing had reached the client):
+
+    no prefill worker available, or every one tried failed (dead, unreachable)
+        -> the decode worker computes the prompt itself (colocated fallback, counted)
+    the decode worker drops the connection before its answer starts
+        -> a fresh prefill (a new pin: the dead worker may have read and released the
+           old one, whose pages P may since have reused) and another decode worker, once
+    the decode worker dies mid-stream
+        -> the stream ends with an error event (proxy/relay.py): bytes already left
 """
 
 from __future__ import annotations
@@ -40,6 +50,18 @@ DECODE_ONLY = "decode_only"
 _MAY_STILL_READ = ("timeout", "transport")
 # Failures of the connection, not of the worker's answer: the same worker may be tried again.
 _CONNECTION_FAILURES = ("connect", "transport")
+# A decode leg that failed this way reached its worker, which then dropped the connection before
+# answering (it died): nothing reached the client, so the request may start over elsewhere.
+_DECODE_LOST = "transport"
+
+
+class DecodeLost(Exception):
+    """The decode worker took the request and died before answering; `url` is the dead one."""
+
+    def __init__(self, url: str, error: ProxyError):
+        super().__init__(url)
+        self.url = url
+        self.error = error
 
 
 @dataclass(slots=True)
@@ -142,12 +164,33 @@ class Forwarder:
             raise self._unavailable(Role.DECODE)
         if timing.mode == DISAGGREGATED and self._kv is not None and self._kv.skips_prefill(request, decode):
             timing.mode = DECODE_ONLY  # cache-aware disaggregation: decode holds nearly all of the prompt
+        if timing.mode == DISAGGREGATED and self._config.colocated_fallback and not self._prefill_pool.available():
+            return await self._colocated(request, decode, timing, "no_prefill")
         if timing.mode == DECODE_ONLY:
             return await self._decode(request, decode, None)
-        prefill, params = await self._prefill(request, (), timing)
+        try:
+            return await self._disaggregated(request, decode, timing, ())
+        except DecodeLost as lost:
+            logger.warning("request %s: decode worker %s dropped it before answering; prefilling again for "
+                           "another one", request.request_id, lost.url)
+            self._metrics.retries.labels(Role.DECODE.value, _DECODE_LOST).inc()
+            dead_url = lost.url
+        try:
+            return await self._disaggregated(request, None, timing, (dead_url,))
+        except DecodeLost as again:
+            raise again.error from None
+
+    async def _disaggregated(self, request: ClientRequest, decode: Optional[Backend], timing: RequestTiming,
+                             avoid_decode: Collection[str]) -> OpenLeg:
+        """Prefill, then decode on `decode` (or a worker not in `avoid_decode`); a decode that cannot read
+        the KV gets one more prefill; with no prefill possible, the decode worker computes the prompt."""
+        try:
+            prefill, params = await self._prefill(request, (), timing)
+        except ProxyError as error:
+            return await self._colocated(request, decode, timing, "prefill_failed", error, avoid_decode)
         decode_started_s = time.perf_counter()
         try:
-            return await self._decode_holding(request, decode, PrefillHold(prefill, params))
+            return await self._decode_holding(request, decode, PrefillHold(prefill, params), avoid_decode)
         except KVRetry as exc:
             timing.wasted_s += time.perf_counter() - decode_started_s
             logger.warning("request %s: decode answered %s for KV from %s; prefilling again",
@@ -155,17 +198,33 @@ class Forwarder:
             if exc.reason == "kv_pull_failed":
                 prefill.breaker.record_failure()  # its blocks could not be read: suspect the worker
             self._metrics.retries.labels(Role.PREFILL.value, exc.reason).inc()
-        second, params = await self._prefill(request, (prefill.url,), timing)
         try:
-            return await self._decode_holding(request, None, PrefillHold(second, params))
+            second, params = await self._prefill(request, (prefill.url,), timing)
+        except ProxyError as error:
+            return await self._colocated(request, None, timing, "prefill_failed", error, avoid_decode)
+        try:
+            return await self._decode_holding(request, None, PrefillHold(second, params), avoid_decode)
         except KVRetry as again:
             raise PassThrough(again.answer) from None
 
-    async def _decode_holding(self, request: ClientRequest, first: Optional[Backend], hold: PrefillHold) -> OpenLeg:
+    async def _colocated(self, request: ClientRequest, decode: Optional[Backend], timing: RequestTiming,
+                         reason: str, error: Optional[ProxyError] = None,
+                         avoid_decode: Collection[str] = ()) -> OpenLeg:
+        """No prefill worker can take the request: a decode worker computes the prompt itself."""
+        if not self._config.colocated_fallback:
+            raise error or self._unavailable(Role.PREFILL)
+        logger.warning("request %s: no prefill worker could take it (%s); the decode worker computes the prompt",
+                       request.request_id, reason)
+        self._metrics.colocated_fallbacks.labels(reason).inc()
+        timing.mode = DECODE_ONLY
+        return await self._decode(request, decode, None, avoid_urls=avoid_decode)
+
+    async def _decode_holding(self, request: ClientRequest, first: Optional[Backend], hold: PrefillHold,
+                              avoid_urls: Collection[str] = ()) -> OpenLeg:
         """The decode leg of a prefill's KV; if it ends without a decode worker reading the KV (refused,
         answered with an error, never sent, or the client left first), the prefill worker frees it now."""
         try:
-            return await self._decode(request, first, hold.params, hold)
+            return await self._decode(request, first, hold.params, hold, avoid_urls)
         except BaseException:
             self._releaser.release_unless_read(hold, request.request_id)
             raise
@@ -211,9 +270,12 @@ class Forwarder:
         return backend
 
     async def _decode(self, request: ClientRequest, first: Optional[Backend],
-                      params: Optional[dict[str, Any]], hold: Optional[PrefillHold] = None) -> OpenLeg:
-        """Open the decode leg; a worker that never saw the request is replaced by another one."""
-        tried: set[str] = set()
+                      params: Optional[dict[str, Any]], hold: Optional[PrefillHold] = None,
+                      avoid_urls: Collection[str] = ()) -> OpenLeg:
+        """Open the decode leg; a worker that never saw the request is replaced by another one, and so
+        is one that dropped it before answering when it held no prefill's KV (nothing to re-read).
+        With a prefill's KV, such a drop raises `DecodeLost`: the retry needs a fresh prefill."""
+        tried: set[str] = set(avoid_urls)
         last: Optional[LegFailed] = None
         backend = first
         for _ in range(self._config.max_decode_attempts):
@@ -228,7 +290,9 @@ class Forwarder:
             except LegFailed as exc:
                 logger.warning("request %s: decode leg on %s failed (%s)", request.request_id,
                                backend.url, exc.reason)
-                if exc.delivered:  # it may have pulled the KV already: not safe to replay
+                if exc.delivered and exc.reason == _DECODE_LOST and params is not None:
+                    raise DecodeLost(backend.url, exc.error) from None
+                if exc.delivered and exc.reason != _DECODE_LOST:  # it may be at work still: not safe to replay
                     raise exc.error from None
                 tried.add(backend.url)
                 last = exc

@@ -48,6 +48,11 @@ class ProxyMetrics:
         self.retries = Counter(
             "pdserve_proxy_retries_total", "Legs re-sent to another backend, by role and reason",
             ["role", "reason"], registry=registry)
+        self.colocated_fallbacks = Counter(
+            "pdserve_proxy_colocated_fallbacks_total",
+            "Requests a decode worker computed alone because no prefill worker could take them, by reason "
+            "(no_prefill: none was available; prefill_failed: every one tried failed)",
+            ["reason"], registry=registry)
         self.rejected = Counter(
             "pdserve_proxy_rejected_total", "503s because no backend of a role was available",
             ["role"], registry=registry)

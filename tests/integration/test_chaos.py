@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -352,16 +354,31 @@ def test_decode_killed_mid_pull_leaks_nothing_and_serving_resumes(cluster, basel
     assert_idle_and_serving(cluster, baseline)
 
 
-def test_prefill_killed_mid_prefill_costs_that_request_only(cluster, baseline):
-    proxy = cluster["proxy"]
-    long_prompt = completion("word " * 3000, max_tokens=2)
+def test_a_prefill_worker_dying_with_a_request_loses_nothing_the_decode_worker_computes_it(cluster, baseline):
+    """The prefill worker is frozen (SIGSTOP) before the request arrives, so its death (SIGKILL) comes
+    before it could answer whatever the machine's speed: either the proxy already sent it the prefill
+    leg (the connection then drops) or its health poll saw it hang first (no prefill available). Either
+    way the decode worker computes the prompt itself and the client gets the same answer as from a
+    decode worker asked directly."""
+    proxy, prefill, decode = cluster["proxy"], cluster["prefill"], cluster["decode"]
+    body = completion("word " * 600, max_tokens=4)
+    expected = decode_leg(decode, COMPLETIONS, body, None, "direct-600", AUTH)
+    assert expected.status_code == 200, expected.text
+    fallbacks = proxy.metric("pdserve_proxy_colocated_fallbacks_total")
+    os.kill(prefill.process.pid, signal.SIGSTOP)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(httpx.post, proxy.url + COMPLETIONS, json=long_prompt, timeout=120)
-        assert wait_for(lambda: load(cluster["prefill"])["num_running"] > 0, 30)
-        cluster["prefill"].kill()
+        pending = pool.submit(httpx.post, proxy.url + COMPLETIONS, json=body, timeout=120)
+        assert wait_for(lambda: pending.done() or proxy.metric("pdserve_proxy_backend_in_flight_requests",
+                                                               role="prefill") > 0, 30)
+        prefill.kill()
         response = pending.result()
-    assert response.status_code in (502, 503), response.text  # that request is lost, honestly
-    assert httpx.get(cluster["decode"].url + "/live", timeout=5).status_code == 200
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == expected.json()["choices"][0]["text"]
+    assert proxy.metric("pdserve_proxy_colocated_fallbacks_total") == fallbacks + 1
+    assert httpx.get(decode.url + "/live", timeout=5).status_code == 200
+    # While no prefill worker is up, requests are served colocated instead of getting 503.
+    with httpx.Client(timeout=120) as client:
+        assert answer(send(client, proxy.url, GOOD[0])) == baseline["completion"]
     restart(cluster, "prefill")
     assert_idle_and_serving(cluster, baseline)
 

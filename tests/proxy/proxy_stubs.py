@@ -162,6 +162,36 @@ class Served:
         self._sock.close()
 
 
+class DroppingWorker:
+    """A worker that dies with every request it takes: it reads the request whole, then closes the
+    connection without a byte of answer (what the proxy sees when a worker is SIGKILLed mid-request)."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.requests: list[bytes] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                self.requests.append(data)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
 def unused_url() -> str:
     """A URL nothing listens on (connections are refused)."""
     with socket.socket() as sock:

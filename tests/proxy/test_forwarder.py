@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from proxy.config import HealthConfig, RoutingConfig, TimeoutConfig
-from tests.proxy.proxy_stubs import Served, ServedProxy, StubWorker, fast_config, unused_url
+from tests.proxy.proxy_stubs import DroppingWorker, Served, ServedProxy, StubWorker, fast_config, unused_url
 
 SLOW_POLLS = HealthConfig(interval_s=60)  # the first poll only: the test plays the backend's death itself
 BODY = {"model": "m", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
@@ -487,3 +487,67 @@ def test_a_half_open_decode_breaker_admits_exactly_one_trial(cluster):
         assert breaker.state.name == "CLOSED"
     finally:
         served.__exit__(None, None, None)
+
+
+# ---- what a process death costs (issue 22, part 4) -----------------------------------------
+
+
+def test_when_every_prefill_worker_fails_the_decode_worker_computes_the_prompt(cluster, proxy):
+    workers, _ = cluster
+    workers["p0"].fail_status = workers["p1"].fail_status = 502  # both unreachable behind their gateways
+    response = httpx.post(proxy.url + "/v1/completions", json=BODY)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == "from local"
+    assert "kv_transfer_params" not in workers["d0"].calls[-1].body  # a plain, colocated request
+    assert proxy.metric("pdserve_proxy_colocated_fallbacks_total", reason="prefill_failed") == 1
+    assert proxy.metric("pdserve_proxy_requests_total", mode="decode_only", status="2xx") == 1
+
+
+def test_with_no_healthy_prefill_worker_requests_are_served_colocated_and_the_proxy_stays_ready(cluster, proxy):
+    workers, urls = cluster
+    workers["p0"].ready = workers["p1"].ready = False
+    assert wait_until(lambda: not proxy.components.prefill_pool.available())
+    for _ in range(3):
+        response = httpx.post(proxy.url + "/v1/completions", json=BODY)
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == "from local"
+    assert workers["p0"].calls == workers["p1"].calls == []
+    assert proxy.metric("pdserve_proxy_colocated_fallbacks_total", reason="no_prefill") == 3
+    assert httpx.get(proxy.url + "/health").status_code == 200
+    workers["p0"].ready = True  # back: disaggregated again
+    assert wait_until(lambda: bool(proxy.components.prefill_pool.available()))
+    assert httpx.post(proxy.url + "/v1/completions", json=BODY).json()["choices"][0]["text"] == "from p0"
+
+
+def test_without_the_fallback_no_prefill_worker_is_still_a_503(cluster):
+    workers, urls = cluster
+    workers["p0"].fail_status = 502
+    served = start_proxy([urls["p0"]], [urls["d0"]], colocated_fallback=False)
+    try:
+        response = httpx.post(served.url + "/v1/completions", json=BODY)
+        assert response.status_code in (502, 503), response.text
+        assert workers["d0"].calls == []
+        assert served.metric("pdserve_proxy_colocated_fallbacks_total", reason="prefill_failed") == 0
+    finally:
+        served.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_worker_that_dies_with_the_request_before_answering_costs_nothing(cluster, stream):
+    """The dying worker has the request (and may have pulled the KV) when it drops the connection:
+    the proxy prefills again, for a new pin, and another decode worker answers."""
+    workers, urls = cluster
+    dying = DroppingWorker()
+    served = start_proxy([urls["p0"]], [urls["d0"]], health=SLOW_POLLS,
+                         routing=RoutingConfig(prefill_policy="round_robin", decode_policy="round_robin"))
+    served.components.decode_pool.add(dying.url).healthy = True  # died since the last poll
+    try:
+        answers = [httpx.post(served.url + "/v1/completions", json={**BODY, "stream": stream}) for _ in range(4)]
+    finally:
+        served.__exit__(None, None, None)
+        dying.close()
+    assert all(answer.status_code == 200 for answer in answers), [a.text for a in answers]
+    assert 1 <= len(dying.requests) <= 4 and all(b"kv_transfer_params" in r for r in dying.requests)
+    assert len(workers["p0"].calls) == 4 + len(dying.requests)  # each death cost one more prefill
+    assert len(workers["d0"].calls) == 4
+    fresh = {call.body["kv_transfer_params"]["remote_engine_id"] for call in workers["d0"].calls}
+    assert fresh == {"p0"}
