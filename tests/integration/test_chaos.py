@@ -383,6 +383,26 @@ def test_a_prefill_worker_dying_with_a_request_loses_nothing_the_decode_worker_c
     assert_idle_and_serving(cluster, baseline)
 
 
+def test_a_client_leaving_mid_prefill_stops_the_prefill_at_the_next_chunk(cluster, baseline):
+    """3,000 prompt tokens are six chunks of 512 on the prefill worker. The client hangs up as soon as
+    the prefill worker runs the request; the proxy cancels the leg and the worker aborts at the next
+    step boundary: at most the chunk in flight and one more are computed (an engine step is not
+    interrupted; its length, not a timer, bounds the abort), then nothing runs and no block is in use."""
+    proxy, prefill = cluster["proxy"], cluster["prefill"]
+    body = json.dumps(completion("word " * 3000, max_tokens=2)).encode()
+    computed = prefill.metric("pdserve_engine_computed_prompt_tokens_total")
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\nX-Request-Id: leaves-mid-prefill\r\n\r\n".encode() + body)
+        assert wait_for(lambda: load(prefill)["num_running"] > 0, 30, interval_s=0.01)
+    left_s = time.monotonic()
+    assert wait_for(lambda: load(prefill)["num_running"] == 0 and load(prefill)["kv_usage"] == 0, 15,
+                    interval_s=0.02), load(prefill)
+    print(f"prefill worker idle {time.monotonic() - left_s:.2f} s after the client left")
+    assert prefill.metric("pdserve_engine_computed_prompt_tokens_total") - computed <= 2 * 512
+    assert_idle_and_serving(cluster, baseline)
+
+
 def test_a_proxy_restart_under_load_leaks_nothing(cluster, baseline):
     proxy = cluster["proxy"]
     body = completion("Tell me a long story about a dragon.", max_tokens=48, ignore_eos=True)
