@@ -133,17 +133,26 @@ def chunk_descriptors(base_address: int, num_chunks: int, chunk_bytes: int, devi
 READ_MODES = ("auto", "direct", "staged")
 
 
-def choose_runs(local_ids: Ids, remote_ids: Ids, read_mode: str, staged_factor: float
-                ) -> tuple[DirectRuns, Optional[StagedRuns]]:
+def choose_runs(local_ids: Ids, remote_ids: Ids, chunk_bytes: int, read_mode: str, staged_factor: float,
+                staged_max_descriptor_bytes: int) -> tuple[DirectRuns, Optional[StagedRuns]]:
     """(direct runs, staged runs or None): staged runs are returned when the read should go through a
-    staging buffer: always in read_mode "staged", never in "direct", and in "auto" when the direct
-    runs number at least `staged_factor` times the staged ones (and more: staging that saves no
-    descriptor only adds a copy)."""
+    staging buffer: always in read_mode "staged", never in "direct"; in "auto" when staging pays,
+    that is when both hold:
+
+    * the direct runs number at least `staged_factor` times the staged ones (and more: staging
+      that saves no descriptor only adds a copy);
+    * the direct descriptors average at most `staged_max_descriptor_bytes`: a large descriptor's
+      fixed cost is small beside copying its bytes a second time.
+    """
     if read_mode not in READ_MODES:
         raise ValueError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
     direct = direct_runs(local_ids, remote_ids)
-    if read_mode == "direct" or (read_mode == "auto" and len(direct) < staged_factor):
-        return direct, None  # ("auto": a staged read takes at least one descriptor, so this few never qualify)
+    if read_mode == "direct":
+        return direct, None
+    if read_mode == "auto":
+        mean_descriptor_bytes = int(direct.count.sum()) * chunk_bytes / max(len(direct), 1)
+        if len(direct) < staged_factor or mean_descriptor_bytes > staged_max_descriptor_bytes:
+            return direct, None  # (a staged read takes at least one descriptor: this few never qualify)
     staged = staged_runs(local_ids, remote_ids)
     if read_mode == "auto" and (len(direct) < staged_factor * len(staged) or len(staged) == len(direct)):
         return direct, None

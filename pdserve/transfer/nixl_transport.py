@@ -41,8 +41,9 @@ then copies the chunks into the pool with one vectorized index_copy_:
                           v
     local pool    | D page 3: [r0: 7.r0 8.r0][r1: 7.r1 8.r1][r2: ..] |   then the handle is DONE
 
-`read_mode` "auto" stages a read when its direct descriptors number at least
-`staged_descriptor_factor` times its staged ones (docs/benchmarks.md, "KV pulls between block
+`read_mode` "auto" stages a read when staging cuts its descriptors by `staged_descriptor_factor`
+and its direct descriptors are small (`staged_max_descriptor_bytes`): measured, the crossover is
+set by the descriptor size, not by the factor alone (docs/benchmarks.md, "KV pulls between block
 sizes"); "direct" and "staged" force one way (benchmarks, tests). A staged read that fails
 copies nothing into the pool. Staging buffers are reused (pdserve/transfer/staging.py); on
 CUDA the handle is DONE, and the buffer free, only once the copy's event completed.
@@ -78,9 +79,11 @@ logger = logging.getLogger(__name__)
 _LOCAL_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for "the local side of a prepared list"
 _WARM_UP_BYTES = 64
 MAX_PREPPED_CHUNKS_PER_PAGE = 64  # head-range chunks of the TP path; never a pool of (unit, row) chunks
-# "auto" stages a read whose direct descriptors are at least this many times its staged ones.
-# Measured (bench/kv_transfer_block_size.py, docs/benchmarks.md "KV pulls between block sizes").
-DEFAULT_STAGED_DESCRIPTOR_FACTOR = 8.0
+# "auto" stages a read when that at least halves its descriptors and its direct ones average at most
+# 8 KiB: on the CPU staging then gained 1.2-2.9x, and at 16 KiB or more never more than 1.05x, whatever
+# the factor (bench/kv_transfer_block_size.py --sweep, docs/benchmarks.md "KV pulls between block sizes").
+DEFAULT_STAGED_DESCRIPTOR_FACTOR = 2.0
+DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES = 8 << 10
 DEFAULT_STAGING_IDLE_BYTES = 1 << 30  # staging buffers kept for reuse between reads
 
 
@@ -120,13 +123,15 @@ class NixlTransport:
     must call `poll_notifications` every step on both roles (and `poll` while
     reads are pending). `connect_timeout_s` bounds the blocking `connect` (tools and tests);
     the engine uses `begin_connect`/`poll_connect` and its own deadline.
-    `read_mode`, `staged_descriptor_factor` and `staging_idle_bytes` choose between direct and
-    staged reads and bound the staging memory kept idle (see the module docstring).
+    `read_mode`, `staged_descriptor_factor` and `staged_max_descriptor_bytes` choose between direct
+    and staged reads (pdserve/transfer/descriptor_runs.py, `choose_runs`); `staging_idle_bytes`
+    bounds the staging memory kept idle between reads.
     """
 
     def __init__(self, pool_canonical_view: torch.Tensor, agent_name: str, *, progress_thread: bool = False,
                  connect_timeout_s: float = 5.0, read_mode: str = "auto",
                  staged_descriptor_factor: float = DEFAULT_STAGED_DESCRIPTOR_FACTOR,
+                 staged_max_descriptor_bytes: int = DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES,
                  staging_idle_bytes: int = DEFAULT_STAGING_IDLE_BYTES):
         view = pool_canonical_view
         if view.dim() != 2 or view.dtype != torch.int8 or not view.is_contiguous():
@@ -137,6 +142,7 @@ class NixlTransport:
             raise ValueError(f"staged_descriptor_factor must be >= 1, got {staged_descriptor_factor}")
         self._read_mode = read_mode
         self._staged_factor = staged_descriptor_factor
+        self._staged_max_descriptor_bytes = staged_max_descriptor_bytes
         self._view = view  # keeps the registered memory alive
         self._agent_name = agent_name
         self._connect_timeout_s = connect_timeout_s
@@ -367,7 +373,8 @@ class NixlTransport:
         handle = TransferHandle(next(self._handle_ids), peer_key, 0, len(local_ids) * chunk, time.monotonic())
         if len(local_ids) == 0:
             return self._finish_empty(handle, notification)
-        direct, staged = choose_runs(local_ids, remote_ids, self._read_mode, self._staged_factor)
+        direct, staged = choose_runs(local_ids, remote_ids, chunk, self._read_mode, self._staged_factor,
+                                     self._staged_max_descriptor_bytes)
         buffer = None
         if staged is not None:
             try:

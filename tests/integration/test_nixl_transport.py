@@ -353,9 +353,9 @@ def test_reads_between_block_sizes_put_every_token_of_every_row_in_place(
     remote_layout = block_layout(layout_name, remote_block_size)
     rows = local_layout.num_kv_heads * local_layout.group_size * 2
     view = local_layout.canonical_view(local_layout.allocate(device))
-    factor = 6.0
+    factor = 6.0  # 512-byte units: within the descriptor size limit, so the factor decides
     transport = NixlTransport(view, f"decode-blocks-{os.getpid()}-{time.monotonic_ns()}", read_mode=read_mode,
-                              staged_descriptor_factor=factor)
+                              staged_descriptor_factor=factor, staged_max_descriptor_bytes=4096)
     try:
         geometry = unit_geometry(local_layout.page_bytes, rows, remote_layout.page_bytes, rows)
         key = connect_chunked(transport, block_prefill[f"{layout_name}/{remote_block_size}"], geometry.unit_bytes)

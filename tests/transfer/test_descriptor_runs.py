@@ -109,18 +109,28 @@ def test_descriptor_arrays_address_runs_of_chunks():
     assert chunk_descriptors(4096, 3, 512, 0).tolist() == [[4096, 512, 0], [4608, 512, 0], [5120, 512, 0]]
 
 
-def test_auto_stages_only_reads_whose_direct_descriptors_are_factor_times_more():
+def test_auto_stages_reads_whose_small_descriptors_staging_cuts_by_the_factor():
     local = np.arange(8)[::-1].copy()  # reversed: nothing merges directly
     remote = np.arange(8)  # one staged run
-    direct, staged = choose_runs(local, remote, "auto", staged_factor=8)
+    direct, staged = choose_runs(local, remote, 4096, "auto", staged_factor=8, staged_max_descriptor_bytes=4096)
     assert len(direct) == 8 and staged is not None and len(staged) == 1
-    assert choose_runs(local, remote, "auto", staged_factor=9)[1] is None
-    assert choose_runs(local, remote, "direct", staged_factor=1)[1] is None
+    assert choose_runs(local, remote, 4096, "auto", 9, 4096)[1] is None  # 8 direct for 1 staged: not 9x
+    assert choose_runs(local, remote, 4097, "auto", 8, 4096)[1] is None  # descriptors too large to pay
+    assert choose_runs(local, remote, 64, "direct", 1, 1 << 20)[1] is None
     whole_pages = np.arange(4)
-    assert choose_runs(whole_pages, whole_pages, "staged", staged_factor=100)[1] is not None
-    assert choose_runs(whole_pages, whole_pages, "auto", staged_factor=1)[1] is None  # 1 direct run, not fewer
+    assert choose_runs(whole_pages, whole_pages, 1 << 20, "staged", 100, 0)[1] is not None
+    assert choose_runs(whole_pages, whole_pages, 64, "auto", 1, 4096)[1] is None  # 1 direct run: nothing saved
     with pytest.raises(ValueError):
-        choose_runs(local, remote, "fast", staged_factor=8)
+        choose_runs(local, remote, 64, "fast", 8, 4096)
+
+
+def test_the_size_limit_is_on_the_average_direct_descriptor():
+    """Runs of 2 chunks of 4 KiB average 8 KiB: within an 8 KiB limit, not within 4 KiB."""
+    local = np.array([10, 11, 20, 21, 30, 31, 40, 41])
+    remote = np.array([0, 1, 2, 3, 4, 5, 6, 7])
+    assert len(direct_runs(local, remote)) == 4
+    assert choose_runs(local, remote, 4096, "auto", 2, 8192)[1] is not None
+    assert choose_runs(local, remote, 4096, "auto", 2, 8191)[1] is None
 
 
 def test_runs_cost_numpy_time_not_python_time_per_pair():
@@ -133,7 +143,7 @@ def test_runs_cost_numpy_time_not_python_time_per_pair():
     best_s = float("inf")
     for _ in range(3):
         started_s = time.perf_counter()
-        choose_runs(local, remote, "staged", staged_factor=8)
+        choose_runs(local, remote, 4096, "staged", staged_factor=2, staged_max_descriptor_bytes=8192)
         best_s = min(best_s, time.perf_counter() - started_s)
     assert best_s < 0.05, f"{len(local)} pairs took {best_s * 1e3:.1f} ms"
 
