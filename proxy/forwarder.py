@@ -112,6 +112,10 @@ class Forwarder:
         except ClientGone:
             logger.info("request %s: client disconnected before the answer started", request_id)
             return self._counted(timing.mode, Response(status_code=499))
+        except Exception:  # noqa: BLE001 - our bug, not the client's: a logged 500 that names the request
+            logger.exception("request %s failed in the proxy", request_id)
+            return self._counted(timing.mode, error_response(ProxyError("internal proxy error"), request_id,
+                                                             self._config.retry_after_s))
         return self._counted(timing.mode, self._respond(request, leg, timing))
 
     async def _read_body(self, raw: Request) -> bytes:

@@ -21,7 +21,7 @@ from pdserve.api.errors import PdserveError
 from pdserve.metrics import RequestMetrics
 from pdserve.request import RequestOutput
 from pdserve.server.choices import ChoiceStreams
-from pdserve.server.errors import body_for_exception
+from pdserve.server.errors import body_for_exception, error_response_body
 from pdserve.server.formatting import ResponseFormat
 from pdserve.server.generation import usage_info
 
@@ -129,6 +129,10 @@ async def sse_events(
         logger.warning("request %s failed mid-stream (%d): %s", request_id, exc.status_code, exc.message)
         metrics.count_error(exc.status_code)
         yield sse_event(body_for_exception(exc))
+    except Exception:  # noqa: BLE001 - our bug: the client still gets an ending, the log the request id
+        logger.exception("request %s failed mid-stream", streams.choices[0].request.request_id)
+        metrics.count_error(500)
+        yield sse_event(error_response_body(500, "internal server error", "internal_error"))
     finally:
         await streams.aclose()
     yield DONE_EVENT

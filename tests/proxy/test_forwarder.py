@@ -551,3 +551,26 @@ def test_a_decode_worker_that_dies_with_the_request_before_answering_costs_nothi
     assert len(workers["d0"].calls) == 4
     fresh = {call.body["kv_transfer_params"]["remote_engine_id"] for call in workers["d0"].calls}
     assert fresh == {"p0"}
+
+
+def test_an_exception_escaping_the_forwarder_is_a_logged_500_that_names_the_request(cluster, monkeypatch, caplog):
+    """Our bug, not the client's or a worker's: a plain 500 with the request id, logged with its traceback."""
+    from proxy.forwarder import Forwarder
+
+    async def broken(self, request, timing):
+        raise RuntimeError("a bug in the proxy")
+
+    monkeypatch.setattr(Forwarder, "_run_legs", broken)
+    _, urls = cluster
+    served = start_proxy([urls["p0"]], [urls["d0"]])
+    try:
+        response = httpx.post(served.url + "/v1/completions", json=BODY, headers={"X-Request-Id": "bug-7"})
+        assert response.status_code == 500
+        assert response.headers["x-request-id"] == "bug-7"
+        assert response.json() == {"error": {"message": "internal proxy error", "type": "internal_error",
+                                             "param": None, "code": 500}}
+        assert served.metric("pdserve_proxy_requests_total", status="5xx") == 1
+    finally:
+        served.__exit__(None, None, None)
+    logged = [r for r in caplog.records if "bug-7" in r.getMessage() and r.exc_info is not None]
+    assert logged and "a bug in the proxy" in str(logged[0].exc_info[1])

@@ -61,6 +61,7 @@ class FakeEngine:
     raise_on_start: Optional[PdserveError] = None  # raised from the first iteration
     error_after_tokens: Optional[int] = None  # then a FinishReason.ERROR output
     error_message: str = "KV transfer failed"
+    crash_after_tokens: Optional[int] = None  # then raise a RuntimeError: a bug below the HTTP layer
     kv_transfer_params_out: Optional[RemotePrefillParams] = None  # attached to the final output
     num_cached_tokens: int = 0
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
@@ -110,6 +111,8 @@ class FakeEngine:
             token_ids, reason = self.reply_token_ids(request)
             for index, token_id in enumerate(token_ids):
                 await self._pace(index)
+                if self.crash_after_tokens is not None and index == self.crash_after_tokens:
+                    raise RuntimeError("a bug below the HTTP layer")
                 if self.error_after_tokens is not None and index == self.error_after_tokens:
                     done = True
                     yield self._output(request, (), index, FinishReason.ERROR)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from pdserve.api.kv_transfer import RemoteDecodeRequest, RemotePrefillParams
@@ -158,3 +159,27 @@ async def test_finished_requests_are_not_counted_as_aborted():
     await post(engine, "/v1/completions", {"prompt": "x", "stream": True})
     assert engine.aborted_ids == []
     assert len(engine.finished_ids) == 2
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", CHAT_BODY)])
+async def test_an_exception_escaping_below_the_http_layer_is_a_logged_500_with_the_request_id(path, body, caplog):
+    """Our bug, not the client's: a plain 500 (streamed: an error event, then [DONE]); the log names
+    the request id; the request is aborted and its id freed."""
+    for stream in (False, True):
+        engine = FakeEngine(reply="abcdef", crash_after_tokens=2)
+        caplog.clear()
+        # Starlette re-raises after the 500 is sent (for the server's log): let the transport swallow it.
+        transport = httpx.ASGITransport(app=make_app(engine), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://pdserve.test") as client:
+            response = await client.post(path, json={**body, "stream": stream}, headers={"X-Request-Id": f"bug-{stream}"})
+        expected_error = {"message": "internal server error", "type": "internal_error", "param": None, "code": 500}
+        if stream:
+            assert response.status_code == 200
+            payloads = sse_payloads(response.text)
+            assert payloads[-2] == {"error": expected_error} and payloads[-1] == "[DONE]"
+        else:
+            assert response.status_code == 500 and response.json() == {"error": expected_error}
+            assert response.headers["x-request-id"] == "bug-False"
+        failures = [r for r in caplog.records if r.levelname == "ERROR" and f"bug-{stream}" in r.getMessage()]
+        assert failures and failures[0].exc_info is not None, [r.getMessage() for r in caplog.records]
+        assert engine.aborted_ids and len(engine.request_ids) == 0
