@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Optional, TypeVar
+from typing import Awaitable, Optional, TypeVar
 
 import anyio
 from starlette.requests import Request
