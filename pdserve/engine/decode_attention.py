@@ -6,6 +6,8 @@ table names and allocates nothing that grows with the context; the torch path (o
 no kernel) gathers at most `DECODE_SLICE_BLOCKS` blocks per row at a time and merges the
 slices with an online softmax, so its workspace is bounded too. Invariant: a row attends to
 exactly the keys [key_start, key_end) of its table, plus its own new key when one is given.
+Attention sinks (one logit per query head, gpt-oss) join every path's softmax denominator and
+weigh no value: the online softmax starts from them, the kernel folds them in last.
 
     a row at position 13, block_size 4, window 6: needs keys 8..13
       block table [0 | 17 | 42 | 9]  ->  clipped table [42 | 9] (first block 2)
@@ -65,16 +67,18 @@ def uses_native_kernel(device: torch.device, dtype: torch.dtype) -> bool:
 def attend_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: DecodeRows, scale: float,
     k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None, native: Optional[bool] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """q [rows, heads, dim]; caches [blocks, block_size, kv_heads, dim]; k_new, v_new
-    [rows, kv_heads, dim] or None. Returns [rows, heads, dim]. `native` (decided once by the
-    caller, so that compiled code holds no such check) defaults to `uses_native_kernel`."""
+    [rows, kv_heads, dim] or None; sinks float32 [heads] or None. Returns [rows, heads, dim].
+    `native` (decided once by the caller, so that compiled code holds no such check) defaults
+    to `uses_native_kernel`."""
     if native is None:
         native = uses_native_kernel(q.device, q.dtype)
     if native:
         return ops().paged_decode_attention(q, k_cache, v_cache, rows.block_table, rows.key_start, rows.key_end,
-                                            k_new, v_new, scale)
-    return attend_decode_torch(q, k_cache, v_cache, rows, scale, k_new, v_new)
+                                            k_new, v_new, scale, sinks)
+    return attend_decode_torch(q, k_cache, v_cache, rows, scale, k_new, v_new, sinks=sinks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +110,17 @@ def plan_slices(starts: Sequence[int], ends: Sequence[int], block_size: int,
 class _OnlineSoftmax:
     """Running max, sum and weighted values per (row, kv head, query head), merged slice by slice."""
 
-    def __init__(self, rows: int, kv_heads: int, group: int, head_dim: int, device: torch.device):
+    def __init__(self, rows: int, kv_heads: int, group: int, head_dim: int, device: torch.device,
+                 sinks: Optional[torch.Tensor] = None):
+        """`sinks` [kv_heads * group]: each head starts as if it had seen one key of that logit
+        and a zero value, which is what an attention sink is."""
         self.acc = torch.zeros(rows, kv_heads, group, head_dim, dtype=torch.float32, device=device)
-        self.max = torch.full((rows, kv_heads, group), float("-inf"), device=device)
-        self.sum = torch.zeros(rows, kv_heads, group, device=device)
+        if sinks is None:
+            self.max = torch.full((rows, kv_heads, group), float("-inf"), device=device)
+            self.sum = torch.zeros(rows, kv_heads, group, device=device)
+        else:
+            self.max = sinks.float().reshape(1, kv_heads, group).repeat(rows, 1, 1)
+            self.sum = torch.ones(rows, kv_heads, group, device=device)
 
     def add(self, index: torch.Tensor, scores: torch.Tensor, values: torch.Tensor) -> None:
         """scores [r, kv_heads, group, L] (every row sees at least one key); values [r, kv_heads, L, dim]."""
@@ -128,13 +139,13 @@ class _OnlineSoftmax:
 def attend_decode_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: DecodeRows, scale: float,
     k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None,
-    slice_blocks: int = DECODE_SLICE_BLOCKS,
+    slice_blocks: int = DECODE_SLICE_BLOCKS, sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     num_rows, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     grouped_q = q.reshape(num_rows, num_kv_heads, group, head_dim).float()
-    state = _OnlineSoftmax(num_rows, num_kv_heads, group, head_dim, q.device)
+    state = _OnlineSoftmax(num_rows, num_kv_heads, group, head_dim, q.device, sinks)
     key_start, key_end = rows.key_start.long(), rows.key_end.long()
     for part in plan_slices(rows.starts, rows.ends, block_size, slice_blocks):
         index = torch.tensor(part.row_ids, dtype=torch.int64).to(q.device, non_blocking=True)
@@ -156,6 +167,7 @@ def attend_decode_torch(
 def attend_decode_static(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: DecodeRows, scale: float,
     k_new: torch.Tensor, v_new: torch.Tensor, slice_blocks: int = DECODE_SLICE_BLOCKS,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The torch path over tensors only, for graphs with fixed shapes (CUDA graphs): every row
     walks every column slice of the table, masked, so the slices are known at trace time; the
@@ -164,7 +176,7 @@ def attend_decode_static(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     grouped_q = q.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
     every_row = torch.arange(num_rows, device=q.device)
-    state = _OnlineSoftmax(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim, q.device)
+    state = _OnlineSoftmax(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim, q.device, sinks)
     own_scores = (grouped_q * k_new.float().unsqueeze(2)).sum(-1, keepdim=True) * scale
     state.add(every_row, own_scores, v_new.float().unsqueeze(2))  # first, so every row's max is finite
     key_start, key_end = rows.key_start.long()[:, None], rows.key_end.long()[:, None]

@@ -45,7 +45,8 @@ def _layer_step(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decoder layer for single-token rows: (residual out, the rows' new k, new v)."""
     q, k, v = layer.attention_inputs(h, rope)
-    attended = attend_decode(q, k_cache, v_cache, rows, layer.attention_scale, k, v, native=native)
+    attended = attend_decode(q, k_cache, v_cache, rows, layer.attention_scale, k, v, native=native,
+                             sinks=layer.attention_sinks)
     return layer.attention_output(h, attended), k, v
 
 
@@ -64,7 +65,8 @@ def _layer_step_static(
     """`_layer_step` for fixed-shape graphs: masked torch attention over the whole (padded) table."""
     q, k, v = layer.attention_inputs(h, rope)
     rows = DecodeRows(block_table, key_start, key_end)
-    attended = attend_decode_static(q, k_cache, v_cache, rows, layer.attention_scale, k, v)
+    attended = attend_decode_static(q, k_cache, v_cache, rows, layer.attention_scale, k, v,
+                                    sinks=layer.attention_sinks)
     return layer.attention_output(h, attended), k, v
 
 

@@ -27,6 +27,10 @@ unmasked call (a chunk that starts its sequence) repeats its own K/V per head.
       table     [  0  |  17  |  42  |  9   ]   0 = null (slid out of the window)
     a query at position 13 needs keys 8..13 -> gather blocks [42, 9], keys at
     positions 8..15, mask keeps 8..13.
+
+Attention sinks (gpt-oss) ride on SDPA as one extra key column: a zero key and a zero value,
+whose float mask entry is the head's sink logit, so the sink joins each query's softmax
+denominator and adds nothing to its output (`with_sink_column`).
 """
 
 from __future__ import annotations
@@ -163,26 +167,30 @@ class PagedAttention:
         positions = torch.arange(chunk.num_tokens)
         return _ChunkPlan(None, _mask(spec, positions, positions).unsqueeze(0))
 
-    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         group_id, k_cache, v_cache = self.layer_caches[layer_id]
         data = self.groups[group_id]
         k_cache[data.write_block_ids, data.write_offsets] = k
         v_cache[data.write_block_ids, data.write_offsets] = v
         out = torch.empty_like(q)
         if data.decode is not None:
-            out[: self.num_decode] = self._attend_decode(q[: self.num_decode], k_cache, v_cache, data.decode, scale)
+            out[: self.num_decode] = self._attend_decode(q[: self.num_decode], k_cache, v_cache, data.decode, scale,
+                                                         sinks)
         offset = self.num_decode
         for chunk, gather in zip(self.prefill_chunks, data.prefill):
             end = offset + chunk.num_tokens
-            out[offset:end] = self._attend_chunk(q[offset:end], k[offset:end], v[offset:end], k_cache, v_cache, gather, scale)
+            out[offset:end] = self._attend_chunk(q[offset:end], k[offset:end], v[offset:end], k_cache, v_cache, gather,
+                                                 scale, sinks)
             offset = end
         return out
 
     @staticmethod
-    def _attend_decode(q, k_cache, v_cache, rows: DecodeRows | _GatherPlan, scale: float) -> torch.Tensor:
+    def _attend_decode(q, k_cache, v_cache, rows: DecodeRows | _GatherPlan, scale: float,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
         # The new keys were written above, so each row's range already ends at its own key.
         if isinstance(rows, DecodeRows):
-            return attend_decode(q, k_cache, v_cache, rows, scale)
+            return attend_decode(q, k_cache, v_cache, rows, scale, sinks=sinks)
         # One query per row: fold the query heads that share a KV head into the
         # "query length" axis, so SDPA needs no GQA expansion of the keys.
         num_rows, num_heads, head_dim = q.shape
@@ -190,11 +198,15 @@ class PagedAttention:
         keys = k_cache[rows.block_table].flatten(1, 2).transpose(1, 2)  # [rows, kv_heads, L, dim]
         values = v_cache[rows.block_table].flatten(1, 2).transpose(1, 2)
         grouped_q = q.view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=rows.mask.unsqueeze(1), scale=scale)
+        mask = rows.mask.unsqueeze(1)
+        if sinks is not None:  # row (kv head h, query j) is head h*g+j
+            keys, values, mask = with_sink_column(keys, values, mask, sinks.view(1, num_kv_heads, -1, 1))
+        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask, scale=scale)
         return out.reshape(num_rows, num_heads, head_dim)
 
     @staticmethod
-    def _attend_chunk(q, k, v, k_cache, v_cache, plan: _ChunkPlan, scale: float) -> torch.Tensor:
+    def _attend_chunk(q, k, v, k_cache, v_cache, plan: _ChunkPlan, scale: float,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [n, heads, dim]; k, v: [n, kv_heads, dim] -> [n, heads, dim]."""
         num_queries, num_heads, _ = q.shape
         num_kv_heads = k.shape[1]
@@ -204,8 +216,14 @@ class PagedAttention:
             # what q costs and keeps the call free of GQA for flash attention.
             keys = k.repeat_interleave(queries_per_kv, dim=1).transpose(0, 1).unsqueeze(0)
             values = v.repeat_interleave(queries_per_kv, dim=1).transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values,
-                                                 is_causal=True, scale=scale)
+            if sinks is None:
+                out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values,
+                                                     is_causal=True, scale=scale)
+            else:
+                causal = torch.ones(num_queries, num_queries, dtype=torch.bool, device=q.device).tril()
+                keys, values, mask = with_sink_column(keys, values, causal, sinks.view(1, num_heads, 1, 1))
+                out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
+                                                     scale=scale)
             return out.squeeze(0).transpose(0, 1)
         if plan.block_table is None:
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
@@ -213,9 +231,28 @@ class PagedAttention:
             keys = k_cache[plan.block_table].flatten(1, 2).transpose(1, 2)  # [1, kv_heads, L, dim]
             values = v_cache[plan.block_table].flatten(1, 2).transpose(1, 2)
         folded_q = fold_query_heads(q, num_kv_heads)
-        out = F.scaled_dot_product_attention(folded_q, keys, values, attn_mask=plan.fold_mask(queries_per_kv),
-                                             scale=scale)
+        mask = plan.fold_mask(queries_per_kv)
+        if sinks is not None:  # folded row i*g+j of KV head h is query i of head h*g+j
+            per_row = sinks.view(num_kv_heads, 1, queries_per_kv).expand(-1, num_queries, -1)
+            keys, values, mask = with_sink_column(keys, values, mask, per_row.reshape(1, num_kv_heads, -1, 1))
+        out = F.scaled_dot_product_attention(folded_q, keys, values, attn_mask=mask, scale=scale)
         return unfold_query_heads(out, num_queries, num_heads)
+
+
+def with_sink_column(keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                     sink_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys and values [b, h, L, d] with one zero key and value appended, and the float mask
+    [b, h, rows, L + 1] that keeps `allowed` (bool, broadcastable to [b, h, rows, L]) and gives the
+    extra column the logit `sink_logits` (broadcastable to [b, h, rows, 1]): q . 0 = 0, so that
+    column's score is the sink itself, and its zero value adds nothing to the output."""
+    batch, heads, _, head_dim = keys.shape
+    rows = max(allowed.shape[-2], sink_logits.shape[-2])
+    zeros = keys.new_zeros(batch, heads, 1, head_dim)
+    keys, values = torch.cat([keys, zeros], dim=2), torch.cat([values, zeros], dim=2)
+    shape = (batch, heads, rows, allowed.shape[-1])
+    bias = torch.zeros(shape, dtype=keys.dtype, device=keys.device).masked_fill_(~allowed.expand(shape), float("-inf"))
+    sink_column = sink_logits.to(keys.dtype).expand(batch, heads, rows, 1)
+    return keys, values, torch.cat([bias, sink_column], dim=-1)
 
 
 def fold_query_heads(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

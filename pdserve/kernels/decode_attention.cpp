@@ -1,6 +1,8 @@
 // Decode attention over the paged KV pool: one query row per sequence, online softmax in tiles.
 // Invariant: reads only the keys [key_start, key_end) of each row (plus its own new key when
 // given) from the pages its block table names, and allocates nothing that grows with the context.
+// Attention sinks (gpt-oss), when given, are one logit per query head that joins every row's
+// softmax denominator and weighs no value; they are folded in once, after the key ranges merge.
 
 #include "kernels.h"
 
@@ -177,6 +179,17 @@ struct SoftmaxState {
     }
   }
 
+  // Adds a logit per head that counts in the denominator and carries no value (an attention sink).
+  void add_sinks(const float* sinks) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float top = std::max(max[g], sinks[g]);
+      const float mine = std::exp(max[g] - top);  // 0 when no key was seen (max is -inf)
+      for (int64_t i = 0; i < head_dim; ++i) acc[g * head_dim + i] *= mine;
+      sum[g] = sum[g] * mine + std::exp(sinks[g] - top);
+      max[g] = top;
+    }
+  }
+
   void write(float* out) const {
     for (int64_t g = 0; g < group; ++g) {
       const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;
@@ -221,7 +234,8 @@ void check_new_kv(const std::optional<at::Tensor>& t, int64_t rows, int64_t kv_h
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table, const at::Tensor& key_start,
                                   const at::Tensor& key_end, const std::optional<at::Tensor>& k_new,
-                                  const std::optional<at::Tensor>& v_new, double scale) {
+                                  const std::optional<at::Tensor>& v_new, double scale,
+                                  const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "paged_decode_attention: q must be float32 [rows, heads, dim]");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2, "paged_decode_attention: int32 block table");
   TORCH_CHECK(key_start.scalar_type() == at::kInt && key_end.scalar_type() == at::kInt, "paged_decode_attention: int32 bounds");
@@ -234,6 +248,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "paged_decode_attention: one table row and one key range per query row");
   check_new_kv(k_new, rows, kv_heads, head_dim);
   check_new_kv(v_new, rows, kv_heads, head_dim);
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->numel() == heads),
+              "paged_decode_attention: sinks must be float32 [heads]");
+  const at::Tensor sink_logits = sinks.has_value() ? sinks->contiguous() : at::Tensor();
+  const float* sink_data = sink_logits.defined() ? sink_logits.data_ptr<float>() : nullptr;
   const PagedCache keys = paged_cache(k_cache), values = paged_cache(v_cache);
   const at::Tensor qc = q.contiguous(), table = block_table.contiguous();
   const at::Tensor starts = key_start.contiguous(), ends = key_end.contiguous();
@@ -289,6 +307,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     SoftmaxState* row_states = states.data() + r * splits * kv_heads;
     for (int64_t h = 0; h < kv_heads; ++h) {
       for (int64_t s = 1; s < splits; ++s) row_states[h].merge(row_states[s * kv_heads + h]);
+      if (sink_data != nullptr) row_states[h].add_sinks(sink_data + h * group);
       row_states[h].write(out_data + (r * heads + h * group) * head_dim);
     }
   }

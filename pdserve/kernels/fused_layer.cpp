@@ -172,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
     rotate_heads(kr, kv_heads, head_dim, c, s);
   }
   const at::Tensor attended =
-      paged_decode_attention(q, k_cache, v_cache, block_table, key_start, key_end, k, v, scale).view({rows, q_width});
+      paged_decode_attention(q, k_cache, v_cache, block_table, key_start, key_end, k, v, scale, std::nullopt).view({rows, q_width});
   store_new_kv(k, v, k_cache, v_cache, write_blocks, write_offsets);
   at::Tensor out = layer_linear(attended, weights[1], formats[1], biases.get(1));
   TORCH_CHECK(out.size(1) == hidden, "llama_decode_layer: o weight does not give the hidden size");

@@ -37,7 +37,8 @@ inline PagedCache paged_cache(const at::Tensor& cache) {
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table, const at::Tensor& key_start,
                                   const at::Tensor& key_end, const std::optional<at::Tensor>& k_new,
-                                  const std::optional<at::Tensor>& v_new, double scale);
+                                  const std::optional<at::Tensor>& v_new, double scale,
+                                  const std::optional<at::Tensor>& sinks);
 
 // ---- greedy.cpp ----------------------------------------------------------------------------
 

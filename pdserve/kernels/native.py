@@ -186,7 +186,7 @@ def _register_fakes() -> None:
         return logits.new_empty((logits.shape[0], 1), dtype=torch.float64)
 
     @torch.library.register_fake(f"{LIBRARY_NAMESPACE}::paged_decode_attention")
-    def _attention(q, k_cache, v_cache, block_table, key_start, key_end, k_new, v_new, scale):  # noqa: ANN001
+    def _attention(q, k_cache, v_cache, block_table, key_start, key_end, k_new, v_new, scale, sinks=None):  # noqa: ANN001
         return torch.empty_like(q)
 
 

@@ -21,7 +21,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("greedy_tokens(Tensor logits) -> Tensor");
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor key_start, "
-      "Tensor key_end, Tensor? k_new, Tensor? v_new, float scale) -> Tensor");
+      "Tensor key_end, Tensor? k_new, Tensor? v_new, float scale, Tensor? sinks=None) -> Tensor");
   m.def(
       "llama_decode_layer(Tensor h, Tensor[] norms, Tensor? qk_norm, Tensor[] weights, int[] formats, "
       "Tensor?[] biases, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, "

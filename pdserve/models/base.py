@@ -10,7 +10,7 @@ and the layer's sliding window itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -19,13 +19,16 @@ from pdserve.kv.specs import AttentionSpec
 
 class AttentionContext(Protocol):
     def attend(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Store k/v of the new tokens and attend.
 
         q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         (positional encoding and norms already applied). Returns
-        [num_tokens, num_heads, head_dim]. `scale` multiplies q.k.
+        [num_tokens, num_heads, head_dim]. `scale` multiplies q.k. `sinks` (float32
+        [num_heads] or None): a logit per head that joins the softmax denominator and
+        weighs no value (gpt-oss's learned attention sinks).
         """
         ...
 
@@ -64,6 +67,9 @@ class DecoderLayer(torch.nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_scale = attention_scale  # multiplies q.k
+        # float32 [num_heads] learned sink logits (gpt-oss), or None: no sinks. Models with
+        # sinks replace it with a parameter before loading.
+        self.attention_sinks: Optional[torch.Tensor] = None
 
     def attention_inputs(self, h: torch.Tensor, rope: Any) -> QKV:
         """Residual stream [n, hidden] -> q [n, heads, dim], k and v [n, kv_heads, dim], ready to attend."""
@@ -75,7 +81,8 @@ class DecoderLayer(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, rope: Any, attention: AttentionContext) -> torch.Tensor:  # type: ignore[override]
         q, k, v = self.attention_inputs(h, rope)
-        return self.attention_output(h, attention.attend(self.layer_id, q, k, v, self.attention_scale))
+        attended = attention.attend(self.layer_id, q, k, v, self.attention_scale, sinks=self.attention_sinks)
+        return self.attention_output(h, attended)
 
 
 class CausalLM(torch.nn.Module):

@@ -35,16 +35,17 @@ class ContiguousAttention:
         keys = self._keys.get((seq_id, 0))
         return 0 if keys is None else keys.shape[0]
 
-    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         if q.shape[0] != self._cu_seqlens[-1]:
             raise ValueError(f"batch has {q.shape[0]} tokens, set_batch declared {self._cu_seqlens[-1]}")
         out = torch.empty_like(q)
         for i, seq_id in enumerate(self._seq_ids):
             start, end = self._cu_seqlens[i], self._cu_seqlens[i + 1]
-            out[start:end] = self._attend_one(layer_id, seq_id, q[start:end], k[start:end], v[start:end], scale)
+            out[start:end] = self._attend_one(layer_id, seq_id, q[start:end], k[start:end], v[start:end], scale, sinks)
         return out
 
-    def _attend_one(self, layer_id, seq_id, q, k, v, scale) -> torch.Tensor:
+    def _attend_one(self, layer_id, seq_id, q, k, v, scale, sinks=None) -> torch.Tensor:
         key = (seq_id, layer_id)
         past_k, past_v = self._keys.get(key), self._values.get(key)
         all_k = k.clone() if past_k is None else torch.cat([past_k, k])
@@ -62,7 +63,11 @@ class ContiguousAttention:
         values = all_v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # the sink is one more logit per head that weighs no value
+            sink_column = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         return torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
 
 
