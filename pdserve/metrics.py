@@ -8,10 +8,16 @@ request ids ride on latency observations as exemplars (OpenMetrics only).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
 
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdserve.gie_metrics import model_server_protocol_families
 
 # Bucket edges chosen for LLM serving: a first token takes milliseconds (prefix
 # hit, tiny prompt) to tens of seconds (long prompt behind a queue); a decode
@@ -30,6 +36,7 @@ E2E_BUCKETS_S = (
 QUEUE_BUCKETS_S = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )
+_OPENMETRICS_ALLOW_UTF8 = getattr(openmetrics, "ALLOWUTF8", None)
 _EXEMPLAR_MAX_RUNES = 128  # OpenMetrics' limit on an exemplar's label names and values together
 _EXEMPLAR_LABEL = "request_id"
 
@@ -103,19 +110,13 @@ class RequestMetrics:
 
 
 class SchedulerMetrics:
-    """Queue state and preemptions, recorded by the engine loop."""
+    """Queue times and preemptions, recorded by the engine loop (queue sizes: `LoadMetrics`)."""
 
     def __init__(self, registry: CollectorRegistry):
         self.queue_time_s = Histogram(
             "pdserve_scheduler_queue_time_seconds",
             "Time a request waited between arrival and its first scheduling.",
             buckets=QUEUE_BUCKETS_S, registry=registry,
-        )
-        self.running_requests = Gauge(
-            "pdserve_scheduler_running_requests", "Requests currently scheduled.", registry=registry
-        )
-        self.waiting_requests = Gauge(
-            "pdserve_scheduler_waiting_requests", "Requests waiting (including for remote KV).", registry=registry
         )
         self.preemptions = Counter(
             "pdserve_scheduler_preemptions_total", "Requests preempted for lack of KV blocks.", registry=registry
@@ -124,23 +125,14 @@ class SchedulerMetrics:
     def observe_queue_time(self, queue_time_s: float) -> None:
         self.queue_time_s.observe(queue_time_s)
 
-    def set_queue_sizes(self, num_running: int, num_waiting: int) -> None:
-        self.running_requests.set(num_running)
-        self.waiting_requests.set(num_waiting)
-
     def count_preemptions(self, num_preemptions: int = 1) -> None:
         self.preemptions.inc(num_preemptions)
 
 
 class KVCacheMetrics:
-    """KV pool usage per group and prefix-cache effectiveness."""
+    """Prefix-cache effectiveness (the pool's usage: `LoadMetrics`)."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.usage_ratio = Gauge(
-            "pdserve_kv_usage_ratio",
-            "Fraction of the shared block pool held by a KV group (0..1).",
-            ["group"], registry=registry,
-        )
         self.prefix_cache_queries_tokens = Counter(
             "pdserve_kv_prefix_cache_queries_tokens_total",
             "Prompt tokens looked up in the prefix cache.", registry=registry,
@@ -150,12 +142,63 @@ class KVCacheMetrics:
             "Prompt tokens found in the prefix cache.", registry=registry,
         )
 
-    def set_usage(self, group: int | str, ratio: float) -> None:
-        self.usage_ratio.labels(group=str(group)).set(ratio)
-
     def count_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries_tokens.inc(num_query_tokens)
         self.prefix_cache_hits_tokens.inc(num_hit_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """The engine's queues and KV pool as one turn of its loop left them."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # queued, plus waiting for their remote KV to land
+    num_blocks_in_use_by_group: tuple[int, ...] = ()
+    num_pool_blocks: int = 0  # blocks that can hold KV (the null block excluded); 0 until the engine is built
+    block_size: int = 0
+
+    def usage_by_group(self) -> tuple[float, ...]:
+        pool = self.num_pool_blocks or 1
+        return tuple(num_in_use / pool for num_in_use in self.num_blocks_in_use_by_group)
+
+    @property
+    def usage(self) -> float:
+        """The whole pool's: every in-use block belongs to exactly one group."""
+        return sum(self.num_blocks_in_use_by_group) / (self.num_pool_blocks or 1)
+
+
+class LoadMetrics:
+    """Queue sizes and KV-pool usage: pdserve's gauges and the GIE model-server protocol's
+    (`pdserve/gie_metrics.py`), all built from one snapshot in one collect, so that no scrape
+    shows the two spellings disagreeing. The engine thread swaps the snapshot whole."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._load = LoadSnapshot()
+        self._started_s = time.time()
+        registry.register(self)
+
+    def update(self, load: LoadSnapshot) -> None:
+        self._load = load  # one reference store: a concurrent collect reads the old record or the new one
+
+    def describe(self) -> list[Metric]:
+        return list(self.collect())
+
+    def collect(self) -> Iterator[Metric]:
+        load = self._load
+        running = GaugeMetricFamily("pdserve_scheduler_running_requests", "Requests currently scheduled.")
+        running.add_metric([], load.num_running)
+        waiting = GaugeMetricFamily("pdserve_scheduler_waiting_requests", "Requests waiting (including for remote KV).")
+        waiting.add_metric([], load.num_waiting)
+        usage = GaugeMetricFamily("pdserve_kv_usage_ratio", "Fraction of the shared block pool held by a KV group "
+                                  "(0..1).", labels=["group"])
+        for group_id, ratio in enumerate(load.usage_by_group()):
+            usage.add_metric([str(group_id)], ratio)
+        pool = GaugeMetricFamily("pdserve_kv_pool_blocks", "Blocks of the KV pool that can hold KV, all groups "
+                                 "together (0 until the model is loaded).")
+        pool.add_metric([], load.num_pool_blocks)
+        yield from (running, waiting, usage, pool)
+        yield from model_server_protocol_families(load.num_waiting, load.num_running, load.usage, load.block_size,
+                                                  load.num_pool_blocks, self._started_s)
 
 
 class EngineMetrics:
@@ -287,14 +330,21 @@ class Metrics:
         self.kv = KVCacheMetrics(self.registry)
         self.engine = EngineMetrics(self.registry)
         self.transfer = TransferMetrics(self.registry)
+        self.load = LoadMetrics(self.registry)
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format."""
         return generate_latest(self.registry)
 
     def render_openmetrics(self) -> bytes:
-        """The registry in OpenMetrics format, which carries the request-id exemplars."""
-        return openmetrics.generate_latest(self.registry)
+        """The registry in OpenMetrics format, which carries the request-id exemplars.
+
+        Every name here is a legacy Prometheus name, so allowing UTF-8 changes nothing but one
+        thing: prometheus_client's default escaping turns the ':' of the GIE protocol's sample
+        names into '_' (leaving their HELP and TYPE lines alone), which would split those gauges."""
+        if _OPENMETRICS_ALLOW_UTF8 is None:  # a prometheus_client from before UTF-8 names never escapes
+            return openmetrics.generate_latest(self.registry)
+        return openmetrics.generate_latest(self.registry, escaping=_OPENMETRICS_ALLOW_UTF8)
 
 
 def create_metrics() -> Metrics:

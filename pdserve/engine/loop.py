@@ -135,6 +135,7 @@ class EngineLoop:
         self._poll_connector()
         self._stalled = self.scheduler.has_work() and not self.step()
         self._settle()
+        self.stats.record_load(self.scheduler)  # also while idle: pins released, pulls landing
         self.runner.keep_ranks_alive()
         self.last_progress_s = time.monotonic()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pdserve.engine.schedule_types import SchedulerOutput
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.manager import KVCacheManager
-from pdserve.metrics import Metrics
+from pdserve.metrics import LoadSnapshot, Metrics
 from pdserve.request import Request
 
 
@@ -20,6 +20,17 @@ class EngineStats:
         self._num_query_tokens = 0
         self._num_hit_tokens = 0
         self.num_computed_prompt_tokens = 0  # also read by tests and benchmarks
+
+    def record_load(self, scheduler: Scheduler) -> None:
+        """The queues and the pool as they stand, also between steps (a pin released, a pull in
+        flight): pdserve's gauges and the GIE protocol's read this one record."""
+        self.metrics.load.update(LoadSnapshot(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting + scheduler.num_waiting_for_kv,
+            num_blocks_in_use_by_group=self.kv.num_blocks_in_use_by_group(),
+            num_pool_blocks=self.kv.num_usable_blocks,
+            block_size=self.kv.block_size,
+        ))
 
     def record_preemption(self, request: Request) -> None:
         self.metrics.scheduler.count_preemptions()
@@ -34,9 +45,7 @@ class EngineStats:
         if num_prompt:
             self.num_computed_prompt_tokens += num_prompt
             self.metrics.engine.count_computed_prompt_tokens(num_prompt)
-        self.metrics.scheduler.set_queue_sizes(scheduler.num_running, scheduler.num_waiting)
-        for group_id, ratio in enumerate(self.kv.usage_by_group()):
-            self.metrics.kv.set_usage(group_id, ratio)
+        self.record_load(scheduler)
         stats = self.kv.prefix_stats
         if stats.num_query_tokens != self._num_query_tokens:
             self.metrics.kv.count_prefix_lookup(

@@ -219,6 +219,14 @@ class KVCacheManager:
             return 0
         return sum(1 for block_id in state.tables[group_id] if block_id != NULL_BLOCK_ID)
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can hold KV, every group together (the null block excluded)."""
+        return self.pool.num_usable_blocks
+
+    def num_blocks_in_use_by_group(self) -> tuple[int, ...]:
+        return tuple(self.pool.num_in_use_by_group(g.group_id) for g in self.plan.groups)
+
     def usage_by_group(self) -> list[float]:
         """Fraction of the pool's usable blocks each group holds in use."""
         usable = self.pool.num_usable_blocks
