@@ -76,6 +76,7 @@ class Backend:
     healthy: bool = False  # pessimistic until the first poll says ready
     load: LoadReport = field(default_factory=LoadReport)
     num_in_flight: int = 0
+    prompt_tokens_in_flight: int = 0  # prompt tokens of the legs in flight that make this worker compute a prompt
     num_failed_polls: int = 0
 
     def is_available(self) -> bool:

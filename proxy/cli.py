@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from pdserve.api.config import LimitsConfig
 from pdserve.api.flags import add_flags, section_flag_specs, section_values
-from proxy.config import DiscoveryConfig, HealthConfig, ProxyConfig, RoutingConfig, TimeoutConfig
+from proxy.config import DiscoveryConfig, HealthConfig, ProxyConfig, RoutingConfig, SloConfig, TimeoutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,18 @@ def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     routing.add_argument("--kv-decode-only-max-tokens", type=int, default=64,
                          help="kv_aware decode: skip the prefill leg when the decode worker's cache leaves at most "
                               "this many prompt tokens to compute (0: never)")
+    routing.add_argument("--disaggregation", choices=("adaptive", "static"), default="static",
+                         help="adaptive: per request, P/D or prefill on the decode worker, whichever the live load "
+                              "says meets the SLO (--disagg-min-prompt-tokens until speeds are measured); "
+                              "static: --disagg-min-prompt-tokens alone")
+    routing.add_argument("--decode-stall-tpots", type=float, default=10.0,
+                         help="adaptive: TPOT budgets of stall a busy decode worker's streams may absorb while "
+                              "it prefills a prompt itself")
+    slo = parser.add_argument_group("latency objective (judged on streamed answers)")
+    slo.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="time to first token, fixed part")
+    slo.add_argument("--slo-ttft-ms-per-token", type=float, default=2.0,
+                     help="time to first token, added per prompt token")
+    slo.add_argument("--slo-tpot-ms", type=float, default=20.0, help="mean time per output token after the first")
 
 
 def _add_failure_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,8 +120,11 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
             prefix_chars=args.prefix_chars, prefix_max_load=args.prefix_max_load,
             disagg_min_prompt_tokens=args.disagg_min_prompt_tokens, chars_per_token=args.chars_per_token,
             max_in_flight_per_backend=args.max_in_flight_per_backend, kv_load_tokens=args.kv_load_tokens,
-            kv_decode_only_max_tokens=args.kv_decode_only_max_tokens,
+            kv_decode_only_max_tokens=args.kv_decode_only_max_tokens, disaggregation=args.disaggregation,
+            decode_stall_tpots=args.decode_stall_tpots,
         ),
+        slo=SloConfig(ttft_ms=args.slo_ttft_ms, ttft_ms_per_token=args.slo_ttft_ms_per_token,
+                      tpot_ms=args.slo_tpot_ms),
         health=HealthConfig(
             interval_s=args.health_interval_s, timeout_s=args.health_timeout_s, unhealthy_after=args.unhealthy_after,
             breaker_failures=args.breaker_failures, breaker_cooldown_s=args.breaker_cooldown_s,

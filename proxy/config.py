@@ -59,6 +59,21 @@ class RoutingConfig(_Frozen):
     # Cache-aware disaggregation: with a kv_aware decode policy, skip the prefill leg when the chosen
     # decode worker's cache leaves at most this many prompt tokens for it to compute (0 = never).
     kv_decode_only_max_tokens: int = Field(64, ge=0)
+    # adaptive: per request, P/D or prefill on the decode worker, from live load against the SLO
+    # (proxy/routing/disaggregation.py), the static threshold above until speeds are measured;
+    # static: the threshold alone (the default until the goodput sweep has measured adaptive).
+    disaggregation: Literal["adaptive", "static"] = "static"
+    # adaptive: how many TPOT budgets of stall a decode worker's running streams may absorb
+    # while it prefills a prompt itself.
+    decode_stall_tpots: float = Field(10.0, ge=0)
+
+
+class SloConfig(_Frozen):
+    """The latency objective requests are judged by (and adaptive disaggregation aims at)."""
+
+    ttft_ms: float = Field(1000.0, gt=0)
+    ttft_ms_per_token: float = Field(2.0, ge=0)  # added per prompt token: long prompts may take longer
+    tpot_ms: float = Field(20.0, gt=0)
 
 
 class HealthConfig(_Frozen):
@@ -102,6 +117,7 @@ class ProxyConfig(_Frozen):
     routing: RoutingConfig = RoutingConfig()
     health: HealthConfig = HealthConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
+    slo: SloConfig = SloConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     limits: LimitsConfig = LimitsConfig()
     max_prefill_attempts: int = Field(3, ge=1)  # prefill legs tried per request (on distinct workers)

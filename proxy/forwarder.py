@@ -38,7 +38,9 @@ from proxy.errors import NoBackendAvailable, ProxyError, RejectedRequest, error_
 from proxy.kv_release import KVReleaser, PrefillHold
 from proxy.legs import KVRetry, LegFailed, LegSender, OpenLeg, PassThrough, cached_tokens_of
 from proxy.metrics import ProxyMetrics, status_class
-from proxy.relay import ClientGone, RelayStreamResponse, until_client_disconnects
+from proxy.slo import SloTracker
+from proxy.relay import ClientGone, RelayStreamResponse, StreamTiming, until_client_disconnects
+from proxy.routing.disaggregation import DECODE, PrefillSpeed, Signals, Slo, decide
 from proxy.routing.kv_routing import KVRouting
 from proxy.routing.policies import RoutingPolicy, build_policy
 
@@ -87,6 +89,10 @@ class Forwarder:
         self._releaser = KVReleaser(metrics, config.health.timeout_s)
         self._metrics = metrics
         self._kv = kv  # set when a role's policy is kv_aware
+        self._slo = SloTracker(Slo(config.slo.ttft_ms, config.slo.ttft_ms_per_token, config.slo.tpot_ms),
+                               metrics.registry)
+        # Seconds per prompt token of each role's prefill, from legs that had their worker to themselves.
+        self._speeds = {Role.PREFILL: PrefillSpeed(), Role.DECODE: PrefillSpeed()}
 
     async def handle(self, raw: Request, path: str) -> Response:
         arrival_s = time.perf_counter()
@@ -134,15 +140,35 @@ class Forwarder:
         return response
 
     def _mode(self, request: ClientRequest) -> str:
+        """What the request's shape decides; where a disaggregable prompt is computed is `_where`'s call."""
         if not self._config.has_prefill:
             return DECODE_ONLY  # no prefill tier at all: a load balancer over decode workers
-        blocks = request.kv_route.blocks if request.kv_route is not None else None
-        num_prompt_tokens = blocks.num_tokens if blocks is not None else request.num_prompt_tokens  # exact if known
-        if num_prompt_tokens < self._config.routing.disagg_min_prompt_tokens:
-            return DECODE_ONLY
         if request.needs_local_prompt:
             return DECODE_ONLY
         return DISAGGREGATED
+
+    @staticmethod
+    def _num_prompt_tokens(request: ClientRequest) -> int:
+        blocks = request.kv_route.blocks if request.kv_route is not None else None
+        return blocks.num_tokens if blocks is not None else request.num_prompt_tokens  # exact if known
+
+    def _where(self, request: ClientRequest, decode: Backend) -> str:
+        """Prefill worker or the decode worker itself, by the static threshold or the adaptive policy."""
+        routing = self._config.routing
+        predicted = request.kv_route.predicted.get(decode.url, 0) if request.kv_route is not None else 0
+        available = self._prefill_pool.available()
+        signals = Signals(
+            num_prompt_tokens=self._num_prompt_tokens(request), decode_cached_tokens=predicted,
+            prefill_backlog_tokens=min((b.prompt_tokens_in_flight for b in available), default=0),
+            decode_backlog_tokens=decode.prompt_tokens_in_flight,
+            decode_running=max(decode.num_in_flight, decode.load.num_running))
+        adaptive = routing.disaggregation == "adaptive"
+        decision = decide(signals, self._slo.slo,
+                          self._speeds[Role.PREFILL].s_per_token if adaptive else None,
+                          self._speeds[Role.DECODE].s_per_token, routing.disagg_min_prompt_tokens,
+                          routing.decode_stall_tpots)
+        self._metrics.disaggregation.labels(decision.where, decision.reason).inc()
+        return decision.where
 
     def _pick(self, role: Role, request: ClientRequest, exclude_urls: Collection[str] = ()) -> Optional[Backend]:
         pool, policy = self._pool_and_policy(role)
@@ -170,6 +196,8 @@ class Forwarder:
             timing.mode = DECODE_ONLY  # cache-aware disaggregation: decode holds nearly all of the prompt
         if timing.mode == DISAGGREGATED and self._config.colocated_fallback and not self._prefill_pool.available():
             return await self._colocated(request, decode, timing, "no_prefill")
+        if timing.mode == DISAGGREGATED and self._where(request, decode) == DECODE:
+            timing.mode = DECODE_ONLY
         if timing.mode == DECODE_ONLY:
             return await self._decode(request, decode, None)
         try:
@@ -246,7 +274,7 @@ class Forwarder:
                 if last is not None:
                     self._metrics.retries.labels(Role.PREFILL.value, last.reason).inc()
                 try:
-                    answer = await self._sender.prefill(backend, request)
+                    answer = await self._timed_prefill(backend, request)
                 except LegFailed as exc:
                     logger.warning("request %s: prefill leg on %s failed (%s)", request.request_id,
                                    backend.url, exc.reason)
@@ -261,6 +289,21 @@ class Forwarder:
         if last is None:
             raise self._unavailable(Role.PREFILL)
         raise last.error
+
+    async def _timed_prefill(self, backend: Backend, request: ClientRequest) -> Any:
+        """A prefill leg, its prompt counted in the worker's backlog while it runs; a leg that had the
+        worker to itself is a sample of the prefill speed."""
+        num_tokens = self._num_prompt_tokens(request)
+        alone = backend.num_in_flight == 0
+        started_s = time.perf_counter()
+        backend.prompt_tokens_in_flight += num_tokens
+        try:
+            answer = await self._sender.prefill(backend, request)
+        finally:
+            backend.prompt_tokens_in_flight -= num_tokens
+        if alone:
+            self._speeds[Role.PREFILL].observe(num_tokens, time.perf_counter() - started_s)
+        return answer
 
     def _pick_prefill(self, request: ClientRequest, tried: set[str], avoid_urls: Collection[str],
                       last: Optional[LegFailed]) -> Optional[Backend]:
@@ -308,16 +351,25 @@ class Forwarder:
     async def _open_decode(self, backend: Backend, request: ClientRequest, params: Optional[dict[str, Any]],
                            hold: Optional[PrefillHold]) -> OpenLeg:
         """One decode leg; `hold.decode_may_read` is true from its sending until a definite refusal."""
+        computes_prompt = hold is None
         hold = hold or PrefillHold(backend, {})  # decode-only: nothing pinned, the flag is unused
         hold.decode_may_read = True
+        num_tokens = self._num_prompt_tokens(request) if computes_prompt else 0
+        alone = backend.num_in_flight == 0
+        backend.prompt_tokens_in_flight += num_tokens
         try:
-            return await self._sender.open_decode(backend, request, params)
+            leg = await self._sender.open_decode(backend, request, params)
+            if computes_prompt and alone and request.stream:  # its headers came with the first token
+                self._speeds[Role.DECODE].observe(num_tokens, leg.headers_s - leg.started_s)
+            return leg
         except (KVRetry, PassThrough):
             hold.decode_may_read = False  # the decode worker answered: it ended the request
             raise
         except LegFailed as exc:
             hold.decode_may_read = exc.reason in _MAY_STILL_READ
             raise
+        finally:
+            backend.prompt_tokens_in_flight -= num_tokens
 
     def _respond(self, request: ClientRequest, leg: OpenLeg, timing: RequestTiming) -> Response:
         headers = {REQUEST_ID_HEADER: request.request_id}
@@ -327,7 +379,13 @@ class Forwarder:
             def on_broken(reason: str) -> None:
                 errors.labels(Role.DECODE.value, leg.backend.url, reason).inc()
 
+            def on_complete(stream: StreamTiming) -> None:
+                if stream.first_s is not None:
+                    self._slo.observe(self._num_prompt_tokens(request), stream.first_s - timing.arrival_s,
+                                      stream.mean_gap_s)
+
             return RelayStreamResponse(leg, lambda now_s: self._observe(timing, leg, now_s, True), on_broken, headers,
+                                       on_complete=on_complete,
                                        send_timeout_s=self._config.timeouts.client_send_s)
         leg.finish(Outcome.SUCCESS)  # the whole body is in: the leg is over
         self._observe(timing, leg, time.perf_counter(), False)

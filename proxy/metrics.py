@@ -48,6 +48,10 @@ class ProxyMetrics:
         self.retries = Counter(
             "pdserve_proxy_retries_total", "Legs re-sent to another backend, by role and reason",
             ["role", "reason"], registry=registry)
+        self.disaggregation = Counter(
+            "pdserve_proxy_disaggregation_decisions_total",
+            "Where requests' prompts were computed (prefill: a prefill worker, P/D; decode: the decode worker "
+            "itself), by the reason the adaptive policy gave", ["where", "reason"], registry=registry)
         self.colocated_fallbacks = Counter(
             "pdserve_proxy_colocated_fallbacks_total",
             "Requests a decode worker computed alone because no prefill worker could take them, by reason "

@@ -14,7 +14,8 @@ import asyncio
 import json
 import logging
 import time
-from typing import Awaitable, Callable, Mapping, TypeVar
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Mapping, Optional, TypeVar
 
 import anyio
 import httpx
@@ -100,15 +101,41 @@ def error_event(message: str) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
+@dataclass(slots=True)
+class StreamTiming:
+    """When a relayed stream's answer events arrived: the first, the last, and how many ([DONE] aside)."""
+
+    first_s: Optional[float] = None
+    last_s: Optional[float] = None
+    num_events: int = 0
+
+    def saw(self, chunk: bytes, now_s: float) -> None:
+        events = chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+        if events > 0:
+            self.first_s = now_s if self.first_s is None else self.first_s
+            self.last_s = now_s
+            self.num_events += events
+
+    @property
+    def mean_gap_s(self) -> Optional[float]:
+        """The mean time between events after the first (a client's time per output token)."""
+        if self.first_s is None or self.last_s is None or self.num_events < 2:
+            return None
+        return (self.last_s - self.first_s) / (self.num_events - 1)
+
+
 class RelayStreamResponse:
     """An ASGI response that streams decode's SSE bytes as they arrive and closes the leg always."""
 
     def __init__(self, leg: OpenLeg, on_first_byte: Callable[[float], None], on_broken: Callable[[str], None],
-                 headers: Mapping[str, str], send_timeout_s: float = 30.0):
+                 headers: Mapping[str, str], send_timeout_s: float = 30.0,
+                 on_complete: Optional[Callable[["StreamTiming"], None]] = None):
         self.status_code = 200
         self._send_timeout_s = send_timeout_s  # a client that takes nothing this long has stopped reading
         self._leg = leg
         self._on_first_byte = on_first_byte
+        self._on_complete = on_complete
+        self._timing = StreamTiming()
         self._on_broken = on_broken
         media_type = leg.response.headers.get("content-type", "text/event-stream")
         self._raw_headers = [(b"content-type", media_type.encode("latin-1")), *_STREAM_HEADERS,
@@ -152,6 +179,7 @@ class RelayStreamResponse:
                 if first and chunk:
                     first = False
                     self._on_first_byte(time.perf_counter())
+                self._timing.saw(chunk, time.perf_counter())
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
             logger.warning("decode %s broke the stream mid-way: %s", self._leg.backend.url, type(exc).__name__)
@@ -159,4 +187,6 @@ class RelayStreamResponse:
             message = f"the decode worker stopped streaming ({type(exc).__name__})"
             await send({"type": "http.response.body", "body": error_event(message), "more_body": True})
             return Outcome.FAILURE
+        if self._on_complete is not None:
+            self._on_complete(self._timing)
         return Outcome.SUCCESS

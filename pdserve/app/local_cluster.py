@@ -66,6 +66,12 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads per worker (default: the worker's share of the cores)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin the workers to separate cores")
+    parser.add_argument("--disaggregation", choices=("adaptive", "static"), default=None,
+                        help="the proxy's choice of P/D or prefill on the decode worker (see pdserve proxy --help)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None, help="the proxy's TTFT objective, fixed part")
+    parser.add_argument("--slo-ttft-ms-per-token", type=float, default=None,
+                        help="the proxy's TTFT objective, per prompt token")
+    parser.add_argument("--slo-tpot-ms", type=float, default=None, help="the proxy's TPOT objective")
     parser.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                         help=f"shared worker token (default: ${INTERNAL_TOKEN_ENV}, else a random one)")
     parser.add_argument("--policy", default=None, choices=["round_robin", "least_loaded", "prefix", "kv_aware"])
@@ -120,6 +126,9 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int]) -> list[ChildSpe
              "--prefill", f"http://{args.host}:{prefill_port}", "--decode", f"http://{args.host}:{decode_port}"]
     if args.policy is not None:
         proxy += ["--policy", args.policy]
+    for flag in ("disaggregation", "slo_ttft_ms", "slo_ttft_ms_per_token", "slo_tpot_ms"):
+        if getattr(args, flag, None) is not None:
+            proxy += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     specs.append(ChildSpec("proxy", proxy, proxy_port, None, env))
     return specs
 

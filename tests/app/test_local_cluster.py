@@ -208,3 +208,15 @@ def test_each_worker_gets_its_own_device_and_workers_sharing_a_gpu_split_its_sha
             assert "--device" not in spec.argv and flag(spec.argv, "--gpu-memory-utilization") == "0.45"
     with pytest.raises(SystemExit):
         specs_for("--decode-device", "gpu1")
+
+
+def test_the_disaggregation_policy_and_slo_reach_the_proxy_only():
+    specs = specs_for("--disaggregation", "adaptive", "--slo-ttft-ms", "800", "--slo-tpot-ms", "25")
+    proxy = specs["proxy"].argv
+    assert flag(proxy, "--disaggregation") == "adaptive"
+    config = proxy_config(build_parser().parse_args(proxy[3:]))
+    assert config.routing.disaggregation == "adaptive"
+    assert (config.slo.ttft_ms, config.slo.ttft_ms_per_token, config.slo.tpot_ms) == (800.0, 2.0, 25.0)
+    for role in ("prefill", "decode"):
+        assert not any(arg.startswith(("--slo", "--disaggregation")) for arg in specs[role].argv)
+    assert "--disaggregation" not in specs_for()["proxy"].argv  # the proxy's own default otherwise

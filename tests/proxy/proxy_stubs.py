@@ -51,6 +51,7 @@ class StubWorker:
     break_after_chunks: Optional[int] = None  # decode: drop the connection mid-stream
     disconnects: list[str] = field(default_factory=list)  # request ids whose client went away
     releases: list[dict] = field(default_factory=list)  # prefill: bodies of POST /internal/kv/release
+    hold: Optional[threading.Event] = None  # when set here and clear, generation waits until it is set
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -80,6 +81,8 @@ class StubWorker:
         body = json.loads(await request.body())
         request_id = request.headers.get("x-request-id", "")
         self.calls.append(RecordedCall(request.url.path, body, dict(request.headers)))
+        while self.hold is not None and not self.hold.is_set():
+            await asyncio.sleep(0.005)
         if self.delay_s and not await _sleep_unless_disconnected(request, self.delay_s):
             self.disconnects.append(request_id)
             return Response(status_code=499)

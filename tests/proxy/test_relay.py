@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from proxy.backends import Backend, Outcome, Role
+from proxy.backends import Backend, Role
 from proxy.breaker import CircuitBreaker
 from proxy.legs import OpenLeg
 from proxy.relay import RelayStreamResponse

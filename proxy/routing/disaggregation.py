@@ -1,0 +1,109 @@
+"""Adaptive disaggregation: per request, prefill on a prefill worker (P/D) or on the decode worker
+itself (decode-only), whichever keeps the request, and the streams already decoding, within the SLO.
+
+Invariant: the choice changes where a prompt is computed, never what is computed (the answer is the
+same either way); without enough measurements it is the static rule (`--disagg-min-prompt-tokens`).
+
+The estimates, per request (s/token: seconds per prompt token, learned from this proxy's own legs):
+
+    budget    = slo.ttft_ms + slo.ttft_ms_per_token * prompt tokens
+    ttft(P/D) = (tokens queued on the least-busy prefill worker + prompt) * s/token(P)
+    ttft(D)   = (tokens the decode worker is prefilling already + uncached prompt) * s/token(D)
+    stall(D)  = uncached prompt * s/token(D)      extra time the decode worker's running streams wait
+
+    uncached <= what D prefills within one TPOT       -> decode   ("short": nobody notices)
+    ttft(P/D) <= budget                               -> P/D      ("prefill_fits")
+    ttft(D) <= budget and stall(D) <= stall allowance -> decode   ("prefill_busy": P's queue would miss it)
+    otherwise the smaller TTFT, P/D on a tie          -> P/D or decode ("best_effort")
+
+The stall allowance is `stall_tpots` TPOT budgets when the decode worker is running streams (their
+per-token average absorbs a short stall), unlimited when it is idle. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+DECODE = "decode"
+PREFILL = "prefill"
+_MIN_SAMPLES = 3
+_EWMA_WEIGHT = 0.25  # of a new sample
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_ms: float
+    ttft_ms_per_token: float
+    tpot_ms: float
+
+    def ttft_budget_s(self, num_prompt_tokens: int) -> float:
+        return (self.ttft_ms + self.ttft_ms_per_token * num_prompt_tokens) / 1000.0
+
+    @property
+    def tpot_s(self) -> float:
+        return self.tpot_ms / 1000.0
+
+
+class PrefillSpeed:
+    """Seconds per prompt token of one role's prefill, an exponentially weighted mean of clean
+    samples (a leg that had its worker to itself: no queueing in the figure)."""
+
+    def __init__(self) -> None:
+        self.num_samples = 0
+        self._s_per_token = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens < 1 or seconds <= 0:
+            return
+        sample = seconds / num_tokens
+        self._s_per_token = sample if self.num_samples == 0 else \
+            (1 - _EWMA_WEIGHT) * self._s_per_token + _EWMA_WEIGHT * sample
+        self.num_samples += 1
+
+    @property
+    def s_per_token(self) -> Optional[float]:
+        return self._s_per_token if self.num_samples >= _MIN_SAMPLES else None
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """What the proxy knows of one request and its candidates when it decides."""
+
+    num_prompt_tokens: int
+    decode_cached_tokens: int  # the KV index's prediction for the chosen decode worker (0 if unknown)
+    prefill_backlog_tokens: int  # prompt tokens in flight on the least-busy available prefill worker
+    decode_backlog_tokens: int  # prompt tokens the chosen decode worker is computing itself now
+    decode_running: int  # requests the chosen decode worker is serving
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    where: str  # PREFILL (P/D) or DECODE (decode-only)
+    reason: str
+    ttft_prefill_s: Optional[float] = None
+    ttft_decode_s: Optional[float] = None
+
+
+def decide(signals: Signals, slo: Slo, prefill_s_per_token: Optional[float], decode_s_per_token: Optional[float],
+           static_min_tokens: int, stall_tpots: float) -> Decision:
+    """Where this request's prompt is computed (see the module docstring)."""
+    uncached = max(0, signals.num_prompt_tokens - signals.decode_cached_tokens)
+    if prefill_s_per_token is None:  # not measured yet: the static rule
+        if uncached < static_min_tokens:
+            return Decision(DECODE, "static_short")
+        return Decision(PREFILL, "static")
+    decode_rate = decode_s_per_token if decode_s_per_token is not None else prefill_s_per_token
+    if uncached * decode_rate <= slo.tpot_s:
+        return Decision(DECODE, "short")
+    budget = slo.ttft_budget_s(signals.num_prompt_tokens)
+    ttft_prefill = (signals.prefill_backlog_tokens + signals.num_prompt_tokens) * prefill_s_per_token
+    ttft_decode = (signals.decode_backlog_tokens + uncached) * decode_rate
+    if ttft_prefill <= budget:
+        return Decision(PREFILL, "prefill_fits", ttft_prefill, ttft_decode)
+    allowance = float("inf") if signals.decode_running == 0 else stall_tpots * slo.tpot_s
+    if ttft_decode <= budget and uncached * decode_rate <= allowance:
+        return Decision(DECODE, "prefill_busy", ttft_prefill, ttft_decode)
+    if ttft_decode < ttft_prefill and signals.decode_running == 0:
+        return Decision(DECODE, "best_effort", ttft_prefill, ttft_decode)
+    return Decision(PREFILL, "best_effort", ttft_prefill, ttft_decode)
