@@ -76,6 +76,10 @@ class SchedulerConfig(_Frozen):
     max_num_batched_tokens: int = setting(512, "per-step token budget (longer prompts are chunked)", ge=1)
     max_num_running: int = setting(64, "requests computed together (including those waiting for remote KV)", ge=1)
     max_num_waiting: int = setting(1024, "queued requests past which new ones get 503", ge=1)
+    max_step_ms: Optional[float] = setting(
+        None, "while streams are decoding, cap a step's tokens so that it lasts about this long, from measured "
+              "step times: prompts computed here are cut into chunks the streams barely notice (set it to the "
+              "TPOT you promise; default: off, every step may take --max-num-batched-tokens)", gt=0)
 
 
 class LimitsConfig(_Frozen):

@@ -21,6 +21,7 @@ from pdserve.api.config import SchedulerConfig
 from pdserve.api.errors import EngineFailure, PdserveError, RequestFailed
 from pdserve.api.sampling import FinishReason
 from pdserve.engine.schedule_types import PromptLogprobs, SampledToken, ScheduledChunk, SchedulerOutput
+from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.stop_rules import check_stop
 from pdserve.kv.hashing import hash_full_blocks
 from pdserve.kv.manager import KVCacheManager
@@ -40,8 +41,13 @@ class Scheduler:
         max_model_len: int,
         connector: Optional[KVConnector] = None,
         on_preempt: Optional[Callable[[Request], None]] = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.config = config
+        self.clock = clock
+        max_step_s = config.max_step_ms / 1000.0 if config.max_step_ms is not None else None
+        self.step_budget = StepBudget(config.max_num_batched_tokens, max_step_s)
+        self._step_started: Optional[tuple[SchedulerOutput, float]] = None  # the step being timed
         self.kv = kv_manager
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -165,10 +171,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
         self._finished_since_last_step = []
-        budget = self.config.max_num_batched_tokens
+        num_decoding = sum(1 for request in self.running if request.num_computed_tokens >= request.num_tokens - 1)
+        budget = self.step_budget.tokens(num_decoding)
         budget, preempted = self._schedule_running(output, budget)
         if not preempted:
             self._admit_waiting(output, budget)
+        self._step_started = (output, self.clock()) if output.chunks else None
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
@@ -329,6 +337,10 @@ class Scheduler:
 
         Returns the requests that got a new token or finished, in chunk order.
         """
+        if self._step_started is not None and self._step_started[0] is output:  # the step's own duration
+            self.step_budget.model.observe(sum(chunk.num_tokens for chunk in output.chunks),
+                                           self.clock() - self._step_started[1])
+            self._step_started = None
         by_id = {token.request_id: token for token in sampled}
         for computed in prompt_logprobs:
             request = self.requests.get(computed.request_id)
