@@ -4,6 +4,12 @@ server, or P/D (`pdserve up`) against one colocated `pdserve serve` given the sa
     python3 bench/serve.py run --base-url http://127.0.0.1:8000 --request-rate 0.5 --num-prompts 40 \\
         --mix "long:2000:32:0.2,short:128:128:0.8" --out run.json --plot-dir plots/
     python3 bench/serve.py compare --wait-for-idle-s 600   # the P/D vs colocated run of docs/benchmarks.md
+    python3 bench/serve.py sweep --rates 0.1,0.2,0.3,0.4 --systems colocated,pd,pd-adaptive  # goodput
+
+Every run is also judged against an SLO (--slo-ttft-ms + --slo-ttft-ms-per-token x prompt
+tokens, --slo-tpot-ms; issue 27's 1 s + 2 ms/token and 20 ms by default): attainment is the
+share of requests that met it. `sweep` runs each system at each Poisson rate and reports its
+goodput rate, the highest rate at which at least 90% of requests met the SLO (DistServe).
 
 Both print a throughput and a latency table (mean, p50, p90, p99, max of TTFT,
 TPOT, ITL and end-to-end), write JSON (`--out`) and PNG plots (`--plot-dir`).
@@ -31,9 +37,11 @@ from tqdm import tqdm  # noqa: E402
 
 from bench._cpu import CpuMeter  # noqa: E402
 from bench.serving.client import Endpoint, RequestRecord, run_load  # noqa: E402
+from bench.serving.goodput import DEFAULT_SLO, attainment, goodput_rate  # noqa: E402
 from bench.serving.launch import (  # noqa: E402
     LaunchError, ServerProcess, colocated_argv, free_port, pd_cluster_argv,
 )
+from proxy.routing.disaggregation import Slo  # noqa: E402
 from bench.serving.machine import wait_for_idle  # noqa: E402
 from bench.serving.report import format_report, write_json  # noqa: E402
 from bench.serving.stats import RunSummary, summarize_run  # noqa: E402
@@ -73,6 +81,27 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=None, help="model name to send (default: the server's only model)")
     group.add_argument("--no-logprobs", action="store_true",
                        help="do not ask for logprobs=0 (then a chunk may hold more than one token)")
+    slo = parser.add_argument_group("latency objective")
+    slo.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO.ttft_ms)
+    slo.add_argument("--slo-ttft-ms-per-token", type=float, default=DEFAULT_SLO.ttft_ms_per_token)
+    slo.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO.tpot_ms)
+
+
+SYSTEMS = ("pd", "pd-adaptive", "colocated")
+
+
+def _add_system_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--systems", default="pd,colocated",
+                        help=f"comma-separated, from {', '.join(SYSTEMS)} (pd-adaptive: pdserve up with "
+                             "--disaggregation adaptive and --max-step-ms at the TPOT objective)")
+    parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
+    parser.add_argument("--num-blocks", type=int, default=_NUM_BLOCKS, help="KV pool of each worker, in blocks")
+    parser.add_argument("--colocated-threads", type=int, default=None,
+                        help="torch threads of the colocated worker (default: every usable core)")
+    parser.add_argument("--wait-for-idle-s", type=float, default=0.0,
+                        help="before each system's run, wait up to this long for the machine to go idle "
+                             "(for shared machines; 0: do not wait)")
+    parser.add_argument("--quick", action="store_true", help="a tiny workload, to check the plumbing")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -87,15 +116,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     compare = commands.add_parser("compare", help="`pdserve up` vs one colocated `pdserve serve`, same cores")
     compare.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "serve_pd_vs_colocated.json"))
     compare.add_argument("--plot-dir", default=os.path.join(REPO_ROOT, "docs", "figures", "serving"))
-    compare.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
-    compare.add_argument("--num-blocks", type=int, default=_NUM_BLOCKS, help="KV pool of each worker, in blocks")
-    compare.add_argument("--colocated-threads", type=int, default=None,
-                         help="torch threads of the colocated worker (default: every usable core)")
-    compare.add_argument("--wait-for-idle-s", type=float, default=0.0,
-                         help="before each system's run, wait up to this long for the machine to go idle "
-                              "(for shared machines; 0: do not wait)")
-    compare.add_argument("--quick", action="store_true", help="a tiny workload, to check the plumbing")
+    _add_system_flags(compare)
+    sweep = commands.add_parser("sweep", help="each system at each rate: SLO attainment and the goodput rate")
+    sweep.add_argument("--rates", default="0.1,0.2,0.3,0.4", help="Poisson rates (requests/s), comma-separated")
+    sweep.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "serve_goodput.json"))
+    sweep.add_argument("--plot-dir", default=None, help="write the attainment-vs-rate plot here")
+    _add_system_flags(sweep)
     _add_workload_flags(compare)
+    _add_workload_flags(sweep)
     args = parser.parse_args(argv)
     _apply_workload_defaults(parser, args)
     return args
@@ -103,7 +131,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def _apply_workload_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The comparison's defaults are its reference workload; a single run defaults to a plain burst."""
-    if args.command == "compare":
+    if args.command in ("compare", "sweep"):
+        try:
+            args.system_names = [name.strip() for name in args.systems.split(",") if name.strip()]
+            if not args.system_names or any(name not in SYSTEMS for name in args.system_names):
+                raise ValueError(args.systems)
+        except ValueError:
+            parser.error(f"--systems takes names from {', '.join(SYSTEMS)}")
+    if args.command == "sweep":
+        try:
+            args.rate_list = sorted(float(rate) for rate in args.rates.split(","))
+        except ValueError:
+            parser.error("--rates takes comma-separated numbers")
+        if not args.rate_list or args.rate_list[0] <= 0:
+            parser.error("--rates must be positive")
+        args.request_rate = args.rate_list[0]
+    if args.command in ("compare", "sweep"):
         if args.mix is None and args.input_len is None and args.output_len is None:
             args.mix = QUICK_MIX if args.quick else COMPARE_MIX
         if args.num_prompts is None:
@@ -157,9 +200,28 @@ def measure(label: str, endpoint: Endpoint, args: argparse.Namespace,
     return summary, result.records
 
 
+def slo_of(args: argparse.Namespace) -> Slo:
+    return Slo(args.slo_ttft_ms, args.slo_ttft_ms_per_token, args.slo_tpot_ms)
+
+
+def format_slo_table(runs: Sequence[tuple[RunSummary, Sequence[RequestRecord]]], slo: Slo) -> str:
+    lines = [f"SLO: TTFT <= {slo.ttft_ms:g} ms + {slo.ttft_ms_per_token:g} ms/prompt token, TPOT <= {slo.tpot_ms:g} ms",
+             "| system | met | TTFT missed | TPOT missed | failed | attainment | goodput (req/s met) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for summary, records in runs:
+        result = attainment(records, slo)
+        ratio = "-" if result.ratio is None else f"{result.ratio:.0%}"
+        goodput = result.num_met / summary.duration_s if summary.duration_s > 0 else 0.0
+        lines.append(f"| {summary.label} | {result.num_met} | {result.num_ttft_missed} | {result.num_tpot_missed} "
+                     f"| {result.num_failed} | {ratio} | {goodput:.3f} |")
+    return "\n".join(lines)
+
+
 def emit(args: argparse.Namespace, runs: list[tuple[RunSummary, list[RequestRecord]]], command: str,
          extra: Optional[dict] = None) -> None:
     print(format_report([summary for summary, _ in runs]))
+    print()
+    print(format_slo_table(runs, slo_of(args)))
     if args.out:
         write_json(args.out, command, workload_dict(args), runs, extra)
         logger.info("wrote %s", args.out)
@@ -181,20 +243,33 @@ def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def run_compare(args: argparse.Namespace, command: str) -> int:
+def _servers(args: argparse.Namespace, log_dir: str) -> list[ServerProcess]:
+    """The systems asked for, each on the whole machine (`pdserve up` splits it between P and D)."""
     num_cores = _usable_cores()
     threads = args.colocated_threads or num_cores
+    adaptive = ["--disaggregation", "adaptive", "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-ttft-ms-per-token",
+                str(args.slo_ttft_ms_per_token), "--slo-tpot-ms", str(args.slo_tpot_ms),
+                "--max-step-ms", str(args.slo_tpot_ms)]
+    pd_name = f"P/D: pdserve up (cores: P {num_cores // 2}, D {num_cores - num_cores // 2})"
+    options = {
+        "pd": (pd_name, "up.log", lambda port: pd_cluster_argv(port, args.num_blocks)),
+        "pd-adaptive": (pd_name.replace("P/D", "P/D adaptive"), "up-adaptive.log",
+                        lambda port: pd_cluster_argv(port, args.num_blocks) + adaptive),
+        "colocated": (f"colocated: pdserve serve ({threads} threads, unpinned)", "serve.log",
+                      lambda port: colocated_argv(port, args.num_blocks, threads)),
+    }
+    servers = []
+    for system in args.system_names:
+        name, log_name, argv_of = options[system]
+        port = free_port()
+        servers.append(ServerProcess(name, argv_of(port), port, os.path.join(log_dir, log_name)))
+    return servers
+
+
+def run_compare(args: argparse.Namespace, command: str) -> int:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-serve-bench-")
     os.makedirs(log_dir, exist_ok=True)
-    systems = []
-    for name, log_name, argv_of in (
-        (f"P/D: pdserve up (cores: P {num_cores // 2}, D {num_cores - num_cores // 2})", "up.log",
-         lambda port: pd_cluster_argv(port, args.num_blocks)),
-        (f"colocated: pdserve serve ({threads} threads, unpinned)", "serve.log",
-         lambda port: colocated_argv(port, args.num_blocks, threads)),
-    ):
-        port = free_port()
-        systems.append(ServerProcess(name, argv_of(port), port, os.path.join(log_dir, log_name)))
+    systems = _servers(args, log_dir)
     runs, idle_before = [], []
     for server in systems:  # one at a time: a system never shares the cores with the other
         try:
@@ -214,13 +289,69 @@ def run_compare(args: argparse.Namespace, command: str) -> int:
     return 0 if all(summary.num_failed == 0 for summary, _ in runs) else 1
 
 
+def run_sweep(args: argparse.Namespace, command: str) -> int:
+    """Each system started once, then run at every rate (lowest first); attainment per rate, goodput."""
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-goodput-bench-")
+    os.makedirs(log_dir, exist_ok=True)
+    slo = slo_of(args)
+    table: dict[str, list[tuple[float, float]]] = {}
+    runs = []
+    for server in _servers(args, log_dir):
+        try:
+            server.start()
+            server.wait_ready(_READY_TIMEOUT_S)
+            endpoint = Endpoint(server.base_url, args.model, with_logprobs=not args.no_logprobs)
+            for rate in args.rate_list:
+                if args.wait_for_idle_s > 0:
+                    wait_for_idle(args.wait_for_idle_s)
+                args.request_rate = rate
+                summary, records = measure(f"{server.name} @ {rate:g}/s", endpoint, args, server.pids())
+                runs.append((summary, records))
+                ratio = attainment(records, slo).ratio or 0.0
+                table.setdefault(server.name, []).append((rate, ratio))
+        except LaunchError as exc:
+            logger.error("%s could not be benchmarked: %s", server.name, exc)
+            return 2
+        finally:
+            server.stop()
+    print(format_report([summary for summary, _ in runs]))
+    print()
+    print(format_slo_table(runs, slo))
+    print()
+    print(format_goodput_table(table, args.rate_list))
+    if args.out:
+        goodput = {name: {"attainment_by_rate": points, "goodput_rate_per_s": goodput_rate(points)}
+                   for name, points in table.items()}
+        write_json(args.out, command, workload_dict(args) | {"rates_per_s": args.rate_list}, runs,
+                   {"slo": {"ttft_ms": slo.ttft_ms, "ttft_ms_per_token": slo.ttft_ms_per_token, "tpot_ms": slo.tpot_ms},
+                    "goodput": goodput, "log_dir": log_dir})
+        logger.info("wrote %s", args.out)
+    if args.plot_dir:
+        from bench.serving.plots import plot_attainment  # matplotlib only when plots are asked for
+
+        logger.info("wrote %s", plot_attainment(table, slo, args.plot_dir))
+    return 0
+
+
+def format_goodput_table(table: dict[str, list[tuple[float, float]]], rates: Sequence[float]) -> str:
+    header = " | ".join(f"{rate:g}/s" for rate in rates)
+    lines = [f"| system | {header} | goodput rate (>= 90% met) |", "|---|" + "---:|" * (len(rates) + 1)]
+    for name, points in table.items():
+        by_rate = dict(points)
+        cells = " | ".join("-" if rate not in by_rate else f"{by_rate[rate]:.0%}" for rate in rates)
+        best = goodput_rate(points)
+        lines.append(f"| {name} | {cells} | {'none' if best is None else f'{best:g}/s'} |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bar
     args = parse_args(argv)
     command = shlex.join(["python3", "bench/serve.py", *(argv if argv is not None else sys.argv[1:])])
     started_s = time.monotonic()
-    status = run_compare(args, command) if args.command == "compare" else run_single(args, command)
+    runners = {"compare": run_compare, "sweep": run_sweep, "run": run_single}
+    status = runners[args.command](args, command)
     logger.info("done in %.0f s", time.monotonic() - started_s)
     return status
 

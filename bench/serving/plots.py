@@ -142,3 +142,23 @@ def plot_all(runs: Sequence[Run], out_dir: str, prefix: Optional[str] = None) ->
     plot_histograms(runs, paths[1])
     plot_itl_timeline(runs, paths[2])
     return paths
+
+
+def plot_attainment(table: dict[str, list[tuple[float, float]]], slo, out_dir: str) -> str:
+    """SLO attainment against the request rate, one line per system, the 90% target marked."""
+    os.makedirs(out_dir, exist_ok=True)
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for index, (name, points) in enumerate(table.items()):
+        rates, ratios = zip(*sorted(points))
+        axis.plot(rates, [r * 100 for r in ratios], _LINE_STYLES[index % len(_LINE_STYLES)], marker="o", label=name)
+    axis.axhline(90, color="grey", linewidth=0.8)
+    axis.set_xlabel("request rate (requests/s, Poisson)")
+    axis.set_ylabel("requests meeting the SLO (%)")
+    axis.set_title(f"SLO attainment: TTFT <= {slo.ttft_ms:g} ms + {slo.ttft_ms_per_token:g} ms/token, "
+                   f"TPOT <= {slo.tpot_ms:g} ms", fontsize=9)
+    axis.set_ylim(0, 105)
+    axis.legend(fontsize=8)
+    path = os.path.join(out_dir, "slo_attainment.png")
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return path

@@ -1,0 +1,53 @@
+"""SLO attainment and the goodput rate from request records (no servers)."""
+
+from __future__ import annotations
+
+from bench.serving.client import RequestRecord
+from bench.serving.goodput import DEFAULT_SLO, attainment, goodput_rate
+
+
+def record(prompt: int, ttft_s: float, gap_s: float, tokens: int = 5, ok: bool = True) -> RequestRecord:
+    chunks = [1.0 + ttft_s + i * gap_s for i in range(tokens)]
+    return RequestRecord(0, "c", prompt, tokens, sent_s=1.0, chunk_times_s=chunks, chunk_num_tokens=[1] * tokens,
+                         num_output_tokens=tokens, done_s=chunks[-1], error=None if ok else "HTTP 503")
+
+
+def test_attainment_judges_ttft_against_the_prompt_budget_then_tpot_and_counts_failures_as_misses():
+    records = [
+        record(1536, 4.0, 0.010),  # budget 4.07 s: met
+        record(128, 1.3, 0.010),  # budget 1.256 s: TTFT missed
+        record(128, 0.2, 0.030),  # TPOT missed
+        record(128, 0.2, 0.010, ok=False),
+    ]
+    result = attainment(records, DEFAULT_SLO)
+    assert (result.num_met, result.num_ttft_missed, result.num_tpot_missed, result.num_failed) == (1, 1, 1, 1)
+    assert result.ratio == 0.25
+
+
+def test_the_goodput_rate_is_the_highest_rate_whose_lower_rates_all_meet_the_target():
+    assert goodput_rate([(0.1, 1.0), (0.2, 0.95), (0.3, 0.85), (0.4, 0.92)]) == 0.2
+    assert goodput_rate([(0.4, 0.5), (0.1, 0.9)]) == 0.1
+    assert goodput_rate([(0.1, 0.5)]) is None
+
+
+def test_sweep_flags_parse_systems_and_rates_and_refuse_unknown_ones(capsys):
+    import pytest
+
+    from bench.serve import parse_args
+
+    args = parse_args(["sweep", "--rates", "0.3,0.1", "--systems", "colocated,pd-adaptive", "--quick"])
+    assert args.rate_list == [0.1, 0.3] and args.system_names == ["colocated", "pd-adaptive"]
+    for bad in (["sweep", "--systems", "pd,magic"], ["sweep", "--rates", "0.1,x"], ["sweep", "--rates", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_goodput_table_and_plot(tmp_path):
+    from bench.serve import format_goodput_table
+    from bench.serving.plots import plot_attainment
+
+    table = {"colocated": [(0.1, 0.95), (0.2, 0.7)], "P/D adaptive": [(0.1, 1.0), (0.2, 0.92)]}
+    text = format_goodput_table(table, [0.1, 0.2])
+    assert "| colocated | 95% | 70% | 0.1/s |" in text and "| P/D adaptive | 100% | 92% | 0.2/s |" in text
+    path = plot_attainment(table, DEFAULT_SLO, str(tmp_path))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
