@@ -20,6 +20,10 @@ class EngineStats:
         self._num_query_tokens = 0
         self._num_hit_tokens = 0
         self.num_computed_prompt_tokens = 0  # also read by tests and benchmarks
+        # The pool's shape is known from here on, before the loop's first turn.
+        self.metrics.load.update(LoadSnapshot(num_blocks_in_use_by_group=kv_manager.num_blocks_in_use_by_group(),
+                                              num_pool_blocks=kv_manager.num_usable_blocks,
+                                              block_size=kv_manager.block_size))
 
     def record_load(self, scheduler: Scheduler) -> None:
         """The queues and the pool as they stand, also between steps (a pin released, a pull in
