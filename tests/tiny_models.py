@@ -1,5 +1,6 @@
 """Tiny random-weight checkpoints made with transformers at test time (no hub access):
-Gemma 3 text with a sliding window shorter than the test prompts, and Qwen3."""
+Gemma 3 text with a sliding window shorter than the test prompts, Qwen3, gpt-oss (sinks, alternating
+windows shorter than the prompts, 6 experts top-2) and Qwen3-MoE (one dense layer)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ GEMMA_WINDOW = 16
 GEMMA_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention",
                      "sliding_attention", "full_attention", "sliding_attention"]
 QWEN_VOCAB = 300
+GPT_OSS_VOCAB = 320
+GPT_OSS_WINDOW = 16
+GPT_OSS_LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+QWEN_MOE_VOCAB = 300
+QWEN_MOE_DENSE_LAYERS = [1]
 
 
 def tiny_gemma3_config(**overrides):
@@ -40,6 +46,66 @@ def tiny_qwen3_config(**overrides):
     )
     settings.update(overrides)
     return transformers.Qwen3Config(**settings)
+
+
+def tiny_gpt_oss_config(**overrides):
+    import transformers
+
+    settings = dict(
+        vocab_size=GPT_OSS_VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.08,
+        sliding_window=GPT_OSS_WINDOW, layer_types=GPT_OSS_LAYER_TYPES, num_local_experts=6, num_experts_per_tok=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16},
+    )
+    settings.update(overrides)
+    return transformers.GptOssConfig(**settings)
+
+
+def tiny_qwen3_moe_config(**overrides):
+    import transformers
+
+    settings = dict(
+        vocab_size=QWEN_MOE_VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        initializer_range=0.08, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True,
+        mlp_only_layers=QWEN_MOE_DENSE_LAYERS, tie_word_embeddings=False,
+    )
+    settings.update(overrides)
+    return transformers.Qwen3MoeConfig(**settings)
+
+
+def randomize_gpt_oss_extras(model, seed: int = 0) -> None:
+    """transformers starts sinks near zero and expert biases at zero; make them matter."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.copy_(torch.randn(param.shape, generator=generator) + 0.5)
+            elif name.endswith("_bias") or name.endswith("router.bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+
+
+def make_tiny_gpt_oss(directory: str, seed: int = 0, **overrides):
+    """Returns the HF model (the oracle) after saving it to `directory`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(tiny_gpt_oss_config(**overrides)).eval()
+    randomize_norms(model, seed=seed)
+    randomize_gpt_oss_extras(model, seed)
+    save_tiny_checkpoint(model, directory)
+    return model
+
+
+def make_tiny_qwen3_moe(directory: str, seed: int = 0, **overrides):
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(tiny_qwen3_moe_config(**overrides)).eval()
+    randomize_norms(model, seed=seed)
+    save_tiny_checkpoint(model, directory)
+    return model
 
 
 def make_tiny_gemma3(directory: str, seed: int = 0):

@@ -17,8 +17,10 @@ import torch
 
 from pdserve.models.base import CausalLM
 from pdserve.models.gemma3 import Gemma3ForCausalLM, gemma3_args
+from pdserve.models.gpt_oss import GptOssForCausalLM, gpt_oss_args
 from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.llama import LlamaForCausalLM, llama_args, mistral_args, qwen2_args, qwen3_args
+from pdserve.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_args
 from pdserve.models.tensor_parallel import (
     AllGather, AllReduce, ShardedWeights, shard_for, shard_output_head, sharded_args, wrap_row_parallel)
 from pdserve.models.weight_loader import WeightLoader, WeightPolicy
@@ -41,6 +43,7 @@ class TensorParallelRank:
 class ModelEntry:
     parse_config: Callable[[Mapping[str, Any]], Any]  # HF config dict -> the model's args
     model_class: Callable[[Any, torch.dtype, torch.device], CausalLM]
+    tensor_parallel: bool = True  # whether `pdserve.models.tensor_parallel` knows how to shard it
 
 
 # HF model_type -> architecture class name, for configs without `architectures`.
@@ -50,6 +53,8 @@ MODEL_TYPES: Mapping[str, str] = MappingProxyType({
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 })
 
 
@@ -61,6 +66,9 @@ def model_registry() -> dict[str, ModelEntry]:
         "Qwen2ForCausalLM": ModelEntry(qwen2_args, LlamaForCausalLM),
         "Qwen3ForCausalLM": ModelEntry(qwen3_args, LlamaForCausalLM),
         "Gemma3ForCausalLM": ModelEntry(gemma3_args, Gemma3ForCausalLM),
+        # Experts are not split over ranks yet (issue 23, part 5).
+        "GptOssForCausalLM": ModelEntry(gpt_oss_args, GptOssForCausalLM, tensor_parallel=False),
+        "Qwen3MoeForCausalLM": ModelEntry(qwen3_moe_args, Qwen3MoeForCausalLM, tensor_parallel=False),
     }
 
 
@@ -87,6 +95,8 @@ def build_model(
         )
     args = entry.parse_config(config)
     model_kv_heads = args.num_kv_heads
+    if parallel is not None and parallel.size > 1 and not entry.tensor_parallel:
+        raise UnsupportedModelFeature(f"tensor parallelism is not supported for {architecture} yet")
     if parallel is not None and parallel.size > 1:
         shard = shard_for(args, parallel.rank, parallel.size)
         args, weights = sharded_args(args, shard), ShardedWeights(weights, shard)

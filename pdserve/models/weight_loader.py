@@ -88,6 +88,13 @@ class WeightLoader:
         weight = self._weight(names, self.policy.float_format)
         return self._finish_linear(layer, weight, label)
 
+    def linear_from_tensors(self, layer: Linear, parts: Sequence[torch.Tensor], label: str) -> torch.nn.Module:
+        """`layer` filled from float tensors the model file cut out of the checkpoint itself (one
+        expert of a fused expert tensor, dequantized MXFP4), quantized when the policy says so."""
+        float_format = self.policy.float_format
+        weight = list(parts) if float_format is None else concat_rows([_quantize(p, float_format) for p in parts])
+        return self._finish_linear(layer, weight, label)
+
     def output_head(self, layer: Linear, name: str) -> torch.nn.Module:
         format_for_floats = BlockFormat.Q8_0 if self.policy.float_format is not None else None
         return self._finish_linear(layer, self._weight([name], format_for_floats), name)

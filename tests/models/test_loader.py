@@ -27,9 +27,11 @@ def _tiny_llama():
 
 def test_registry_names_every_supported_architecture():
     assert set(model_registry()) == {
-        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
+        "GptOssForCausalLM", "Qwen3MoeForCausalLM",
     }
     assert architecture_of({"model_type": "gemma3_text"}) == "Gemma3ForCausalLM"
+    assert architecture_of({"model_type": "gpt_oss"}) == "GptOssForCausalLM"
 
 
 def test_unknown_architecture_fails_with_the_supported_list(tmp_path):

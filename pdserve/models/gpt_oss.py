@@ -1,0 +1,181 @@
+"""gpt-oss (`GptOssForCausalLM`): attention sinks, alternating sliding-window and full layers, MoE.
+
+Each layer: RMSNorm, attention with biased q/k/v/o projections, YaRN RoPE and one learned sink
+logit per query head (it joins the softmax denominator and weighs no value), over a sliding window
+or the full context as `layer_types` says; then RMSNorm and a top-k mixture of experts whose router
+is biased and whose experts apply a clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`).
+
+Expert weights load from the layout `transformers` saves (fused [experts, in, out] tensors with
+gate and up interleaved column by column, plus biases) or from the released checkpoints' MXFP4
+`*_blocks` / `*_scales` (dequantized at load, `quant/mxfp4.py`), whose rows are outputs:
+
+    gate_up_proj        [E, hidden, 2I]  column 2i: gate i, column 2i+1: up i
+    gate_up_proj_blocks [E, 2I, hidden/32, 16]  row 2i: gate i, row 2i+1: up i
+    down_proj           [E, I, hidden]   down_proj_blocks [E, hidden, I/32, 16]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from pdserve.kv.specs import AttentionSpec
+from pdserve.models.base import QKV, CausalLM, DecoderLayer, ModelSpec
+from pdserve.models.hf_config import ModelLoadError, flat_rope, head_dim_of, layer_specs_from_types, require
+from pdserve.models.layers import rms_norm_fp32_scale
+from pdserve.models.llama import LlamaAttention
+from pdserve.models.moe import Experts, ExpertWeights, SparseMoE, clamped_swiglu, top_k_then_softmax
+from pdserve.models.quant.mxfp4 import dequantize_mxfp4
+from pdserve.models.rope import RotaryTable
+from pdserve.models.weight_loader import WeightLoader
+from pdserve.models.weight_targets import Embedding, copy_rows, empty_linear, empty_param
+
+DEFAULT_SLIDING_PATTERN = 2  # sliding, full, sliding, full, ... when the config has no layer_types
+
+
+@dataclass(frozen=True, slots=True)
+class GptOssArgs:
+    """Field names shared with `LlamaArgs` where the attention is the same (`LlamaAttention` reads them)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # per expert
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    num_experts: int
+    experts_per_token: int
+    swiglu_alpha: float
+    swiglu_limit: float
+    rope: Mapping[str, Any]
+    layer_specs: tuple[AttentionSpec, ...]
+    qk_norm: bool = False
+
+
+def gpt_oss_args(config: Mapping[str, Any]) -> GptOssArgs:
+    num_layers = int(require(config, "num_hidden_layers"))
+    num_heads = int(require(config, "num_attention_heads"))
+    layer_types = config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % DEFAULT_SLIDING_PATTERN else "full_attention" for i in range(num_layers)
+    ]
+    bias = bool(config.get("attention_bias", True))
+    return GptOssArgs(
+        vocab_size=int(require(config, "vocab_size")),
+        hidden_size=int(require(config, "hidden_size")),
+        intermediate_size=int(require(config, "intermediate_size")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=head_dim_of(config),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=int(require(config, "max_position_embeddings")),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=bias,
+        o_bias=bias,
+        num_experts=int(config.get("num_local_experts") or require(config, "num_experts")),
+        experts_per_token=int(require(config, "num_experts_per_tok")),
+        swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(config.get("swiglu_limit", 7.0)),
+        rope=flat_rope(config),
+        layer_specs=layer_specs_from_types(layer_types, config.get("sliding_window")),
+    )
+
+
+def gpt_oss_expert_weights(weights: WeightLoader, prefix: str):
+    """Per-expert float weights of one layer's `{prefix}experts.` tensors, fused float or MXFP4."""
+    get, has = weights.get, weights.source.has
+    if has(prefix + "gate_up_proj_blocks"):
+        # MXFP4: rows are outputs already.
+        gate_up = dequantize_mxfp4(get(prefix + "gate_up_proj_blocks"), get(prefix + "gate_up_proj_scales"))
+        down = dequantize_mxfp4(get(prefix + "down_proj_blocks"), get(prefix + "down_proj_scales"))
+    elif has(prefix + "gate_up_proj"):
+        gate_up = get(prefix + "gate_up_proj").transpose(1, 2)  # [E, 2I, hidden]
+        down = get(prefix + "down_proj").transpose(1, 2)  # [E, hidden, I]
+    else:
+        raise ModelLoadError(f"checkpoint has neither {prefix}gate_up_proj nor its MXFP4 blocks")
+    gate_up_bias, down_bias = get(prefix + "gate_up_proj_bias"), get(prefix + "down_proj_bias")
+
+    def expert(e: int) -> ExpertWeights:
+        return ExpertWeights(gate=gate_up[e, 0::2], up=gate_up[e, 1::2], down=down[e],
+                             gate_bias=gate_up_bias[e, 0::2], up_bias=gate_up_bias[e, 1::2], down_bias=down_bias[e])
+
+    return expert
+
+
+class GptOssDecoderLayer(DecoderLayer):
+    def __init__(self, args: GptOssArgs, layer_id: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(layer_id, args.head_dim**-0.5)
+        self.eps = args.rms_norm_eps
+        self.norms = empty_param((2, args.hidden_size), torch.float32, device)  # input, post-attention
+        self.self_attn = LlamaAttention(args, dtype, device)  # type: ignore[arg-type]
+        self.attention_sinks = empty_param((args.num_heads,), torch.float32, device)
+        k = args.experts_per_token
+        experts = Experts(args.num_experts, args.hidden_size, args.intermediate_size,
+                          clamped_swiglu(args.swiglu_alpha, args.swiglu_limit), True, dtype)
+        self.mlp = SparseMoE(args.hidden_size, args.num_experts, lambda logits: top_k_then_softmax(logits, k),
+                             experts, True, dtype, device)
+
+    def attention_inputs(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> QKV:
+        cos, sin = rope
+        return self.self_attn.project(rms_norm_fp32_scale(h, self.norms[0], self.eps), cos, sin)
+
+    def attention_output(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn.o_proj(attended.reshape(attended.shape[0], -1))
+        return h + self.mlp(rms_norm_fp32_scale(h, self.norms[1], self.eps))
+
+    def load(self, weights: WeightLoader, prefix: str) -> None:
+        norms = [weights.get(prefix + name + ".weight").unsqueeze(0)
+                 for name in ("input_layernorm", "post_attention_layernorm")]
+        copy_rows(self.norms, norms, prefix + "norms")
+        self.self_attn.load(weights, prefix + "self_attn.")
+        copy_rows(self.attention_sinks, [weights.get(prefix + "self_attn.sinks")], prefix + "self_attn.sinks")
+        mlp = prefix + "mlp."
+        self.mlp.load_router(weights.get(mlp + "router.weight"), weights.get(mlp + "router.bias"), mlp)
+        self.mlp.experts.load(weights, gpt_oss_expert_weights(weights, mlp + "experts."), mlp)
+
+
+class GptOssForCausalLM(CausalLM):
+    def __init__(self, args: GptOssArgs, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.args = args
+        if len(args.layer_specs) != args.num_layers:
+            raise ModelLoadError(f"{len(args.layer_specs)} layer types for {args.num_layers} layers")
+        self.spec = ModelSpec(
+            architecture="gpt_oss", num_layers=args.num_layers, hidden_size=args.hidden_size,
+            num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+            vocab_size=args.vocab_size, max_position_embeddings=args.max_position_embeddings,
+            layer_specs=args.layer_specs,
+        )
+        self.embed_tokens: torch.nn.Module = Embedding(args.vocab_size, args.hidden_size, dtype)
+        self.layers = torch.nn.ModuleList(GptOssDecoderLayer(args, i, dtype, device) for i in range(args.num_layers))
+        self.norm = empty_param((args.hidden_size,), torch.float32, device)
+        self.lm_head: torch.nn.Module = empty_linear(args.hidden_size, args.vocab_size, False, dtype)
+        self.rotary = RotaryTable(args.rope, args.head_dim, args.max_position_embeddings, dtype, device)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return self.embed_tokens(input_ids), self.rotary.lookup(positions)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm_fp32_scale(h, self.norm, self.args.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: WeightLoader) -> None:
+        self.embed_tokens = weights.embedding(self.embed_tokens, "model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            layer.load(weights, f"model.layers.{i}.")
+        copy_rows(self.norm, [weights.get("model.norm.weight")], "norm")
+        if self.args.tie_word_embeddings:
+            self.lm_head = weights.tied_head(self.embed_tokens, self.lm_head)
+        else:
+            self.lm_head = weights.output_head(self.lm_head, "lm_head.weight")

@@ -1,0 +1,146 @@
+"""Mixture-of-experts feed-forward: a router picks top-k experts per token, the experts' outputs are
+summed with the router's weights.
+
+Tokens are grouped by expert before any matmul: the (token, expert) pairs of a step are sorted by
+expert, and each expert that has tokens runs once over all of them (two matmuls, gate|up and
+down), so a step costs one matmul pair per *active* expert, never one per token; an expert no
+token chose is never read. Invariant: every token's output is the sum over its k experts of
+weight * expert(token), added in ascending expert order (the order transformers adds them in).
+
+    top-k ids  [[3, 0], [0, 2], [3, 1]]          3 tokens, k = 2
+    sorted     expert 0: tokens 0, 1 | 1: token 2 | 2: token 1 | 3: tokens 0, 2
+    matmuls    4 pairs (one per active expert), each over that expert's rows only
+
+Expert weights are per-expert linear layers, so the float, int8 and int4 weight paths
+(`WeightLoader`) serve them unchanged; checkpoints that store experts fused ([experts, ...] tensors,
+MXFP4 blocks) are cut per expert at load by the model file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.models.weight_targets import copy_rows, empty_linear, empty_param
+
+if TYPE_CHECKING:
+    from pdserve.models.weight_loader import WeightLoader
+
+Routing = tuple[torch.Tensor, torch.Tensor]  # (weights [n, k] float, expert ids [n, k] int64)
+GatedActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> hidden
+
+
+def softmax_then_top_k(logits: torch.Tensor, k: int, renormalize: bool) -> Routing:
+    """Qwen3-MoE: probabilities over all experts in float32, the k largest, optionally renormalised
+    to sum to one (`norm_topk_prob`)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def top_k_then_softmax(logits: torch.Tensor, k: int) -> Routing:
+    """gpt-oss: the k largest logits, softmax over those k only."""
+    top, ids = torch.topk(logits, k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
+    """gpt-oss's SwiGLU: the gate clamped from above and the up projection on both sides at
+    `limit`, then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return activation
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """One expert's float weights in the checkpoint's orientation (rows = outputs)."""
+
+    gate: torch.Tensor  # [intermediate, hidden]
+    up: torch.Tensor  # [intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+    gate_bias: Optional[torch.Tensor] = None  # [intermediate]
+    up_bias: Optional[torch.Tensor] = None
+    down_bias: Optional[torch.Tensor] = None  # [hidden]
+
+
+class Experts(torch.nn.Module):
+    """`num_experts` gated MLPs, run over the tokens routed to each (see the module docstring)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: GatedActivation,
+                 bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        # Per expert: gate rows then up rows in one matmul, then down.
+        self.gate_up = torch.nn.ModuleList(
+            empty_linear(hidden_size, 2 * intermediate_size, bias, dtype) for _ in range(num_experts))
+        self.down = torch.nn.ModuleList(
+            empty_linear(intermediate_size, hidden_size, bias, dtype) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """x [n, hidden] and each token's (weights, expert ids) [n, k] -> [n, hidden]."""
+        weights, ids = routing
+        k = ids.shape[1]
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, tokens in order within
+        token_of_pair = order // k
+        pair_weights = weights.reshape(-1)[order].unsqueeze(1)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync a layer
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_of_pair[start : start + count]
+            gate, up = self.gate_up[expert](x[rows]).split(self.intermediate_size, dim=-1)
+            y = self.down[expert](self.activation(gate, up)) * pair_weights[start : start + count]
+            out.index_add_(0, rows, y.to(out.dtype))
+            start += count
+        return out
+
+    def load(self, weights: "WeightLoader", expert_weights: Callable[[int], ExpertWeights], prefix: str) -> None:
+        """Fill every expert from `expert_weights(e)` (float tensors), float or quantized as the
+        loader's policy says."""
+        for e in range(self.num_experts):
+            w = expert_weights(e)
+            label = f"{prefix}experts.{e}"
+            self.gate_up[e] = weights.linear_from_tensors(self.gate_up[e], [w.gate, w.up], label + ".gate_up")
+            self.down[e] = weights.linear_from_tensors(self.down[e], [w.down], label + ".down")
+            if self.gate_up[e].bias is not None:
+                copy_rows(self.gate_up[e].bias, [w.gate_bias, w.up_bias], label + ".gate_up bias")
+                copy_rows(self.down[e].bias, [w.down_bias], label + ".down bias")
+
+
+class SparseMoE(torch.nn.Module):
+    """Router (a linear layer over the hidden state, optionally biased) plus experts."""
+
+    def __init__(self, hidden_size: int, num_experts: int, route: Callable[[torch.Tensor], Routing],
+                 experts: Experts, router_bias: bool, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.route = route
+        self.router_weight = empty_param((num_experts, hidden_size), dtype, device)
+        self.router_bias = empty_param((num_experts,), dtype, device) if router_bias else None
+        self.experts = experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.route(F.linear(x, self.router_weight, self.router_bias)))
+
+    def load_router(self, weight: torch.Tensor, bias: Optional[torch.Tensor], label: str) -> None:
+        copy_rows(self.router_weight, [weight], label + " router")
+        if self.router_bias is not None:
+            copy_rows(self.router_bias, [bias], label + " router bias")

@@ -1,0 +1,99 @@
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`): Qwen3's attention, a softmax-routed mixture of experts in most layers.
+
+A layer is sparse unless `mlp_only_layers` lists it or it falls between `decoder_sparse_step`
+strides (layer i is sparse when (i + 1) % step == 0); dense layers keep Qwen3's gated MLP of
+`intermediate_size`. The router takes the softmax over all experts, keeps the top k and, with
+`norm_topk_prob`, renormalises them. Experts load from the hub's per-expert tensors
+(`experts.<e>.gate_proj.weight`, ...) or from the fused layout of `transformers` 5
+(`experts.gate_up_proj` [E, 2I, hidden], gate rows first, and `experts.down_proj` [E, hidden, I]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from pdserve.models.hf_config import require
+from pdserve.models.llama import LlamaArgs, LlamaDecoderLayer, LlamaForCausalLM, qwen3_args
+from pdserve.models.moe import Experts, ExpertWeights, SparseMoE, silu_and_mul, softmax_then_top_k
+from pdserve.models.weight_loader import WeightLoader
+from pdserve.models.weight_targets import copy_rows
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen3MoeArgs:
+    base: LlamaArgs  # attention, norms, dense MLP (intermediate_size), embeddings
+    num_experts: int
+    experts_per_token: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: frozenset[int]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.base.num_kv_heads
+
+
+def qwen3_moe_args(config: Mapping[str, Any]) -> Qwen3MoeArgs:
+    base = qwen3_args(config)
+    num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    dense = set(config.get("mlp_only_layers") or [])
+    step = int(config.get("decoder_sparse_step") or 1)
+    sparse = frozenset(i for i in range(base.num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+    return Qwen3MoeArgs(
+        base=base,
+        num_experts=num_experts,
+        experts_per_token=int(require(config, "num_experts_per_tok")),
+        moe_intermediate_size=int(require(config, "moe_intermediate_size")),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+    )
+
+
+def qwen3_moe_expert_weights(weights: WeightLoader, prefix: str):
+    """Per-expert float weights under `{prefix}` (`...mlp.experts.`), per-expert or fused layout."""
+    get = weights.get
+    if weights.source.has(prefix + "gate_up_proj"):
+        gate_up, down = get(prefix + "gate_up_proj"), get(prefix + "down_proj")
+        half = gate_up.shape[1] // 2
+        return lambda e: ExpertWeights(gate=gate_up[e, :half], up=gate_up[e, half:], down=down[e])
+    return lambda e: ExpertWeights(gate=get(f"{prefix}{e}.gate_proj.weight"), up=get(f"{prefix}{e}.up_proj.weight"),
+                                   down=get(f"{prefix}{e}.down_proj.weight"))
+
+
+class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
+    """Qwen3's layer with a sparse MoE in place of the dense MLP where the config says so."""
+
+    def __init__(self, args: Qwen3MoeArgs, layer_id: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(args.base, layer_id, dtype, device)
+        self.is_sparse = layer_id in args.sparse_layers
+        if self.is_sparse:
+            k, renormalize = args.experts_per_token, args.norm_topk_prob
+            experts = Experts(args.num_experts, args.base.hidden_size, args.moe_intermediate_size, silu_and_mul,
+                              False, dtype)
+            self.mlp = SparseMoE(args.base.hidden_size, args.num_experts,
+                                 lambda logits: softmax_then_top_k(logits, k, renormalize), experts, False, dtype,
+                                 device)
+
+    def load(self, weights: WeightLoader, prefix: str) -> None:
+        if not self.is_sparse:
+            super().load(weights, prefix)
+            return
+        copy_rows(self.input_norm, [weights.get(prefix + "input_layernorm.weight")], prefix + "input_layernorm")
+        post_name = prefix + "post_attention_layernorm"
+        copy_rows(self.post_attention_norm, [weights.get(post_name + ".weight")], post_name)
+        self.self_attn.load(weights, prefix + "self_attn.")
+        mlp = prefix + "mlp."
+        self.mlp.load_router(weights.get(mlp + "gate.weight"), None, mlp)
+        self.mlp.experts.load(weights, qwen3_moe_expert_weights(weights, mlp + "experts."), mlp)
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    def __init__(self, args: Qwen3MoeArgs, dtype: torch.dtype, device: torch.device):
+        super().__init__(args.base, dtype, device)
+        self.spec = dataclasses.replace(self.spec, architecture="qwen3_moe")
+        self.layers = torch.nn.ModuleList(Qwen3MoeDecoderLayer(args, i, dtype, device)
+                                          for i in range(args.base.num_layers))
