@@ -1,5 +1,5 @@
 """KV transfer benchmark: NIXL pull bandwidth, one descriptor per page vs per (layer, K|V) piece,
-against an in-process memcpy; plus bytes saved by sliding-window clipping (Gemma 3 1B).
+against an in-process memcpy; plus bytes saved by sliding-window clipping (Gemma 3 1B, gpt-oss-20b).
 
     python3 bench/kv_transfer.py [--out bench/results/kv_transfer.json] [--reps 5] [--device cpu|cuda|cuda:N]
                                  [--shape smollm2|llama3-8b] [--prompt-tokens 2048 8192 ...]
@@ -83,6 +83,10 @@ SEED = 1234
 GEMMA = dict(num_layers=26, full_every=6, window_tokens=512, num_kv_heads=1, head_dim=256, element_bytes=2,
              block_size=16)
 GEMMA_PROMPT_TOKENS = (4096, 16384)
+# gpt-oss-20b: 24 layers alternating a 128-token window with full attention, 8 KV heads x 64, bf16.
+GPT_OSS_20B = dict(num_layers=24, full_every=2, window_tokens=128, num_kv_heads=8, head_dim=64, element_bytes=2,
+                   block_size=16)
+CLIPPING_SHAPES = {"Gemma 3 1B": GEMMA, "gpt-oss-20b": GPT_OSS_20B}
 
 
 # ---- memory ----------------------------------------------------------------------------------
@@ -279,8 +283,12 @@ def pull_row(shape: PoolShape, num_tokens: int, num_blocks: int, num_bytes: int,
 
 
 def clipping_rows() -> list[dict]:
-    """Bytes a Gemma 3 1B pull moves with and without clipping sliding groups to the live window."""
-    g = GEMMA
+    """Bytes a pull moves with and without clipping sliding groups to the live window, for each
+    model of `CLIPPING_SHAPES` (all layers full is the unclipped row)."""
+    return [row for model, shape in CLIPPING_SHAPES.items() for row in _clipping_rows(model, shape)]
+
+
+def _clipping_rows(model: str, g: dict) -> list[dict]:
     specs = [FullAttentionSpec() if (i + 1) % g["full_every"] == 0 else SlidingWindowSpec(g["window_tokens"])
              for i in range(g["num_layers"])]
     plan = plan_groups(specs)
@@ -293,7 +301,7 @@ def clipping_rows() -> list[dict]:
                      for group in plan.groups]
         clipped, unclipped = sum(per_group), num_blocks * len(plan.groups)
         rows.append({
-            "prompt_tokens": num_tokens, "num_groups": len(plan.groups), "group_size": plan.group_size,
+            "model": model, "prompt_tokens": num_tokens, "num_groups": len(plan.groups), "group_size": plan.group_size,
             "page_bytes": page_bytes, "blocks_clipped": clipped, "blocks_unclipped": unclipped,
             "bytes_clipped": clipped * page_bytes, "bytes_unclipped": unclipped * page_bytes,
             "saved_fraction": 1 - clipped / unclipped,
@@ -313,11 +321,11 @@ def format_tables(shape: PoolShape, pulls: list[dict], clipping: list[dict]) -> 
                      f"{r['page_pull_gbps']:>9.2f} {r['page_descriptors']:>6} | {r['piece_pull_gbps']:>10.2f} "
                      f"{r['piece_descriptors']:>7} | {r['memcpy_gbps']:>11.2f} | {r['page_vs_memcpy']:>11.2f} "
                      f"{r['piece_vs_memcpy']:>12.2f}")
-    lines += ["", "Gemma 3 1B sliding-window clipping (bytes D pulls)",
-              f"{'tokens':>7} {'groups':>6} | {'blocks clipped':>14} {'MB clipped':>10} | "
+    lines += ["", "Sliding-window clipping (bytes D pulls; unclipped = every layer full)",
+              f"{'model':>12} {'tokens':>7} {'groups':>6} | {'blocks clipped':>14} {'MB clipped':>10} | "
               f"{'blocks unclipped':>16} {'MB unclipped':>12} | {'saved':>6}"]
     for r in clipping:
-        lines.append(f"{r['prompt_tokens']:>7} {r['num_groups']:>6} | {r['blocks_clipped']:>14} "
+        lines.append(f"{r['model']:>12} {r['prompt_tokens']:>7} {r['num_groups']:>6} | {r['blocks_clipped']:>14} "
                      f"{r['bytes_clipped'] / 1e6:>10.1f} | {r['blocks_unclipped']:>16} "
                      f"{r['bytes_unclipped'] / 1e6:>12.1f} | {r['saved_fraction']:>6.1%}")
     return "\n".join(lines)
