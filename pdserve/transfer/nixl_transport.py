@@ -530,6 +530,9 @@ class NixlTransport:
         if self._closed:
             return
         self._closed = True
+        # One progress call first: without it, destroying the agent after a read from a killed peer
+        # aborted the process now and then (UCX had not yet handled the lost endpoint).
+        self.poll_notifications()
         for handle_id, in_flight in list(self._in_flight.items()):
             try:
                 in_flight.xfer.release()

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pdserve.kv.layout import KVPoolLayout
+from pdserve.transfer.descriptor_runs import MIN_DESCRIPTORS_SAVED
 from pdserve.transfer.nixl_transport import NixlTransport
 from pdserve.transfer.token_units import unit_chunk_ids, unit_geometry
 from pdserve.transfer.transport import PeerInfo, TransferError, TransferState
@@ -370,7 +371,8 @@ def test_reads_between_block_sizes_put_every_token_of_every_row_in_place(
         assert transport.release(handle)
         direct, staged = expected_descriptors(remote_block_size, local_block_size, num_tokens, rows)
         if read_mode == "auto":
-            read_mode = "staged" if direct >= factor * staged and staged < direct else "direct"
+            pays = direct >= factor * staged and direct - staged >= MIN_DESCRIPTORS_SAVED
+            read_mode = "staged" if pays else "direct"
         assert handle.num_blocks == {"direct": direct, "staged": staged}[read_mode]
         assert handle.num_bytes == len(local_ids) * geometry.unit_bytes
         assert (transport.staging_bytes > 0) == (read_mode == "staged")

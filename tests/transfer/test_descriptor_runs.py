@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pdserve.transfer.descriptor_runs import (
-    choose_runs, chunk_descriptors, direct_runs, run_descriptors, staged_runs)
+    MIN_DESCRIPTORS_SAVED, choose_runs, chunk_descriptors, direct_runs, run_descriptors, staged_runs)
 from pdserve.transfer.planner import contiguous_runs
 from pdserve.transfer.token_units import UnitGrid, unit_chunk_ids
 
@@ -110,11 +110,11 @@ def test_descriptor_arrays_address_runs_of_chunks():
 
 
 def test_auto_stages_reads_whose_small_descriptors_staging_cuts_by_the_factor():
-    local = np.arange(8)[::-1].copy()  # reversed: nothing merges directly
-    remote = np.arange(8)  # one staged run
+    local = np.arange(64)[::-1].copy()  # reversed: nothing merges directly
+    remote = np.arange(64)  # one staged run
     direct, staged = choose_runs(local, remote, 4096, "auto", staged_factor=8, staged_max_descriptor_bytes=4096)
-    assert len(direct) == 8 and staged is not None and len(staged) == 1
-    assert choose_runs(local, remote, 4096, "auto", 9, 4096)[1] is None  # 8 direct for 1 staged: not 9x
+    assert len(direct) == 64 and staged is not None and len(staged) == 1
+    assert choose_runs(local, remote, 4096, "auto", 65, 4096)[1] is None  # 64 direct for 1 staged: not 65x
     assert choose_runs(local, remote, 4097, "auto", 8, 4096)[1] is None  # descriptors too large to pay
     assert choose_runs(local, remote, 64, "direct", 1, 1 << 20)[1] is None
     whole_pages = np.arange(4)
@@ -124,13 +124,22 @@ def test_auto_stages_reads_whose_small_descriptors_staging_cuts_by_the_factor():
         choose_runs(local, remote, 64, "fast", 8, 4096)
 
 
+def test_auto_leaves_reads_direct_when_staging_saves_few_descriptors():
+    """Staging's own fixed work outweighs fewer than MIN_DESCRIPTORS_SAVED descriptors."""
+    saved = MIN_DESCRIPTORS_SAVED
+    for n, staged in ((saved, False), (saved + 1, True)):
+        local, remote = np.arange(n)[::-1].copy(), np.arange(n)  # n direct descriptors, 1 staged
+        assert (choose_runs(local, remote, 4096, "auto", 2, 8192)[1] is not None) is staged, n
+        assert choose_runs(local, remote, 4096, "staged", 2, 8192)[1] is not None
+
+
 def test_the_size_limit_is_on_the_average_direct_descriptor():
-    """Runs of 2 chunks of 4 KiB average 8 KiB: within an 8 KiB limit, not within 4 KiB."""
-    local = np.array([10, 11, 20, 21, 30, 31, 40, 41])
-    remote = np.array([0, 1, 2, 3, 4, 5, 6, 7])
-    assert len(direct_runs(local, remote)) == 4
-    assert choose_runs(local, remote, 4096, "auto", 2, 8192)[1] is not None
-    assert choose_runs(local, remote, 4096, "auto", 2, 8191)[1] is None
+    """Runs of 2 chunks of 4 KiB average 8 KiB: within an 8 KiB limit, not within one byte less."""
+    pairs = np.arange(128)
+    local = pairs // 2 * 10 + pairs % 2  # 0 1, 10 11, 20 21, ...: runs of two
+    assert len(direct_runs(local, pairs)) == 64
+    assert choose_runs(local, pairs, 4096, "auto", 2, 8192)[1] is not None
+    assert choose_runs(local, pairs, 4096, "auto", 2, 8191)[1] is None
 
 
 def test_runs_cost_numpy_time_not_python_time_per_pair():
