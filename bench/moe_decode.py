@@ -1,0 +1,228 @@
+"""MoE decode on the CPU: a gpt-oss-shaped model against the dense model with the same active parameters.
+
+Three tables, one run:
+
+1. Engine decode tokens/s at batch 1 and 16 of a random-weight gpt-oss shape (default 24 layers,
+   32 experts top-4, hidden 512, 256 per expert, windows of 128 alternating with full layers, sinks)
+   and of a dense Llama-family model with the same attention and an MLP as wide as the 4 active
+   experts together (its layers run the fused native kernel, as they do when served).
+2. One MoE layer's forward at batch 1 and 16 as the number of experts grows at fixed top-k: time
+   follows the active experts' weights, not the total.
+3. The grouped MoE (one matmul per active expert per step, `pdserve.models.moe.Experts`) against
+   a loop over tokens (each token's k experts run apart), the layout it replaces.
+
+Weights are random (shapes are what matter) and made on the fly from a seed per tensor name, so no
+checkpoint is written. Prints a table and writes JSON (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import zlib
+from typing import Callable
+
+import torch
+
+from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from pdserve.api.sampling import SamplingParams
+from pdserve.engine.factory import build_engine
+from pdserve.metrics import Metrics
+from pdserve.models.loader import LoadedModel
+from pdserve.models.moe import Experts, clamped_swiglu
+from pdserve.models.registry import build_model
+from pdserve.models.tokenizer import Tokenizer
+from pdserve.models.weight_loader import WeightLoader, WeightPolicy
+from pdserve.request import GenerationRequest
+
+CPU = torch.device("cpu")
+
+
+class RandomWeights:
+    """A `WeightSource` whose every tensor is random, shaped by `shapes`, seeded by its name."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], std: float = 0.02):
+        self.shapes, self.std = shapes, std
+
+    def has(self, name: str) -> bool:
+        return name in self.shapes
+
+    def get(self, name: str) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        tensor = torch.randn(self.shapes[name], generator=generator) * self.std
+        return tensor + 1.0 if name.endswith("norm.weight") else tensor
+
+
+def _attention_shapes(prefix: str, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool) -> dict:
+    shapes = {prefix + "q_proj.weight": (heads * head_dim, hidden), prefix + "k_proj.weight": (kv_heads * head_dim, hidden),
+              prefix + "v_proj.weight": (kv_heads * head_dim, hidden), prefix + "o_proj.weight": (hidden, heads * head_dim)}
+    if bias:
+        shapes.update({prefix + "q_proj.bias": (heads * head_dim,), prefix + "k_proj.bias": (kv_heads * head_dim,),
+                       prefix + "v_proj.bias": (kv_heads * head_dim,), prefix + "o_proj.bias": (hidden,)})
+    return shapes
+
+
+def gpt_oss_model(layers: int, experts: int, top_k: int, hidden: int, expert_width: int, vocab: int):
+    heads, kv_heads, head_dim = hidden // 64, max(1, hidden // 256), 64
+    config = {"architectures": ["GptOssForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
+              "intermediate_size": expert_width, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": head_dim, "max_position_embeddings": 4096,
+              "sliding_window": 128, "num_local_experts": experts, "num_experts_per_tok": top_k,
+              "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                  "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}}
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update(_attention_shapes(p + "self_attn.", hidden, heads, kv_heads, head_dim, True))
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "self_attn.sinks": (heads,), p + "mlp.router.weight": (experts, hidden),
+                       p + "mlp.router.bias": (experts,),
+                       p + "mlp.experts.gate_up_proj": (experts, hidden, 2 * expert_width),
+                       p + "mlp.experts.gate_up_proj_bias": (experts, 2 * expert_width),
+                       p + "mlp.experts.down_proj": (experts, expert_width, hidden),
+                       p + "mlp.experts.down_proj_bias": (experts, hidden)})
+    return config, RandomWeights(shapes)
+
+
+def dense_model(layers: int, hidden: int, intermediate: int, vocab: int):
+    heads, kv_heads, head_dim = hidden // 64, max(1, hidden // 256), 64
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
+              "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": head_dim, "max_position_embeddings": 4096,
+              "attention_bias": True}
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update(_attention_shapes(p + "self_attn.", hidden, heads, kv_heads, head_dim, True))
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "mlp.gate_proj.weight": (intermediate, hidden), p + "mlp.up_proj.weight": (intermediate, hidden),
+                       p + "mlp.down_proj.weight": (hidden, intermediate)})
+    return config, RandomWeights(shapes)
+
+
+def word_tokenizer(vocab_size: int) -> Tokenizer:
+    """Prompts here are token ids; the engine only needs a tokenizer whose ids cover the vocabulary."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    vocab = {"<eos>": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    return Tokenizer(Backend(models.WordLevel(vocab=vocab, unk_token="<eos>")), bos_token=None, eos_token="<eos>",
+                     eos_token_ids=(0,), chat_template=None)
+
+
+def decode_tokens_per_s(config: dict, weights: RandomWeights, batch: int, prompt_tokens: int, new_tokens: int) -> float:
+    model = build_model(config, weights, torch.float32, CPU)
+    loaded = LoadedModel(model=model, tokenizer=word_tokenizer(config["vocab_size"]), name="bench")
+    worker = WorkerConfig(model=ModelConfig(device="cpu", dtype="float32"),
+                          cache=CacheConfig(block_size=16, num_blocks=64 + batch * 8, enable_prefix_caching=False),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_running=batch))
+    built = build_engine(worker, Metrics(), loaded)
+    loop = built.engine.engine_loop
+
+    def run(max_tokens: int, tag: str) -> float:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for b in range(batch):
+            prompt = tuple(torch.randint(3, config["vocab_size"], (prompt_tokens,),
+                                         generator=torch.Generator().manual_seed(b)).tolist())
+            loop.submit(GenerationRequest(f"{tag}-{b}", prompt, sampling), lambda output: None)
+        started = time.perf_counter()
+        loop.run_until_idle()
+        return time.perf_counter() - started
+
+    run(2, "warm")
+    prefill_s = run(1, "prefill")
+    total_s = run(new_tokens + 1, "decode")
+    return batch * new_tokens / max(total_s - prefill_s, 1e-9)
+
+
+def _time(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - started) / repeats
+
+
+def random_experts(num_experts: int, hidden: int, width: int) -> Experts:
+    experts = Experts(num_experts, hidden, width, clamped_swiglu(1.702, 7.0), True, torch.float32)
+    loader = WeightLoader(RandomWeights({}), WeightPolicy(), CPU)
+    generator = torch.Generator().manual_seed(num_experts)
+    for e in range(num_experts):
+        experts.gate_up[e] = loader.linear_from_tensors(experts.gate_up[e], [torch.randn(2 * width, hidden, generator=generator)], "gu")
+        experts.down[e] = loader.linear_from_tensors(experts.down[e], [torch.randn(hidden, width, generator=generator)], "d")
+        experts.gate_up[e].bias.zero_()
+        experts.down[e].bias.zero_()
+    return experts
+
+
+def per_token_loop(experts: Experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The layout the grouped MoE replaces: every token runs its k experts on its own."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = experts.gate_up[e](x[t : t + 1]).split(experts.intermediate_size, dim=-1)
+            out[t] += (experts.down[e](experts.activation(gate, up)) * weights[t, j])[0]
+    return out
+
+
+def moe_layer_rows(hidden: int, width: int, top_k: int, expert_counts: list[int], repeats: int) -> list[dict]:
+    rows = []
+    for num_experts in expert_counts:
+        experts = random_experts(num_experts, hidden, width)
+        for batch in (1, 16):
+            generator = torch.Generator().manual_seed(batch)
+            x = torch.randn(batch, hidden, generator=generator)
+            logits = torch.randn(batch, num_experts, generator=generator)
+            top, ids = torch.topk(logits, top_k, dim=-1)
+            routing = (torch.softmax(top, -1), ids)
+            with torch.inference_mode():
+                grouped_s = _time(lambda: experts(x, routing), repeats)
+                loop_s = _time(lambda: per_token_loop(experts, x, *routing), repeats)
+            rows.append({"experts": num_experts, "top_k": top_k, "batch": batch,
+                         "active_experts": int(ids.unique().numel()),
+                         "total_params_m": round(num_experts * 3 * hidden * width / 1e6, 1),
+                         "grouped_ms": round(grouped_s * 1e3, 3), "per_token_ms": round(loop_s * 1e3, 3)})
+        del experts
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--expert-width", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", default="bench/results/moe_decode.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    engine_rows = []
+    models = {
+        f"gpt-oss shape ({args.experts} experts top-{args.top_k})":
+            gpt_oss_model(args.layers, args.experts, args.top_k, args.hidden, args.expert_width, args.vocab),
+        f"dense, same active params (MLP {args.top_k * args.expert_width})":
+            dense_model(args.layers, args.hidden, args.top_k * args.expert_width, args.vocab),
+    }
+    for name, (config, weights) in models.items():
+        for batch in (1, 16):
+            tps = decode_tokens_per_s(config, weights, batch, args.prompt_tokens, args.new_tokens)
+            engine_rows.append({"model": name, "batch": batch, "decode_tokens_per_s": round(tps, 1)})
+            print(f"{name:50s} batch {batch:2d}: {tps:8.1f} decode tokens/s", flush=True)
+    layer_rows = moe_layer_rows(args.hidden, args.expert_width, args.top_k, [8, 32, 128], repeats=20)
+    print(f"\n{'experts':>7} {'batch':>5} {'active':>6} {'total Mparams':>13} {'grouped ms':>10} {'per-token ms':>12}")
+    for row in layer_rows:
+        print(f"{row['experts']:7d} {row['batch']:5d} {row['active_experts']:6d} {row['total_params_m']:13.1f} "
+              f"{row['grouped_ms']:10.3f} {row['per_token_ms']:12.3f}")
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "engine": engine_rows, "moe_layer": layer_rows}, f, indent=2)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
