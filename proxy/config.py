@@ -71,7 +71,7 @@ class RoutingConfig(_Frozen):
 class SloConfig(_Frozen):
     """The latency objective requests are judged by (and adaptive disaggregation aims at)."""
 
-    ttft_ms: float = Field(1000.0, gt=0)
+    ttft_ms: float = Field(1000.0, ge=0)
     ttft_ms_per_token: float = Field(2.0, ge=0)  # added per prompt token: long prompts may take longer
     tpot_ms: float = Field(20.0, gt=0)
 
