@@ -1,7 +1,8 @@
 """Renders the kustomizations under deploy/kubernetes/ without kubectl.
 
 It implements only what pdserve's kustomizations use — `resources` (files and
-directories), `patches` given by `path` (strategic merge) and `images` — and
+directories), `patches` given by `path` (strategic merge, or `$patch: delete` of a
+whole object) and `images` — and
 refuses anything else, so it never renders silently differently from
 `kubectl kustomize`; deploy/validate.sh compares the two when kubectl is there.
 """
@@ -45,8 +46,11 @@ def render(directory: Path) -> list[dict]:
         if set(patch_entry) != {"path"}:
             raise RenderError(f"{directory}: only `patches: - path: FILE` is supported, got {patch_entry}")
         for patch in _load_documents(directory / patch_entry["path"]):
-            target = _find_target(objects, patch)
-            objects[objects.index(target)] = merge_patch(target, patch)
+            target = _find_target(objects, {key: value for key, value in patch.items() if key != "$patch"})
+            if patch.get("$patch") == "delete":
+                objects.remove(target)
+            else:
+                objects[objects.index(target)] = merge_patch(target, patch)
     for image in kustomization.get("images", []):
         _set_image(objects, image)
     return objects

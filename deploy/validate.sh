@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Validates everything under deploy/: renders the kustomize overlays and checks
 # them against the Kubernetes schemas, checks the Prometheus Operator objects,
+# the llm-d/GIE and LeaderWorkerSet overlays (their CRD kinds against the schemas
+# vendored in deploy/kubernetes/schemas/, the rest against Kubernetes'),
 # the alert rules (promtool check + unit tests), the scrape config, every query
 # of the Grafana dashboard, and lints the YAML and the Dockerfiles.
 # Installs what it lacks: PyPI packages into $PYTHON, promtool from Debian.
@@ -87,6 +89,13 @@ validate_core() {  # validate_core FILE: strict schemas of every listed version,
   done
 }
 
+validate_with_crds() {  # validate_with_crds FILE KIND...: CRD kinds here, the rest (pod templates too) by kubernetes-validate
+  local file=$1; shift
+  local core="$file.core.yaml" require=()
+  for kind in "$@"; do require+=(--require-kind "$kind"); done
+  "$PYTHON" deploy/validate_crds.py --core-out "$core" "${require[@]}" "$file" && validate_core "$core"
+}
+
 dashboard_queries_parse() {
   "$PYTHON" deploy/dashboard_exprs.py "$WORK/dashboard_rules.yml" && promtool check rules "$WORK/dashboard_rules.yml"
 }
@@ -111,6 +120,12 @@ done
 check "schemas secret.example.yaml" validate_core deploy/kubernetes/secret.example.yaml
 check "render monitoring" render deploy/kubernetes/monitoring "$WORK/monitoring.yaml"
 check "schemas monitoring (PodMonitor, PrometheusRule)" "$PYTHON" deploy/validate_crds.py "$WORK/monitoring.yaml"
+check "render llm-d" render deploy/llm-d "$WORK/llm-d.yaml"
+check "schemas llm-d (InferencePool, EndpointPickerConfig; core kinds $K8S_VERSIONS)" \
+  validate_with_crds "$WORK/llm-d.yaml" InferencePool EndpointPickerConfig
+check "render lws" render deploy/lws "$WORK/lws.yaml"
+check "schemas lws (LeaderWorkerSet, its pod templates; core kinds $K8S_VERSIONS)" \
+  validate_with_crds "$WORK/lws.yaml" LeaderWorkerSet
 check "PrometheusRule matches alerts.yml" "$PYTHON" deploy/sync_prometheusrule.py --check
 check "promtool check rules alerts.yml" promtool check rules deploy/prometheus/alerts.yml
 check "promtool test rules alerts_test.yml" promtool test rules deploy/prometheus/alerts_test.yml
