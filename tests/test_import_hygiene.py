@@ -33,6 +33,8 @@ TORCH_AND_NIXL_FREE_MODULES = [
     "pdserve.pd.peer_trust",
     # the transport contract, planner and fake
     "pdserve.transfer", "pdserve.transfer.transport", "pdserve.transfer.planner", "pdserve.transfer.fake_transport",
+    "pdserve.transfer.token_units", "pdserve.transfer.descriptor_runs", "pdserve.transfer.staging",
+    "pdserve.transfer.ranked_transport", "pdserve.kv.head_split", "pdserve.engine.step_budget",
     # the HTTP layer
     "pdserve.server.app", "pdserve.server.kv_events", "pdserve.server.kv_events_routes",
 ]

@@ -1,7 +1,8 @@
 """The KV transport contract: how a decode worker pulls block pages from a peer's pool.
 
-Invariant: a transport moves whole pages (one block id = one page of `page_bytes`)
-and never reports DONE before every byte of a read has landed locally.
+Invariant: a transport moves whole pages (one block id = one page of `page_bytes`),
+or chunks of them when a peer was connected with a chunk size, and never reports
+DONE before every byte of a read has landed in the local pool.
 Torch-free and nixl-free: the engine, the fake and the NIXL agent all meet here.
 """
 
@@ -185,9 +186,11 @@ class KVTransport(Protocol):
     def start_read(self, peer_key: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
                    notification: bytes) -> TransferHandle:
         """Start copying remote page (or chunk, see `begin_connect`) remote_block_ids[i]
-        into local page (chunk) local_block_ids[i] for every i: one descriptor each. A non-empty `notification` is delivered
-        to the peer's `poll_notifications` only after the whole read has landed
-        (empty: none is sent); with no blocks, it is sent at once and the handle
+        into local page (chunk) local_block_ids[i] for every i (runs adjacent on both sides may move
+        as one descriptor; a read of many small chunks may move through a local staging buffer).
+        A non-empty `notification` is delivered to the peer's `poll_notifications` only after every
+        byte of the read has left the peer's pages (with staging: once in the staging buffer, before
+        the local scatter; the handle is DONE only after it) (empty: none is sent); with no blocks, it is sent at once and the handle
         is already DONE. A read that cannot start or whose peer fails reports
         FAILED (possibly already on return), it does not raise. Raises
         TransferError only for an unknown peer key, and ValueError for
