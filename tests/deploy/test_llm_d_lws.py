@@ -275,3 +275,20 @@ def test_lws_ranks_outlive_the_leaders_drain(role):
     assert pause_s + drain_s + 5 <= leader_pod["terminationGracePeriodSeconds"]
     assert worker_pause_s >= pause_s + drain_s
     assert worker_pause_s < worker_pod["terminationGracePeriodSeconds"]
+
+# ---- the dashboard ------------------------------------------------------------------------------
+
+def test_dashboard_shows_the_gie_gauges_and_only_names_workers_export():
+    queries = " ".join(expr for _, expr in dashboard_exprs.dashboard_queries(_dashboard()))
+    used = set(re.findall(r"\bvllm:[a-z_]+", queries))
+    assert used and used <= set(PROTOCOL_NAMES)
+    assert {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"} <= used
+
+
+def test_operations_guide_explains_running_under_llm_d():
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    section = guide.split("## Running under llm-d / GIE", 1)[1].split("\n## ", 1)[0]
+    for must in ("prefix-cache-scorer", "disagg-profile-handler", "prefix-based-pd-decider", "queue-scorer",
+                 "kv-cache-utilization-scorer", *PROTOCOL_NAMES, "x-prefiller-host-port", "pdserve proxy",
+                 "003-model-server-protocol", "llm-d.ai/role", "LeaderWorkerSet"):
+        assert must in section, must
