@@ -48,6 +48,7 @@ class ClientRequest:
     min_tokens: Optional[int] = None
     needs_local_prompt: bool = False  # the decode worker must compute the prompt itself (see below)
     kv_route: Optional["KVRoute"] = None  # set by kv_aware routing (proxy/routing/kv_routing.py)
+    prefill_url: Optional[str] = None  # a known prefill backend the client named (x-prefiller-host-port)
 
     def prefix_key(self, num_chars: int) -> bytes:
         return self.prompt_text[:num_chars].encode("utf-8", "surrogatepass")

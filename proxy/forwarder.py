@@ -28,7 +28,7 @@ from typing import Any, Collection, Optional
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from pdserve.api.errors import PdserveError
+from pdserve.api.errors import InvalidRequest, PdserveError
 from pdserve.api.http_bounds import read_body
 
 from proxy.backends import Backend, BackendPool, Outcome, Role
@@ -46,6 +46,7 @@ from proxy.routing.policies import RoutingPolicy, build_policy
 
 logger = logging.getLogger(__name__)
 
+PREFILLER_HEADER = "x-prefiller-host-port"  # llm-d's routing sidecar names the prefill worker so
 DISAGGREGATED = "disaggregated"
 DECODE_ONLY = "decode_only"
 # A decode leg that failed these ways reached its worker, which may still be reading the KV.
@@ -90,7 +91,7 @@ class Forwarder:
         self._metrics = metrics
         self._kv = kv  # set when a role's policy is kv_aware
         self._slo = SloTracker(Slo(config.slo.ttft_ms, config.slo.ttft_ms_per_token, config.slo.tpot_ms),
-                               metrics.registry)
+                               metrics.slo_requests, metrics.slo_attainment)
         # Seconds per prompt token of each role's prefill, from legs that had their worker to themselves.
         self._speeds = {Role.PREFILL: PrefillSpeed(), Role.DECODE: PrefillSpeed()}
 
@@ -102,6 +103,7 @@ class Forwarder:
             request_id = choose_request_id(raw.headers.get(REQUEST_ID_HEADER))
             request = parse_client_request(path, await self._read_body(raw), request_id,
                                            self._config.routing.chars_per_token, self._config.limits)
+            request.prefill_url = self._named_prefill(raw.headers.get(PREFILLER_HEADER))
             if self._kv is not None:
                 await self._kv.prepare(request)
             timing.mode = self._mode(request)
@@ -123,6 +125,18 @@ class Forwarder:
             return self._counted(timing.mode, error_response(ProxyError("internal proxy error"), request_id,
                                                              self._config.retry_after_s))
         return self._counted(timing.mode, self._respond(request, leg, timing))
+
+    def _named_prefill(self, host_port: Optional[str]) -> Optional[str]:
+        """The prefill backend an llm-d style `x-prefiller-host-port` header names, when it is one this
+        proxy knows; anything else is a 400: the proxy never connects to an address a client chose."""
+        if host_port is None:
+            return None
+        wanted = host_port.strip().lower()
+        for backend in self._prefill_pool.backends():
+            if backend.url.split("://", 1)[-1].lower() == wanted:
+                return backend.url
+        raise RejectedRequest(InvalidRequest(f"{PREFILLER_HEADER} names no prefill worker of this proxy",
+                                             param=PREFILLER_HEADER))
 
     async def _read_body(self, raw: Request) -> bytes:
         try:
@@ -307,8 +321,13 @@ class Forwarder:
 
     def _pick_prefill(self, request: ClientRequest, tried: set[str], avoid_urls: Collection[str],
                       last: Optional[LegFailed]) -> Optional[Backend]:
-        """An untried worker, preferably not one to avoid; a tried one again only after its
-        connection failed (a dropped keep-alive connection), never after it answered or timed out."""
+        """The worker the client named, while it is available and untried; else an untried worker,
+        preferably not one to avoid; a tried one again only after its connection failed (a dropped
+        keep-alive connection), never after it answered or timed out."""
+        if request.prefill_url is not None and request.prefill_url not in tried.union(avoid_urls):
+            named = self._prefill_pool.get(request.prefill_url)
+            if named is not None and named.is_available():
+                return named
         backend = self._pick(Role.PREFILL, request, tried.union(avoid_urls))
         if backend is None:
             backend = self._pick(Role.PREFILL, request, tried)

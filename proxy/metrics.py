@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -52,6 +52,14 @@ class ProxyMetrics:
             "pdserve_proxy_disaggregation_decisions_total",
             "Where requests' prompts were computed (prefill: a prefill worker, P/D; decode: the decode worker "
             "itself), by the reason the adaptive policy gave", ["where", "reason"], registry=registry)
+        self.slo_requests = Counter(
+            "pdserve_proxy_slo_requests_total",
+            "Streamed requests judged against the SLO, by result (met, ttft_missed, tpot_missed)",
+            ["result"], registry=registry)
+        self.slo_attainment = Gauge(
+            "pdserve_proxy_slo_attainment_ratio",
+            "Share of the last judged streamed requests that met the SLO (1 before any)", registry=registry)
+        self.slo_attainment.set(1.0)
         self.colocated_fallbacks = Counter(
             "pdserve_proxy_colocated_fallbacks_total",
             "Requests a decode worker computed alone because no prefill worker could take them, by reason "

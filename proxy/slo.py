@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import Counter, Gauge
 
 from proxy.routing.disaggregation import Slo
 
@@ -29,16 +29,13 @@ def judge(slo: Slo, num_prompt_tokens: int, ttft_s: float, tpot_s: Optional[floa
 
 
 class SloTracker:
-    def __init__(self, slo: Slo, registry: CollectorRegistry, window: int = 200):
+    """Judges requests and keeps the two metrics (`ProxyMetrics.slo_requests`, `.slo_attainment`)."""
+
+    def __init__(self, slo: Slo, requests: Counter, attainment: Gauge, window: int = 200):
         self.slo = slo
         self._recent: deque[bool] = deque(maxlen=window)
-        self._requests = Counter("pdserve_proxy_slo_requests_total",
-                                 "Streamed requests judged against the SLO, by result (met, ttft_missed, tpot_missed)",
-                                 ["result"], registry=registry)
-        self._attainment = Gauge("pdserve_proxy_slo_attainment_ratio",
-                                 f"Share of the last {window} judged requests that met the SLO (1 before any)",
-                                 registry=registry)
-        self._attainment.set(1.0)
+        self._requests = requests
+        self._attainment = attainment
 
     def observe(self, num_prompt_tokens: int, ttft_s: float, tpot_s: Optional[float]) -> str:
         result = judge(self.slo, num_prompt_tokens, ttft_s, tpot_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
+from proxy.metrics import ProxyMetrics
 from proxy.relay import StreamTiming
 from proxy.routing.disaggregation import Slo
 from proxy.slo import MET, TPOT_MISSED, TTFT_MISSED, SloTracker, judge
@@ -22,7 +23,8 @@ def test_the_ttft_budget_grows_with_the_prompt_and_ttft_is_judged_first():
 
 def test_attainment_is_over_the_last_window_of_judged_requests():
     registry = CollectorRegistry()
-    tracker = SloTracker(SLO, registry, window=4)
+    metrics = ProxyMetrics(registry)
+    tracker = SloTracker(SLO, metrics.slo_requests, metrics.slo_attainment, window=4)
     assert tracker.attainment == 1.0
     for ttft_s in (0.1, 0.1, 5.0, 0.1, 0.1, 0.1):
         tracker.observe(10, ttft_s, 0.01)
