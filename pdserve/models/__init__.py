@@ -7,7 +7,7 @@ from a path) with `weights`, `weight_loader` and `quant/` (float or
 block-quantized layers), `hf_config`, the GGUF reader (`gguf_reader`,
 `gguf_file`, `gguf_tokenizer`), and `tokenizer` (text <-> ids, streaming
 detokenization; its chat template renders through `pdserve.api.chat_template`),
-and `tensor_parallel` (one rank's shard of a model).
+and `tensor_parallel` (one rank's shard of a model; `moe_sharding` for experts).
 
 May import: api, kv (layer specs), kernels. Never imports engine, server or app.
 """

@@ -12,12 +12,16 @@ gate and up interleaved column by column, plus biases) or from the released chec
     gate_up_proj        [E, hidden, 2I]  column 2i: gate i, column 2i+1: up i
     gate_up_proj_blocks [E, 2I, hidden/32, 16]  row 2i: gate i, row 2i+1: up i
     down_proj           [E, I, hidden]   down_proj_blocks [E, hidden, I/32, 16]
+
+Under tensor parallelism (`gpt_oss_sharded_args`) each rank keeps its query heads' sinks and a
+slice of every expert, cut from these float (dequantized) weights by `moe_sharding`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -27,8 +31,10 @@ from pdserve.models.hf_config import ModelLoadError, flat_rope, head_dim_of, lay
 from pdserve.models.layers import rms_norm_fp32_scale
 from pdserve.models.llama import LlamaAttention
 from pdserve.models.moe import Experts, ExpertWeights, SparseMoE, clamped_swiglu, top_k_then_softmax
+from pdserve.models.moe_sharding import ExpertShard, sharded_experts
 from pdserve.models.quant.mxfp4 import dequantize_mxfp4
 from pdserve.models.rope import RotaryTable
+from pdserve.models.tensor_parallel import TensorParallelShard, sharded_args
 from pdserve.models.weight_loader import WeightLoader
 from pdserve.models.weight_targets import Embedding, copy_rows, empty_linear, empty_param
 
@@ -58,6 +64,7 @@ class GptOssArgs:
     rope: Mapping[str, Any]
     layer_specs: tuple[AttentionSpec, ...]
     qk_norm: bool = False
+    expert_shard: Optional[ExpertShard] = None  # this rank's slice of every expert; None: whole experts
 
 
 def gpt_oss_args(config: Mapping[str, Any]) -> GptOssArgs:
@@ -89,6 +96,12 @@ def gpt_oss_args(config: Mapping[str, Any]) -> GptOssArgs:
     )
 
 
+def gpt_oss_sharded_args(args: GptOssArgs, shard: TensorParallelShard) -> GptOssArgs:
+    """A rank's args: its heads (and their sinks), and `intermediate_size / size` units of every
+    expert (`shard_for` has checked that the per-expert width divides)."""
+    return dataclasses.replace(sharded_args(args, shard), expert_shard=ExpertShard(shard.rank, shard.size))
+
+
 def gpt_oss_expert_weights(weights: WeightLoader, prefix: str):
     """Per-expert float weights of one layer's `{prefix}experts.` tensors, fused float or MXFP4."""
     get, has = weights.get, weights.source.has
@@ -117,6 +130,7 @@ class GptOssDecoderLayer(DecoderLayer):
         self.norms = empty_param((2, args.hidden_size), torch.float32, device)  # input, post-attention
         self.self_attn = LlamaAttention(args, dtype, device)  # type: ignore[arg-type]
         self.attention_sinks = empty_param((args.num_heads,), torch.float32, device)
+        self.expert_shard = args.expert_shard
         k = args.experts_per_token
         experts = Experts(args.num_experts, args.hidden_size, args.intermediate_size,
                           clamped_swiglu(args.swiglu_alpha, args.swiglu_limit), True, dtype)
@@ -139,7 +153,8 @@ class GptOssDecoderLayer(DecoderLayer):
         copy_rows(self.attention_sinks, [weights.get(prefix + "self_attn.sinks")], prefix + "self_attn.sinks")
         mlp = prefix + "mlp."
         self.mlp.load_router(weights.get(mlp + "router.weight"), weights.get(mlp + "router.bias"), mlp)
-        self.mlp.experts.load(weights, gpt_oss_expert_weights(weights, mlp + "experts."), mlp)
+        experts = sharded_experts(gpt_oss_expert_weights(weights, mlp + "experts."), self.expert_shard)
+        self.mlp.experts.load(weights, experts, mlp)
 
 
 class GptOssForCausalLM(CausalLM):

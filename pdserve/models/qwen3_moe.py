@@ -6,19 +6,23 @@ strides (layer i is sparse when (i + 1) % step == 0); dense layers keep Qwen3's 
 `norm_topk_prob`, renormalises them. Experts load from the hub's per-expert tensors
 (`experts.<e>.gate_proj.weight`, ...) or from the fused layout of `transformers` 5
 (`experts.gate_up_proj` [E, 2I, hidden], gate rows first, and `experts.down_proj` [E, hidden, I]).
+Under tensor parallelism (`qwen3_moe_sharded_args`) dense layers split as Qwen3's do and each rank
+keeps a slice of every expert (`moe_sharding`), whichever layout the experts came in.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
-from pdserve.models.hf_config import require
+from pdserve.models.hf_config import ModelLoadError, require
 from pdserve.models.llama import LlamaArgs, LlamaDecoderLayer, LlamaForCausalLM, qwen3_args
 from pdserve.models.moe import Experts, ExpertWeights, SparseMoE, silu_and_mul, softmax_then_top_k
+from pdserve.models.moe_sharding import ExpertShard, expert_split_problem, sharded_experts
+from pdserve.models.tensor_parallel import TensorParallelShard, sharded_args
 from pdserve.models.weight_loader import WeightLoader
 from pdserve.models.weight_targets import copy_rows
 
@@ -31,10 +35,24 @@ class Qwen3MoeArgs:
     moe_intermediate_size: int
     norm_topk_prob: bool
     sparse_layers: frozenset[int]
+    expert_shard: Optional[ExpertShard] = None  # this rank's slice of every expert; None: whole experts
+
+    # What `tensor_parallel.shard_for` reads; `intermediate_size` is the dense layers' MLP width.
+    @property
+    def num_heads(self) -> int:
+        return self.base.num_heads
 
     @property
     def num_kv_heads(self) -> int:
         return self.base.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.base.head_dim
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.base.intermediate_size
 
 
 def qwen3_moe_args(config: Mapping[str, Any]) -> Qwen3MoeArgs:
@@ -51,6 +69,17 @@ def qwen3_moe_args(config: Mapping[str, Any]) -> Qwen3MoeArgs:
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
         sparse_layers=sparse,
     )
+
+
+def qwen3_moe_sharded_args(args: Qwen3MoeArgs, shard: TensorParallelShard) -> Qwen3MoeArgs:
+    """A rank's args: Qwen3's split of attention and dense MLP, and `moe_intermediate_size / size`
+    units of every expert; ModelLoadError when the ranks do not divide the expert width."""
+    problem = expert_split_problem(args.moe_intermediate_size, shard.size)
+    if problem is not None:
+        raise ModelLoadError(problem)
+    return dataclasses.replace(args, base=sharded_args(args.base, shard),
+                               moe_intermediate_size=args.moe_intermediate_size // shard.size,
+                               expert_shard=ExpertShard(shard.rank, shard.size))
 
 
 def qwen3_moe_expert_weights(weights: WeightLoader, prefix: str):
@@ -70,6 +99,7 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
     def __init__(self, args: Qwen3MoeArgs, layer_id: int, dtype: torch.dtype, device: torch.device):
         super().__init__(args.base, layer_id, dtype, device)
         self.is_sparse = layer_id in args.sparse_layers
+        self.expert_shard = args.expert_shard
         if self.is_sparse:
             k, renormalize = args.experts_per_token, args.norm_topk_prob
             experts = Experts(args.num_experts, args.base.hidden_size, args.moe_intermediate_size, silu_and_mul,
@@ -88,7 +118,8 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
         self.self_attn.load(weights, prefix + "self_attn.")
         mlp = prefix + "mlp."
         self.mlp.load_router(weights.get(mlp + "gate.weight"), None, mlp)
-        self.mlp.experts.load(weights, qwen3_moe_expert_weights(weights, mlp + "experts."), mlp)
+        experts = sharded_experts(qwen3_moe_expert_weights(weights, mlp + "experts."), self.expert_shard)
+        self.mlp.experts.load(weights, experts, mlp)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -17,12 +17,13 @@ import torch
 
 from pdserve.models.base import CausalLM
 from pdserve.models.gemma3 import Gemma3ForCausalLM, gemma3_args
-from pdserve.models.gpt_oss import GptOssForCausalLM, gpt_oss_args
+from pdserve.models.gpt_oss import GptOssForCausalLM, gpt_oss_args, gpt_oss_sharded_args
 from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.llama import LlamaForCausalLM, llama_args, mistral_args, qwen2_args, qwen3_args
-from pdserve.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_args
+from pdserve.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_args, qwen3_moe_sharded_args
 from pdserve.models.tensor_parallel import (
-    AllGather, AllReduce, ShardedWeights, shard_for, shard_output_head, sharded_args, wrap_row_parallel)
+    AllGather, AllReduce, ShardedWeights, TensorParallelShard, shard_for, shard_output_head, sharded_args,
+    wrap_row_parallel)
 from pdserve.models.weight_loader import WeightLoader, WeightPolicy
 from pdserve.models.weights import WeightSource
 
@@ -43,7 +44,9 @@ class TensorParallelRank:
 class ModelEntry:
     parse_config: Callable[[Mapping[str, Any]], Any]  # HF config dict -> the model's args
     model_class: Callable[[Any, torch.dtype, torch.device], CausalLM]
-    tensor_parallel: bool = True  # whether `pdserve.models.tensor_parallel` knows how to shard it
+    # A rank's args from the whole model's (`pdserve.models.tensor_parallel`); MoE families also
+    # slice their experts.
+    shard_args: Callable[[Any, TensorParallelShard], Any] = sharded_args
 
 
 # HF model_type -> architecture class name, for configs without `architectures`.
@@ -66,9 +69,8 @@ def model_registry() -> dict[str, ModelEntry]:
         "Qwen2ForCausalLM": ModelEntry(qwen2_args, LlamaForCausalLM),
         "Qwen3ForCausalLM": ModelEntry(qwen3_args, LlamaForCausalLM),
         "Gemma3ForCausalLM": ModelEntry(gemma3_args, Gemma3ForCausalLM),
-        # Experts are not split over ranks yet (issue 23, part 5).
-        "GptOssForCausalLM": ModelEntry(gpt_oss_args, GptOssForCausalLM, tensor_parallel=False),
-        "Qwen3MoeForCausalLM": ModelEntry(qwen3_moe_args, Qwen3MoeForCausalLM, tensor_parallel=False),
+        "GptOssForCausalLM": ModelEntry(gpt_oss_args, GptOssForCausalLM, gpt_oss_sharded_args),
+        "Qwen3MoeForCausalLM": ModelEntry(qwen3_moe_args, Qwen3MoeForCausalLM, qwen3_moe_sharded_args),
     }
 
 
@@ -95,11 +97,9 @@ def build_model(
         )
     args = entry.parse_config(config)
     model_kv_heads = args.num_kv_heads
-    if parallel is not None and parallel.size > 1 and not entry.tensor_parallel:
-        raise UnsupportedModelFeature(f"tensor parallelism is not supported for {architecture} yet")
     if parallel is not None and parallel.size > 1:
         shard = shard_for(args, parallel.rank, parallel.size)
-        args, weights = sharded_args(args, shard), ShardedWeights(weights, shard)
+        args, weights = entry.shard_args(args, shard), ShardedWeights(weights, shard)
     model = entry.model_class(args, dtype, device)
     loader = WeightLoader(weights, policy, device)
     model.load_weights(loader)  # type: ignore[attr-defined]

@@ -5,8 +5,11 @@ slice of each weight through `ShardedWeights` (a `WeightSource` over the full ch
 
     q/k/v, gate/up  (column parallel)  output rows split:  rank r gets its heads / its MLP rows
     o, down         (row parallel)     input columns split; the partial sums are all-reduced
+    attention sinks                    one per query head: rank r gets its heads' sinks
+    experts (MoE)                      a slice of every expert, cut by the model file after any
+                                       dequantization (`moe_sharding`); one all-reduce after them
     LM head         (vocab parallel)   vocabulary rows split; the logits are all-gathered
-    embedding, norms                   replicated
+    embedding, norms, MoE router       replicated
 
     q heads  0 1 2 3 | 4 5 6 7      N=2, 8 q heads, 2 KV heads: rank 0 owns q 0-3 and KV head 0
     kv heads 0       | 1
@@ -35,6 +38,7 @@ import torch
 
 from pdserve.kv.head_split import heads_split_problem, rank_kv_heads
 from pdserve.models.hf_config import ModelLoadError
+from pdserve.models.moe import SparseMoE
 from pdserve.models.quant.blocks import GROUP_SIZE, PackedWeight
 from pdserve.models.quant.modules import QuantizedLinear
 from pdserve.models.weight_targets import Linear
@@ -69,6 +73,9 @@ class TensorParallelShard:
     @property
     def first_kv_head(self) -> int:
         return rank_kv_heads(self.num_kv_heads, self.size, self.rank)[0]
+
+    def q_heads(self) -> slice:
+        return _span(self.rank * self.heads_per_rank, self.heads_per_rank)
 
     def q_rows(self) -> slice:
         return _span(self.rank * self.heads_per_rank * self.head_dim, self.heads_per_rank * self.head_dim)
@@ -121,6 +128,10 @@ def sharded_args(args: Any, shard: TensorParallelShard) -> Any:
 
 _COLUMN_PARALLEL = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
 _ROW_PARALLEL = {"o_proj": "q", "down_proj": "mlp"}
+# Expert tensors pass whole: the model file cuts each expert after taking fused layouts apart and
+# dequantizing (`pdserve.models.moe_sharding`); their names must not meet the dense MLP's rules.
+_EXPERTS = ".mlp.experts."
+_SINKS = "sinks"  # gpt-oss's `self_attn.sinks`: one logit per query head
 
 
 class ShardedWeights:
@@ -136,9 +147,11 @@ class ShardedWeights:
     def _rule(self, name: str) -> tuple[Optional[str], Optional[slice]]:
         """("column" | "row" | None, the slice of the split dimension) for `name`."""
         parts = name.rsplit(".", 2)
-        if len(parts) != 3:
+        if len(parts) != 3 or _EXPERTS in name:
             return None, None
         module = parts[1]
+        if parts[2] == _SINKS and module == "self_attn":
+            return "column", self.shard.q_heads()
         spans = {"q": self.shard.q_rows, "kv": self.shard.kv_rows, "mlp": self.shard.mlp_rows}
         if module in _COLUMN_PARALLEL:
             return "column", spans[_COLUMN_PARALLEL[module]]()
@@ -184,15 +197,19 @@ class RowParallel(torch.nn.Module):
         self.inner = inner
         self.all_reduce = all_reduce
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.all_reduce(self.inner(x))
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(self.inner(*inputs))
 
 
 def wrap_row_parallel(model: torch.nn.Module, all_reduce: AllReduce) -> None:
-    """Sum each layer's attention output projection and MLP down projection over the ranks."""
+    """Sum each layer's attention output projection and MLP down projection over the ranks; in a
+    mixture-of-experts layer, the experts' combined output (one all-reduce, however many experts ran)."""
     for layer in model.layers:  # type: ignore[union-attr]
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, all_reduce)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, all_reduce)
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp.experts = RowParallel(layer.mlp.experts, all_reduce)
+        else:
+            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, all_reduce)
 
 
 def vocab_rows(vocab_size: int, rank: int, size: int) -> slice:

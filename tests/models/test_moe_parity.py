@@ -5,6 +5,7 @@ greedy tokens against transformers in float32, with guards that the sinks and wi
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -12,7 +13,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec
-from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.layers import GatedMLP
 from pdserve.models.loader import load_model
 from pdserve.models.moe import SparseMoE
@@ -163,11 +163,17 @@ def test_int8_experts_use_the_quantized_weight_path(gpt_oss):
     assert agreement >= 0.9, agreement
 
 
-def test_tensor_parallel_moe_is_refused_clearly(gpt_oss):
-    _, _, directory = gpt_oss
-    import json
-
+def test_tensor_parallel_rank_keeps_its_heads_sinks_and_a_slice_of_every_expert(gpt_oss):
+    """TP > 1 loads (it was refused before issue 23, part 5): rank 1 of 2 holds query heads 2-3 with
+    their sinks and half of every expert; tests/models/test_moe_tensor_parallel.py checks the sums."""
+    _, ours, directory = gpt_oss
     config = json.load(open(os.path.join(directory, "config.json")))
-    rank = TensorParallelRank(0, 2, lambda t: t, lambda t: t)
-    with SafetensorsSource(directory) as source, pytest.raises(UnsupportedModelFeature, match="tensor parallelism"):
-        build_model(config, source, torch.float32, CPU, parallel=rank)
+    rank = TensorParallelRank(1, 2, lambda t: t, lambda t: t)
+    with SafetensorsSource(directory) as source:
+        shard = build_model(config, source, torch.float32, CPU, parallel=rank)
+    whole_layer, layer = ours.model.layers[0], shard.layers[0]
+    assert shard.spec.num_heads == 2 and shard.spec.tensor_parallel_size == 2
+    assert torch.equal(layer.attention_sinks, whole_layer.attention_sinks[2:])
+    experts = layer.mlp.experts.inner
+    assert experts.intermediate_size == 16 and experts.num_experts == 6
+    assert not any(down.bias.any() for down in experts.down)  # rank 0 alone adds down's bias
