@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
+import threading
 import uuid
 from typing import Optional, Sequence
 
@@ -82,10 +84,25 @@ class LeaderRunner(ModelRunner):
         self.channel.group.close()
 
 
+def outlive_sigterm(rank: int) -> None:
+    """A rank > 0 keeps serving after SIGTERM. Where every rank of a worker gets it at once (the pods
+    of a LeaderWorkerSet, a systemd unit), rank 0 drains its requests first, and they need every rank
+    to compute: rank 0 then stops the ranks (or, if it dies, they notice within the collective
+    timeout). Main thread only (signal handlers live there); elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def note(signum: int, frame: object) -> None:
+        logger.info("rank %d: SIGTERM; serving on until rank 0 has drained and stops the ranks", rank)
+
+    signal.signal(signal.SIGTERM, note)
+
+
 def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = nixl_transport) -> int:
     """Run rank `config.parallel.tp_rank` (> 0) until rank 0 stops it (0) or is lost (1)."""
     parallel = config.parallel
     rank, size = parallel.tp_rank or 0, parallel.tensor_parallel_size
+    outlive_sigterm(rank)
     device = rank_device(pick_device(config.model.device), rank)
     dtype = pick_dtype(config.model.dtype, device)
     torch.set_num_threads(rank_threads(config.model.num_threads, size))

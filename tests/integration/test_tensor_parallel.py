@@ -152,6 +152,34 @@ def test_ranks_started_as_separate_commands_serve_the_same_answers(tp2_workers, 
     assert "rank 1/2" in rank1.log_tail() and "exiting" in rank1.log_tail()
 
 
+def test_a_rank_outlives_sigterm_until_rank_0_has_drained_and_stops_it(tp2_workers, tmp_path):
+    """Every pod of a LeaderWorkerSet gets SIGTERM at once. Rank 1 must not leave while rank 0 still
+    serves (every step needs it): it stays, answers keep coming, and it exits 0 once rank 0, stopped
+    in turn, tells it to."""
+    import signal
+
+    oracles, workers = tp2_workers
+    name = "llama-4q-2kv-biases"
+    port = str(free_port())
+    rendezvous = ["-tp", "2", "--tp-master-addr", "127.0.0.1", "--tp-master-port", port]
+    leader = tp_worker("serve", oracles[name][2], tmp_path, "rank0", *rendezvous, "--tp-rank", "0")
+    rank1 = tp_worker("serve", oracles[name][2], tmp_path, "rank1", *rendezvous, "--tp-rank", "1")
+    rank1.start()
+    try:
+        start_workers(leader)
+        prompt = random_prompt(11, VOCAB, 9)
+        before = greedy(leader, prompt)
+        rank1.process.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: "SIGTERM; serving on" in rank1.log_tail(), 30)
+        assert greedy(leader, prompt) == before and rank1.process.poll() is None
+        leader.stop()  # SIGTERM: rank 0 drains, then stops the ranks
+        assert leader.process.wait(60) == 0
+        assert rank1.process.wait(60) == 0
+    finally:
+        leader.kill()
+        rank1.kill()
+
+
 # ---- the embedded model ------------------------------------------------------------------------
 
 
