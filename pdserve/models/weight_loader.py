@@ -15,7 +15,8 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 
 from pdserve.models.hf_config import ModelLoadError
-from pdserve.models.quant.blocks import BlockFormat, PackedWeight, concat_rows, dequantize, quantize_q4_1, quantize_q8_0
+from pdserve.models.quant.blocks import (
+    GROUP_SIZE, BlockFormat, PackedWeight, concat_rows, dequantize, quantize_q4_1, quantize_q8_0)
 from pdserve.models.quant.modules import QuantizedEmbedding, QuantizedLinear
 from pdserve.models.weight_targets import Embedding, Linear, copy_rows
 from pdserve.models.weights import WeightSource
@@ -60,6 +61,7 @@ class WeightLoader:
         self.policy = policy
         self.device = torch.device(device)
         self.num_quantized_layers = 0
+        self.num_float_slices = 0  # layers the policy would quantize whose input width cuts a block
 
     def get(self, name: str) -> torch.Tensor:
         """A float tensor (norm weights, biases, anything that is not a matmul weight)."""
@@ -90,8 +92,16 @@ class WeightLoader:
 
     def linear_from_tensors(self, layer: Linear, parts: Sequence[torch.Tensor], label: str) -> torch.nn.Module:
         """`layer` filled from float tensors the model file cut out of the checkpoint itself (one
-        expert of a fused expert tensor, dequantized MXFP4), quantized when the policy says so."""
+        expert of a fused expert tensor, dequantized MXFP4, a rank's slice of an expert), quantized
+        when the policy says so and its input width is whole blocks, float otherwise."""
         float_format = self.policy.float_format
+        if float_format is not None and layer.in_features % GROUP_SIZE:
+            # A tensor-parallel rank's slice of an expert can be narrower than whole blocks allow.
+            if not self.num_float_slices:
+                logger.warning("%s: %d input features do not fill %d-weight blocks; kept in float (and any "
+                               "more like it, unlogged)", label, layer.in_features, GROUP_SIZE)
+            self.num_float_slices += 1
+            float_format = None
         weight = list(parts) if float_format is None else concat_rows([_quantize(p, float_format) for p in parts])
         return self._finish_linear(layer, weight, label)
 

@@ -2,7 +2,7 @@
 the whole expert, expert tensors and sinks meet the right sharding rules, every rank's partial MoE
 output sums to the whole layer's (MXFP4 experts sliced after dequantization), and two ranks run as
 threads over in-process collectives give transformers' logits (gpt-oss, Qwen3-MoE) and the
-one-rank MXFP4 model's. Real processes over gloo: tests/integration/test_moe_tensor_parallel.py."""
+one-rank MXFP4 model's; int8 expert slices narrower than a block stay float. Real processes over gloo: tests/integration/test_moe_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pdserve.models.hf_config import ModelLoadError
 from pdserve.models.loader import load_model
 from pdserve.models.moe import ExpertWeights, SparseMoE
 from pdserve.models.moe_sharding import ExpertShard, expert_split_problem
+from pdserve.models.quant.modules import QuantizedLinear
 from pdserve.models.registry import TensorParallelRank, build_model
 from pdserve.models.tensor_parallel import RowParallel, ShardedWeights, TensorParallelShard
 from pdserve.models.weights import SafetensorsSource
@@ -61,9 +62,10 @@ class ThreadCollectives:
         return TensorParallelRank(rank, self.size, all_reduce, all_gather)
 
 
-def load_ranks(directory: str, size: int = SIZE) -> list:
+def load_ranks(directory: str, size: int = SIZE, quantization: str = "none") -> list:
     collectives = ThreadCollectives(size)
-    return [load_model(directory, torch.float32, CPU, parallel=collectives.rank(rank)).model for rank in range(size)]
+    return [load_model(directory, torch.float32, CPU, quantization=quantization, parallel=collectives.rank(rank)).model
+            for rank in range(size)]
 
 
 def partial_ranks(directory: str, size: int = SIZE) -> list:
@@ -191,3 +193,17 @@ def test_two_ranks_of_an_mxfp4_checkpoint_give_the_one_rank_logits(checkpoints):
     expected = forward_chunk(whole, ContiguousAttention(whole.spec.layer_specs), "s", prompt)
     for logits in run_ranks(load_ranks(directory), prompt):
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_expert_slices_too_narrow_for_whole_blocks_stay_float(checkpoints):
+    """Each rank's down projection reads 16 of an expert's 32 units: less than one 32-weight block,
+    so it stays float while gate|up (64 inputs) is quantized; the model still tracks transformers."""
+    oracle, directory = checkpoints["gpt_oss"]
+    ranks = load_ranks(directory, quantization="int8")
+    experts = ranks[1].layers[0].mlp.experts.inner
+    assert all(isinstance(linear, QuantizedLinear) for linear in experts.gate_up)
+    assert not any(isinstance(linear, QuantizedLinear) for linear in experts.down)
+    prompt = random_prompt(40, GPT_OSS_VOCAB, 2)
+    expected = hf_prompt_logits(oracle, prompt).argmax(-1)
+    for logits in run_ranks(ranks, prompt):
+        assert (logits.argmax(-1) == expected).float().mean().item() >= 0.9
