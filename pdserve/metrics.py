@@ -142,9 +142,48 @@ class KVCacheMetrics:
             "Prompt tokens found in the prefix cache.", registry=registry,
         )
 
-    def count_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_hits_by_medium_tokens = Counter(
+            "pdserve_kv_prefix_cache_hits_by_medium_tokens_total",
+            "Prompt tokens found in the prefix cache, by where: device (the pool), offload (from the first "
+            "block loaded from the offload tier on).", ["medium"], registry=registry,
+        )
+
+    def count_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int, num_offload_hit_tokens: int = 0) -> None:
         self.prefix_cache_queries_tokens.inc(num_query_tokens)
         self.prefix_cache_hits_tokens.inc(num_hit_tokens)
+        self.prefix_cache_hits_by_medium_tokens.labels("device").inc(num_hit_tokens - num_offload_hit_tokens)
+        self.prefix_cache_hits_by_medium_tokens.labels("offload").inc(num_offload_hit_tokens)
+
+
+OFFLOAD_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class OffloadMetrics:
+    """The KV offload tier behind the pool (--kv-offload-bytes); zero when there is none."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.bytes = Counter("pdserve_kv_offload_bytes_total", "Bytes copied into (store) and out of (load) the "
+                             "offload tier.", ["direction"], registry=registry)
+        self.usage_ratio = Gauge("pdserve_kv_offload_usage_ratio", "Share of the offload tier's pages in use.",
+                                 registry=registry)
+        self.failed_loads = Counter("pdserve_kv_offload_failed_loads_total", "Offload loads that failed (the "
+                                    "request recomputed its prefix).", registry=registry)
+        self.duration_s = Histogram("pdserve_kv_offload_duration_seconds", "Time of one offload store (one page) "
+                                    "or load (one request's pages).", ["direction"], buckets=OFFLOAD_BUCKETS_S,
+                                    registry=registry)
+        for direction in ("store", "load"):
+            self.bytes.labels(direction)
+
+    def observe(self, num_store_bytes: int, num_load_bytes: int, num_failed_loads: int,
+                store_seconds: list[float], load_seconds: list[float], usage_ratio: float) -> None:
+        self.bytes.labels("store").inc(num_store_bytes)
+        self.bytes.labels("load").inc(num_load_bytes)
+        self.failed_loads.inc(num_failed_loads)
+        for seconds in store_seconds:
+            self.duration_s.labels("store").observe(seconds)
+        for seconds in load_seconds:
+            self.duration_s.labels("load").observe(seconds)
+        self.usage_ratio.set(usage_ratio)
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,6 +367,7 @@ class Metrics:
         self.request = RequestMetrics(self.registry)
         self.scheduler = SchedulerMetrics(self.registry)
         self.kv = KVCacheMetrics(self.registry)
+        self.offload = OffloadMetrics(self.registry)
         self.engine = EngineMetrics(self.registry)
         self.transfer = TransferMetrics(self.registry)
         self.load = LoadMetrics(self.registry)

@@ -70,6 +70,10 @@ class CacheConfig(_Frozen):
         0.9, "CUDA with --kv-memory auto: the share of the whole GPU this worker may hold (weights, step "
              "workspace, pool)", gt=0, le=1)
     enable_prefix_caching: bool = setting(True, "reuse the KV of prompt prefixes seen before", flag="--prefix-caching")
+    kv_offload_bytes: Optional[int] = setting(
+        None, "size of a host-memory tier behind the pool, e.g. 4GiB: prefix blocks evicted from the pool are "
+              "copied there and loaded back on a later hit instead of being recomputed (default: off)",
+        flag="--kv-offload-bytes", parse="bytes", ge=1)
 
 
 class SchedulerConfig(_Frozen):

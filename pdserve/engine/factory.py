@@ -33,7 +33,9 @@ from pdserve.engine.tensor_parallel import LeaderRunner
 from pdserve.kv.events import KVEventRecorder
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.manager import KVCacheManager
-from pdserve.kv.specs import KVGroupPlan, plan_groups
+from pdserve.kv.offload import OffloadTier
+from pdserve.kv.offload_host import HostPageStore
+from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan, plan_groups
 from pdserve.metrics import Metrics
 from pdserve.models.base import ModelSpec
 from pdserve.models.loader import LoadedModel, load_model, resolve_quantization
@@ -117,6 +119,19 @@ def _context_limit(config: WorkerConfig, spec: ModelSpec, plan: KVGroupPlan, num
     return max_model_len
 
 
+def _offload_tier(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout, pool: torch.Tensor,
+                  events: KVEventRecorder) -> Optional[OffloadTier]:
+    """The host-memory tier behind the pool (--kv-offload-bytes), or None."""
+    if config.cache.kv_offload_bytes is None or not config.cache.enable_prefix_caching:
+        return None
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError("--kv-offload-bytes does not support tensor parallelism yet")
+    store = HostPageStore(layout.canonical_view(pool), config.cache.kv_offload_bytes)
+    full_group_ids = [g.group_id for g in plan.groups if isinstance(g.spec, FullAttentionSpec)]
+    logger.info("KV offload tier: host memory, %d pages of %d bytes", store.num_slots, store.page_bytes)
+    return OffloadTier(store, full_group_ids, events)
+
+
 def _meet_ranks(config: WorkerConfig, device: torch.device) -> Optional[RankGroup]:
     """Rank 0's group when the worker is tensor-parallel (waits for every rank to join), else None."""
     parallel = config.parallel
@@ -168,7 +183,6 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     layout = KVPoolLayout(num_blocks, plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
     max_model_len = _context_limit(config, spec, plan, num_blocks)
     kv_events = KVEventRecorder()
-    kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching, kv_events)
     grammar_tokenizer = GrammarTokenizer(loaded.tokenizer, spec.vocab_size)
     # A compiled step would need its collectives traced; tensor-parallel ranks run eagerly.
     compile_decode = should_compile(config.model.compile, device, dtype) and ranks is None
@@ -183,6 +197,8 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
         runner = ModelRunner(loaded.model, plan, layout, device, compile_decode=compile_decode, grammar=grammar)
         transport_factory = _ranked(transport_factory, None, [], spec.total_kv_heads, plan.group_size)
     runner.warm_up(config.scheduler.max_num_running)
+    offload = _offload_tier(config, plan, layout, runner.pool, kv_events)
+    kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching, kv_events, offload)
     model_name = config.model.served_name or loaded.name
     pool = _pool_description(model_name, spec, plan, layout, dtype)
     kv_side = build_kv_side(config, metrics, pool, layout.canonical_view(runner.pool), transport_factory)

@@ -6,8 +6,10 @@ scheduled only when every block its chunk writes is allocated; when blocks
 run out the latest-arrived running request is preempted (blocks freed,
 recomputed later) so earlier requests always make progress. The scheduler
 owns every request-state change: the P/D connector only answers its
-questions and reports events (pdserve/pd/connector.py). A fault while
-handling one request fails that request only. Torch-free.
+questions and reports events (pdserve/pd/connector.py). A prefix hit that
+needs pages from the offload tier waits in the same loading state until the
+KV manager reports the load (`poll_offload`); a failed load recomputes. A
+fault while handling one request fails that request only. Torch-free.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV: blocks allocated, a pull in flight
+        self._offload_loading: set[str] = set()  # of `loading`: prefix pages coming from the offload tier
         self._finished_since_last_step: list[str] = []
         self._ended: list[Request] = []  # ended here with an error, for the engine loop to report
         self._released_ids: list[str] = []  # requests whose blocks are all back in the pool
@@ -76,7 +79,8 @@ class Scheduler:
         return len(self.loading)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        # Tier loads land from `schedule`'s own poll, so they count as work (remote pulls land from the loop's).
+        return bool(self.waiting or self.running or self._offload_loading)
 
     def add_request(self, request: Request) -> None:
         request.block_hashes = hash_full_blocks(request.all_token_ids, self.block_size, [])
@@ -94,6 +98,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.loading.pop(request_id, None)
+        self._offload_loading.discard(request_id)
         if error is not None:
             request.error = error
         self._release(request, reason)
@@ -161,6 +166,24 @@ class Scheduler:
             else:
                 self._fail(request, failure.error)
 
+    def _apply_offload_loads(self) -> None:
+        """Tier loads that landed start running after their prefix; failed ones recompute it all."""
+        results = self.kv.poll_offload()
+        for request_id in results.landed:
+            request = self.loading.pop(request_id, None)
+            self._offload_loading.discard(request_id)
+            if request is not None:
+                self._start_running(request, request.num_computed_tokens)
+        for request_id in results.failed:
+            request = self.loading.pop(request_id, None)
+            self._offload_loading.discard(request_id)
+            if request is not None:
+                self.kv.free(request_id)
+                request.num_computed_tokens = 0
+                request.num_cached_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+
     def _start_running(self, request: Request, num_computed_tokens: int) -> None:
         request.num_computed_tokens = num_computed_tokens
         request.status = RequestStatus.RUNNING
@@ -171,6 +194,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
         self._finished_since_last_step = []
+        if self._offload_loading:
+            self._apply_offload_loads()
         num_decoding = sum(1 for request in self.running if request.num_computed_tokens >= request.num_tokens - 1)
         budget = self.step_budget.tokens(num_decoding)
         budget, preempted = self._schedule_running(output, budget)
@@ -279,6 +304,12 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = prefix.num_tokens
         self._mark_scheduled(request)
+        if self.kv.start_offload_load(request.request_id):  # part of the prefix comes from the tier
+            request.num_computed_tokens = prefix.num_tokens
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            self.loading[request.request_id] = request
+            self._offload_loading.add(request.request_id)
+            return 0
         self._start_running(request, prefix.num_tokens)
         output.chunks.append(self._chunk(request, num_new))
         return num_new
@@ -292,7 +323,8 @@ class Scheduler:
     def _admit_remote(self, request: Request) -> Optional[int]:
         """Allocate the whole prompt, then let the connector pull what the prefix cache lacks.
         The last prompt token is computed here (its logits give the first output token)."""
-        prefix = self.kv.find_prefix(request.block_hashes, request.num_prompt_tokens)
+        # Device hits only: the pull fills everything past the prefix, so nothing else may load at once.
+        prefix = self.kv.find_prefix(request.block_hashes, request.num_prompt_tokens, use_offload=False)
         if not self.kv.allocate(request.request_id, request.num_prompt_tokens - 1, 1, prefix):
             return None
         self.waiting.popleft()

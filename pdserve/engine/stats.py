@@ -19,6 +19,8 @@ class EngineStats:
         self.kv = kv_manager
         self._num_query_tokens = 0
         self._num_hit_tokens = 0
+        self._num_offload_hit_tokens = 0
+        self._offload_counts = (0, 0, 0)  # store bytes, load bytes, failed loads already reported
         self.num_computed_prompt_tokens = 0  # also read by tests and benchmarks
         # The pool's shape is known from here on, before the loop's first turn.
         self.metrics.load.update(LoadSnapshot(num_blocks_in_use_by_group=kv_manager.num_blocks_in_use_by_group(),
@@ -53,6 +55,20 @@ class EngineStats:
         stats = self.kv.prefix_stats
         if stats.num_query_tokens != self._num_query_tokens:
             self.metrics.kv.count_prefix_lookup(
-                stats.num_query_tokens - self._num_query_tokens, stats.num_hit_tokens - self._num_hit_tokens
+                stats.num_query_tokens - self._num_query_tokens, stats.num_hit_tokens - self._num_hit_tokens,
+                stats.num_offload_hit_tokens - self._num_offload_hit_tokens,
             )
             self._num_query_tokens, self._num_hit_tokens = stats.num_query_tokens, stats.num_hit_tokens
+            self._num_offload_hit_tokens = stats.num_offload_hit_tokens
+        self._record_offload()
+
+    def _record_offload(self) -> None:
+        tier = self.kv.offload
+        if tier is None:
+            return
+        counts = (tier.stats.num_store_bytes, tier.stats.num_load_bytes, tier.stats.num_failed_loads)
+        deltas = [now - before for now, before in zip(counts, self._offload_counts)]
+        store_s, load_s = tier.stats.store_seconds, tier.stats.load_seconds
+        tier.stats.store_seconds, tier.stats.load_seconds = [], []
+        self.metrics.offload.observe(*deltas, store_s, load_s, tier.usage_ratio)
+        self._offload_counts = counts

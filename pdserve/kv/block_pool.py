@@ -3,6 +3,8 @@
 Invariant: every block but the null block 0 is in exactly one state: in use
 (ref > 0, owned by one group), free and cached (ref 0, in the LRU, still
 findable by its (hash, group) key) or free and uncached (ref 0, no owner).
+A cached block about to be evicted is first shown to the optional `on_evict`
+hook (an offload tier's write-back), while its page still holds the content.
 Every key that enters or leaves the cache map is reported to the optional
 `KVEventRecorder`, in order. Torch-free: this module only hands out integers.
 """
@@ -10,7 +12,7 @@ Every key that enters or leaves the cache map is reported to the optional
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from pdserve.kv.events import CachedBlock, KVEventRecorder
 
@@ -18,6 +20,8 @@ NULL_BLOCK_ID = 0
 _NO_OWNER = -1
 
 CacheKey = tuple[bytes, int]  # (chained block hash, group id)
+# (block id, its key, its parent hash): called before the key is dropped; must not change the pool.
+EvictHook = Callable[[int, CacheKey, Optional[bytes]], None]
 
 
 class NoFreeBlocks(Exception):
@@ -32,7 +36,8 @@ class BlockPool:
     """Block ids 1..num_blocks-1 shared by all KV groups; block 0 is the permanent
     null placeholder (never allocated, freed, cached or counted)."""
 
-    def __init__(self, num_blocks: int, events: Optional[KVEventRecorder] = None):
+    def __init__(self, num_blocks: int, events: Optional[KVEventRecorder] = None,
+                 on_evict: Optional[EvictHook] = None):
         if num_blocks < 2:
             raise ValueError(f"a pool needs the null block plus at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -41,6 +46,7 @@ class BlockPool:
         self._keys: list[Optional[CacheKey]] = [None] * num_blocks
         self._parents: list[Optional[bytes]] = [None] * num_blocks  # parent hash of a cached block
         self._events = events
+        self._on_evict = on_evict
         self._free_ids: deque[int] = deque(range(1, num_blocks))
         # Free blocks that still hold a cached prefix, least recently freed first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -112,6 +118,9 @@ class BlockPool:
                 block_id = self._free_ids.popleft()
             else:
                 block_id, _ = self._evictable.popitem(last=False)
+                key = self._keys[block_id]
+                if self._on_evict is not None and key is not None:
+                    self._on_evict(block_id, key, self._parents[block_id])
                 self._drop_key(block_id)
             self._ref_counts[block_id] = 1
             self._owners[block_id] = group_id

@@ -35,6 +35,7 @@ class KVEvent:
     block_hash: Optional[bytes] = None
     parent_hash: Optional[bytes] = None  # None for a prompt's first block (and on REMOVED/CLEARED)
     group_id: int = 0
+    medium: Optional[str] = None  # None: the device pool; "cpu": the host-memory offload tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,7 @@ class CachedBlock:
     block_hash: bytes
     parent_hash: Optional[bytes]
     group_id: int
+    medium: Optional[str] = None  # as KVEvent.medium
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,23 +76,24 @@ class KVEventRecorder:
         """Sequence number of the last event stamped (engine thread)."""
         return self._last_seq
 
-    def stored(self, block_hash: bytes, parent_hash: Optional[bytes], group_id: int) -> None:
+    def stored(self, block_hash: bytes, parent_hash: Optional[bytes], group_id: int,
+               medium: Optional[str] = None) -> None:
         if self.enabled:
-            self._append(KVEventKind.STORED, block_hash, parent_hash, group_id)
+            self._append(KVEventKind.STORED, block_hash, parent_hash, group_id, medium)
 
-    def removed(self, block_hash: bytes, group_id: int) -> None:
+    def removed(self, block_hash: bytes, group_id: int, medium: Optional[str] = None) -> None:
         if self.enabled:
-            self._append(KVEventKind.REMOVED, block_hash, None, group_id)
+            self._append(KVEventKind.REMOVED, block_hash, None, group_id, medium)
 
     def cleared(self) -> None:
         if self.enabled:
             self._append(KVEventKind.CLEARED, None, None, 0)
 
     def _append(self, kind: KVEventKind, block_hash: Optional[bytes], parent_hash: Optional[bytes],
-                group_id: int) -> None:
+                group_id: int, medium: Optional[str] = None) -> None:
         self._last_seq += 1
         self.num_recorded += 1
-        self._events.append(KVEvent(self._last_seq, kind, block_hash, parent_hash, group_id))
+        self._events.append(KVEvent(self._last_seq, kind, block_hash, parent_hash, group_id, medium))
 
     def drain(self, max_events: int = 1 << 20) -> list[KVEvent]:
         """Take up to `max_events` buffered events, oldest first."""

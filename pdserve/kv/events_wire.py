@@ -8,6 +8,12 @@
                 [seq, "cleared", null, null, 0, 0]]}              consecutive seqs, oldest first
     {"type": "heartbeat", "epoch": E, "seq": S}                  nothing new up to S
 
+A block held by an offload tier rather than the device pool carries one more
+element, its medium ("cpu"), at the end of its snapshot entry or event row;
+device blocks carry none, so readers that predate tiers read every line as
+before (they take a tier block for a device one: a routing estimate, never a
+correctness matter).
+
 Hashes are hex. A snapshot replaces whatever the reader knew of the worker
 (it starts every stream and follows any resync); after it, each event's seq
 is exactly one more than the last one read, or the reader lost events and
@@ -46,18 +52,22 @@ def _hex(value: Optional[bytes]) -> Optional[str]:
     return None if value is None else value.hex()
 
 
+def _medium(medium: Optional[str]) -> list[str]:
+    return [] if medium is None else [medium]
+
+
 def _line(document: dict[str, Any]) -> bytes:
     return json.dumps(document, separators=(",", ":")).encode() + b"\n"
 
 
 def encode_snapshot(epoch: str, snapshot: KVSnapshot, block_size: int) -> bytes:
-    blocks = [[b.block_hash.hex(), _hex(b.parent_hash), b.group_id] for b in snapshot.blocks]
+    blocks = [[b.block_hash.hex(), _hex(b.parent_hash), b.group_id] + _medium(b.medium) for b in snapshot.blocks]
     return _line({"type": SNAPSHOT, "epoch": epoch, "seq": snapshot.seq, "block_size": block_size, "blocks": blocks})
 
 
 def encode_events(epoch: str, events: Sequence[KVEvent], block_size: int) -> bytes:
     rows = [[e.seq, e.kind.value, _hex(e.block_hash), _hex(e.parent_hash), e.group_id,
-             block_size if e.kind is KVEventKind.STORED else 0] for e in events]
+             block_size if e.kind is KVEventKind.STORED else 0] + _medium(e.medium) for e in events]
     return _line({"type": EVENTS, "epoch": epoch, "events": rows})
 
 
@@ -71,8 +81,8 @@ def decode_line(line: bytes) -> StreamMessage:
         document = json.loads(line)
         kind, epoch = document["type"], str(document["epoch"])
         if kind == SNAPSHOT:
-            blocks = [CachedBlock(bytes.fromhex(h), bytes.fromhex(p) if p else None, int(g))
-                      for h, p, g in document["blocks"]]
+            blocks = [CachedBlock(bytes.fromhex(entry[0]), bytes.fromhex(entry[1]) if entry[1] else None,
+                                  int(entry[2]), _decode_medium(entry, 3)) for entry in document["blocks"]]
             return StreamMessage(SNAPSHOT, epoch, int(document["seq"]), int(document["block_size"]), blocks)
         if kind == EVENTS:
             events = [_decode_event(row) for row in document["events"]]
@@ -91,4 +101,8 @@ def decode_line(line: bytes) -> StreamMessage:
 def _decode_event(row: list[Any]) -> KVEvent:
     seq, kind, block_hash, parent, group = row[:5]
     return KVEvent(int(seq), KVEventKind(kind), bytes.fromhex(block_hash) if block_hash else None,
-                   bytes.fromhex(parent) if parent else None, int(group))
+                   bytes.fromhex(parent) if parent else None, int(group), _decode_medium(row, 6))
+
+
+def _decode_medium(entry: list[Any], index: int) -> Optional[str]:
+    return str(entry[index]) if len(entry) > index and entry[index] is not None else None

@@ -1,4 +1,4 @@
-"""Tensor layout of the paged KV pool; the only module of `kv/` that imports torch.
+"""Tensor layout of the paged KV pool; with the offload tier's host store, the only modules of `kv/` that import torch.
 
 Invariant: block b is one contiguous page of `page_bytes` bytes at byte offset
 b * page_bytes, holding K and V of every layer slot of the group that owns it,

@@ -2,7 +2,9 @@
 
 Invariant: every non-null table entry is a block in use by that table's group,
 and a sliding-window table holds null (0) for every block wholly outside the
-window of the request's next token. Torch-free.
+window of the request's next token. Torch-free. With an offload tier, prefix
+blocks found only in the tier get fresh pool blocks at admission and are
+cached again once their load lands (`poll_offload`).
 
 One request of 70 tokens, block_size 16, window 32, after computing 64 tokens
 (the token at 64 reads keys 33..64, so blocks 0 and 1 are released):
@@ -21,6 +23,7 @@ from typing import Optional, Sequence
 
 from pdserve.kv.block_pool import NULL_BLOCK_ID, BlockPool, KVInvariantError
 from pdserve.kv.events import KVEventRecorder, KVSnapshot
+from pdserve.kv.offload import LoadResults, OffloadTier, PageLoad
 from pdserve.kv.prefix import PrefixCacheStats, PrefixHit, first_live_block, match_prefix, max_hit_blocks
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan
 
@@ -44,7 +47,7 @@ class KVCacheManager:
     """Hybrid group allocator: one block table per (request, group), one pool."""
 
     def __init__(self, plan: KVGroupPlan, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: Optional[KVEventRecorder] = None):
+                 events: Optional[KVEventRecorder] = None, offload: Optional[OffloadTier] = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if [g.group_id for g in plan.groups] != list(range(len(plan.groups))):
@@ -53,8 +56,13 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.events = events
-        self.pool = BlockPool(num_blocks, events)
+        self.offload = offload if enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, events, self.offload.offer if self.offload is not None else None)
+        if self.offload is not None:
+            self.offload.attach(self.pool.lookup)
         self._requests: dict[str, _RequestBlocks] = {}
+        self._loads: dict[str, list[PageLoad]] = {}  # admitted, pages still to load from the tier
+        self._loading: dict[str, list[PageLoad]] = {}  # loads started, not yet polled
         self._stats = PrefixCacheStats()
 
     @property
@@ -75,18 +83,22 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------
 
-    def find_prefix(self, block_hashes: Sequence[bytes], num_prompt_tokens: int) -> PrefixHit:
-        """Longest cached prefix every group can serve; takes no references.
+    def find_prefix(self, block_hashes: Sequence[bytes], num_prompt_tokens: int,
+                    use_offload: bool = True) -> PrefixHit:
+        """Longest cached prefix every group can serve, from the pool or (`use_offload`) the
+        offload tier; takes no references.
 
         Never the whole prompt: the last prompt token is always computed, for its logits.
         """
         if not self.enable_prefix_caching:
             return PrefixHit.empty(self.num_groups)
+        tier = self.offload if use_offload else None
         hit = match_prefix(self.pool, self.plan, block_hashes, max_hit_blocks(num_prompt_tokens, self.block_size),
-                           self.block_size)
+                           self.block_size, tier)
         self._stats.num_queries += 1
         self._stats.num_query_tokens += max(0, num_prompt_tokens)
         self._stats.num_hit_tokens += hit.num_tokens
+        self._stats.num_offload_hit_tokens += hit.num_tokens - hit.num_device_tokens(self.block_size)
         return hit
 
     def commit(self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int) -> None:
@@ -114,7 +126,10 @@ class KVCacheManager:
             state.num_committed[group_id] = max(state.num_committed[group_id], count)
 
     def clear_prefix_cache(self) -> int:
-        """Forget every cached prefix (blocks in use stay with their requests); returns the keys dropped."""
+        """Forget every cached prefix (blocks in use stay with their requests), in the tier too;
+        returns the keys dropped from the pool."""
+        if self.offload is not None:
+            self.offload.clear()
         return self.pool.clear_cache()
 
     def snapshot_cache(self) -> KVSnapshot:
@@ -149,13 +164,16 @@ class KVCacheManager:
             tables = self._initial_tables(prefix, num_computed_tokens)
             num_reserved = self._num_evictable(tables)
         growth = self._growth(tables, num_computed_tokens, num_new_tokens)
-        num_needed = sum(num_new for _, num_new in growth)
+        offloaded = self._offloaded(prefix, num_computed_tokens) if state is None else []
+        num_needed = sum(num_new for _, num_new in growth) + len(offloaded)
         if num_needed > self.pool.num_free_blocks - num_reserved:
             logger.debug("request %s: needs %d blocks, %d free", request_id, num_needed,
                          self.pool.num_free_blocks - num_reserved)
             return False
         if state is None:
             state = self._admit(request_id, tables)
+            if offloaded:
+                self._allocate_offloaded(request_id, state, offloaded, prefix)
         for group_id, (num_null, num_new) in enumerate(growth):
             state.tables[group_id].extend([NULL_BLOCK_ID] * num_null)
             state.tables[group_id].extend(self.pool.allocate(num_new, group_id))
@@ -164,11 +182,12 @@ class KVCacheManager:
 
     def num_blocks_needed(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
                           prefix: Optional[PrefixHit] = None) -> int:
-        """New pool blocks `allocate` would take for this call (all groups)."""
+        """New pool blocks `allocate` would take for this call (all groups, tier loads included)."""
         self._check_token_counts(num_computed_tokens, num_new_tokens)
         state = self._requests.get(request_id)
         tables = state.tables if state is not None else self._initial_tables(prefix, num_computed_tokens)
-        return sum(num_new for _, num_new in self._growth(tables, num_computed_tokens, num_new_tokens))
+        num_loaded = len(self._offloaded(prefix, num_computed_tokens)) if state is None else 0
+        return sum(num_new for _, num_new in self._growth(tables, num_computed_tokens, num_new_tokens)) + num_loaded
 
     def can_allocate(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
                      prefix: Optional[PrefixHit] = None) -> bool:
@@ -186,6 +205,9 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release all of a request's blocks, last blocks first, so its tail is
         evicted before its (possibly shared) head. Unknown ids are ignored."""
+        loads = self._loads.pop(request_id, None)
+        if loads is not None and self.offload is not None:  # admitted, its load never started
+            self.offload.unpin([(load.block_hash, load.group_id) for load in loads])
         state = self._requests.pop(request_id, None)
         if state is None:
             return
@@ -194,7 +216,56 @@ class KVCacheManager:
                       if index < len(table) and table[index] != NULL_BLOCK_ID]
         self.pool.free(tail_first)
 
-    # ---- queries ---------------------------------------------------------------------
+    # ---- offload tier loads ----------------------------------------------------------
+
+    def start_offload_load(self, request_id: str) -> bool:
+        """Start loading the tier pages the request's prefix hit took (once, after `allocate`);
+        False when it has none. The outcome comes from `poll_offload`."""
+        loads = self._loads.pop(request_id, None)
+        if not loads or self.offload is None:
+            return False
+        self._loading[request_id] = loads
+        self.offload.start_load(request_id, loads)
+        return True
+
+    def poll_offload(self) -> LoadResults:
+        """Loads that landed (their blocks are now in the prefix cache) or failed (the caller frees
+        the request and recomputes it) since the last poll."""
+        if self.offload is None:
+            return LoadResults()
+        results = self.offload.poll()
+        for request_id in results.landed:
+            loads = self._loading.pop(request_id, [])
+            if request_id in self._requests:
+                for load in loads:
+                    self.pool.cache(load.block_id, load.block_hash, load.group_id, load.parent_hash)
+        for request_id in results.failed:
+            self._loading.pop(request_id, None)
+        return results
+
+    def _offloaded(self, prefix: Optional[PrefixHit], num_computed_tokens: int) -> list[tuple[int, int]]:
+        """(group, block index) of the prefix blocks to load from the tier, in-window ones only."""
+        if prefix is None or not prefix.offloaded or self.offload is None:
+            return []
+        wanted = []
+        for group, indexes in zip(self.plan.groups, prefix.offloaded):
+            first_live = first_live_block(group, num_computed_tokens, self.block_size)
+            wanted += [(group.group_id, index) for index in indexes if index >= first_live]
+        return wanted
+
+    def _allocate_offloaded(self, request_id: str, state: _RequestBlocks, offloaded: list[tuple[int, int]],
+                            prefix: PrefixHit) -> None:
+        """Fresh blocks for the tier's pages, pinned in the tier until their load ends."""
+        hashes = prefix.block_hashes
+        loads = []
+        keys = [(hashes[index], group_id) for group_id, index in offloaded]
+        self.offload.pin(keys)  # type: ignore[union-attr] - _offloaded is empty without a tier
+        for group_id, index in offloaded:
+            block_id = self.pool.allocate(1, group_id)[0]  # may evict (and store) other pages
+            state.tables[group_id][index] = block_id
+            loads.append(PageLoad(block_id, hashes[index], group_id, hashes[index - 1] if index else None))
+        self._loads[request_id] = loads
+
 
     def block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """A copy of the request's tables, one list per group (0 = null block)."""
@@ -272,6 +343,10 @@ class KVCacheManager:
                     valid = self.pool.owner(block_id) == group_id and self.pool.is_cached(block_id)
                 if not valid:
                     raise StalePrefixHit(f"block {block_id} of group {group_id} no longer holds the prefix")
+        for group_id, indexes in enumerate(prefix.offloaded):
+            for index in indexes:
+                if self.offload is None or self.offload.lookup(prefix.block_hashes[index], group_id) is None:
+                    raise StalePrefixHit(f"block {index} of group {group_id} left the offload tier")
 
     def _admit(self, request_id: str, tables: list[list[int]]) -> _RequestBlocks:
         for group_id, table in enumerate(tables):

@@ -2,7 +2,8 @@
 
 Invariant: a hit of L tokens is usable by every group at once: each full-
 attention group holds blocks [0, L/bs), each sliding group holds the blocks
-covering every key position the token at L attends to. Takes no references.
+covering every key position the token at L attends to, from the device pool
+or, with an offload tier, from the tier (device first). Takes no references.
 """
 
 from __future__ import annotations
@@ -24,12 +25,24 @@ class BlockLookup(Protocol):
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
     """`num_tokens` prompt tokens whose KV is cached; `block_ids[g]` holds
-    num_tokens // block_size ids for group g (0 where a sliding group needs none).
+    num_tokens // block_size ids for group g (0 where a sliding group needs none,
+    and where the block is in the offload tier). `offloaded[g]` lists the block
+    indexes of group g to load from the tier (empty without one).
     `block_hashes` lets the manager check the hit is still valid when used."""
 
     num_tokens: int
     block_ids: tuple[tuple[int, ...], ...]
     block_hashes: tuple[bytes, ...] = ()
+    offloaded: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def num_offloaded_blocks(self) -> int:
+        return sum(len(indexes) for indexes in self.offloaded)
+
+    def num_device_tokens(self, block_size: int) -> int:
+        """Tokens before the first block any group loads from the tier: the part the device pool served."""
+        first = min((min(indexes) for indexes in self.offloaded if indexes), default=self.num_tokens // block_size)
+        return first * block_size
 
     @classmethod
     def empty(cls, num_groups: int) -> "PrefixHit":
@@ -41,6 +54,7 @@ class PrefixCacheStats:
     num_queries: int = 0  # find_prefix calls while caching is enabled
     num_query_tokens: int = 0  # prompt tokens those calls asked about
     num_hit_tokens: int = 0  # tokens they found cached
+    num_offload_hit_tokens: int = 0  # of those, tokens from the first block loaded from the offload tier on
 
 
 def max_hit_blocks(num_prompt_tokens: int, block_size: int) -> int:
@@ -55,9 +69,28 @@ def first_live_block(group: KVGroup, num_tokens: int, block_size: int) -> int:
     return group.spec.needed_from(num_tokens) // block_size
 
 
+OFFLOADED = -1  # what a tiered lookup answers for a block held by the tier only
+
+
+class TieredLookup:
+    """The device pool first, then the tier: a block found only in the tier reads as OFFLOADED."""
+
+    def __init__(self, pool: BlockLookup, tier: BlockLookup):
+        self.pool, self.tier = pool, tier
+
+    def lookup(self, block_hash: bytes, group_id: int) -> Optional[int]:
+        block_id = self.pool.lookup(block_hash, group_id)
+        if block_id is None and self.tier.lookup(block_hash, group_id) is not None:
+            return OFFLOADED
+        return block_id
+
+
 def match_prefix(pool: BlockLookup, plan: KVGroupPlan, block_hashes: Sequence[bytes], max_blocks: int,
-                 block_size: int) -> PrefixHit:
-    """The longest prefix of at most `max_blocks` blocks every group can serve."""
+                 block_size: int, tier: Optional[BlockLookup] = None) -> PrefixHit:
+    """The longest prefix of at most `max_blocks` blocks every group can serve, from the pool
+    or the tier (the same rule: a sliding group needs only the blocks in its window at the hit)."""
+    if tier is not None:
+        return _split_offloaded(match_prefix(TieredLookup(pool, tier), plan, block_hashes, max_blocks, block_size))
     limit = max(0, min(max_blocks, len(block_hashes)))
     full_groups = [g for g in plan.groups if isinstance(g.spec, FullAttentionSpec)]
     sliding_groups = [g for g in plan.groups if not isinstance(g.spec, FullAttentionSpec)]
@@ -72,6 +105,13 @@ def match_prefix(pool: BlockLookup, plan: KVGroupPlan, block_hashes: Sequence[by
     num_blocks = _longest_sliding_hit(sliding_groups, found, limit, block_size)
     block_ids = tuple(_hit_ids(group, found[group.group_id], num_blocks, block_size) for group in plan.groups)
     return PrefixHit(num_blocks * block_size, block_ids, tuple(block_hashes[:num_blocks]))
+
+
+def _split_offloaded(hit: PrefixHit) -> PrefixHit:
+    """OFFLOADED entries become null ids plus their indexes in `offloaded`."""
+    offloaded = tuple(tuple(i for i, b in enumerate(ids) if b == OFFLOADED) for ids in hit.block_ids)
+    block_ids = tuple(tuple(NULL_BLOCK_ID if b == OFFLOADED else b for b in ids) for ids in hit.block_ids)
+    return PrefixHit(hit.num_tokens, block_ids, hit.block_hashes, offloaded)
 
 
 def _match_run(pool: BlockLookup, block_hashes: Sequence[bytes], group_id: int) -> list[int | None]:

@@ -1,0 +1,266 @@
+"""The offload tier: whole pages behind the device pool, keyed like the prefix cache.
+
+Invariant: a key (block hash, group) names at most one slot, and a slot holds
+the bytes of the page last stored under the key it is recorded with; a slot
+pinned by a load is never reused until the load ends. Torch-free: the bytes
+move through a `PageStore` (pdserve/kv/offload_host.py for host memory).
+
+    device pool (one page per block)             tier (one slot per page, own LRU)
+    cached free LRU: [b7 b3 b9 ...] --evict b7--> write(slot 4, b7)   (hash, group) -> 4
+    prefix hit on (hash, group) in the tier  <--- read([4], [b12])    b12 newly allocated
+
+Write-back, not write-through: a page is copied when the pool is about to
+evict it (`offer`, the pool's eviction hook), while its content is still
+intact (the step that overwrites the block runs after the allocation that
+evicted it). Only pages that actually leave the pool pay a copy, once; a
+write-through tier would copy every committed page after every prefill,
+though a working set that fits in the pool never needs one, and would still
+need a fence before a block is reused. For host memory the copy is one page
+memcpy on the engine thread between steps.
+
+Sliding-window rule: a block of a sliding-window group is stored only while
+the full-attention block at the same position (same chained hash) is cached
+on the device or in the tier. A hit can reach past position i only through
+the full-attention chain, so without that block no hit can ever have this
+block in its window; and when the tier drops a full-attention entry it drops
+the sliding entries of the same hash with it. Loads follow the prefix rule
+(pdserve/kv/prefix.py): a sliding group loads only the blocks in its window
+at the hit point.
+
+Loads are asynchronous in form: `start_load` then `poll`, like a remote pull,
+so the scheduler keeps the request in its loading state meanwhile. The host
+store copies inside `start_load` (a memcpy of a few pages); a file store
+would run them on a thread and report them from `poll` the same way. A load
+that fails (or whose slot no longer holds its key) discards its keys and is
+reported failed: the request recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence
+
+from pdserve.kv.events import KVEventRecorder
+
+logger = logging.getLogger(__name__)
+
+CacheKey = tuple[bytes, int]  # (chained block hash, group id), as in the block pool
+
+
+class OffloadIOError(RuntimeError):
+    """A page could not be written to or read from the tier's medium."""
+
+
+class PageStore(Protocol):
+    """Where a tier keeps its pages: `num_slots` slots of one pool page each."""
+
+    medium: str  # reported in KV events: "cpu"
+    num_slots: int
+    page_bytes: int
+
+    def write(self, slot: int, block_id: int) -> None:
+        """Copy pool page `block_id` into `slot`; raise OffloadIOError when it cannot."""
+
+    def read(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Copy each slot into its pool page; raise OffloadIOError when it cannot."""
+
+
+@dataclass(slots=True)
+class PageLoad:
+    """One page to bring back: tier key -> a freshly allocated pool block."""
+
+    block_id: int
+    block_hash: bytes
+    group_id: int
+    parent_hash: Optional[bytes]
+
+
+@dataclass(slots=True)
+class OffloadStats:
+    """Monotonic counters (the engine's stats turn deltas into metrics)."""
+
+    num_store_bytes: int = 0
+    num_load_bytes: int = 0
+    num_stores: int = 0
+    num_loads: int = 0  # load batches that landed
+    num_failed_loads: int = 0
+    num_failed_stores: int = 0
+    store_seconds: list[float] = field(default_factory=list)  # drained by the stats
+    load_seconds: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class LoadResults:
+    landed: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+
+class OffloadTier:
+    """Index, LRU and sliding rule of one worker's tier (engine thread only, never blocks)."""
+
+    def __init__(self, store: PageStore, full_group_ids: Sequence[int],
+                 events: Optional[KVEventRecorder] = None, clock: Callable[[], float] = time.perf_counter):
+        if store.num_slots < 1:
+            raise ValueError("an offload tier needs room for at least one page")
+        self.store = store
+        self.full_group_ids = tuple(full_group_ids)
+        self._device_lookup: Callable[[bytes, int], Optional[int]] = lambda block_hash, group_id: None
+        self._events = events
+        self._clock = clock
+        self._slots: OrderedDict[CacheKey, int] = OrderedDict()  # least recently used first
+        self._slot_keys: list[Optional[CacheKey]] = [None] * store.num_slots
+        self._parents: dict[CacheKey, Optional[bytes]] = {}
+        self._free_slots = list(range(store.num_slots - 1, -1, -1))
+        self._pins: Counter[CacheKey] = Counter()
+        self._results = LoadResults()
+        self.stats = OffloadStats()
+
+    def attach(self, device_lookup: Callable[[bytes, int], Optional[int]]) -> None:
+        """Bind the pool this tier stands behind (its KV manager does, once, at construction)."""
+        self._device_lookup = device_lookup
+
+    # ---- queries ---------------------------------------------------------------------
+
+    def lookup(self, block_hash: bytes, group_id: int) -> Optional[int]:
+        """The slot holding (block_hash, group_id), or None (a `BlockLookup`)."""
+        return self._slots.get((block_hash, group_id))
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._slots)
+
+    @property
+    def usage_ratio(self) -> float:
+        return len(self._slots) / self.store.num_slots
+
+    # ---- stores (write-back) -------------------------------------------------------
+
+    def offer(self, block_id: int, key: CacheKey, parent_hash: Optional[bytes]) -> None:
+        """The pool is about to evict `block_id`, cached under `key`: keep its page if it may
+        serve a later hit. Never raises (it runs inside the pool's allocation)."""
+        if key in self._slots:
+            self._slots.move_to_end(key)  # loaded back earlier: the bytes are already here
+            return
+        if not self._worth_storing(key):
+            return
+        slot = self._take_slot()
+        if slot is None:
+            return  # every slot is pinned by a load in flight
+        started = self._clock()
+        try:
+            self.store.write(slot, block_id)
+        except Exception:  # noqa: BLE001 - a medium fault is a miss, never an allocation failure
+            logger.exception("offload store of block %d failed", block_id)
+            self._free_slots.append(slot)
+            self.stats.num_failed_stores += 1
+            return
+        self._slots[key] = slot
+        self._slot_keys[slot] = key
+        self._parents[key] = parent_hash
+        self.stats.num_stores += 1
+        self.stats.num_store_bytes += self.store.page_bytes
+        self.stats.store_seconds.append(self._clock() - started)
+        if self._events is not None:
+            self._events.stored(key[0], parent_hash, key[1], self.store.medium)
+
+    def _worth_storing(self, key: CacheKey) -> bool:
+        block_hash, group_id = key
+        if not self.full_group_ids or group_id in self.full_group_ids:
+            return True
+        full = (block_hash, self.full_group_ids[0])
+        return full in self._slots or self._device_lookup(*full) is not None
+
+    def _take_slot(self) -> Optional[int]:
+        if self._free_slots:
+            return self._free_slots.pop()
+        for key in self._slots:  # least recently used first
+            if not self._pins[key]:
+                slot = self._slots[key]
+                self._drop(key)
+                self._free_slots.remove(slot)
+                return slot
+        return None
+
+    def _drop(self, key: CacheKey) -> None:
+        """Forget `key` (and, for a full-attention key, the sliding entries of its hash)."""
+        slot = self._slots.pop(key)
+        self._slot_keys[slot] = None
+        self._parents.pop(key, None)
+        self._free_slots.append(slot)
+        if self._events is not None:
+            self._events.removed(key[0], key[1], self.store.medium)
+        if self.full_group_ids and key[1] == self.full_group_ids[0]:
+            for other in [k for k in self._slots if k[0] == key[0] and k[1] not in self.full_group_ids]:
+                if not self._pins[other]:
+                    self._drop(other)
+
+    # ---- loads -----------------------------------------------------------------------
+
+    def pin(self, keys: Sequence[CacheKey]) -> None:
+        """Keep these keys' slots until `unpin` (a hit about to be loaded)."""
+        for key in keys:
+            self._pins[key] += 1
+
+    def unpin(self, keys: Sequence[CacheKey]) -> None:
+        for key in keys:
+            self._pins[key] -= 1
+            if self._pins[key] <= 0:
+                del self._pins[key]
+
+    def start_load(self, request_id: str, loads: Sequence[PageLoad]) -> None:
+        """Copy each load's page into its block; the outcome comes from the next `poll`.
+        The keys must have been pinned by the caller; this unpins them."""
+        keys = [(load.block_hash, load.group_id) for load in loads]
+        started = self._clock()
+        try:
+            slots = [self._slot_of(key) for key in keys]
+            self.store.read(slots, [load.block_id for load in loads])
+        except Exception as error:  # noqa: BLE001 - a failed load recomputes, never fails the request
+            logger.warning("request %s: offload load of %d pages failed (%s); it recomputes",
+                           request_id, len(loads), error)
+            self.unpin(keys)
+            for key in keys:
+                if key in self._slots and not self._pins[key]:
+                    self._drop(key)
+            self.stats.num_failed_loads += 1
+            self._results.failed.append(request_id)
+            return
+        self.unpin(keys)
+        for key in keys:
+            self._slots.move_to_end(key)
+        self.stats.num_loads += 1
+        self.stats.num_load_bytes += len(loads) * self.store.page_bytes
+        self.stats.load_seconds.append(self._clock() - started)
+        self._results.landed.append(request_id)
+
+    def _slot_of(self, key: CacheKey) -> int:
+        slot = self._slots.get(key)
+        if slot is None or self._slot_keys[slot] != key:
+            raise OffloadIOError(f"tier slot for group {key[1]} block {key[0].hex()[:8]} no longer holds it")
+        return slot
+
+    def poll(self) -> LoadResults:
+        """Loads that landed or failed since the last poll."""
+        results, self._results = self._results, LoadResults()
+        return results
+
+    def clear(self) -> int:
+        """Forget every page (the prefix cache was reset); returns how many. Pinned ones stay."""
+        keys = [key for key in self._slots if not self._pins[key]]
+        for key in keys:
+            if key in self._slots:
+                self._drop(key)
+        return len(keys)
+
+    def check_invariants(self) -> None:
+        used = set(self._slots.values())
+        if len(used) != len(self._slots) or used & set(self._free_slots):
+            raise RuntimeError("an offload slot is in two places")
+        if len(used) + len(self._free_slots) != self.store.num_slots:
+            raise RuntimeError("offload slots were lost")
+        for key, slot in self._slots.items():
+            if self._slot_keys[slot] != key:
+                raise RuntimeError(f"slot {slot} records another key")

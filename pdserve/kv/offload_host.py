@@ -1,0 +1,66 @@
+"""Host-memory page store of the offload tier: pool pages copied into a host buffer and back.
+
+Invariant: slot s is one contiguous row of `page_bytes` bytes, the same shape
+as a row of the pool's canonical int8 view, so a page moves as one copy:
+
+    pool canonical view [num_blocks, page_bytes]      host buffer [num_slots, page_bytes]
+    row block_id  ------------- write(slot, block_id) -------------> row slot
+    row block_id  <------------ read([slot], [block_id]) ----------- row slot
+
+On CUDA the buffer is pinned and copies run on the store's own stream, and each
+call waits for it: the engine thread calls these between steps, when no kernel
+touches the pool (the loop synchronizes after every step).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from pdserve.kv.offload import OffloadIOError
+
+
+class HostPageStore:
+    medium = "cpu"
+
+    def __init__(self, pool_view: torch.Tensor, capacity_bytes: int):
+        if pool_view.dim() != 2 or pool_view.dtype != torch.int8:
+            raise ValueError("the page store copies rows of the pool's canonical int8 view")
+        self.page_bytes = int(pool_view.shape[1])
+        self.num_slots = capacity_bytes // self.page_bytes
+        if self.num_slots < 1:
+            raise ValueError(f"--kv-offload-bytes {capacity_bytes} holds no page of {self.page_bytes} bytes")
+        self._pool = pool_view
+        on_cuda = pool_view.device.type == "cuda"
+        self._buffer = torch.empty((self.num_slots, self.page_bytes), dtype=torch.int8, pin_memory=on_cuda)
+        self._stream = torch.cuda.Stream(pool_view.device) if on_cuda else None
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.page_bytes
+
+    def write(self, slot: int, block_id: int) -> None:
+        self._copy(lambda: self._buffer[slot].copy_(self._pool[block_id], non_blocking=True))
+
+    def read(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        if len(slots) != len(block_ids):
+            raise OffloadIOError("one slot per block")
+        if not slots:
+            return
+        rows = torch.tensor(list(slots), dtype=torch.int64)
+        targets = torch.tensor(list(block_ids), dtype=torch.int64, device=self._pool.device)
+        pages = self._buffer.index_select(0, rows)
+        self._copy(lambda: self._pool.index_copy_(0, targets, pages.to(self._pool.device, non_blocking=True)))
+
+    def _copy(self, copy) -> None:  # type: ignore[no-untyped-def]
+        try:
+            if self._stream is None:
+                copy()
+                return
+            self._stream.wait_stream(torch.cuda.current_stream(self._pool.device))
+            with torch.cuda.stream(self._stream):
+                copy()
+            self._stream.synchronize()
+        except (RuntimeError, IndexError) as error:
+            raise OffloadIOError(str(error)) from error
