@@ -1,0 +1,90 @@
+"""The offload tier on real engines (tiny random checkpoints, CPU): prompts evicted from a small pool
+come back from host memory instead of being recomputed, with the same greedy tokens, and a sliding-
+window model reloads only the blocks inside its window."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+
+from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from pdserve.engine.factory import BuiltEngine, build_engine
+from pdserve.kv.prefix import first_live_block, max_hit_blocks
+from pdserve.metrics import Metrics
+from pdserve.models.loader import load_model
+from tests.engine.harness import generate_one_by_one, greedy
+from tests.tiny_models import GEMMA_VOCAB, QWEN_VOCAB, make_tiny_gemma3, make_tiny_qwen3, random_prompt
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("qwen3"))
+    make_tiny_qwen3(directory)
+    return load_model(directory, torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("gemma3"))
+    make_tiny_gemma3(directory)
+    return load_model(directory, torch.float32, torch.device("cpu"))
+
+
+def engine_with_tier(loaded, num_blocks: int, offload_bytes: Optional[int]) -> BuiltEngine:
+    config = WorkerConfig(
+        model=ModelConfig(device="cpu", dtype="float32"),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, kv_offload_bytes=offload_bytes),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_running=4),
+    )
+    return build_engine(config, Metrics(), loaded)
+
+
+def two_passes(built: BuiltEngine, prompts):
+    """Every prompt once, then every prompt again: (answers of both passes, prompt tokens computed in the second)."""
+    sampling = greedy(8, ignore_eos=True)
+    first = generate_one_by_one(built, prompts, sampling)
+    computed_before = built.engine.engine_loop.stats.num_computed_prompt_tokens
+    second = generate_one_by_one(built, prompts, sampling)
+    computed = built.engine.engine_loop.stats.num_computed_prompt_tokens - computed_before
+    return [r.token_ids for r in first], [r.token_ids for r in second], computed
+
+
+def test_prompts_evicted_from_the_pool_come_back_from_the_tier_with_the_same_tokens(qwen):
+    # 10 prompts of 40 tokens (10 blocks each): 100 blocks through a pool of 40.
+    prompts = [random_prompt(40, QWEN_VOCAB, 200 + seed) for seed in range(10)]
+    total = sum(len(p) for p in prompts)
+    plain = engine_with_tier(qwen, num_blocks=41, offload_bytes=None)
+    first_plain, second_plain, recomputed_plain = two_passes(plain, prompts)
+    page_bytes = plain.layout.page_bytes
+    tiered = engine_with_tier(qwen, num_blocks=41, offload_bytes=200 * page_bytes)
+    first_tier, second_tier, recomputed_tier = two_passes(tiered, prompts)
+    print(f"second pass recomputed {recomputed_plain}/{total} without a tier, {recomputed_tier}/{total} with one")
+    assert recomputed_plain >= 0.9 * total
+    assert recomputed_tier <= 0.25 * total
+    assert first_tier == second_tier == first_plain == second_plain
+    metrics = tiered.engine.engine_loop.stats.metrics
+    assert metrics.offload.bytes.labels("load")._value.get() > 0
+    assert metrics.kv.prefix_cache_hits_by_medium_tokens.labels("offload")._value.get() > 0
+    assert plain.kv_manager.offload is None
+
+
+def test_gemma3_reloads_only_the_blocks_inside_the_window(gemma):
+    prompt = random_prompt(100, GEMMA_VOCAB, 7)
+    others = [random_prompt(100, GEMMA_VOCAB, 100 + seed) for seed in range(3)]
+    built = engine_with_tier(gemma, num_blocks=80, offload_bytes=1 << 30)
+    sampling = greedy(8, ignore_eos=True)
+    expected = generate_one_by_one(engine_with_tier(gemma, num_blocks=400, offload_bytes=None), [prompt], sampling)
+    generate_one_by_one(built, [prompt, *others], sampling)  # the others push every page of `prompt` out
+    tier = built.kv_manager.offload
+    loaded_before = tier.stats.num_load_bytes
+    again = generate_one_by_one(built, [prompt], sampling)
+    num_hit = max_hit_blocks(len(prompt), BLOCK)
+    pages = sum(num_hit - first_live_block(group, num_hit * BLOCK, BLOCK) for group in built.plan.groups)
+    sliding = [g for g in built.plan.groups if first_live_block(g, num_hit * BLOCK, BLOCK) > 0]
+    assert sliding, "the window must be shorter than the prompt"
+    assert tier.stats.num_load_bytes - loaded_before == pages * built.layout.page_bytes
+    assert again[0].token_ids == expected[0].token_ids
