@@ -145,7 +145,7 @@ def add_flags(parser: argparse.ArgumentParser, specs: Iterable[FlagSpec], *, for
     titles = {section: title for section, _, title in SECTIONS}
     for spec in specs:
         group = groups.get(spec.section) or groups.setdefault(spec.section, parser.add_argument_group(titles[spec.section]))
-        shown = f"{spec.default >> 20}MiB" if spec.converter is parse_bytes else spec.default
+        shown = f"{spec.default >> 20}MiB" if spec.converter is parse_bytes and spec.default is not None else spec.default
         help_text = f"{spec.help} (default: {shown})" if spec.default not in (None, "") else spec.help
         if spec.env:
             help_text += f"; default from ${spec.env}"
