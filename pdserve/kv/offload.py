@@ -113,6 +113,7 @@ class OffloadTier:
         self._slots: OrderedDict[CacheKey, int] = OrderedDict()  # least recently used first
         self._slot_keys: list[Optional[CacheKey]] = [None] * store.num_slots
         self._parents: dict[CacheKey, Optional[bytes]] = {}
+        self._groups_of: dict[bytes, set[int]] = {}  # hash -> groups stored under it (the sliding cascade)
         self._free_slots = list(range(store.num_slots - 1, -1, -1))
         self._pins: Counter[CacheKey] = Counter()
         self._results = LoadResults()
@@ -160,6 +161,7 @@ class OffloadTier:
         self._slots[key] = slot
         self._slot_keys[slot] = key
         self._parents[key] = parent_hash
+        self._groups_of.setdefault(key[0], set()).add(key[1])
         self.stats.num_stores += 1
         self.stats.num_store_bytes += self.store.page_bytes
         self.stats.store_seconds.append(self._clock() - started)
@@ -190,12 +192,16 @@ class OffloadTier:
         self._slot_keys[slot] = None
         self._parents.pop(key, None)
         self._free_slots.append(slot)
+        groups = self._groups_of[key[0]]
+        groups.discard(key[1])
         if self._events is not None:
             self._events.removed(key[0], key[1], self.store.medium)
         if self.full_group_ids and key[1] == self.full_group_ids[0]:
-            for other in [k for k in self._slots if k[0] == key[0] and k[1] not in self.full_group_ids]:
-                if not self._pins[other]:
-                    self._drop(other)
+            for group_id in [g for g in groups if g not in self.full_group_ids]:
+                if not self._pins[(key[0], group_id)]:
+                    self._drop((key[0], group_id))
+        if not groups:
+            self._groups_of.pop(key[0], None)
 
     # ---- loads -----------------------------------------------------------------------
 
@@ -264,3 +270,8 @@ class OffloadTier:
         for key, slot in self._slots.items():
             if self._slot_keys[slot] != key:
                 raise RuntimeError(f"slot {slot} records another key")
+        by_hash: dict[bytes, set[int]] = {}
+        for block_hash, group_id in self._slots:
+            by_hash.setdefault(block_hash, set()).add(group_id)
+        if by_hash != self._groups_of:
+            raise RuntimeError("the per-hash group index disagrees with the slots")
