@@ -3,6 +3,7 @@ restart it, and count what each kill cost.
 
     python3 bench/chaos.py --kills 30 --out bench/results/chaos.json          # random victim and phase
     python3 bench/chaos.py --victim decode --phase read --kills 51            # issue 22 part 5's loop
+    python3 bench/chaos.py --plan prefill/in-prefill,decode/mid-read --kills 10  # the prefill crash
 
 Starts a prefill worker, two decode workers and a proxy as real processes (UCX over TCP, the
 embedded SmolLM2), asks each good request once for its greedy baseline, then runs `--load-threads`
@@ -40,7 +41,14 @@ from bench._soak_load import good_calls  # noqa: E402
 
 
 def schedule(args: argparse.Namespace, rng: random.Random) -> list[tuple[str, str]]:
-    """(victim, phase) per kill: a named phase repeats, `read` cycles the READ phases, `any` draws."""
+    """(victim, phase) per kill: `--plan` cycles its list; else a named phase repeats, `read` cycles
+    the READ phases, `any` draws."""
+    if args.plan:
+        steps = [tuple(step.split("/", 1)) for step in args.plan.split(",")]
+        for victim, phase in steps:
+            if phase not in PHASES.get(victim, ()):
+                raise SystemExit(f"no phase {victim}/{phase}")
+        return [steps[index % len(steps)] for index in range(args.kills)]
     plan = []
     for index in range(args.kills):
         victim = args.victim if args.victim != "any" else rng.choice(sorted(PHASES))
@@ -108,6 +116,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--phase", default="any",
                         help="a phase of the victim (" + "; ".join(f"{v}: {', '.join(p)}" for v, p in PHASES.items())
                              + "), 'read' (decode's READ phases in turn) or 'any'")
+    parser.add_argument("--plan", default=None,
+                        help="victim/phase,... cycled over the kills (e.g. prefill/in-prefill,decode/mid-read)")
     parser.add_argument("--load-threads", type=int, default=3, help="clients sending good requests meanwhile")
     parser.add_argument("--num-decode", type=int, default=2)
     parser.add_argument("--device", default="cpu")

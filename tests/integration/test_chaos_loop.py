@@ -20,6 +20,12 @@ from bench.chaos import expected_answers
 
 pytestmark = pytest.mark.slow
 
+# Reproduced by bench/chaos.py (docs/reliability.md, *The prefill crash*): a SIGSEGV inside NIXL's
+# get_new_notifs on the prefill worker's engine thread after its decode peer died mid-READ (5 of 29
+# mid-read kills so far, every one just after the prefill worker restarted). Until the NIXL agent is isolated from the engine, that one crash is
+# reported as a known failure (xfail, its stack in the reason); any other prefill death fails.
+KNOWN_NIXL_CRASH = ("Segmentation fault", "get_new_notifs")
+
 # Each victim at each phase that can be forced, in an order that restarts every process at least once.
 SCHEDULE = [
     ("prefill", "in-prefill"),
@@ -30,6 +36,9 @@ SCHEDULE = [
     ("proxy", "in-flight"),
     ("decode", "under-load"),
     ("prefill", "under-load"),
+    # The prefill crash's best trigger so far: a decode worker killed mid-read just after the prefill
+    # worker restarted (3 prefill deaths in 6 such kills; 0 in 17 mid-read kills of a long-lived one).
+    ("decode", "mid-read"),
 ]
 
 
@@ -53,11 +62,14 @@ def kills():
     return []
 
 
-@pytest.mark.parametrize("victim, phase", SCHEDULE, ids=[f"{v}-{p}" for v, p in SCHEDULE])
+@pytest.mark.parametrize("victim, phase", SCHEDULE, ids=[f"{i}-{v}-{p}" for i, (v, p) in enumerate(SCHEDULE)])
 def test_a_kill_cascades_to_no_one_changes_no_token_and_leaks_nothing(stage, kills, victim, phase):
     kill = run_kill(stage, victim, phase)
     kills.append(kill)
     assert kill.forced, f"{victim} was not caught at {phase}: {kill.note}"
+    if kill.prefill_died and all(mark in kill.prefill_log_tail for mark in KNOWN_NIXL_CRASH):
+        pytest.xfail("the known NIXL crash of the prefill worker (issue 22, part 5):\n"
+                     + kill.prefill_log_tail[-3000:])
     assert not kill.prefill_died, kill.prefill_log_tail
     assert kill.survivors_failed == [], kill.survivors_failed
     assert kill.recovered_s is not None, kill.note  # the restarted process and the cluster serve again
