@@ -30,8 +30,8 @@ import time
 from typing import Optional, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:  # run as a script: make `bench` importable
-    sys.path.insert(0, REPO_ROOT)
+if sys.path[:1] != [REPO_ROOT]:  # run as a script: `bench` and `proxy` from the repo, first
+    sys.path.insert(0, REPO_ROOT)  # (the script's own directory holds bench/proxy.py, not the package)
 
 from tqdm import tqdm  # noqa: E402
 
