@@ -74,6 +74,9 @@ class CacheConfig(_Frozen):
         None, "size of a host-memory tier behind the pool, e.g. 4GiB: prefix blocks evicted from the pool are "
               "copied there and loaded back on a later hit instead of being recomputed (default: off)",
         flag="--kv-offload-bytes", parse="bytes", ge=1)
+    kv_offload_dir: Optional[str] = setting(
+        None, "keep the offload tier (--kv-offload-bytes) in a file under this directory (local NVMe) instead of "
+              "host memory; wiped at start-up, locked against a second worker", flag="--kv-offload-dir")
 
 
 class SchedulerConfig(_Frozen):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,6 +35,7 @@ from pdserve.kv.events import KVEventRecorder
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.offload import OffloadTier
+from pdserve.kv.offload_file import FilePageStore
 from pdserve.kv.offload_host import HostPageStore
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan, plan_groups
 from pdserve.metrics import Metrics
@@ -121,15 +123,24 @@ def _context_limit(config: WorkerConfig, spec: ModelSpec, plan: KVGroupPlan, num
 
 def _offload_tier(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout, pool: torch.Tensor,
                   events: KVEventRecorder) -> Optional[OffloadTier]:
-    """The host-memory tier behind the pool (--kv-offload-bytes), or None."""
-    if config.cache.kv_offload_bytes is None or not config.cache.enable_prefix_caching:
+    """The tier behind the pool (--kv-offload-bytes; in files with --kv-offload-dir), or None.
+    File reads run on the tier's own I/O thread; host-memory copies are a memcpy between steps."""
+    cache = config.cache
+    if cache.kv_offload_dir is not None and cache.kv_offload_bytes is None:
+        raise ValueError("--kv-offload-dir needs --kv-offload-bytes (the tier's size)")
+    if cache.kv_offload_bytes is None or not cache.enable_prefix_caching:
         return None
     if config.parallel.tensor_parallel_size > 1:
         raise ValueError("--kv-offload-bytes does not support tensor parallelism yet")
-    store = HostPageStore(layout.canonical_view(pool), config.cache.kv_offload_bytes)
     full_group_ids = [g.group_id for g in plan.groups if isinstance(g.spec, FullAttentionSpec)]
-    logger.info("KV offload tier: host memory, %d pages of %d bytes", store.num_slots, store.page_bytes)
-    return OffloadTier(store, full_group_ids, events)
+    if cache.kv_offload_dir is not None:
+        store = FilePageStore(layout.canonical_view(pool), cache.kv_offload_bytes, cache.kv_offload_dir)
+        executor = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-offload")
+        logger.info("KV offload tier: %s, %d pages of %d bytes", store.path, store.num_slots, store.page_bytes)
+        return OffloadTier(store, full_group_ids, events, executor=executor)
+    host = HostPageStore(layout.canonical_view(pool), cache.kv_offload_bytes)
+    logger.info("KV offload tier: host memory, %d pages of %d bytes", host.num_slots, host.page_bytes)
+    return OffloadTier(host, full_group_ids, events)
 
 
 def _meet_ranks(config: WorkerConfig, device: torch.device) -> Optional[RankGroup]:

@@ -157,7 +157,8 @@ class EngineLoop:
         self.emitter.fail_all(EngineFailure("the engine stopped unexpectedly; the worker will restart"))
 
     def _drain_inbox(self, block: bool) -> None:
-        timeout_s = POLL_WAIT_S if self.scheduler.connector.has_pending() else IDLE_WAIT_S
+        pending = self.scheduler.connector.has_pending() or self.scheduler.has_offload_loads()
+        timeout_s = POLL_WAIT_S if pending else IDLE_WAIT_S
         while True:
             try:
                 command = self.inbox.get(block=block, timeout=timeout_s if block else None)

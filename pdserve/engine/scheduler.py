@@ -78,6 +78,10 @@ class Scheduler:
     def num_waiting_for_kv(self) -> int:
         return len(self.loading)
 
+    def has_offload_loads(self) -> bool:
+        """Whether prefix pages are loading from the offload tier (the loop polls, not sleeps)."""
+        return bool(self._offload_loading)
+
     def has_work(self) -> bool:
         # Tier loads land from `schedule`'s own poll, so they count as work (remote pulls land from the loop's).
         return bool(self.waiting or self.running or self._offload_loading)

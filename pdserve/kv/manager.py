@@ -62,7 +62,10 @@ class KVCacheManager:
             self.offload.attach(self.pool.lookup)
         self._requests: dict[str, _RequestBlocks] = {}
         self._loads: dict[str, list[PageLoad]] = {}  # admitted, pages still to load from the tier
-        self._loading: dict[str, list[PageLoad]] = {}  # loads started, not yet polled
+        self._loading: dict[str, tuple[str, list[PageLoad]]] = {}  # load id -> (request id, pages), not yet polled
+        self._load_ids: dict[str, str] = {}  # request id -> its load id in flight
+        self._parked: dict[str, _RequestBlocks] = {}  # load id -> blocks of a request freed while it loaded
+        self._num_loads_started = 0
         self._stats = PrefixCacheStats()
 
     @property
@@ -211,6 +214,13 @@ class KVCacheManager:
         state = self._requests.pop(request_id, None)
         if state is None:
             return
+        load_id = self._load_ids.pop(request_id, None)
+        if load_id is not None and self.offload is not None and self.offload.is_loading(load_id):
+            self._parked[load_id] = state  # a read still writes its blocks: freed when it ends
+            return
+        self._release_blocks(state)
+
+    def _release_blocks(self, state: _RequestBlocks) -> None:
         num_slots = max((len(table) for table in state.tables), default=0)
         tail_first = [table[index] for index in reversed(range(num_slots)) for table in state.tables
                       if index < len(table) and table[index] != NULL_BLOCK_ID]
@@ -224,8 +234,11 @@ class KVCacheManager:
         loads = self._loads.pop(request_id, None)
         if not loads or self.offload is None:
             return False
-        self._loading[request_id] = loads
-        self.offload.start_load(request_id, loads)
+        self._num_loads_started += 1
+        load_id = f"{request_id}#{self._num_loads_started}"  # request ids may be reused; load ids never
+        self._loading[load_id] = (request_id, loads)
+        self._load_ids[request_id] = load_id
+        self.offload.start_load(load_id, loads)
         return True
 
     def poll_offload(self) -> LoadResults:
@@ -233,14 +246,23 @@ class KVCacheManager:
         the request and recomputes it) since the last poll."""
         if self.offload is None:
             return LoadResults()
-        results = self.offload.poll()
-        for request_id in results.landed:
-            loads = self._loading.pop(request_id, [])
-            if request_id in self._requests:
-                for load in loads:
-                    self.pool.cache(load.block_id, load.block_hash, load.group_id, load.parent_hash)
-        for request_id in results.failed:
-            self._loading.pop(request_id, None)
+        polled = self.offload.poll()
+        results = LoadResults()
+        for load_id in polled.landed + polled.failed:
+            request_id, loads = self._loading.pop(load_id)
+            parked = self._parked.pop(load_id, None)
+            if parked is not None:  # the request ended while its pages were read
+                self._release_blocks(parked)
+                continue
+            if self._load_ids.get(request_id) != load_id:
+                continue  # the request ended (and its blocks went back) before this poll
+            del self._load_ids[request_id]
+            if load_id in polled.failed:
+                results.failed.append(request_id)
+                continue
+            for load in loads:
+                self.pool.cache(load.block_id, load.block_hash, load.group_id, load.parent_hash)
+            results.landed.append(request_id)
         return results
 
     def _offloaded(self, prefix: Optional[PrefixHit], num_computed_tokens: int) -> list[tuple[int, int]]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
@@ -102,7 +103,9 @@ class OffloadTier:
     """Index, LRU and sliding rule of one worker's tier (engine thread only, never blocks)."""
 
     def __init__(self, store: PageStore, full_group_ids: Sequence[int],
-                 events: Optional[KVEventRecorder] = None, clock: Callable[[], float] = time.perf_counter):
+                 events: Optional[KVEventRecorder] = None, clock: Callable[[], float] = time.perf_counter,
+                 executor: Optional[Executor] = None):
+        """`executor`: where reads run (a file tier's I/O thread); None reads inside `start_load`."""
         if store.num_slots < 1:
             raise ValueError("an offload tier needs room for at least one page")
         self.store = store
@@ -117,6 +120,9 @@ class OffloadTier:
         self._free_slots = list(range(store.num_slots - 1, -1, -1))
         self._pins: Counter[CacheKey] = Counter()
         self._results = LoadResults()
+        self._executor = executor
+        # load id -> (its read, its keys, pages, start time): reads in flight on the executor
+        self._in_flight: dict[str, tuple[Future, list[CacheKey], int, float]] = {}
         self.stats = OffloadStats()
 
     def attach(self, device_lookup: Callable[[bytes, int], Optional[int]]) -> None:
@@ -216,31 +222,45 @@ class OffloadTier:
             if self._pins[key] <= 0:
                 del self._pins[key]
 
-    def start_load(self, request_id: str, loads: Sequence[PageLoad]) -> None:
-        """Copy each load's page into its block; the outcome comes from the next `poll`.
-        The keys must have been pinned by the caller; this unpins them."""
+    def start_load(self, load_id: str, loads: Sequence[PageLoad]) -> None:
+        """Copy each load's page into its block; the outcome comes from a later `poll` (the
+        blocks must stay allocated until then). The caller pinned the keys; the load unpins them."""
         keys = [(load.block_hash, load.group_id) for load in loads]
         started = self._clock()
         try:
             slots = [self._slot_of(key) for key in keys]
+            if self._executor is not None:
+                read = self._executor.submit(self.store.read, slots, [load.block_id for load in loads])
+                self._in_flight[load_id] = (read, keys, len(loads), started)
+                return
             self.store.read(slots, [load.block_id for load in loads])
         except Exception as error:  # noqa: BLE001 - a failed load recomputes, never fails the request
-            logger.warning("request %s: offload load of %d pages failed (%s); it recomputes",
-                           request_id, len(loads), error)
-            self.unpin(keys)
-            for key in keys:
+            self._end_load(load_id, keys, len(loads), started, error)
+            return
+        self._end_load(load_id, keys, len(loads), started, None)
+
+    def is_loading(self, load_id: str) -> bool:
+        """Whether a read of this load still runs (its blocks must not be reused yet)."""
+        return load_id in self._in_flight
+
+    def _end_load(self, load_id: str, keys: list[CacheKey], num_pages: int, started: float,
+                  error: Optional[BaseException]) -> None:
+        self.unpin(keys)
+        if error is not None:
+            logger.warning("load %s: offload load of %d pages failed (%s); it recomputes", load_id, num_pages, error)
+            for key in keys:  # possibly torn or corrupt: never offered again
                 if key in self._slots and not self._pins[key]:
                     self._drop(key)
             self.stats.num_failed_loads += 1
-            self._results.failed.append(request_id)
+            self._results.failed.append(load_id)
             return
-        self.unpin(keys)
         for key in keys:
-            self._slots.move_to_end(key)
+            if key in self._slots:
+                self._slots.move_to_end(key)
         self.stats.num_loads += 1
-        self.stats.num_load_bytes += len(loads) * self.store.page_bytes
+        self.stats.num_load_bytes += num_pages * self.store.page_bytes
         self.stats.load_seconds.append(self._clock() - started)
-        self._results.landed.append(request_id)
+        self._results.landed.append(load_id)
 
     def _slot_of(self, key: CacheKey) -> int:
         slot = self._slots.get(key)
@@ -249,7 +269,11 @@ class OffloadTier:
         return slot
 
     def poll(self) -> LoadResults:
-        """Loads that landed or failed since the last poll."""
+        """Loads that landed or failed since the last poll (never waits for a read in flight)."""
+        for load_id, (read, keys, num_pages, started) in list(self._in_flight.items()):
+            if read.done():
+                del self._in_flight[load_id]
+                self._end_load(load_id, keys, num_pages, started, read.exception())
         results, self._results = self._results, LoadResults()
         return results
 

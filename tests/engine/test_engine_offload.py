@@ -34,10 +34,11 @@ def gemma(tmp_path_factory):
     return load_model(directory, torch.float32, torch.device("cpu"))
 
 
-def engine_with_tier(loaded, num_blocks: int, offload_bytes: Optional[int]) -> BuiltEngine:
+def engine_with_tier(loaded, num_blocks: int, offload_bytes: Optional[int], offload_dir: Optional[str] = None) -> BuiltEngine:
     config = WorkerConfig(
         model=ModelConfig(device="cpu", dtype="float32"),
-        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, kv_offload_bytes=offload_bytes),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, kv_offload_bytes=offload_bytes,
+                          kv_offload_dir=offload_dir),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_running=4),
     )
     return build_engine(config, Metrics(), loaded)
@@ -70,6 +71,19 @@ def test_prompts_evicted_from_the_pool_come_back_from_the_tier_with_the_same_tok
     assert metrics.offload.bytes.labels("load")._value.get() > 0
     assert metrics.kv.prefix_cache_hits_by_medium_tokens.labels("offload")._value.get() > 0
     assert plain.kv_manager.offload is None
+
+
+def test_the_file_tier_really_writes_files_and_serves_the_second_pass(qwen, tmp_path):
+    prompts = [random_prompt(40, QWEN_VOCAB, 200 + seed) for seed in range(10)]
+    total = sum(len(p) for p in prompts)
+    plain_first, _, _ = two_passes(engine_with_tier(qwen, num_blocks=41, offload_bytes=None), prompts)
+    built = engine_with_tier(qwen, num_blocks=41, offload_bytes=64 << 20, offload_dir=str(tmp_path))
+    first, second, recomputed = two_passes(built, prompts)
+    print(f"file tier: second pass recomputed {recomputed}/{total}")
+    assert recomputed <= 0.25 * total
+    assert first == second == plain_first
+    assert (tmp_path / "pages.bin").stat().st_size > 0
+    assert built.kv_manager.offload.store.medium == "disk"
 
 
 def test_gemma3_reloads_only_the_blocks_inside_the_window(gemma):

@@ -1,0 +1,126 @@
+"""The file tier's page store (real files) and loads that run on an I/O thread."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from pdserve.kv.manager import KVCacheManager
+from pdserve.kv.offload import OffloadIOError, OffloadTier
+from pdserve.kv.offload_file import FilePageStore
+from pdserve.kv.specs import FullAttentionSpec, plan_groups
+from tests.kv.test_offload import BS, FakePages, compute, prompt
+
+PAGE_BYTES = 4096
+
+
+def pool_view(num_blocks: int = 8) -> torch.Tensor:
+    return torch.randint(-128, 127, (num_blocks, PAGE_BYTES), dtype=torch.int8)
+
+
+def test_a_page_written_to_the_file_reads_back_into_another_block(tmp_path):
+    pool = pool_view()
+    store = FilePageStore(pool, 4 * PAGE_BYTES, str(tmp_path))
+    store.write(2, 5)
+    original = pool[5].clone()
+    store.read([2], [7])
+    assert torch.equal(pool[7], original)
+    assert os.path.getsize(store.path) >= 3 * PAGE_BYTES
+    store.close()
+
+
+def test_a_corrupt_or_never_written_slot_fails_the_read(tmp_path):
+    pool = pool_view()
+    store = FilePageStore(pool, 4 * PAGE_BYTES, str(tmp_path))
+    store.write(1, 3)
+    with open(store.path, "r+b") as f:
+        f.seek(PAGE_BYTES + 100)
+        f.write(b"\xff\x00\xff")
+    with pytest.raises(OffloadIOError):
+        store.read([1], [4])
+    with pytest.raises(OffloadIOError):
+        store.read([0], [4])
+    store.close()
+
+
+def test_two_workers_cannot_share_a_directory_and_a_restart_wipes_it(tmp_path):
+    pool = pool_view()
+    first = FilePageStore(pool, 4 * PAGE_BYTES, str(tmp_path))
+    first.write(0, 1)
+    with pytest.raises(ValueError, match="in use"):
+        FilePageStore(pool, 4 * PAGE_BYTES, str(tmp_path))
+    first.close()
+    again = FilePageStore(pool, 4 * PAGE_BYTES, str(tmp_path))
+    assert os.path.getsize(again.path) == 0
+    with pytest.raises(OffloadIOError):
+        again.read([0], [2])
+    again.close()
+
+
+class GatedPages(FakePages):
+    """Reads wait until the test opens the gate: a load stays in flight as long as it likes."""
+
+    def __init__(self, num_blocks: int, num_slots: int):
+        super().__init__(num_blocks, num_slots)
+        self.gate = threading.Event()
+
+    def read(self, slots, block_ids):
+        assert self.gate.wait(10)
+        super().read(slots, block_ids)
+
+
+def poll_until(manager: KVCacheManager, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        results = manager.poll_offload()
+        if results.landed or results.failed:
+            return results
+        time.sleep(0.01)
+    raise TimeoutError
+
+
+def threaded_manager(num_blocks=9, num_slots=16):
+    pages = GatedPages(num_blocks, num_slots)
+    tier = OffloadTier(pages, [0], executor=ThreadPoolExecutor(1))
+    return KVCacheManager(plan_groups([FullAttentionSpec()]), num_blocks, BS, offload=tier), pages
+
+
+def test_a_threaded_load_lands_only_when_its_read_is_done():
+    manager, pages = threaded_manager()
+    first = compute(manager, pages, "a", prompt(17, 0))
+    compute(manager, pages, "b", prompt(32, 1000))
+    hit = manager.find_prefix(first, 17)
+    assert manager.allocate("c", 16, 1, hit) and manager.start_offload_load("c")
+    assert not manager.poll_offload().landed
+    pages.gate.set()
+    assert poll_until(manager).landed == ["c"]
+    manager.check_invariants()
+
+
+def test_a_request_that_ends_while_its_pages_load_keeps_its_blocks_until_the_read_ends():
+    manager, pages = threaded_manager()
+    first = compute(manager, pages, "a", prompt(17, 0))
+    compute(manager, pages, "b", prompt(32, 1000))
+    hit = manager.find_prefix(first, 17)
+    assert manager.allocate("c", 16, 1, hit) and manager.start_offload_load("c")
+    in_use = manager.pool.num_in_use
+    manager.free("c")  # an abort: the read still writes those blocks
+    assert manager.pool.num_in_use == in_use
+    manager.check_invariants()
+    pages.gate.set()
+    deadline = time.monotonic() + 10
+    while manager.pool.num_in_use and time.monotonic() < deadline:
+        assert manager.poll_offload().landed == []  # nobody waits for it any more
+        time.sleep(0.01)
+    assert manager.pool.num_in_use == 0
+    manager.check_invariants()
+    # The same request id may come back at once and load again.
+    hit = manager.find_prefix(first, 17)
+    assert manager.allocate("c", hit.num_tokens, 17 - hit.num_tokens, hit)
+    if manager.start_offload_load("c"):
+        assert poll_until(manager).landed == ["c"]
