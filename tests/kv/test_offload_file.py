@@ -1,4 +1,4 @@
-"""The file tier's page store (real files) and loads that run on an I/O thread."""
+"""The tier's page stores (host memory; real files) and loads that run on an I/O thread."""
 
 from __future__ import annotations
 
@@ -124,3 +124,18 @@ def test_a_request_that_ends_while_its_pages_load_keeps_its_blocks_until_the_rea
     assert manager.allocate("c", hit.num_tokens, 17 - hit.num_tokens, hit)
     if manager.start_offload_load("c"):
         assert poll_until(manager).landed == ["c"]
+
+
+def test_the_host_store_copies_whole_pages_both_ways():
+    from pdserve.kv.offload_host import HostPageStore
+
+    pool = pool_view()
+    store = HostPageStore(pool, 3 * PAGE_BYTES + 5)
+    assert store.num_slots == 3 and store.medium == "cpu"
+    store.write(0, 1)
+    store.write(2, 6)
+    expected = pool[[1, 6]].clone()
+    store.read([0, 2], [3, 4])
+    assert torch.equal(pool[[3, 4]], expected)
+    with pytest.raises(ValueError):
+        HostPageStore(pool, PAGE_BYTES - 1)
