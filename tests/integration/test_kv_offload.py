@@ -1,0 +1,111 @@
+"""The offload tier with real processes and real HTTP on a tiny random Qwen3: a pool of 40 blocks
+fed more distinct prompts than it holds, then the same prompts again. Without a tier the second
+pass recomputes nearly everything; with either tier (host memory, files) it recomputes at most a
+quarter, and every greedy answer equals the no-tier run's. The same through P/D with the tier on
+the prefill worker."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.integration.cluster import Worker, free_port, start_workers, two_legs
+from tests.tiny_models import QWEN_VOCAB, make_tiny_qwen3, random_prompt
+
+pytestmark = pytest.mark.slow
+
+COMPUTED = "pdserve_engine_computed_prompt_tokens_total"
+PROMPTS = [random_prompt(40, QWEN_VOCAB, 300 + seed) for seed in range(10)]  # 100 blocks of 4 tokens
+TOTAL = sum(len(prompt) for prompt in PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory, device):
+    model_dir = str(tmp_path_factory.mktemp("qwen3"))
+    make_tiny_qwen3(model_dir)
+    logs = tmp_path_factory.mktemp("logs")
+    common = ["--model", model_dir, "--block-size", "4", "--num-blocks", "41"]
+    tier = ["--kv-offload-bytes", "64MiB"]
+    plain = Worker("serve", free_port(), str(logs / "plain.log"), common, device)
+    tiered = Worker("serve", free_port(), str(logs / "tiered.log"), [*common, *tier], device)
+    offload_dir = tmp_path_factory.mktemp("offload")
+    filed = Worker("serve", free_port(), str(logs / "filed.log"), [*common, *tier, "--kv-offload-dir", str(offload_dir)],
+                   device)
+    prefill = Worker("prefill", free_port(), str(logs / "prefill.log"), [*common, *tier], device)
+    # No prefix cache on D: every answer pulls the whole prompt from P, the second time pages P loaded from its tier.
+    decode = Worker("decode", free_port(), str(logs / "decode.log"),
+                    [*common[:4], "--num-blocks", "200", "--no-prefix-caching"], device)
+    started = start_workers(plain, tiered, filed, prefill, decode)
+    yield plain, tiered, (filed, offload_dir), prefill, decode
+    for worker in started:
+        worker.stop()
+
+
+def body(model: str, prompt: list[int]) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def model_of(worker: Worker) -> str:
+    return httpx.get(worker.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def complete_twice(worker: Worker) -> tuple[list[str], list[str], float]:
+    """Every prompt once then again, one at a time: (answers, answers, prompt tokens computed in the second pass)."""
+    model = model_of(worker)
+
+    def one_pass() -> list[str]:
+        answers = []
+        for prompt in PROMPTS:
+            response = httpx.post(worker.url + "/v1/completions", json=body(model, prompt), timeout=120)
+            assert response.status_code == 200, response.text
+            answers.append(response.json()["choices"][0]["text"])
+        return answers
+
+    first = one_pass()
+    before = worker.metric(COMPUTED)
+    second = one_pass()
+    return first, second, worker.metric(COMPUTED) - before
+
+
+def test_a_second_pass_comes_from_the_tier_with_the_same_answers(workers):
+    plain, tiered, _, _, _ = workers
+    plain_first, plain_second, plain_recomputed = complete_twice(plain)
+    tier_first, tier_second, tier_recomputed = complete_twice(tiered)
+    print(f"second pass recomputed {plain_recomputed:.0f}/{TOTAL} without a tier, {tier_recomputed:.0f}/{TOTAL} with one")
+    assert plain_recomputed >= 0.9 * TOTAL
+    assert tier_recomputed <= 0.25 * TOTAL
+    assert tier_first == tier_second == plain_first == plain_second
+    assert tiered.metric("pdserve_kv_offload_bytes_total") > 0
+    assert tiered.metric("pdserve_kv_offload_failed_loads_total") == 0
+    assert 0 < tiered.metric("pdserve_kv_offload_usage_ratio") <= 1
+
+
+def test_the_file_tier_writes_files_and_serves_the_second_pass(workers):
+    plain, _, (filed, offload_dir), _, _ = workers
+    plain_first = [httpx.post(plain.url + "/v1/completions", json=body(model_of(plain), p), timeout=120)
+                   .json()["choices"][0]["text"] for p in PROMPTS]
+    first, second, recomputed = complete_twice(filed)
+    print(f"file tier: second pass recomputed {recomputed:.0f}/{TOTAL}")
+    assert recomputed <= 0.25 * TOTAL
+    assert first == second == plain_first
+    assert (offload_dir / "pages.bin").stat().st_size > 0
+    assert filed.metric("pdserve_kv_offload_failed_loads_total") == 0
+
+
+def test_pd_with_the_tier_on_the_prefill_worker(workers):
+    _, _, _, prefill, decode = workers
+    model = model_of(prefill)
+    passes = []
+    for round_ in range(2):
+        before = prefill.metric(COMPUTED)
+        answers = []
+        for index, prompt in enumerate(PROMPTS):
+            _, response = two_legs(prefill, decode, "/v1/completions", body(model, prompt), f"pd-{round_}-{index}")
+            assert response.status_code == 200, response.text
+            answers.append(response.json()["choices"][0]["text"])
+        passes.append((answers, prefill.metric(COMPUTED) - before))
+    print(f"P/D: prefill computed {passes[0][1]:.0f} then {passes[1][1]:.0f} of {TOTAL} prompt tokens")
+    # The first pass has no hit at all (distinct prompts): it is the no-tier run.
+    assert passes[0][0] == passes[1][0]
+    assert passes[0][1] >= 0.9 * TOTAL
+    assert passes[1][1] <= 0.25 * TOTAL
