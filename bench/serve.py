@@ -296,15 +296,20 @@ def run_sweep(args: argparse.Namespace, command: str) -> int:
     slo = slo_of(args)
     table: dict[str, list[tuple[float, float]]] = {}
     runs = []
+    base_seed = args.seed
     for server in _servers(args, log_dir):
         try:
             server.start()
             server.wait_ready(_READY_TIMEOUT_S)
             endpoint = Endpoint(server.base_url, args.model, with_logprobs=not args.no_logprobs)
-            for rate in args.rate_list:
+            # One request of every class first: a system's first long prompt pays one-time costs.
+            run_load(endpoint, build_requests(args.classes, len(args.classes), math.inf, args.seed ^ 0xC1A55))
+            for index, rate in enumerate(args.rate_list):
                 if args.wait_for_idle_s > 0:
                     wait_for_idle(args.wait_for_idle_s)
-                args.request_rate = rate
+                # Fresh prompts at each rate (the same for every system): a rerun of the same prompts
+                # would be answered from the prefix cache.
+                args.request_rate, args.seed = rate, base_seed + index
                 summary, records = measure(f"{server.name} @ {rate:g}/s", endpoint, args, server.pids())
                 runs.append((summary, records))
                 ratio = attainment(records, slo).ratio or 0.0
@@ -314,6 +319,7 @@ def run_sweep(args: argparse.Namespace, command: str) -> int:
             return 2
         finally:
             server.stop()
+    args.seed = base_seed
     print(format_report([summary for summary, _ in runs]))
     print()
     print(format_slo_table(runs, slo))
