@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 1.0  # inbox wait with nothing to do
 POLL_WAIT_S = 0.005  # inbox wait while transfers or leases need polling
+OFFLOAD_SPIN_S = 0.0002  # run_until_idle's pause while only tier reads are pending
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +146,8 @@ class EngineLoop:
         self._drain_inbox(block=False)
         while self.scheduler.has_work() or self.scheduler.num_waiting_for_kv:
             self._poll_connector()
-            if self.scheduler.has_work():
-                self.step()
+            if self.scheduler.has_work() and not self.step() and self.scheduler.has_offload_loads():
+                time.sleep(OFFLOAD_SPIN_S)  # let the tier's I/O thread have the GIL for its reads
             self._settle()
             self._drain_inbox(block=False)
         self._settle()

@@ -1,0 +1,178 @@
+"""KV offload benchmark: a multi-turn workload whose working set is several times the pool, run with
+no tier, the host-memory tier and the file tier, side by side, in one process (real engines, the embedded
+SmolLM2 by default, CPU).
+
+    python3 bench/kv_offload.py [--model PATH] [--conversations 8] [--turns 4] [--pool-share 0.25]
+                                [--out bench/results/kv_offload.json]
+
+Each conversation grows turn by turn (its history, a new user message of random token ids, the
+answer), turns round-robin over the conversations, one request at a time, so a conversation's
+prefix has been pushed out of the pool by the others by the time it comes back. Prints, per
+configuration: prompt tokens computed, TTFT p50/p99 (submit to first token, in-process), the
+tier's hit rate (tokens loaded / tokens asked for), and each tier's load bandwidth against a raw
+copy of the same pages in this process (memory) and a raw pread of them (file; a fresh file in
+--dir, so mostly the page cache, as a tier the size of free RAM would be).
+
+Invariant: all configurations see the very same requests in the same order with greedy sampling,
+so they must answer the same tokens (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Optional
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as a script: make `pdserve` importable
+    sys.path.insert(0, REPO_ROOT)
+
+import torch  # noqa: E402
+
+from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig  # noqa: E402
+from pdserve.api.sampling import SamplingParams  # noqa: E402
+from pdserve.engine.factory import build_engine  # noqa: E402
+from pdserve.metrics import Metrics  # noqa: E402
+from pdserve.models.loader import load_model  # noqa: E402
+from pdserve.request import GenerationRequest  # noqa: E402
+
+BLOCK = 16
+
+
+def conversations(num: int, turns: int, user_tokens: int, vocab: int, seed: int = 0) -> list[list[list[int]]]:
+    """user messages: [conversation][turn] -> token ids."""
+    generator = torch.Generator().manual_seed(seed)
+    return [[torch.randint(10, vocab, (user_tokens,), generator=generator).tolist() for _ in range(turns)]
+            for _ in range(num)]
+
+
+def run(loaded, num_blocks: int, offload_bytes: Optional[int], offload_dir: Optional[str], messages,
+        answer_tokens: int) -> dict:
+    config = WorkerConfig(model=ModelConfig(device="cpu", dtype="float32"),
+                          cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, kv_offload_bytes=offload_bytes,
+                                            kv_offload_dir=offload_dir),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_running=4))
+    metrics = Metrics()
+    built = build_engine(config, metrics, loaded)
+    loop = built.engine.engine_loop
+    sampling = SamplingParams(max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
+    histories: list[list[int]] = [[] for _ in messages]
+    ttfts, answers = [], []
+    for turn in range(len(messages[0])):
+        for index, turn_messages in enumerate(messages):
+            prompt = histories[index] + turn_messages[turn]
+            outputs: list = []
+            first: list[float] = []
+
+            def sink(output, outputs=outputs, first=first):  # noqa: ANN001
+                if not first and output.new_token_ids:
+                    first.append(time.perf_counter())
+                outputs.append(output)
+
+            started = time.perf_counter()
+            loop.submit(GenerationRequest(f"c{index}-t{turn}", tuple(prompt), sampling), sink)
+            loop.run_until_idle()
+            ttfts.append(first[0] - started)
+            answer = [t for output in outputs for t in output.new_token_ids]
+            answers.append(answer)
+            histories[index] = prompt + answer
+    stats = built.kv_manager.prefix_stats
+    value = metrics.registry.get_sample_value
+    load_s = value("pdserve_kv_offload_duration_seconds_sum", {"direction": "load"}) or 0.0
+    load_bytes = value("pdserve_kv_offload_bytes_total", {"direction": "load"}) or 0.0
+    result = {
+        "tier": "file" if offload_dir else "memory" if offload_bytes else "none",
+        "computed_prompt_tokens": loop.stats.num_computed_prompt_tokens,
+        "prompt_tokens": stats.num_query_tokens,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p99_s": sorted(ttfts)[max(0, round(0.99 * len(ttfts)) - 1)],
+        "tier_hit_rate": stats.num_offload_hit_tokens / max(1, stats.num_query_tokens),
+        "load_bytes": load_bytes,
+        "load_gb_per_s": load_bytes / load_s / 1e9 if load_s else None,
+        "page_bytes": built.layout.page_bytes,
+        "answers": answers,
+    }
+    built.close()
+    return result
+
+
+def raw_copy_gb_per_s(page_bytes: int, num_pages: int = 64, reps: int = 20) -> float:
+    """The same copy a load makes (gather slots, scatter into pool rows), timed on bare tensors."""
+    source = torch.randn(num_pages * page_bytes // 4).view(torch.int8).view(num_pages, page_bytes)
+    target = torch.zeros((num_pages * 2, page_bytes), dtype=torch.int8)
+    rows = torch.arange(num_pages)
+    targets = torch.arange(num_pages) * 2
+    started = time.perf_counter()
+    for _ in range(reps):
+        target.index_copy_(0, targets, source.index_select(0, rows))
+    return num_pages * page_bytes * reps / (time.perf_counter() - started) / 1e9
+
+
+def raw_pread_gb_per_s(page_bytes: int, directory: str, num_pages: int = 64, reps: int = 20) -> float:
+    """preadv of the same pages from a file just written (the page cache) into distinct rows, as loads do."""
+    path = os.path.join(directory, "raw.bin")
+    with open(path, "wb") as f:
+        f.write(os.urandom(num_pages * page_bytes))
+    rows = torch.zeros((num_pages * 2, page_bytes), dtype=torch.int8)
+    targets = [rows[2 * page].numpy() for page in range(num_pages)]
+    fd = os.open(path, os.O_RDONLY)
+    started = time.perf_counter()
+    for _ in range(reps):
+        for page in range(num_pages):
+            os.preadv(fd, [targets[page]], page * page_bytes)
+    elapsed = time.perf_counter() - started
+    os.close(fd)
+    os.unlink(path)
+    return num_pages * page_bytes * reps / elapsed / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--user-tokens", type=int, default=96)
+    parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument("--pool-share", type=float, default=0.25, help="pool size / working set")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--dir", default=None, help="where the file tier goes (default: a temporary directory)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, torch.float32, torch.device("cpu"))
+    messages = conversations(args.conversations, args.turns, args.user_tokens, loaded.model.spec.vocab_size)
+    final_tokens = args.turns * (args.user_tokens + args.answer_tokens)
+    working_set_blocks = args.conversations * -(-final_tokens // BLOCK) * 1  # one group on SmolLM2-like models
+    num_blocks = max(-(-final_tokens // BLOCK) + 2, int(working_set_blocks * args.pool_share)) + 1
+    directory = args.dir or tempfile.mkdtemp(prefix="pdserve-kv-offload-")
+    tier_bytes = (8 * num_blocks) << 20  # twice the working set or more: the pool is the bottleneck
+    rows = []
+    for offload_bytes, offload_dir in ((None, None), (tier_bytes, None), (tier_bytes, directory)):
+        rows.append(run(loaded, num_blocks, offload_bytes, offload_dir, messages, args.answer_tokens))
+    assert rows[0]["answers"] == rows[1]["answers"] == rows[2]["answers"], "a tier changed an answer"
+    raw = raw_copy_gb_per_s(rows[1]["page_bytes"])
+    raw_file = raw_pread_gb_per_s(rows[1]["page_bytes"], directory)
+    print(f"pool {num_blocks - 1} blocks, working set {working_set_blocks} blocks, "
+          f"{args.conversations} conversations x {args.turns} turns")
+    print(f"{'tier':8} {'computed':>9} {'of':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'tier hit':>9} {'load GB/s':>10}")
+    for row in rows:
+        bandwidth = f"{row['load_gb_per_s']:.2f}" if row["load_gb_per_s"] else "-"
+        print(f"{row['tier']:8} {row['computed_prompt_tokens']:9d} {row['prompt_tokens']:7d} "
+              f"{row['ttft_p50_s'] * 1000:7.1f}ms {row['ttft_p99_s'] * 1000:7.1f}ms {row['tier_hit_rate']:9.2f} "
+              f"{bandwidth:>10}")
+    print(f"raw copy of the same pages in this process: {raw:.2f} GB/s; raw pread of them: {raw_file:.2f} GB/s")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        document = {"args": vars(args), "raw_copy_gb_per_s": raw, "raw_pread_gb_per_s": raw_file,
+                    "rows": [{k: v for k, v in row.items() if k != "answers"} for row in rows]}
+        with open(args.out, "w") as f:
+            json.dump(document, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
