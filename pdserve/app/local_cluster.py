@@ -175,7 +175,20 @@ def role_worker_args(args: argparse.Namespace, forwarded: list[str]) -> dict[str
                       or CacheConfig.model_fields["gpu_memory_utilization"].default)
         for role in per_role:
             per_role[role] = _with_value(per_role[role], "--gpu-memory-utilization", f"{share / 2:g}")
+    offload_dir = _last_value(_split_equals(forwarded), "--kv-offload-dir")
+    if offload_dir is not None:  # a file tier is one worker's (it locks its directory): one each
+        for role in per_role:
+            per_role[role] = _with_value(_split_equals(per_role[role]), "--kv-offload-dir",
+                                         os.path.join(offload_dir, role))
     return per_role
+
+
+def _split_equals(argv: Sequence[str]) -> list[str]:
+    """`--flag=value` spelled as `--flag value`, so that flags are found whichever way they were typed."""
+    split: list[str] = []
+    for arg in argv:
+        split += arg.split("=", 1) if arg.startswith("--") and "=" in arg else [arg]
+    return split
 
 
 def _child_setup(cores: Optional[tuple[int, ...]], libc: Optional[ctypes.CDLL]) -> Callable[[], None]:

@@ -220,3 +220,13 @@ def test_the_disaggregation_policy_and_slo_reach_the_proxy_only():
     for role in ("prefill", "decode"):
         assert not any(arg.startswith(("--slo", "--disaggregation")) for arg in specs[role].argv)
     assert "--disaggregation" not in specs_for()["proxy"].argv  # the proxy's own default otherwise
+
+
+@pytest.mark.parametrize("spelling", [["--kv-offload-dir", "/data/tier"], ["--kv-offload-dir=/data/tier"]])
+def test_a_file_tier_directory_is_split_between_the_two_workers(spelling):
+    """A file tier locks its directory: the two workers each get their own under the one given."""
+    specs = specs_for(*spelling)
+    assert flag(specs["prefill"].argv, "--kv-offload-dir") == "/data/tier/prefill"
+    assert flag(specs["decode"].argv, "--kv-offload-dir") == "/data/tier/decode"
+    assert "--kv-offload-dir" not in specs["proxy"].argv
+    assert not any(arg.startswith("--kv-offload-dir=") for spec in specs.values() for arg in spec.argv)
