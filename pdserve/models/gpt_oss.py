@@ -26,17 +26,16 @@ from typing import Any, Mapping, Optional
 import torch
 
 from pdserve.kv.specs import AttentionSpec
-from pdserve.models.base import QKV, CausalLM, DecoderLayer, ModelSpec
+from pdserve.models.base import QKV, DecoderLayer
 from pdserve.models.hf_config import ModelLoadError, flat_rope, head_dim_of, layer_specs_from_types, require
 from pdserve.models.layers import rms_norm_fp32_scale
-from pdserve.models.llama import LlamaAttention
+from pdserve.models.llama import LlamaAttention, LlamaForCausalLM
 from pdserve.models.moe import Experts, ExpertWeights, SparseMoE, clamped_swiglu, top_k_then_softmax
 from pdserve.models.moe_sharding import ExpertShard, sharded_experts
 from pdserve.models.quant.mxfp4 import dequantize_mxfp4
-from pdserve.models.rope import RotaryTable
 from pdserve.models.tensor_parallel import TensorParallelShard, sharded_args
 from pdserve.models.weight_loader import WeightLoader
-from pdserve.models.weight_targets import Embedding, copy_rows, empty_linear, empty_param
+from pdserve.models.weight_targets import copy_rows, empty_param
 
 DEFAULT_SLIDING_PATTERN = 2  # sliding, full, sliding, full, ... when the config has no layer_types
 
@@ -157,40 +156,13 @@ class GptOssDecoderLayer(DecoderLayer):
         self.mlp.experts.load(weights, experts, mlp)
 
 
-class GptOssForCausalLM(CausalLM):
-    def __init__(self, args: GptOssArgs, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.args = args
-        if len(args.layer_specs) != args.num_layers:
-            raise ModelLoadError(f"{len(args.layer_specs)} layer types for {args.num_layers} layers")
-        self.spec = ModelSpec(
-            architecture="gpt_oss", num_layers=args.num_layers, hidden_size=args.hidden_size,
-            num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-            vocab_size=args.vocab_size, max_position_embeddings=args.max_position_embeddings,
-            layer_specs=args.layer_specs,
-        )
-        self.embed_tokens: torch.nn.Module = Embedding(args.vocab_size, args.hidden_size, dtype)
-        self.layers = torch.nn.ModuleList(GptOssDecoderLayer(args, i, dtype, device) for i in range(args.num_layers))
-        self.norm = empty_param((args.hidden_size,), torch.float32, device)
-        self.lm_head: torch.nn.Module = empty_linear(args.hidden_size, args.vocab_size, False, dtype)
-        self.rotary = RotaryTable(args.rope, args.head_dim, args.max_position_embeddings, dtype, device)
+class GptOssForCausalLM(LlamaForCausalLM):
+    """Llama's shell (`GptOssArgs` carries the fields it reads) with gpt-oss layers and a float32
+    final norm applied at float32 scale."""
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return self.embed_tokens(input_ids), self.rotary.lookup(positions)
+    def __init__(self, args: GptOssArgs, dtype: torch.dtype, device: torch.device):
+        super().__init__(args, dtype, device, architecture="gpt_oss",  # type: ignore[arg-type]
+                         make_layer=lambda i: GptOssDecoderLayer(args, i, dtype, device), norm_dtype=torch.float32)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return rms_norm_fp32_scale(h, self.norm, self.args.rms_norm_eps)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    @torch.no_grad()
-    def load_weights(self, weights: WeightLoader) -> None:
-        self.embed_tokens = weights.embedding(self.embed_tokens, "model.embed_tokens.weight")
-        for i, layer in enumerate(self.layers):
-            layer.load(weights, f"model.layers.{i}.")
-        copy_rows(self.norm, [weights.get("model.norm.weight")], "norm")
-        if self.args.tie_word_embeddings:
-            self.lm_head = weights.tied_head(self.embed_tokens, self.lm_head)
-        else:
-            self.lm_head = weights.output_head(self.lm_head, "lm_head.weight")

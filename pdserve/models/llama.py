@@ -9,7 +9,7 @@ branches beyond the optional q/k norm. q/k/v and gate/up are fused at load.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -195,11 +195,17 @@ class LlamaDecoderLayer(DecoderLayer):
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype, device: torch.device):
+    """The shell every Llama-shaped family shares: embedding, rotary table, decoder layers, final
+    norm and output head. A family that differs only in its layers (Qwen3-MoE, gpt-oss) passes its
+    own `make_layer`, architecture name and final-norm dtype instead of building a second shell."""
+
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, device: torch.device, *,
+                 architecture: Optional[str] = None, make_layer: Optional[Callable[[int], DecoderLayer]] = None,
+                 norm_dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.args = args
         self.spec = ModelSpec(
-            architecture=args.architecture,
+            architecture=architecture or args.architecture,
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
             num_heads=args.num_heads,
@@ -211,9 +217,10 @@ class LlamaForCausalLM(CausalLM):
         )
         if len(args.layer_specs) != args.num_layers:
             raise ModelLoadError(f"{len(args.layer_specs)} layer specs for {args.num_layers} layers")
+        make_layer = make_layer or (lambda i: LlamaDecoderLayer(args, i, dtype, device))
         self.embed_tokens: torch.nn.Module = Embedding(args.vocab_size, args.hidden_size, dtype)
-        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(args, i, dtype, device) for i in range(args.num_layers))
-        self.norm = empty_param((args.hidden_size,), dtype, device)
+        self.layers = torch.nn.ModuleList(make_layer(i) for i in range(args.num_layers))
+        self.norm = empty_param((args.hidden_size,), norm_dtype or dtype, device)
         self.lm_head: torch.nn.Module = empty_linear(args.hidden_size, args.vocab_size, False, dtype)
         self.rotary = RotaryTable(args.rope, args.head_dim, args.max_position_embeddings, dtype, device)
 

@@ -124,7 +124,5 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def __init__(self, args: Qwen3MoeArgs, dtype: torch.dtype, device: torch.device):
-        super().__init__(args.base, dtype, device)
-        self.spec = dataclasses.replace(self.spec, architecture="qwen3_moe")
-        self.layers = torch.nn.ModuleList(Qwen3MoeDecoderLayer(args, i, dtype, device)
-                                          for i in range(args.base.num_layers))
+        super().__init__(args.base, dtype, device, architecture="qwen3_moe",
+                         make_layer=lambda i: Qwen3MoeDecoderLayer(args, i, dtype, device))
