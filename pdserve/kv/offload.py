@@ -55,6 +55,18 @@ class OffloadIOError(RuntimeError):
     """A page could not be written to or read from the tier's medium."""
 
 
+def store_geometry(pool_shape: Sequence[int], pool_is_int8: bool, capacity_bytes: int) -> tuple[int, int]:
+    """(page_bytes, slots) of a page store over the pool's canonical int8 view [num_blocks, page_bytes];
+    ValueError when it is not that view or the capacity holds no page."""
+    if len(pool_shape) != 2 or not pool_is_int8:
+        raise ValueError("the page store copies rows of the pool's canonical int8 view")
+    page_bytes = int(pool_shape[1])
+    num_slots = capacity_bytes // page_bytes
+    if num_slots < 1:
+        raise ValueError(f"--kv-offload-bytes {capacity_bytes} holds no page of {page_bytes} bytes")
+    return page_bytes, num_slots
+
+
 class PageStore(Protocol):
     """Where a tier keeps its pages: `num_slots` slots of one pool page each."""
 

@@ -18,19 +18,15 @@ from typing import Sequence
 
 import torch
 
-from pdserve.kv.offload import OffloadIOError
+from pdserve.kv.offload import OffloadIOError, store_geometry
 
 
 class HostPageStore:
     medium = "cpu"
 
     def __init__(self, pool_view: torch.Tensor, capacity_bytes: int):
-        if pool_view.dim() != 2 or pool_view.dtype != torch.int8:
-            raise ValueError("the page store copies rows of the pool's canonical int8 view")
-        self.page_bytes = int(pool_view.shape[1])
-        self.num_slots = capacity_bytes // self.page_bytes
-        if self.num_slots < 1:
-            raise ValueError(f"--kv-offload-bytes {capacity_bytes} holds no page of {self.page_bytes} bytes")
+        self.page_bytes, self.num_slots = store_geometry(pool_view.shape, pool_view.dtype == torch.int8,
+                                                         capacity_bytes)
         self._pool = pool_view
         on_cuda = pool_view.device.type == "cuda"
         self._buffer = torch.empty((self.num_slots, self.page_bytes), dtype=torch.int8, pin_memory=on_cuda)
