@@ -40,9 +40,12 @@ def start_prometheus(tmp_path, targets: dict[str, str], port: int) -> subprocess
 def query(port: int, promql: str) -> float:
     """Sum of the instant vector; NaN when empty or while Prometheus is not up yet."""
     try:
-        response = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": promql}, timeout=5).json()
+        answer = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": promql}, timeout=5)
     except httpx.HTTPError:
         return float("nan")
+    if answer.status_code != 200:  # a starting Prometheus answers 503 "Service Unavailable" (not JSON)
+        return float("nan")
+    response = answer.json()
     result = response["data"]["result"]
     return sum(float(sample["value"][1]) for sample in result) if result else float("nan")
 
