@@ -23,7 +23,7 @@ DEFAULT_CAPACITY = 1 << 16  # events buffered between two drains before the olde
 class KVEventKind(str, enum.Enum):
     STORED = "stored"  # a full block became findable under (block_hash, group)
     REMOVED = "removed"  # it no longer is (evicted for reuse, or its key dropped)
-    CLEARED = "cleared"  # every key of the cache was dropped at once
+    CLEARED = "cleared"  # every key of the device pool was dropped at once (a tier reports its own removals)
 
 
 @dataclass(slots=True)
@@ -35,7 +35,7 @@ class KVEvent:
     block_hash: Optional[bytes] = None
     parent_hash: Optional[bytes] = None  # None for a prompt's first block (and on REMOVED/CLEARED)
     group_id: int = 0
-    medium: Optional[str] = None  # None: the device pool; "cpu": the host-memory offload tier
+    medium: Optional[str] = None  # None: the device pool; else the offload tier's: "cpu" (host memory), "disk" (files)
 
 
 @dataclass(frozen=True, slots=True)

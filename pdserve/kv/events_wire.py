@@ -9,7 +9,7 @@
     {"type": "heartbeat", "epoch": E, "seq": S}                  nothing new up to S
 
 A block held by an offload tier rather than the device pool carries one more
-element, its medium ("cpu"), at the end of its snapshot entry or event row;
+element, its medium ("cpu" or "disk"), at the end of its snapshot entry or event row;
 device blocks carry none, so readers that predate tiers read every line as
 before (they take a tier block for a device one: a routing estimate, never a
 correctness matter).

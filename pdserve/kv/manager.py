@@ -136,9 +136,11 @@ class KVCacheManager:
         return self.pool.clear_cache()
 
     def snapshot_cache(self) -> KVSnapshot:
-        """Every cached block as of the last recorded event (engine thread: both read the same state)."""
+        """Every cached block as of the last recorded event (engine thread: both read the same state):
+        the pool's, then the tier's with their medium (a block in both is listed once for each)."""
         last_seq = self.events.last_seq if self.events is not None else 0
-        return KVSnapshot(last_seq, tuple(self.pool.cached_blocks()))
+        tier_blocks = self.offload.cached_blocks() if self.offload is not None else []
+        return KVSnapshot(last_seq, tuple(self.pool.cached_blocks()) + tuple(tier_blocks))
 
     # ---- allocation ------------------------------------------------------------------
 

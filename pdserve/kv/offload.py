@@ -44,7 +44,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
-from pdserve.kv.events import KVEventRecorder
+from pdserve.kv.events import CachedBlock, KVEventRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,13 @@ class OffloadTier:
     @property
     def num_pages(self) -> int:
         return len(self._slots)
+
+    def cached_blocks(self) -> list[CachedBlock]:
+        """Every page the tier holds, least recently used first, marked with its medium
+        (for snapshots of the event stream: the tier's stored events carry the same)."""
+        parents = self._parents
+        return [CachedBlock(block_hash, parents.get((block_hash, group_id)), group_id, self.store.medium)
+                for block_hash, group_id in self._slots]
 
     @property
     def usage_ratio(self) -> float:

@@ -222,6 +222,26 @@ def test_tier_events_carry_their_medium():
     assert all(e.medium is None for e in drained if e not in tier_stored and e.kind is KVEventKind.STORED)
 
 
+def test_a_snapshot_lists_the_tiers_pages_with_their_medium_and_a_reset_removes_them_one_by_one():
+    events = KVEventRecorder()
+    events.enabled = True
+    manager, pages, tier = tiered([FullAttentionSpec()], num_blocks=9, num_slots=16, events=events)
+    first = compute(manager, pages, "a", prompt(17, 0))
+    second = compute(manager, pages, "b", prompt(32, 1000))  # evicts every page of "a" into the tier
+    snapshot = manager.snapshot_cache()
+    device = {(b.block_hash, b.medium) for b in snapshot.blocks if b.medium is None}
+    offloaded = [b for b in snapshot.blocks if b.medium is not None]
+    assert device == {(h, None) for h in second}
+    assert {(b.block_hash, b.parent_hash, b.medium) for b in offloaded} == {
+        (h, first[i - 1] if i else None, "cpu") for i, h in enumerate(first)}
+    assert snapshot.seq == events.last_seq
+    events.drain()
+    manager.clear_prefix_cache()
+    drained = events.drain()
+    assert [(e.kind, e.medium) for e in drained] == [(KVEventKind.REMOVED, "cpu")] * 4 + [(KVEventKind.CLEARED, None)]
+    assert manager.snapshot_cache().blocks == ()
+
+
 @pytest.mark.parametrize("num_slots", [1, 2, 5])
 def test_invariants_hold_under_many_prompts(num_slots):
     manager, pages, tier = tiered([FullAttentionSpec()], num_blocks=7, num_slots=num_slots)
