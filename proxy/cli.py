@@ -65,6 +65,9 @@ def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                          help="a backend with this many proxy requests in flight is saturated (0: no cap)")
     routing.add_argument("--kv-load-tokens", type=float, default=128.0,
                          help="kv_aware: prompt tokens one unit of load (a queued request) is worth in the score")
+    routing.add_argument("--kv-offload-hit-weight", type=float, default=0.5,
+                         help="kv_aware: what a cached token in a worker's offload tier is worth against one on its "
+                              "device (0 < w < 1: below a device hit, above a miss)")
     routing.add_argument("--kv-decode-only-max-tokens", type=int, default=64,
                          help="kv_aware decode: skip the prefill leg when the decode worker's cache leaves at most "
                               "this many prompt tokens to compute (0: never)")
@@ -120,6 +123,7 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
             prefix_chars=args.prefix_chars, prefix_max_load=args.prefix_max_load,
             disagg_min_prompt_tokens=args.disagg_min_prompt_tokens, chars_per_token=args.chars_per_token,
             max_in_flight_per_backend=args.max_in_flight_per_backend, kv_load_tokens=args.kv_load_tokens,
+            kv_offload_hit_weight=args.kv_offload_hit_weight,
             kv_decode_only_max_tokens=args.kv_decode_only_max_tokens, disaggregation=args.disaggregation,
             decode_stall_tpots=args.decode_stall_tpots,
         ),

@@ -56,6 +56,9 @@ class RoutingConfig(_Frozen):
     max_in_flight_per_backend: int = Field(0, ge=0)
     # kv_aware (proxy/routing/policies_kv.py): one unit of load costs as much as computing this many prompt tokens.
     kv_load_tokens: float = Field(128.0, ge=0)
+    # kv_aware: a cached token the worker must first load from its offload tier is worth this share of one
+    # already on its device (a copy and a wait, far cheaper than computing it): below a device hit, above a miss.
+    kv_offload_hit_weight: float = Field(0.5, gt=0, lt=1)
     # Cache-aware disaggregation: with a kv_aware decode policy, skip the prefill leg when the chosen
     # decode worker's cache leaves at most this many prompt tokens for it to compute (0 = never).
     kv_decode_only_max_tokens: int = Field(64, ge=0)

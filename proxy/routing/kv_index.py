@@ -14,10 +14,18 @@ Bounded: a worker's entries stop growing at `max_keys_per_worker` (blocks it
 stores past that are not indexed and counted): a worker cannot grow the
 proxy's memory without limit, and an index that misses blocks only predicts
 fewer hits than there are.
+Tiers: each key records where the worker holds it, on the device, in its
+offload tier, or both (a page loaded back from the tier stays there too).
+Events without a medium move the device mark, events with one ("cpu",
+"disk") the tier mark, each independently, as the worker publishes them: an
+evicted page is a device `removed` and a tier `stored`; `cleared` empties the
+device pool (the tier reports its own removals); a key marked nowhere is
+dropped. A key counts once toward the bound whatever holds it.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Protocol, Sequence
@@ -29,6 +37,32 @@ from pdserve.kv.specs import KVGroupPlan
 BlockKey = tuple[bytes, int]  # (chained block hash, KV group)
 # A million keys is ~200 MB of index and more blocks than a 140 GB pool of the embedded model holds.
 MAX_KEYS_PER_WORKER = 1 << 20
+
+
+class Residence(enum.IntFlag):
+    """Where a worker holds a block: a key may be in both at once. The index stores the plain
+    int of these bits (an IntFlag operation costs ten times an int's on the matching path)."""
+
+    DEVICE = 1  # the device pool (events and snapshot entries without a medium)
+    OFFLOAD = 2  # the offload tier (with a medium: "cpu" host memory, "disk" files)
+
+
+def residence_bits(medium: Optional[str]) -> int:
+    return int(Residence.DEVICE if medium is None else Residence.OFFLOAD)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """A worker's predicted prefix hit: `num_tokens` it will report cached, of which
+    `num_offload_tokens` (from the first block it loads from its tier on, as the worker's
+    own offload hit count) it must load from its offload tier first."""
+
+    num_tokens: int = 0
+    num_offload_tokens: int = 0
+
+    @property
+    def num_device_tokens(self) -> int:
+        return self.num_tokens - self.num_offload_tokens
 
 
 class SequenceGap(Exception):
@@ -48,28 +82,29 @@ class HashedPrompt(Protocol):
 
 @dataclass(slots=True)
 class WorkerBlocks:
-    """What the index knows of one worker. `keys` are hashes of blocks of `block_size` tokens (>= 1)."""
+    """What the index knows of one worker. `keys` are hashes of blocks of `block_size` tokens (>= 1),
+    each with the `Residence` bits of where the worker holds it (never 0: a key held nowhere is dropped)."""
 
     url: str
     role: str
     epoch: str
     last_seq: int
     block_size: int
-    keys: set[BlockKey] = field(default_factory=set)
+    keys: dict[BlockKey, int] = field(default_factory=dict)
 
 
-class _HeldBy:
-    """The index seen from one worker, shaped like the block pool `match_prefix` reads."""
+class _HeldIn:
+    """One worker's keys held in `residence`, shaped like the block pool `match_prefix` reads."""
 
-    __slots__ = ("holders", "url")
+    __slots__ = ("keys", "bits")
 
-    def __init__(self, holders: dict[BlockKey, set[str]], url: str):
-        self.holders = holders
-        self.url = url
+    def __init__(self, keys: dict[BlockKey, int], residence: Residence):
+        self.keys = keys
+        self.bits = int(residence)
 
     def lookup(self, block_hash: bytes, group_id: int) -> Optional[int]:
-        urls = self.holders.get((block_hash, group_id))
-        return 1 if urls is not None and self.url in urls else None
+        held = self.keys.get((block_hash, group_id))
+        return 1 if held is not None and held & self.bits else None
 
 
 class KVIndex:
@@ -89,7 +124,7 @@ class KVIndex:
         self.drop_worker(url)
         worker = self._workers[url] = WorkerBlocks(url, role, epoch, seq, block_size)
         for block in blocks:
-            self._add(worker, (block.block_hash, block.group_id))
+            self._add(worker, (block.block_hash, block.group_id), residence_bits(block.medium))
 
     def apply_events(self, url: str, epoch: str, events: Sequence[KVEvent]) -> None:
         worker = self._workers.get(url)
@@ -100,12 +135,12 @@ class KVIndex:
                 raise SequenceGap(f"{url}: event {event.seq} after {worker.last_seq}")
             worker.last_seq = event.seq
             if event.kind is KVEventKind.STORED and event.block_hash is not None:
-                self._add(worker, (event.block_hash, event.group_id))
+                self._add(worker, (event.block_hash, event.group_id), residence_bits(event.medium))
             elif event.kind is KVEventKind.REMOVED and event.block_hash is not None:
-                self._remove(worker, (event.block_hash, event.group_id))
+                self._remove(worker, (event.block_hash, event.group_id), residence_bits(event.medium))
             elif event.kind is KVEventKind.CLEARED:
                 for key in list(worker.keys):
-                    self._remove(worker, key)
+                    self._remove(worker, key, int(Residence.DEVICE))
 
     def check_heartbeat(self, url: str, epoch: str, seq: int) -> None:
         """A heartbeat names the last event sent: a higher one means some never arrived."""
@@ -124,15 +159,25 @@ class KVIndex:
                 if not urls:
                     del self._holders[key]
 
-    def _add(self, worker: WorkerBlocks, key: BlockKey) -> None:
-        if len(worker.keys) >= self._max_keys_per_worker and key not in worker.keys:
+    def _add(self, worker: WorkerBlocks, key: BlockKey, bits: int) -> None:
+        held = worker.keys.get(key)
+        if held is not None:
+            worker.keys[key] = held | bits
+            return
+        if len(worker.keys) >= self._max_keys_per_worker:
             self.num_keys_not_indexed += 1
             return
-        worker.keys.add(key)
+        worker.keys[key] = bits
         self._holders.setdefault(key, set()).add(worker.url)
 
-    def _remove(self, worker: WorkerBlocks, key: BlockKey) -> None:
-        worker.keys.discard(key)
+    def _remove(self, worker: WorkerBlocks, key: BlockKey, bits: int) -> None:
+        held = worker.keys.get(key)
+        if held is None:
+            return
+        if held & ~bits:
+            worker.keys[key] = held & ~bits
+            return
+        del worker.keys[key]
         urls = self._holders.get(key)
         if urls is not None:
             urls.discard(worker.url)
@@ -141,24 +186,37 @@ class KVIndex:
 
     # ---- queries ---------------------------------------------------------------------
 
-    def cached_tokens(self, url: str, prompt: HashedPrompt, plan: KVGroupPlan) -> int:
-        """Prompt tokens the worker's prefix cache would serve, by the worker's own matching rule
-        over the worker's own block size (0 for a worker the index does not follow)."""
+    def cached_prefix(self, url: str, prompt: HashedPrompt, plan: KVGroupPlan) -> CachedPrefix:
+        """The prefix the worker's cache would serve, device first then its tier, by the worker's
+        own matching rule over its own block size (nothing for a worker the index does not follow)."""
         worker = self._workers.get(url)
         if worker is None:
-            return 0
+            return CachedPrefix()
         block_size = worker.block_size
         block_hashes = prompt.block_hashes(block_size)
         if not block_hashes:
-            return 0
+            return CachedPrefix()
         max_blocks = max_hit_blocks(prompt.num_tokens, block_size)
-        return match_prefix(_HeldBy(self._holders, url), plan, block_hashes, max_blocks, block_size).num_tokens
+        hit = match_prefix(_HeldIn(worker.keys, Residence.DEVICE), plan, block_hashes, max_blocks, block_size,
+                           tier=_HeldIn(worker.keys, Residence.OFFLOAD))
+        return CachedPrefix(hit.num_tokens, hit.num_tokens - hit.num_device_tokens(block_size))
+
+    def cached_tokens(self, url: str, prompt: HashedPrompt, plan: KVGroupPlan) -> int:
+        """Prompt tokens the worker will report cached (device and tier alike)."""
+        return self.cached_prefix(url, prompt, plan).num_tokens
 
     def worker(self, url: str) -> Optional[WorkerBlocks]:
         return self._workers.get(url)
 
     def holders(self, block_hash: bytes, group_id: int = 0) -> frozenset[str]:
+        """Workers holding the key anywhere (device or tier)."""
         return frozenset(self._holders.get((block_hash, group_id), ()))
+
+    def residence(self, url: str, block_hash: bytes, group_id: int = 0) -> Optional[Residence]:
+        """Where the worker holds the key (None: nowhere the index knows of)."""
+        worker = self._workers.get(url)
+        held = None if worker is None else worker.keys.get((block_hash, group_id))
+        return None if held is None else Residence(held)
 
     @property
     def num_keys(self) -> int:

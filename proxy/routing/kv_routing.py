@@ -85,8 +85,9 @@ class KVRouting:
         choice, reason = self._policies[role].choose(self._score(candidates, route.blocks, hasher))
         route.predicted[choice.backend.url] = choice.cached_tokens
         self.metrics.decisions.labels(role.value, reason).inc()
-        logger.debug("request %s: %s -> %s (%s, %d of %d tokens cached)", request.request_id, role.value,
-                     choice.backend.url, reason, choice.cached_tokens, route.blocks.num_tokens)
+        logger.debug("request %s: %s -> %s (%s, %d of %d tokens cached, %d of them in its offload tier)",
+                     request.request_id, role.value, choice.backend.url, reason, choice.cached_tokens,
+                     route.blocks.num_tokens, choice.offload_tokens)
         return choice.backend
 
     def skips_prefill(self, request: "ClientRequest", decode: Backend) -> bool:
@@ -117,8 +118,10 @@ class KVRouting:
     def _score(self, candidates: Sequence[Backend], blocks: PromptBlocks,
                hasher: PromptHasher) -> list[ScoredCandidate]:
         """One KV group plan for all (it is the model's); each worker's hit over its own block size."""
-        return [score_candidate(backend, self.index.cached_tokens(backend.url, blocks, hasher.plan),
-                                blocks.num_tokens, self._config.kv_load_tokens) for backend in candidates]
+        config = self._config
+        return [score_candidate(backend, self.index.cached_prefix(backend.url, blocks, hasher.plan),
+                                blocks.num_tokens, config.kv_load_tokens, config.kv_offload_hit_weight)
+                for backend in candidates]
 
     # ---- debugging ---------------------------------------------------------------------
 

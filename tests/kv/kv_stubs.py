@@ -1,7 +1,8 @@
 """Stub workers that also speak the KV-routing endpoints: routing info and an event stream the test drives.
 
 A `KVStubWorker` serves a ChatML-style tokenizer and template, streams a
-snapshot of the blocks it is told it holds followed by heartbeats and any
+snapshot of the blocks it is told it holds (on its device or in its offload
+tier) followed by heartbeats and any
 lines the test pushes, and reports `cached_tokens` in its answers' usage.
 """
 
@@ -40,6 +41,7 @@ def stub_routing_info(epoch: str = "e1") -> RoutingInfo:
 class KVStubWorker(StubWorker):
     epoch: str = "e1"
     held: list[bytes] = field(default_factory=list)  # block hashes of group 0 in the snapshot
+    offloaded: list[bytes] = field(default_factory=list)  # and those in its host-memory offload tier
     serve_info: bool = True
     reported_cached_tokens: int = 0
     info: Optional[bytes] = None
@@ -74,7 +76,8 @@ class KVStubWorker(StubWorker):
 
     async def _lines(self):
         sent_seq = self.last_seq
-        snapshot = KVSnapshot(sent_seq, tuple(CachedBlock(h, None, 0) for h in self.held))
+        snapshot = KVSnapshot(sent_seq, tuple(CachedBlock(h, None, 0) for h in self.held)
+                              + tuple(CachedBlock(h, None, 0, "cpu") for h in self.offloaded))
         yield encode_snapshot(self.epoch, snapshot, BLOCK)
         while True:
             try:

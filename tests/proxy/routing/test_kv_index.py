@@ -1,6 +1,6 @@
 """The proxy's KV index: snapshots and events per worker, gaps detected, and predictions equal to what the
 worker's own prefix cache finds (full attention and a Gemma-like hybrid of sliding and full groups), each
-worker matched over its own block size."""
+worker matched over its own block size; with an offload tier, which part of the hit the worker loads from it."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import pytest
 from pdserve.kv.events import CachedBlock, KVEventRecorder
 from pdserve.kv.hashing import hash_full_blocks
 from pdserve.kv.manager import KVCacheManager
+from pdserve.kv.offload import OffloadTier
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
-from proxy.routing.kv_index import KVIndex, SequenceGap
+from proxy.routing.kv_index import CachedPrefix, KVIndex, Residence, SequenceGap
 from proxy.routing.kv_prompt import PromptBlocks
+from tests.kv.test_offload import FakePages
 
 BLOCK = 4
 URL = "http://w0"
@@ -23,12 +25,17 @@ class RecordingWorker:
     """A worker's KV manager whose events feed an index, as the event stream would."""
 
     def __init__(self, layer_specs, num_blocks: int = 48, block_size: int = BLOCK, url: str = URL,
-                 index: KVIndex | None = None):
+                 index: KVIndex | None = None, offload_slots: int = 0):
         self.recorder = KVEventRecorder()
         self.recorder.enabled = True
         self.block_size = block_size
         self.url = url
-        self.manager = KVCacheManager(plan_groups(layer_specs), num_blocks, block_size, events=self.recorder)
+        plan = plan_groups(layer_specs)
+        tier = None
+        if offload_slots:  # a host-memory-like tier (its events carry medium "cpu") of pure-Python pages
+            full_group_ids = [g.group_id for g in plan.groups if isinstance(g.spec, FullAttentionSpec)]
+            tier = OffloadTier(FakePages(num_blocks, offload_slots), full_group_ids, self.recorder)
+        self.manager = KVCacheManager(plan, num_blocks, block_size, events=self.recorder, offload=tier)
         self.index = KVIndex() if index is None else index
         self.num_removed = 0
         snapshot = self.manager.snapshot_cache()
@@ -40,6 +47,8 @@ class RecordingWorker:
         hit = self.manager.find_prefix(hashes, len(tokens))
         if not self.manager.allocate(request_id, hit.num_tokens, len(tokens) - hit.num_tokens, hit):
             return
+        if self.manager.start_offload_load(request_id):
+            assert self.manager.poll_offload().landed == [request_id]
         self.manager.commit(request_id, hashes, len(tokens))
         self.manager.free(request_id)
         self.manager.check_invariants()
@@ -49,9 +58,20 @@ class RecordingWorker:
 
     def predicted_and_actual(self, prompt: PromptBlocks) -> tuple[int, int]:
         """The index's prediction from the prompt as the proxy holds it, and the worker's own hit."""
-        predicted = self.index.cached_tokens(self.url, prompt, self.manager.plan)
+        predicted, actual = self.predicted_and_actual_prefixes(prompt)
+        return predicted.num_tokens, actual.num_tokens
+
+    def predicted_and_actual_prefixes(self, prompt: PromptBlocks) -> tuple[CachedPrefix, CachedPrefix]:
+        """The same, with the tokens each says come from the offload tier."""
+        predicted = self.index.cached_prefix(self.url, prompt, self.manager.plan)
         hashes = hash_full_blocks(prompt.token_ids, self.block_size, [])
-        return predicted, self.manager.find_prefix(hashes, prompt.num_tokens).num_tokens
+        hit = self.manager.find_prefix(hashes, prompt.num_tokens)
+        return predicted, CachedPrefix(hit.num_tokens, hit.num_tokens - hit.num_device_tokens(self.block_size))
+
+    def resync(self, index: KVIndex) -> None:
+        """What a reconnecting proxy does: the worker's snapshot, in place of its history."""
+        snapshot = self.manager.snapshot_cache()
+        index.apply_snapshot(self.url, "prefill", "e1", snapshot.seq, self.block_size, snapshot.blocks)
 
 
 def held_prefix(tokens: list[int], num_computed: int, block_size: int) -> list[CachedBlock]:
@@ -208,3 +228,110 @@ def test_predictions_equal_each_workers_own_hits_when_block_sizes_differ(layer_s
         num_unequal_hits += actuals[0] != actuals[1]
     assert min(hits.values()) > 20 and all(worker.num_removed > 10 for worker in workers)
     assert num_unequal_hits > 20  # the block sizes mattered: one size served more of the prompt than the other
+
+
+def tier_blocks(*names: bytes, medium: str = "cpu"):
+    return [CachedBlock(name, None, 0, medium) for name in names]
+
+
+def test_events_with_a_medium_move_a_block_between_the_device_and_the_tier():
+    recorder = KVEventRecorder()
+    recorder.enabled = True
+    index = KVIndex()
+    index.apply_snapshot(URL, "prefill", "e1", 0, BLOCK, [])
+    recorder.stored(b"a", None, 0)
+    index.apply_events(URL, "e1", recorder.drain())
+    assert index.residence(URL, b"a") == Residence.DEVICE
+    recorder.stored(b"a", None, 0, "cpu")  # the pool evicts it: the tier takes the page first
+    recorder.removed(b"a", 0)
+    index.apply_events(URL, "e1", recorder.drain())
+    assert index.residence(URL, b"a") == Residence.OFFLOAD and index.holders(b"a") == {URL}
+    recorder.stored(b"a", None, 0)  # a hit loaded it back: the tier keeps its copy
+    index.apply_events(URL, "e1", recorder.drain())
+    assert index.residence(URL, b"a") == Residence.DEVICE | Residence.OFFLOAD
+    recorder.removed(b"a", 0, "cpu")  # the tier's own LRU dropped it
+    index.apply_events(URL, "e1", recorder.drain())
+    assert index.residence(URL, b"a") == Residence.DEVICE
+    recorder.removed(b"a", 0)
+    index.apply_events(URL, "e1", recorder.drain())
+    assert index.residence(URL, b"a") is None and index.holders(b"a") == frozenset() and index.num_keys == 0
+
+
+def test_cleared_empties_the_device_pool_and_leaves_the_tier_to_its_own_removals():
+    recorder = KVEventRecorder()
+    recorder.enabled = True
+    index = KVIndex()
+    index.apply_snapshot(URL, "prefill", "e1", 0, BLOCK, [*blocks(b"a", b"b"), *tier_blocks(b"b", b"c")])
+    recorder.removed(b"c", 0, "cpu")  # a reset drops the tier's unpinned pages one by one, then the pool at once
+    recorder.cleared()
+    index.apply_events(URL, "e1", recorder.drain())
+    assert index.residence(URL, b"a") is None and index.residence(URL, b"c") is None
+    assert index.residence(URL, b"b") == Residence.OFFLOAD  # pinned by a load in flight: still in the tier
+    assert index.num_keys == 1
+
+
+def test_snapshot_entries_with_a_medium_are_tier_blocks_and_a_block_in_both_is_one_key():
+    index = KVIndex()
+    index.apply_snapshot(URL, "decode", "e1", 3, BLOCK, [*blocks(b"a", b"b"), *tier_blocks(b"b", b"c", medium="disk")])
+    assert [index.residence(URL, name) for name in (b"a", b"b", b"c")] == [
+        Residence.DEVICE, Residence.DEVICE | Residence.OFFLOAD, Residence.OFFLOAD]
+    assert index.num_keys == 3 and index.num_blocks_by_role() == {"decode": 3}
+
+
+def test_the_key_bound_counts_a_key_once_wherever_the_worker_holds_it():
+    recorder = KVEventRecorder()
+    recorder.enabled = True
+    index = KVIndex(max_keys_per_worker=2)
+    index.apply_snapshot(URL, "prefill", "e1", 0, BLOCK, [*blocks(b"a", b"b"), *tier_blocks(b"a")])
+    assert index.num_keys_not_indexed == 0 and index.residence(URL, b"a") == Residence.DEVICE | Residence.OFFLOAD
+    recorder.stored(b"b", None, 0, "cpu")  # a second medium for a key already held: no new key
+    recorder.stored(b"c", None, 0, "cpu")  # a new key past the bound: not indexed
+    recorder.removed(b"b", 0)
+    index.apply_events(URL, "e1", recorder.drain())
+    assert index.residence(URL, b"b") == Residence.OFFLOAD and index.residence(URL, b"c") is None
+    assert len(index.worker(URL).keys) == 2 and index.num_keys_not_indexed == 1
+
+
+def test_the_prediction_splits_a_hit_into_device_tokens_and_the_tier_tokens_after_them():
+    plan = plan_groups([FullAttentionSpec()])
+    tokens = list(range(1, 18))  # 4 full blocks of 4, and the last token always computed
+    hashes = hash_full_blocks(tokens, BLOCK, [])
+    device = [CachedBlock(h, None, 0) for h in hashes[:2]]
+    offloaded = [CachedBlock(h, None, 0, "cpu") for h in hashes[1:]]
+    index = KVIndex()
+    prompt = PromptBlocks(tuple(tokens))
+    for url, held in [("http://device", device), ("http://both", device + offloaded),
+                      ("http://tier", offloaded + [CachedBlock(hashes[0], None, 0, "disk")]), ("http://none", [])]:
+        index.apply_snapshot(url, "prefill", "e1", 0, BLOCK, held)
+    assert index.cached_prefix("http://device", prompt, plan) == CachedPrefix(8, 0)
+    assert index.cached_prefix("http://both", prompt, plan) == CachedPrefix(16, 8)  # blocks 0-1 device, 2-3 tier
+    assert index.cached_prefix("http://tier", prompt, plan) == CachedPrefix(16, 16)
+    assert index.cached_prefix("http://none", prompt, plan) == CachedPrefix(0, 0)
+    assert index.cached_tokens("http://both", prompt, plan) == 16
+
+
+@pytest.mark.parametrize("layer_specs", [
+    [FullAttentionSpec()] * 2,
+    [SlidingWindowSpec(6), SlidingWindowSpec(6), FullAttentionSpec(), SlidingWindowSpec(6)],
+], ids=["full", "sliding+full"])
+def test_predictions_with_an_offload_tier_equal_the_workers_own_hits_and_their_tier_share(layer_specs):
+    """A pool of 24 blocks behind a tier of 40 pages, fed more prompts than the pool holds: every prediction
+    equals the worker's own hit and the tokens it loads from the tier, from the event history and from a fresh
+    snapshot alike."""
+    worker = RecordingWorker(layer_specs, num_blocks=24, offload_slots=40)
+    rng = random.Random(3)
+    stems = [[rng.randrange(1, 50) for _ in range(rng.randrange(8, 30))] for _ in range(10)]
+    num_tier_hits = 0
+    for step in range(120):
+        stem = rng.choice(stems)
+        tokens = stem[: rng.randrange(1, len(stem) + 1)] + [rng.randrange(50, 99) for _ in range(rng.randrange(0, 9))]
+        prompt = PromptBlocks(tuple(tokens))
+        predicted, actual = worker.predicted_and_actual_prefixes(prompt)
+        assert predicted == actual, (step, tokens)
+        resynced = KVIndex()
+        worker.resync(resynced)
+        assert resynced.cached_prefix(worker.url, prompt, worker.manager.plan) == actual, (step, tokens)
+        num_tier_hits += actual.num_offload_tokens > 0
+        worker.compute(f"r{step}", tokens)
+    assert num_tier_hits > 15  # the tier served real hits
+    assert worker.manager.offload.stats.num_loads > 15 and worker.num_removed > 20

@@ -178,7 +178,8 @@ def test_explain_shows_each_candidates_score_and_needs_the_token(prompt):
             answer = httpx.request("GET", url, json=BODY, headers={"X-Pdserve-Internal-Token": "s3cret"}).json()
             assert answer["num_prompt_tokens"] == prompt.num_tokens
             assert answer["prefill"]["candidates"] == [
-                {"url": w.url, "cached_tokens": 8, "load": 0.0, "score": prompt.num_tokens - 8, "block_size": BLOCK}]
+                {"url": w.url, "cached_tokens": 8, "offload_tokens": 0, "load": 0.0, "score": prompt.num_tokens - 8,
+                 "block_size": BLOCK}]
             assert answer["prefill"]["reason"] == "cache_hit" and answer["skip_prefill"] is False
             assert not warm.calls  # explaining routes nothing
 
@@ -230,6 +231,38 @@ def test_workers_of_different_block_sizes_are_each_routed_by_their_own_hits():
                 assert proxy.metric("pdserve_proxy_kv_routing_decisions_total", role=role, reason="cache_hit") == 2
                 assert proxy.metric("pdserve_proxy_kv_predicted_cached_tokens_total", role=role) == 2 * cached
                 assert proxy.metric("pdserve_proxy_kv_prediction_error_tokens_sum", role=role) == 0
+
+
+def test_a_device_hit_beats_a_tier_hit_which_beats_a_miss_and_events_move_a_prefix_into_the_tier(prompt):
+    """Three prefill workers hold the prompt's first 12 tokens on the device, in the offload tier, nowhere;
+    then the device worker's pool evicts them into its own tier (the events a worker sends for that)."""
+    held = list(prompt.block_hashes(BLOCK)[:3])
+    device = KVStubWorker("prefill", "p-device", held=held, reported_cached_tokens=12)
+    tier = KVStubWorker("prefill", "p-tier", offloaded=held, reported_cached_tokens=12)
+    cold = KVStubWorker("prefill", "p-cold")
+    decode = KVStubWorker("decode", "d0")
+    with Served(device.app()) as v, Served(tier.app()) as t, Served(cold.app()) as c, Served(decode.app()) as d:
+        with ServedProxy(kv_config([v.url, t.url, c.url], [d.url], kv_decode_only_max_tokens=0)) as proxy:
+            proxy.wait_ready()
+            wait_until(lambda: index_synced(proxy, v.url, t.url, c.url, d.url))
+            answer = asyncio.run(proxy.components.kv.explain("/v1/chat/completions", BODY))
+            assert [(x["url"], x["cached_tokens"], x["offload_tokens"], x["score"])
+                    for x in answer["prefill"]["candidates"]] == [
+                (v.url, 12, 0, prompt.num_tokens - 12), (t.url, 12, 12, prompt.num_tokens - 6),
+                (c.url, 0, 0, prompt.num_tokens)]
+            assert chat(proxy).status_code == 200 and len(device.calls) == 1
+            recorder = KVEventRecorder()
+            recorder.enabled = True
+            for block_hash in held:  # write-back: the tier takes each page, then the pool drops it
+                recorder.stored(block_hash, None, 0, "cpu")
+                recorder.removed(block_hash, 0)
+            device.push_events(recorder.drain())
+            index = proxy.components.kv.index
+            wait_until(lambda: index.worker(v.url).last_seq == 6)
+            scores = {x["url"]: (x["cached_tokens"], x["offload_tokens"]) for x in asyncio.run(
+                proxy.components.kv.explain("/v1/chat/completions", BODY))["prefill"]["candidates"]}
+            assert scores == {v.url: (12, 12), t.url: (12, 12), c.url: (0, 0)}
+            assert proxy.metric("pdserve_proxy_kv_prediction_error_tokens_sum", role="prefill") == 0
 
 
 def test_explain_says_when_kv_aware_routing_is_off():
