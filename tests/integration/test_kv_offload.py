@@ -2,14 +2,15 @@
 fed more distinct prompts than it holds, then the same prompts again. Without a tier the second
 pass recomputes nearly everything; with either tier (host memory, files) it recomputes at most a
 quarter, and every greedy answer equals the no-tier run's. The same through P/D with the tier on
-the prefill worker."""
+the prefill worker. A kv_aware proxy following the tiered worker's KV events predicts a prefix held
+only in its tier as cached tokens to load from the tier, exactly the hit the worker then reports."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from tests.integration.cluster import Worker, free_port, start_workers, two_legs
+from tests.integration.cluster import ProxyProcess, Worker, free_port, start_workers, two_legs, wait_for
 from tests.tiny_models import QWEN_VOCAB, make_tiny_qwen3, random_prompt
 
 pytestmark = pytest.mark.slow
@@ -109,3 +110,39 @@ def test_pd_with_the_tier_on_the_prefill_worker(workers):
     assert passes[0][0] == passes[1][0]
     assert passes[0][1] >= 0.9 * TOTAL
     assert passes[1][1] <= 0.25 * TOTAL
+
+
+def offload_hit_tokens(worker: Worker) -> float:
+    """Prompt tokens the worker's prefix cache found from a block loaded from its tier on."""
+    sample = 'pdserve_kv_prefix_cache_hits_by_medium_tokens_total{medium="offload"} '
+    lines = httpx.get(worker.url + "/metrics", timeout=5).text.splitlines()
+    return sum(float(line[len(sample):]) for line in lines if line.startswith(sample))
+
+
+def test_a_kv_aware_proxy_sees_a_prefix_in_the_tier_and_predicts_the_hit_the_worker_reports(workers, tmp_path):
+    _, tiered, _, _, _ = workers
+    model = model_of(tiered)
+    for prompt in PROMPTS:  # 100 blocks through a pool of 40: the first prompts' pages end up in the tier only
+        assert httpx.post(tiered.url + "/v1/completions", json=body(model, prompt), timeout=120).status_code == 200
+    proxy = ProxyProcess(free_port(), str(tmp_path / "proxy.log"),
+                         ["--decode", tiered.url, "--policy", "kv_aware", "--health-interval-s", "0.2"])
+    try:
+        def first_prompt_candidate() -> dict:
+            try:
+                answer = httpx.post(proxy.url + "/internal/routing/explain", json=body(model, PROMPTS[0]),
+                                    timeout=10).json()
+            except httpx.HTTPError:
+                return {}
+            candidates = answer.get("decode", {}).get("candidates", []) if answer.get("ready") else []
+            return candidates[0] if candidates else {}
+
+        assert wait_for(lambda: first_prompt_candidate().get("offload_tokens", 0) > 0, timeout_s=60), \
+            f"the proxy never saw the tier's pages: {first_prompt_candidate()}"
+        predicted = first_prompt_candidate()
+        assert predicted["cached_tokens"] == predicted["offload_tokens"] == 36  # 9 blocks of 4: never the last token
+        before = offload_hit_tokens(tiered)
+        response = httpx.post(tiered.url + "/v1/completions", json=body(model, PROMPTS[0]), timeout=120)
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted["cached_tokens"]
+        assert offload_hit_tokens(tiered) - before == predicted["offload_tokens"]
+    finally:
+        proxy.stop()
