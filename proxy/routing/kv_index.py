@@ -47,8 +47,11 @@ class Residence(enum.IntFlag):
     OFFLOAD = 2  # the offload tier (with a medium: "cpu" host memory, "disk" files)
 
 
+_DEVICE, _OFFLOAD = int(Residence.DEVICE), int(Residence.OFFLOAD)
+
+
 def residence_bits(medium: Optional[str]) -> int:
-    return int(Residence.DEVICE if medium is None else Residence.OFFLOAD)
+    return _DEVICE if medium is None else _OFFLOAD
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +94,7 @@ class WorkerBlocks:
     last_seq: int
     block_size: int
     keys: dict[BlockKey, int] = field(default_factory=dict)
+    num_offload_keys: int = 0  # keys with the OFFLOAD bit: 0 skips the tier lookups when matching
 
 
 class _HeldIn:
@@ -140,7 +144,7 @@ class KVIndex:
                 self._remove(worker, (event.block_hash, event.group_id), residence_bits(event.medium))
             elif event.kind is KVEventKind.CLEARED:
                 for key in list(worker.keys):
-                    self._remove(worker, key, int(Residence.DEVICE))
+                    self._remove(worker, key, _DEVICE)
 
     def check_heartbeat(self, url: str, epoch: str, seq: int) -> None:
         """A heartbeat names the last event sent: a higher one means some never arrived."""
@@ -161,19 +165,20 @@ class KVIndex:
 
     def _add(self, worker: WorkerBlocks, key: BlockKey, bits: int) -> None:
         held = worker.keys.get(key)
-        if held is not None:
-            worker.keys[key] = held | bits
-            return
-        if len(worker.keys) >= self._max_keys_per_worker:
-            self.num_keys_not_indexed += 1
-            return
-        worker.keys[key] = bits
-        self._holders.setdefault(key, set()).add(worker.url)
+        if held is None:
+            if len(worker.keys) >= self._max_keys_per_worker:
+                self.num_keys_not_indexed += 1
+                return
+            self._holders.setdefault(key, set()).add(worker.url)
+            held = 0
+        worker.keys[key] = held | bits
+        worker.num_offload_keys += bool(bits & _OFFLOAD and not held & _OFFLOAD)
 
     def _remove(self, worker: WorkerBlocks, key: BlockKey, bits: int) -> None:
         held = worker.keys.get(key)
         if held is None:
             return
+        worker.num_offload_keys -= bool(bits & _OFFLOAD and held & _OFFLOAD)
         if held & ~bits:
             worker.keys[key] = held & ~bits
             return
@@ -197,8 +202,8 @@ class KVIndex:
         if not block_hashes:
             return CachedPrefix()
         max_blocks = max_hit_blocks(prompt.num_tokens, block_size)
-        hit = match_prefix(_HeldIn(worker.keys, Residence.DEVICE), plan, block_hashes, max_blocks, block_size,
-                           tier=_HeldIn(worker.keys, Residence.OFFLOAD))
+        tier = _HeldIn(worker.keys, Residence.OFFLOAD) if worker.num_offload_keys else None
+        hit = match_prefix(_HeldIn(worker.keys, Residence.DEVICE), plan, block_hashes, max_blocks, block_size, tier)
         return CachedPrefix(hit.num_tokens, hit.num_tokens - hit.num_device_tokens(block_size))
 
     def cached_tokens(self, url: str, prompt: HashedPrompt, plan: KVGroupPlan) -> int:

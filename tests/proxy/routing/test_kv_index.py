@@ -234,6 +234,12 @@ def tier_blocks(*names: bytes, medium: str = "cpu"):
     return [CachedBlock(name, None, 0, medium) for name in names]
 
 
+def check_offload_count(index: KVIndex, url: str = URL) -> None:
+    """The worker's count of tier keys (which lets matching skip the tier) is its keys' OFFLOAD bits."""
+    worker = index.worker(url)
+    assert worker.num_offload_keys == sum(1 for bits in worker.keys.values() if bits & Residence.OFFLOAD)
+
+
 def test_events_with_a_medium_move_a_block_between_the_device_and_the_tier():
     recorder = KVEventRecorder()
     recorder.enabled = True
@@ -241,19 +247,24 @@ def test_events_with_a_medium_move_a_block_between_the_device_and_the_tier():
     index.apply_snapshot(URL, "prefill", "e1", 0, BLOCK, [])
     recorder.stored(b"a", None, 0)
     index.apply_events(URL, "e1", recorder.drain())
+    check_offload_count(index)
     assert index.residence(URL, b"a") == Residence.DEVICE
     recorder.stored(b"a", None, 0, "cpu")  # the pool evicts it: the tier takes the page first
     recorder.removed(b"a", 0)
     index.apply_events(URL, "e1", recorder.drain())
+    check_offload_count(index)
     assert index.residence(URL, b"a") == Residence.OFFLOAD and index.holders(b"a") == {URL}
     recorder.stored(b"a", None, 0)  # a hit loaded it back: the tier keeps its copy
     index.apply_events(URL, "e1", recorder.drain())
+    check_offload_count(index)
     assert index.residence(URL, b"a") == Residence.DEVICE | Residence.OFFLOAD
     recorder.removed(b"a", 0, "cpu")  # the tier's own LRU dropped it
     index.apply_events(URL, "e1", recorder.drain())
+    check_offload_count(index)
     assert index.residence(URL, b"a") == Residence.DEVICE
     recorder.removed(b"a", 0)
     index.apply_events(URL, "e1", recorder.drain())
+    check_offload_count(index)
     assert index.residence(URL, b"a") is None and index.holders(b"a") == frozenset() and index.num_keys == 0
 
 
@@ -268,6 +279,7 @@ def test_cleared_empties_the_device_pool_and_leaves_the_tier_to_its_own_removals
     assert index.residence(URL, b"a") is None and index.residence(URL, b"c") is None
     assert index.residence(URL, b"b") == Residence.OFFLOAD  # pinned by a load in flight: still in the tier
     assert index.num_keys == 1
+    check_offload_count(index)
 
 
 def test_snapshot_entries_with_a_medium_are_tier_blocks_and_a_block_in_both_is_one_key():
@@ -276,6 +288,7 @@ def test_snapshot_entries_with_a_medium_are_tier_blocks_and_a_block_in_both_is_o
     assert [index.residence(URL, name) for name in (b"a", b"b", b"c")] == [
         Residence.DEVICE, Residence.DEVICE | Residence.OFFLOAD, Residence.OFFLOAD]
     assert index.num_keys == 3 and index.num_blocks_by_role() == {"decode": 3}
+    check_offload_count(index)
 
 
 def test_the_key_bound_counts_a_key_once_wherever_the_worker_holds_it():
@@ -290,6 +303,7 @@ def test_the_key_bound_counts_a_key_once_wherever_the_worker_holds_it():
     index.apply_events(URL, "e1", recorder.drain())
     assert index.residence(URL, b"b") == Residence.OFFLOAD and index.residence(URL, b"c") is None
     assert len(index.worker(URL).keys) == 2 and index.num_keys_not_indexed == 1
+    check_offload_count(index)
 
 
 def test_the_prediction_splits_a_hit_into_device_tokens_and_the_tier_tokens_after_them():
@@ -333,5 +347,6 @@ def test_predictions_with_an_offload_tier_equal_the_workers_own_hits_and_their_t
         assert resynced.cached_prefix(worker.url, prompt, worker.manager.plan) == actual, (step, tokens)
         num_tier_hits += actual.num_offload_tokens > 0
         worker.compute(f"r{step}", tokens)
+        check_offload_count(worker.index)
     assert num_tier_hits > 15  # the tier served real hits
     assert worker.manager.offload.stats.num_loads > 15 and worker.num_removed > 20
