@@ -343,7 +343,7 @@ def measure_mode(shape: PoolShape, mode: str, prompt_tokens: Sequence[int], bs_c
 
 def measure_prompt(shape: PoolShape, mode: str, num_tokens: int, max_tokens: int, readers: list[Reader],
                    pages: dict[int, int], reps: int, child_pid: int) -> list[dict]:
-    from pdserve.transfer.nixl_transport import DEFAULT_STAGED_DESCRIPTOR_FACTOR, DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES
+    from pdserve.transfer.descriptor_runs import DEFAULT_STAGED_DESCRIPTOR_FACTOR, DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES
 
     generator = torch.Generator().manual_seed(SEED + num_tokens)
     ids = {}  # block size -> (prefill ids, decode ids) of this prompt; pools of one block size match

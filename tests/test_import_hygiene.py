@@ -35,6 +35,8 @@ TORCH_AND_NIXL_FREE_MODULES = [
     "pdserve.transfer", "pdserve.transfer.transport", "pdserve.transfer.planner", "pdserve.transfer.fake_transport",
     "pdserve.transfer.token_units", "pdserve.transfer.descriptor_runs", "pdserve.transfer.staging",
     "pdserve.transfer.ranked_transport", "pdserve.kv.head_split", "pdserve.engine.step_budget",
+    # the isolated NIXL agent's engine side (its process imports nixl through nixl_transport)
+    "pdserve.transfer.agent_client", "pdserve.transfer.agent_restart", "pdserve.kv.shared_memory",
     # the HTTP layer
     "pdserve.server.app", "pdserve.server.kv_events", "pdserve.server.kv_events_routes",
 ]

@@ -2,7 +2,8 @@
 
 Read in this order: specs (layer specs -> groups), hashing (prefix-cache keys),
 block_pool (block ids, refs, LRU), prefix (hit matching across groups),
-manager (per-request tables; the scheduler's API), layout (the pool tensor),
+manager (per-request tables; the scheduler's API), layout (the pool tensor;
+shared_memory: host memory an isolated NIXL agent's process maps too),
 sizing (how many blocks a device's memory holds); then what leaves the
 worker: events (what enters and leaves the prefix cache), events_wire (their
 NDJSON format) and routing_info (what a router needs to hash prompts itself).

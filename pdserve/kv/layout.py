@@ -64,6 +64,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kv.shared_memory import shared_zeros
+
 
 def huge_page_zeros(num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor on anonymous memory advised for transparent huge pages.
@@ -160,9 +162,13 @@ class KVPoolLayout:
             raise ValueError(f"heads {first_head}..{first_head + num_heads - 1} outside 0..{self.num_kv_heads - 1}")
         return first_head * self.slab_bytes, num_heads * self.slab_bytes
 
-    def allocate(self, device: torch.device | str) -> torch.Tensor:
+    def allocate(self, device: torch.device | str, shared: bool = False) -> torch.Tensor:
+        """`shared`: host memory another process can map (an isolated NIXL agent's; see
+        pdserve/kv/shared_memory.py). Ignored on a GPU."""
         # Zeros, not empty: the null page is read under masks, and garbage NaNs
         # would survive a zero attention weight (0 * NaN = NaN).
+        if torch.device(device).type == "cpu" and shared:
+            return torch.frombuffer(shared_zeros(self.pool_bytes), dtype=self.dtype).view(self.shape)
         if torch.device(device).type == "cpu":
             return huge_page_zeros(self.pool_bytes, self.dtype).view(self.shape)
         return torch.zeros(self.shape, dtype=self.dtype, device=device)

@@ -27,6 +27,12 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+# "auto" stages a read when that at least halves its descriptors and its direct ones average at most
+# 8 KiB: on the CPU staging then gained 1.2-2.9x, and at 16 KiB or more never more than 1.05x, whatever
+# the factor (bench/kv_transfer_block_size.py --sweep, docs/benchmarks.md "KV pulls between block sizes").
+DEFAULT_STAGED_DESCRIPTOR_FACTOR = 2.0
+DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES = 8 << 10
+
 Ids = Union[Sequence[int], np.ndarray]
 
 
@@ -164,3 +170,17 @@ def choose_runs(local_ids: Ids, remote_ids: Ids, chunk_bytes: int, read_mode: st
                                 or len(direct) - len(staged) < MIN_DESCRIPTORS_SAVED):
         return direct, None
     return direct, staged
+
+
+def check_ids(side: str, block_ids: Sequence[int], num_blocks: int) -> np.ndarray:
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        raise ValueError(f"{side} block ids must lie in 0..{num_blocks - 1}")
+    return ids
+
+
+def check_read_mode(read_mode: str, staged_descriptor_factor: float) -> None:
+    if read_mode not in READ_MODES:
+        raise ValueError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
+    if not staged_descriptor_factor >= 1:
+        raise ValueError(f"staged_descriptor_factor must be >= 1, got {staged_descriptor_factor}")

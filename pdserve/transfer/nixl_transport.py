@@ -28,18 +28,7 @@ descriptor_runs.py), straight into the pool. Descriptor lists are prepared at co
 coarse chunks (at most MAX_PREPPED_CHUNKS_PER_PAGE per page on both sides: whole pages, head
 ranges); finer chunks are described per read, from numpy arrays.
 
-Staged reads: between pages of different block sizes a read is one small chunk per (unit, row),
-so a direct read takes hundreds of descriptors per block. A staged read instead fetches runs
-consecutive on the remote side (typically whole remote pages) into a registered staging buffer,
-then copies the chunks into the pool with one vectorized index_copy_:
-
-    remote pool   | P page 7 (rows r0 r1 r2 ..) | P page 8 (rows r0 r1 r2 ..) |     1 descriptor per run
-                          |  NIXL READ (+ notification: P's pages are free now)
-                          v
-    staging       [ 7.r0 | 7.r1 | 7.r2 | .. | 8.r0 | 8.r1 | .. ]   chunk i, ordered by remote id
-                          |  poll() sees DONE: pool_chunks.index_copy_(0, local_ids_by_remote, staging)
-                          v
-    local pool    | D page 3: [r0: 7.r0 8.r0][r1: 7.r1 8.r1][r2: ..] |   then the handle is DONE
+Staged reads (between pages of different block sizes): pdserve/transfer/staged_copy.py.
 
 `read_mode` "auto" stages a read when staging cuts its descriptors by `staged_descriptor_factor`
 and its direct descriptors are small (`staged_max_descriptor_bytes`): measured, the crossover is
@@ -47,6 +36,12 @@ set by the descriptor size, not by the factor alone (docs/benchmarks.md, "KV pul
 sizes"); "direct" and "staged" force one way (benchmarks, tests). A staged read that fails
 copies nothing into the pool. Staging buffers are reused (pdserve/transfer/staging.py); on
 CUDA the handle is DONE, and the buffer free, only once the copy's event completed.
+
+Agent isolation (`isolated=True`, host-memory pools): the agent runs in its own process
+(pdserve/transfer/agent_client.py), so a crash inside NIXL or UCX costs the reads in flight, not
+the engine. Its death is noticed at the next call; the reads it ran fail, its peers are dropped,
+and a replacement with a new name and metadata starts (pdserve/transfer/agent_restart.py);
+`generation` counts them, so the worker can advertise the new identity.
 
 NIXL raises its own exception classes (no common base beyond Exception) from
 C++ bindings; every call into the agent is therefore wrapped, and a failure
@@ -58,19 +53,22 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
-from pdserve.kv.layout import huge_page_zeros
+from pdserve.transfer.agent_client import DEFAULT_CALL_TIMEOUT_S, IsolatedAgent
+from pdserve.transfer.agent_restart import AgentRestart
 from pdserve.transfer.descriptor_runs import (
-    READ_MODES, DirectRuns, StagedRuns, choose_runs, chunk_descriptors, run_descriptors)
+    DEFAULT_STAGED_DESCRIPTOR_FACTOR, DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES, DirectRuns, StagedRuns, check_ids,
+    check_read_mode, choose_runs, chunk_descriptors, run_descriptors)
+from pdserve.transfer.staged_copy import Scatter, allocate_host_or_device, copy_out_of_staging
 from pdserve.transfer.staging import StagingBuffer, StagingBuffers
+from pdserve.transfer.ucx_environment import allow_cuda_ipc_reads
 from pdserve.transfer.transport import (
     PeerInfo, TransferError, TransferHandle, TransferState, num_chunks, wait_connected)
 
@@ -78,12 +76,8 @@ logger = logging.getLogger(__name__)
 
 _LOCAL_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for "the local side of a prepared list"
 _WARM_UP_BYTES = 64
+_AGENT_START_TIMEOUT_S = 60.0  # the first agent process, at worker start-up (importing nixl included)
 MAX_PREPPED_CHUNKS_PER_PAGE = 64  # head-range chunks of the TP path; never a pool of (unit, row) chunks
-# "auto" stages a read when that at least halves its descriptors and its direct ones average at most
-# 8 KiB: on the CPU staging then gained 1.2-2.9x, and at 16 KiB or more never more than 1.05x, whatever
-# the factor (bench/kv_transfer_block_size.py --sweep, docs/benchmarks.md "KV pulls between block sizes").
-DEFAULT_STAGED_DESCRIPTOR_FACTOR = 2.0
-DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES = 8 << 10
 DEFAULT_STAGING_IDLE_BYTES = 1 << 30  # staging buffers kept for reuse between reads
 
 
@@ -97,32 +91,21 @@ class _Peer:
 
 
 @dataclass(slots=True)
-class _Scatter:
-    """What is left of a staged read once NIXL is done: staging chunk i -> local chunk local_ids[i]."""
-
-    buffer: StagingBuffer
-    local_ids: torch.Tensor  # int64, on the pool's device
-    chunk_bytes: int
-    copied: bool = False
-    fence: Any = None  # CUDA event recorded after the copy (None on CPU: the copy is synchronous)
-
-
-@dataclass(slots=True)
 class _InFlight:
     xfer: Any  # nixl_xfer_handle
     peer_key: str
-    scatter: Optional[_Scatter] = None  # set for a staged read
+    scatter: Optional[Scatter] = None  # set for a staged read
+    lost: Optional[str] = None  # why, once the agent that ran it died (the read failed, nothing to release)
 
 
 class NixlTransport:
     """KVTransport whose peers are NIXL agents in other processes.
 
-    `progress_thread` starts NIXL's background progress thread. It is off by
-    default because it keeps a CPU core half busy even when idle; without it,
-    NIXL makes progress only inside calls into the agent, so the engine loop
-    must call `poll_notifications` every step on both roles (and `poll` while
-    reads are pending). `connect_timeout_s` bounds the blocking `connect` (tools and tests);
-    the engine uses `begin_connect`/`poll_connect` and its own deadline.
+    `progress_thread` starts NIXL's background progress thread. It is off by default because it
+    keeps a CPU core half busy even when idle; without it, NIXL makes progress only inside calls
+    into the agent, so the engine loop must call `poll_notifications` every step on both roles
+    (and `poll` while reads are pending). `connect_timeout_s` bounds the blocking `connect` (tools
+    and tests); the engine uses `begin_connect`/`poll_connect` and its own deadline.
     `read_mode`, `staged_descriptor_factor` and `staged_max_descriptor_bytes` choose between direct
     and staged reads (pdserve/transfer/descriptor_runs.py, `choose_runs`); `staging_idle_bytes`
     bounds the staging memory kept idle between reads.
@@ -132,22 +115,29 @@ class NixlTransport:
                  connect_timeout_s: float = 5.0, read_mode: str = "auto",
                  staged_descriptor_factor: float = DEFAULT_STAGED_DESCRIPTOR_FACTOR,
                  staged_max_descriptor_bytes: int = DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES,
-                 staging_idle_bytes: int = DEFAULT_STAGING_IDLE_BYTES):
+                 staging_idle_bytes: int = DEFAULT_STAGING_IDLE_BYTES, isolated: bool = False,
+                 agent_call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+                 on_agent_restart: Optional[Callable[[], None]] = None):
         view = pool_canonical_view
         if view.dim() != 2 or view.dtype != torch.int8 or not view.is_contiguous():
             raise ValueError("pool_canonical_view must be a contiguous int8 [num_blocks, page_bytes] tensor")
-        if read_mode not in READ_MODES:
-            raise ValueError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
-        if not staged_descriptor_factor >= 1:
-            raise ValueError(f"staged_descriptor_factor must be >= 1, got {staged_descriptor_factor}")
+        check_read_mode(read_mode, staged_descriptor_factor)
+        if isolated and view.is_cuda:
+            raise ValueError("an isolated NIXL agent serves host-memory pools only (GPU pools: isolated=False)")
         self._read_mode = read_mode
         self._staged_factor = staged_descriptor_factor
         self._staged_max_descriptor_bytes = staged_max_descriptor_bytes
+        self._staging_idle_bytes = staging_idle_bytes
         self._view = view  # keeps the registered memory alive
-        self._agent_name = agent_name
+        self._base_name = self._agent_name = agent_name
         self._connect_timeout_s = connect_timeout_s
+        self._isolated = isolated
+        self._new_agent = (functools.partial(IsolatedAgent, enable_prog_thread=progress_thread,
+                                             call_timeout_s=agent_call_timeout_s) if isolated
+                           else functools.partial(new_inline_agent, progress_thread=progress_thread))
+        self._on_agent_restart = on_agent_restart
         # A few bytes of our own to land the warm-up read of `connect` in.
-        self._scratch = torch.empty(_WARM_UP_BYTES, dtype=torch.int8, device=view.device)
+        self._scratch = allocate_host_or_device(view.device, _WARM_UP_BYTES, isolated)
         self._mem_type = "VRAM" if view.is_cuda else "DRAM"
         self._device_id = view.get_device() if view.is_cuda else 0
         self._peers: dict[str, _Peer] = {}
@@ -157,31 +147,67 @@ class NixlTransport:
         self._in_flight: dict[int, _InFlight] = {}
         self._handle_ids = itertools.count(1)
         self._closed = False
+        self.generation = 0  # how many times the agent was replaced (its name and metadata change each time)
+        self._agent: Any = None  # None while a replacement starts
+        self._restart = AgentRestart()
         if view.is_cuda:
-            _allow_cuda_ipc_reads()
+            allow_cuda_ipc_reads()
         try:
-            config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
-            self._agent = nixl_agent(agent_name, config)
-            if "UCX" not in self._agent.backends:
-                raise TransferError("the NIXL UCX backend plugin is not available")
-            self._registration = self._agent.register_memory(view)
-            self._scratch_registration = self._agent.register_memory(self._scratch)
-            # Local descriptor lists by unit (whole pages, or the chunks a peer's reads move).
-            self._local_dlists = {self.page_bytes: self._agent.prep_xfer_dlist(
-                _LOCAL_AGENT, self._descriptors(self.page_bytes), self._mem_type)}
-            self._metadata = self._agent.get_agent_metadata()
-            # No callback holds `self`: a reference cycle would leave the agent to the cyclic garbage
-            # collector, whose arbitrary finalization order aborts inside NIXL.
-            self._staging = StagingBuffers(functools.partial(_allocate_staging, view.device),
-                                           lambda memory: memory.data_ptr(),
-                                           self._agent.register_memory, self._agent.deregister_memory,
-                                           max_idle_bytes=staging_idle_bytes)
+            agent = self._new_agent(agent_name)
+            if isinstance(agent, IsolatedAgent):
+                agent.wait_ready(_AGENT_START_TIMEOUT_S)
+            self._set_up(agent)
         except TransferError:
             raise
         except Exception as exc:  # NIXL binding errors share no base class
             raise TransferError(f"cannot set up NIXL agent {agent_name!r}: {exc!r}") from exc
-        logger.info("NIXL agent %s registered %d pages of %d bytes (%s)",
-                    agent_name, self.num_blocks, self.page_bytes, self._mem_type)
+        logger.info("NIXL agent %s registered %d pages of %d bytes (%s%s)", agent_name, self.num_blocks,
+                    self.page_bytes, self._mem_type, ", own process" if isolated else "")
+
+    def _set_up(self, agent: Any) -> None:
+        """Register the pool and the scratch buffer with `agent`, prepare the page list, then use it."""
+        if "UCX" not in agent.backends:
+            raise TransferError("the NIXL UCX backend plugin is not available")
+        self._registration = agent.register_memory(self._view)
+        self._scratch_registration = agent.register_memory(self._scratch)
+        # Local descriptor lists by unit (whole pages, or the chunks a peer's reads move).
+        self._local_dlists = {self.page_bytes: agent.prep_xfer_dlist(
+            _LOCAL_AGENT, self._descriptors(self.page_bytes), self._mem_type)}
+        self._metadata = agent.get_agent_metadata()
+        self._agent_name = getattr(agent, "name", self._agent_name)  # before the agent: other threads read both
+        # No callback holds `self`: a reference cycle would leave the agent to the cyclic garbage
+        # collector, whose arbitrary finalization order aborts inside NIXL.
+        self._staging = StagingBuffers(functools.partial(allocate_host_or_device, self._view.device,
+                                                         shared=self._isolated),
+                                       lambda memory: memory.data_ptr(), agent.register_memory,
+                                       agent.deregister_memory, max_idle_bytes=self._staging_idle_bytes)
+        self._agent = agent
+
+    def _agent_alive(self) -> bool:
+        """False while no agent serves: its process just died (what it held is dropped) or the new one starts."""
+        if self._agent is not None and getattr(self._agent, "dead", None) is None:
+            return True
+        if self._agent is not None:
+            self._lose_agent(self._agent.dead)
+        if not self._restart.advance(self._new_agent, f"{self._base_name}-r{self.generation}", self._set_up):
+            return False
+        logger.warning("NIXL agent %s is up (replacement %d): peers reconnect to it", self._agent_name, self.generation)
+        return True
+
+    def _lose_agent(self, reason: str) -> None:
+        logger.error("%s: failing its %d reads in flight, dropping %d peers; starting a new agent", reason,
+                     len(self._in_flight), len(self._peers) + len(self._connecting))
+        for in_flight in self._in_flight.values():
+            in_flight.lost = f"the NIXL agent died during the read: {reason}"
+        for key in self._connecting:
+            self._connect_failures[key] = f"the NIXL agent died while connecting: {reason}"
+        for held in (self._peers, self._connecting, self._unreleased):
+            held.clear()
+        self._agent = None
+        self.generation += 1
+        self._restart.begin()
+        if self._on_agent_restart is not None:
+            self._on_agent_restart()
 
     @property
     def num_blocks(self) -> int:
@@ -201,8 +227,7 @@ class NixlTransport:
         return tuple(sorted(self._local_dlists))
 
     @property
-    def staging_bytes(self) -> int:
-        """Bytes of staging buffers held (idle or lent to a read)."""
+    def staging_bytes(self) -> int:  # held, idle or lent to a read
         return self._staging.total_bytes
 
     def _descriptors(self, chunk_bytes: int) -> np.ndarray:
@@ -217,6 +242,8 @@ class NixlTransport:
         return dlist
 
     def local_peer_info(self, engine_id: str, epoch: str) -> PeerInfo:
+        if self._agent is None:
+            raise TransferError("the NIXL agent is restarting")
         return PeerInfo(engine_id=engine_id, epoch=epoch, agent_name=self._agent_name,
                         agent_metadata=self._metadata, mem_type=self._mem_type, device_id=self._device_id,
                         base_address=self._view.data_ptr(), num_blocks=self.num_blocks, page_bytes=self.page_bytes)
@@ -225,6 +252,8 @@ class NixlTransport:
 
     def begin_connect(self, peer: PeerInfo, chunk_bytes: int | None = None) -> str:
         key = peer.key
+        if not self._agent_alive():
+            raise TransferError("the NIXL agent is restarting")
         if key in self._peers or key in self._connecting:
             return key
         if chunk_bytes is None and peer.page_bytes != self.page_bytes:
@@ -306,12 +335,9 @@ class NixlTransport:
         return remote_name
 
     def _start_warm_up(self, peer: PeerInfo, remote_name: str) -> Any:
-        """Start reading a few bytes of the peer's page 0 into our scratch buffer.
-
-        Proves the peer is reachable now rather than at the first request, and
-        completes UCX's connection set-up: without a progress thread, a
-        notification sent on a connection still being set up would otherwise
-        wait for later NIXL calls to make progress."""
+        """Start reading a few bytes of the peer's page 0 into our scratch buffer: proves the peer is
+        reachable now rather than at the first request, and completes UCX's connection set-up (without
+        a progress thread a notification on a half-set-up connection waits for later NIXL calls)."""
         size = min(_WARM_UP_BYTES, peer.page_bytes)
         try:
             local = self._agent.get_xfer_descs([(self._scratch.data_ptr(), size, self._device_id)], self._mem_type)
@@ -365,8 +391,8 @@ class NixlTransport:
         if peer is None:
             raise TransferError(f"unknown peer {peer_key!r}: connect first")
         chunk = peer.chunk_bytes
-        local_ids = _check_ids("local", local_block_ids, num_chunks(self.page_bytes, chunk, self.num_blocks))
-        remote_ids = _check_ids("remote", remote_block_ids, num_chunks(peer.info.page_bytes, chunk,
+        local_ids = check_ids("local", local_block_ids, num_chunks(self.page_bytes, chunk, self.num_blocks))
+        remote_ids = check_ids("remote", remote_block_ids, num_chunks(peer.info.page_bytes, chunk,
                                                                        peer.info.num_blocks))
         if len(local_ids) != len(remote_ids):
             raise ValueError(f"{len(local_ids)} local block ids for {len(remote_ids)} remote ones")
@@ -388,7 +414,7 @@ class NixlTransport:
         try:
             if staged is not None and buffer is not None:
                 handle.num_blocks = len(staged)
-                scatter = _Scatter(buffer, torch.from_numpy(staged.local_ids_by_remote).to(self._view.device), chunk)
+                scatter = Scatter(buffer, torch.from_numpy(staged.local_ids_by_remote).to(self._view.device), chunk)
                 xfer = self._staged_xfer(peer, staged, buffer, notification)
             else:
                 handle.num_blocks = len(direct)
@@ -443,6 +469,10 @@ class NixlTransport:
         in_flight = self._in_flight.get(handle.handle_id)
         if in_flight is None:
             return _fail(handle, "the handle was released while pending").state
+        if in_flight.lost is None:
+            self._agent_alive()  # notices a death, which marks this read lost
+        if in_flight.lost is not None:
+            return _fail(handle, in_flight.lost).state
         if in_flight.scatter is not None and in_flight.scatter.copied:
             status = "DONE"  # NIXL finished earlier: only the copy out of staging is left to complete
         else:
@@ -462,33 +492,24 @@ class NixlTransport:
         elif status != "PROC":
             _fail(handle, handle.error or f"NIXL reported {status} for the read from peer {handle.peer_key}")
 
-    def _finish_staged(self, handle: TransferHandle, scatter: _Scatter) -> None:
+    def _finish_staged(self, handle: TransferHandle, scatter: Scatter) -> None:
         """Copy the staged chunks into the pool (once); DONE when that copy has completed."""
         if not scatter.copied:
             try:
-                self._copy_out_of_staging(scatter)
+                copy_out_of_staging(self._view, scatter)
             except Exception as exc:
                 _fail(handle, f"copying the staged chunks into the pool failed: {exc!r}")
                 return
         if scatter.fence is None or scatter.fence.query():
             handle.state = TransferState.DONE
 
-    def _copy_out_of_staging(self, scatter: _Scatter) -> None:
-        """Pool chunk local_ids[i] <- staging chunk i, for every i: one index_copy_ over rows of the widest
-        integer dividing a chunk (over int8 rows the same copy ran about 5x slower on the CPU)."""
-        chunk, num = scatter.chunk_bytes, len(scatter.local_ids)
-        word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.int8) if chunk % w.itemsize == 0)
-        pool_chunks = self._view.view(-1).view(word).view(-1, chunk // word.itemsize)
-        staged = scatter.buffer.memory[:num * chunk].view(word).view(num, chunk // word.itemsize)
-        pool_chunks.index_copy_(0, scatter.local_ids, staged)
-        scatter.copied = True
-        if self._view.is_cuda:
-            scatter.fence = torch.cuda.Event()
-            scatter.fence.record(torch.cuda.current_stream(self._view.device))
-
     def release(self, handle: TransferHandle) -> bool:
         in_flight = self._in_flight.get(handle.handle_id)
         if in_flight is None:
+            return True
+        if in_flight.lost is not None:  # its agent process is gone: nothing writes the pages any more
+            del self._in_flight[handle.handle_id]
+            _fail(handle, in_flight.lost)
             return True
         scatter = in_flight.scatter
         if scatter is not None and scatter.fence is not None and not scatter.fence.query():
@@ -510,10 +531,13 @@ class NixlTransport:
     # ---- notifications ---------------------------------------------------------------
 
     def poll_notifications(self) -> list[bytes]:
+        if not self._agent_alive():
+            return []
         try:
             by_agent = self._agent.get_new_notifs()
         except Exception as exc:
             logger.warning("fetching NIXL notifications failed: %r", exc)
+            self._agent_alive()  # an agent process that died is replaced now
             return []
         return [message for messages in by_agent.values() for message in messages]
 
@@ -530,6 +554,9 @@ class NixlTransport:
         if self._closed:
             return
         self._closed = True
+        self._restart.close()
+        if self._agent is None or getattr(self._agent, "dead", None) is not None:
+            return  # its process died and took everything it held with it
         # One progress call first: without it, destroying the agent after a read from a killed peer
         # aborted the process now and then (UCX had not yet handled the lost endpoint).
         self.poll_notifications()
@@ -555,20 +582,13 @@ class NixlTransport:
             self._agent.deregister_memory(self._scratch_registration)
         except Exception as exc:
             logger.warning("unregistering the pool of agent %s failed: %r", self._agent_name, exc)
+        if isinstance(self._agent, IsolatedAgent):
+            self._agent.close()
 
 
-def _check_ids(side: str, block_ids: Sequence[int], num_blocks: int) -> np.ndarray:
-    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
-        raise ValueError(f"{side} block ids must lie in 0..{num_blocks - 1}")
-    return ids
-
-
-def _allocate_staging(device: torch.device, num_bytes: int) -> torch.Tensor:
-    """Staging memory beside the pool: huge-page backed on the CPU (UCX pins host memory page by page)."""
-    if device.type == "cuda":
-        return torch.empty(num_bytes, dtype=torch.int8, device=device)
-    return huge_page_zeros(num_bytes, torch.int8)
+def new_inline_agent(name: str, progress_thread: bool) -> Any:
+    """A NIXL agent with the UCX backend in this process (an agent process makes its own with this)."""
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
 
 
 def _fail(handle: TransferHandle, error: str) -> TransferHandle:
@@ -577,15 +597,3 @@ def _fail(handle: TransferHandle, error: str) -> TransferHandle:
     handle.state = TransferState.FAILED
     handle.error = error
     return handle
-
-
-def _allow_cuda_ipc_reads() -> None:
-    """Let UCX serve a READ of another process's GPU pages with cuda_ipc on any GPU link.
-
-    UCX enables cuda_ipc's get (what a decode worker's pull is) only where it detects
-    NVLink. Without it, a pull between two processes on one PCIe GPU fell back to TCP over
-    loopback: 0.46 GB/s on an H100, against 280-370 GB/s with cuda_ipc reads allowed
-    (docs/benchmarks.md, "GPU"). Set before the agent creates its UCX context; an operator's
-    own value wins."""
-    if os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y") == "y":
-        logger.info("UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y: GPU pages are read over cuda_ipc on any link")

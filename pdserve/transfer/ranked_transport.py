@@ -303,6 +303,11 @@ class RankedTransport:
     def page_bytes(self) -> int:
         return self.local.page_bytes
 
+    @property
+    def generation(self) -> int:
+        """Times rank 0's agent was replaced (an isolated agent that died); the other ranks' agents run inline."""
+        return getattr(self.local, "generation", 0)
+
     def local_peer_info(self, engine_id: str, epoch: str) -> PeerInfo:
         info = self.local.local_peer_info(engine_id, epoch)
         return dataclasses.replace(info, agent_metadata=encode_ranks([rank_descriptor(info), *self._followers]))

@@ -1,0 +1,220 @@
+"""`IsolatedAgent`: the part of nixl_agent's interface NixlTransport uses, served by a child process.
+
+A segfault in NIXL or UCX (one was reproduced when a decode peer was SIGKILLed mid-READ:
+docs/reliability.md, "The prefill crash") then kills the agent process, not the engine. Every
+call is one request/answer over a socket pair (pdserve/transfer/agent_process.py); memory is
+shared by address (pdserve/kv/shared_memory.py), so descriptors cross unchanged. A closed
+socket, or no answer within `call_timeout_s` (the child is then killed), marks the agent dead:
+every later call raises `AgentProcessDied`, and releasing its objects is a no-op (a dead process
+writes no memory). NixlTransport then fails what was in flight and starts a new agent.
+
+Start-up does not block: the constructor starts the process; `ready()` says, without waiting,
+whether the agent is up (it raises `AgentProcessDied` if it failed to start).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import send_handle
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from pdserve.kv.shared_memory import region_of
+
+DEFAULT_CALL_TIMEOUT_S = 5.0
+
+
+class AgentProcessDied(Exception):
+    """The agent's process is gone (crashed, killed, or did not answer in time)."""
+
+
+class AgentCallFailed(Exception):
+    """NIXL raised inside the agent process; the message is its repr."""
+
+
+@dataclass(slots=True)
+class _Descriptors:
+    """get_xfer_descs' result: kept here until a transfer sends it to the agent."""
+
+    descs: Any
+    mem_type: str
+
+
+class _AgentObject:
+    """A NIXL object living in the agent process (registration, descriptor list, transfer)."""
+
+    __slots__ = ("agent", "object_id")
+
+    def __init__(self, agent: "IsolatedAgent", object_id: int):
+        self.agent = agent
+        self.object_id = object_id
+
+    def release(self) -> None:
+        if self.agent.dead is None:
+            self.agent.call("release", self.object_id)
+
+
+class IsolatedAgent:
+    def __init__(self, name: str, enable_prog_thread: bool = False,
+                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S):
+        self.name = name
+        self.call_timeout_s = call_timeout_s
+        self.dead: Optional[str] = None
+        self.backends: list[str] = []
+        self._ready = False
+        self._mapped: set[int] = set()
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a crash leaves its stack in the worker's log
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "pdserve.transfer.agent_process", str(theirs.fileno()), name,
+                 "1" if enable_prog_thread else "0"], pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self._connection = Connection(ours.detach())
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def ready(self) -> bool:
+        """True once the agent is up; False while it starts; AgentProcessDied if it could not start."""
+        if self._ready:
+            return True
+        if self.dead is not None:
+            raise AgentProcessDied(self.dead)
+        try:
+            if not self._connection.poll(0):
+                if self._process.poll() is not None:
+                    self._die("exited while starting")
+                return False
+            kind, value = self._connection.recv()
+        except (EOFError, OSError):
+            self._die("exited while starting")
+        if kind != "ready":
+            self._die(f"could not create the NIXL agent: {value}")
+        self.backends, self._ready = value, True
+        return True
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if not self._ready and not self._connection.poll(timeout_s):
+            self._die(f"not up within {timeout_s:g} s")
+        if not self.ready():
+            self._die("not up")
+
+    def call(self, op: str, *args: Any, fd: Optional[int] = None) -> Any:
+        if self.dead is not None:
+            raise AgentProcessDied(self.dead)
+        try:
+            self._connection.send((op, args))
+            if fd is not None:
+                send_handle(self._connection, fd, self._process.pid)
+            if not self._connection.poll(self.call_timeout_s):
+                self._die(f"no answer to {op!r} within {self.call_timeout_s:g} s")
+            kind, value = self._connection.recv()
+        except (EOFError, OSError):
+            self._die(f"connection lost during {op!r}")
+        if kind == "err":
+            raise AgentCallFailed(value)
+        return value
+
+    def _die(self, reason: str) -> None:
+        """Mark the agent dead (killing its process if still there) and raise AgentProcessDied."""
+        if self.dead is None:
+            if self._process.poll() is None:
+                self._process.kill()
+            code = self._process.wait()
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            self.dead = f"NIXL agent process {self._process.pid} {reason} ({how})"
+            self._connection.close()
+        raise AgentProcessDied(self.dead)
+
+    # ---- nixl_agent's interface ------------------------------------------------------------
+
+    def register_memory(self, memory: Any, mem_type: Optional[str] = None) -> _AgentObject:
+        """Register a host tensor (torch) that lies in pdserve shared memory."""
+        if getattr(memory, "is_cuda", False):
+            raise AgentCallFailed("an isolated NIXL agent registers host memory only")
+        address, length = memory.data_ptr(), memory.numel() * memory.element_size()
+        region = region_of(address, length)
+        if region.start not in self._mapped:
+            self.call("map", region.start, region.length, fd=region.fd)
+            self._mapped.add(region.start)
+        return _AgentObject(self, self.call("register", address, length, "DRAM", 0))
+
+    def deregister_memory(self, registration: _AgentObject) -> None:
+        if self.dead is None:
+            self.call("deregister", registration.object_id)
+
+    def get_agent_metadata(self) -> bytes:
+        return self.call("metadata")
+
+    def add_remote_agent(self, metadata: bytes) -> Any:
+        return self.call("add_remote", metadata)
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.call("remove_remote", name)
+
+    def prep_xfer_dlist(self, agent_name: str, descs: Any, mem_type: str) -> _AgentObject:
+        return _AgentObject(self, self.call("prep_dlist", agent_name, _portable(descs), mem_type))
+
+    def get_xfer_descs(self, descs: Any, mem_type: str) -> _Descriptors:
+        return _Descriptors(_portable(descs), mem_type)
+
+    def initialize_xfer(self, op: str, local: _Descriptors, remote: _Descriptors, remote_name: str,
+                        notification: bytes = b"") -> _AgentObject:
+        return _AgentObject(self, self.call("init_xfer", op, local.descs, local.mem_type, remote.descs,
+                                            remote.mem_type, remote_name, notification))
+
+    def make_prepped_xfer(self, op: str, local_dlist: _AgentObject, local_ids: Any, remote_dlist: _AgentObject,
+                          remote_ids: Any, notification: bytes = b"") -> _AgentObject:
+        return _AgentObject(self, self.call("prepped_xfer", op, local_dlist.object_id, _portable(local_ids),
+                                            remote_dlist.object_id, _portable(remote_ids), notification))
+
+    def transfer(self, xfer: _AgentObject) -> str:
+        return self.call("transfer", xfer.object_id)
+
+    def check_xfer_state(self, xfer: _AgentObject) -> str:
+        return self.call("check", xfer.object_id)
+
+    def get_new_notifs(self) -> dict:
+        return self.call("notifs")
+
+    def send_notif(self, remote_name: str, payload: bytes) -> None:
+        self.call("send_notif", remote_name, payload)
+
+    def close(self) -> None:
+        """Stop the agent process (it deregisters nothing: its memory goes with it)."""
+        if self.dead is None:
+            try:
+                self.call("close")
+            except (AgentProcessDied, AgentCallFailed):
+                pass
+            try:
+                self._process.wait(timeout=self.call_timeout_s)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self.dead = f"NIXL agent process {self._process.pid} closed"
+            self._connection.close()
+
+
+def _portable(value: Any) -> Any:
+    """numpy arrays and lists pickle as they are; anything else array-like becomes a numpy array."""
+    if isinstance(value, (np.ndarray, list, tuple)):
+        return value
+    return np.asarray(value)
+
+
+def is_isolated(agent: Any) -> bool:
+    return isinstance(agent, IsolatedAgent)
+
+
+__all__: Sequence[str] = ("AgentCallFailed", "AgentProcessDied", "IsolatedAgent", "is_isolated")

@@ -1,0 +1,144 @@
+"""The NIXL agent's own process: a fault in NIXL or UCX kills this process, not the engine.
+
+Started by pdserve/transfer/agent_client.py (`python -m pdserve.transfer.agent_process FD NAME
+PROGRESS_THREAD`) with one end of a socket pair as FD. It creates the agent, says
+("ready", backends) or ("failed", why), then answers one request at a time:
+
+    engine process                         agent process
+    ("register", addr, len, mem)  ----->   map the memfd at addr (fd sent alongside), register
+                                  <-----   ("ok", handle id)
+    ("check", xfer id)            ----->   agent.check_xfer_state(...)
+                                  <-----   ("ok", "PROC" | "DONE" | "ERR")
+
+NIXL objects (registrations, descriptor lists, transfers) stay here, named to the engine by
+integer ids. An exception answers ("err", repr); a crash closes the socket, which the engine
+sees. The process exits when the engine's end of the socket closes, which includes the engine's
+death (not PR_SET_PDEATHSIG: that fires when the thread that started the process ends, and
+workers start their agent from a loader thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+from typing import Any, Callable
+
+from pdserve.kv.shared_memory import map_at
+
+_PARENT_CHECK_S = 1.0
+
+class AgentServer:
+    """The requests the engine's `IsolatedAgent` sends, served by one nixl_agent."""
+
+    def __init__(self, agent: Any, receive_fd: Callable[[], int]):
+        self.agent = agent
+        self._receive_fd = receive_fd
+        self._objects: dict[int, Any] = {}
+        self._ids = itertools.count(1)
+        self._mapped: set[int] = set()
+
+    def _keep(self, value: Any) -> int:
+        object_id = next(self._ids)
+        self._objects[object_id] = value
+        return object_id
+
+    def handle(self, op: str, args: tuple) -> Any:
+        method = getattr(self, f"op_{op}", None)
+        if method is None:
+            raise ValueError(f"unknown request {op!r}")
+        return method(*args)
+
+    def op_map(self, start: int, length: int) -> None:
+        fd = self._receive_fd()
+        try:
+            if start not in self._mapped:
+                map_at(fd, start, length)
+                self._mapped.add(start)
+        finally:
+            os.close(fd)  # the mapping keeps the memory
+
+    def op_register(self, address: int, length: int, mem_type: str, device_id: int) -> int:
+        return self._keep(self.agent.register_memory([(address, length, device_id, "")], mem_type))
+
+    def op_deregister(self, object_id: int) -> None:
+        self.agent.deregister_memory(self._objects.pop(object_id))
+
+    def op_metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def op_add_remote(self, metadata: bytes) -> Any:
+        return self.agent.add_remote_agent(metadata)
+
+    def op_remove_remote(self, name: str) -> None:
+        self.agent.remove_remote_agent(name)
+
+    def op_prep_dlist(self, agent_name: str, descs: Any, mem_type: str) -> int:
+        return self._keep(self.agent.prep_xfer_dlist(agent_name, descs, mem_type))
+
+    def op_release(self, object_id: int) -> None:
+        self._objects.pop(object_id).release()
+
+    def op_init_xfer(self, op: str, local: Any, local_mem: str, remote: Any, remote_mem: str, remote_name: str,
+                     notification: bytes) -> int:
+        return self._keep(self.agent.initialize_xfer(op, self.agent.get_xfer_descs(local, local_mem),
+                                                     self.agent.get_xfer_descs(remote, remote_mem),
+                                                     remote_name, notification))
+
+    def op_prepped_xfer(self, op: str, local_dlist: int, local_ids: Any, remote_dlist: int, remote_ids: Any,
+                        notification: bytes) -> int:
+        return self._keep(self.agent.make_prepped_xfer(op, self._objects[local_dlist], local_ids,
+                                                       self._objects[remote_dlist], remote_ids, notification))
+
+    def op_transfer(self, object_id: int) -> str:
+        return self.agent.transfer(self._objects[object_id])
+
+    def op_check(self, object_id: int) -> str:
+        return self.agent.check_xfer_state(self._objects[object_id])
+
+    def op_notifs(self) -> dict:
+        return self.agent.get_new_notifs()
+
+    def op_send_notif(self, name: str, payload: bytes) -> None:
+        self.agent.send_notif(name, payload)
+
+
+def serve(connection: Connection, server: AgentServer) -> None:
+    parent = os.getppid()
+    while True:
+        try:
+            while not connection.poll(_PARENT_CHECK_S):
+                if os.getppid() != parent:
+                    return  # orphaned (the engine's process died without closing its end)
+            op, args = connection.recv()
+        except (EOFError, OSError):
+            return  # the engine closed its end or died
+        if op == "close":
+            connection.send(("ok", None))
+            return
+        try:
+            reply = ("ok", server.handle(op, args))
+        except Exception as exc:  # NIXL's binding errors share no base class
+            reply = ("err", repr(exc))
+        connection.send(reply)
+
+
+def main(argv: list[str]) -> int:
+    fd, name, progress_thread = int(argv[0]), argv[1], argv[2] == "1"
+    connection = Connection(fd)
+    try:
+        from pdserve.transfer.nixl_transport import new_inline_agent  # nixl's one home in pdserve
+
+        agent = new_inline_agent(name, progress_thread)
+    except Exception as exc:
+        connection.send(("failed", repr(exc)))
+        return 1
+    connection.send(("ready", list(agent.backends)))
+    serve(connection, AgentServer(agent, lambda: recv_handle(connection)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
