@@ -19,6 +19,7 @@ from typing import Optional
 import httpx
 
 from tests.integration.cluster import ProxyProcess, Worker, free_port, start_workers, two_legs, wait_for
+from tests.process_guard import living_descendants
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKEN = "chaos-loop-token"
@@ -82,15 +83,26 @@ class ChaosCluster:
         process = self.proxy.process if name == PROXY else self.workers[name].process
         return process is not None and process.poll() is None
 
+    def pids(self, name: str) -> list[int]:
+        """The process and its descendants (a worker's NIXL agent process)."""
+        return [self.pid(name), *living_descendants(self.pid(name))]
+
     def freeze(self, name: str) -> None:
-        os.kill(self.pid(name), signal.SIGSTOP)
+        for pid in self.pids(name):
+            os.kill(pid, signal.SIGSTOP)
 
     def kill(self, name: str) -> None:
-        """SIGKILL, also of a frozen process (a stopped process dies of SIGKILL at once)."""
+        """SIGKILL of the process and its agent process together, as a pod or OOM kill does (also of
+        frozen ones: a stopped process dies of SIGKILL at once)."""
         if name == PROXY:
             self.proxy.kill()
-        else:
-            self.workers[name].kill()
+            return
+        for pid in living_descendants(self.pid(name)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.workers[name].kill()
 
     def exit_code(self, name: str) -> Optional[int]:
         process = self.proxy.process if name == PROXY else self.workers[name].process
@@ -183,13 +195,13 @@ def _status(url: str) -> int:
         return 0
 
 
-def tcp_bytes_received(pid: int) -> int:
-    """Bytes the kernel received on every TCP socket of `pid` (UCX's reads dominate: HTTP is small)."""
+def tcp_bytes_received(pids: list[int]) -> int:
+    """Bytes the kernel received on every TCP socket of `pids` (UCX's reads dominate: HTTP is small)."""
     out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=10).stdout
     total, mine = 0, False
     for line in out.splitlines():
         if not line.startswith((" ", "\t")):
-            mine = f"pid={pid}," in line
+            mine = any(f"pid={pid}," in line for pid in pids)
         elif mine:
             for part in line.split():
                 if part.startswith("bytes_received:"):

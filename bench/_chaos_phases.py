@@ -10,8 +10,9 @@ still held after the lease, recovery time; `MixedLoad` results are charged to ki
 
       before-read   D frozen (SIGSTOP), the decode leg then sent into its socket: killed with P's pin
                     outstanding and its NIXL connection to P up, the READ never issued
-      mid-read      D frozen once 1 MiB of the KV reached its sockets; killed while its kernel holds
-                    less than 90% of the KV (P's sends to it still pending)
+      mid-read      D (the worker and its NIXL agent process, killed together) frozen once 1 MiB of the
+                    KV reached their sockets; killed while the kernel holds less than 90% of the KV
+                    (P's sends to it still pending)
       after-read    killed as soon as D's `pdserve_transfer_bytes_total` counted the pull (it landed),
                     while D decodes the request
 """
@@ -63,6 +64,7 @@ class Kill:
     survivors_failed: list[str] = field(default_factory=list)
     prefill_died: bool = False
     prefill_log_tail: str = ""
+    agent_restarts: int = 0  # NIXL agent processes the surviving workers replaced (a crash they lived through)
     leaked: dict[str, float] = field(default_factory=dict)
     own: list[tuple[Result, str]] = field(default_factory=list)  # the phase's own requests, with baselines
 
@@ -121,14 +123,15 @@ def before_read(stage: Stage, kill: Kill) -> None:
 def mid_read(stage: Stage, kill: Kill) -> None:
     _pause_load_for(stage, kill)
     params, kv_bytes = _read_setup(stage, kill)
-    cluster, pid = stage.cluster, stage.cluster.pid(kill.process)
+    cluster = stage.cluster
+    pids = cluster.pids(kill.process)  # the worker and its NIXL agent process, which does the read
     worker = cluster.workers[kill.process]
-    before = tcp_bytes_received(pid)
+    before = tcp_bytes_received(pids)
     pull = stage.pool.submit(_quietly, decode_leg, worker, COMPLETIONS, READ_BODY, params,
                              params["remote_request_id"], AUTH)
-    caught = wait_for(lambda: pull.done() or tcp_bytes_received(pid) - before >= _MIB, 30, interval_s=0.002)
+    caught = wait_for(lambda: pull.done() or tcp_bytes_received(pids) - before >= _MIB, 30, interval_s=0.002)
     cluster.freeze(kill.process)
-    received = _settled(lambda: tcp_bytes_received(pid) - before)
+    received = _settled(lambda: tcp_bytes_received(pids) - before)
     kill.forced = caught and not pull.done() and _MIB <= received < 0.9 * kv_bytes
     kill.note += f"{received / _MIB:.1f} of {kv_bytes / _MIB:.1f} MiB had arrived; "
     _kill(stage, kill)
@@ -242,6 +245,7 @@ def run_kill(stage: Stage, victim: str, phase: str) -> Kill:
     cluster = stage.cluster
     process = {"prefill": PREFILL, "proxy": PROXY}.get(victim) or stage.rng.choice(cluster.decode_names)
     kill = Kill(victim, phase, process)
+    restarts_before = _agent_restarts(cluster, kill.process)
     try:
         PHASE_FUNCTIONS[(victim, phase)](stage, kill)
         kill.survivors_failed = cluster.survivors_live(kill.process)
@@ -257,8 +261,22 @@ def run_kill(stage: Stage, victim: str, phase: str) -> Kill:
     _note_prefill_death(cluster, kill)
     kill.leaked = cluster.wait_idle(LEASE_S + 5)
     _note_prefill_death(cluster, kill)
+    kill.agent_restarts = sum(max(0, _agent_restarts(cluster, kill.process).get(name, 0) - count)
+                              for name, count in restarts_before.items())
     stage.load.gate.set()
     return kill
+
+
+def _agent_restarts(cluster: ChaosCluster, victim: str) -> dict[str, int]:
+    """Agent restarts each worker but the victim has counted (a worker that restarted counts from 0)."""
+    counts = {}
+    for name, worker in cluster.workers.items():
+        if name != victim and cluster.is_running(name):
+            try:
+                counts[name] = int(worker.metric("pdserve_transfer_agent_restarts_total"))
+            except Exception:  # noqa: BLE001 - a worker that does not answer now counts nothing
+                continue
+    return counts
 
 
 def _note_prefill_death(cluster: ChaosCluster, kill: Kill) -> None:

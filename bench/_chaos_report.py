@@ -50,6 +50,7 @@ def rows(kills: Sequence[Kill], counts: dict[tuple, Counter]) -> list[dict]:
             "kills_leaking": sum(bool(k.leaked) for k in mine), "survivors_failed": sum(bool(k.survivors_failed)
                                                                                         for k in mine),
             "prefill_deaths": sum(k.prefill_died for k in mine), "not_recovered": len(mine) - len(recovery),
+            "agent_restarts": sum(k.agent_restarts for k in mine),
             "recovery_s_median": statistics.median(recovery) if recovery else None,
             "recovery_s_max": max(recovery) if recovery else None,
         })
@@ -84,11 +85,12 @@ def _s(value: Optional[float]) -> str:
 
 def format_table(table: Sequence[dict]) -> str:
     lines = ["| victim | phase | kills | forced | ok | cut | lost | wrong | hang | leaking | survivors failed "
-             "| P deaths | recovery s (median / max) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| P deaths | agent restarts | recovery s (median / max) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in table:
         lines.append(
             f"| {row['victim']} | {row['phase']} | {row['kills']} | {row['forced']} | {row['ok']} | {row['cut']} "
             f"| {row['lost']} | {row['wrong']} | {row['hang']} | {row['kills_leaking']} | {row['survivors_failed']} "
-            f"| {row['prefill_deaths']} | {_s(row['recovery_s_median'])} / {_s(row['recovery_s_max'])} |")
+            f"| {row['prefill_deaths']} | {row.get('agent_restarts', 0)} "
+            f"| {_s(row['recovery_s_median'])} / {_s(row['recovery_s_max'])} |")
     return "\n".join(lines)

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace, log_dir: str, on_kill=print) -> dict:
                 kills.append(kill)
                 on_kill(f"kill {number}/{len(plan)}: {victim}/{phase} ({kill.process}) forced={kill.forced} "
                         f"recovery={kill.recovery_s and round(kill.recovery_s, 1)}s leaked={kill.leaked or 0} "
-                        f"prefill_died={kill.prefill_died} {kill.note}")
+                        f"prefill_died={kill.prefill_died} agent_restarts={kill.agent_restarts} {kill.note}")
         load.stop()
     finally:
         cluster.stop()

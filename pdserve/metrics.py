@@ -313,6 +313,9 @@ class TransferMetrics:
             "pdserve_transfer_failures_total", "KV pulls that failed, by what was done about it.",
             ["policy"], registry=registry,
         )
+        self.agent_restarts = Counter(
+            "pdserve_transfer_agent_restarts_total", "Times this worker's NIXL agent process died and was "
+            "replaced (--kv-agent-isolation process): its reads in flight failed, peers reconnect.", registry=registry)
         self.notification_failures = Counter(
             "pdserve_transfer_notification_failures_total", "Messages to a prefill worker that could not be sent.",
             registry=registry,

@@ -189,6 +189,11 @@ class TransferConfig(_Frozen):
     max_pinned_share: float = setting(
         0.5, "P: refuse new remote-decode prefills (503 + Retry-After) while blocks pinned for decode workers "
              "exceed this share of the pool", flag="--kv-max-pinned-share", gt=0, le=1)
+    agent_isolation: Literal["auto", "process", "inline"] = setting(
+        "auto", "where this worker's NIXL agent runs: process (its own child process, sharing the pool's host "
+                "memory: a crash inside NIXL or UCX fails the reads in flight and the agent is restarted, the worker "
+                "lives on), inline (in the worker: a crash there kills the worker), auto (process for host-memory "
+                "pools, inline on a GPU)", flag="--kv-agent-isolation")
     allowed_peers: Optional[str] = setting(
         None, "D: comma-separated prefill hosts and CIDRs this worker may fetch KV from (default: any); a host "
               "name matches only itself, an IP literal must lie in a listed address or CIDR",
@@ -200,6 +205,10 @@ class TransferConfig(_Frozen):
         if value is not None:
             parse_peer_allow_list(value)
         return value
+
+    def isolates_agent(self, device_type: str) -> bool:
+        """Whether the NIXL agent runs in its own process on a pool on `device_type` ("cpu", "cuda")."""
+        return self.agent_isolation == "process" or (self.agent_isolation == "auto" and device_type == "cpu")
 
     @property
     def pin_lifetime_s(self) -> float:

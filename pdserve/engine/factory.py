@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
@@ -46,7 +45,8 @@ from pdserve.parallel.channel import LeaderChannel, RankSetup
 from pdserve.parallel.ranks import RankGroup
 from pdserve.pd.handshake import compatibility_document, compatibility_hash
 from pdserve.pd.prefill import PrefillConnector
-from pdserve.pd.wiring import KVSide, PoolDescription, TransportFactory, build_admission, build_kv_side, nixl_transport
+from pdserve.pd.wiring import (
+    KVSide, PoolDescription, TransportFactory, build_admission, build_kv_side, configured_transport, nixl_transport)
 from pdserve.transfer.ranked_transport import RankedTransport
 
 logger = logging.getLogger(__name__)
@@ -198,14 +198,18 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     # A compiled step would need its collectives traced; tensor-parallel ranks run eagerly.
     compile_decode = should_compile(config.model.compile, device, dtype) and ranks is None
     grammar = GrammarMatchers(grammar_tokenizer)
+    isolated_agent = config.role != "colocated" and config.transfer.isolates_agent(device.type)
+    transport_factory = configured_transport(transport_factory, isolated_agent, metrics)
     if ranks is not None:
         ranks.broadcast(RankSetup(num_blocks, with_transport=config.role != "colocated"))
         channel = LeaderChannel(ranks)
-        runner: ModelRunner = LeaderRunner(loaded.model, plan, layout, device, grammar=grammar, channel=channel)
+        runner: ModelRunner = LeaderRunner(loaded.model, plan, layout, device, grammar=grammar, channel=channel,
+                                           shared_pool=isolated_agent)
         follower_transports = (ranks.gather(None) or [None])[1:]
         transport_factory = _ranked(transport_factory, channel, follower_transports, spec.total_kv_heads, plan.group_size)
     else:
-        runner = ModelRunner(loaded.model, plan, layout, device, compile_decode=compile_decode, grammar=grammar)
+        runner = ModelRunner(loaded.model, plan, layout, device, compile_decode=compile_decode, grammar=grammar,
+                             shared_pool=isolated_agent)
         transport_factory = _ranked(transport_factory, None, [], spec.total_kv_heads, plan.group_size)
     runner.warm_up(config.scheduler.max_num_running)
     offload = _offload_tier(config, plan, layout, runner.pool, kv_events)
@@ -230,5 +234,5 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
         parallel.tensor_parallel_size, len(plan.groups), plan.group_size, num_blocks, cache.block_size,
         layout.page_bytes, max_model_len,
     )
-    epoch = kv_side.agent_info.epoch if kv_side.agent_info is not None else uuid.uuid4().hex[:16]
+    epoch = kv_side.base_epoch
     return BuiltEngine(engine, loaded, plan, layout, kv_manager, runner, kv_side, kv_events, epoch)

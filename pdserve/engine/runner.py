@@ -36,13 +36,13 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: CausalLM, plan: KVGroupPlan, layout: KVPoolLayout, device: torch.device, seed: int = 0,
-                 compile_decode: bool = False, grammar: Optional[GrammarMatchers] = None):
+                 compile_decode: bool = False, grammar: Optional[GrammarMatchers] = None, shared_pool: bool = False):
         self.model = model
         self.grammar = grammar  # None: this runner serves no structured outputs
         self.plan = plan
         self.layout = layout
         self.device = device
-        self.pool = layout.allocate(device)
+        self.pool = layout.allocate(device, shared=shared_pool)  # shared: an agent process registers it
         self.layer_caches = self._layer_caches()
         self.sampler = Sampler(device, seed, native_greedy=device.type == "cpu" and cpu_kernels_available())
         self.decode_step = DecodeStep(model, plan, self.pool, self.layer_caches, layout.block_size, device,

@@ -143,6 +143,9 @@ class DecodeConnector:
     def poll(self) -> KVEvents:
         events = KVEvents(failed=self._failed_to_start)
         self._failed_to_start = []
+        # No messages come to D; the call moves the agent's traffic and notices an agent process that
+        # died (then a replacement starts), also while D is idle.
+        self.transport.poll_notifications()
         self.peers.poll()
         now = self.clock()
         for request_id, remote in list(self._remotes.items()):

@@ -33,10 +33,19 @@ class PeerConnections:
         self.clock = clock
         self._ready: set[str] = set()
         self._attempts: dict[str, _Attempt] = {}
+        self._generation = getattr(transport, "generation", 0)
+
+    def _follow_agent(self) -> None:
+        """A replaced NIXL agent (its process died) knows no peer: every one connects again."""
+        generation = getattr(self.transport, "generation", 0)
+        if generation != self._generation:
+            self._generation = generation
+            self._ready.clear()
 
     def ensure(self, peer: PeerInfo, on_done: ConnectCallback) -> None:
         """Connect to `peer` unless already connected; `on_done` hears the outcome."""
         key = peer.key
+        self._follow_agent()
         if key in self._ready:
             _tell(on_done, None)
             return
@@ -53,6 +62,7 @@ class PeerConnections:
         attempt.waiters.append(on_done)
 
     def key_for(self, peer_key: str) -> Optional[str]:
+        self._follow_agent()
         return peer_key if peer_key in self._ready else None
 
     def forget(self, peer_key: str) -> None:

@@ -11,6 +11,8 @@ prefill that would pass it ends with 503 instead of pinning. Torch-free.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -41,6 +43,12 @@ class PrefillIdentity:
     tp_size: int = 1  # tensor-parallel ranks: a decode worker reads rank r's slice from rank r
 
 
+def transfer_epoch(base_epoch: str, generation: int) -> str:
+    """The epoch a worker's KV is named by: a new one each time its NIXL agent is replaced (its
+    metadata changed, so decode workers must handshake again and pins of the old agent are stale)."""
+    return base_epoch if generation == 0 else f"{base_epoch}.{generation}"
+
+
 class PrefillConnector:
     """The prefill worker's `KVConnector`."""
 
@@ -49,6 +57,7 @@ class PrefillConnector:
         self.transport = transport
         self.leases = leases
         self.identity = identity
+        self._base_epoch = identity.epoch
         self.plan = plan
         self.block_size = block_size
         self.metrics = metrics
@@ -135,6 +144,9 @@ class PrefillConnector:
         self._released_early = []
         for payload in self.transport.poll_notifications():
             self._apply_message(payload, events)
+        epoch = transfer_epoch(self._base_epoch, getattr(self.transport, "generation", 0))
+        if epoch != self.identity.epoch:  # the agent was replaced: new pins name the new one
+            self.identity = dataclasses.replace(self.identity, epoch=epoch)
         for request_id in self.leases.expire():
             events.released.append(request_id)
             self.metrics.expired_leases.inc()

@@ -8,6 +8,7 @@ made by an injected factory (NIXL by default; the in-process fake in tests).
 
 from __future__ import annotations
 
+import functools
 import socket
 import uuid
 from dataclasses import dataclass, field
@@ -26,17 +27,26 @@ from pdserve.pd.handshake import HandshakeClient, groups_to_wire
 from pdserve.pd.leases import LeaseTable
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.pd.peers import PeerConnections
-from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
-from pdserve.transfer.transport import KVTransport
+from pdserve.pd.prefill import PrefillConnector, PrefillIdentity, transfer_epoch
+from pdserve.transfer.transport import KVTransport, TransferError
 
 # (pool's canonical int8 view [num_blocks, page_bytes], agent name) -> transport
 TransportFactory = Callable[[Any, str], KVTransport]
 
 
-def nixl_transport(pool_view: Any, agent_name: str) -> KVTransport:
+def nixl_transport(pool_view: Any, agent_name: str, isolated: bool = False,
+                   on_agent_restart: Optional[Callable[[], None]] = None) -> KVTransport:
     from pdserve.transfer.nixl_transport import NixlTransport  # the one module that imports nixl
 
-    return NixlTransport(pool_view, agent_name=agent_name)
+    return NixlTransport(pool_view, agent_name=agent_name, isolated=isolated, on_agent_restart=on_agent_restart)
+
+
+def configured_transport(factory: TransportFactory, isolated: bool, metrics: Metrics) -> TransportFactory:
+    """The NIXL factory with this worker's agent isolation and restart metric; another factory (the
+    in-process fake of tests) as it is."""
+    if factory is not nixl_transport:
+        return factory
+    return functools.partial(nixl_transport, isolated=isolated, on_agent_restart=metrics.transfer.agent_restarts.inc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +65,19 @@ class PoolDescription:
 class KVSide:
     connector: KVConnector
     transport: Optional[KVTransport] = None
-    agent_info: Optional[AgentInfo] = None
+    describe: Optional[Callable[[str], AgentInfo]] = None  # transfer epoch -> the handshake's answer
     peers: Optional[PeerConnections] = None  # decode workers only
+    base_epoch: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+    @property
+    def agent_info(self) -> Optional[AgentInfo]:
+        """The handshake's answer now (it names the current agent); None while the agent restarts."""
+        if self.describe is None:
+            return None
+        try:
+            return self.describe(transfer_epoch(self.base_epoch, getattr(self.transport, "generation", 0)))
+        except TransferError:
+            return None
 
     def close(self) -> None:
         if self.transport is not None:
@@ -72,25 +93,28 @@ def build_kv_side(config: WorkerConfig, metrics: Metrics, pool: PoolDescription,
     engine_id = transfer.engine_id or f"{config.role}-{socket.gethostname()}-{config.server.port}"
     epoch = uuid.uuid4().hex[:16]
     transport = transport_factory(pool_view, f"{engine_id}-{epoch}")
-    agent_info = AgentInfo(
-        protocol_version=PROTOCOL_VERSION, compat_hash=pool.compat_hash, engine_id=engine_id, epoch=epoch,
-        geometry=PoolGeometry(num_blocks=pool.num_blocks, page_bytes=pool.page_bytes, block_size=pool.block_size,
-                              group_size=pool.plan.group_size, groups=groups_to_wire(pool.plan)),
-        transport=transport.local_peer_info(engine_id, epoch).to_dict(),
-        tp_size=config.parallel.tensor_parallel_size, compatibility=pool.compatibility,
-    )
+
+    def describe(current_epoch: str) -> AgentInfo:
+        return AgentInfo(
+            protocol_version=PROTOCOL_VERSION, compat_hash=pool.compat_hash, engine_id=engine_id,
+            epoch=current_epoch, geometry=PoolGeometry(
+                num_blocks=pool.num_blocks, page_bytes=pool.page_bytes, block_size=pool.block_size,
+                group_size=pool.plan.group_size, groups=groups_to_wire(pool.plan)),
+            transport=transport.local_peer_info(engine_id, current_epoch).to_dict(),
+            tp_size=config.parallel.tensor_parallel_size, compatibility=pool.compatibility,
+        )
     if config.role == "prefill":
         identity = PrefillIdentity(engine_id, epoch, transfer.advertise_host or config.server.host, config.server.port,
                                    config.parallel.tensor_parallel_size)
         max_pinned = int(transfer.max_pinned_share * (pool.num_blocks - 1))  # block 0 is the null block
         connector = PrefillConnector(transport, LeaseTable(transfer.lease_s, max_pin_s=transfer.pin_lifetime_s), identity, pool.plan, pool.block_size,
                                      metrics.transfer, max_pinned_blocks=max_pinned)
-        return KVSide(connector, transport, agent_info)
+        return KVSide(connector, transport, describe, base_epoch=epoch)
     peers = PeerConnections(transport, transfer.connect_timeout_s)
     connector = DecodeConnector(transport, peers, pool.plan, pool.block_size, metrics.transfer,
                                 transfer.failure_policy, transfer.pull_timeout_s, transfer.heartbeat_s,
                                 lease_s=transfer.lease_s)
-    return KVSide(connector, transport, agent_info, peers)
+    return KVSide(connector, transport, describe, peers, base_epoch=epoch)
 
 
 def _counted_room_check(connector: PrefillConnector, metrics: Metrics) -> Callable[[int], bool]:

@@ -165,8 +165,13 @@ class RankReader:
         self._links: dict[str, _Link] = {}
         self._reads: dict[int, list[TransferHandle]] = {}
         self._read_errors: dict[int, str] = {}
+        self._generation = getattr(local, "generation", 0)
 
     def connect(self, peer_key: str, ranks: Sequence[PeerInfo]) -> None:
+        generation = getattr(self.local, "generation", 0)
+        if generation != self._generation:  # a replaced agent (its process died) knows none of the links
+            self._generation = generation
+            self._links.clear()
         if peer_key in self._links:
             return
         remote_size = len(ranks)
