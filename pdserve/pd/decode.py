@@ -31,6 +31,7 @@ from pdserve.transfer.planner import plan_pull
 from pdserve.transfer.transport import KVTransport, TransferError, TransferHandle, TransferState
 
 logger = logging.getLogger(__name__)
+AGENT_CHECK_INTERVAL_S = 0.1  # how often an idle or busy D asks its transport whether the agent lives
 
 FailurePolicy = Literal["recompute", "fail"]
 
@@ -78,6 +79,7 @@ class DecodeConnector:
         self._remotes: dict[str, _Remote] = {}
         self._failed_to_start: list[LoadFailure] = []
         self._last_heartbeat_s = clock()
+        self._agent_checked_s = float("-inf")
 
     @property
     def num_loading(self) -> int:
@@ -143,11 +145,13 @@ class DecodeConnector:
     def poll(self) -> KVEvents:
         events = KVEvents(failed=self._failed_to_start)
         self._failed_to_start = []
-        # No messages come to D; the call moves the agent's traffic and notices an agent process that
-        # died (then a replacement starts), also while D is idle.
-        self.transport.poll_notifications()
-        self.peers.poll()
         now = self.clock()
+        if now - self._agent_checked_s >= AGENT_CHECK_INTERVAL_S:
+            # No messages come to D; the call notices an agent process that died (then a replacement
+            # starts), also while D is idle. Not every step: to an agent process it is a round trip.
+            self._agent_checked_s = now
+            self.transport.poll_notifications()
+        self.peers.poll()
         for request_id, remote in list(self._remotes.items()):
             if remote.handle is not None:
                 self._poll_read(request_id, remote, now, events)
