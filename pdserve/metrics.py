@@ -171,14 +171,23 @@ class OffloadMetrics:
         self.duration_s = Histogram("pdserve_kv_offload_duration_seconds", "Time of one offload store (one page) "
                                     "or load (one request's pages).", ["direction"], buckets=OFFLOAD_BUCKETS_S,
                                     registry=registry)
+        self.skipped_stores = Counter("pdserve_kv_offload_skipped_stores_total", "Evicted pages the offload tier "
+                                      "did not keep: busy (every staging row waits for the disk, or every slot is "
+                                      "pinned by a load), failed (the write failed, e.g. a full disk).", ["reason"],
+                                      registry=registry)
         for direction in ("store", "load"):
             self.bytes.labels(direction)
+        for reason in ("busy", "failed"):
+            self.skipped_stores.labels(reason)
 
     def observe(self, num_store_bytes: int, num_load_bytes: int, num_failed_loads: int,
-                store_seconds: list[float], load_seconds: list[float], usage_ratio: float) -> None:
+                store_seconds: list[float], load_seconds: list[float], usage_ratio: float,
+                num_busy_stores: int = 0, num_failed_stores: int = 0) -> None:
         self.bytes.labels("store").inc(num_store_bytes)
         self.bytes.labels("load").inc(num_load_bytes)
         self.failed_loads.inc(num_failed_loads)
+        self.skipped_stores.labels("busy").inc(num_busy_stores)
+        self.skipped_stores.labels("failed").inc(num_failed_stores)
         for seconds in store_seconds:
             self.duration_s.labels("store").observe(seconds)
         for seconds in load_seconds:

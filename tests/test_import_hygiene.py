@@ -22,7 +22,7 @@ TORCH_AND_NIXL_FREE_MODULES = [
     # the allocator
     "pdserve.kv", "pdserve.kv.specs", "pdserve.kv.hashing", "pdserve.kv.block_pool", "pdserve.kv.prefix",
     "pdserve.kv.manager", "pdserve.kv.sizing", "pdserve.kv.events", "pdserve.kv.events_wire",
-    "pdserve.kv.routing_info", "pdserve.kv.offload",
+    "pdserve.kv.routing_info", "pdserve.kv.offload", "pdserve.kv.offload_writes",
     # scheduling and the P/D logic around the transport
     "pdserve.engine.schedule_types", "pdserve.engine.scheduler", "pdserve.engine.stop_rules",
     "pdserve.engine.request_ids",

@@ -50,6 +50,8 @@ from pdserve.pd.wiring import (
 from pdserve.transfer.ranked_transport import RankedTransport
 
 logger = logging.getLogger(__name__)
+OFFLOAD_STAGING_BYTES = 64 << 20  # host memory a file tier may hold in pages waiting for their write
+
 
 def max_tokens_in_pool(plan: KVGroupPlan, num_blocks: int, block_size: int) -> int:
     """Longest sequence whose blocks fit in the pool's usable blocks (all groups together)."""
@@ -124,7 +126,7 @@ def _context_limit(config: WorkerConfig, spec: ModelSpec, plan: KVGroupPlan, num
 def _offload_tier(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout, pool: torch.Tensor,
                   events: KVEventRecorder) -> Optional[OffloadTier]:
     """The tier behind the pool (--kv-offload-bytes; in files with --kv-offload-dir), or None.
-    File reads run on the tier's own I/O thread; host-memory copies are a memcpy between steps."""
+    File writes and reads run on the tier's one I/O thread; host-memory copies are a memcpy between steps."""
     cache = config.cache
     if cache.kv_offload_dir is not None and cache.kv_offload_bytes is None:
         raise ValueError("--kv-offload-dir needs --kv-offload-bytes (the tier's size)")
@@ -134,9 +136,15 @@ def _offload_tier(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout,
         raise ValueError("--kv-offload-bytes does not support tensor parallelism yet")
     full_group_ids = [g.group_id for g in plan.groups if isinstance(g.spec, FullAttentionSpec)]
     if cache.kv_offload_dir is not None:
-        store = FilePageStore(layout.canonical_view(pool), cache.kv_offload_bytes, cache.kv_offload_dir)
+        # Staging rows for about one step's evictions (its token budget in blocks, per group), so a
+        # burst is written behind the step rather than skipped; at most OFFLOAD_STAGING_BYTES of them.
+        num_step_blocks = -(-config.scheduler.max_num_batched_tokens // cache.block_size) * len(plan.groups)
+        num_staging_rows = max(1, min(num_step_blocks, OFFLOAD_STAGING_BYTES // layout.page_bytes))
+        store = FilePageStore(layout.canonical_view(pool), cache.kv_offload_bytes, cache.kv_offload_dir,
+                              num_staging_rows)
         executor = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-offload")
-        logger.info("KV offload tier: %s, %d pages of %d bytes", store.path, store.num_slots, store.page_bytes)
+        logger.info("KV offload tier: %s, %d pages of %d bytes, %d staging rows", store.path, store.num_slots,
+                    store.page_bytes, store.num_staging_rows)
         return OffloadTier(store, full_group_ids, events, executor=executor)
     host = HostPageStore(layout.canonical_view(pool), cache.kv_offload_bytes)
     logger.info("KV offload tier: host memory, %d pages of %d bytes", host.num_slots, host.page_bytes)

@@ -20,7 +20,7 @@ class EngineStats:
         self._num_query_tokens = 0
         self._num_hit_tokens = 0
         self._num_offload_hit_tokens = 0
-        self._offload_counts = (0, 0, 0)  # store bytes, load bytes, failed loads already reported
+        self._offload_counts = (0, 0, 0, 0, 0)  # store bytes, load bytes, failed loads, busy, failed stores
         self.num_computed_prompt_tokens = 0  # also read by tests and benchmarks
         # The pool's shape is known from here on, before the loop's first turn.
         self.metrics.load.update(LoadSnapshot(num_blocks_in_use_by_group=kv_manager.num_blocks_in_use_by_group(),
@@ -66,9 +66,12 @@ class EngineStats:
         tier = self.kv.offload
         if tier is None:
             return
-        counts = (tier.stats.num_store_bytes, tier.stats.num_load_bytes, tier.stats.num_failed_loads)
-        deltas = [now - before for now, before in zip(counts, self._offload_counts)]
+        counts = (tier.stats.num_store_bytes, tier.stats.num_load_bytes, tier.stats.num_failed_loads,
+                  tier.stats.num_skipped_stores, tier.stats.num_failed_stores)
+        store_bytes, load_bytes, failed_loads, busy_stores, failed_stores = [
+            now - before for now, before in zip(counts, self._offload_counts)]
         store_s, load_s = tier.stats.store_seconds, tier.stats.load_seconds
         tier.stats.store_seconds, tier.stats.load_seconds = [], []
-        self.metrics.offload.observe(*deltas, store_s, load_s, tier.usage_ratio)
+        self.metrics.offload.observe(store_bytes, load_bytes, failed_loads, store_s, load_s, tier.usage_ratio,
+                                     busy_stores, failed_stores)
         self._offload_counts = counts

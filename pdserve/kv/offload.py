@@ -1,13 +1,17 @@
 """The offload tier: whole pages behind the device pool, keyed like the prefix cache.
 
 Invariant: a key (block hash, group) names at most one slot, and a slot holds
-the bytes of the page last stored under the key it is recorded with; a slot
-pinned by a load is never reused until the load ends. Torch-free: the bytes
-move through a `PageStore` (pdserve/kv/offload_host.py for host memory).
+(or, its write queued, will hold before any read of it runs) the bytes of the
+page last stored under the key it is recorded with; a slot pinned by a load is
+never reused until the load ends. Torch-free: the bytes move through a
+`PageStore` (pdserve/kv/offload_host.py, offload_file.py).
 
     device pool (one page per block)             tier (one slot per page, own LRU)
-    cached free LRU: [b7 b3 b9 ...] --evict b7--> write(slot 4, b7)   (hash, group) -> 4
+    cached free LRU: [b7 b3 b9 ...] --evict b7--> store b7 in slot 4   (hash, group) -> 4
+                       host memory: write(4, b7), one memcpy, on the engine thread
+                       file: stage(b7), one copy, then write_staged on the I/O thread
     prefix hit on (hash, group) in the tier  <--- read([4], [b12])    b12 newly allocated
+                       host memory: inside start_load; file: on the I/O thread, after queued writes
 
 Write-back, not write-through: a page is copied when the pool is about to
 evict it (`offer`, the pool's eviction hook), while its content is still
@@ -16,7 +20,11 @@ evicted it). Only pages that actually leave the pool pay a copy, once; a
 write-through tier would copy every committed page after every prefill,
 though a working set that fits in the pool never needs one, and would still
 need a fence before a block is reused. For host memory the copy is one page
-memcpy on the engine thread between steps.
+memcpy on the engine thread between steps. For a file the engine thread only
+copies the page into a staging row (pdserve/kv/offload_writes.py); the pwrite
+and its CRC run on the tier's one I/O thread, and a store that finds every
+staging row busy is skipped (counted), never waited for. The key is findable
+at once: a load of it is queued on the same thread after the write.
 
 Sliding-window rule: a block of a sliding-window group is stored only while
 the full-attention block at the same position (same chained hash) is cached
@@ -29,10 +37,11 @@ at the hit point.
 
 Loads are asynchronous in form: `start_load` then `poll`, like a remote pull,
 so the scheduler keeps the request in its loading state meanwhile. The host
-store copies inside `start_load` (a memcpy of a few pages); a file store
-would run them on a thread and report them from `poll` the same way. A load
-that fails (or whose slot no longer holds its key) discards its keys and is
-reported failed: the request recomputes.
+store copies inside `start_load` (a memcpy of a few pages); the file store
+reads on the I/O thread and `poll` reports it the same way. A load that fails
+(or whose slot no longer holds its key) discards its keys and is reported
+failed: the request recomputes. A store whose write failed discards its key
+when the engine thread learns of it (`offer`, `lookup`, `poll`).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
 from pdserve.kv.events import CachedBlock, KVEventRecorder
+from pdserve.kv.offload_writes import StagingPageStore, WriteQueue, require_serial
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +80,12 @@ def store_geometry(pool_shape: Sequence[int], pool_is_int8: bool, capacity_bytes
 class PageStore(Protocol):
     """Where a tier keeps its pages: `num_slots` slots of one pool page each."""
 
-    medium: str  # reported in KV events: "cpu"
+    medium: str  # reported in KV events: "cpu", "disk"
     num_slots: int
     page_bytes: int
 
     def write(self, slot: int, block_id: int) -> None:
-        """Copy pool page `block_id` into `slot`; raise OffloadIOError when it cannot."""
+        """Copy pool page `block_id` into `slot` on the calling thread; raise OffloadIOError when it cannot."""
 
     def read(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         """Copy each slot into its pool page; raise OffloadIOError when it cannot."""
@@ -100,7 +110,8 @@ class OffloadStats:
     num_stores: int = 0
     num_loads: int = 0  # load batches that landed
     num_failed_loads: int = 0
-    num_failed_stores: int = 0
+    num_failed_stores: int = 0  # the medium refused the write
+    num_skipped_stores: int = 0  # no room right now: every staging row or every slot busy
     store_seconds: list[float] = field(default_factory=list)  # drained by the stats
     load_seconds: list[float] = field(default_factory=list)
 
@@ -117,9 +128,12 @@ class OffloadTier:
     def __init__(self, store: PageStore, full_group_ids: Sequence[int],
                  events: Optional[KVEventRecorder] = None, clock: Callable[[], float] = time.perf_counter,
                  executor: Optional[Executor] = None):
-        """`executor`: where reads run (a file tier's I/O thread); None reads inside `start_load`."""
+        """`executor`: the tier's one I/O thread, where reads run, and writes too for a store that
+        stages them (the file store); None copies inside `offer` and `start_load`."""
         if store.num_slots < 1:
             raise ValueError("an offload tier needs room for at least one page")
+        if executor is not None:
+            require_serial(executor)
         self.store = store
         self.full_group_ids = tuple(full_group_ids)
         self._device_lookup: Callable[[bytes, int], Optional[int]] = lambda block_hash, group_id: None
@@ -133,6 +147,9 @@ class OffloadTier:
         self._pins: Counter[CacheKey] = Counter()
         self._results = LoadResults()
         self._executor = executor
+        # Writes go to the I/O thread when the store can stage them; the host store's stay a memcpy.
+        self._writes = (WriteQueue(store, executor, clock)
+                        if executor is not None and isinstance(store, StagingPageStore) else None)
         # load id -> (its read, its keys, pages, start time): reads in flight on the executor
         self._in_flight: dict[str, tuple[Future, list[CacheKey], int, float]] = {}
         self.stats = OffloadStats()
@@ -144,7 +161,9 @@ class OffloadTier:
     # ---- queries ---------------------------------------------------------------------
 
     def lookup(self, block_hash: bytes, group_id: int) -> Optional[int]:
-        """The slot holding (block_hash, group_id), or None (a `BlockLookup`)."""
+        """The slot holding (block_hash, group_id), or None (a `BlockLookup`). Learns of finished
+        writes first, so a page whose write failed is a miss rather than a failed load."""
+        self._apply_finished_writes()
         return self._slots.get((block_hash, group_id))
 
     @property
@@ -166,18 +185,22 @@ class OffloadTier:
 
     def offer(self, block_id: int, key: CacheKey, parent_hash: Optional[bytes]) -> None:
         """The pool is about to evict `block_id`, cached under `key`: keep its page if it may
-        serve a later hit. Never raises (it runs inside the pool's allocation)."""
+        serve a later hit. Never raises (it runs inside the pool's allocation), never waits for I/O."""
+        self._apply_finished_writes()
         if key in self._slots:
             self._slots.move_to_end(key)  # loaded back earlier: the bytes are already here
             return
         if not self._worth_storing(key):
             return
+        if self._writes is not None and not self._writes.has_room():
+            self.stats.num_skipped_stores += 1  # the disk lags the evictions: drop this page, never wait
+            return
         slot = self._take_slot()
         if slot is None:
-            return  # every slot is pinned by a load in flight
-        started = self._clock()
+            self.stats.num_skipped_stores += 1  # every slot is pinned by a load in flight
+            return
         try:
-            self.store.write(slot, block_id)
+            self._store_page(slot, block_id)
         except Exception:  # noqa: BLE001 - a medium fault is a miss, never an allocation failure
             logger.exception("offload store of block %d failed", block_id)
             self._free_slots.append(slot)
@@ -187,11 +210,38 @@ class OffloadTier:
         self._slot_keys[slot] = key
         self._parents[key] = parent_hash
         self._groups_of.setdefault(key[0], set()).add(key[1])
-        self.stats.num_stores += 1
-        self.stats.num_store_bytes += self.store.page_bytes
-        self.stats.store_seconds.append(self._clock() - started)
         if self._events is not None:
             self._events.stored(key[0], parent_hash, key[1], self.store.medium)
+
+    def _store_page(self, slot: int, block_id: int) -> None:
+        """Copy the page into the slot now (host memory), or stage it for the I/O thread (file)."""
+        if self._writes is not None:
+            self._writes.submit(slot, block_id)  # counted once the I/O thread reports it
+            return
+        started = self._clock()
+        self.store.write(slot, block_id)
+        self._count_store(self._clock() - started)
+
+    def _count_store(self, duration_s: float) -> None:
+        self.stats.num_stores += 1
+        self.stats.num_store_bytes += self.store.page_bytes
+        self.stats.store_seconds.append(duration_s)
+
+    def _apply_finished_writes(self) -> None:
+        """Count the writes the I/O thread finished; a failed one was a store that did not happen:
+        its key goes, unless a load pinned it (that load's read then fails the CRC check and
+        drops it) or the slot was reused since (a later write owns it)."""
+        if self._writes is None:
+            return
+        for write in self._writes.finished():
+            if write.error is None:
+                self._count_store(write.duration_s)
+                continue
+            logger.warning("offload store into slot %d failed: %s", write.slot, write.error)
+            self.stats.num_failed_stores += 1
+            key = self._slot_keys[write.slot]
+            if write.is_latest and key is not None and not self._pins[key]:
+                self._drop(key)
 
     def _worth_storing(self, key: CacheKey) -> bool:
         block_hash, group_id = key
@@ -245,6 +295,7 @@ class OffloadTier:
         """Copy each load's page into its block; the outcome comes from a later `poll` (the
         blocks must stay allocated until then). The caller pinned the keys; the load unpins them."""
         keys = [(load.block_hash, load.group_id) for load in loads]
+        self._apply_finished_writes()
         started = self._clock()
         try:
             slots = [self._slot_of(key) for key in keys]
@@ -296,6 +347,7 @@ class OffloadTier:
 
     def poll(self) -> LoadResults:
         """Loads that landed or failed since the last poll (never waits for a read in flight)."""
+        self._apply_finished_writes()
         for load_id, (read, keys, num_pages, started) in list(self._in_flight.items()):
             if read.done():
                 del self._in_flight[load_id]

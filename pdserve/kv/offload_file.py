@@ -1,14 +1,21 @@
-"""File page store of the offload tier: pages in one file under --kv-offload-dir, read on an I/O thread.
+"""File page store of the offload tier: pages in one file under --kv-offload-dir, written and read on an I/O thread.
 
 Invariant: slot s is bytes [s * page_bytes, (s + 1) * page_bytes) of `pages.bin`,
 and a read hands a page to the pool only if its CRC32 equals the one recorded
-when it was written, so a torn or corrupt page is a failed load (the request
-recomputes), never wrong tokens; a write that fails (a full disk) is a store
-that did not happen.
+after its write completed, so a torn or corrupt page, or one whose write never
+ran, is a failed load (the request recomputes), never wrong tokens; a write
+that fails (a full disk) is a store that did not happen.
 
-    pool canonical view [num_blocks, page_bytes]          <dir>/pages.bin
-    row b  --- write(s, b): pwrite at s*page_bytes, crc[s] = crc32(page) ---> [slot 0][slot 1]...[slot s]...
-    row b' <-- read([s], [b']): preadv, check crc[s] (on the tier's I/O thread)
+    pool canonical view         staging rows                      <dir>/pages.bin
+    [num_blocks, page_bytes]    [num_staging_rows, page_bytes]    [slot 0][slot 1]...[slot s]...
+    row b  --stage(b)---------> row r --write_staged(s, r)------> slot s: crc[s] = None, pwrite,
+           engine thread: a copy        I/O thread; r free again          crc[s] = crc32(page)
+    row b' <--read([s], [b']): preadv, check crc[s], on the I/O thread--- slot s
+
+The engine thread never touches the file: `stage` copies the page before the
+pool reuses its block, and a store that finds every staging row busy (the disk
+lags the evictions) is skipped rather than waited for. `write` does the whole
+store on the calling thread (tests, and the benchmark's baseline).
 
 Start-up: the directory is locked (`flock` on `<dir>/lock`), so two workers
 never share it, and `pages.bin` is truncated: the index lives in memory, so
@@ -21,6 +28,7 @@ from __future__ import annotations
 import fcntl
 import os
 import zlib
+from collections import deque
 from typing import Sequence
 
 import torch
@@ -31,7 +39,7 @@ from pdserve.kv.offload import OffloadIOError, store_geometry
 class FilePageStore:
     medium = "disk"
 
-    def __init__(self, pool_view: torch.Tensor, capacity_bytes: int, directory: str):
+    def __init__(self, pool_view: torch.Tensor, capacity_bytes: int, directory: str, num_staging_rows: int = 8):
         self.page_bytes, self.num_slots = store_geometry(pool_view.shape, pool_view.dtype == torch.int8,
                                                          capacity_bytes)
         os.makedirs(directory, exist_ok=True)
@@ -46,7 +54,11 @@ class FilePageStore:
         self._crcs: list[int | None] = [None] * self.num_slots
         self._pool = pool_view
         self._on_cpu = pool_view.device.type == "cpu"
-        # Staging rows off the CPU: one for writes (engine thread), one for reads (the I/O thread).
+        # Pinned off the CPU, so the device-to-host copy of a page is one DMA.
+        num_staging_rows = max(1, num_staging_rows)
+        self._staging = torch.empty((num_staging_rows, self.page_bytes), dtype=torch.int8, pin_memory=not self._on_cpu)
+        self._free_rows: deque[int] = deque(range(num_staging_rows))  # taken by the engine, freed by the I/O thread
+        # Rows off the CPU for `write` (its caller's thread) and reads (the I/O thread).
         self._write_row = torch.empty(self.page_bytes, dtype=torch.int8)
         self._read_row = torch.empty(self.page_bytes, dtype=torch.int8)
 
@@ -54,12 +66,46 @@ class FilePageStore:
     def capacity_bytes(self) -> int:
         return self.num_slots * self.page_bytes
 
+    @property
+    def num_staging_rows(self) -> int:
+        return self._staging.shape[0]
+
+    @property
+    def num_free_staging_rows(self) -> int:
+        return len(self._free_rows)
+
     def write(self, slot: int, block_id: int) -> None:
+        """The whole store on the calling thread (no staging row: on the CPU it writes the pool row)."""
         row = self._pool[block_id]
         if not self._on_cpu:
             row = self._write_row.copy_(row)
-        data = row.numpy()
-        self._crcs[slot] = None  # a failed write leaves no page that could pass the check
+        self._write_page(slot, row.numpy())
+
+    def stage(self, block_id: int) -> int:
+        """Copy pool page `block_id` into a free staging row (the engine thread, before the block is reused)."""
+        try:
+            row = self._free_rows.popleft()
+        except IndexError:
+            raise OffloadIOError("every staging row waits for its write") from None
+        try:
+            self._staging[row].copy_(self._pool[block_id])
+        except (RuntimeError, IndexError) as error:
+            self._free_rows.append(row)
+            raise OffloadIOError(f"staging block {block_id}: {error}") from error
+        return row
+
+    def write_staged(self, slot: int, row: int) -> None:
+        """Write staging row `row` into `slot` (the I/O thread); the row is free again afterwards."""
+        try:
+            self._write_page(slot, self._staging[row].numpy())
+        finally:
+            self._free_rows.append(row)
+
+    def release_row(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def _write_page(self, slot: int, data) -> None:  # type: ignore[no-untyped-def] - a numpy int8 row
+        self._crcs[slot] = None  # until the write completes no read can pass the check
         try:
             written = os.pwrite(self._fd, data, slot * self.page_bytes)
         except OSError as error:

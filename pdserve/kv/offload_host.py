@@ -9,7 +9,10 @@ as a row of the pool's canonical int8 view, so a page moves as one copy:
 
 On CUDA the buffer is pinned and copies run on the store's own stream, and each
 call waits for it: the engine thread calls these between steps, when no kernel
-touches the pool (the loop synchronizes after every step).
+touches the pool (the loop synchronizes after every step). Both directions stay
+synchronous on purpose: a store is one page memcpy (tens of microseconds), the
+same copy the file store makes into a staging row before its I/O thread takes
+over, so an I/O thread would add a hand-off and save nothing.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ window model reloads only the blocks inside its window."""
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Optional
 
 import pytest
@@ -73,10 +75,18 @@ def test_prompts_evicted_from_the_pool_come_back_from_the_tier_with_the_same_tok
     assert plain.kv_manager.offload is None
 
 
-def test_the_file_tier_really_writes_files_and_serves_the_second_pass(qwen, tmp_path):
+def test_the_file_tier_really_writes_files_on_its_io_thread_and_serves_the_second_pass(qwen, tmp_path, monkeypatch):
     prompts = [random_prompt(40, QWEN_VOCAB, 200 + seed) for seed in range(10)]
     total = sum(len(p) for p in prompts)
     plain_first, _, _ = two_passes(engine_with_tier(qwen, num_blocks=41, offload_bytes=None), prompts)
+    writers = set()
+    real_pwrite = os.pwrite
+
+    def recording_pwrite(fd, data, offset):
+        writers.add(threading.current_thread().name)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", recording_pwrite)
     built = engine_with_tier(qwen, num_blocks=41, offload_bytes=64 << 20, offload_dir=str(tmp_path))
     first, second, recomputed = two_passes(built, prompts)
     print(f"file tier: second pass recomputed {recomputed}/{total}")
@@ -84,6 +94,9 @@ def test_the_file_tier_really_writes_files_and_serves_the_second_pass(qwen, tmp_
     assert first == second == plain_first
     assert (tmp_path / "pages.bin").stat().st_size > 0
     assert built.kv_manager.offload.store.medium == "disk"
+    assert writers and all(name.startswith("pdserve-kv-offload") for name in writers)  # never the engine thread
+    skipped = built.engine.engine_loop.stats.metrics.offload.skipped_stores
+    assert skipped.labels("failed")._value.get() == 0
 
 
 def test_a_corrupted_file_tier_means_recomputing_never_wrong_tokens(qwen, tmp_path):
