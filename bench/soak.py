@@ -55,14 +55,19 @@ def rss_mib(pid: int) -> float:
 
 
 def process_pids(up: ServerProcess) -> dict[str, int]:
-    """The proxy's and the workers' pids among `up`'s children, by their command line."""
-    pids = {}
+    """The proxy's and the workers' pids among `up`'s children, by their command line, and each
+    worker's NIXL agent process ("prefill agent", "decode agent"; pools are shared with it)."""
+    pids, argvs = {}, {}
     for pid in descendant_pids(up.process.pid):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-        role = next((r for r in _PROCESS_ROLES if r.encode() in argv), None)
-        if role is not None and b"pdserve.app.cli" in argv:
+            argvs[pid] = f.read().split(b"\0")
+        role = next((r for r in _PROCESS_ROLES if r.encode() in argvs[pid]), None)
+        if role is not None and b"pdserve.app.cli" in argvs[pid]:
             pids[role] = pid
+    for role, worker in list(pids.items()):
+        for pid in descendant_pids(worker):
+            if b"pdserve.transfer.agent_process" in argvs.get(pid, []):
+                pids[f"{role} agent"] = pid
     return pids
 
 
@@ -197,13 +202,14 @@ def report(run: dict) -> str:
               + "; final " + ", ".join(f"{r} {v:.1%}" for r, v in run["final_kv_usage"].items()),
               "", "| RSS (MiB) | start | after half | end | growth in the second half |", "|---|---:|---:|---:|---:|"]
     rss = run["rss_mib"]
-    for role in _PROCESS_ROLES:
+    processes = list(rss["start"])  # the roles, then the workers' agent processes
+    for role in processes:
         half, end = rss.get("half", {}).get(role, 0.0), rss["end"].get(role, 0.0)
         lines.append(f"| {role} | {rss['start'].get(role, 0.0):.1f} | {half:.1f} | {end:.1f} | {end - half:+.1f} |")
     marks = [key for key in rss if key.isdigit()]
     lines += ["", "RSS (MiB) after every tenth of the requests:", "| process | " + " | ".join(marks) + " |",
               "|---|" + "---:|" * len(marks)]
-    for role in _PROCESS_ROLES:
+    for role in processes:
         lines.append(f"| {role} | " + " | ".join(f"{rss[mark].get(role, 0.0):.0f}" for mark in marks) + " |")
     return "\n".join(lines)
 
