@@ -31,6 +31,7 @@ import zlib
 from collections import deque
 from typing import Sequence
 
+import numpy
 import torch
 
 from pdserve.kv.offload import OffloadIOError, store_geometry
@@ -57,6 +58,7 @@ class FilePageStore:
         # Pinned off the CPU, so the device-to-host copy of a page is one DMA.
         num_staging_rows = max(1, num_staging_rows)
         self._staging = torch.empty((num_staging_rows, self.page_bytes), dtype=torch.int8, pin_memory=not self._on_cpu)
+        self._staging_arrays = self._staging.numpy()
         self._free_rows: deque[int] = deque(range(num_staging_rows))  # taken by the engine, freed by the I/O thread
         # Rows off the CPU for `write` (its caller's thread) and reads (the I/O thread).
         self._write_row = torch.empty(self.page_bytes, dtype=torch.int8)
@@ -88,8 +90,13 @@ class FilePageStore:
         except IndexError:
             raise OffloadIOError("every staging row waits for its write") from None
         try:
-            self._staging[row].copy_(self._pool[block_id])
-        except (RuntimeError, IndexError) as error:
+            if self._on_cpu:
+                # One memcpy on this thread: torch's copy fans a page out to its intra-op threads,
+                # which then queue behind the I/O thread for a core (p99 12-26 ms, docs/benchmarks.md).
+                numpy.copyto(self._staging_arrays[row], self._pool[block_id].numpy())
+            else:
+                self._staging[row].copy_(self._pool[block_id])
+        except (RuntimeError, IndexError, ValueError) as error:
             self._free_rows.append(row)
             raise OffloadIOError(f"staging block {block_id}: {error}") from error
         return row
