@@ -4,6 +4,8 @@ SmolLM2 by default, CPU).
 
     python3 bench/kv_offload.py [--model PATH] [--conversations 8] [--turns 4] [--pool-share 0.25]
                                 [--out bench/results/kv_offload.json]
+    python3 bench/kv_offload.py --stores-only [--page-bytes 737280] [--store-rounds 40]
+                                [--store-out bench/results/kv_offload_store.json]
 
 Each conversation grows turn by turn (its history, a new user message of random token ids, the
 answer), turns round-robin over the conversations, one request at a time, so a conversation's
@@ -12,6 +14,11 @@ configuration: prompt tokens computed, TTFT p50/p99 (submit to first token, in-p
 tier's hit rate (tokens loaded / tokens asked for), and each tier's load bandwidth against a raw
 copy of the same pages in this process (memory) and a raw pread of them (file; a fresh file in
 --dir, so mostly the page cache, as a tier the size of free RAM would be).
+
+Then (or alone, with --stores-only, no model loaded) the engine-thread cost of one file-tier store
+(bench/_offload_stores.py): `OffloadTier.offer` with the write done on the calling thread (pwrite and
+CRC32, as before issue 21 point 3) against the staged store (one copy into a staging row, the write on
+the tier's I/O thread), same pages, same file system.
 
 Invariant: all configurations see the very same requests in the same order with greedy sampling,
 so they must answer the same tokens (checked).
@@ -40,6 +47,8 @@ from pdserve.engine.factory import build_engine  # noqa: E402
 from pdserve.metrics import Metrics  # noqa: E402
 from pdserve.models.loader import load_model  # noqa: E402
 from pdserve.request import GenerationRequest  # noqa: E402
+
+from bench._offload_stores import print_store_table, store_costs  # noqa: E402
 
 BLOCK = 16
 
@@ -95,6 +104,7 @@ def run(loaded, num_blocks: int, offload_bytes: Optional[int], offload_dir: Opti
         "load_bytes": load_bytes,
         "load_gb_per_s": load_bytes / load_s / 1e9 if load_s else None,
         "page_bytes": built.layout.page_bytes,
+        "stores_skipped": built.kv_manager.offload.stats.num_skipped_stores if built.kv_manager.offload else 0,
         "answers": answers,
     }
     built.close()
@@ -142,8 +152,26 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--dir", default=None, help="where the file tier goes (default: a temporary directory)")
+    parser.add_argument("--stores-only", action="store_true", help="only the engine-thread cost of file stores")
+    parser.add_argument("--page-bytes", type=int, default=737_280, help="page size of the store benchmark "
+                        "(default: the embedded SmolLM2's, 16 tokens)")
+    parser.add_argument("--store-rounds", type=int, default=40, help="bursts of evictions per store mode")
+    parser.add_argument("--store-burst", type=int, default=32, help="evictions per burst (one step's, 512 tokens)")
+    parser.add_argument("--store-out", default=None, help="write the store figures as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if not args.stores_only:
+        run_workload(args)
+    directory = args.dir or tempfile.mkdtemp(prefix="pdserve-kv-offload-")
+    costs = store_costs(args.page_bytes, directory, args.store_rounds, args.store_burst)
+    print_store_table(costs)
+    if args.store_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.store_out)), exist_ok=True)
+        with open(args.store_out, "w") as f:
+            json.dump({"args": vars(args), **costs}, f, indent=2)
+
+
+def run_workload(args: argparse.Namespace) -> None:
     loaded = load_model(args.model, torch.float32, torch.device("cpu"))
     messages = conversations(args.conversations, args.turns, args.user_tokens, loaded.model.spec.vocab_size)
     final_tokens = args.turns * (args.user_tokens + args.answer_tokens)
@@ -159,12 +187,13 @@ def main() -> None:
     raw_file = raw_pread_gb_per_s(rows[1]["page_bytes"], directory)
     print(f"pool {num_blocks - 1} blocks, working set {working_set_blocks} blocks, "
           f"{args.conversations} conversations x {args.turns} turns")
-    print(f"{'tier':8} {'computed':>9} {'of':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'tier hit':>9} {'load GB/s':>10}")
+    print(f"{'tier':8} {'computed':>9} {'of':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'tier hit':>9} {'load GB/s':>10} "
+          f"{'skipped stores':>15}")
     for row in rows:
         bandwidth = f"{row['load_gb_per_s']:.2f}" if row["load_gb_per_s"] else "-"
         print(f"{row['tier']:8} {row['computed_prompt_tokens']:9d} {row['prompt_tokens']:7d} "
               f"{row['ttft_p50_s'] * 1000:7.1f}ms {row['ttft_p99_s'] * 1000:7.1f}ms {row['tier_hit_rate']:9.2f} "
-              f"{bandwidth:>10}")
+              f"{bandwidth:>10} {row['stores_skipped']:15d}")
     print(f"raw copy of the same pages in this process: {raw:.2f} GB/s; raw pread of them: {raw_file:.2f} GB/s")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
