@@ -25,7 +25,7 @@ from pdserve.api.errors import EngineFailure, RequestFailed
 from pdserve.api.sampling import FinishReason
 from pdserve.engine.emitter import OutputEmitter, OutputSink
 from pdserve.engine.request_ids import RequestIdRegistry
-from pdserve.engine.runner import ModelRunner
+from pdserve.engine.runner import ModelRunner, StepCancelled
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput, StepResult
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
@@ -79,6 +79,7 @@ class EngineLoop:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._stalled = False  # the last step scheduled nothing: wait for news before trying again
+        self._abort_requested: set[str] = set()  # added to by other threads, emptied by _Abort commands
 
     # ---- called from other threads ---------------------------------------------
 
@@ -86,6 +87,9 @@ class EngineLoop:
         self.inbox.put(_Submit(request, sink, time.monotonic()))
 
     def abort(self, request_id: str) -> None:
+        # Seen by the step in flight too: a step whose requests are all aborted stops at the next
+        # layer instead of computing a whole chunk for no one (the _Abort below then finishes them).
+        self._abort_requested.add(request_id)
         self.inbox.put(_Abort(request_id))
 
     def abort_all(self) -> None:
@@ -174,6 +178,7 @@ class EngineLoop:
         elif isinstance(command, _Abort):
             for request_id in [command.request_id] if command.request_id is not None else self.emitter.request_ids():
                 self._finish(request_id, FinishReason.ABORT)
+            self._abort_requested.discard(command.request_id)
         elif isinstance(command, _Call):
             command.function()
         else:
@@ -225,6 +230,11 @@ class EngineLoop:
         queues = self._queue_sizes()
         scheduled = self.scheduler.schedule()
         result = self._execute(scheduled)
+        if result is None:  # abandoned: every request in it was aborted while it ran
+            for chunk in scheduled.chunks:
+                self._finish(chunk.request_id, FinishReason.ABORT)
+            logger.info("step of %d requests abandoned mid-model: all of them were aborted", len(scheduled.chunks))
+            return True
         result.sampled = self._drop_failed_rows(result.sampled)
         changed = self.scheduler.update(scheduled, result.sampled, result.prompt_logprobs)
         sampled = {token.request_id: token for token in result.sampled}
@@ -247,9 +257,17 @@ class EngineLoop:
         scheduler = self.scheduler
         return scheduler.num_waiting, scheduler.num_waiting_for_kv, scheduler.num_running
 
-    def _execute(self, scheduled: SchedulerOutput) -> StepResult:
+    def _execute(self, scheduled: SchedulerOutput) -> Optional[StepResult]:
+        """The step's result; None if it was abandoned (`StepCancelled`)."""
+        cancellable = getattr(self.runner, "cancellable", False)  # test doubles of the runner: never
+        if cancellable and scheduled.chunks:
+            ids = frozenset(chunk.request_id for chunk in scheduled.chunks)
+            self.runner.stop_check = lambda: ids <= self._abort_requested
         try:
             return self._execute_synchronized(scheduled)
+        except StepCancelled:
+            self._settle_device()  # its queued kernels finish before its blocks are freed
+            return None
         except RanksLost:  # not one request's fault, and no retry can help: the loop dies
             raise
         except Exception:
@@ -270,7 +288,11 @@ class EngineLoop:
         return result
 
     def _execute_synchronized(self, scheduled: SchedulerOutput) -> StepResult:
-        sampled = self.runner.execute(scheduled)
+        try:
+            sampled = self.runner.execute(scheduled)
+        finally:
+            if getattr(self.runner, "cancellable", False):
+                self.runner.stop_check = None
         # KV complete: from here the step's blocks may be freed, evicted, read by a
         # decode worker (update() publishes kv_transfer_params on a prefill worker)
         # or overwritten by the next NIXL READ.

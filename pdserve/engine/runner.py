@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -34,10 +34,20 @@ from pdserve.models.base import CausalLM
 logger = logging.getLogger(__name__)
 
 
+class StepCancelled(Exception):
+    """The step was abandoned between layers: every request in it was aborted meanwhile."""
+
+
 class ModelRunner:
+    # Whether a step may be abandoned between layers (rank 0 of tensor-parallel ranks may not:
+    # the other ranks would wait in the next layer's collective).
+    cancellable = True
+
     def __init__(self, model: CausalLM, plan: KVGroupPlan, layout: KVPoolLayout, device: torch.device, seed: int = 0,
                  compile_decode: bool = False, grammar: Optional[GrammarMatchers] = None, shared_pool: bool = False):
         self.model = model
+        # Set by the engine loop for the step about to run: True once its requests are all aborted.
+        self.stop_check: Optional[Callable[[], bool]] = None
         self.grammar = grammar  # None: this runner serves no structured outputs
         self.plan = plan
         self.layout = layout
@@ -141,8 +151,13 @@ class ModelRunner:
             return (logits if num_sampling == len(chunks) else logits[sample_rows]), None
         input_ids, positions = self._inputs(chunks)
         attention = PagedAttention(self.plan, self.layer_caches, chunks, self.layout.block_size, self.device)
-        hidden = self.model(input_ids, positions, attention)
+        hidden = self.model(input_ids, positions, attention,
+                            between_layers=self._stop_if_cancelled if self.stop_check is not None else None)
         return (self.model.compute_logits(hidden[sample_rows]) if num_sampling else None), hidden
+
+    def _stop_if_cancelled(self) -> None:
+        if self.stop_check is not None and self.stop_check():
+            raise StepCancelled()
 
     def takes_decode_step(self, chunks: Sequence[ScheduledChunk], wants_prompt_logprobs: bool) -> bool:
         """Whether a step (chunks sorted as `execute` sorts them) runs through `DecodeStep`."""

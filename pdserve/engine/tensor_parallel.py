@@ -56,6 +56,8 @@ def _slim(chunk: ScheduledChunk) -> ScheduledChunk:
 class LeaderRunner(ModelRunner):
     """Rank 0's runner: sends each step to the other ranks, then runs its own shard and samples."""
 
+    cancellable = False  # the other ranks run every layer of a step they were sent
+
     def __init__(self, *args, channel: LeaderChannel, **kwargs):  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.channel = channel

@@ -10,7 +10,7 @@ and the layer's sliding window itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -99,12 +99,17 @@ class CausalLM(torch.nn.Module):
         raise NotImplementedError
 
     def forward(  # type: ignore[override]
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionContext
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionContext,
+        between_layers: Optional[Callable[[], None]] = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] int64 -> final-normed hidden states [num_tokens, hidden]."""
+        """input_ids, positions: [num_tokens] int64 -> final-normed hidden states [num_tokens, hidden].
+        `between_layers` runs after each layer but the last (it may raise to abandon the pass)."""
         h, rope = self.embed(input_ids, positions)
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
             h = layer(h, rope, attention)
+            if between_layers is not None and index < last:
+                between_layers()
         return self.final_norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

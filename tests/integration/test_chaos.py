@@ -385,9 +385,10 @@ def test_a_prefill_worker_dying_with_a_request_loses_nothing_the_decode_worker_c
 
 def test_a_client_leaving_mid_prefill_stops_the_prefill_at_the_next_chunk(cluster, baseline):
     """3,000 prompt tokens are six chunks of 512 on the prefill worker. The client hangs up as soon as
-    the prefill worker runs the request; the proxy cancels the leg and the worker aborts at the next
-    step boundary: at most the chunk in flight and one more are computed (an engine step is not
-    interrupted; its length, not a timer, bounds the abort), then nothing runs and no block is in use."""
+    the prefill worker runs the request; the proxy cancels the leg and the worker abandons the step in
+    flight at its next layer (every request in it is aborted: pdserve/engine/loop.py): the chunks
+    computed before the client left count, the one in flight does not; then nothing runs and no
+    block is in use. (Bounds in chunks, not seconds: how many chunks finish first is the machine's.)"""
     proxy, prefill = cluster["proxy"], cluster["prefill"]
     body = json.dumps(completion("word " * 3000, max_tokens=2)).encode()
     computed = prefill.metric("pdserve_engine_computed_prompt_tokens_total")
