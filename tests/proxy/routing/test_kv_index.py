@@ -95,11 +95,17 @@ def test_a_snapshot_replaces_everything_known_of_a_worker():
     assert index.num_keys == 2 and index.num_blocks_by_role() == {"decode": 2}
 
 
-def test_events_must_continue_the_worker_history_or_raise_a_gap():
+def recorder_and_empty_index() -> tuple[KVEventRecorder, KVIndex]:
+    """A recording event source and an index that holds its worker's (empty) snapshot."""
     recorder = KVEventRecorder()
     recorder.enabled = True
     index = KVIndex()
     index.apply_snapshot(URL, "prefill", "e1", 0, BLOCK, [])
+    return recorder, index
+
+
+def test_events_must_continue_the_worker_history_or_raise_a_gap():
+    recorder, index = recorder_and_empty_index()
     recorder.stored(b"a", None, 0)
     index.apply_events(URL, "e1", recorder.drain())
     recorder.stored(b"b", b"a", 0)
@@ -241,10 +247,7 @@ def check_offload_count(index: KVIndex, url: str = URL) -> None:
 
 
 def test_events_with_a_medium_move_a_block_between_the_device_and_the_tier():
-    recorder = KVEventRecorder()
-    recorder.enabled = True
-    index = KVIndex()
-    index.apply_snapshot(URL, "prefill", "e1", 0, BLOCK, [])
+    recorder, index = recorder_and_empty_index()
     recorder.stored(b"a", None, 0)
     index.apply_events(URL, "e1", recorder.drain())
     check_offload_count(index)
