@@ -29,6 +29,8 @@ import numpy as np
 from pdserve.kv.shared_memory import region_of
 
 DEFAULT_CALL_TIMEOUT_S = 5.0
+# Mapping and registering memory may pin it (RDMA transports pin every page): more time than a call.
+REGISTER_TIMEOUT_S = 120.0
 
 
 class AgentProcessDied(Exception):
@@ -109,15 +111,16 @@ class IsolatedAgent:
         if not self.ready():
             self._die("not up")
 
-    def call(self, op: str, *args: Any, fd: Optional[int] = None) -> Any:
+    def call(self, op: str, *args: Any, fd: Optional[int] = None, timeout_s: Optional[float] = None) -> Any:
         if self.dead is not None:
             raise AgentProcessDied(self.dead)
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
         try:
             self._connection.send((op, args))
             if fd is not None:
                 send_handle(self._connection, fd, self._process.pid)
-            if not self._connection.poll(self.call_timeout_s):
-                self._die(f"no answer to {op!r} within {self.call_timeout_s:g} s")
+            if not self._connection.poll(timeout_s):
+                self._die(f"no answer to {op!r} within {timeout_s:g} s")
             kind, value = self._connection.recv()
         except (EOFError, OSError):
             self._die(f"connection lost during {op!r}")
@@ -145,9 +148,9 @@ class IsolatedAgent:
         address, length = memory.data_ptr(), memory.numel() * memory.element_size()
         region = region_of(address, length)
         if region.start not in self._mapped:
-            self.call("map", region.start, region.length, fd=region.fd)
+            self.call("map", region.start, region.length, fd=region.fd, timeout_s=REGISTER_TIMEOUT_S)
             self._mapped.add(region.start)
-        return _AgentObject(self, self.call("register", address, length, "DRAM", 0))
+        return _AgentObject(self, self.call("register", address, length, "DRAM", 0, timeout_s=REGISTER_TIMEOUT_S))
 
     def deregister_memory(self, registration: _AgentObject) -> None:
         if self.dead is None:
