@@ -87,13 +87,14 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     slo.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO.tpot_ms)
 
 
-SYSTEMS = ("pd", "pd-adaptive", "colocated")
+SYSTEMS = ("pd", "pd-adaptive", "pd-adaptive-shared", "colocated")
 
 
 def _add_system_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default="pd,colocated",
                         help=f"comma-separated, from {', '.join(SYSTEMS)} (pd-adaptive: pdserve up with "
-                             "--disaggregation adaptive and --max-step-ms at the TPOT objective)")
+                             "--disaggregation adaptive and --max-step-ms at the TPOT objective; pd-adaptive-shared: "
+                             "the same with both workers unpinned, each running a thread per core)")
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
     parser.add_argument("--num-blocks", type=int, default=_NUM_BLOCKS, help="KV pool of each worker, in blocks")
     parser.add_argument("--colocated-threads", type=int, default=None,
@@ -255,6 +256,11 @@ def _servers(args: argparse.Namespace, log_dir: str) -> list[ServerProcess]:
         "pd": (pd_name, "up.log", lambda port: pd_cluster_argv(port, args.num_blocks)),
         "pd-adaptive": (pd_name.replace("P/D", "P/D adaptive"), "up-adaptive.log",
                         lambda port: pd_cluster_argv(port, args.num_blocks) + adaptive),
+        # Cores shared, not split: each worker may use every core when the other idles (oversubscribed).
+        "pd-adaptive-shared": (f"P/D adaptive, cores shared: pdserve up --no-pin ({num_cores} threads each)",
+                               "up-adaptive-shared.log",
+                               lambda port: pd_cluster_argv(port, args.num_blocks) + adaptive
+                               + ["--no-pin", "--num-threads", str(num_cores)]),
         "colocated": (f"colocated: pdserve serve ({threads} threads, unpinned)", "serve.log",
                       lambda port: colocated_argv(port, args.num_blocks, threads)),
     }
