@@ -1,6 +1,8 @@
 """Starting and stopping the other tensor-parallel ranks of a worker on this host.
 
-`pdserve prefill -tp 3` is rank 0: it picks a free rendezvous port and starts
+`pdserve prefill -tp 3` is rank 0: it binds its rendezvous port (a free one
+unless --tp-master-port names it) and keeps it bound, so nothing else on the
+host can take it before rank 0's store listens on it, then starts
 ranks 1 and 2 as child processes (`python -m pdserve.app.ranks`, the config in
 the environment, never on the command line where the internal token would
 show). Ranks on other hosts are started as their own commands instead
@@ -14,11 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 
 from pdserve.api.config import WorkerConfig
-from pdserve.app.children import die_with_parent, free_port, linux_libc
+from pdserve.app.children import die_with_parent, linux_libc
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +33,32 @@ def with_rank(config: WorkerConfig, rank: int, master_port: int, master_addr: st
     return config.model_copy(update={"parallel": parallel})
 
 
-def start_local_ranks(config: WorkerConfig) -> tuple[WorkerConfig, list[subprocess.Popen]]:
-    """(rank 0's config, the started ranks 1..N-1) for a worker whose ranks all live on this host."""
-    port = config.parallel.tp_master_port or free_port()
+@dataclass
+class LocalRanks:
+    """Rank 0's side of a worker whose ranks all live on this host."""
+    config: WorkerConfig  # rank 0's
+    children: list[subprocess.Popen]  # ranks 1..N-1
+    rendezvous_fd: int  # listening on config.parallel.tp_master_port; rank 0's store takes it over
+
+
+def bind_rendezvous(port: int) -> socket.socket:
+    """A socket listening on 127.0.0.1:`port` (0: a free port). Binding here, before any rank
+    starts, closes the window in which a port that was merely found free gets taken."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def start_local_ranks(config: WorkerConfig) -> LocalRanks:
+    """Bind the rendezvous and start ranks 1..N-1 of a worker whose ranks all live on this host."""
+    listener = bind_rendezvous(config.parallel.tp_master_port or 0)
+    port = int(listener.getsockname()[1])
     children = []
     libc = linux_libc()
     # Linux kills a rank when rank 0's process ends, however it ends (rank 0 killed while the
@@ -43,7 +70,7 @@ def start_local_ranks(config: WorkerConfig) -> tuple[WorkerConfig, list[subproce
                                          preexec_fn=set_up))
     logger.info("started tensor-parallel ranks 1-%d (pids %s), rendezvous on 127.0.0.1:%d",
                 len(children), [child.pid for child in children], port)
-    return with_rank(config, 0, port, "127.0.0.1"), children
+    return LocalRanks(with_rank(config, 0, port, "127.0.0.1"), children, listener.detach())
 
 
 def stop_local_ranks(children: list[subprocess.Popen], timeout_s: float = 10.0) -> None:

@@ -35,10 +35,11 @@ class _Loaded:
 
 
 def _load_in_background(config: WorkerConfig, metrics: Metrics, handle: LoadingEngine, loaded: _Loaded,
-                        transport_factory: TransportFactory) -> threading.Thread:
+                        transport_factory: TransportFactory, rendezvous_fd: Optional[int]) -> threading.Thread:
     def load() -> None:
         try:
-            built = build_engine(config, metrics, request_ids=handle.request_ids, transport_factory=transport_factory)
+            built = build_engine(config, metrics, request_ids=handle.request_ids, transport_factory=transport_factory,
+                                 rendezvous_fd=rendezvous_fd)
             built.engine.start()
             loaded.built = built
             handle.inner = built.engine
@@ -54,9 +55,10 @@ def _load_in_background(config: WorkerConfig, metrics: Metrics, handle: LoadingE
 def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nixl_transport) -> int:
     """Serve until told to stop; returns the process exit status (1 when the worker could not serve).
     A tensor-parallel worker started without --tp-rank starts its other ranks on this host first."""
-    children = []
+    children, rendezvous_fd = [], None
     if config.parallel.tensor_parallel_size > 1 and config.parallel.tp_rank is None:
-        config, children = start_local_ranks(config)
+        local = start_local_ranks(config)
+        config, children, rendezvous_fd = local.config, local.children, local.rendezvous_fd
     metrics = Metrics()
     handle = LoadingEngine(config.model.served_name or "default", RequestIdRegistry())
     loaded = _Loaded()
@@ -71,7 +73,7 @@ def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nix
         routers.append(create_kv_router(lambda: loaded.built.agent_info if loaded.built else None,
                                         config.server.internal_token, release if config.role == "prefill" else None))
     app = create_app(handle, metrics, config.server, extra_routers=routers, limits=config.limits)
-    _load_in_background(config, metrics, handle, loaded, transport_factory)
+    _load_in_background(config, metrics, handle, loaded, transport_factory, rendezvous_fd)
     uvicorn_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                     log_level=config.server.log_level,
                                     http=http_protocol_with_header_deadline(config.limits.header_timeout_s))

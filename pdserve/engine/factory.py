@@ -151,15 +151,16 @@ def _offload_tier(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout,
     return OffloadTier(host, full_group_ids, events)
 
 
-def _meet_ranks(config: WorkerConfig, device: torch.device) -> Optional[RankGroup]:
-    """Rank 0's group when the worker is tensor-parallel (waits for every rank to join), else None."""
+def _meet_ranks(config: WorkerConfig, device: torch.device, rendezvous_fd: Optional[int]) -> Optional[RankGroup]:
+    """Rank 0's group when the worker is tensor-parallel (waits for every rank to join), else None.
+    `rendezvous_fd`: a socket already listening on the rendezvous port, which the group's store takes."""
     parallel = config.parallel
     if parallel.tensor_parallel_size == 1:
         return None
     if parallel.tp_master_port is None:
         raise ValueError("a tensor-parallel worker needs its rendezvous port (--tp-master-port)")
     return RankGroup(0, parallel.tensor_parallel_size, parallel.tp_master_addr, parallel.tp_master_port,
-                     parallel.tp_timeout_s, device, parallel.tp_join_timeout_s)
+                     parallel.tp_timeout_s, device, parallel.tp_join_timeout_s, listen_fd=rendezvous_fd)
 
 
 def _ranked(factory: TransportFactory, channel: Optional[LeaderChannel], followers: list,
@@ -175,15 +176,17 @@ def _ranked(factory: TransportFactory, channel: Optional[LeaderChannel], followe
 def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | None = None, *,
                  request_ids: Optional[RequestIdRegistry] = None,
                  transport_factory: TransportFactory = nixl_transport,
-                 http_transport: Optional[httpx.AsyncBaseTransport] = None) -> BuiltEngine:
-    """`loaded` lets tests and benchmarks share one set of weights between engines;
+                 http_transport: Optional[httpx.AsyncBaseTransport] = None,
+                 rendezvous_fd: Optional[int] = None) -> BuiltEngine:
+    """`rendezvous_fd` is rank 0's listening socket of a tensor-parallel worker (app.ranks).
+    `loaded` lets tests and benchmarks share one set of weights between engines;
     it must have been loaded with the device and dtype `config` implies. The
     transport factory and the handshake's HTTP transport let in-process tests
     replace NIXL and the network."""
     parallel = config.parallel
     device = rank_device(pick_device(config.model.device), 0)
     dtype = pick_dtype(config.model.dtype, device)
-    ranks = _meet_ranks(config, device)
+    ranks = _meet_ranks(config, device, rendezvous_fd)
     if ranks is not None:
         torch.set_num_threads(rank_threads(config.model.num_threads, parallel.tensor_parallel_size))
     elif config.model.num_threads is not None:

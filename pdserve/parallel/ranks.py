@@ -35,9 +35,10 @@ class RankGroup:
     """This process's membership of its worker's ranks (one per process)."""
 
     def __init__(self, rank: int, size: int, master_addr: str, master_port: int, timeout_s: float,
-                 device: torch.device, join_timeout_s: Optional[float] = None):
+                 device: torch.device, join_timeout_s: Optional[float] = None, listen_fd: Optional[int] = None):
         """Blocks until all `size` ranks joined (at most `join_timeout_s`, default `timeout_s`);
-        every later collective is bounded by `timeout_s`."""
+        every later collective is bounded by `timeout_s`. Rank 0's store listens on `listen_fd`
+        (taking it over) when given: a socket already bound to `master_port`."""
         self.rank = rank
         self.size = size
         self.timeout_s = timeout_s
@@ -48,7 +49,7 @@ class RankGroup:
         try:
             # Rank 0 hosts the rendezvous store; the others retry connecting until the join timeout.
             store = dist.TCPStore(master_addr, master_port, size, is_master=rank == 0, timeout=join_timeout,
-                                  wait_for_workers=False)
+                                  wait_for_workers=False, master_listen_fd=listen_fd if rank == 0 else None)
             dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
             self._control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
