@@ -71,7 +71,8 @@ def region_of(address: int, length: int) -> SharedRegion:
                 if not path.startswith(f"/memfd:{MEMFD_NAME}") or "s" not in fields[1]:
                     break
                 inode, offset = int(fields[4]), int(fields[2], 16)
-                return SharedRegion(start - offset, _file_length(inode), _fd_of_inode(inode))
+                fd = _fd_of_inode(inode)
+                return SharedRegion(start - offset, os.fstat(fd).st_size, fd)
     raise ValueError(f"memory at {address:#x} (+{length}) is not shared memory of pdserve "
                      "(allocate it with pdserve.kv.shared_memory.shared_zeros)")
 
@@ -85,10 +86,6 @@ def _fd_of_inode(inode: int) -> int:
         except OSError:  # the descriptor listing itself, or one closed meanwhile
             continue
     raise ValueError(f"no open descriptor of memfd inode {inode}")
-
-
-def _file_length(inode: int) -> int:
-    return os.fstat(_fd_of_inode(inode)).st_size
 
 
 def map_at(fd: int, address: int, length: int) -> None:

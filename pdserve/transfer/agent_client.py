@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
@@ -214,10 +214,3 @@ def _portable(value: Any) -> Any:
     if isinstance(value, (np.ndarray, list, tuple)):
         return value
     return np.asarray(value)
-
-
-def is_isolated(agent: Any) -> bool:
-    return isinstance(agent, IsolatedAgent)
-
-
-__all__: Sequence[str] = ("AgentCallFailed", "AgentProcessDied", "IsolatedAgent", "is_isolated")
