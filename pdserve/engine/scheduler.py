@@ -8,7 +8,10 @@ recomputed later) so earlier requests always make progress. The scheduler
 owns every request-state change: the P/D connector only answers its
 questions and reports events (pdserve/pd/connector.py). A prefix hit that
 needs pages from the offload tier waits in the same loading state until the
-KV manager reports the load (`poll_offload`); a failed load recomputes. A
+KV manager reports the load (`poll_offload`). A decode worker's P/D request
+may wait for both at once, its prefix from its own tier and the rest from
+the prefill worker: it runs when both landed; if either failed it recomputes
+(or fails, if the pull said so) once neither writes its blocks any more. A
 fault while handling one request fails that request only. Torch-free.
 """
 
@@ -58,8 +61,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV: blocks allocated, a pull in flight
+        self.loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV: blocks allocated, KV on its way
         self._offload_loading: set[str] = set()  # of `loading`: prefix pages coming from the offload tier
+        self._pulling: set[str] = set()  # of `loading`: prompt KV coming from a prefill worker
+        self._resume_at: dict[str, int] = {}  # of `loading`: computed tokens once everything landed
+        self._load_failures: dict[str, Optional[PdserveError]] = {}  # of `loading`: None = recompute
         self._finished_since_last_step: list[str] = []
         self._ended: list[Request] = []  # ended here with an error, for the engine loop to report
         self._released_ids: list[str] = []  # requests whose blocks are all back in the pool
@@ -101,8 +107,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.loading.pop(request_id, None)
-        self._offload_loading.discard(request_id)
+        self._forget_load(request_id)
         if error is not None:
             request.error = error
         self._release(request, reason)
@@ -153,40 +158,63 @@ class Scheduler:
         for request_id in events.released:
             self._free(request_id)
         for request_id in events.landed:
-            request = self.loading.pop(request_id, None)
             if request_id in events.uncached:
                 self.kv.withhold_from_cache(request_id, events.uncached[request_id])
-            if request is not None:  # within the cap: it was counted while loading
-                self._start_running(request, request.num_prompt_tokens - 1)
+            self._load_part_ended(request_id, self._pulling)
         for failure in events.failed:
-            request = self.loading.pop(failure.request_id, None)
-            if request is None:
-                continue
-            if failure.recompute:  # start over as an ordinary local request
-                self.kv.free(request.request_id)
-                request.num_computed_tokens = 0
-                request.status = RequestStatus.WAITING
-                self.waiting.appendleft(request)
-            else:
-                self._fail(request, failure.error)
+            self._load_part_ended(failure.request_id, self._pulling, failed=True,
+                                  error=None if failure.recompute else failure.error)
 
     def _apply_offload_loads(self) -> None:
         """Tier loads that landed start running after their prefix; failed ones recompute it all."""
         results = self.kv.poll_offload()
         for request_id in results.landed:
-            request = self.loading.pop(request_id, None)
-            self._offload_loading.discard(request_id)
-            if request is not None:
-                self._start_running(request, request.num_computed_tokens)
+            self._load_part_ended(request_id, self._offload_loading)
         for request_id in results.failed:
-            request = self.loading.pop(request_id, None)
-            self._offload_loading.discard(request_id)
-            if request is not None:
-                self.kv.free(request_id)
-                request.num_computed_tokens = 0
-                request.num_cached_tokens = 0
-                request.status = RequestStatus.WAITING
-                self.waiting.appendleft(request)
+            self._load_part_ended(request_id, self._offload_loading, failed=True)
+
+    def _start_loading(self, request: Request, resume_at: int, *, pulling: bool, from_tier: bool) -> None:
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.loading[request.request_id] = request
+        self._resume_at[request.request_id] = resume_at
+        if pulling:
+            self._pulling.add(request.request_id)
+        if from_tier:
+            self._offload_loading.add(request.request_id)
+
+    def _load_part_ended(self, request_id: str, part: set[str], *, failed: bool = False,
+                         error: Optional[PdserveError] = None) -> None:
+        """One part of a load (the pull, or the tier's pages) ended. A failed part recomputes the
+        request, or fails it with `error`. It moves on when no part still writes its blocks."""
+        if request_id not in part:
+            return  # ended meanwhile, or a late report
+        part.discard(request_id)
+        if failed:  # an error outranks a recompute
+            self._load_failures[request_id] = self._load_failures.get(request_id) or error
+        if request_id in self._pulling or request_id in self._offload_loading:
+            return
+        request = self.loading[request_id]
+        has_failed = request_id in self._load_failures
+        error = self._load_failures.get(request_id)
+        resume_at = self._resume_at[request_id]
+        self._forget_load(request_id)
+        if error is not None:
+            self._fail(request, error)
+        elif has_failed:  # start over as an ordinary local request
+            self.kv.free(request_id)
+            request.num_computed_tokens = 0
+            request.num_cached_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        else:
+            self._start_running(request, resume_at)
+
+    def _forget_load(self, request_id: str) -> None:
+        self.loading.pop(request_id, None)
+        self._offload_loading.discard(request_id)
+        self._pulling.discard(request_id)
+        self._resume_at.pop(request_id, None)
+        self._load_failures.pop(request_id, None)
 
     def _start_running(self, request: Request, num_computed_tokens: int) -> None:
         request.num_computed_tokens = num_computed_tokens
@@ -310,9 +338,7 @@ class Scheduler:
         self._mark_scheduled(request)
         if self.kv.start_offload_load(request.request_id):  # part of the prefix comes from the tier
             request.num_computed_tokens = prefix.num_tokens
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-            self.loading[request.request_id] = request
-            self._offload_loading.add(request.request_id)
+            self._start_loading(request, prefix.num_tokens, pulling=False, from_tier=True)
             return 0
         self._start_running(request, prefix.num_tokens)
         output.chunks.append(self._chunk(request, num_new))
@@ -326,19 +352,19 @@ class Scheduler:
 
     def _admit_remote(self, request: Request) -> Optional[int]:
         """Allocate the whole prompt, then let the connector pull what the prefix cache lacks.
-        The last prompt token is computed here (its logits give the first output token)."""
-        # Device hits only: the pull fills everything past the prefix, so nothing else may load at once.
-        prefix = self.kv.find_prefix(request.block_hashes, request.num_prompt_tokens, use_offload=False)
+        The last prompt token is computed here (its logits give the first output token).
+        Prefix pages from this worker's offload tier load alongside the pull."""
+        prefix = self.kv.find_prefix(request.block_hashes, request.num_prompt_tokens)
         if not self.kv.allocate(request.request_id, request.num_prompt_tokens - 1, 1, prefix):
             return None
         self.waiting.popleft()
         request.num_cached_tokens = prefix.num_tokens
         self._mark_scheduled(request)
-        loading = self.connector.start_load(request, self.kv.block_ids(request.request_id), prefix.num_tokens)
+        pulling = self.connector.start_load(request, self.kv.block_ids(request.request_id), prefix.num_tokens)
         request.remote = None  # consumed: a later preemption recomputes locally
-        if loading:
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-            self.loading[request.request_id] = request
+        from_tier = self.kv.start_offload_load(request.request_id)
+        if pulling or from_tier:
+            self._start_loading(request, request.num_prompt_tokens - 1, pulling=pulling, from_tier=from_tier)
         else:
             self._start_running(request, request.num_prompt_tokens - 1)
         return 0

@@ -86,18 +86,16 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------
 
-    def find_prefix(self, block_hashes: Sequence[bytes], num_prompt_tokens: int,
-                    use_offload: bool = True) -> PrefixHit:
-        """Longest cached prefix every group can serve, from the pool or (`use_offload`) the
-        offload tier; takes no references.
+    def find_prefix(self, block_hashes: Sequence[bytes], num_prompt_tokens: int) -> PrefixHit:
+        """Longest cached prefix every group can serve, from the pool or the offload tier;
+        takes no references.
 
         Never the whole prompt: the last prompt token is always computed, for its logits.
         """
         if not self.enable_prefix_caching:
             return PrefixHit.empty(self.num_groups)
-        tier = self.offload if use_offload else None
         hit = match_prefix(self.pool, self.plan, block_hashes, max_hit_blocks(num_prompt_tokens, self.block_size),
-                           self.block_size, tier)
+                           self.block_size, self.offload)
         self._stats.num_queries += 1
         self._stats.num_query_tokens += max(0, num_prompt_tokens)
         self._stats.num_hit_tokens += hit.num_tokens

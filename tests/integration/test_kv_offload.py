@@ -2,7 +2,8 @@
 fed more distinct prompts than it holds, then the same prompts again. Without a tier the second
 pass recomputes nearly everything; with either tier (host memory, files) it recomputes at most a
 quarter, and every greedy answer equals the no-tier run's. The same through P/D with the tier on
-the prefill worker. A kv_aware proxy following the tiered worker's KV events predicts a prefix held
+the prefill worker, and with the tier on the decode worker (its prefix comes from its own tier and
+only the rest is pulled). A kv_aware proxy following the tiered worker's KV events predicts a prefix held
 only in its tier as cached tokens to load from the tier, exactly the hit the worker then reports."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.slow
 COMPUTED = "pdserve_engine_computed_prompt_tokens_total"
 PROMPTS = [random_prompt(40, QWEN_VOCAB, 300 + seed) for seed in range(10)]  # 100 blocks of 4 tokens
 TOTAL = sum(len(prompt) for prompt in PROMPTS)
+DECODE_PROMPTS = [random_prompt(40, QWEN_VOCAB, 400 + seed) for seed in range(10)]  # for the tiered decode worker
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +38,9 @@ def workers(tmp_path_factory, device):
     # No prefix cache on D: every answer pulls the whole prompt from P, the second time pages P loaded from its tier.
     decode = Worker("decode", free_port(), str(logs / "decode.log"),
                     [*common[:4], "--num-blocks", "200", "--no-prefix-caching"], device)
-    started = start_workers(plain, tiered, filed, prefill, decode)
-    yield plain, tiered, (filed, offload_dir), prefill, decode
+    tiered_decode = Worker("decode", free_port(), str(logs / "tiered-decode.log"), [*common, *tier], device)
+    started = start_workers(plain, tiered, filed, prefill, decode, tiered_decode)
+    yield plain, tiered, (filed, offload_dir), prefill, decode, tiered_decode
     for worker in started:
         worker.stop()
 
@@ -69,7 +72,7 @@ def complete_twice(worker: Worker) -> tuple[list[str], list[str], float]:
 
 
 def test_a_second_pass_comes_from_the_tier_with_the_same_answers(workers):
-    plain, tiered, _, _, _ = workers
+    plain, tiered, *_ = workers
     plain_first, plain_second, plain_recomputed = complete_twice(plain)
     tier_first, tier_second, tier_recomputed = complete_twice(tiered)
     print(f"second pass recomputed {plain_recomputed:.0f}/{TOTAL} without a tier, {tier_recomputed:.0f}/{TOTAL} with one")
@@ -82,7 +85,7 @@ def test_a_second_pass_comes_from_the_tier_with_the_same_answers(workers):
 
 
 def test_the_file_tier_writes_files_and_serves_the_second_pass(workers):
-    plain, _, (filed, offload_dir), _, _ = workers
+    plain, _, (filed, offload_dir), *_ = workers
     plain_first = [httpx.post(plain.url + "/v1/completions", json=body(model_of(plain), p), timeout=120)
                    .json()["choices"][0]["text"] for p in PROMPTS]
     first, second, recomputed = complete_twice(filed)
@@ -94,7 +97,7 @@ def test_the_file_tier_writes_files_and_serves_the_second_pass(workers):
 
 
 def test_pd_with_the_tier_on_the_prefill_worker(workers):
-    _, _, _, prefill, decode = workers
+    _, _, _, prefill, decode, _ = workers
     model = model_of(prefill)
     passes = []
     for round_ in range(2):
@@ -112,6 +115,32 @@ def test_pd_with_the_tier_on_the_prefill_worker(workers):
     assert passes[1][1] <= 0.25 * TOTAL
 
 
+def test_pd_with_the_tier_on_the_decode_worker_pulls_only_what_its_tier_lacks(workers):
+    plain, _, _, prefill, _, decode = workers
+    model = model_of(prefill)
+    expected = [httpx.post(plain.url + "/v1/completions", json=body(model, p), timeout=120)
+                .json()["choices"][0]["text"] for p in DECODE_PROMPTS]
+    passes = []
+    for round_ in range(2):
+        pulled, from_tier = decode.metric("pdserve_transfer_bytes_total"), offload_hit_tokens(decode)
+        answers = []
+        for index, prompt in enumerate(DECODE_PROMPTS):
+            _, response = two_legs(prefill, decode, "/v1/completions", body(model, prompt), f"pd-tiered-d-{round_}-{index}")
+            assert response.status_code == 200, response.text
+            answers.append(response.json()["choices"][0]["text"])
+        passes.append((answers, decode.metric("pdserve_transfer_bytes_total") - pulled,
+                       offload_hit_tokens(decode) - from_tier))
+    (first, first_pulled, first_hits), (second, second_pulled, second_hits) = passes
+    print(f"P/D, tier on D: D pulled {first_pulled:.0f} then {second_pulled:.0f} bytes; "
+          f"{second_hits:.0f} prompt tokens from its tier the second time")
+    assert first == second == expected
+    assert first_hits == 0 and first_pulled > 0
+    # 100 blocks through a pool of 40: most prefixes come back from D's tier, only the rest is pulled.
+    assert second_hits >= 0.5 * sum(len(prompt) for prompt in DECODE_PROMPTS)
+    assert second_pulled <= 0.5 * first_pulled
+    assert decode.metric("pdserve_kv_offload_failed_loads_total") == 0
+
+
 def offload_hit_tokens(worker: Worker) -> float:
     """Prompt tokens the worker's prefix cache found from a block loaded from its tier on."""
     sample = 'pdserve_kv_prefix_cache_hits_by_medium_tokens_total{medium="offload"} '
@@ -120,7 +149,7 @@ def offload_hit_tokens(worker: Worker) -> float:
 
 
 def test_a_kv_aware_proxy_sees_a_prefix_in_the_tier_and_predicts_the_hit_the_worker_reports(workers, tmp_path):
-    _, tiered, _, _, _ = workers
+    _, tiered, *_ = workers
     model = model_of(tiered)
     for prompt in PROMPTS:  # 100 blocks through a pool of 40: the first prompts' pages end up in the tier only
         assert httpx.post(tiered.url + "/v1/completions", json=body(model, prompt), timeout=120).status_code == 200
