@@ -6,6 +6,8 @@ SmolLM2 by default, CPU).
                                 [--out bench/results/kv_offload.json]
     python3 bench/kv_offload.py --stores-only [--page-bytes 737280] [--store-rounds 40]
                                 [--store-out bench/results/kv_offload_store.json]
+    python3 bench/kv_offload.py --loads-only [--page-bytes 737280] [--load-rounds 200] [--load-pages 16]
+                                [--load-out bench/results/kv_offload_load.json]
 
 Each conversation grows turn by turn (its history, a new user message of random token ids, the
 answer), turns round-robin over the conversations, one request at a time, so a conversation's
@@ -19,6 +21,10 @@ Then (or alone, with --stores-only, no model loaded) the engine-thread cost of o
 (bench/_offload_stores.py): `OffloadTier.offer` with the write done on the calling thread (pwrite and
 CRC32, as before issue 21 point 3) against the staged store (one copy into a staging row, the write on
 the tier's I/O thread), same pages, same file system.
+
+Then (or alone, with --loads-only) each tier's load bandwidth against a raw copy of the same bytes
+(bench/_offload_loads.py): a page store's `read` against `numpy.copyto` (memory tier) and a bare
+`preadv` (file tier, with its XXH3 check and with the CRC32 it used before), interleaved round by round.
 
 Invariant: all configurations see the very same requests in the same order with greedy sampling,
 so they must answer the same tokens (checked).
@@ -48,6 +54,7 @@ from pdserve.metrics import Metrics  # noqa: E402
 from pdserve.models.loader import load_model  # noqa: E402
 from pdserve.request import GenerationRequest  # noqa: E402
 
+from bench._offload_loads import load_bandwidth, print_load_table  # noqa: E402
 from bench._offload_stores import print_store_table, store_costs  # noqa: E402
 
 BLOCK = 16
@@ -158,17 +165,30 @@ def main() -> None:
     parser.add_argument("--store-rounds", type=int, default=40, help="bursts of evictions per store mode")
     parser.add_argument("--store-burst", type=int, default=32, help="evictions per burst (one step's, 512 tokens)")
     parser.add_argument("--store-out", default=None, help="write the store figures as JSON here")
+    parser.add_argument("--loads-only", action="store_true", help="only the tiers' load bandwidth against raw copies")
+    parser.add_argument("--load-rounds", type=int, default=200, help="loads per mode")
+    parser.add_argument("--load-pages", type=int, default=16, help="pages per load (one request's prefix)")
+    parser.add_argument("--load-out", default=None, help="write the load figures as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if not args.stores_only:
+    if not args.stores_only and not args.loads_only:
         run_workload(args)
     directory = args.dir or tempfile.mkdtemp(prefix="pdserve-kv-offload-")
-    costs = store_costs(args.page_bytes, directory, args.store_rounds, args.store_burst)
-    print_store_table(costs)
-    if args.store_out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.store_out)), exist_ok=True)
-        with open(args.store_out, "w") as f:
-            json.dump({"args": vars(args), **costs}, f, indent=2)
+    if not args.loads_only:
+        costs = store_costs(args.page_bytes, directory, args.store_rounds, args.store_burst)
+        print_store_table(costs)
+        _write_json(args.store_out, {"args": vars(args), **costs})
+    if not args.stores_only:
+        bandwidth = load_bandwidth(args.page_bytes, directory, args.load_rounds, args.load_pages)
+        print_load_table(bandwidth)
+        _write_json(args.load_out, {"args": vars(args), **bandwidth})
+
+
+def _write_json(path: Optional[str], document: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(document, f, indent=2)
 
 
 def run_workload(args: argparse.Namespace) -> None:

@@ -22,7 +22,7 @@ though a working set that fits in the pool never needs one, and would still
 need a fence before a block is reused. For host memory the copy is one page
 memcpy on the engine thread between steps. For a file the engine thread only
 copies the page into a staging row (pdserve/kv/offload_writes.py); the pwrite
-and its CRC run on the tier's one I/O thread, and a store that finds every
+and its checksum run on the tier's one I/O thread, and a store that finds every
 staging row busy is skipped (counted), never waited for. The key is findable
 at once: a load of it is queued on the same thread after the write.
 
@@ -229,7 +229,7 @@ class OffloadTier:
 
     def _apply_finished_writes(self) -> None:
         """Count the writes the I/O thread finished; a failed one was a store that did not happen:
-        its key goes, unless a load pinned it (that load's read then fails the CRC check and
+        its key goes, unless a load pinned it (that load's read then fails the checksum and
         drops it) or the slot was reused since (a later write owns it)."""
         if self._writes is None:
             return

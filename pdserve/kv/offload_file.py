@@ -1,16 +1,20 @@
 """File page store of the offload tier: pages in one file under --kv-offload-dir, written and read on an I/O thread.
 
 Invariant: slot s is bytes [s * page_bytes, (s + 1) * page_bytes) of `pages.bin`,
-and a read hands a page to the pool only if its CRC32 equals the one recorded
-after its write completed, so a torn or corrupt page, or one whose write never
-ran, is a failed load (the request recomputes), never wrong tokens; a write
-that fails (a full disk) is a store that did not happen.
+and a read hands a page to the pool only if its checksum (64-bit XXH3) equals
+the one recorded after its write completed, so a torn or corrupt page, or one
+whose write never ran, is a failed load (the request recomputes), never wrong
+tokens; a write that fails (a full disk) is a store that did not happen.
 
     pool canonical view         staging rows                      <dir>/pages.bin
     [num_blocks, page_bytes]    [num_staging_rows, page_bytes]    [slot 0][slot 1]...[slot s]...
-    row b  --stage(b)---------> row r --write_staged(s, r)------> slot s: crc[s] = None, pwrite,
-           engine thread: a copy        I/O thread; r free again          crc[s] = crc32(page)
-    row b' <--read([s], [b']): preadv, check crc[s], on the I/O thread--- slot s
+    row b  --stage(b)---------> row r --write_staged(s, r)------> slot s: sum[s] = None, pwrite,
+           engine thread: a copy        I/O thread; r free again          sum[s] = xxh3(page)
+    row b' <--read([s], [b']): preadv, check sum[s], on the I/O thread--- slot s
+
+The checksum is XXH3 (the `xxhash` package), not CRC32: a load verifies every
+byte it reads, and at 4 GB/s `zlib.crc32` was most of a load's time, against
+25-30 GB/s for XXH3 (docs/benchmarks.md, "KV offload tier: loads").
 
 The engine thread never touches the file: `stage` copies the page before the
 pool reuses its block, and a store that finds every staging row busy (the disk
@@ -27,12 +31,12 @@ from __future__ import annotations
 
 import fcntl
 import os
-import zlib
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy
 import torch
+import xxhash
 
 from pdserve.kv.offload import OffloadIOError, store_geometry
 
@@ -40,7 +44,9 @@ from pdserve.kv.offload import OffloadIOError, store_geometry
 class FilePageStore:
     medium = "disk"
 
-    def __init__(self, pool_view: torch.Tensor, capacity_bytes: int, directory: str, num_staging_rows: int = 8):
+    def __init__(self, pool_view: torch.Tensor, capacity_bytes: int, directory: str, num_staging_rows: int = 8,
+                 checksum: Callable[[numpy.ndarray], int] = xxhash.xxh3_64_intdigest):
+        """`checksum`: of one page's bytes (a benchmark compares others; the default is the fast one)."""
         self.page_bytes, self.num_slots = store_geometry(pool_view.shape, pool_view.dtype == torch.int8,
                                                          capacity_bytes)
         os.makedirs(directory, exist_ok=True)
@@ -52,7 +58,8 @@ class FilePageStore:
             raise ValueError(f"--kv-offload-dir {directory} is in use by another worker") from None
         self.path = os.path.join(directory, "pages.bin")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        self._crcs: list[int | None] = [None] * self.num_slots
+        self._checksum = checksum
+        self._sums: list[int | None] = [None] * self.num_slots
         self._pool = pool_view
         self._on_cpu = pool_view.device.type == "cpu"
         # Pinned off the CPU, so the device-to-host copy of a page is one DMA.
@@ -112,14 +119,14 @@ class FilePageStore:
         self._free_rows.append(row)
 
     def _write_page(self, slot: int, data) -> None:  # type: ignore[no-untyped-def] - a numpy int8 row
-        self._crcs[slot] = None  # until the write completes no read can pass the check
+        self._sums[slot] = None  # until the write completes no read can pass the check
         try:
             written = os.pwrite(self._fd, data, slot * self.page_bytes)
         except OSError as error:
             raise OffloadIOError(f"writing slot {slot}: {error}") from error
         if written != self.page_bytes:
             raise OffloadIOError(f"short write of slot {slot}: {written} of {self.page_bytes} bytes")
-        self._crcs[slot] = zlib.crc32(data)
+        self._sums[slot] = self._checksum(data)
 
     def read(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         if len(slots) != len(block_ids):
@@ -133,8 +140,8 @@ class FilePageStore:
                 num_read = os.preadv(self._fd, [data], slot * self.page_bytes)
             except OSError as error:
                 raise OffloadIOError(f"reading slot {slot}: {error}") from error
-            expected = self._crcs[slot]
-            if num_read != self.page_bytes or expected is None or zlib.crc32(data) != expected:
+            expected = self._sums[slot]
+            if num_read != self.page_bytes or expected is None or self._checksum(data) != expected:
                 raise OffloadIOError(f"slot {slot} is torn or corrupt")
             if not self._on_cpu:
                 self._pool[block_id].copy_(row)

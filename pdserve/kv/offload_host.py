@@ -7,7 +7,10 @@ as a row of the pool's canonical int8 view, so a page moves as one copy:
     row block_id  ------------- write(slot, block_id) -------------> row slot
     row block_id  <------------ read([slot], [block_id]) ----------- row slot
 
-On CUDA the buffer is pinned and copies run on the store's own stream, and each
+On the CPU a page moves as one `numpy.copyto` on the calling thread: torch's
+`copy_`/`index_copy_` would gather into a temporary and hand a 720 KiB copy to
+its intra-op threads, which share the engine's cores (docs/benchmarks.md,
+"KV offload tier: loads"). On CUDA the buffer is pinned and copies run on the store's own stream, and each
 call waits for it: the engine thread calls these between steps, when no kernel
 touches the pool (the loop synchronizes after every step). Both directions stay
 synchronous on purpose: a store is one page memcpy (tens of microseconds), the
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy
 import torch
 
 from pdserve.kv.offload import OffloadIOError, store_geometry
@@ -34,18 +38,32 @@ class HostPageStore:
         on_cuda = pool_view.device.type == "cuda"
         self._buffer = torch.empty((self.num_slots, self.page_bytes), dtype=torch.int8, pin_memory=on_cuda)
         self._stream = torch.cuda.Stream(pool_view.device) if on_cuda else None
+        self._cpu_rows = None if on_cuda else (pool_view.numpy(), self._buffer.numpy())  # (pool, buffer)
 
     @property
     def capacity_bytes(self) -> int:
         return self.num_slots * self.page_bytes
 
     def write(self, slot: int, block_id: int) -> None:
+        if self._cpu_rows is not None:
+            pool, buffer = self._cpu_rows
+            self._copy(lambda: numpy.copyto(buffer[slot], pool[block_id]))
+            return
         self._copy(lambda: self._buffer[slot].copy_(self._pool[block_id], non_blocking=True))
 
     def read(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         if len(slots) != len(block_ids):
             raise OffloadIOError("one slot per block")
         if not slots:
+            return
+        if self._cpu_rows is not None:
+            pool, buffer = self._cpu_rows
+
+            def copy_each() -> None:
+                for slot, block_id in zip(slots, block_ids):
+                    numpy.copyto(pool[block_id], buffer[slot])
+
+            self._copy(copy_each)
             return
         rows = torch.tensor(list(slots), dtype=torch.int64)
         targets = torch.tensor(list(block_ids), dtype=torch.int64, device=self._pool.device)
@@ -61,5 +79,5 @@ class HostPageStore:
             with torch.cuda.stream(self._stream):
                 copy()
             self._stream.synchronize()
-        except (RuntimeError, IndexError) as error:
+        except (RuntimeError, IndexError, ValueError) as error:
             raise OffloadIOError(str(error)) from error

@@ -6,7 +6,7 @@ the one I/O thread runs writes and reads in submission order, so the newer
 write lands last and a read queued after a write sees its bytes). Torch-free.
 
     engine thread (offer)                         I/O thread (one, FIFO)
-    pool row b --stage(b): copy--> staging row r  ...  write_staged(s, r): pwrite, crc[s]; r free again
+    pool row b --stage(b): copy--> staging row r  ...  write_staged(s, r): pwrite, sum[s]; r free again
     submit(write s, r) ---------------------------> [write s][read s'][write s]...
     finished(): outcomes appended by the I/O thread, drained here, oldest first
 """
