@@ -22,6 +22,7 @@ from pdserve.engine.decode_step import should_compile
 from pdserve.engine.emitter import OutputEmitter
 from pdserve.engine.grammar_matchers import GrammarMatchers, GrammarTokenizer
 from pdserve.engine.loop import EngineLoop
+from pdserve.engine.offload_ranks import RankedPageStore
 from pdserve.engine.memory_budget import StepLimits, free_device_bytes, pool_num_blocks
 from pdserve.engine.outputs import OutputProcessor
 from pdserve.engine.request_ids import RequestIdRegistry
@@ -123,17 +124,26 @@ def _context_limit(config: WorkerConfig, spec: ModelSpec, plan: KVGroupPlan, num
     return max_model_len
 
 
-def _offload_tier(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout, pool: torch.Tensor,
-                  events: KVEventRecorder) -> Optional[OffloadTier]:
-    """The tier behind the pool (--kv-offload-bytes; in files with --kv-offload-dir), or None.
-    File writes and reads run on the tier's one I/O thread; host-memory copies are a memcpy between steps."""
+def _num_offload_slots(config: WorkerConfig, layout: KVPoolLayout) -> int:
+    """Pages the tier behind the pool holds (--kv-offload-bytes of this rank's pages), 0 without one."""
     cache = config.cache
     if cache.kv_offload_dir is not None and cache.kv_offload_bytes is None:
         raise ValueError("--kv-offload-dir needs --kv-offload-bytes (the tier's size)")
     if cache.kv_offload_bytes is None or not cache.enable_prefix_caching:
+        return 0
+    if config.parallel.tensor_parallel_size > 1 and cache.kv_offload_dir is not None:
+        raise ValueError("--kv-offload-dir does not support tensor parallelism yet (the host-memory tier does)")
+    return cache.kv_offload_bytes // layout.page_bytes
+
+
+def _offload_tier(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout, pool: torch.Tensor,
+                  events: KVEventRecorder, channel: Optional[LeaderChannel]) -> Optional[OffloadTier]:
+    """The tier behind the pool (--kv-offload-bytes; in files with --kv-offload-dir), or None.
+    File writes and reads run on the tier's one I/O thread; host-memory copies are a memcpy between steps.
+    With tensor parallelism (`channel`) rank 0's copies are repeated by every rank on its slice."""
+    cache = config.cache
+    if not _num_offload_slots(config, layout):
         return None
-    if config.parallel.tensor_parallel_size > 1:
-        raise ValueError("--kv-offload-bytes does not support tensor parallelism yet")
     full_group_ids = [g.group_id for g in plan.groups if isinstance(g.spec, FullAttentionSpec)]
     if cache.kv_offload_dir is not None:
         # Staging rows for about one step's evictions (its token budget in blocks, per group), so a
@@ -147,8 +157,10 @@ def _offload_tier(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout,
                     store.page_bytes, store.num_staging_rows)
         return OffloadTier(store, full_group_ids, events, executor=executor)
     host = HostPageStore(layout.canonical_view(pool), cache.kv_offload_bytes)
-    logger.info("KV offload tier: host memory, %d pages of %d bytes", host.num_slots, host.page_bytes)
-    return OffloadTier(host, full_group_ids, events)
+    logger.info("KV offload tier: host memory, %d pages of %d bytes%s", host.num_slots, host.page_bytes,
+                " on every rank" if channel is not None else "")
+    store = RankedPageStore(host, channel.queue) if channel is not None else host
+    return OffloadTier(store, full_group_ids, events)
 
 
 def _meet_ranks(config: WorkerConfig, device: torch.device, rendezvous_fd: Optional[int]) -> Optional[RankGroup]:
@@ -212,18 +224,20 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     isolated_agent = config.role != "colocated" and config.transfer.isolates_agent(device.type)
     transport_factory = configured_transport(transport_factory, isolated_agent, metrics)
     if ranks is not None:
-        ranks.broadcast(RankSetup(num_blocks, with_transport=config.role != "colocated"))
-        channel = LeaderChannel(ranks)
+        ranks.broadcast(RankSetup(num_blocks, with_transport=config.role != "colocated",
+                                  num_offload_slots=_num_offload_slots(config, layout)))
+        channel: Optional[LeaderChannel] = LeaderChannel(ranks)
         runner: ModelRunner = LeaderRunner(loaded.model, plan, layout, device, grammar=grammar, channel=channel,
                                            shared_pool=isolated_agent)
         follower_transports = (ranks.gather(None) or [None])[1:]
         transport_factory = _ranked(transport_factory, channel, follower_transports, spec.total_kv_heads, plan.group_size)
     else:
+        channel = None
         runner = ModelRunner(loaded.model, plan, layout, device, compile_decode=compile_decode, grammar=grammar,
                              shared_pool=isolated_agent)
         transport_factory = _ranked(transport_factory, None, [], spec.total_kv_heads, plan.group_size)
     runner.warm_up(config.scheduler.max_num_running)
-    offload = _offload_tier(config, plan, layout, runner.pool, kv_events)
+    offload = _offload_tier(config, plan, layout, runner.pool, kv_events, channel)
     kv_manager = KVCacheManager(plan, num_blocks, cache.block_size, cache.enable_prefix_caching, kv_events, offload)
     model_name = config.model.served_name or loaded.name
     pool = _pool_description(model_name, spec, plan, layout, dtype)

@@ -33,7 +33,9 @@ from pdserve.engine import prompt_logprobs
 from pdserve.engine.devices import pick_device, pick_dtype, rank_device, rank_threads
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
+from pdserve.engine.offload_ranks import TierFollower
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
+from pdserve.kv.offload_host import HostPageStore
 from pdserve.kv.specs import plan_groups
 from pdserve.models.loader import load_model, resolve_quantization
 from pdserve.models.registry import TensorParallelRank
@@ -125,12 +127,16 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
         runner.bind_thread()
         logger.info("rank %d/%d ready: %d blocks of %d bytes, %d heads and %d KV heads here", rank, size,
                     setup.num_blocks, page_bytes, spec.num_heads, spec.num_kv_heads)
+        tier = None
+        if setup.num_offload_slots:
+            tier = TierFollower(HostPageStore(layout.canonical_view(runner.pool),
+                                              setup.num_offload_slots * layout.page_bytes), rank)
         if setup.with_transport:
             agent = f"{config.transfer.engine_id or config.role}-rank{rank}-{uuid.uuid4().hex[:12]}"
             local = transport_factory(layout.canonical_view(runner.pool), agent)
             transport = FollowerTransport(RankReader(local, rank, size, spec.total_kv_heads, plan.group_size))
         group.gather(transport.descriptor() if transport is not None else None)  # rank 0 builds its transport
-        return _follow(group, runner, transport)
+        return _follow(group, runner, transport, tier)
     except RanksLost as error:
         logger.critical("rank %d/%d: %s; exiting", rank, size, error)
         return 1
@@ -143,12 +149,15 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
         group.close()
 
 
-def _follow(group: RankGroup, runner: ModelRunner, transport: Optional[FollowerTransport]) -> int:
+def _follow(group: RankGroup, runner: ModelRunner, transport: Optional[FollowerTransport],
+            tier: Optional[TierFollower]) -> int:
     while True:
         message: RankMessage = group.broadcast()
         if message.stop:
             logger.info("rank %d: rank 0 is shutting down", group.rank)
             return 0
+        if tier is not None:  # first: a page leaves a block before a pull or a step overwrites it
+            tier.apply(message.commands)
         if transport is not None:
             transport.apply(message.commands)
         if message.step is not None:

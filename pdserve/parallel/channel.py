@@ -21,7 +21,7 @@ class RankMessage:
     step: Any = None  # the chunks to run (pdserve.engine.tensor_parallel), None: no step
     decode_step: bool = False  # which forward path rank 0 takes, so every rank takes it
     logit_rows: tuple[tuple[int, ...], ...] = ()  # eager path: the rows of each logits computation, in order
-    commands: tuple[Any, ...] = ()  # transport commands, applied before the step
+    commands: tuple[Any, ...] = ()  # offload tier and transport commands, applied before the step
     want_report: bool = False  # followers answer with their transport's report
     stop: bool = False  # the worker is shutting down: leave the loop and exit 0
 
@@ -32,6 +32,7 @@ class RankSetup:
 
     num_blocks: int
     with_transport: bool  # P and D workers: each rank registers its slice with its own NIXL agent
+    num_offload_slots: int = 0  # pages of each rank's host-memory offload tier (pdserve.engine.offload_ranks)
 
 
 class LeaderChannel:
