@@ -261,6 +261,10 @@ def _servers(args: argparse.Namespace, log_dir: str) -> list[ServerProcess]:
                                "up-adaptive-shared.log",
                                lambda port: pd_cluster_argv(port, args.num_blocks) + adaptive
                                + ["--no-pin", "--num-threads", str(num_cores)]),
+        # Cores handed over: each worker runs its share while the other has work, every core while it idles.
+        "pd-adaptive-handover": (f"P/D adaptive, cores handed over: pdserve up --core-handover "
+                                 f"({num_cores // 2}-{num_cores} threads each)", "up-adaptive-handover.log",
+                                 lambda port: pd_cluster_argv(port, args.num_blocks) + adaptive + ["--core-handover"]),
         "colocated": (f"colocated: pdserve serve ({threads} threads, unpinned)", "serve.log",
                       lambda port: colocated_argv(port, args.num_blocks, threads)),
     }

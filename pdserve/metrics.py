@@ -279,6 +279,11 @@ class EngineMetrics:
             registry=registry,
         )
         self.tensor_parallel_size.set(1)
+        self.cpu_threads = Gauge(
+            "pdserve_engine_cpu_threads",
+            "Torch CPU threads the engine's steps run with (with --core-ledger it follows the other worker's work).",
+            registry=registry,
+        )
 
     def watch_ranks(self, size: int, serving: Callable[[], bool]) -> None:
         """Export the TP size, and the ranks serving (all of them while `serving()`, else none)."""

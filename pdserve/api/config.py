@@ -49,6 +49,12 @@ class ModelConfig(_Frozen):
                                            ge=1)
     num_threads: Optional[int] = setting(
         None, "torch CPU threads (default: all cores); set it when several workers share a host", ge=1)
+    core_ledger: Optional[str] = setting(
+        None, "a file a prefill and a decode worker on one host share (pdserve up makes it): each runs "
+              "--num-threads while the other has work and --num-threads-alone while it is idle "
+              "(pdserve/engine/core_share.py)")
+    num_threads_alone: Optional[int] = setting(
+        None, "with --core-ledger: torch threads while the other worker is idle (default: all cores)", ge=1)
     quantization: Literal["auto", "none", "int8", "int4"] = setting(
         "auto", "weights kept as quantized blocks. auto: on the CPU a GGUF's Q4_0/Q4_1/Q8_0 tensors stay packed, "
                 "unless --dtype float32 (the exact mode: everything dequantized); int8/int4: float weights of "

@@ -14,9 +14,11 @@ import ctypes
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ import httpx
 from pdserve.api.config import DEFAULT_PORTS, CacheConfig
 from pdserve.api.flags import FORWARDED_ARGS, add_worker_flags, parse_device
 from pdserve.app.children import die_with_parent, free_port, linux_libc
+from pdserve.engine.core_share import create_ledger
 from proxy.cli import INTERNAL_TOKEN_ENV, LIMIT_FLAGS
 
 STOP_TIMEOUT_S = 20.0  # workers drain in-flight requests on SIGTERM; past this they are killed
@@ -54,8 +57,8 @@ def plan_cores(cores: Sequence[int]) -> CorePlan:
 
 
 # Settings `up` decides per child (ports, cores, threads, token, identity) rather than forwarding.
-_UP_OWNS = ("--host", "--port", "--num-threads", "--internal-token", "--log-level", "--engine-id", "--advertise-host",
-            "--tp-rank", "--tp-master-addr", "--tp-master-port")
+_UP_OWNS = ("--host", "--port", "--num-threads", "--core-ledger", "--num-threads-alone", "--internal-token",
+            "--log-level", "--engine-id", "--advertise-host", "--tp-rank", "--tp-master-addr", "--tp-master-port")
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +69,10 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads per worker (default: the worker's share of the cores)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin the workers to separate cores")
+    parser.add_argument("--core-handover", action="store_true",
+                        help="unpinned workers that lend each other their cores: each runs its share of the "
+                             "threads while the other has work and all of them while it is idle "
+                             "(pdserve/engine/core_share.py)")
     parser.add_argument("--disaggregation", choices=("adaptive", "static"), default=None,
                         help="the proxy's choice of P/D or prefill on the decode worker (see pdserve proxy --help)")
     parser.add_argument("--slo-ttft-ms", type=float, default=None, help="the proxy's TTFT objective, fixed part")
@@ -102,10 +109,11 @@ def _resolve_port(host: str, port: int) -> int:
     return port if port != 0 else free_port(host)
 
 
-def build_specs(args: argparse.Namespace, cores: Sequence[int]) -> list[ChildSpec]:
-    """The three command lines, in start order: prefill, decode, proxy."""
+def build_specs(args: argparse.Namespace, cores: Sequence[int], core_ledger: Optional[str] = None) -> list[ChildSpec]:
+    """The three command lines, in start order: prefill, decode, proxy. `core_ledger`: the file
+    both workers share with --core-handover (the caller makes it)."""
     plan = plan_cores(cores)
-    if args.no_pin:
+    if args.no_pin or core_ledger is not None:
         plan = CorePlan(None, None, plan.prefill_threads, plan.decode_threads)
     # The token travels in the environment, not in argv, which any local user can list.
     env = {INTERNAL_TOKEN_ENV: args.internal_token or secrets.token_hex(16)}
@@ -121,6 +129,8 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int]) -> list[ChildSpe
                                           ("decode", decode_port, plan.decode_cores, plan.decode_threads)):
         argv = [*base, role, "--port", str(port), "--num-threads", str(args.num_threads or threads), *common,
                 *worker_args[role]]
+        if core_ledger is not None:
+            argv += ["--core-ledger", core_ledger, "--num-threads-alone", str(len(cores))]
         specs.append(ChildSpec(role, argv, port, cores_of, env))
     proxy = [*base, "proxy", "--port", str(proxy_port), *common, *_limit_args(forwarded),
              "--prefill", f"http://{args.host}:{prefill_port}", "--decode", f"http://{args.host}:{decode_port}"]
@@ -300,7 +310,11 @@ def run_local_cluster(args: argparse.Namespace) -> int:
     """Start, wait for readiness, print the endpoint, and supervise until Ctrl-C or a child's death."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # our readiness probes are not news
     output = PrefixedOutput(sys.stdout)
-    cluster = LocalCluster(build_specs(args, _usable_cores()), output)
+    ledger_dir = tempfile.mkdtemp(prefix="pdserve-up-") if args.core_handover else None
+    core_ledger = os.path.join(ledger_dir, "core-ledger") if ledger_dir is not None else None
+    if core_ledger is not None:
+        create_ledger(core_ledger)
+    cluster = LocalCluster(build_specs(args, _usable_cores(), core_ledger), output)
     stop_requested = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -319,6 +333,8 @@ def run_local_cluster(args: argparse.Namespace) -> int:
         cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if ledger_dir is not None:
+            shutil.rmtree(ledger_dir, ignore_errors=True)
 
 
 def supervise(cluster: LocalCluster, host: str, stop_requested: threading.Event) -> int:

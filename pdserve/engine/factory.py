@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
@@ -18,6 +19,7 @@ import torch
 from pdserve.api.config import WorkerConfig
 from pdserve.api.kv_transfer import AgentInfo
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.core_share import CoreShare, open_core_share
 from pdserve.engine.decode_step import should_compile
 from pdserve.engine.emitter import OutputEmitter
 from pdserve.engine.grammar_matchers import GrammarMatchers, GrammarTokenizer
@@ -163,6 +165,20 @@ def _offload_tier(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout,
     return OffloadTier(store, full_group_ids, events)
 
 
+def _core_share(config: WorkerConfig, metrics: Metrics) -> CoreShare:
+    """--core-ledger: this worker's threads follow the other worker's work (P and D on one host)."""
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError("--core-ledger is for single-rank workers (-tp 1)")
+    narrow = config.model.num_threads or torch.get_num_threads()
+    wide = config.model.num_threads_alone or len(os.sched_getaffinity(0))
+
+    def set_threads(num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
+        metrics.engine.cpu_threads.set(num_threads)
+
+    return open_core_share(config.model.core_ledger, config.role, narrow, max(narrow, wide), set_threads)
+
+
 def _meet_ranks(config: WorkerConfig, device: torch.device, rendezvous_fd: Optional[int]) -> Optional[RankGroup]:
     """Rank 0's group when the worker is tensor-parallel (waits for every rank to join), else None.
     `rendezvous_fd`: a socket already listening on the rendezvous port, which the group's store takes."""
@@ -247,6 +263,9 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
                           connector=kv_side.connector, on_preempt=stats.record_preemption)
     loop = EngineLoop(scheduler, runner, OutputEmitter(OutputProcessor(loaded.tokenizer)),
                       loaded.tokenizer.eos_token_ids, stats, request_ids)
+    metrics.engine.cpu_threads.set(torch.get_num_threads())
+    if config.model.core_ledger is not None:
+        loop.core_share = _core_share(config, metrics)
     metrics.engine.watch_progress(loop.progress_age_s)
     metrics.engine.watch_ranks(parallel.tensor_parallel_size, loop.is_alive)
     admission = build_admission(config, metrics, pool, kv_side, loop.call_soon, http_transport)

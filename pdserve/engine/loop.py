@@ -26,6 +26,7 @@ from pdserve.api.sampling import FinishReason
 from pdserve.engine.emitter import OutputEmitter, OutputSink
 from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.engine.runner import ModelRunner, StepCancelled
+from pdserve.engine.core_share import CoreShare
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput, StepResult
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
@@ -80,6 +81,7 @@ class EngineLoop:
         self._stopping = False
         self._stalled = False  # the last step scheduled nothing: wait for news before trying again
         self._abort_requested: set[str] = set()  # added to by other threads, emptied by _Abort commands
+        self.core_share: Optional[CoreShare] = None  # --core-ledger: threads that follow the peer's work
 
     # ---- called from other threads ---------------------------------------------
 
@@ -228,6 +230,8 @@ class EngineLoop:
         computed, admitted, preempted or ended (only a command or a P/D event can change that)."""
         started = time.monotonic()
         queues = self._queue_sizes()
+        if self.core_share is not None:
+            self.core_share.before_step(any(queues))
         scheduled = self.scheduler.schedule()
         result = self._execute(scheduled)
         if result is None:  # abandoned: every request in it was aborted while it ran
@@ -242,7 +246,10 @@ class EngineLoop:
         for request in changed:
             self._emit(request, sampled, now)
         self.stats.record_step(self.scheduler, scheduled, now - started)
-        return bool(scheduled.chunks or scheduled.preempted_request_ids) or self._queue_sizes() != queues
+        after = self._queue_sizes()
+        if self.core_share is not None:  # the step that ended this worker's work says so at once
+            self.core_share.publish(any(after))
+        return bool(scheduled.chunks or scheduled.preempted_request_ids) or after != queues
 
     def _drop_failed_rows(self, sampled: list[SampledToken]) -> list[SampledToken]:
         """Rows the sampler could not draw from fail their own requests; the rest go on."""

@@ -55,6 +55,16 @@ def test_workers_get_thread_counts_and_cores_from_the_plan():
     assert unpinned["decode"].cores is None and flag(unpinned["decode"].argv, "--num-threads") == "3"
 
 
+def test_core_handover_unpins_the_workers_and_gives_both_the_ledger():
+    args = build_parser().parse_args(["up", "--core-handover"])
+    specs = {spec.name: spec for spec in build_specs(args, [0, 1, 2, 3], "/tmp/ledger")}
+    for name in ("prefill", "decode"):
+        argv = specs[name].argv
+        assert specs[name].cores is None and flag(argv, "--core-ledger") == "/tmp/ledger"
+        assert (flag(argv, "--num-threads"), flag(argv, "--num-threads-alone")) == ("2", "4")
+    assert "--core-ledger" not in specs["proxy"].argv
+
+
 def test_port_zero_picks_distinct_free_ports():
     specs = specs_for("--port", "0", "--prefill-port", "0", "--decode-port", "0")
     ports = {spec.port for spec in specs.values()}

@@ -27,12 +27,12 @@ PROMPT = "The three primary colours are"
 class UpProcess:
     """`pdserve up` on free ports, its combined output in a log file."""
 
-    def __init__(self, log_path: str):
+    def __init__(self, log_path: str, *extra_args: str):
         self.ports = {"proxy": free_port(), "prefill": free_port(), "decode": free_port()}
         self.log_path = log_path
         command = [sys.executable, "-m", "pdserve.app.cli", "up", "--port", str(self.ports["proxy"]),
                    "--prefill-port", str(self.ports["prefill"]), "--decode-port", str(self.ports["decode"]),
-                   "--num-blocks", "400"]
+                   "--num-blocks", "400", *extra_args]
         env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.log = open(log_path, "wb")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
