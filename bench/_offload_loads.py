@@ -9,9 +9,13 @@ pool rows) in every mode, the modes interleaved round by round so a noisy machin
     raw preadv          os.preadv of each page from a file into its pool row (page cache)
     file tier, XXH3     FilePageStore.read: preadv and the page's XXH3 check (what the tier runs)
     file tier, CRC32    the same with zlib.crc32, the checksum it used before
+    raw preadv, disk    raw preadv with the file's pages dropped from the page cache first
+    file tier, disk     FilePageStore.read (XXH3) with its file's pages dropped first
 
-All on the calling thread, as the tier's I/O thread runs them; the file is fresh, so its pages sit
-in the page cache, as a tier the size of free RAM would be.
+All on the calling thread, as the tier's I/O thread runs them. The first modes read fresh files
+whose pages sit in the page cache, as a tier the size of free RAM would; the "disk" modes drop the
+file's cached pages before each load (fdatasync, then POSIX_FADV_DONTNEED; no root needed), so
+they read the device, as a tier larger than RAM does.
 """
 
 from __future__ import annotations
@@ -29,8 +33,20 @@ import xxhash
 from pdserve.kv.offload_file import FilePageStore
 from pdserve.kv.offload_host import HostPageStore
 
-MODES = ("raw memcpy", "memory tier", "raw preadv", "file tier, XXH3", "file tier, CRC32")
-BASELINE = {"memory tier": "raw memcpy", "file tier, XXH3": "raw preadv", "file tier, CRC32": "raw preadv"}
+MODES = ("raw memcpy", "memory tier", "raw preadv", "file tier, XXH3", "file tier, CRC32", "raw preadv, disk",
+         "file tier, disk")
+BASELINE = {"memory tier": "raw memcpy", "file tier, XXH3": "raw preadv", "file tier, CRC32": "raw preadv",
+            "file tier, disk": "raw preadv, disk"}
+
+
+def _drop_cached_pages(path: str) -> None:
+    """Make the next read of `path` come from the device: write back, then drop its page-cache pages."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def load_bandwidth(page_bytes: int, directory: str, rounds: int, pages_per_load: int) -> dict:
@@ -63,12 +79,17 @@ def load_bandwidth(page_bytes: int, directory: str, rounds: int, pages_per_load:
         for slot in slots:
             os.preadv(raw_fd, [pool_rows[targets[slot]]], slot * page_bytes)
 
+    xxh3 = files["file tier, XXH3"]
     runs: dict[str, Callable[[], None]] = {
         "raw memcpy": raw_memcpy, "memory tier": lambda: host.read(slots, targets), "raw preadv": raw_preadv,
-        **{name: (lambda store=store: store.read(slots, targets)) for name, store in files.items()}}
+        **{name: (lambda store=store: store.read(slots, targets)) for name, store in files.items()},
+        "raw preadv, disk": raw_preadv, "file tier, disk": lambda: xxh3.read(slots, targets)}
+    uncached = {"raw preadv, disk": raw_path, "file tier, disk": xxh3.path}  # dropped before each (untimed)
     seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
     for round_ in range(rounds + 1):  # round 0 warms up, untimed
         for mode in MODES:
+            if mode in uncached:
+                _drop_cached_pages(uncached[mode])
             started = time.perf_counter()
             runs[mode]()
             if round_:

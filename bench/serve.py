@@ -87,14 +87,15 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     slo.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO.tpot_ms)
 
 
-SYSTEMS = ("pd", "pd-adaptive", "pd-adaptive-shared", "colocated")
+SYSTEMS = ("pd", "pd-adaptive", "pd-adaptive-shared", "pd-adaptive-handover", "colocated")
 
 
 def _add_system_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default="pd,colocated",
                         help=f"comma-separated, from {', '.join(SYSTEMS)} (pd-adaptive: pdserve up with "
                              "--disaggregation adaptive and --max-step-ms at the TPOT objective; pd-adaptive-shared: "
-                             "the same with both workers unpinned, each running a thread per core)")
+                             "the same with both workers unpinned, each running a thread per core; "
+                             "pd-adaptive-handover: the same with --core-handover)")
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
     parser.add_argument("--num-blocks", type=int, default=_NUM_BLOCKS, help="KV pool of each worker, in blocks")
     parser.add_argument("--colocated-threads", type=int, default=None,
