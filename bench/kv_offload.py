@@ -3,7 +3,7 @@ no tier, the host-memory tier and the file tier, side by side, in one process (r
 SmolLM2 by default, CPU).
 
     python3 bench/kv_offload.py [--model PATH] [--conversations 8] [--turns 4] [--pool-share 0.25]
-                                [--out bench/results/kv_offload.json]
+                                [--out bench/results/kv_offload.json] [--plot bench/results/kv_offload.png]
     python3 bench/kv_offload.py --stores-only [--page-bytes 737280] [--store-rounds 40]
                                 [--store-out bench/results/kv_offload_store.json]
     python3 bench/kv_offload.py --loads-only [--page-bytes 737280] [--load-rounds 200] [--load-pages 16]
@@ -158,6 +158,7 @@ def main() -> None:
     parser.add_argument("--pool-share", type=float, default=0.25, help="pool size / working set")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--plot", default=None, help="draw computed tokens, TTFT and hit rate per tier (PNG)")
     parser.add_argument("--dir", default=None, help="where the file tier goes (default: a temporary directory)")
     parser.add_argument("--stores-only", action="store_true", help="only the engine-thread cost of file stores")
     parser.add_argument("--page-bytes", type=int, default=737_280, help="page size of the store benchmark "
@@ -215,6 +216,10 @@ def run_workload(args: argparse.Namespace) -> None:
               f"{row['ttft_p50_s'] * 1000:7.1f}ms {row['ttft_p99_s'] * 1000:7.1f}ms {row['tier_hit_rate']:9.2f} "
               f"{bandwidth:>10} {row['stores_skipped']:15d}")
     print(f"raw copy of the same pages in this process: {raw:.2f} GB/s; raw pread of them: {raw_file:.2f} GB/s")
+    if args.plot:
+        from bench._offload_plot import plot_workload  # matplotlib only when a plot is asked for
+
+        print(f"wrote {plot_workload(rows, args.plot)}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         document = {"args": vars(args), "raw_copy_gb_per_s": raw, "raw_pread_gb_per_s": raw_file,

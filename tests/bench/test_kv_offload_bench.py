@@ -31,3 +31,15 @@ def test_loads_only_prints_the_table_and_writes_json(tmp_path):
     assert "file tier, XXH3" in run.stdout and "of raw p50" in run.stdout
     document = json.loads(out.read_text())
     assert document["pages_per_load"] == 3 and set(document["modes"]) == set(MODES)
+
+
+def test_the_workload_plot_draws_every_tier(tmp_path):
+    from bench._offload_plot import plot_workload
+
+    rows = [{"tier": tier, "computed_prompt_tokens": computed, "prompt_tokens": 8448, "ttft_p50_s": p50,
+             "ttft_p99_s": 2 * p50, "tier_hit_rate": hits}
+            for tier, computed, p50, hits in (("none", 8256, 0.5, 0.0), ("memory", 3456, 0.23, 0.57),
+                                              ("file", 3456, 0.23, 0.57))]
+    path = plot_workload(rows, str(tmp_path / "offload.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
