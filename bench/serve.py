@@ -87,7 +87,7 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     slo.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO.tpot_ms)
 
 
-SYSTEMS = ("pd", "pd-adaptive", "pd-adaptive-shared", "pd-adaptive-handover", "colocated")
+SYSTEMS = ("pd", "pd-adaptive", "pd-adaptive-shared", "pd-adaptive-handover", "up", "colocated")
 
 
 def _add_system_flags(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +95,8 @@ def _add_system_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated, from {', '.join(SYSTEMS)} (pd-adaptive: pdserve up with "
                              "--disaggregation adaptive and --max-step-ms at the TPOT objective; pd-adaptive-shared: "
                              "the same with both workers unpinned, each running a thread per core; "
-                             "pd-adaptive-handover: the same with --core-handover)")
+                             "pd-adaptive-handover: the same with --core-handover; up: pdserve up with its "
+                             "defaults; pd and pd-adaptive pin the workers to halves of the machine)")
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
     parser.add_argument("--num-blocks", type=int, default=_NUM_BLOCKS, help="KV pool of each worker, in blocks")
     parser.add_argument("--colocated-threads", type=int, default=None,
@@ -253,10 +254,12 @@ def _servers(args: argparse.Namespace, log_dir: str) -> list[ServerProcess]:
                 str(args.slo_ttft_ms_per_token), "--slo-tpot-ms", str(args.slo_tpot_ms),
                 "--max-step-ms", str(args.slo_tpot_ms)]
     pd_name = f"P/D: pdserve up (cores: P {num_cores // 2}, D {num_cores - num_cores // 2})"
+    pinned = ["--no-core-handover"]
     options = {
-        "pd": (pd_name, "up.log", lambda port: pd_cluster_argv(port, args.num_blocks)),
+        "pd": (pd_name, "up.log",
+               lambda port: pd_cluster_argv(port, args.num_blocks) + ["--disaggregation", "static"] + pinned),
         "pd-adaptive": (pd_name.replace("P/D", "P/D adaptive"), "up-adaptive.log",
-                        lambda port: pd_cluster_argv(port, args.num_blocks) + adaptive),
+                        lambda port: pd_cluster_argv(port, args.num_blocks) + adaptive + pinned),
         # Cores shared, not split: each worker may use every core when the other idles (oversubscribed).
         "pd-adaptive-shared": (f"P/D adaptive, cores shared: pdserve up --no-pin ({num_cores} threads each)",
                                "up-adaptive-shared.log",
@@ -266,6 +269,8 @@ def _servers(args: argparse.Namespace, log_dir: str) -> list[ServerProcess]:
         "pd-adaptive-handover": (f"P/D adaptive, cores handed over: pdserve up --core-handover "
                                  f"({num_cores // 2}-{num_cores} threads each)", "up-adaptive-handover.log",
                                  lambda port: pd_cluster_argv(port, args.num_blocks) + adaptive + ["--core-handover"]),
+        # What a user gets: adaptive disaggregation at the default SLO, cores handed over.
+        "up": ("P/D: pdserve up (defaults)", "up-defaults.log", lambda port: pd_cluster_argv(port, args.num_blocks)),
         "colocated": (f"colocated: pdserve serve ({threads} threads, unpinned)", "serve.log",
                       lambda port: colocated_argv(port, args.num_blocks, threads)),
     }

@@ -31,6 +31,7 @@ from pdserve.api.flags import FORWARDED_ARGS, add_worker_flags, parse_device
 from pdserve.app.children import die_with_parent, free_port, linux_libc
 from pdserve.engine.core_share import create_ledger
 from proxy.cli import INTERNAL_TOKEN_ENV, LIMIT_FLAGS
+from proxy.config import SloConfig
 
 STOP_TIMEOUT_S = 20.0  # workers drain in-flight requests on SIGTERM; past this they are killed
 
@@ -68,13 +69,15 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-port", type=int, default=DEFAULT_PORTS["decode"], help="0: any free port")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads per worker (default: the worker's share of the cores)")
-    parser.add_argument("--no-pin", action="store_true", help="do not pin the workers to separate cores")
-    parser.add_argument("--core-handover", action="store_true",
-                        help="unpinned workers that lend each other their cores: each runs its share of the "
-                             "threads while the other has work and all of them while it is idle "
-                             "(pdserve/engine/core_share.py)")
-    parser.add_argument("--disaggregation", choices=("adaptive", "static"), default=None,
-                        help="the proxy's choice of P/D or prefill on the decode worker (see pdserve proxy --help)")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="neither pin the workers nor hand cores over: each runs --num-threads all the time")
+    parser.add_argument("--core-handover", action=argparse.BooleanOptionalAction, default=True,
+                        help="(default) unpinned workers that lend each other their cores: each runs its share of "
+                             "the threads while the other has work and all of them while it is idle "
+                             "(pdserve/engine/core_share.py); --no-core-handover pins each to its half instead")
+    parser.add_argument("--disaggregation", choices=("adaptive", "static"), default="adaptive",
+                        help="the proxy's choice of P/D or prefill on the decode worker, per request (default "
+                             "adaptive here, see pdserve proxy --help)")
     parser.add_argument("--slo-ttft-ms", type=float, default=None, help="the proxy's TTFT objective, fixed part")
     parser.add_argument("--slo-ttft-ms-per-token", type=float, default=None,
                         help="the proxy's TTFT objective, per prompt token")
@@ -105,6 +108,11 @@ class ChildSpec:
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
 
 
+def hands_cores_over(args: argparse.Namespace, cores: Sequence[int]) -> bool:
+    """Whether `up` gives its workers a core ledger: by default, on two cores or more."""
+    return args.core_handover and not args.no_pin and len(cores) >= 2
+
+
 def _resolve_port(host: str, port: int) -> int:
     return port if port != 0 else free_port(host)
 
@@ -129,6 +137,9 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int], core_ledger: Opt
                                           ("decode", decode_port, plan.decode_cores, plan.decode_threads)):
         argv = [*base, role, "--port", str(port), "--num-threads", str(args.num_threads or threads), *common,
                 *worker_args[role]]
+        # The decode worker's own prefills (adaptive disaggregation) must not stall its streams.
+        if not any(arg.split("=")[0] == "--max-step-ms" for arg in forwarded):
+            argv += ["--max-step-ms", f"{args.slo_tpot_ms or SloConfig().tpot_ms:g}"]
         if core_ledger is not None:
             argv += ["--core-ledger", core_ledger, "--num-threads-alone", str(len(cores))]
         specs.append(ChildSpec(role, argv, port, cores_of, env))
@@ -310,7 +321,7 @@ def run_local_cluster(args: argparse.Namespace) -> int:
     """Start, wait for readiness, print the endpoint, and supervise until Ctrl-C or a child's death."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # our readiness probes are not news
     output = PrefixedOutput(sys.stdout)
-    ledger_dir = tempfile.mkdtemp(prefix="pdserve-up-") if args.core_handover else None
+    ledger_dir = tempfile.mkdtemp(prefix="pdserve-up-") if hands_cores_over(args, _usable_cores()) else None
     core_ledger = os.path.join(ledger_dir, "core-ledger") if ledger_dir is not None else None
     if core_ledger is not None:
         create_ledger(core_ledger)

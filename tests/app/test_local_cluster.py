@@ -9,7 +9,9 @@ import time
 import pytest
 
 from pdserve.app.cli import build_parser
-from pdserve.app.local_cluster import ChildSpec, CorePlan, LocalCluster, PrefixedOutput, build_specs, plan_cores
+from pdserve.app.local_cluster import (
+    ChildSpec, CorePlan, LocalCluster, PrefixedOutput, build_specs, hands_cores_over, plan_cores,
+)
 from proxy.cli import proxy_config
 
 
@@ -229,7 +231,21 @@ def test_the_disaggregation_policy_and_slo_reach_the_proxy_only():
     assert (config.slo.ttft_ms, config.slo.ttft_ms_per_token, config.slo.tpot_ms) == (800.0, 2.0, 25.0)
     for role in ("prefill", "decode"):
         assert not any(arg.startswith(("--slo", "--disaggregation")) for arg in specs[role].argv)
-    assert "--disaggregation" not in specs_for()["proxy"].argv  # the proxy's own default otherwise
+        assert flag(specs[role].argv, "--max-step-ms") == "25"  # the TPOT objective bounds the workers' steps
+
+
+def test_up_defaults_to_adaptive_disaggregation_steps_within_the_tpot_and_handed_over_cores():
+    args = build_parser().parse_args(["up"])
+    assert hands_cores_over(args, [0, 1]) and not hands_cores_over(args, [0])
+    specs = {spec.name: spec for spec in build_specs(args, [0, 1])}
+    assert flag(specs["proxy"].argv, "--disaggregation") == "adaptive"
+    assert flag(specs["decode"].argv, "--max-step-ms") == "20"
+    for opt_out in (["--no-core-handover"], ["--no-pin"]):
+        assert not hands_cores_over(build_parser().parse_args(["up", *opt_out]), [0, 1])
+    given = {spec.name: spec for spec in build_specs(build_parser().parse_args(
+        ["up", "--disaggregation", "static", "--max-step-ms", "50"]), [0, 1])}
+    assert flag(given["proxy"].argv, "--disaggregation") == "static"
+    assert given["decode"].argv.count("--max-step-ms") == 1 and flag(given["decode"].argv, "--max-step-ms") == "50"
 
 
 @pytest.mark.parametrize("spelling", [["--kv-offload-dir", "/data/tier"], ["--kv-offload-dir=/data/tier"]])
