@@ -50,6 +50,13 @@ def decode_worker_with_a_tiered_prefix(fail_reads: bool = False):
     return scheduler, kv, pages, connector, request
 
 
+def report(scheduler, connector, *, landed=(), failed=()) -> None:
+    """The pull's end, as D's connector would report it from its next poll."""
+    connector.pending.landed.extend(landed)
+    connector.pending.failed.extend(failed)
+    scheduler.apply_kv_events(connector.poll())
+
+
 def computed(steps) -> list[tuple[int, int]]:
     return [(chunk.start_position, chunk.num_tokens) for step in steps for chunk in step.chunks]
 
@@ -66,16 +73,14 @@ def test_the_tier_landing_first_waits_for_the_pull_then_only_the_last_token_is_c
     step, _ = run_step(scheduler, kv)  # the tier's pages are reported here
     assert step.chunks == [] and pages.num_reads == 4
     assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV  # the pull still writes its blocks
-    connector.pending.landed.append("pd")
-    scheduler.apply_kv_events(connector.poll())
+    report(scheduler, connector, landed=["pd"])
     assert computed(finish(scheduler, kv)) == [(24, 1), (25, 1)]
     assert request.finish_reason is FinishReason.LENGTH and kv.pool.num_in_use == 0
 
 
 def test_the_pull_landing_first_waits_for_the_tier():
     scheduler, kv, pages, connector, request = decode_worker_with_a_tiered_prefix()
-    connector.pending.landed.append("pd")
-    scheduler.apply_kv_events(connector.poll())
+    report(scheduler, connector, landed=["pd"])
     assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV  # the tier's report comes from the next step
     assert computed(finish(scheduler, kv)) == [(24, 1), (25, 1)]
 
@@ -85,8 +90,7 @@ def test_a_failed_tier_load_waits_for_the_pull_to_stop_writing_then_recomputes_e
     step, _ = run_step(scheduler, kv)
     assert step.chunks == [] and kv.offload.stats.num_failed_loads == 1
     assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV and kv.has_request("pd")  # blocks still held
-    connector.pending.landed.append("pd")
-    scheduler.apply_kv_events(connector.poll())
+    report(scheduler, connector, landed=["pd"])
     assert request.status is RequestStatus.WAITING
     assert computed(finish(scheduler, kv)) == [(0, 25), (25, 1)]
     assert request.finish_reason is FinishReason.LENGTH and kv.pool.num_in_use == 0
@@ -94,8 +98,7 @@ def test_a_failed_tier_load_waits_for_the_pull_to_stop_writing_then_recomputes_e
 
 def test_a_failed_pull_waits_for_the_tier_then_recomputes_after_the_loaded_prefix():
     scheduler, kv, _, connector, request = decode_worker_with_a_tiered_prefix()
-    connector.pending.failed.append(LoadFailure("pd", RequestFailed("peer gone"), recompute=True))
-    scheduler.apply_kv_events(connector.poll())
+    report(scheduler, connector, failed=[LoadFailure("pd", RequestFailed("peer gone"), recompute=True)])
     assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV  # the tier still writes its blocks
     # The tier's pages landed into the prefix cache, so the local recompute starts after them.
     assert computed(finish(scheduler, kv)) == [(16, 9), (25, 1)]
@@ -104,8 +107,7 @@ def test_a_failed_pull_waits_for_the_tier_then_recomputes_after_the_loaded_prefi
 
 def test_a_pull_that_fails_the_request_ends_it_once_the_tier_stopped_writing():
     scheduler, kv, _, connector, request = decode_worker_with_a_tiered_prefix()
-    connector.pending.failed.append(LoadFailure("pd", RequestFailed("forged parameters"), recompute=False))
-    scheduler.apply_kv_events(connector.poll())
+    report(scheduler, connector, failed=[LoadFailure("pd", RequestFailed("forged parameters"), recompute=False)])
     assert scheduler.take_ended() == [] and kv.has_request("pd")
     run_step(scheduler, kv)
     assert scheduler.take_ended() == [request]
@@ -116,7 +118,6 @@ def test_a_pull_that_fails_the_request_ends_it_once_the_tier_stopped_writing():
 def test_an_abort_while_both_load_frees_everything_once_the_tier_read_ended():
     scheduler, kv, _, connector, request = decode_worker_with_a_tiered_prefix()
     scheduler.finish("pd", FinishReason.ABORT)
-    connector.pending.landed.append("pd")  # a late report of the pull is ignored
-    scheduler.apply_kv_events(connector.poll())
+    report(scheduler, connector, landed=["pd"])  # a late report of the pull is ignored
     run_step(scheduler, kv)
     assert not scheduler.has_work() and scheduler.num_waiting_for_kv == 0 and kv.pool.num_in_use == 0
