@@ -27,9 +27,20 @@ def up(tmp_path_factory):
                         "--disaggregation", "static")
     try:
         process.wait_ready()
+        # The proxy answers before its first health poll of the prefill worker; until then it would
+        # send every prompt to the decode worker alone, and the prefill worker would never step.
+        assert wait_for(lambda: prefill_is_healthy(process), 60), "the proxy never saw the prefill worker ready"
         yield process
     finally:
         process.stop()
+
+
+def prefill_is_healthy(up: UpProcess) -> bool:
+    try:
+        text = httpx.get(up.url("proxy") + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return False
+    return re.search(r'^pdserve_proxy_backend_healthy\{[^}]*role="prefill"[^}]*\} 1\.0$', text, re.M) is not None
 
 
 def threads(up: UpProcess, role: str) -> float:
