@@ -321,11 +321,12 @@ def run_local_cluster(args: argparse.Namespace) -> int:
     """Start, wait for readiness, print the endpoint, and supervise until Ctrl-C or a child's death."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # our readiness probes are not news
     output = PrefixedOutput(sys.stdout)
-    ledger_dir = tempfile.mkdtemp(prefix="pdserve-up-") if hands_cores_over(args, _usable_cores()) else None
+    cores = _usable_cores()
+    ledger_dir = tempfile.mkdtemp(prefix="pdserve-up-") if hands_cores_over(args, cores) else None
     core_ledger = os.path.join(ledger_dir, "core-ledger") if ledger_dir is not None else None
     if core_ledger is not None:
         create_ledger(core_ledger)
-    cluster = LocalCluster(build_specs(args, _usable_cores(), core_ledger), output)
+    cluster = LocalCluster(build_specs(args, cores, core_ledger), output)
     stop_requested = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

@@ -83,7 +83,8 @@ def open_core_share(path: str, role: str, narrow: int, wide: int,
         ledger = mmap.mmap(fd, LEDGER_BYTES)
     finally:
         os.close(fd)  # the mapping stays valid
+    share = CoreShare(ledger, role, narrow, wide, set_threads)  # checks the role and thread counts first
     set_threads(narrow)
     logger.info("core ledger %s: %s worker runs %d threads while the %s worker has work, %d otherwise",
-                path, role, narrow, PEER.get(role, "other"), wide)
-    return CoreShare(ledger, role, narrow, wide, set_threads)
+                path, role, narrow, PEER[role], wide)
+    return share
