@@ -24,7 +24,7 @@ from pdserve.engine.decode_step import should_compile
 from pdserve.engine.emitter import OutputEmitter
 from pdserve.engine.grammar_matchers import GrammarMatchers, GrammarTokenizer
 from pdserve.engine.loop import EngineLoop
-from pdserve.engine.offload_ranks import RankedPageStore
+from pdserve.engine.offload_ranks import RankMirror
 from pdserve.engine.memory_budget import StepLimits, free_device_bytes, pool_num_blocks
 from pdserve.engine.outputs import OutputProcessor
 from pdserve.engine.request_ids import RequestIdRegistry
@@ -133,36 +133,40 @@ def _num_offload_slots(config: WorkerConfig, layout: KVPoolLayout) -> int:
         raise ValueError("--kv-offload-dir needs --kv-offload-bytes (the tier's size)")
     if cache.kv_offload_bytes is None or not cache.enable_prefix_caching:
         return 0
-    if config.parallel.tensor_parallel_size > 1 and cache.kv_offload_dir is not None:
-        raise ValueError("--kv-offload-dir does not support tensor parallelism yet (the host-memory tier does)")
     return cache.kv_offload_bytes // layout.page_bytes
+
+
+def _num_offload_staging_rows(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout) -> int:
+    """A file tier's staging rows: about one step's evictions (its token budget in blocks, per group),
+    so a burst is written behind the step rather than skipped; at most OFFLOAD_STAGING_BYTES of them."""
+    num_step_blocks = -(-config.scheduler.max_num_batched_tokens // config.cache.block_size) * len(plan.groups)
+    return max(1, min(num_step_blocks, OFFLOAD_STAGING_BYTES // layout.page_bytes))
 
 
 def _offload_tier(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout, pool: torch.Tensor,
                   events: KVEventRecorder, channel: Optional[LeaderChannel]) -> Optional[OffloadTier]:
     """The tier behind the pool (--kv-offload-bytes; in files with --kv-offload-dir), or None.
     File writes and reads run on the tier's one I/O thread; host-memory copies are a memcpy between steps.
-    With tensor parallelism (`channel`) rank 0's copies are repeated by every rank on its slice."""
+    With tensor parallelism (`channel`) rank 0's copies are repeated by every rank on its slice
+    (pdserve/engine/offload_ranks.py); rank 0's pages are in the directory itself, rank r's under rank-<r>/."""
     cache = config.cache
     if not _num_offload_slots(config, layout):
         return None
     full_group_ids = [g.group_id for g in plan.groups if isinstance(g.spec, FullAttentionSpec)]
+    on_files = cache.kv_offload_dir is not None
+    mirror = (RankMirror(channel, config.parallel.tensor_parallel_size - 1, others_answer=on_files)
+              if channel is not None else None)
+    ranks_note = " on every rank" if channel is not None else ""
     if cache.kv_offload_dir is not None:
-        # Staging rows for about one step's evictions (its token budget in blocks, per group), so a
-        # burst is written behind the step rather than skipped; at most OFFLOAD_STAGING_BYTES of them.
-        num_step_blocks = -(-config.scheduler.max_num_batched_tokens // cache.block_size) * len(plan.groups)
-        num_staging_rows = max(1, min(num_step_blocks, OFFLOAD_STAGING_BYTES // layout.page_bytes))
         store = FilePageStore(layout.canonical_view(pool), cache.kv_offload_bytes, cache.kv_offload_dir,
-                              num_staging_rows)
+                              _num_offload_staging_rows(config, plan, layout))
         executor = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-offload")
-        logger.info("KV offload tier: %s, %d pages of %d bytes, %d staging rows", store.path, store.num_slots,
-                    store.page_bytes, store.num_staging_rows)
-        return OffloadTier(store, full_group_ids, events, executor=executor)
+        logger.info("KV offload tier: %s, %d pages of %d bytes, %d staging rows%s", store.path, store.num_slots,
+                    store.page_bytes, store.num_staging_rows, ranks_note)
+        return OffloadTier(store, full_group_ids, events, executor=executor, mirror=mirror)
     host = HostPageStore(layout.canonical_view(pool), cache.kv_offload_bytes)
-    logger.info("KV offload tier: host memory, %d pages of %d bytes%s", host.num_slots, host.page_bytes,
-                " on every rank" if channel is not None else "")
-    store = RankedPageStore(host, channel.queue) if channel is not None else host
-    return OffloadTier(store, full_group_ids, events)
+    logger.info("KV offload tier: host memory, %d pages of %d bytes%s", host.num_slots, host.page_bytes, ranks_note)
+    return OffloadTier(host, full_group_ids, events, mirror=mirror)
 
 
 def _core_share(config: WorkerConfig, metrics: Metrics) -> CoreShare:
@@ -240,8 +244,13 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     isolated_agent = config.role != "colocated" and config.transfer.isolates_agent(device.type)
     transport_factory = configured_transport(transport_factory, isolated_agent, metrics)
     if ranks is not None:
+        num_offload_slots = _num_offload_slots(config, layout)
+        on_files = bool(num_offload_slots) and cache.kv_offload_dir is not None
         ranks.broadcast(RankSetup(num_blocks, with_transport=config.role != "colocated",
-                                  num_offload_slots=_num_offload_slots(config, layout)))
+                                  num_offload_slots=num_offload_slots,
+                                  offload_dir=cache.kv_offload_dir if on_files else None,
+                                  num_offload_staging_rows=_num_offload_staging_rows(config, plan, layout)
+                                  if on_files else 0))
         channel: Optional[LeaderChannel] = LeaderChannel(ranks)
         runner: ModelRunner = LeaderRunner(loaded.model, plan, layout, device, grammar=grammar, channel=channel,
                                            shared_pool=isolated_agent)

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import threading
 import uuid
-from typing import Optional, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -33,13 +35,14 @@ from pdserve.engine import prompt_logprobs
 from pdserve.engine.devices import pick_device, pick_dtype, rank_device, rank_threads
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
-from pdserve.engine.offload_ranks import TierFollower
+from pdserve.engine.offload_ranks import FileTierFollower, HostTierFollower
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
+from pdserve.kv.offload_file import FilePageStore
 from pdserve.kv.offload_host import HostPageStore
 from pdserve.kv.specs import plan_groups
 from pdserve.models.loader import load_model, resolve_quantization
 from pdserve.models.registry import TensorParallelRank
-from pdserve.parallel.channel import LeaderChannel, RankMessage, RankSetup
+from pdserve.parallel.channel import LeaderChannel, RankMessage, RankReport, RankSetup
 from pdserve.parallel.ranks import RankGroup, RanksLost
 from pdserve.pd.wiring import TransportFactory, nixl_transport
 from pdserve.transfer.ranked_transport import FollowerTransport, RankReader
@@ -47,6 +50,8 @@ from pdserve.transfer.ranked_transport import FollowerTransport, RankReader
 logger = logging.getLogger(__name__)
 
 _FOLLOWER_SAMPLING = SamplingParams()
+
+TierFollower = Union[HostTierFollower, FileTierFollower]
 
 
 def _slim(chunk: ScheduledChunk) -> ScheduledChunk:
@@ -113,6 +118,7 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
     group = RankGroup(rank, size, parallel.tp_master_addr, parallel.tp_master_port or 0, parallel.tp_timeout_s, device,
                       parallel.tp_join_timeout_s)
     transport = None
+    tier: Optional[TierFollower] = None
     try:
         quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
         loaded = load_model(config.model.path, dtype, device, quantization,
@@ -127,10 +133,8 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
         runner.bind_thread()
         logger.info("rank %d/%d ready: %d blocks of %d bytes, %d heads and %d KV heads here", rank, size,
                     setup.num_blocks, page_bytes, spec.num_heads, spec.num_kv_heads)
-        tier = None
         if setup.num_offload_slots:
-            tier = TierFollower(HostPageStore(layout.canonical_view(runner.pool),
-                                              setup.num_offload_slots * layout.page_bytes), rank)
+            tier = _tier_follower(setup, layout, runner.pool, rank)
         if setup.with_transport:
             agent = f"{config.transfer.engine_id or config.role}-rank{rank}-{uuid.uuid4().hex[:12]}"
             local = transport_factory(layout.canonical_view(runner.pool), agent)
@@ -146,7 +150,23 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
     finally:
         if transport is not None:
             transport.close()
+        if tier is not None:
+            tier.close()
         group.close()
+
+
+def _tier_follower(setup: RankSetup, layout: KVPoolLayout, pool: torch.Tensor, rank: int) -> TierFollower:
+    """This rank's side of rank 0's offload tier: as many slots of this rank's pages, in host memory or
+    in a file of its own under the tier's directory."""
+    view = layout.canonical_view(pool)
+    capacity_bytes = setup.num_offload_slots * layout.page_bytes
+    if setup.offload_dir is None:
+        return HostTierFollower(HostPageStore(view, capacity_bytes), rank)
+    store = FilePageStore(view, capacity_bytes, os.path.join(setup.offload_dir, f"rank-{rank}"),
+                          setup.num_offload_staging_rows)
+    logger.info("rank %d: KV offload tier %s, %d pages of %d bytes", rank, store.path, store.num_slots,
+                store.page_bytes)
+    return FileTierFollower(store, rank, ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-kv-offload-rank{rank}"))
 
 
 def _follow(group: RankGroup, runner: ModelRunner, transport: Optional[FollowerTransport],
@@ -169,4 +189,5 @@ def _follow(group: RankGroup, runner: ModelRunner, transport: Optional[FollowerT
             except Exception as error:  # out of step with the other ranks from here on
                 raise RanksLost(f"rank {group.rank}: a step failed: {error!r}") from error
         if message.want_report:
-            group.gather(transport.report() if transport is not None else None)
+            group.gather(RankReport(transport.report() if transport is not None else None,
+                                    tier.report() if tier is not None else ()))

@@ -42,6 +42,10 @@ reads on the I/O thread and `poll` reports it the same way. A load that fails
 (or whose slot no longer holds its key) discards its keys and is reported
 failed: the request recomputes. A store whose write failed discards its key
 when the engine thread learns of it (`offer`, `lookup`, `poll`).
+
+Tensor parallelism: a `TierMirror` repeats every copy this tier starts on the
+other ranks' slices (pdserve/engine/offload_ranks.py); with an I/O thread a
+load lands only once every rank's read ended, and fails if any rank's did.
 """
 
 from __future__ import annotations
@@ -91,6 +95,29 @@ class PageStore(Protocol):
         """Copy each slot into its pool page; raise OffloadIOError when it cannot."""
 
 
+class TierMirror(Protocol):
+    """The other ranks of a tensor-parallel worker, repeating this tier's copies on their own slices
+    (pdserve/engine/offload_ranks.py). Called on the engine thread, in the order the copies were made."""
+
+    def stored(self, slot: int, block_id: int) -> None:
+        """A page went into `slot` (written, or staged for the I/O thread): the others copy theirs
+        before anything reuses the block."""
+
+    def loading(self, load_id: str, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        """A load started: the others read the same slots into the same blocks."""
+
+    def others_read(self, load_id: str) -> Optional["OthersRead"]:
+        """None while another rank still reads this load (asked only once this rank's read ended),
+        then, once, how the other ranks' reads ended."""
+
+
+@dataclass(frozen=True, slots=True)
+class OthersRead:
+    """How the other ranks' reads of one load ended: `error` is why one failed, None if none did."""
+
+    error: Optional[str] = None
+
+
 @dataclass(slots=True)
 class PageLoad:
     """One page to bring back: tier key -> a freshly allocated pool block."""
@@ -127,9 +154,10 @@ class OffloadTier:
 
     def __init__(self, store: PageStore, full_group_ids: Sequence[int],
                  events: Optional[KVEventRecorder] = None, clock: Callable[[], float] = time.perf_counter,
-                 executor: Optional[Executor] = None):
+                 executor: Optional[Executor] = None, mirror: Optional[TierMirror] = None):
         """`executor`: the tier's one I/O thread, where reads run, and writes too for a store that
-        stages them (the file store); None copies inside `offer` and `start_load`."""
+        stages them (the file store); None copies inside `offer` and `start_load`. `mirror`: the
+        other ranks of a tensor-parallel worker (with an executor, a load lands once they read too)."""
         if store.num_slots < 1:
             raise ValueError("an offload tier needs room for at least one page")
         if executor is not None:
@@ -147,6 +175,7 @@ class OffloadTier:
         self._pins: Counter[CacheKey] = Counter()
         self._results = LoadResults()
         self._executor = executor
+        self._mirror = mirror
         # Writes go to the I/O thread when the store can stage them; the host store's stay a memcpy.
         self._writes = (WriteQueue(store, executor, clock)
                         if executor is not None and isinstance(store, StagingPageStore) else None)
@@ -206,6 +235,8 @@ class OffloadTier:
             self._free_slots.append(slot)
             self.stats.num_failed_stores += 1
             return
+        if self._mirror is not None:
+            self._mirror.stored(slot, block_id)
         self._slots[key] = slot
         self._slot_keys[slot] = key
         self._parents[key] = parent_hash
@@ -299,15 +330,19 @@ class OffloadTier:
         started = self._clock()
         try:
             slots = [self._slot_of(key) for key in keys]
+            block_ids = [load.block_id for load in loads]
             if self._executor is not None:
-                read = self._executor.submit(self._timed_read, slots, [load.block_id for load in loads])
+                read = self._executor.submit(self._timed_read, slots, block_ids)
                 self._in_flight[load_id] = (read, keys, len(loads), started)
-                return
-            self.store.read(slots, [load.block_id for load in loads])
+            else:
+                self.store.read(slots, block_ids)
         except Exception as error:  # noqa: BLE001 - a failed load recomputes, never fails the request
             self._end_load(load_id, keys, len(loads), started, error)
             return
-        self._end_load(load_id, keys, len(loads), started, None)
+        if self._mirror is not None:  # only a read that started here is repeated by the others
+            self._mirror.loading(load_id, slots, block_ids)
+        if self._executor is None:
+            self._end_load(load_id, keys, len(loads), started, None)
 
     def _timed_read(self, slots: list[int], block_ids: list[int]) -> float:
         """On the I/O thread: the read and its own duration (what the load histogram reports,
@@ -349,10 +384,17 @@ class OffloadTier:
         """Loads that landed or failed since the last poll (never waits for a read in flight)."""
         self._apply_finished_writes()
         for load_id, (read, keys, num_pages, started) in list(self._in_flight.items()):
-            if read.done():
-                del self._in_flight[load_id]
-                error = read.exception()
-                self._end_load(load_id, keys, num_pages, started, error, None if error else read.result())
+            if not read.done():
+                continue
+            error = read.exception()
+            if self._mirror is not None:  # the other ranks read into the same blocks: wait for them too
+                others = self._mirror.others_read(load_id)
+                if others is None:
+                    continue
+                if others.error is not None and error is None:
+                    error = OffloadIOError(others.error)
+            del self._in_flight[load_id]
+            self._end_load(load_id, keys, num_pages, started, error, None if error else read.result())
         results, self._results = self._results, LoadResults()
         return results
 

@@ -118,6 +118,12 @@ class FilePageStore:
     def release_row(self, row: int) -> None:
         self._free_rows.append(row)
 
+    def forget(self, slot: int) -> None:
+        """The slot holds no page any more (the I/O thread, in order with writes: a write queued
+        earlier cannot make it readable again): a tensor-parallel rank that could not stage a page
+        rank 0 stored makes its later loads fail rather than read an older page."""
+        self._sums[slot] = None
+
     def _write_page(self, slot: int, data) -> None:  # type: ignore[no-untyped-def] - a numpy int8 row
         self._sums[slot] = None  # until the write completes no read can pass the check
         try:

@@ -10,8 +10,9 @@ that ask for a report.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from pdserve.parallel.ranks import RankGroup
 
@@ -22,8 +23,16 @@ class RankMessage:
     decode_step: bool = False  # which forward path rank 0 takes, so every rank takes it
     logit_rows: tuple[tuple[int, ...], ...] = ()  # eager path: the rows of each logits computation, in order
     commands: tuple[Any, ...] = ()  # offload tier and transport commands, applied before the step
-    want_report: bool = False  # followers answer with their transport's report
+    want_report: bool = False  # followers answer with a RankReport
     stop: bool = False  # the worker is shutting down: leave the loop and exit 0
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """A follower's answer to a message that asked for one."""
+
+    transport: Any = None  # its transport's report (pdserve.transfer.ranked_transport), None without one
+    tier_reads: tuple[tuple[str, Optional[str]], ...] = ()  # file tier: (load id, error) of reads ended since
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +41,14 @@ class RankSetup:
 
     num_blocks: int
     with_transport: bool  # P and D workers: each rank registers its slice with its own NIXL agent
-    num_offload_slots: int = 0  # pages of each rank's host-memory offload tier (pdserve.engine.offload_ranks)
+    num_offload_slots: int = 0  # pages of each rank's offload tier (pdserve.engine.offload_ranks)
+    offload_dir: Optional[str] = None  # a file tier: each rank r > 0 keeps its pages under <dir>/rank-<r>
+    num_offload_staging_rows: int = 0  # a file tier's staging rows, as many on every rank
 
 
 class LeaderChannel:
-    """Rank 0's side: queues transport commands and sends them with the next message."""
+    """Rank 0's side: queues commands and sends them with the next message; the file tier's read
+    outcomes in the followers' answers collect in `tier_reads`, whoever asked for the answers."""
 
     def __init__(self, group: RankGroup, clock: Callable[[], float] = time.monotonic):
         self.group = group
@@ -44,6 +56,7 @@ class LeaderChannel:
         self._clock = clock
         self._commands: list[Any] = []
         self._last_sent_s = clock()
+        self.tier_reads: deque[tuple[str, Optional[str]]] = deque()
 
     def queue(self, command: Any) -> None:
         self._commands.append(command)
@@ -54,14 +67,19 @@ class LeaderChannel:
 
     def send(self, step: Any = None, decode_step: bool = False, logit_rows: tuple[tuple[int, ...], ...] = (),
              want_report: bool = False) -> list[Any]:
-        """Send a message (with every queued command); the followers' reports in rank order when asked."""
+        """Send a message (with every queued command); the followers' transport reports in rank order
+        when asked."""
         message = RankMessage(step, decode_step, logit_rows, tuple(self._commands), want_report)
         self._commands.clear()
         self.group.broadcast(message)
         self._last_sent_s = self._clock()
         if not want_report:
             return []
-        return (self.group.gather(None) or [None])[1:]
+        reports: list[Optional[RankReport]] = (self.group.gather(None) or [None])[1:]
+        for report in reports:
+            if report is not None:
+                self.tier_reads.extend(report.tier_reads)
+        return [report.transport if report is not None else None for report in reports]
 
     def keep_alive(self) -> None:
         """While idle: flush queued commands, and tell the followers rank 0 lives at least every heartbeat."""

@@ -3,8 +3,8 @@ fed more distinct prompts than it holds, then the same prompts again. Without a 
 pass recomputes nearly everything; with either tier (host memory, files) it recomputes at most a
 quarter, and every greedy answer equals the no-tier run's. The same through P/D with the tier on
 the prefill worker, and with the tier on the decode worker (its prefix comes from its own tier and
-only the rest is pulled). A tensor-parallel worker's host tier: rank 0 decides, each rank copies its
-own slice, and the second pass answers as the first. A kv_aware proxy following the tiered worker's KV events predicts a prefix held
+only the rest is pulled). A tensor-parallel worker's tier, in host memory and in files: rank 0
+decides, each rank copies its own slice (into its own file), and the second pass answers as the first. A kv_aware proxy following the tiered worker's KV events predicts a prefix held
 only in its tier as cached tokens to load from the tier, exactly the hit the worker then reports."""
 
 from __future__ import annotations
@@ -142,28 +142,34 @@ def test_pd_with_the_tier_on_the_decode_worker_pulls_only_what_its_tier_lacks(wo
     assert decode.metric("pdserve_kv_offload_failed_loads_total") == 0
 
 
-@pytest.fixture(scope="module")
-def tp_tiered(tmp_path_factory, device):
+@pytest.fixture(scope="module", params=["host", "file"])
+def tp_tiered(request, tmp_path_factory, device):
     model_dir = str(tmp_path_factory.mktemp("qwen3-tp"))
     make_tiny_qwen3(model_dir)
     logs = tmp_path_factory.mktemp("tp-logs")
-    worker = Worker("serve", free_port(), str(logs / "tp-tiered.log"),
+    offload_dir = tmp_path_factory.mktemp("tp-offload")
+    on_files = ["--kv-offload-dir", str(offload_dir)] if request.param == "file" else []
+    worker = Worker("serve", free_port(), str(logs / f"tp-{request.param}.log"),
                     ["--model", model_dir, "--block-size", "4", "--num-blocks", "41", "--kv-offload-bytes", "64MiB",
-                     "-tp", "2"], device)
+                     "-tp", "2", *on_files], device)
     (started,) = start_workers(worker)
-    yield started
+    yield started, request.param, offload_dir
     started.stop()
 
 
 def test_a_tensor_parallel_worker_loads_every_rank_slice_from_its_tier(tp_tiered):
-    first, second, recomputed = complete_twice(tp_tiered)
-    print(f"TP=2 with a host tier: second pass recomputed {recomputed:.0f}/{TOTAL}")
+    worker, medium, offload_dir = tp_tiered
+    first, second, recomputed = complete_twice(worker)
+    print(f"TP=2 with a {medium} tier: second pass recomputed {recomputed:.0f}/{TOTAL}")
     # The first pass has no hit (distinct prompts): it is the no-tier run. A rank that did not load its
     # slice of a page would attend over stale KV there and answer differently.
     assert first == second
     assert recomputed <= 0.25 * TOTAL
-    assert offload_hit_tokens(tp_tiered) >= 0.5 * TOTAL
-    assert tp_tiered.metric("pdserve_kv_offload_failed_loads_total") == 0
+    assert offload_hit_tokens(worker) >= 0.5 * TOTAL
+    assert worker.metric("pdserve_kv_offload_failed_loads_total") == 0
+    if medium == "file":  # each rank wrote its own slice's pages into its own file
+        rank_files = [offload_dir / "pages.bin", offload_dir / "rank-1" / "pages.bin"]
+        assert all(path.stat().st_size > 0 for path in rank_files)
 
 
 def offload_hit_tokens(worker: Worker) -> float:
