@@ -3,7 +3,8 @@ no tier, the host-memory tier and the file tier, side by side, in one process (r
 SmolLM2 by default, CPU).
 
     python3 bench/kv_offload.py [--model PATH] [--conversations 8] [--turns 4] [--pool-share 0.25]
-                                [--out bench/results/kv_offload.json] [--plot bench/results/kv_offload.png]
+                                [--repeats 1] [--out bench/results/kv_offload.json]
+                                [--plot bench/results/kv_offload.png]
     python3 bench/kv_offload.py --stores-only [--page-bytes 737280] [--store-rounds 40]
                                 [--store-out bench/results/kv_offload_store.json]
     python3 bench/kv_offload.py --loads-only [--page-bytes 737280] [--load-rounds 200] [--load-pages 16]
@@ -12,10 +13,13 @@ SmolLM2 by default, CPU).
 Each conversation grows turn by turn (its history, a new user message of random token ids, the
 answer), turns round-robin over the conversations, one request at a time, so a conversation's
 prefix has been pushed out of the pool by the others by the time it comes back. Prints, per
-configuration: prompt tokens computed, TTFT p50/p99 (submit to first token, in-process), the
-tier's hit rate (tokens loaded / tokens asked for), and each tier's load bandwidth against a raw
+configuration: prompt tokens computed, TTFT p50/p99 (submit to first token, in-process), TTFT
+p50 of the turns after the first (the requests a cache can help at all), the tier's hit rate (tokens loaded / tokens asked for), and each tier's load bandwidth against a raw
 copy of the same pages in this process (memory) and a raw pread of them (file; a fresh file in
---dir, so mostly the page cache, as a tier the size of free RAM would be).
+--dir, so mostly the page cache, as a tier the size of free RAM would be). `--repeats N` runs the
+three configurations N times in rotation (none, memory, file, none, ...), so a slow moment of the
+machine hits one repeat of each rather than one configuration; TTFTs are pooled over the repeats
+and each repeat's p50 ratio to the no-tier run is printed too.
 
 Then (or alone, with --stores-only, no model loaded) the engine-thread cost of one file-tier store
 (bench/_offload_stores.py): `OffloadTier.offer` with the write done on the calling thread (pwrite and
@@ -79,7 +83,7 @@ def run(loaded, num_blocks: int, offload_bytes: Optional[int], offload_dir: Opti
     loop = built.engine.engine_loop
     sampling = SamplingParams(max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
     histories: list[list[int]] = [[] for _ in messages]
-    ttfts, answers = [], []
+    ttfts, later_ttfts, answers = [], [], []
     for turn in range(len(messages[0])):
         for index, turn_messages in enumerate(messages):
             prompt = histories[index] + turn_messages[turn]
@@ -95,6 +99,8 @@ def run(loaded, num_blocks: int, offload_bytes: Optional[int], offload_dir: Opti
             loop.submit(GenerationRequest(f"c{index}-t{turn}", tuple(prompt), sampling), sink)
             loop.run_until_idle()
             ttfts.append(first[0] - started)
+            if turn > 0:
+                later_ttfts.append(first[0] - started)
             answer = [t for output in outputs for t in output.new_token_ids]
             answers.append(answer)
             histories[index] = prompt + answer
@@ -106,11 +112,11 @@ def run(loaded, num_blocks: int, offload_bytes: Optional[int], offload_dir: Opti
         "tier": "file" if offload_dir else "memory" if offload_bytes else "none",
         "computed_prompt_tokens": loop.stats.num_computed_prompt_tokens,
         "prompt_tokens": stats.num_query_tokens,
-        "ttft_p50_s": statistics.median(ttfts),
-        "ttft_p99_s": sorted(ttfts)[max(0, round(0.99 * len(ttfts)) - 1)],
+        "ttfts_s": ttfts,
+        "later_turn_ttfts_s": later_ttfts,
         "tier_hit_rate": stats.num_offload_hit_tokens / max(1, stats.num_query_tokens),
         "load_bytes": load_bytes,
-        "load_gb_per_s": load_bytes / load_s / 1e9 if load_s else None,
+        "load_s": load_s,
         "page_bytes": built.layout.page_bytes,
         "stores_skipped": built.kv_manager.offload.stats.num_skipped_stores if built.kv_manager.offload else 0,
         "answers": answers,
@@ -157,6 +163,8 @@ def main() -> None:
     parser.add_argument("--answer-tokens", type=int, default=16)
     parser.add_argument("--pool-share", type=float, default=0.25, help="pool size / working set")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="run the three configurations this many times, "
+                        "in rotation, and pool their TTFTs")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--plot", default=None, help="draw computed tokens, TTFT and hit rate per tier (PNG)")
     parser.add_argument("--dir", default=None, help="where the file tier goes (default: a temporary directory)")
@@ -192,6 +200,18 @@ def _write_json(path: Optional[str], document: dict) -> None:
             json.dump(document, f, indent=2)
 
 
+def pooled(runs: list[dict]) -> dict:
+    """One configuration's repeats as one row: counts from the first (every repeat computes the same),
+    TTFTs pooled, load bandwidth over all bytes and seconds."""
+    ttfts = [ttft for one in runs for ttft in one["ttfts_s"]]
+    later = [ttft for one in runs for ttft in one["later_turn_ttfts_s"]]
+    load_s = sum(one["load_s"] for one in runs)
+    return {**runs[0], "ttfts_s": ttfts, "later_turn_ttfts_s": later,
+            "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": sorted(ttfts)[max(0, round(0.99 * len(ttfts)) - 1)],
+            "later_turn_ttft_p50_s": statistics.median(later),
+            "load_gb_per_s": sum(one["load_bytes"] for one in runs) / load_s / 1e9 if load_s else None}
+
+
 def run_workload(args: argparse.Namespace) -> None:
     loaded = load_model(args.model, torch.float32, torch.device("cpu"))
     messages = conversations(args.conversations, args.turns, args.user_tokens, loaded.model.spec.vocab_size)
@@ -200,21 +220,30 @@ def run_workload(args: argparse.Namespace) -> None:
     num_blocks = max(-(-final_tokens // BLOCK) + 2, int(working_set_blocks * args.pool_share)) + 1
     directory = args.dir or tempfile.mkdtemp(prefix="pdserve-kv-offload-")
     tier_bytes = (8 * num_blocks) << 20  # twice the working set or more: the pool is the bottleneck
-    rows = []
-    for offload_bytes, offload_dir in ((None, None), (tier_bytes, None), (tier_bytes, directory)):
-        rows.append(run(loaded, num_blocks, offload_bytes, offload_dir, messages, args.answer_tokens))
-    assert rows[0]["answers"] == rows[1]["answers"] == rows[2]["answers"], "a tier changed an answer"
+    repeats: list[list[dict]] = []
+    for _ in range(args.repeats):
+        repeats.append([run(loaded, num_blocks, offload_bytes, offload_dir, messages, args.answer_tokens)
+                        for offload_bytes, offload_dir in ((None, None), (tier_bytes, None), (tier_bytes, directory))])
+    assert all(row["answers"] == repeats[0][0]["answers"] for rows in repeats for row in rows), "a tier changed an answer"
+    rows = [pooled([rows[index] for rows in repeats]) for index in range(3)]
     raw = raw_copy_gb_per_s(rows[1]["page_bytes"])
     raw_file = raw_pread_gb_per_s(rows[1]["page_bytes"], directory)
     print(f"pool {num_blocks - 1} blocks, working set {working_set_blocks} blocks, "
           f"{args.conversations} conversations x {args.turns} turns")
-    print(f"{'tier':8} {'computed':>9} {'of':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'tier hit':>9} {'load GB/s':>10} "
-          f"{'skipped stores':>15}")
+    print(f"{'tier':8} {'computed':>9} {'of':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'p50 turns 2+':>13} "
+          f"{'p50 / none':>11} {'tier hit':>9} {'load GB/s':>10} {'skipped stores':>15}")
     for row in rows:
         bandwidth = f"{row['load_gb_per_s']:.2f}" if row["load_gb_per_s"] else "-"
         print(f"{row['tier']:8} {row['computed_prompt_tokens']:9d} {row['prompt_tokens']:7d} "
-              f"{row['ttft_p50_s'] * 1000:7.1f}ms {row['ttft_p99_s'] * 1000:7.1f}ms {row['tier_hit_rate']:9.2f} "
-              f"{bandwidth:>10} {row['stores_skipped']:15d}")
+              f"{row['ttft_p50_s'] * 1000:7.1f}ms {row['ttft_p99_s'] * 1000:7.1f}ms "
+              f"{row['later_turn_ttft_p50_s'] * 1000:11.1f}ms {row['ttft_p50_s'] / rows[0]['ttft_p50_s']:11.2f} "
+              f"{row['tier_hit_rate']:9.2f} {bandwidth:>10} {row['stores_skipped']:15d}")
+    if args.repeats > 1:
+        for tier in (1, 2):
+            ratios = [statistics.median(rows[tier]["ttfts_s"]) / statistics.median(rows[0]["ttfts_s"])
+                      for rows in repeats]
+            print(f"{rows[tier]['tier']} tier, TTFT p50 / no tier, per repeat: "
+                  + " ".join(f"{ratio:.2f}" for ratio in ratios))
     print(f"raw copy of the same pages in this process: {raw:.2f} GB/s; raw pread of them: {raw_file:.2f} GB/s")
     if args.plot:
         from bench._offload_plot import plot_workload  # matplotlib only when a plot is asked for
@@ -223,7 +252,8 @@ def run_workload(args: argparse.Namespace) -> None:
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         document = {"args": vars(args), "raw_copy_gb_per_s": raw, "raw_pread_gb_per_s": raw_file,
-                    "rows": [{k: v for k, v in row.items() if k != "answers"} for row in rows]}
+                    "rows": [{k: v for k, v in row.items() if k != "answers"} for row in rows],
+                    "repeats": [[{k: v for k, v in row.items() if k != "answers"} for row in rows] for rows in repeats]}
         with open(args.out, "w") as f:
             json.dump(document, f, indent=2)
 

@@ -93,9 +93,12 @@ class BuiltEngine:
             self.engine.engine_loop.call_soon(functools.partial(connector.release_early, request_id))
 
     def close(self) -> None:
-        """Stop the engine thread, then release the transport and the other ranks (never the other way round)."""
+        """Stop the engine thread, then release the transport, the offload tier and the other ranks
+        (never the other way round)."""
         self.engine.shutdown()
         self.kv_side.close()
+        if self.kv_manager.offload is not None:
+            self.kv_manager.offload.close()
         self.runner.close()
 
 

@@ -406,6 +406,15 @@ class OffloadTier:
                 self._drop(key)
         return len(keys)
 
+    def close(self) -> None:
+        """After the engine thread stopped: let the I/O thread finish what it was given, then release
+        the medium (a file store's descriptor and its directory lock, so a new tier can take it)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        close_store = getattr(self.store, "close", None)
+        if close_store is not None:
+            close_store()
+
     def check_invariants(self) -> None:
         used = set(self._slots.values())
         if len(used) != len(self._slots) or used & set(self._free_slots):

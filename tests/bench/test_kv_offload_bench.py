@@ -43,3 +43,18 @@ def test_the_workload_plot_draws_every_tier(tmp_path):
     path = plot_workload(rows, str(tmp_path / "offload.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_repeats_pool_their_ttfts_and_load_bandwidth():
+    from bench.kv_offload import pooled
+
+    runs = [{"tier": "memory", "computed_prompt_tokens": 10, "ttfts_s": [0.1, 0.5, 0.9], "later_turn_ttfts_s": [0.5],
+             "load_bytes": 4e9, "load_s": 1.0},
+            {"tier": "memory", "computed_prompt_tokens": 10, "ttfts_s": [0.2, 0.3, 0.4], "later_turn_ttfts_s": [0.3],
+             "load_bytes": 2e9, "load_s": 2.0}]
+    row = pooled(runs)
+    assert row["ttfts_s"] == [0.1, 0.5, 0.9, 0.2, 0.3, 0.4]
+    assert row["ttft_p50_s"] == 0.35  # the median of all six, not a mean of the two medians (0.4)
+    assert row["later_turn_ttft_p50_s"] == 0.4
+    assert row["load_gb_per_s"] == 2.0  # 6 GB in 3 s
+    assert row["computed_prompt_tokens"] == 10

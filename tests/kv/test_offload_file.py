@@ -62,6 +62,18 @@ def test_two_workers_cannot_share_a_directory_and_a_restart_wipes_it(tmp_path):
     again.close()
 
 
+def test_closing_a_tier_lets_its_writes_finish_and_frees_the_directory(tmp_path):
+    pool = pool_view()
+    io = ThreadPoolExecutor(1)
+    tier = OffloadTier(FilePageStore(pool, 4 * PAGE_BYTES, str(tmp_path)), [0], executor=io)
+    tier.offer(1, (b"h" * 8, 0), None)  # staged; written on the I/O thread
+    tier.close()
+    with pytest.raises(RuntimeError):  # the I/O thread is gone, after the write it was given
+        io.submit(print)
+    assert os.path.getsize(os.path.join(tmp_path, "pages.bin")) == PAGE_BYTES
+    FilePageStore(pool, 4 * PAGE_BYTES, str(tmp_path)).close()  # the lock was released
+
+
 class GatedPages(FakePages):
     """Reads wait until the test opens the gate: a load stays in flight as long as it likes."""
 
