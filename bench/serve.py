@@ -104,6 +104,9 @@ def _add_system_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait-for-idle-s", type=float, default=0.0,
                         help="before each system's run, wait up to this long for the machine to go idle "
                              "(for shared machines; 0: do not wait)")
+    parser.add_argument("--server-args", default="",
+                        help="extra flags for every system's server command, shell-quoted, e.g. "
+                             "'--dtype bfloat16' (named in each system's label)")
     parser.add_argument("--quick", action="store_true", help="a tiny workload, to check the plumbing")
 
 
@@ -274,11 +277,13 @@ def _servers(args: argparse.Namespace, log_dir: str) -> list[ServerProcess]:
         "colocated": (f"colocated: pdserve serve ({threads} threads, unpinned)", "serve.log",
                       lambda port: colocated_argv(port, args.num_blocks, threads)),
     }
+    extra = shlex.split(args.server_args)
     servers = []
     for system in args.system_names:
         name, log_name, argv_of = options[system]
         port = free_port()
-        servers.append(ServerProcess(name, argv_of(port), port, os.path.join(log_dir, log_name)))
+        label = f"{name} + {args.server_args}" if extra else name
+        servers.append(ServerProcess(label, [*argv_of(port), *extra], port, os.path.join(log_dir, log_name)))
     return servers
 
 

@@ -42,6 +42,17 @@ def test_sweep_flags_parse_systems_and_rates_and_refuse_unknown_ones(capsys):
             parse_args(bad)
 
 
+def test_server_args_reach_every_system_and_name_it(tmp_path):
+    from bench.serve import _servers, parse_args
+
+    args = parse_args(["sweep", "--systems", "up,colocated", "--server-args", "--dtype bfloat16"])
+    servers = _servers(args, str(tmp_path))
+    assert [server.argv[-2:] for server in servers] == [["--dtype", "bfloat16"]] * 2
+    assert all(server.name.endswith("+ --dtype bfloat16") for server in servers)
+    plain = _servers(parse_args(["sweep", "--systems", "up"]), str(tmp_path))
+    assert "--dtype" not in plain[0].argv and "+" not in plain[0].name
+
+
 def test_goodput_table_and_plot(tmp_path):
     from bench.serve import format_goodput_table
     from bench.serving.plots import plot_attainment
