@@ -83,7 +83,7 @@ def run(loaded, num_blocks: int, offload_bytes: Optional[int], offload_dir: Opti
     loop = built.engine.engine_loop
     sampling = SamplingParams(max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
     histories: list[list[int]] = [[] for _ in messages]
-    ttfts, later_ttfts, answers = [], [], []
+    ttfts, answers = [], []
     for turn in range(len(messages[0])):
         for index, turn_messages in enumerate(messages):
             prompt = histories[index] + turn_messages[turn]
@@ -99,8 +99,6 @@ def run(loaded, num_blocks: int, offload_bytes: Optional[int], offload_dir: Opti
             loop.submit(GenerationRequest(f"c{index}-t{turn}", tuple(prompt), sampling), sink)
             loop.run_until_idle()
             ttfts.append(first[0] - started)
-            if turn > 0:
-                later_ttfts.append(first[0] - started)
             answer = [t for output in outputs for t in output.new_token_ids]
             answers.append(answer)
             histories[index] = prompt + answer
@@ -113,7 +111,7 @@ def run(loaded, num_blocks: int, offload_bytes: Optional[int], offload_dir: Opti
         "computed_prompt_tokens": loop.stats.num_computed_prompt_tokens,
         "prompt_tokens": stats.num_query_tokens,
         "ttfts_s": ttfts,
-        "later_turn_ttfts_s": later_ttfts,
+        "later_turn_ttfts_s": ttfts[len(messages):],  # requests go turn by turn
         "tier_hit_rate": stats.num_offload_hit_tokens / max(1, stats.num_query_tokens),
         "load_bytes": load_bytes,
         "load_s": load_s,

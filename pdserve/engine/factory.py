@@ -160,7 +160,7 @@ def _offload_tier(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout,
     mirror = (RankMirror(channel, config.parallel.tensor_parallel_size - 1, others_answer=on_files)
               if channel is not None else None)
     ranks_note = " on every rank" if channel is not None else ""
-    if cache.kv_offload_dir is not None:
+    if on_files:
         store = FilePageStore(layout.canonical_view(pool), cache.kv_offload_bytes, cache.kv_offload_dir,
                               _num_offload_staging_rows(config, plan, layout))
         executor = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-offload")
@@ -248,12 +248,11 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     transport_factory = configured_transport(transport_factory, isolated_agent, metrics)
     if ranks is not None:
         num_offload_slots = _num_offload_slots(config, layout)
-        on_files = bool(num_offload_slots) and cache.kv_offload_dir is not None
+        offload_dir = cache.kv_offload_dir if num_offload_slots else None
         ranks.broadcast(RankSetup(num_blocks, with_transport=config.role != "colocated",
-                                  num_offload_slots=num_offload_slots,
-                                  offload_dir=cache.kv_offload_dir if on_files else None,
+                                  num_offload_slots=num_offload_slots, offload_dir=offload_dir,
                                   num_offload_staging_rows=_num_offload_staging_rows(config, plan, layout)
-                                  if on_files else 0))
+                                  if offload_dir is not None else 0))
         channel: Optional[LeaderChannel] = LeaderChannel(ranks)
         runner: ModelRunner = LeaderRunner(loaded.model, plan, layout, device, grammar=grammar, channel=channel,
                                            shared_pool=isolated_agent)
