@@ -12,6 +12,10 @@ tokens; a write that fails (a full disk) is a store that did not happen.
            engine thread: a copy        I/O thread; r free again          sum[s] = xxh3(page)
     row b' <--read([s], [b']): preadv, check sum[s], on the I/O thread--- slot s
 
+On CUDA a read lands in one of two pinned rows and goes on to its pool row as one DMA on the
+store's own stream, so the next page's preadv overlaps it; `stage` copies into a pinned row on
+another stream of the store's.
+
 The checksum is XXH3 (the `xxhash` package), not CRC32: a load verifies every
 byte it reads, and at 4 GB/s `zlib.crc32` was most of a load's time, against
 25-30 GB/s for XXH3 (docs/benchmarks.md, "KV offload tier: loads").
@@ -62,14 +66,19 @@ class FilePageStore:
         self._sums: list[int | None] = [None] * self.num_slots
         self._pool = pool_view
         self._on_cpu = pool_view.device.type == "cpu"
+        # On the CPU the pool's rows as numpy views: indexing torch and converting costs 3.5 us a page.
+        self._pool_rows = pool_view.numpy() if self._on_cpu else None
         # Pinned off the CPU, so the device-to-host copy of a page is one DMA.
         num_staging_rows = max(1, num_staging_rows)
         self._staging = torch.empty((num_staging_rows, self.page_bytes), dtype=torch.int8, pin_memory=not self._on_cpu)
         self._staging_arrays = self._staging.numpy()
         self._free_rows: deque[int] = deque(range(num_staging_rows))  # taken by the engine, freed by the I/O thread
-        # Rows off the CPU for `write` (its caller's thread) and reads (the I/O thread).
-        self._write_row = torch.empty(self.page_bytes, dtype=torch.int8)
-        self._read_row = torch.empty(self.page_bytes, dtype=torch.int8)
+        # Pinned rows off the CPU for `write` (its caller's thread) and reads (the I/O thread: two, so
+        # the next page's preadv overlaps this one's DMA to the device, on the store's own stream).
+        self._write_row = torch.empty(self.page_bytes, dtype=torch.int8, pin_memory=not self._on_cpu)
+        self._read_rows = torch.empty((2, self.page_bytes), dtype=torch.int8, pin_memory=not self._on_cpu)
+        self._load_stream = None if self._on_cpu else torch.cuda.Stream(pool_view.device)
+        self._store_stream = None if self._on_cpu else torch.cuda.Stream(pool_view.device)  # `stage`'s
 
     @property
     def capacity_bytes(self) -> int:
@@ -100,9 +109,12 @@ class FilePageStore:
             if self._on_cpu:
                 # One memcpy on this thread: torch's copy fans a page out to its intra-op threads,
                 # which then queue behind the I/O thread for a core (p99 12-26 ms, docs/benchmarks.md).
-                numpy.copyto(self._staging_arrays[row], self._pool[block_id].numpy())
-            else:
-                self._staging[row].copy_(self._pool[block_id])
+                numpy.copyto(self._staging_arrays[row], self._pool_rows[block_id])
+            else:  # one DMA into the pinned row, on the store's own stream, after the engine's last step
+                self._store_stream.wait_stream(torch.cuda.current_stream(self._pool.device))
+                with torch.cuda.stream(self._store_stream):
+                    self._staging[row].copy_(self._pool[block_id], non_blocking=True)
+                self._store_stream.synchronize()
         except (RuntimeError, IndexError, ValueError) as error:
             self._free_rows.append(row)
             raise OffloadIOError(f"staging block {block_id}: {error}") from error
@@ -137,20 +149,39 @@ class FilePageStore:
     def read(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         if len(slots) != len(block_ids):
             raise OffloadIOError("one slot per block")
-        for slot, block_id in zip(slots, block_ids):
-            # On the CPU straight into the pool row: a page that fails its check lands in a block
-            # that is never cached, and the request's recompute starts over on fresh blocks.
-            row = self._pool[block_id] if self._on_cpu else self._read_row
-            data = row.numpy()
-            try:
-                num_read = os.preadv(self._fd, [data], slot * self.page_bytes)
-            except OSError as error:
-                raise OffloadIOError(f"reading slot {slot}: {error}") from error
-            expected = self._sums[slot]
-            if num_read != self.page_bytes or expected is None or self._checksum(data) != expected:
-                raise OffloadIOError(f"slot {slot} is torn or corrupt")
-            if not self._on_cpu:
-                self._pool[block_id].copy_(row)
+        if self._pool_rows is not None:
+            for slot, block_id in zip(slots, block_ids):
+                # Straight into the pool row: a page that fails its check lands in a block that is
+                # never cached, and the request's recompute starts over on fresh blocks.
+                self._read_checked(slot, self._pool_rows[block_id])
+            return
+        copied: list = [None, None]  # per read row: the event of the DMA that still reads it
+        try:
+            for index, (slot, block_id) in enumerate(zip(slots, block_ids)):
+                row = self._read_rows[index % 2]
+                if copied[index % 2] is not None:
+                    copied[index % 2].synchronize()  # its previous page has left for the device
+                self._read_checked(slot, row.numpy())
+                copied[index % 2] = self._to_device(row, block_id)
+        finally:
+            self._load_stream.synchronize()  # a fault too: no DMA outlives the read into a block reused next
+
+    def _to_device(self, row: torch.Tensor, block_id: int) -> "torch.cuda.Event":
+        try:
+            with torch.cuda.stream(self._load_stream):
+                self._pool[block_id].copy_(row, non_blocking=True)
+                return self._load_stream.record_event()
+        except RuntimeError as error:
+            raise OffloadIOError(f"copying a page to block {block_id}: {error}") from error
+
+    def _read_checked(self, slot: int, data) -> None:  # type: ignore[no-untyped-def] - a numpy int8 row
+        try:
+            num_read = os.preadv(self._fd, [data], slot * self.page_bytes)
+        except OSError as error:
+            raise OffloadIOError(f"reading slot {slot}: {error}") from error
+        expected = self._sums[slot]
+        if num_read != self.page_bytes or expected is None or self._checksum(data) != expected:
+            raise OffloadIOError(f"slot {slot} is torn or corrupt")
 
     def close(self) -> None:
         os.close(self._fd)

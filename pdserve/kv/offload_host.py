@@ -10,9 +10,11 @@ as a row of the pool's canonical int8 view, so a page moves as one copy:
 On the CPU a page moves as one `numpy.copyto` on the calling thread: torch's
 `copy_`/`index_copy_` would gather into a temporary and hand a 720 KiB copy to
 its intra-op threads, which share the engine's cores (docs/benchmarks.md,
-"KV offload tier: loads"). On CUDA the buffer is pinned and copies run on the store's own stream, and each
-call waits for it: the engine thread calls these between steps, when no kernel
-touches the pool (the loop synchronizes after every step). Both directions stay
+"KV offload tier: loads"). On CUDA the buffer is pinned and a page moves as one
+DMA between its pinned row and its pool row, queued on the store's own stream
+(never a gather through pageable memory), and each call waits for the stream:
+the engine thread calls these between steps, when no kernel touches the pool
+(the loop synchronizes after every step). Both directions stay
 synchronous on purpose: a store is one page memcpy (tens of microseconds), the
 same copy the file store makes into a staging row before its I/O thread takes
 over, so an I/O thread would add a hand-off and save nothing.
@@ -54,21 +56,19 @@ class HostPageStore:
     def read(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         if len(slots) != len(block_ids):
             raise OffloadIOError("one slot per block")
-        if not slots:
-            return
         if self._cpu_rows is not None:
             pool, buffer = self._cpu_rows
 
             def copy_each() -> None:
                 for slot, block_id in zip(slots, block_ids):
                     numpy.copyto(pool[block_id], buffer[slot])
+        else:
+            def copy_each() -> None:
+                for slot, block_id in zip(slots, block_ids):  # pinned row -> pool row: one DMA each
+                    self._pool[block_id].copy_(self._buffer[slot], non_blocking=True)
 
+        if slots:
             self._copy(copy_each)
-            return
-        rows = torch.tensor(list(slots), dtype=torch.int64)
-        targets = torch.tensor(list(block_ids), dtype=torch.int64, device=self._pool.device)
-        pages = self._buffer.index_select(0, rows)
-        self._copy(lambda: self._pool.index_copy_(0, targets, pages.to(self._pool.device, non_blocking=True)))
 
     def _copy(self, copy) -> None:  # type: ignore[no-untyped-def]
         try:
@@ -76,8 +76,10 @@ class HostPageStore:
                 copy()
                 return
             self._stream.wait_stream(torch.cuda.current_stream(self._pool.device))
-            with torch.cuda.stream(self._stream):
-                copy()
-            self._stream.synchronize()
+            try:
+                with torch.cuda.stream(self._stream):
+                    copy()
+            finally:
+                self._stream.synchronize()  # a fault too: no DMA outlives the call into a block reused next
         except (RuntimeError, IndexError, ValueError) as error:
             raise OffloadIOError(str(error)) from error

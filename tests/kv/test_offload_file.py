@@ -19,12 +19,12 @@ from tests.kv.test_offload import BS, FakePages, compute, prompt
 PAGE_BYTES = 4096
 
 
-def pool_view(num_blocks: int = 8) -> torch.Tensor:
-    return torch.randint(-128, 127, (num_blocks, PAGE_BYTES), dtype=torch.int8)
+def pool_view(num_blocks: int = 8, device: str = "cpu") -> torch.Tensor:
+    return torch.randint(-128, 127, (num_blocks, PAGE_BYTES), dtype=torch.int8).to(device)
 
 
-def test_a_page_written_to_the_file_reads_back_into_another_block(tmp_path):
-    pool = pool_view()
+def test_a_page_written_to_the_file_reads_back_into_another_block(tmp_path, device):
+    pool = pool_view(device=device)
     store = FilePageStore(pool, 4 * PAGE_BYTES, str(tmp_path))
     store.write(2, 5)
     original = pool[5].clone()
@@ -34,17 +34,34 @@ def test_a_page_written_to_the_file_reads_back_into_another_block(tmp_path):
     store.close()
 
 
-def test_a_corrupt_or_never_written_slot_fails_the_read(tmp_path):
-    pool = pool_view()
+def test_staged_pages_read_back_in_one_load_of_more_pages_than_read_rows(tmp_path, device):
+    """Staging rows and, on CUDA, the two pinned read rows each page passes through on its way to the pool."""
+    pool = pool_view(12, device)
+    store = FilePageStore(pool, 6 * PAGE_BYTES, str(tmp_path), num_staging_rows=2)
+    for slot, block_id in enumerate((0, 1, 2, 3, 4)):
+        store.write_staged(slot, store.stage(block_id))
+    assert store.num_free_staging_rows == 2
+    expected = pool[:5].clone()
+    pool[5:10] = 0
+    store.read([0, 1, 2, 3, 4], [9, 8, 7, 6, 5])
+    assert torch.equal(pool[5:10], expected.flip(0))
+    store.close()
+
+
+def test_a_corrupt_or_never_written_slot_fails_the_read(tmp_path, device):
+    pool = pool_view(device=device)
     store = FilePageStore(pool, 4 * PAGE_BYTES, str(tmp_path))
     store.write(1, 3)
+    store.write(2, 2)
     with open(store.path, "r+b") as f:
         f.seek(PAGE_BYTES + 100)
         f.write(b"\xff\x00\xff")
-    with pytest.raises(OffloadIOError):
-        store.read([1], [4])
-    with pytest.raises(OffloadIOError):
+    with pytest.raises(OffloadIOError, match="slot 1 is torn or corrupt"):
+        store.read([2, 1], [4, 5])
+    with pytest.raises(OffloadIOError, match="slot 0"):
         store.read([0], [4])
+    store.read([2], [6])  # the store still serves its sound pages
+    assert torch.equal(pool[6], pool[2])
     store.close()
 
 
@@ -138,10 +155,10 @@ def test_a_request_that_ends_while_its_pages_load_keeps_its_blocks_until_the_rea
         assert poll_until(manager).landed == ["c"]
 
 
-def test_the_host_store_copies_whole_pages_both_ways():
+def test_the_host_store_copies_whole_pages_both_ways(device):
     from pdserve.kv.offload_host import HostPageStore
 
-    pool = pool_view()
+    pool = pool_view(device=device)
     store = HostPageStore(pool, 3 * PAGE_BYTES + 5)
     assert store.num_slots == 3 and store.medium == "cpu"
     store.write(0, 1)
@@ -149,5 +166,8 @@ def test_the_host_store_copies_whole_pages_both_ways():
     expected = pool[[1, 6]].clone()
     store.read([0, 2], [3, 4])
     assert torch.equal(pool[[3, 4]], expected)
+    store.read([], [])
+    with pytest.raises(OffloadIOError):
+        store.read([0], [3, 4])
     with pytest.raises(ValueError):
         HostPageStore(pool, PAGE_BYTES - 1)
