@@ -3,23 +3,26 @@ no tier, the host-memory tier and the file tier, side by side, in one process (r
 SmolLM2 by default, CPU).
 
     python3 bench/kv_offload.py [--model PATH] [--conversations 8] [--turns 4] [--pool-share 0.25]
-                                [--repeats 1] [--out bench/results/kv_offload.json]
-                                [--plot bench/results/kv_offload.png]
+                                [--user-tokens 96] [--answer-tokens 192] [--repeats 1]
+                                [--out bench/results/kv_offload.json] [--plot bench/results/kv_offload.png]
     python3 bench/kv_offload.py --stores-only [--page-bytes 737280] [--store-rounds 40]
                                 [--store-out bench/results/kv_offload_store.json]
     python3 bench/kv_offload.py --loads-only [--page-bytes 737280] [--load-rounds 200] [--load-pages 16]
                                 [--load-out bench/results/kv_offload_load.json]
 
 Each conversation grows turn by turn (its history, a new user message of random token ids, the
-answer), turns round-robin over the conversations, one request at a time, so a conversation's
-prefix has been pushed out of the pool by the others by the time it comes back. Prints, per
-configuration: prompt tokens computed, TTFT p50/p99 (submit to first token, in-process), TTFT
-p50 of the turns after the first (the requests a cache can help at all), the tier's hit rate (tokens loaded / tokens asked for), and each tier's load bandwidth against a raw
-copy of the same pages in this process (memory) and a raw pread of them (file; a fresh file in
---dir, so mostly the page cache, as a tier the size of free RAM would be). `--repeats N` runs the
-three configurations N times in rotation (none, memory, file, none, ...), so a slow moment of the
-machine hits one repeat of each rather than one configuration; TTFTs are pooled over the repeats
-and each repeat's p50 ratio to the no-tier run is printed too.
+answer), with answers twice as long as questions by default, as in real chat logs (LMSYS-Chat-1M
+averages about 70 prompt and 215 response tokens a turn; `--answer-tokens 16`, the default until
+2026-11-26, made histories grow by little more than the new message), turns round-robin over the
+conversations, one request at a time, so a conversation's prefix has been pushed out of the pool
+by the others by the time it comes back. Prints, per configuration: prompt tokens computed, TTFT
+p50/p99 (submit to first token, in-process), TTFT p50 of the turns after the first (the requests a
+cache can help at all), the tier's hit rate (tokens loaded / tokens asked for), and each tier's
+load bandwidth against a raw copy of the same pages in this process (memory) and a raw pread of
+them (file; a fresh file in --dir, so mostly the page cache, as a tier the size of free RAM would
+be). `--repeats N` runs the three configurations N times in rotation (none, memory, file, none,
+...), so a slow moment of the machine hits one repeat of each rather than one configuration; TTFTs
+are pooled over the repeats and each repeat's p50 ratio to the no-tier run is printed too.
 
 Then (or alone, with --stores-only, no model loaded) the engine-thread cost of one file-tier store
 (bench/_offload_stores.py): `OffloadTier.offer` with the write done on the calling thread (pwrite and
@@ -158,7 +161,8 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--user-tokens", type=int, default=96)
-    parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument("--answer-tokens", type=int, default=192,
+                        help="greedy tokens per answer (the default: twice the user message, as in chat logs)")
     parser.add_argument("--pool-share", type=float, default=0.25, help="pool size / working set")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="run the three configurations this many times, "

@@ -19,7 +19,7 @@ def test_every_mode_is_timed_and_each_tier_has_its_share_of_the_raw_copy(tmp_pat
         if mode in BASELINE:
             raw = result["modes"][BASELINE[mode]]
             assert row["share_of_raw_p50"] == row["gb_per_s_p50"] / raw["gb_per_s_p50"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["CRC32", "XXH3"]  # the raw file is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["CRC32", "XXH3", "XXH3-disk", "XXH3-re-read"]  # raw files gone
 
 
 def test_loads_only_prints_the_table_and_writes_json(tmp_path):
