@@ -65,6 +65,10 @@ logger = logging.getLogger(__name__)
 CacheKey = tuple[bytes, int]  # (chained block hash, group id), as in the block pool
 
 
+def _no_wake() -> None:
+    """A tier nobody waits on (tests, offline benchmarks that poll in a loop)."""
+
+
 class OffloadIOError(RuntimeError):
     """A page could not be written to or read from the tier's medium."""
 
@@ -181,7 +185,13 @@ class OffloadTier:
                         if executor is not None and isinstance(store, StagingPageStore) else None)
         # load id -> (its read, its keys, pages, start time): reads in flight on the executor
         self._in_flight: dict[str, tuple[Future, list[CacheKey], int, float]] = {}
+        self._wake: Callable[[], None] = _no_wake
         self.stats = OffloadStats()
+
+    def wake_on_results(self, wake: Callable[[], None]) -> None:
+        """Call `wake` (from any thread; it must not block) whenever a load has a result for `poll`:
+        the engine loop then polls at once instead of waiting out its poll interval."""
+        self._wake = wake
 
     def attach(self, device_lookup: Callable[[bytes, int], Optional[int]]) -> None:
         """Bind the pool this tier stands behind (its KV manager does, once, at construction)."""
@@ -334,15 +344,18 @@ class OffloadTier:
             if self._executor is not None:
                 read = self._executor.submit(self._timed_read, slots, block_ids)
                 self._in_flight[load_id] = (read, keys, len(loads), started)
+                read.add_done_callback(lambda _read: self._wake())  # on the I/O thread, as the read ends
             else:
                 self.store.read(slots, block_ids)
         except Exception as error:  # noqa: BLE001 - a failed load recomputes, never fails the request
             self._end_load(load_id, keys, len(loads), started, error)
+            self._wake()
             return
         if self._mirror is not None:  # only a read that started here is repeated by the others
             self._mirror.loading(load_id, slots, block_ids)
         if self._executor is None:
             self._end_load(load_id, keys, len(loads), started, None)
+            self._wake()
 
     def _timed_read(self, slots: list[int], block_ids: list[int]) -> float:
         """On the I/O thread: the read and its own duration (what the load histogram reports,

@@ -132,3 +132,61 @@ def test_gemma3_reloads_only_the_blocks_inside_the_window(gemma):
     assert sliding, "the window must be shorter than the prompt"
     assert tier.stats.num_load_bytes - loaded_before == pages * built.layout.page_bytes
     assert again[0].token_ids == expected[0].token_ids
+
+
+def test_a_tier_load_wakes_the_engine_thread_rather_than_waiting_out_its_poll_interval(qwen, tmp_path, monkeypatch):
+    """The engine thread, idle but for a request whose prefix is read from the file tier, waits on its
+    inbox for the poll interval; the read's end wakes it. Forced order: the read starts only once the
+    engine has polled and found it still running, and the interval is made a minute long, so without
+    the wake-up the request would wait the minute."""
+    from pdserve.engine import loop as loop_module
+    from pdserve.request import GenerationRequest
+
+    prompts = [random_prompt(40, QWEN_VOCAB, 300 + seed) for seed in range(10)]
+    probe = engine_with_tier(qwen, num_blocks=41, offload_bytes=None)
+    built = engine_with_tier(qwen, num_blocks=41, offload_bytes=200 * probe.layout.page_bytes,
+                             offload_dir=str(tmp_path))
+    sampling = greedy(8, ignore_eos=True)
+    first = generate_one_by_one(built, prompts, sampling)  # on this thread: fills the pool, then the tier
+    tier = built.kv_manager.offload
+    loads_before = tier.stats.num_loads
+    polled_while_reading = threading.Event()
+    start_load, poll, read = tier.start_load, tier.poll, tier.store.read
+    load_ids = []
+
+    def start_and_note(load_id, loads):  # noqa: ANN001
+        load_ids.append(load_id)
+        start_load(load_id, loads)
+
+    def poll_and_note():
+        results = poll()
+        if load_ids and tier.is_loading(load_ids[-1]):
+            polled_while_reading.set()
+        return results
+
+    def read_after_a_poll(slots, block_ids):  # noqa: ANN001
+        assert polled_while_reading.wait(30)
+        read(slots, block_ids)
+
+    monkeypatch.setattr(tier, "start_load", start_and_note)
+    monkeypatch.setattr(tier, "poll", poll_and_note)
+    monkeypatch.setattr(tier.store, "read", read_after_a_poll)
+    monkeypatch.setattr(loop_module, "POLL_WAIT_S", 60.0)
+    loop = built.engine.engine_loop
+    outputs, finished = [], threading.Event()
+
+    def sink(output):  # noqa: ANN001
+        outputs.append(output)
+        if output.finished:
+            finished.set()
+
+    loop.start()
+    try:
+        loop.submit(GenerationRequest("again", tuple(prompts[0]), sampling), sink)
+        assert finished.wait(30), "the engine thread slept through the tier read's end"
+    finally:
+        loop.shutdown()
+        built.close()
+    assert polled_while_reading.is_set()
+    assert [t for output in outputs for t in output.new_token_ids] == first[0].token_ids
+    assert tier.stats.num_loads > loads_before  # its prefix did come from the tier

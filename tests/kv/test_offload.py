@@ -272,3 +272,22 @@ def test_the_medium_survives_the_wire_and_device_rows_keep_their_old_shape():
     rows = json.loads(line)["events"]
     assert len(rows[0]) == 6 and rows[1][6] == "cpu"
     assert [event.medium for event in decode_line(line).events] == [None, "cpu"]
+
+
+def test_a_load_copied_on_the_calling_thread_wakes_its_waiter_at_once_landed_or_failed():
+    manager, pages, tier = tiered([FullAttentionSpec()], num_blocks=9, num_slots=16)
+    wakes = []
+    tier.wake_on_results(lambda: wakes.append(True))
+    first = compute(manager, pages, "a", prompt(17, 0))
+    compute(manager, pages, "b", prompt(32, 1000))
+    hit = manager.find_prefix(first, 17)
+    assert manager.allocate("c", 16, 1, hit) and manager.start_offload_load("c")
+    assert wakes == [True] and manager.poll_offload().landed == ["c"]
+    manager.free("c")
+    compute(manager, pages, "d", prompt(32, 2000))  # pushes "a" out of the pool again
+    pages.fail_reads = True
+    hit = manager.find_prefix(first, 17)
+    assert manager.allocate("e", 16, 1, hit) and manager.start_offload_load("e")
+    assert wakes == [True, True] and manager.poll_offload().failed == ["e"]
+    manager.free("e")
+    manager.check_invariants()

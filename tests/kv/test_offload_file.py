@@ -131,6 +131,21 @@ def test_a_threaded_load_lands_only_when_its_read_is_done():
     manager.check_invariants()
 
 
+def test_a_load_wakes_its_waiter_when_it_has_a_result_and_not_before():
+    manager, pages = threaded_manager()
+    woken = threading.Event()
+    manager.offload.wake_on_results(woken.set)
+    first = compute(manager, pages, "a", prompt(17, 0))
+    compute(manager, pages, "b", prompt(32, 1000))
+    hit = manager.find_prefix(first, 17)
+    assert manager.allocate("c", 16, 1, hit) and manager.start_offload_load("c")
+    assert not woken.is_set()  # the read waits at the gate
+    pages.gate.set()
+    assert woken.wait(10)  # called from the I/O thread as the read ended
+    assert manager.poll_offload().landed == ["c"]  # so the poll it prompts finds the result
+    manager.check_invariants()
+
+
 def test_a_request_that_ends_while_its_pages_load_keeps_its_blocks_until_the_read_ends():
     manager, pages = threaded_manager()
     first = compute(manager, pages, "a", prompt(17, 0))
