@@ -9,6 +9,7 @@ SmolLM2 by default, CPU).
                                 [--store-out bench/results/kv_offload_store.json]
     python3 bench/kv_offload.py --loads-only [--page-bytes 737280] [--load-rounds 200] [--load-pages 16]
                                 [--load-out bench/results/kv_offload_load.json]
+    python3 bench/kv_offload.py --wake-only [--wake-rounds 6] [--wake-out bench/results/kv_offload_wake.json]
 
 Each conversation grows turn by turn (its history, a new user message of random token ids, the
 answer), with answers twice as long as questions by default, as in real chat logs (LMSYS-Chat-1M
@@ -32,6 +33,10 @@ the tier's I/O thread), same pages, same file system.
 Then (or alone, with --loads-only) each tier's load bandwidth against a raw copy of the same bytes
 (bench/_offload_loads.py): a page store's `read` against `numpy.copyto` (memory tier) and a bare
 `preadv` (file tier, with its XXH3 check and with the CRC32 it used before), interleaved round by round.
+
+Alone, with --wake-only (bench/_offload_wake.py): on a real engine with its own engine thread, how
+long a file-tier load that has ended waits for the idle engine thread to land it, with the tier's
+wake-up and without (the engine's next poll), and the TTFT of those requests.
 
 Invariant: all configurations see the very same requests in the same order with greedy sampling,
 so they must answer the same tokens (checked).
@@ -180,8 +185,20 @@ def main() -> None:
     parser.add_argument("--load-rounds", type=int, default=200, help="loads per mode")
     parser.add_argument("--load-pages", type=int, default=16, help="pages per load (one request's prefix)")
     parser.add_argument("--load-out", default=None, help="write the load figures as JSON here")
+    parser.add_argument("--wake-only", action="store_true", help="only how long an ended file-tier load waits for "
+                        "an idle engine thread, with and without the tier's wake-up")
+    parser.add_argument("--wake-rounds", type=int, default=6, help="rounds of 4 tier hits per wake mode")
+    parser.add_argument("--wake-out", default=None, help="write the wake figures as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.wake_only:
+        from bench._offload_wake import print_wake_table, wake_latency
+
+        loaded = load_model(args.model, torch.float32, torch.device("cpu"))
+        wake = wake_latency(loaded, args.dir or tempfile.mkdtemp(prefix="pdserve-kv-offload-"), args.wake_rounds)
+        print_wake_table(wake)
+        _write_json(args.wake_out, {"args": vars(args), **wake})
+        return
     if not args.stores_only and not args.loads_only:
         run_workload(args)
     directory = args.dir or tempfile.mkdtemp(prefix="pdserve-kv-offload-")
