@@ -15,7 +15,7 @@ Measured per load: from the end of the store's read (on the I/O thread) to the p
 
 from __future__ import annotations
 
-import functools
+import itertools
 import statistics
 import threading
 import time
@@ -29,10 +29,6 @@ from pdserve.metrics import Metrics
 from pdserve.request import GenerationRequest
 
 MODES = ("wake", "no wake")
-
-
-def _nothing() -> None:
-    """The tier's wake-up in the "no wake" mode."""
 
 
 def wake_latency(loaded, directory: str, rounds: int, prompt_tokens: int = 320) -> dict:  # noqa: ANN001
@@ -62,10 +58,10 @@ def wake_latency(loaded, directory: str, rounds: int, prompt_tokens: int = 320) 
         return results
 
     tier.store.read, tier.poll = timed_read, timed_poll
-    wakes = {"wake": functools.partial(loop.call_soon, _nothing), "no wake": _nothing}
+    wakes = {"wake": loop.wake, "no wake": lambda: None}
     ttfts: dict[str, list[float]] = {mode: [] for mode in MODES}
     landings: dict[str, list[float]] = {mode: [] for mode in MODES}
-    number = iter(range(1_000_000))
+    number = itertools.count()
 
     def ask(prompt: list[int]) -> float:
         done, first = threading.Event(), []
@@ -96,7 +92,6 @@ def wake_latency(loaded, directory: str, rounds: int, prompt_tokens: int = 320) 
                     ttfts[mode].append(ask(prompt))
                     landings[mode] += landing_s[before:]
     finally:
-        tier.wake_on_results(wakes["wake"])
         built.close()
     result: dict = {"rounds": rounds, "prompt_tokens": prompt_tokens, "modes": {}}
     for mode in MODES:

@@ -129,10 +129,6 @@ def _context_limit(config: WorkerConfig, spec: ModelSpec, plan: KVGroupPlan, num
     return max_model_len
 
 
-def _nothing() -> None:
-    """What the engine thread runs to wake up (the wake-up itself is the point)."""
-
-
 def _num_offload_slots(config: WorkerConfig, layout: KVPoolLayout) -> int:
     """Pages the tier behind the pool holds (--kv-offload-bytes of this rank's pages), 0 without one."""
     cache = config.cache
@@ -279,7 +275,7 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     loop = EngineLoop(scheduler, runner, OutputEmitter(OutputProcessor(loaded.tokenizer)),
                       loaded.tokenizer.eos_token_ids, stats, request_ids)
     if offload is not None:  # a landed tier load wakes an idle loop rather than wait out its poll interval
-        offload.wake_on_results(functools.partial(loop.call_soon, _nothing))
+        offload.wake_on_results(loop.wake)
     metrics.engine.cpu_threads.set(torch.get_num_threads())
     if config.model.core_ledger is not None:
         loop.core_share = _core_share(config, metrics)

@@ -65,6 +65,10 @@ class _Shutdown:
 _Command = Union[_Submit, _Abort, _Call, _Shutdown]
 
 
+def _nothing() -> None:
+    """What `wake` has the engine thread run: the iteration is the point."""
+
+
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, emitter: OutputEmitter,
                  eos_token_ids: tuple[int, ...], stats: EngineStats, request_ids: Optional[RequestIdRegistry] = None):
@@ -100,6 +104,11 @@ class EngineLoop:
     def call_soon(self, function: Callable[[], None]) -> None:
         """Run `function` on the engine thread at its next iteration (it must not block)."""
         self.inbox.put(_Call(function))
+
+    def wake(self) -> None:
+        """Make an idle engine thread run its next iteration now rather than after its inbox wait
+        (from any thread, e.g. when a tier load it polls for has a result)."""
+        self.inbox.put(_Call(_nothing))
 
     def load_report(self) -> LoadReport:
         scheduler = self.scheduler

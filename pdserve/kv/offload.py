@@ -65,10 +65,6 @@ logger = logging.getLogger(__name__)
 CacheKey = tuple[bytes, int]  # (chained block hash, group id), as in the block pool
 
 
-def _no_wake() -> None:
-    """A tier nobody waits on (tests, offline benchmarks that poll in a loop)."""
-
-
 class OffloadIOError(RuntimeError):
     """A page could not be written to or read from the tier's medium."""
 
@@ -185,7 +181,7 @@ class OffloadTier:
                         if executor is not None and isinstance(store, StagingPageStore) else None)
         # load id -> (its read, its keys, pages, start time): reads in flight on the executor
         self._in_flight: dict[str, tuple[Future, list[CacheKey], int, float]] = {}
-        self._wake: Callable[[], None] = _no_wake
+        self._wake: Callable[[], None] = lambda: None  # nobody waits (tests, loops that poll): `wake_on_results`
         self.stats = OffloadStats()
 
     def wake_on_results(self, wake: Callable[[], None]) -> None:
