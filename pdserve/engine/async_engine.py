@@ -81,7 +81,7 @@ class AsyncEngine:
         self.max_in_flight = max_in_flight
         self.num_in_flight = 0
         self.draining = False
-        self.grammar_tokenizer: Optional[Any] = None  # pdserve.engine.grammar_matchers.GrammarTokenizer, set by the factory
+        self.grammar_tokenizer: Optional[Any] = None  # pdserve.runner.grammar_matchers.GrammarTokenizer, set by the factory
 
     def is_ready(self) -> bool:
         return not self.draining and self.is_alive()

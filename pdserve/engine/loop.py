@@ -25,12 +25,12 @@ from pdserve.api.errors import EngineFailure, RequestFailed
 from pdserve.api.sampling import FinishReason
 from pdserve.engine.emitter import OutputEmitter, OutputSink
 from pdserve.engine.request_ids import RequestIdRegistry
-from pdserve.engine.runner import ModelRunner, StepCancelled
 from pdserve.engine.core_share import CoreShare
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput, StepResult
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
-from pdserve.parallel.ranks import RanksLost
+from pdserve.engine.step_runner import StepCancelled, StepRunner
+from pdserve.parallel.errors import RanksLost
 from pdserve.request import GenerationRequest, LoadReport, Request
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def _nothing() -> None:
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, emitter: OutputEmitter,
+    def __init__(self, scheduler: Scheduler, runner: StepRunner, emitter: OutputEmitter,
                  eos_token_ids: tuple[int, ...], stats: EngineStats, request_ids: Optional[RequestIdRegistry] = None):
         self.scheduler = scheduler
         self.runner = runner

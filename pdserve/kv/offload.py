@@ -44,7 +44,7 @@ failed: the request recomputes. A store whose write failed discards its key
 when the engine thread learns of it (`offer`, `lookup`, `poll`).
 
 Tensor parallelism: a `TierMirror` repeats every copy this tier starts on the
-other ranks' slices (pdserve/engine/offload_ranks.py); with an I/O thread a
+other ranks' slices (pdserve/runner/offload_ranks.py); with an I/O thread a
 load lands only once every rank's read ended, and fails if any rank's did.
 """
 
@@ -97,7 +97,7 @@ class PageStore(Protocol):
 
 class TierMirror(Protocol):
     """The other ranks of a tensor-parallel worker, repeating this tier's copies on their own slices
-    (pdserve/engine/offload_ranks.py). Called on the engine thread, in the order the copies were made."""
+    (pdserve/runner/offload_ranks.py). Called on the engine thread, in the order the copies were made."""
 
     def stored(self, slot: int, block_id: int) -> None:
         """A page went into `slot` (written, or staged for the I/O thread): the others copy theirs

@@ -139,7 +139,7 @@ def test_a_step_whose_synchronize_raises_is_a_failed_step():
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 def test_runner_synchronize_leaves_the_compute_stream_idle():
-    from pdserve.engine.runner import ModelRunner
+    from pdserve.runner.model_runner import ModelRunner
     from pdserve.kv.layout import KVPoolLayout
 
     class BusyModel(torch.nn.Module):

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from pdserve.api.config import CacheConfig, ParallelConfig, WorkerConfig
-from pdserve.engine.factory import _num_offload_slots
-from pdserve.engine.offload_ranks import FileTierFollower, HostTierFollower, RankMirror, TierRead, TierWrite
+from pdserve.app.engine_factory import _num_offload_slots
+from pdserve.runner.offload_ranks import FileTierFollower, HostTierFollower, RankMirror, TierRead, TierWrite
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.kv.offload import OffloadTier, PageLoad
 from pdserve.kv.offload_file import FilePageStore

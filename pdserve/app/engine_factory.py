@@ -20,19 +20,19 @@ from pdserve.api.config import WorkerConfig
 from pdserve.api.kv_transfer import AgentInfo
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.core_share import CoreShare, open_core_share
-from pdserve.engine.decode_step import should_compile
+from pdserve.runner.decode_step import should_compile
 from pdserve.engine.emitter import OutputEmitter
-from pdserve.engine.grammar_matchers import GrammarMatchers, GrammarTokenizer
+from pdserve.runner.grammar_matchers import GrammarMatchers, GrammarTokenizer
 from pdserve.engine.loop import EngineLoop
-from pdserve.engine.offload_ranks import RankMirror
-from pdserve.engine.memory_budget import StepLimits, free_device_bytes, pool_num_blocks
+from pdserve.runner.offload_ranks import RankMirror
+from pdserve.runner.memory_budget import StepLimits, free_device_bytes, pool_num_blocks
 from pdserve.engine.outputs import OutputProcessor
 from pdserve.engine.request_ids import RequestIdRegistry
-from pdserve.engine.runner import ModelRunner
+from pdserve.runner.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
-from pdserve.engine.devices import pick_device, pick_dtype, rank_device, rank_threads
-from pdserve.engine.tensor_parallel import LeaderRunner
+from pdserve.runner.devices import pick_device, pick_dtype, rank_device, rank_threads
+from pdserve.runner.tensor_parallel import LeaderRunner
 from pdserve.kv.events import KVEventRecorder
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.manager import KVCacheManager
@@ -151,7 +151,7 @@ def _offload_tier(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout,
     """The tier behind the pool (--kv-offload-bytes; in files with --kv-offload-dir), or None.
     File writes and reads run on the tier's one I/O thread; host-memory copies are a memcpy between steps.
     With tensor parallelism (`channel`) rank 0's copies are repeated by every rank on its slice
-    (pdserve/engine/offload_ranks.py); rank 0's pages are in the directory itself, rank r's under rank-<r>/."""
+    (pdserve/runner/offload_ranks.py); rank 0's pages are in the directory itself, rank r's under rank-<r>/."""
     cache = config.cache
     if not _num_offload_slots(config, layout):
         return None
