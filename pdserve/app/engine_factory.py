@@ -283,8 +283,8 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     metrics.engine.watch_ranks(parallel.tensor_parallel_size, loop.is_alive)
     admission = build_admission(config, metrics, pool, kv_side, loop.call_soon, http_transport)
     max_in_flight = config.scheduler.max_num_running + config.scheduler.max_num_waiting
-    engine = AsyncEngine(loop, model_name, max_model_len, loaded.tokenizer, max_in_flight, admission)
-    engine.grammar_tokenizer = grammar_tokenizer
+    engine = AsyncEngine(loop, model_name, max_model_len, loaded.tokenizer, max_in_flight, admission,
+                         grammar_tokenizer)
     logger.info(
         "engine ready: role=%s model=%s device=%s dtype=%s tp=%d groups=%d group_size=%d blocks=%d block_size=%d "
         "page_bytes=%d max_model_len=%d", config.role, engine.model_name, device, dtype,

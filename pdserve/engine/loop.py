@@ -275,8 +275,7 @@ class EngineLoop:
 
     def _execute(self, scheduled: SchedulerOutput) -> Optional[StepResult]:
         """The step's result; None if it was abandoned (`StepCancelled`)."""
-        cancellable = getattr(self.runner, "cancellable", False)  # test doubles of the runner: never
-        if cancellable and scheduled.chunks:
+        if self.runner.cancellable and scheduled.chunks:
             ids = frozenset(chunk.request_id for chunk in scheduled.chunks)
             self.runner.stop_check = lambda: ids <= self._abort_requested
         try:
@@ -307,7 +306,7 @@ class EngineLoop:
         try:
             sampled = self.runner.execute(scheduled)
         finally:
-            if getattr(self.runner, "cancellable", False):
+            if self.runner.cancellable:
                 self.runner.stop_check = None
         # KV complete: from here the step's blocks may be freed, evicted, read by a
         # decode worker (update() publishes kv_transfer_params on a prefill worker)

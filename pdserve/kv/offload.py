@@ -94,6 +94,9 @@ class PageStore(Protocol):
     def read(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         """Copy each slot into its pool page; raise OffloadIOError when it cannot."""
 
+    def close(self) -> None:
+        """Release the medium (a file store's descriptor and directory lock); memory needs nothing."""
+
 
 class TierMirror(Protocol):
     """The other ranks of a tensor-parallel worker, repeating this tier's copies on their own slices
@@ -420,9 +423,7 @@ class OffloadTier:
         the medium (a file store's descriptor and its directory lock, so a new tier can take it)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        close_store = getattr(self.store, "close", None)
-        if close_store is not None:
-            close_store()
+        self.store.close()
 
     def check_invariants(self) -> None:
         used = set(self._slots.values())

@@ -144,7 +144,7 @@ class PrefillConnector:
         self._released_early = []
         for payload in self.transport.poll_notifications():
             self._apply_message(payload, events)
-        epoch = transfer_epoch(self._base_epoch, getattr(self.transport, "generation", 0))
+        epoch = transfer_epoch(self._base_epoch, self.transport.generation)
         if epoch != self.identity.epoch:  # the agent was replaced: new pins name the new one
             self.identity = dataclasses.replace(self.identity, epoch=epoch)
         for request_id in self.leases.expire():

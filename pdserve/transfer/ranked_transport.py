@@ -165,10 +165,10 @@ class RankReader:
         self._links: dict[str, _Link] = {}
         self._reads: dict[int, list[TransferHandle]] = {}
         self._read_errors: dict[int, str] = {}
-        self._generation = getattr(local, "generation", 0)
+        self._generation = local.generation
 
     def connect(self, peer_key: str, ranks: Sequence[PeerInfo]) -> None:
-        generation = getattr(self.local, "generation", 0)
+        generation = self.local.generation
         if generation != self._generation:  # a replaced agent (its process died) knows none of the links
             self._generation = generation
             self._links.clear()
@@ -311,7 +311,7 @@ class RankedTransport:
     @property
     def generation(self) -> int:
         """Times rank 0's agent was replaced (an isolated agent that died); the other ranks' agents run inline."""
-        return getattr(self.local, "generation", 0)
+        return self.local.generation
 
     def local_peer_info(self, engine_id: str, epoch: str) -> PeerInfo:
         info = self.local.local_peer_info(engine_id, epoch)

@@ -38,7 +38,10 @@ class Tokenizer(FakeTokenizer):
 
 
 class RecordingRunner:
-    """Answers every sampling chunk with token 7; logs what it is asked to do."""
+    """Answers every sampling chunk with token 7; logs what it is asked to do (a `StepRunner`)."""
+
+    cancellable = False  # its steps are never abandoned between layers
+    stop_check = None
 
     def __init__(self, events: list[str], fail_execute: bool = False, fail_sync: bool = False):
         self.events = events
@@ -55,6 +58,12 @@ class RecordingRunner:
         self.events.append("synchronize")
         if self.fail_sync:
             raise RuntimeError("CUDA error: sticky")
+
+    def bind_thread(self) -> None:
+        pass
+
+    def keep_ranks_alive(self) -> None:
+        pass
 
 
 class RecordingKV(KVCacheManager):
