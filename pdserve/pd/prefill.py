@@ -25,7 +25,7 @@ from pdserve.metrics import TransferMetrics
 from pdserve.pd.connector import ADMIT_LOCAL, FREE_NOW, Admission, FinishAction, KVEvents
 from pdserve.pd.geometry import handoff_ranges, handoff_slices
 from pdserve.pd.leases import LeaseTable
-from pdserve.pd.messages import parse_message
+from pdserve.pd.messages import MessageKind, parse_message
 from pdserve.request import Request
 from pdserve.transfer.transport import KVTransport
 
@@ -163,11 +163,11 @@ class PrefillConnector:
         if not self.leases.holds(message.request_id, message.nonce):
             # Late (the pin was released, or a newer pin reuses the id) or forged: it touches nothing.
             self.metrics.rejected_messages.labels(reason="stale").inc()
-            logger.info("ignoring a %s message for request %s: no live pin carries its nonce", message.kind,
+            logger.info("ignoring a %s message for request %s: no live pin carries its nonce", message.kind.value,
                         message.request_id)
             return
-        if message.kind == "renew":
+        if message.kind is MessageKind.RENEW:
             self.leases.renew([message.request_id])
         elif self.leases.release(message.request_id):  # "done" or "free"
             events.released.append(message.request_id)
-            logger.info("request %s: blocks released (%s)", message.request_id, message.kind)
+            logger.info("request %s: blocks released (%s)", message.request_id, message.kind.value)
