@@ -43,6 +43,7 @@ from pdserve.runner.model_runner import ModelRunner
 
 
 logger = logging.getLogger(__name__)
+CHECK_INVARIANTS_ENV = "PDSERVE_CHECK_INVARIANTS"  # "1": the loop checks the scheduler's invariants after every step
 
 
 @dataclass
@@ -124,7 +125,8 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     metrics.engine.cpu_threads.set(torch.get_num_threads())
     tokenizer = model.loaded.tokenizer
     loop = EngineLoop(scheduler, model.runner, OutputEmitter(OutputProcessor(tokenizer)), tokenizer.eos_token_ids,
-                      stats, request_ids, inbox=inbox, core_share=_core_share(config, metrics))
+                      stats, request_ids, inbox=inbox, core_share=_core_share(config, metrics),
+                      check_invariants=os.environ.get(CHECK_INVARIANTS_ENV) == "1")
     metrics.engine.watch_progress(loop.progress_age_s)
     metrics.engine.watch_ranks(config.parallel.tensor_parallel_size, loop.is_alive)
     max_in_flight = config.scheduler.max_num_running + config.scheduler.max_num_waiting

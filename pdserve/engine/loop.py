@@ -42,9 +42,12 @@ OFFLOAD_SPIN_S = 0.0002  # run_until_idle's pause while only tier reads are pend
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, runner: StepRunner, emitter: OutputEmitter,
                  eos_token_ids: tuple[int, ...], stats: EngineStats, request_ids: Optional[RequestIdRegistry] = None,
-                 *, inbox: Optional[EngineInbox] = None, core_share: Optional[CoreShare] = None):
+                 *, inbox: Optional[EngineInbox] = None, core_share: Optional[CoreShare] = None,
+                 check_invariants: bool = False):
         """`inbox`: made first when something built before the loop must wake it (the offload tier);
-        `core_share`: --core-ledger, this worker's threads follow its colocated peer's work."""
+        `core_share`: --core-ledger, this worker's threads follow its colocated peer's work;
+        `check_invariants`: run `Scheduler.check_invariants()` after every step (a debug aid:
+        PDSERVE_CHECK_INVARIANTS=1; a broken invariant stops the loop)."""
         self.scheduler = scheduler
         self.runner = runner
         self.emitter = emitter
@@ -53,6 +56,7 @@ class EngineLoop:
         self.request_ids = request_ids or RequestIdRegistry()
         self.inbox = inbox or EngineInbox()
         self.core_share = core_share
+        self.check_invariants = check_invariants
         self.fatal_error: Optional[BaseException] = None
         self.last_progress_s = time.monotonic()
         self._thread: Optional[threading.Thread] = None
@@ -216,6 +220,8 @@ class EngineLoop:
             for chunk in scheduled.chunks:
                 self._finish(chunk.request_id, FinishReason.ABORT)
             logger.info("step of %d requests abandoned mid-model: all of them were aborted", len(scheduled.chunks))
+            if self.check_invariants:
+                self.scheduler.check_invariants()
             return True
         result.sampled = self._drop_failed_rows(result.sampled)
         changed = self.scheduler.update(scheduled, result.sampled, result.prompt_logprobs)
@@ -227,6 +233,8 @@ class EngineLoop:
         after = self._queue_sizes()
         if self.core_share is not None:  # the step that ended this worker's work says so at once
             self.core_share.publish(any(after))
+        if self.check_invariants:
+            self.scheduler.check_invariants()
         return bool(scheduled.chunks or scheduled.preempted_request_ids) or after != queues
 
     def _drop_failed_rows(self, sampled: list[SampledToken]) -> list[SampledToken]:

@@ -16,7 +16,6 @@ from pdserve.engine.emitter import OutputEmitter
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.outputs import OutputProcessor
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput, StepResult
-from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, plan_groups
@@ -26,6 +25,7 @@ from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
 from pdserve.request import GenerationRequest
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
 from tests.devices import cuda_available
+from tests.engine.checked_scheduler import CheckedScheduler
 from tests.server.fake_engine import FakeTokenizer
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 32
@@ -98,7 +98,7 @@ def make_loop(runner_kwargs: dict, prefill: bool = False) -> tuple[EngineLoop, l
         connector = RecordingPrefillConnector(events, transport, LeaseTable(30.0),
                                               PrefillIdentity("P", "e", "127.0.0.1", 1), PLAN, BLOCK_SIZE,
                                               Metrics().transfer)
-    scheduler = Scheduler(SchedulerConfig(), kv, BLOCK_SIZE, 1000, connector=connector)
+    scheduler = CheckedScheduler(SchedulerConfig(), kv, BLOCK_SIZE, 1000, connector=connector)
     loop = EngineLoop(scheduler, RecordingRunner(events, **runner_kwargs), OutputEmitter(OutputProcessor(Tokenizer())),
                       (2,), EngineStats(Metrics(), kv))
     outputs: list = []
