@@ -180,7 +180,7 @@ class OffloadMetrics:
         for reason in ("busy", "failed"):
             self.skipped_stores.labels(reason)
 
-    def observe(self, num_store_bytes: int, num_load_bytes: int, num_failed_loads: int,
+    def record_tier_activity(self, num_store_bytes: int, num_load_bytes: int, num_failed_loads: int,
                 store_seconds: list[float], load_seconds: list[float], usage_ratio: float,
                 num_busy_stores: int = 0, num_failed_stores: int = 0) -> None:
         self.bytes.labels("store").inc(num_store_bytes)

@@ -90,7 +90,7 @@ def recording_cost_us(num_blocks: int = 20_000) -> dict:
         recorder = KVEventRecorder(capacity=num_blocks * 2)
         recorder.enabled = enabled
         manager = KVCacheManager(plan_groups([FullAttentionSpec()]), num_blocks + 1, 16, events=recorder)
-        manager.allocate("r", 0, len(tokens))
+        manager.allocate_slots("r", 0, len(tokens))
         started = time.perf_counter()
         manager.commit("r", hashes, len(tokens))
         elapsed_us = (time.perf_counter() - started) * 1e6 / num_blocks

@@ -279,7 +279,7 @@ class Scheduler:
         (halving on failure: a prefill chunk of a sliding-window model needs blocks for
         the whole chunk, more than the window it keeps). Returns the chunk size, 0 if none fits."""
         while num_new > 0:
-            if self.kv.allocate(request.request_id, num_computed, num_new, prefix):
+            if self.kv.allocate_slots(request.request_id, num_computed, num_new, prefix):
                 return num_new
             if num_new == 1:
                 return 0
@@ -336,7 +336,7 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = prefix.num_tokens
         self._mark_scheduled(request)
-        if self.kv.start_offload_load(request.request_id):  # part of the prefix comes from the tier
+        if self.kv.start_tier_read(request.request_id):  # part of the prefix comes from the tier
             request.num_computed_tokens = prefix.num_tokens
             self._start_loading(request, prefix.num_tokens, pulling=False, reading_tier=True)
             return 0
@@ -355,14 +355,14 @@ class Scheduler:
         The last prompt token is computed here (its logits give the first output token).
         Prefix pages from this worker's offload tier load alongside the pull."""
         prefix = self.kv.find_prefix(request.block_hashes, request.num_prompt_tokens)
-        if not self.kv.allocate(request.request_id, request.num_prompt_tokens - 1, 1, prefix):
+        if not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens - 1, 1, prefix):
             return None
         self.waiting.popleft()
         request.num_cached_tokens = prefix.num_tokens
         self._mark_scheduled(request)
-        pulling = self.connector.start_load(request, self.kv.block_ids(request.request_id), prefix.num_tokens)
+        pulling = self.connector.start_pull(request, self.kv.block_ids(request.request_id), prefix.num_tokens)
         request.remote = None  # consumed: a later preemption recomputes locally
-        reading_tier = self.kv.start_offload_load(request.request_id)
+        reading_tier = self.kv.start_tier_read(request.request_id)
         if pulling or reading_tier:
             self._start_loading(request, request.num_prompt_tokens - 1, pulling=pulling, reading_tier=reading_tier)
         else:
@@ -400,7 +400,7 @@ class Scheduler:
         Returns the requests that got a new token or finished, in chunk order.
         """
         if self._step_started is not None and self._step_started[0] is output:  # the step's own duration
-            self.step_budget.model.observe(sum(chunk.num_tokens for chunk in output.chunks),
+            self.step_budget.model.record_step(sum(chunk.num_tokens for chunk in output.chunks),
                                            self.clock() - self._step_started[1])
             self._step_started = None
         by_id = {token.request_id: token for token in sampled}

@@ -72,6 +72,6 @@ class EngineStats:
             now - before for now, before in zip(counts, self._offload_counts)]
         store_s, load_s = tier.stats.store_seconds, tier.stats.load_seconds
         tier.stats.store_seconds, tier.stats.load_seconds = [], []
-        self.metrics.offload.observe(store_bytes, load_bytes, failed_loads, store_s, load_s, tier.usage_ratio,
+        self.metrics.offload.record_tier_activity(store_bytes, load_bytes, failed_loads, store_s, load_s, tier.usage_ratio,
                                      busy_stores, failed_stores)
         self._offload_counts = counts

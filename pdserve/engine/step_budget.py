@@ -30,7 +30,7 @@ class StepTimeModel:
         self.num_steps = 0
         self._w = self._x = self._y = self._xx = self._xy = 0.0
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def record_step(self, num_tokens: int, seconds: float) -> None:
         if num_tokens < 1 or seconds <= 0:
             return
         self._w = _FORGET * self._w + 1

@@ -142,7 +142,7 @@ class KVCacheManager:
 
     # ---- allocation ------------------------------------------------------------------
 
-    def allocate(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
+    def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
                  prefix: Optional[PrefixHit] = None) -> bool:
         """Make the tables cover `num_computed_tokens + num_new_tokens` slots.
 
@@ -185,16 +185,16 @@ class KVCacheManager:
 
     def num_blocks_needed(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
                           prefix: Optional[PrefixHit] = None) -> int:
-        """New pool blocks `allocate` would take for this call (all groups, tier loads included)."""
+        """New pool blocks `allocate_slots` would take for this call (all groups, tier loads included)."""
         self._check_token_counts(num_computed_tokens, num_new_tokens)
         state = self._requests.get(request_id)
         tables = state.tables if state is not None else self._initial_tables(prefix, num_computed_tokens)
         num_loaded = len(self._offloaded(prefix, num_computed_tokens)) if state is None else 0
         return sum(num_new for _, num_new in self._growth(tables, num_computed_tokens, num_new_tokens)) + num_loaded
 
-    def can_allocate(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
+    def can_allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
                      prefix: Optional[PrefixHit] = None) -> bool:
-        """Whether `allocate` with these arguments would succeed now."""
+        """Whether `allocate_slots` with these arguments would succeed now."""
         num_needed = self.num_blocks_needed(request_id, num_computed_tokens, num_new_tokens, prefix)
         state = self._requests.get(request_id)
         if state is None:
@@ -228,8 +228,8 @@ class KVCacheManager:
 
     # ---- offload tier loads ----------------------------------------------------------
 
-    def start_offload_load(self, request_id: str) -> bool:
-        """Start loading the tier pages the request's prefix hit took (once, after `allocate`);
+    def start_tier_read(self, request_id: str) -> bool:
+        """Start loading the tier pages the request's prefix hit took (once, after `allocate_slots`);
         False when it has none. The outcome comes from `poll_offload`."""
         loads = self._loads.pop(request_id, None)
         if not loads or self.offload is None:
@@ -238,7 +238,7 @@ class KVCacheManager:
         load_id = f"{request_id}#{self._num_loads_started}"  # request ids may be reused; load ids never
         self._loading[load_id] = (request_id, loads)
         self._load_ids[request_id] = load_id
-        self.offload.start_load(load_id, loads)
+        self.offload.start_tier_read(load_id, loads)
         return True
 
     def poll_offload(self) -> LoadResults:

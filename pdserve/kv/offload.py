@@ -11,7 +11,7 @@ never reused until the load ends. Torch-free: the bytes move through a
                        host memory: write(4, b7), one memcpy, on the engine thread
                        file: stage(b7), one copy, then write_staged on the I/O thread
     prefix hit on (hash, group) in the tier  <--- read([4], [b12])    b12 newly allocated
-                       host memory: inside start_load; file: on the I/O thread, after queued writes
+                       host memory: inside start_tier_read; file: on the I/O thread, after queued writes
 
 Write-back, not write-through: a page is copied when the pool is about to
 evict it (`offer`, the pool's eviction hook), while its content is still
@@ -35,9 +35,9 @@ the sliding entries of the same hash with it. Loads follow the prefix rule
 (pdserve/kv/prefix.py): a sliding group loads only the blocks in its window
 at the hit point.
 
-Loads are asynchronous in form: `start_load` then `poll`, like a remote pull,
+Loads are asynchronous in form: `start_tier_read` then `poll`, like a remote pull,
 so the scheduler keeps the request in its loading state meanwhile. The host
-store copies inside `start_load` (a memcpy of a few pages); the file store
+store copies inside `start_tier_read` (a memcpy of a few pages); the file store
 reads on the I/O thread and `poll` reports it the same way. A load that fails
 (or whose slot no longer holds its key) discards its keys and is reported
 failed: the request recomputes. A store whose write failed discards its key
@@ -160,7 +160,7 @@ class OffloadTier:
                  executor: Optional[Executor] = None, mirror: Optional[TierMirror] = None,
                  wake: Optional[Callable[[], None]] = None):
         """`executor`: the tier's one I/O thread, where reads run, and writes too for a store that
-        stages them (the file store); None copies inside `offer` and `start_load`. `mirror`: the
+        stages them (the file store); None copies inside `offer` and `start_tier_read`. `mirror`: the
         other ranks of a tensor-parallel worker (with an executor, a load lands once they read too).
         `wake`: called (from any thread; it must not block) whenever a load has a result for `poll`,
         so the engine loop polls at once instead of waiting out its poll interval; None: nobody waits."""
@@ -333,7 +333,7 @@ class OffloadTier:
             if self._pins[key] <= 0:
                 del self._pins[key]
 
-    def start_load(self, load_id: str, loads: Sequence[PageLoad]) -> None:
+    def start_tier_read(self, load_id: str, loads: Sequence[PageLoad]) -> None:
         """Copy each load's page into its block; the outcome comes from a later `poll` (the
         blocks must stay allocated until then). The caller pinned the keys; the load unpins them."""
         keys = [(load.block_hash, load.group_id) for load in loads]

@@ -22,7 +22,7 @@ Block lifetime on both sides (one request; time flows down):
                                                        check block ids, connect peer
                                                        request queued      (renew every H s)
     lease renewed <------------------ "renew" -------  scheduler allocates the whole prompt,
-                                                       start_load: READ of the blocks
+                                                       start_pull: READ of the blocks
     (pages must not change: still pinned)              READ in flight      (renew every H s)
     lease renewed <------------------ "renew" -------
     released -> scheduler frees <---- "done" --------  READ landed -> landed -> RUNNING

@@ -3,7 +3,7 @@
 Invariant (one direction): the scheduler owns every request-state change and
 every block allocation or free. The connector never touches the scheduler's
 queues or the KV manager: it answers the scheduler's questions
-(`plan_admission`, `start_load`, `request_finished`) and reports, from its own
+(`plan_admission`, `start_pull`, `request_finished`) and reports, from its own
 `poll`, which loads landed or failed and which blocks it held may now be
 freed. Everything here runs on the engine thread and never blocks. Torch-free.
 """
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 class AdmissionKind(enum.Enum):
     LOCAL = "local"  # compute the whole prompt here
-    REMOTE = "remote"  # allocate for the whole prompt, then `start_load`
+    REMOTE = "remote"  # allocate for the whole prompt, then `start_pull`
     FAIL = "fail"  # end the request with `Admission.error`
 
 
@@ -83,7 +83,7 @@ class KVConnector(Protocol):
         """Asked before admitting a waiting request: compute locally, load remotely, or fail."""
         ...
 
-    def start_load(self, request: "Request", block_tables: Sequence[Sequence[int]], num_cached_tokens: int) -> bool:
+    def start_pull(self, request: "Request", block_tables: Sequence[Sequence[int]], num_cached_tokens: int) -> bool:
         """Blocks for the whole prompt are allocated: start pulling what is missing.
         False: nothing to pull (D's prefix cache holds it all), the request may run now.
         A load that cannot start is reported as failed by the next `poll`."""
@@ -119,7 +119,7 @@ class NoConnector:
     def plan_admission(self, request: "Request") -> Admission:
         return ADMIT_LOCAL
 
-    def start_load(self, request: "Request", block_tables: Sequence[Sequence[int]], num_cached_tokens: int) -> bool:
+    def start_pull(self, request: "Request", block_tables: Sequence[Sequence[int]], num_cached_tokens: int) -> bool:
         return False
 
     def request_finished(self, request: "Request", reason: "FinishReason",

@@ -101,7 +101,7 @@ class DecodeConnector:
             return self._unusable(request, remote, f"prefill worker {remote.peer_key} is no longer connected")
         return ADMIT_REMOTE
 
-    def start_load(self, request: Request, block_tables: Sequence[Sequence[int]], num_cached_tokens: int) -> bool:
+    def start_pull(self, request: Request, block_tables: Sequence[Sequence[int]], num_cached_tokens: int) -> bool:
         remote = self._remotes[request.request_id]
         params = remote.source.params
         num_tokens = request.num_prompt_tokens

@@ -78,7 +78,7 @@ class PrefillConnector:
     def plan_admission(self, request: Request) -> Admission:
         return ADMIT_LOCAL  # a prefill worker computes every prompt itself
 
-    def start_load(self, request: Request, block_tables: Sequence[Sequence[int]], num_cached_tokens: int) -> bool:
+    def start_pull(self, request: Request, block_tables: Sequence[Sequence[int]], num_cached_tokens: int) -> bool:
         return False
 
     def request_finished(self, request: Request, reason: FinishReason,

@@ -122,7 +122,7 @@ class _OnlineSoftmax:
             self.max = sinks.float().reshape(1, kv_heads, group).repeat(rows, 1, 1)
             self.sum = torch.ones(rows, kv_heads, group, device=device)
 
-    def add(self, index: torch.Tensor, scores: torch.Tensor, values: torch.Tensor) -> None:
+    def merge_slice(self, index: torch.Tensor, scores: torch.Tensor, values: torch.Tensor) -> None:
         """scores [r, kv_heads, group, L] (every row sees at least one key); values [r, kv_heads, L, dim]."""
         old_max = self.max[index]
         new_max = torch.maximum(old_max, scores.amax(-1))
@@ -156,11 +156,11 @@ def attend_decode_torch(
         positions = part.first_column * block_size + torch.arange(keys.shape[2], device=q.device)
         visible = (positions >= key_start[index, None]) & (positions < key_end[index, None])  # [r, L]
         scores = (grouped_q[index] @ keys.transpose(-1, -2)) * scale
-        state.add(index, scores.masked_fill(~visible[:, None, None, :], float("-inf")), values)
+        state.merge_slice(index, scores.masked_fill(~visible[:, None, None, :], float("-inf")), values)
     if k_new is not None and v_new is not None:
         every_row = torch.arange(num_rows, device=q.device)
         own_scores = (grouped_q * k_new.float().unsqueeze(2)).sum(-1, keepdim=True) * scale  # [R, kv, group, 1]
-        state.add(every_row, own_scores, v_new.float().unsqueeze(2))
+        state.merge_slice(every_row, own_scores, v_new.float().unsqueeze(2))
     return state.result().reshape(num_rows, num_heads, head_dim).to(q.dtype)
 
 
@@ -178,7 +178,7 @@ def attend_decode_static(
     every_row = torch.arange(num_rows, device=q.device)
     state = _OnlineSoftmax(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim, q.device, sinks)
     own_scores = (grouped_q * k_new.float().unsqueeze(2)).sum(-1, keepdim=True) * scale
-    state.add(every_row, own_scores, v_new.float().unsqueeze(2))  # first, so every row's max is finite
+    state.merge_slice(every_row, own_scores, v_new.float().unsqueeze(2))  # first, so every row's max is finite
     key_start, key_end = rows.key_start.long()[:, None], rows.key_end.long()[:, None]
     for first_column in range(0, rows.block_table.shape[1], slice_blocks):
         table = rows.block_table[:, first_column : first_column + slice_blocks].long()
@@ -187,5 +187,5 @@ def attend_decode_static(
         positions = first_column * block_size + torch.arange(keys.shape[2], device=q.device)
         visible = (positions >= key_start) & (positions < key_end)
         scores = (grouped_q @ keys.transpose(-1, -2)) * scale
-        state.add(every_row, scores.masked_fill(~visible[:, None, None, :], float("-inf")), values)
+        state.merge_slice(every_row, scores.masked_fill(~visible[:, None, None, :], float("-inf")), values)
     return state.result().reshape(num_rows, num_heads, head_dim).to(q.dtype)

@@ -151,12 +151,12 @@ def test_a_tier_load_wakes_the_engine_thread_rather_than_waiting_out_its_poll_in
     tier = built.kv_manager.offload
     loads_before = tier.stats.num_loads
     polled_while_reading = threading.Event()
-    start_load, poll, read = tier.start_load, tier.poll, tier.store.read
+    start_tier_read, poll, read = tier.start_tier_read, tier.poll, tier.store.read
     load_ids = []
 
     def start_and_note(load_id, loads):  # noqa: ANN001
         load_ids.append(load_id)
-        start_load(load_id, loads)
+        start_tier_read(load_id, loads)
 
     def poll_and_note():
         results = poll()
@@ -168,7 +168,7 @@ def test_a_tier_load_wakes_the_engine_thread_rather_than_waiting_out_its_poll_in
         assert polled_while_reading.wait(30)
         read(slots, block_ids)
 
-    monkeypatch.setattr(tier, "start_load", start_and_note)
+    monkeypatch.setattr(tier, "start_tier_read", start_and_note)
     monkeypatch.setattr(tier, "poll", poll_and_note)
     monkeypatch.setattr(tier.store, "read", read_after_a_poll)
     monkeypatch.setattr(loop_module, "POLL_WAIT_S", 60.0)

@@ -87,7 +87,7 @@ def test_every_rank_ends_with_its_own_slice_of_the_same_pages():
     for pool in pools:
         pool[2] = 0  # ... which overwrites block 2 on every rank
     tier.pin([key(3), key(2)])
-    tier.start_load("r1", [load_of(5, 3), load_of(4, 2)])  # a hit loads both pages into fresh blocks
+    tier.start_tier_read("r1", [load_of(5, 3), load_of(4, 2)])  # a hit loads both pages into fresh blocks
     assert tier.poll().landed == ["r1"]  # host copies: nothing to wait for
     channel.send(step="the next step")
     assert [m.commands for m in group.sent] == [(TierWrite(0, 2), TierWrite(1, 3)), (TierRead((1, 0), (5, 4), "r1"),)]
@@ -106,7 +106,7 @@ def test_a_copy_that_fails_on_rank_0_is_not_sent():
     tier = OffloadTier(HostPageStore(slice_pool(0), 2 * PAGE), [FULL], mirror=RankMirror(Link(), 1, others_answer=False))
     tier.offer(1, key(1), None)
     tier.pin([key(1)])
-    tier.start_load("r1", [load_of(99, 1)])  # no such block
+    tier.start_tier_read("r1", [load_of(99, 1)])  # no such block
     assert tier.poll().failed == ["r1"]
     assert queued == [TierWrite(0, 1)]
 
@@ -142,7 +142,7 @@ class FileRanks:
     def load(self, load_id: str, pairs: list[tuple[int, int]]) -> None:
         """(destination block, page of block n) pairs."""
         self.tier.pin([key(n) for _, n in pairs])
-        self.tier.start_load(load_id, [load_of(block_id, n) for block_id, n in pairs])
+        self.tier.start_tier_read(load_id, [load_of(block_id, n) for block_id, n in pairs])
 
     def close(self) -> None:
         self.follower.close()

@@ -22,7 +22,7 @@ class PullingConnector(NoConnector):
     def plan_admission(self, request):  # noqa: ANN001
         return ADMIT_REMOTE
 
-    def start_load(self, request, block_tables, num_cached_tokens):  # noqa: ANN001
+    def start_pull(self, request, block_tables, num_cached_tokens):  # noqa: ANN001
         self.pulls[request.request_id] = num_cached_tokens
         return True
 

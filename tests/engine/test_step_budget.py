@@ -16,11 +16,11 @@ from tests.engine.test_scheduler import BLOCK, answer, make_request
 def test_the_step_time_line_is_fitted_from_mixed_steps_and_forgets_old_ones():
     model = StepTimeModel()
     for tokens in (1, 4, 64, 256, 1, 4, 64, 256):
-        model.observe(tokens, 0.010 + 0.002 * tokens)  # 10 ms of overhead, 2 ms a token
+        model.record_step(tokens, 0.010 + 0.002 * tokens)  # 10 ms of overhead, 2 ms a token
     base, per_token = model.line()
     assert base == pytest.approx(0.010) and per_token == pytest.approx(0.002)
     for _ in range(200):
-        model.observe(64, 0.010 + 0.004 * 64)  # the machine got busier: steps of one size only now
+        model.record_step(64, 0.010 + 0.004 * 64)  # the machine got busier: steps of one size only now
     base, per_token = model.line()
     assert base + per_token * 64 == pytest.approx(0.010 + 0.004 * 64, rel=0.01)
 
@@ -28,17 +28,17 @@ def test_the_step_time_line_is_fitted_from_mixed_steps_and_forgets_old_ones():
 def test_too_few_or_useless_samples_give_no_line():
     model = StepTimeModel()
     for _ in range(7):
-        model.observe(8, 0.01)
+        model.record_step(8, 0.01)
     assert model.line() is None
-    model.observe(0, 1.0)
-    model.observe(8, 0.0)
+    model.record_step(0, 1.0)
+    model.record_step(8, 0.0)
     assert model.line() is None  # ignored, still seven
 
 
 def trained(max_step_ms=None, budget=512) -> StepBudget:
     step_budget = StepBudget(budget, None if max_step_ms is None else max_step_ms / 1000)
     for tokens in (1, 8, 128, 512) * 3:
-        step_budget.model.observe(tokens, 0.005 + 0.001 * tokens)  # 5 ms + 1 ms a token
+        step_budget.model.record_step(tokens, 0.005 + 0.001 * tokens)  # 5 ms + 1 ms a token
     return step_budget
 
 

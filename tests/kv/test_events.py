@@ -100,7 +100,7 @@ def test_manager_commits_blocks_with_their_parent_hashes_and_snapshots_them_with
     manager = KVCacheManager(plan, num_blocks=16, block_size=BLOCK, events=recorder)
     tokens = list(range(10))
     hashes = hash_full_blocks(tokens, BLOCK, [])
-    assert manager.allocate("r", 0, len(tokens))
+    assert manager.allocate_slots("r", 0, len(tokens))
     manager.commit("r", hashes, len(tokens))
     manager.check_invariants()
     events = recorder.drain()

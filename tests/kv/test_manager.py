@@ -38,7 +38,7 @@ def run(manager: KVCacheManager, request_id: str, token_ids: list[int], chunk: i
     computed = prefix.num_tokens if prefix else 0
     while computed < len(token_ids):
         num_new = min(chunk or len(token_ids), len(token_ids) - computed)
-        assert manager.allocate(request_id, computed, num_new, prefix if computed == prefix_tokens(prefix) else None)
+        assert manager.allocate_slots(request_id, computed, num_new, prefix if computed == prefix_tokens(prefix) else None)
         manager.check_invariants()
         computed += num_new
         manager.commit(request_id, hashes, computed)
@@ -71,13 +71,13 @@ def evict(manager: KVCacheManager, tables: tuple[list[int], ...], victims: set[i
 def test_allocate_grows_each_table_to_cover_the_token_slots():
     manager = hybrid_manager(num_blocks=20, window_tokens=64)
     assert manager.num_blocks_needed("a", 0, 10) == 6
-    assert manager.allocate("a", 0, 10)
+    assert manager.allocate_slots("a", 0, 10)
     manager.check_invariants()
     assert [len(t) for t in manager.block_ids("a")] == [3, 3]
     assert manager.num_blocks_needed("a", 10, 2) == 0
-    assert manager.allocate("a", 10, 2)  # 12 slots still fit 3 blocks
+    assert manager.allocate_slots("a", 10, 2)  # 12 slots still fit 3 blocks
     manager.check_invariants()
-    assert manager.allocate("a", 12, 1)
+    assert manager.allocate_slots("a", 12, 1)
     manager.check_invariants()
     assert manager.num_blocks_held("a", FULL) == manager.num_blocks_held("a", SLIDING) == 4
     assert manager.pool.num_in_use == 8 and manager.num_free_blocks == 11
@@ -97,20 +97,20 @@ def test_free_releases_every_block_and_unknown_ids_are_ignored():
 
 def test_usage_by_group_is_the_fraction_of_usable_blocks_held():
     manager = hybrid_manager(num_blocks=11, window_tokens=64)
-    assert manager.allocate("a", 0, 8)
-    assert manager.allocate("b", 0, 4)
+    assert manager.allocate_slots("a", 0, 8)
+    assert manager.allocate_slots("b", 0, 4)
     manager.check_invariants()
     assert manager.usage_by_group() == pytest.approx([0.3, 0.3])
 
 
 def test_num_computed_tokens_cannot_go_back():
     manager = full_manager(num_blocks=10)
-    assert manager.allocate("a", 0, 8)
-    assert manager.allocate("a", 8, 1)
+    assert manager.allocate_slots("a", 0, 8)
+    assert manager.allocate_slots("a", 8, 1)
     with pytest.raises(ValueError):
-        manager.allocate("a", 4, 1)
+        manager.allocate_slots("a", 4, 1)
     with pytest.raises(ValueError):
-        manager.allocate("a", 9, -1)
+        manager.allocate_slots("a", 9, -1)
     manager.check_invariants()
 
 
@@ -118,14 +118,14 @@ def test_allocation_failure_changes_nothing():
     manager = full_manager(num_blocks=6)
     run(manager, "a", tokens(12))
     before = (manager.block_ids("a"), manager.num_free_blocks, manager.pool.num_cached)
-    assert not manager.can_allocate("b", 0, 12)
-    assert not manager.allocate("b", 0, 12)  # needs 3 blocks, 2 free
+    assert not manager.can_allocate_slots("b", 0, 12)
+    assert not manager.allocate_slots("b", 0, 12)  # needs 3 blocks, 2 free
     manager.check_invariants()
     assert not manager.has_request("b") and manager.block_ids("b") == ([],)
-    assert not manager.allocate("a", 12, 12)  # growth of a running request
+    assert not manager.allocate_slots("a", 12, 12)  # growth of a running request
     manager.check_invariants()
     assert (manager.block_ids("a"), manager.num_free_blocks, manager.pool.num_cached) == before
-    assert manager.allocate("a", 12, 8)  # what does fit still works
+    assert manager.allocate_slots("a", 12, 8)  # what does fit still works
     manager.check_invariants()
 
 
@@ -134,8 +134,8 @@ def test_failed_allocation_still_releases_blocks_that_left_the_window():
     run(manager, "a", tokens(16))  # one chunk: nothing released yet, 8 blocks held
     assert manager.num_blocks_held("a", SLIDING) == 4
     full_before = manager.block_ids("a")[FULL]
-    assert not manager.can_allocate("a", 16, 16)
-    assert not manager.allocate("a", 16, 16)
+    assert not manager.can_allocate_slots("a", 16, 16)
+    assert not manager.allocate_slots("a", 16, 16)
     manager.check_invariants()
     full_after, sliding_after = manager.block_ids("a")
     assert full_after == full_before
@@ -154,7 +154,7 @@ def test_sliding_group_releases_blocks_outside_window_as_decoding_advances():
     for step in range(40):
         computed = len(seq)
         seq.append(1000 + step)
-        assert manager.allocate("a", computed, 1)
+        assert manager.allocate_slots("a", computed, 1)
         manager.check_invariants()
         hashes = hash_full_blocks(seq, BS, hashes)
         manager.commit("a", hashes, computed + 1)
@@ -182,7 +182,7 @@ def test_gemma3_like_long_request_holds_few_blocks_in_each_sliding_group():
     hashes: list[bytes] = []
     chunk = 512
     for computed in range(0, 4096, chunk):
-        assert manager.allocate("long", computed, chunk)
+        assert manager.allocate_slots("long", computed, chunk)
         manager.check_invariants()
         hashes = hash_full_blocks(seq[: computed + chunk], block_size, hashes)
         manager.commit("long", hashes, computed + chunk)
@@ -191,7 +191,7 @@ def test_gemma3_like_long_request_holds_few_blocks_in_each_sliding_group():
     for step in range(32):
         computed = len(seq)
         seq.append(step)
-        assert manager.allocate("long", computed, 1)
+        assert manager.allocate_slots("long", computed, 1)
         manager.check_invariants()
         full_held = manager.num_blocks_held("long", full_ids[0])
         assert full_held == math.ceil((computed + 1) / block_size)
@@ -223,7 +223,7 @@ def test_full_attention_prefix_hit_reuses_committed_blocks():
     manager.check_invariants()
     hit = manager.find_prefix(hashes, len(prompt))
     assert hit.num_tokens == 16 and hit.block_ids == (tuple(a_blocks[:4]),)
-    assert manager.allocate("b", 16, 1, hit)
+    assert manager.allocate_slots("b", 16, 1, hit)
     manager.check_invariants()
     assert manager.block_ids("b")[0][:4] == a_blocks[:4]
     assert manager.num_blocks_held("b", 0) == 5
@@ -257,7 +257,7 @@ def test_shared_prefix_blocks_are_ref_counted_across_requests():
     shared = manager.block_ids("a")[0]
     hit = manager.find_prefix(hash_full_blocks(tokens(16), BS, []), 16)
     assert hit.num_tokens == 12
-    assert manager.allocate("b", 12, 4, hit)
+    assert manager.allocate_slots("b", 12, 4, hit)
     manager.check_invariants()
     assert [manager.pool.ref_count(b) for b in shared] == [2, 2, 2]
     manager.free("a")
@@ -273,7 +273,7 @@ def test_commit_registers_only_full_computed_blocks_once():
     manager = full_manager(num_blocks=20)
     seq = tokens(10)
     hashes = hash_full_blocks(seq, BS, [])
-    assert manager.allocate("a", 0, 10)
+    assert manager.allocate_slots("a", 0, 10)
     manager.commit("a", hashes, 6)  # block 1 is not yet computed
     manager.check_invariants()
     assert manager.pool.num_cached == 1
@@ -305,7 +305,7 @@ def test_sliding_group_missing_old_blocks_still_hits():
     assert hit.num_tokens == 24  # the token at 24 only reads keys 17..24: blocks 4 and 5
     assert hit.block_ids[FULL] == tuple(tables[FULL])
     assert hit.block_ids[SLIDING] == (0, 0, 0, 0) + tuple(tables[SLIDING][4:])
-    assert manager.allocate("b", 24, 4, hit)
+    assert manager.allocate_slots("b", 24, 4, hit)
     manager.check_invariants()
     assert manager.num_blocks_held("b", SLIDING) == 3 and manager.num_blocks_held("b", FULL) == 7
 
@@ -343,12 +343,12 @@ def test_prefix_blocks_in_the_lru_are_not_evicted_to_feed_their_own_request():
     prompt = tokens(20)
     hit = manager.find_prefix(hash_full_blocks(prompt, BS, []), len(prompt))
     assert hit.num_tokens == 12 and manager.num_free_blocks == 4
-    assert not manager.can_allocate("b", 12, 8, hit)  # 3 of the 4 free blocks are the prefix
-    assert not manager.allocate("b", 12, 8, hit)
+    assert not manager.can_allocate_slots("b", 12, 8, hit)  # 3 of the 4 free blocks are the prefix
+    assert not manager.allocate_slots("b", 12, 8, hit)
     manager.check_invariants()
     assert manager.pool.num_cached_free == 3 and not manager.has_request("b")
-    assert manager.can_allocate("b", 12, 4, hit)
-    assert manager.allocate("b", 12, 4, hit)
+    assert manager.can_allocate_slots("b", 12, 4, hit)
+    assert manager.allocate_slots("b", 12, 4, hit)
     manager.check_invariants()
     assert manager.block_ids("b")[0][:3] == list(hit.block_ids[0]) and manager.num_free_blocks == 0
 
@@ -359,13 +359,13 @@ def test_stale_prefix_hit_is_rejected_without_change():
     manager.free("a")
     hit = manager.find_prefix(hash_full_blocks(tokens(16), BS, []), 16)
     assert hit.num_tokens == 12
-    assert manager.allocate("c", 0, 1)  # evicts a's last block
+    assert manager.allocate_slots("c", 0, 1)  # evicts a's last block
     manager.check_invariants()
     before = (manager.num_free_blocks, manager.pool.num_cached)
     with pytest.raises(StalePrefixHit):
-        manager.allocate("b", 12, 4, hit)
+        manager.allocate_slots("b", 12, 4, hit)
     with pytest.raises(StalePrefixHit):  # a hit without hashes is checked by ownership
-        manager.allocate("b", 12, 4, PrefixHit(12, hit.block_ids))
+        manager.allocate_slots("b", 12, 4, PrefixHit(12, hit.block_ids))
     manager.check_invariants()
     assert (manager.num_free_blocks, manager.pool.num_cached) == before and not manager.has_request("b")
 
@@ -375,12 +375,12 @@ def test_prefix_may_not_exceed_computed_tokens_and_only_applies_on_admission():
     run(manager, "a", tokens(12))
     hit = manager.find_prefix(hash_full_blocks(tokens(16), BS, []), 16)
     with pytest.raises(ValueError):
-        manager.allocate("b", 8, 8, hit)
+        manager.allocate_slots("b", 8, 8, hit)
     with pytest.raises(ValueError):
-        manager.allocate("b", 12, 4, PrefixHit(12, hit.block_ids, hit.block_hashes[:1]))
-    assert manager.allocate("b", 12, 1, hit)
+        manager.allocate_slots("b", 12, 4, PrefixHit(12, hit.block_ids, hit.block_hashes[:1]))
+    assert manager.allocate_slots("b", 12, 1, hit)
     with pytest.raises(ValueError):
-        manager.allocate("b", 13, 1, hit)
+        manager.allocate_slots("b", 13, 1, hit)
     manager.check_invariants()
 
 
@@ -396,7 +396,7 @@ def test_admission_past_the_prefix_gives_sliding_groups_only_the_live_window():
     hit = manager.find_prefix(hashes, len(prompt))
     assert hit.num_tokens == 24
     assert manager.num_blocks_needed("b", 39, 1, hit) == 4 + 2
-    assert manager.allocate("b", 39, 1, hit)
+    assert manager.allocate_slots("b", 39, 1, hit)
     manager.check_invariants()
     full, sliding = manager.block_ids("b")
     assert full[:6] == a_full and len(full) == 10
@@ -425,7 +425,7 @@ def test_free_evicts_a_requests_last_blocks_first():
     manager.free("a")
     manager.check_invariants()
     assert manager.pool.num_uncached_free == 0
-    assert manager.allocate("c", 0, 4)  # one block per group: evicts both groups' last block
+    assert manager.allocate_slots("c", 0, 4)  # one block per group: evicts both groups' last block
     manager.check_invariants()
     lookup = manager.pool.lookup
     assert lookup(hashes[3], FULL) is None and lookup(hashes[3], SLIDING) is None

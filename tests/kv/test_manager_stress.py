@@ -72,9 +72,9 @@ class Harness:
 
     def allocate(self, request_id: str, req: SimRequest, num_new: int, hit: PrefixHit | None = None) -> bool:
         held_before = self.manager.block_ids(request_id)
-        predicted = self.manager.can_allocate(request_id, req.num_computed_tokens, num_new, hit)
+        predicted = self.manager.can_allocate_slots(request_id, req.num_computed_tokens, num_new, hit)
         num_needed = self.manager.num_blocks_needed(request_id, req.num_computed_tokens, num_new, hit)
-        ok = self.manager.allocate(request_id, req.num_computed_tokens, num_new, hit)
+        ok = self.manager.allocate_slots(request_id, req.num_computed_tokens, num_new, hit)
         assert ok == predicted
         if ok:
             before = hit.block_ids if hit else held_before

@@ -61,7 +61,7 @@ def tiered(specs, num_blocks: int, num_slots: int, events=None) -> tuple[KVCache
 def compute(manager: KVCacheManager, pages: FakePages, request_id: str, token_ids: list[int]) -> list[bytes]:
     """Prefill a prompt from scratch, writing each block's expected page, then finish it."""
     hashes = hash_full_blocks(token_ids, BS, [])
-    assert manager.allocate(request_id, 0, len(token_ids))
+    assert manager.allocate_slots(request_id, 0, len(token_ids))
     for group_id, table in enumerate(manager.block_ids(request_id)):
         for index, block_id in enumerate(table[:len(hashes)]):
             if block_id != NULL_BLOCK_ID:
@@ -86,8 +86,8 @@ def test_evicted_prefix_blocks_are_stored_and_a_later_hit_loads_them_back():
     hit = manager.find_prefix(first, 17)
     assert hit.num_tokens == 16 and hit.offloaded == ((0, 1, 2, 3),) and hit.num_device_tokens(BS) == 0
     assert manager.prefix_stats.num_offload_hit_tokens == 16
-    assert manager.allocate("c", 16, 1, hit)
-    assert manager.start_offload_load("c")
+    assert manager.allocate_slots("c", 16, 1, hit)
+    assert manager.start_tier_read("c")
     manager.check_invariants()
     assert manager.poll_offload().landed == ["c"]
     table = manager.block_ids("c")[0]
@@ -114,7 +114,7 @@ def test_no_tier_means_no_offloaded_hits_and_nothing_stored():
     first = compute(manager, pages, "a", prompt(17, 0))
     compute(manager, pages, "b", prompt(32, 1000))
     hit = manager.find_prefix(first, 17)
-    assert hit.num_tokens == 0 and not manager.start_offload_load("x")
+    assert hit.num_tokens == 0 and not manager.start_tier_read("x")
 
 
 def test_a_read_that_raises_fails_the_load_and_drops_the_keys():
@@ -123,7 +123,7 @@ def test_a_read_that_raises_fails_the_load_and_drops_the_keys():
     compute(manager, pages, "b", prompt(32, 1000))
     hit = manager.find_prefix(first, 17)
     pages.fail_reads = True
-    assert manager.allocate("c", 16, 1, hit) and manager.start_offload_load("c")
+    assert manager.allocate_slots("c", 16, 1, hit) and manager.start_tier_read("c")
     results = manager.poll_offload()
     assert results.failed == ["c"] and results.landed == []
     assert tier.stats.num_failed_loads == 1 and tier.lookup(first[0], 0) is None
@@ -140,8 +140,8 @@ def test_pages_a_hit_will_load_are_pinned_against_the_tiers_own_eviction():
     assert all(tier.lookup(h, 0) is not None for h in first[:4])
     hit = manager.find_prefix(first, 17)
     # The allocation evicts b's cached pages, whose stores would push a's out of a full tier.
-    assert manager.allocate("c", 16, 1, hit)
-    assert manager.start_offload_load("c") and manager.poll_offload().landed == ["c"]
+    assert manager.allocate_slots("c", 16, 1, hit)
+    assert manager.start_tier_read("c") and manager.poll_offload().landed == ["c"]
     assert [pages.pool[b] for b in manager.block_ids("c")[0][:4]] == [content(h, 0) for h in first[:4]]
     tier.check_invariants()
 
@@ -153,7 +153,7 @@ def test_matching_prefers_the_device_and_takes_the_rest_from_the_tier():
     shared = prompt(8, 0) + prompt(24, 500)
     hashes = hash_full_blocks(shared, BS, [])
     b_hit = manager.find_prefix(hashes, len(shared))
-    assert b_hit.num_tokens == 8 and manager.allocate("b", 8, 24, b_hit)
+    assert b_hit.num_tokens == 8 and manager.allocate_slots("b", 8, 24, b_hit)
     assert manager.pool.lookup(first[2], 0) is None and tier.lookup(first[2], 0) is not None
     hit = manager.find_prefix(first, 17)
     assert hit.num_tokens == 16 and hit.offloaded == ((2, 3),) and hit.num_device_tokens(BS) == 8
@@ -175,7 +175,7 @@ def test_a_sliding_window_hit_loads_only_the_blocks_in_the_window():
     compute(manager, pages, "b", prompt(19 * BS, 1000))  # 38 of the 39 blocks: evicts "a"
     hit = manager.find_prefix(first, 33)
     assert hit.num_tokens == 32
-    assert manager.allocate("c", 32, 1, hit) and manager.start_offload_load("c")
+    assert manager.allocate_slots("c", 32, 1, hit) and manager.start_tier_read("c")
     assert manager.poll_offload().landed == ["c"]
     tables = manager.block_ids("c")
     loaded_full = [i for i in hit.offloaded[full]]
@@ -193,7 +193,7 @@ def test_a_sliding_block_is_stored_only_while_its_full_attention_block_is_cached
     full = next(g.group_id for g in manager.plan.groups if isinstance(g.spec, FullAttentionSpec))
     sliding = 1 - full
     hashes = hash_full_blocks(prompt(8, 0), BS, [])
-    assert manager.allocate("a", 0, 8)
+    assert manager.allocate_slots("a", 0, 8)
     manager.commit("a", hashes, 8)
     manager.free("a")
     tables_key = (hashes[0], sliding)
@@ -254,8 +254,8 @@ def test_invariants_hold_under_many_prompts(num_slots):
             hashes = hash_full_blocks(token_ids, BS, [])
             hit = manager.find_prefix(hashes, 13)
             request_id = f"r{round_}-{index}"
-            assert manager.allocate(request_id, hit.num_tokens, 13 - hit.num_tokens, hit)
-            if manager.start_offload_load(request_id):
+            assert manager.allocate_slots(request_id, hit.num_tokens, 13 - hit.num_tokens, hit)
+            if manager.start_tier_read(request_id):
                 assert manager.poll_offload().landed == [request_id]
             table = manager.block_ids(request_id)[0]
             for i in range(3):
@@ -284,13 +284,13 @@ def test_a_load_copied_on_the_calling_thread_wakes_its_waiter_at_once_landed_or_
     first = compute(manager, pages, "a", prompt(17, 0))
     compute(manager, pages, "b", prompt(32, 1000))
     hit = manager.find_prefix(first, 17)
-    assert manager.allocate("c", 16, 1, hit) and manager.start_offload_load("c")
+    assert manager.allocate_slots("c", 16, 1, hit) and manager.start_tier_read("c")
     assert wakes == [True] and manager.poll_offload().landed == ["c"]
     manager.free("c")
     compute(manager, pages, "d", prompt(32, 2000))  # pushes "a" out of the pool again
     pages.fail_reads = True
     hit = manager.find_prefix(first, 17)
-    assert manager.allocate("e", 16, 1, hit) and manager.start_offload_load("e")
+    assert manager.allocate_slots("e", 16, 1, hit) and manager.start_tier_read("e")
     assert wakes == [True, True] and manager.poll_offload().failed == ["e"]
     manager.free("e")
     manager.check_invariants()

@@ -124,7 +124,7 @@ def test_a_threaded_load_lands_only_when_its_read_is_done():
     first = compute(manager, pages, "a", prompt(17, 0))
     compute(manager, pages, "b", prompt(32, 1000))
     hit = manager.find_prefix(first, 17)
-    assert manager.allocate("c", 16, 1, hit) and manager.start_offload_load("c")
+    assert manager.allocate_slots("c", 16, 1, hit) and manager.start_tier_read("c")
     assert not manager.poll_offload().landed
     pages.gate.set()
     assert poll_until(manager).landed == ["c"]
@@ -138,7 +138,7 @@ def test_a_load_wakes_its_waiter_when_it_has_a_result_and_not_before():
     first = compute(manager, pages, "a", prompt(17, 0))
     compute(manager, pages, "b", prompt(32, 1000))
     hit = manager.find_prefix(first, 17)
-    assert manager.allocate("c", 16, 1, hit) and manager.start_offload_load("c")
+    assert manager.allocate_slots("c", 16, 1, hit) and manager.start_tier_read("c")
     assert not woken.is_set()  # the read waits at the gate
     pages.gate.set()
     assert woken.wait(10)  # called from the I/O thread as the read ended
@@ -151,7 +151,7 @@ def test_a_request_that_ends_while_its_pages_load_keeps_its_blocks_until_the_rea
     first = compute(manager, pages, "a", prompt(17, 0))
     compute(manager, pages, "b", prompt(32, 1000))
     hit = manager.find_prefix(first, 17)
-    assert manager.allocate("c", 16, 1, hit) and manager.start_offload_load("c")
+    assert manager.allocate_slots("c", 16, 1, hit) and manager.start_tier_read("c")
     in_use = manager.pool.num_in_use
     manager.free("c")  # an abort: the read still writes those blocks
     assert manager.pool.num_in_use == in_use
@@ -165,8 +165,8 @@ def test_a_request_that_ends_while_its_pages_load_keeps_its_blocks_until_the_rea
     manager.check_invariants()
     # The same request id may come back at once and load again.
     hit = manager.find_prefix(first, 17)
-    assert manager.allocate("c", hit.num_tokens, 17 - hit.num_tokens, hit)
-    if manager.start_offload_load("c"):
+    assert manager.allocate_slots("c", hit.num_tokens, 17 - hit.num_tokens, hit)
+    if manager.start_tier_read("c"):
         assert poll_until(manager).landed == ["c"]
 
 

@@ -57,7 +57,7 @@ def file_tier(tmp_path, num_slots: int = 4, num_staging_rows: int = 4, executor=
 def load(tier: OffloadTier, load_id: str, key, block_id: int):
     """Pin the key and start loading it into `block_id`, as the KV manager does."""
     tier.pin([key])
-    tier.start_load(load_id, [PageLoad(block_id, key[0], key[1], None)])
+    tier.start_tier_read(load_id, [PageLoad(block_id, key[0], key[1], None)])
 
 
 def test_the_engine_thread_only_stages_the_page_and_the_io_thread_writes_it(tmp_path, monkeypatch):
@@ -211,7 +211,7 @@ def test_the_io_executor_must_run_one_job_at_a_time(tmp_path):
 
 def test_skipped_and_failed_stores_are_exported_by_reason():
     metrics = Metrics()
-    metrics.offload.observe(0, 0, 0, [], [], 0.0, num_busy_stores=3, num_failed_stores=2)
+    metrics.offload.record_tier_activity(0, 0, 0, [], [], 0.0, num_busy_stores=3, num_failed_stores=2)
     value = metrics.registry.get_sample_value
     assert value("pdserve_kv_offload_skipped_stores_total", {"reason": "busy"}) == 3.0
     assert value("pdserve_kv_offload_skipped_stores_total", {"reason": "failed"}) == 2.0

@@ -40,7 +40,7 @@ class Worker:
 
     def compute(self, request_id: str, tokens: list[int]) -> list[bytes]:
         hashes = hash_full_blocks(tokens, BLOCK, [])
-        assert self.manager.allocate(request_id, 0, len(tokens))
+        assert self.manager.allocate_slots(request_id, 0, len(tokens))
         self.manager.commit(request_id, hashes, len(tokens))
         self.manager.free(request_id)
         return hashes

@@ -100,8 +100,8 @@ def test_plan_of_manager_live_tables_moves_only_the_sliding_window():
     prefill = KVCacheManager(plan, num_blocks=64, block_size=4)
     decode = KVCacheManager(plan, num_blocks=64, block_size=4)
     num_prompt_tokens = 30  # 8 blocks; the last token is recomputed on D, at position 29
-    assert prefill.allocate("p", 0, num_prompt_tokens)
-    assert decode.allocate("d", num_prompt_tokens - 1, 1)
+    assert prefill.allocate_slots("p", 0, num_prompt_tokens)
+    assert decode.allocate_slots("d", num_prompt_tokens - 1, 1)
     remote = prefill.live_block_ids("p", num_prompt_tokens - 1)
     local = decode.block_ids("d")
     pull = plan_pull(sides(remote), sides(local), num_prompt_tokens)

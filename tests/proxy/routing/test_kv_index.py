@@ -45,9 +45,9 @@ class RecordingWorker:
         """Admit with the cache's hit, compute the rest, commit, free (LRU eviction as the pool goes)."""
         hashes = hash_full_blocks(tokens, self.block_size, [])
         hit = self.manager.find_prefix(hashes, len(tokens))
-        if not self.manager.allocate(request_id, hit.num_tokens, len(tokens) - hit.num_tokens, hit):
+        if not self.manager.allocate_slots(request_id, hit.num_tokens, len(tokens) - hit.num_tokens, hit):
             return
-        if self.manager.start_offload_load(request_id):
+        if self.manager.start_tier_read(request_id):
             assert self.manager.poll_offload().landed == [request_id]
         self.manager.commit(request_id, hashes, len(tokens))
         self.manager.free(request_id)
