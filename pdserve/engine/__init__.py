@@ -7,9 +7,11 @@ the `StepRunner` protocol of `step_runner`.
 Read in this order. What the HTTP layer sees: `api` (the `EngineClient`
 contract), `async_engine` (a `RequestStream` per request), `request_ids`.
 The engine thread: `loop` (poll P/D -> schedule -> run -> update -> emit,
-supervised), `step_runner` (what the loop asks of the runner), `scheduler`
-with `schedule_types`, `step_budget` and `stop_rules` (every request-state
-change and block allocation), `emitter` and `outputs` (text, stop strings,
+supervised) with its `inbox` (what other threads ask of it), `step_runner`
+(what the loop asks of the runner), `scheduler` with `schedule_types`,
+`pending_load` (one record per loading request), `step_budget`, `stop_rules`
+and `scheduler_invariants` (every request-state change and block allocation,
+and the rules they keep), `emitter` and `outputs` (text, stop strings,
 sinks), `stats`, `core_share` (threads that follow a colocated peer's work).
 Assembly lives in `pdserve.app` (the engine's builders).
 
