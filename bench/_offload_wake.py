@@ -24,7 +24,7 @@ import torch
 
 from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from pdserve.api.sampling import SamplingParams
-from pdserve.engine.factory import build_engine
+from pdserve.app.engine_factory import build_engine
 from pdserve.metrics import Metrics
 from pdserve.request import GenerationRequest
 

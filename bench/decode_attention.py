@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._timing import median_ms  # noqa: E402
-from pdserve.engine.decode_attention import attend_decode_torch, build_decode_rows  # noqa: E402
+from pdserve.runner.decode_attention import attend_decode_torch, build_decode_rows  # noqa: E402
 from pdserve.kernels.native import cpu_kernels_error, ops  # noqa: E402
 from pdserve.kv.specs import FullAttentionSpec  # noqa: E402
 from pdserve.kv.layout import KVPoolLayout  # noqa: E402

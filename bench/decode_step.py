@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig  # noqa: E402
-from pdserve.engine.factory import BuiltEngine, build_engine  # noqa: E402
+from pdserve.app.engine_factory import BuiltEngine, build_engine  # noqa: E402
 from pdserve.metrics import Metrics  # noqa: E402
 from pdserve.request import GenerationRequest  # noqa: E402
 from tests.engine.harness import greedy  # noqa: E402

@@ -27,7 +27,7 @@ if REPO_ROOT not in sys.path:  # run as a script: make `pdserve` importable
 import torch  # noqa: E402
 
 from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig  # noqa: E402
-from pdserve.engine.factory import build_engine  # noqa: E402
+from pdserve.app.engine_factory import build_engine  # noqa: E402
 from pdserve.grammar.compiler import compile_constraint  # noqa: E402
 from pdserve.metrics import Metrics  # noqa: E402
 from pdserve.request import GenerationRequest, SamplingParams  # noqa: E402

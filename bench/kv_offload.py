@@ -62,7 +62,7 @@ import torch  # noqa: E402
 
 from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig  # noqa: E402
 from pdserve.api.sampling import SamplingParams  # noqa: E402
-from pdserve.engine.factory import build_engine  # noqa: E402
+from pdserve.app.engine_factory import build_engine  # noqa: E402
 from pdserve.metrics import Metrics  # noqa: E402
 from pdserve.models.loader import load_model  # noqa: E402
 from pdserve.request import GenerationRequest  # noqa: E402

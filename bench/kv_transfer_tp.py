@@ -45,7 +45,7 @@ from bench.kv_transfer import (  # noqa: E402
     write_report)
 from pdserve.kv.head_split import heads_split_problem, rank_kv_heads  # noqa: E402
 from pdserve.kv.layout import KVPoolLayout  # noqa: E402
-from pdserve.transfer.transport import PeerInfo  # noqa: E402
+from pdserve.transfer.transport import PeerInfo, TransferState  # noqa: E402
 
 logger = logging.getLogger("bench.kv_transfer_tp")
 
@@ -283,9 +283,9 @@ def connect_all(workers: dict[int, DecodeWorker], published: dict[int, list[Peer
         for reader in workers[decode_tp].readers:
             while True:
                 state, error = reader.connect_state(key)
-                if state == "DONE":
+                if state is TransferState.DONE:
                     break
-                if state == "FAILED" or time.monotonic() > deadline_s:
+                if state is TransferState.FAILED or time.monotonic() > deadline_s:
                     raise RuntimeError(f"{prefill_tp}->{decode_tp} rank {reader.rank}: cannot connect: {error}")
     return keys
 
@@ -309,9 +309,9 @@ class Puller:
             still = []
             for reader in pending:
                 state, error = reader.read_state(handle_id)
-                if state == "FAILED":
+                if state is TransferState.FAILED:
                     raise RuntimeError(f"rank {reader.rank}: read failed: {error}")
-                if state == "PENDING":
+                if state is TransferState.PENDING:
                     still.append(reader)
             pending = still
             if pending and time.perf_counter() - started_s > TIMEOUT_S:

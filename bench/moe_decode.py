@@ -27,7 +27,7 @@ import torch
 
 from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from pdserve.api.sampling import SamplingParams
-from pdserve.engine.factory import build_engine
+from pdserve.app.engine_factory import build_engine
 from pdserve.metrics import Metrics
 from pdserve.models.loader import LoadedModel
 from pdserve.models.moe import Experts, clamped_swiglu

@@ -126,7 +126,7 @@ def check_divisible(shape: ModelShape, sizes: Sequence[int]) -> None:
 
 
 def threads_per_rank(num_threads: int, tp_size: int) -> int:
-    """What each rank gets of the worker's --num-threads (pdserve.engine.devices.rank_threads)."""
+    """What each rank gets of the worker's --num-threads (pdserve.runner.devices.rank_threads)."""
     return max(1, num_threads // tp_size)
 
 

@@ -25,7 +25,7 @@ TORCH_AND_NIXL_FREE_MODULES = [
     "pdserve.kv.routing_info", "pdserve.kv.offload", "pdserve.kv.offload_writes",
     # scheduling and the P/D logic around the transport
     "pdserve.engine.schedule_types", "pdserve.engine.scheduler", "pdserve.engine.stop_rules",
-    "pdserve.engine.request_ids",
+    "pdserve.engine.request_ids", "pdserve.engine.loop", "pdserve.engine.step_runner", "pdserve.parallel.errors",
     # the P/D package: params, handshake, geometry, both sides, admission, wiring
     "pdserve.pd", "pdserve.api.kv_transfer", "pdserve.pd.handshake", "pdserve.pd.leases", "pdserve.pd.messages",
     "pdserve.pd.geometry", "pdserve.pd.connector", "pdserve.pd.prefill", "pdserve.pd.decode", "pdserve.pd.peers",
@@ -52,6 +52,22 @@ def test_core_module_imports_neither_torch_nor_nixl(module):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", f"{module} pulled in {result.stdout.strip()}"
+
+
+def test_every_module_of_the_engine_package_imports_neither_torch_nor_nixl():
+    """The torch line: all of pdserve/engine/ (scheduler, loop, outputs, stats...) loads without torch;
+    the model-running side is pdserve/runner/."""
+    modules = sorted(f"pdserve.engine.{p.stem}" for p in (REPO_ROOT / "pdserve" / "engine").glob("*.py")
+                     if p.stem != "__init__")
+    assert {"pdserve.engine.scheduler", "pdserve.engine.loop"} <= set(modules)
+    code = (
+        f"import sys, importlib; [importlib.import_module(m) for m in {modules!r}];"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'nixl')))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"pdserve/engine/ pulled in {result.stdout.strip()}"
 
 
 def imports_nixl(source: str) -> bool:

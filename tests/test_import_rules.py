@@ -8,6 +8,8 @@
   routing shares with the workers), and loading all of it pulls in neither torch nor nixl;
 * the contract (`pdserve.api`) imports nothing of pdserve outside itself;
 * `pdserve.pd` never imports `pdserve.engine` (the request record sits below both);
+* the torch line: `pdserve.engine` never imports `pdserve.runner`, and the runner reaches the engine only
+  through its contracts (the schedule records and the `StepRunner` protocol);
 * nothing imports the composition roots (`pdserve.app`) but the `python -m pdserve` entry point.
 """
 
@@ -85,6 +87,21 @@ def test_pd_never_imports_the_engine_and_nothing_imports_the_composition_roots()
     # `python -m pdserve` is an entry point like the console script, not an importer
     assert {m: t for m, t in importers_of(graph, "pdserve.app", outside="pdserve.app").items()
             if m != "pdserve.__main__"} == {}
+
+
+RUNNER_MAY_IMPORT_OF_THE_ENGINE = {"pdserve.engine.schedule_types", "pdserve.engine.step_runner"}
+
+
+def test_the_engine_never_imports_the_runner_and_the_runner_sees_only_the_engine_contracts():
+    graph = import_graph(REPO_ROOT)
+    engine_modules = {m: t for m, t in graph.items() if m.startswith("pdserve.engine.")}
+    runner_modules = {m: t for m, t in graph.items() if m.startswith("pdserve.runner.")}
+    assert "pdserve.engine.scheduler" in engine_modules and "pdserve.runner.model_runner" in runner_modules
+    assert {m: sorted(t for t in targets if t.startswith("pdserve.runner")) for m, targets in engine_modules.items()
+            if any(t.startswith("pdserve.runner") for t in targets)} == {}
+    reached = {m: sorted(t for t in targets if t.startswith("pdserve.engine.") and t not in RUNNER_MAY_IMPORT_OF_THE_ENGINE)
+               for m, targets in runner_modules.items()}
+    assert {m: targets for m, targets in reached.items() if targets} == {}
 
 
 def test_loading_every_proxy_module_pulls_in_neither_torch_nor_nixl():

@@ -49,7 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"pdserve {args.command}: error: {error}", file=sys.stderr)
         return 2
     if not config.parallel.is_leader:  # a rank started as its own command (another host): no HTTP server
-        from pdserve.engine.tensor_parallel import serve_follower
+        from pdserve.runner.tensor_parallel import serve_follower
 
         return serve_follower(config)
     from pdserve.app.worker import serve_worker  # heavy imports (torch) only when serving

@@ -85,7 +85,7 @@ def stop_local_ranks(children: list[subprocess.Popen], timeout_s: float = 10.0) 
 
 
 def main() -> int:
-    from pdserve.engine.tensor_parallel import serve_follower  # noqa: PLC0415 - torch only in the child
+    from pdserve.runner.tensor_parallel import serve_follower  # noqa: PLC0415 - torch only in the child
 
     config = WorkerConfig.model_validate_json(os.environ[CONFIG_VARIABLE])
     logging.basicConfig(level=getattr(logging, config.server.log_level.upper()),

@@ -18,7 +18,7 @@ from pdserve.api.http_bounds import http_protocol_with_header_deadline
 from pdserve.app.drain import DrainingServer
 from pdserve.app.ranks import start_local_ranks, stop_local_ranks
 from pdserve.engine.async_engine import LoadingEngine
-from pdserve.engine.factory import BuiltEngine, build_engine
+from pdserve.app.engine_factory import BuiltEngine, build_engine
 from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.metrics import Metrics
 from pdserve.pd.wiring import TransportFactory, nixl_transport

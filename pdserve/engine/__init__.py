@@ -1,18 +1,18 @@
-"""The engine: one thread that schedules, runs and samples every step, and its async face.
+"""The engine: one thread that schedules every step and hands it to a runner, and its async face.
+
+Torch-free (tests/test_import_hygiene.py): the model-running side is
+`pdserve.runner`, which this package never imports; the loop sees it through
+the `StepRunner` protocol of `step_runner`.
 
 Read in this order. What the HTTP layer sees: `api` (the `EngineClient`
 contract), `async_engine` (a `RequestStream` per request), `request_ids`.
 The engine thread: `loop` (poll P/D -> schedule -> run -> update -> emit,
-supervised), `scheduler` with `schedule_types` and `stop_rules` (torch-free:
-every request-state change and block allocation), `emitter` and `outputs`
-(text, stop strings, sinks), `stats`. On the device: `runner` (the one owner
-of the pool tensor and the model), `paged_attention`, `decode_step`,
-`decode_attention` and `fused_layer` (decode-only steps), `sampler`,
-`logits_processors`, `prompt_logprobs`, `grammar_matchers` (llguidance masks
-computed beside the forward pass). Assembly: `devices`, `memory_budget`,
-`factory`. Tensor parallelism: `tensor_parallel` (rank 0's runner, the other
-ranks' loop).
+supervised), `step_runner` (what the loop asks of the runner), `scheduler`
+with `schedule_types`, `step_budget` and `stop_rules` (every request-state
+change and block allocation), `emitter` and `outputs` (text, stop strings,
+sinks), `stats`, `core_share` (threads that follow a colocated peer's work).
+Assembly lives in `pdserve.app` (the engine's builders).
 
-May import: api, kv, transfer, request, pd, models, kernels, grammar, metrics, parallel.
-Never imports server or app.
+May import: api, kv, transfer, request, pd, models (the tokenizer), metrics,
+parallel (its torch-free `errors`). Never imports runner, server or app.
 """

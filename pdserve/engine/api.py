@@ -6,7 +6,7 @@ engine and the engine can change behind it.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Optional, Protocol
 
 from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.models.tokenizer import Tokenizer
@@ -21,10 +21,20 @@ class OutputStream(Protocol):
     async def aclose(self) -> None: ...
 
 
+class GrammarVocabulary(Protocol):
+    """The model's vocabulary as the grammar engine reads it (`pdserve.runner.grammar_matchers.GrammarTokenizer`)."""
+
+    def get(self) -> Any:
+        """Built at first use (about a second: the HTTP edge calls it off the event loop);
+        `GrammarTokenizerUnavailable` when this model's tokenizer cannot serve grammars."""
+        ...
+
+
 class EngineClient(Protocol):
     model_name: str  # the id served in /v1/models and checked against `model`
     max_model_len: int  # prompt + generated tokens may not exceed it
     tokenizer: Tokenizer
+    grammar_tokenizer: Optional[GrammarVocabulary]  # None: grammars are not checked up front at the edge
     request_ids: RequestIdRegistry  # shared with the engine loop: reserve before `generate`
 
     def is_ready(self) -> bool:

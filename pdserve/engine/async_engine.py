@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Optional
+from typing import Optional
 
 from pdserve.api.errors import EngineNotReady, EngineOverloaded
+from pdserve.engine.api import GrammarVocabulary
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.models.tokenizer import Tokenizer
@@ -71,7 +72,8 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, loop: EngineLoop, model_name: str, max_model_len: int, tokenizer: Tokenizer,
-                 max_in_flight: int, admission: Optional[KVAdmission] = None):
+                 max_in_flight: int, admission: Optional[KVAdmission] = None,
+                 grammar_tokenizer: Optional[GrammarVocabulary] = None):
         self.engine_loop = loop
         self.admission: KVAdmission = admission or LocalAdmission()
         self.request_ids: RequestIdRegistry = loop.request_ids
@@ -81,7 +83,7 @@ class AsyncEngine:
         self.max_in_flight = max_in_flight
         self.num_in_flight = 0
         self.draining = False
-        self.grammar_tokenizer: Optional[Any] = None  # pdserve.engine.grammar_matchers.GrammarTokenizer, set by the factory
+        self.grammar_tokenizer = grammar_tokenizer
 
     def is_ready(self) -> bool:
         return not self.draining and self.is_alive()
@@ -169,7 +171,7 @@ class LoadingEngine:
         return self._engine().tokenizer
 
     @property
-    def grammar_tokenizer(self) -> Any:
+    def grammar_tokenizer(self) -> Optional[GrammarVocabulary]:
         return self._engine().grammar_tokenizer
 
     def generate(self, request: GenerationRequest) -> RequestStream:

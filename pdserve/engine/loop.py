@@ -15,22 +15,21 @@ can say so on /live and exit.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 from pdserve.api.errors import EngineFailure, RequestFailed
 from pdserve.api.sampling import FinishReason
 from pdserve.engine.emitter import OutputEmitter, OutputSink
 from pdserve.engine.request_ids import RequestIdRegistry
-from pdserve.engine.runner import ModelRunner, StepCancelled
 from pdserve.engine.core_share import CoreShare
+from pdserve.engine.inbox import Abort, Call, Command, EngineInbox, Shutdown, Submit
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput, StepResult
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
-from pdserve.parallel.ranks import RanksLost
+from pdserve.engine.step_runner import StepCancelled, StepRunner
+from pdserve.parallel.errors import RanksLost
 from pdserve.request import GenerationRequest, LoadReport, Request
 
 logger = logging.getLogger(__name__)
@@ -40,75 +39,53 @@ POLL_WAIT_S = 0.005  # inbox wait while transfers or leases need polling
 OFFLOAD_SPIN_S = 0.0002  # run_until_idle's pause while only tier reads are pending
 
 
-@dataclass(frozen=True, slots=True)
-class _Submit:
-    request: GenerationRequest
-    sink: OutputSink
-    arrival_time_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Abort:
-    request_id: Optional[str]  # None: every request
-
-
-@dataclass(frozen=True, slots=True)
-class _Call:
-    function: Callable[[], None]  # runs on the engine thread; must not block
-
-
-@dataclass(frozen=True, slots=True)
-class _Shutdown:
-    pass
-
-
-_Command = Union[_Submit, _Abort, _Call, _Shutdown]
-
-
-def _nothing() -> None:
-    """What `wake` has the engine thread run: the iteration is the point."""
-
-
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, emitter: OutputEmitter,
-                 eos_token_ids: tuple[int, ...], stats: EngineStats, request_ids: Optional[RequestIdRegistry] = None):
+    def __init__(self, scheduler: Scheduler, runner: StepRunner, emitter: OutputEmitter,
+                 eos_token_ids: tuple[int, ...], stats: EngineStats, request_ids: Optional[RequestIdRegistry] = None,
+                 *, inbox: Optional[EngineInbox] = None, core_share: Optional[CoreShare] = None,
+                 check_invariants: bool = False):
+        """`inbox`: made first when something built before the loop must wake it (the offload tier);
+        `core_share`: --core-ledger, this worker's threads follow its colocated peer's work;
+        `check_invariants`: run `Scheduler.check_invariants()` after every step (a debug aid:
+        PDSERVE_CHECK_INVARIANTS=1; a broken invariant stops the loop)."""
         self.scheduler = scheduler
         self.runner = runner
         self.emitter = emitter
         self.eos_token_ids = eos_token_ids
         self.stats = stats
         self.request_ids = request_ids or RequestIdRegistry()
-        self.inbox: queue.Queue[_Command] = queue.Queue()
+        self.inbox = inbox or EngineInbox()
+        self.core_share = core_share
+        self.check_invariants = check_invariants
         self.fatal_error: Optional[BaseException] = None
         self.last_progress_s = time.monotonic()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._stalled = False  # the last step scheduled nothing: wait for news before trying again
-        self._abort_requested: set[str] = set()  # added to by other threads, emptied by _Abort commands
-        self.core_share: Optional[CoreShare] = None  # --core-ledger: threads that follow the peer's work
+        self._abort_requested: set[str] = set()  # added to by other threads, emptied by Abort commands
 
     # ---- called from other threads ---------------------------------------------
 
     def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
-        self.inbox.put(_Submit(request, sink, time.monotonic()))
+        self.inbox.submit(request, sink)
 
     def abort(self, request_id: str) -> None:
         # Seen by the step in flight too: a step whose requests are all aborted stops at the next
         # layer instead of computing a whole chunk for no one (the _Abort below then finishes them).
         self._abort_requested.add(request_id)
-        self.inbox.put(_Abort(request_id))
+        self.inbox.put(Abort(request_id))
 
     def abort_all(self) -> None:
-        self.inbox.put(_Abort(None))
+        self.inbox.put(Abort(None))
 
     def call_soon(self, function: Callable[[], None]) -> None:
         """Run `function` on the engine thread at its next iteration (it must not block)."""
-        self.inbox.put(_Call(function))
+        self.inbox.call_soon(function)
 
     def wake(self) -> None:
         """Make an idle engine thread run its next iteration now rather than after its inbox wait
         (from any thread, e.g. when a tier load it polls for has a result)."""
-        self.inbox.put(_Call(_nothing))
+        self.inbox.wake()
 
     def load_report(self) -> LoadReport:
         scheduler = self.scheduler
@@ -131,7 +108,7 @@ class EngineLoop:
         self._thread.start()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        self.inbox.put(_Shutdown())
+        self.inbox.put(Shutdown())
         if self._thread is not None:
             self._thread.join(timeout_s)
 
@@ -175,27 +152,23 @@ class EngineLoop:
     def _drain_inbox(self, block: bool) -> None:
         pending = self.scheduler.connector.has_pending() or self.scheduler.has_offload_loads()
         timeout_s = POLL_WAIT_S if pending else IDLE_WAIT_S
-        while True:
-            try:
-                command = self.inbox.get(block=block, timeout=timeout_s if block else None)
-            except queue.Empty:
-                return
+        while (command := self.inbox.take(timeout_s if block else None)) is not None:
             block = False
             self._apply(command)
 
-    def _apply(self, command: _Command) -> None:
-        if isinstance(command, _Submit):
+    def _apply(self, command: Command) -> None:
+        if isinstance(command, Submit):
             self._add(command)
-        elif isinstance(command, _Abort):
+        elif isinstance(command, Abort):
             for request_id in [command.request_id] if command.request_id is not None else self.emitter.request_ids():
                 self._finish(request_id, FinishReason.ABORT)
             self._abort_requested.discard(command.request_id)
-        elif isinstance(command, _Call):
+        elif isinstance(command, Call):
             command.function()
         else:
             self._stopping = True
 
-    def _add(self, command: _Submit) -> None:
+    def _add(self, command: Submit) -> None:
         generation = command.request
         request = Request(
             request_id=generation.request_id,
@@ -247,6 +220,8 @@ class EngineLoop:
             for chunk in scheduled.chunks:
                 self._finish(chunk.request_id, FinishReason.ABORT)
             logger.info("step of %d requests abandoned mid-model: all of them were aborted", len(scheduled.chunks))
+            if self.check_invariants:
+                self.scheduler.check_invariants()
             return True
         result.sampled = self._drop_failed_rows(result.sampled)
         changed = self.scheduler.update(scheduled, result.sampled, result.prompt_logprobs)
@@ -258,6 +233,8 @@ class EngineLoop:
         after = self._queue_sizes()
         if self.core_share is not None:  # the step that ended this worker's work says so at once
             self.core_share.publish(any(after))
+        if self.check_invariants:
+            self.scheduler.check_invariants()
         return bool(scheduled.chunks or scheduled.preempted_request_ids) or after != queues
 
     def _drop_failed_rows(self, sampled: list[SampledToken]) -> list[SampledToken]:
@@ -275,8 +252,7 @@ class EngineLoop:
 
     def _execute(self, scheduled: SchedulerOutput) -> Optional[StepResult]:
         """The step's result; None if it was abandoned (`StepCancelled`)."""
-        cancellable = getattr(self.runner, "cancellable", False)  # test doubles of the runner: never
-        if cancellable and scheduled.chunks:
+        if self.runner.cancellable and scheduled.chunks:
             ids = frozenset(chunk.request_id for chunk in scheduled.chunks)
             self.runner.stop_check = lambda: ids <= self._abort_requested
         try:
@@ -307,7 +283,7 @@ class EngineLoop:
         try:
             sampled = self.runner.execute(scheduled)
         finally:
-            if getattr(self.runner, "cancellable", False):
+            if self.runner.cancellable:
                 self.runner.stop_check = None
         # KV complete: from here the step's blocks may be freed, evicted, read by a
         # decode worker (update() publishes kv_transfer_params on a prefill worker)

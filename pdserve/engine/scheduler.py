@@ -25,7 +25,9 @@ from typing import Callable, Iterable, Optional
 from pdserve.api.config import SchedulerConfig
 from pdserve.api.errors import EngineFailure, PdserveError, RequestFailed
 from pdserve.api.sampling import FinishReason
+from pdserve.engine.pending_load import PendingLoad
 from pdserve.engine.schedule_types import PromptLogprobs, SampledToken, ScheduledChunk, SchedulerOutput
+from pdserve.engine.scheduler_invariants import check_scheduler
 from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.stop_rules import check_stop
 from pdserve.kv.hashing import hash_full_blocks
@@ -53,6 +55,7 @@ class Scheduler:
         max_step_s = config.max_step_ms / 1000.0 if config.max_step_ms is not None else None
         self.step_budget = StepBudget(config.max_num_batched_tokens, max_step_s)
         self._step_started: Optional[tuple[SchedulerOutput, float]] = None  # the step being timed
+        self.last_step: Optional[tuple[SchedulerOutput, int]] = None  # the last schedule() and its token budget
         self.kv = kv_manager
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -61,11 +64,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV: blocks allocated, KV on its way
-        self._offload_loading: set[str] = set()  # of `loading`: prefix pages coming from the offload tier
-        self._pulling: set[str] = set()  # of `loading`: prompt KV coming from a prefill worker
-        self._resume_at: dict[str, int] = {}  # of `loading`: computed tokens once everything landed
-        self._load_failures: dict[str, Optional[PdserveError]] = {}  # of `loading`: None = recompute
+        self.loading: dict[str, PendingLoad] = {}  # WAITING_FOR_REMOTE_KV: blocks allocated, KV on its way
         self._finished_since_last_step: list[str] = []
         self._ended: list[Request] = []  # ended here with an error, for the engine loop to report
         self._released_ids: list[str] = []  # requests whose blocks are all back in the pool
@@ -86,11 +85,11 @@ class Scheduler:
 
     def has_offload_loads(self) -> bool:
         """Whether prefix pages are loading from the offload tier (the loop polls, not sleeps)."""
-        return bool(self._offload_loading)
+        return any(load.reading_tier for load in self.loading.values())
 
     def has_work(self) -> bool:
         # Tier loads land from `schedule`'s own poll, so they count as work (remote pulls land from the loop's).
-        return bool(self.waiting or self.running or self._offload_loading)
+        return bool(self.waiting or self.running or self.has_offload_loads())
 
     def add_request(self, request: Request) -> None:
         request.block_hashes = hash_full_blocks(request.all_token_ids, self.block_size, [])
@@ -107,11 +106,17 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._forget_load(request_id)
+        self.loading.pop(request_id, None)
         if error is not None:
             request.error = error
         self._release(request, reason)
         return request
+
+    def check_invariants(self) -> None:
+        """Raise `SchedulerInvariantError` unless every invariant above holds (see scheduler_invariants.py):
+        each request in one queue with its status, loads with a part in flight, running plus loading
+        within the cap, blocks held exactly by running and loading requests, the last step within its budget."""
+        check_scheduler(self)
 
     def take_ended(self) -> list[Request]:
         """Requests the scheduler ended on its own (failed admission or load, internal fault) since the last call."""
@@ -160,61 +165,55 @@ class Scheduler:
         for request_id in events.landed:
             if request_id in events.uncached:
                 self.kv.withhold_from_cache(request_id, events.uncached[request_id])
-            self._load_part_ended(request_id, self._pulling)
+            self._pull_ended(request_id)
         for failure in events.failed:
-            self._load_part_ended(failure.request_id, self._pulling, failed=True,
-                                  error=None if failure.recompute else failure.error)
+            self._pull_ended(failure.request_id, failed=True, error=None if failure.recompute else failure.error)
 
     def _apply_offload_loads(self) -> None:
         """Tier loads that landed start running after their prefix; failed ones recompute it all."""
         results = self.kv.poll_offload()
         for request_id in results.landed:
-            self._load_part_ended(request_id, self._offload_loading)
+            self._tier_read_ended(request_id)
         for request_id in results.failed:
-            self._load_part_ended(request_id, self._offload_loading, failed=True)
+            self._tier_read_ended(request_id, failed=True)
 
-    def _start_loading(self, request: Request, resume_at: int, *, pulling: bool, from_tier: bool) -> None:
+    def _start_loading(self, request: Request, resume_at: int, *, pulling: bool, reading_tier: bool) -> None:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.loading[request.request_id] = request
-        self._resume_at[request.request_id] = resume_at
-        if pulling:
-            self._pulling.add(request.request_id)
-        if from_tier:
-            self._offload_loading.add(request.request_id)
+        self.loading[request.request_id] = PendingLoad(request, resume_at, pulling, reading_tier)
 
-    def _load_part_ended(self, request_id: str, part: set[str], *, failed: bool = False,
-                         error: Optional[PdserveError] = None) -> None:
+    def _pull_ended(self, request_id: str, *, failed: bool = False, error: Optional[PdserveError] = None) -> None:
+        load = self.loading.get(request_id)
+        if load is None or not load.pulling:
+            return  # ended meanwhile, or a late report
+        load.pulling = False
+        self._load_part_ended(load, failed, error)
+
+    def _tier_read_ended(self, request_id: str, *, failed: bool = False) -> None:
+        load = self.loading.get(request_id)
+        if load is None or not load.reading_tier:
+            return  # ended meanwhile, or a late report
+        load.reading_tier = False
+        self._load_part_ended(load, failed, None)
+
+    def _load_part_ended(self, load: PendingLoad, failed: bool, error: Optional[PdserveError]) -> None:
         """One part of a load (the pull, or the tier's pages) ended. A failed part recomputes the
         request, or fails it with `error`. It moves on when no part still writes its blocks."""
-        if request_id not in part:
-            return  # ended meanwhile, or a late report
-        part.discard(request_id)
-        if failed:  # an error outranks a recompute
-            self._load_failures[request_id] = self._load_failures.get(request_id) or error
-        if request_id in self._pulling or request_id in self._offload_loading:
+        if failed:
+            load.part_failed(error)
+        if load.in_flight:
             return
-        request = self.loading[request_id]
-        has_failed = request_id in self._load_failures
-        error = self._load_failures.get(request_id)
-        resume_at = self._resume_at[request_id]
-        self._forget_load(request_id)
-        if error is not None:
-            self._fail(request, error)
-        elif has_failed:  # start over as an ordinary local request
-            self.kv.free(request_id)
+        request = load.request
+        del self.loading[request.request_id]
+        if load.error is not None:
+            self._fail(request, load.error)
+        elif load.failed:  # start over as an ordinary local request
+            self.kv.free(request.request_id)
             request.num_computed_tokens = 0
             request.num_cached_tokens = 0
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
         else:
-            self._start_running(request, resume_at)
-
-    def _forget_load(self, request_id: str) -> None:
-        self.loading.pop(request_id, None)
-        self._offload_loading.discard(request_id)
-        self._pulling.discard(request_id)
-        self._resume_at.pop(request_id, None)
-        self._load_failures.pop(request_id, None)
+            self._start_running(request, load.resume_at)
 
     def _start_running(self, request: Request, num_computed_tokens: int) -> None:
         request.num_computed_tokens = num_computed_tokens
@@ -226,14 +225,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
         self._finished_since_last_step = []
-        if self._offload_loading:
+        if self.has_offload_loads():
             self._apply_offload_loads()
         num_decoding = sum(1 for request in self.running if request.num_computed_tokens >= request.num_tokens - 1)
-        budget = self.step_budget.tokens(num_decoding)
+        step_budget = budget = self.step_budget.tokens(num_decoding)
         budget, preempted = self._schedule_running(output, budget)
         if not preempted:
             self._admit_waiting(output, budget)
         self._step_started = (output, self.clock()) if output.chunks else None
+        self.last_step = (output, step_budget)
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
@@ -338,7 +338,7 @@ class Scheduler:
         self._mark_scheduled(request)
         if self.kv.start_offload_load(request.request_id):  # part of the prefix comes from the tier
             request.num_computed_tokens = prefix.num_tokens
-            self._start_loading(request, prefix.num_tokens, pulling=False, from_tier=True)
+            self._start_loading(request, prefix.num_tokens, pulling=False, reading_tier=True)
             return 0
         self._start_running(request, prefix.num_tokens)
         output.chunks.append(self._chunk(request, num_new))
@@ -362,9 +362,9 @@ class Scheduler:
         self._mark_scheduled(request)
         pulling = self.connector.start_load(request, self.kv.block_ids(request.request_id), prefix.num_tokens)
         request.remote = None  # consumed: a later preemption recomputes locally
-        from_tier = self.kv.start_offload_load(request.request_id)
-        if pulling or from_tier:
-            self._start_loading(request, request.num_prompt_tokens - 1, pulling=pulling, from_tier=from_tier)
+        reading_tier = self.kv.start_offload_load(request.request_id)
+        if pulling or reading_tier:
+            self._start_loading(request, request.num_prompt_tokens - 1, pulling=pulling, reading_tier=reading_tier)
         else:
             self._start_running(request, request.num_prompt_tokens - 1)
         return 0

@@ -6,7 +6,7 @@ needs no ahead-of-time index per schema (outlines-core builds a full automaton
 per schema, seconds for nested ones) and computes a 49k-token mask in well
 under a millisecond on one CPU core. llguidance lives in two places: this
 package (`compiler`: constraint -> validated grammar text at the HTTP edge;
-`errors`) and `pdserve.engine.grammar_matchers` (per-request matchers on the
+`errors`) and `pdserve.runner.grammar_matchers` (per-request matchers on the
 engine thread). The rest of pdserve sees grammar text (a string) and masks.
 
 May import: api only.

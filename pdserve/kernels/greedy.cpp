@@ -14,7 +14,7 @@ namespace pdserve::kernels {
 
 namespace {
 
-constexpr double kFailedToken = -1.0;  // pdserve.engine.sampler.FAILED_TOKEN_ID
+constexpr double kFailedToken = -1.0;  // pdserve.runner.sampler.FAILED_TOKEN_ID
 
 double greedy_row(const float* x, int64_t vocab) {
   int64_t i = 0;

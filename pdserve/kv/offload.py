@@ -44,7 +44,7 @@ failed: the request recomputes. A store whose write failed discards its key
 when the engine thread learns of it (`offer`, `lookup`, `poll`).
 
 Tensor parallelism: a `TierMirror` repeats every copy this tier starts on the
-other ranks' slices (pdserve/engine/offload_ranks.py); with an I/O thread a
+other ranks' slices (pdserve/runner/offload_ranks.py); with an I/O thread a
 load lands only once every rank's read ended, and fails if any rank's did.
 """
 
@@ -94,10 +94,13 @@ class PageStore(Protocol):
     def read(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         """Copy each slot into its pool page; raise OffloadIOError when it cannot."""
 
+    def close(self) -> None:
+        """Release the medium (a file store's descriptor and directory lock); memory needs nothing."""
+
 
 class TierMirror(Protocol):
     """The other ranks of a tensor-parallel worker, repeating this tier's copies on their own slices
-    (pdserve/engine/offload_ranks.py). Called on the engine thread, in the order the copies were made."""
+    (pdserve/runner/offload_ranks.py). Called on the engine thread, in the order the copies were made."""
 
     def stored(self, slot: int, block_id: int) -> None:
         """A page went into `slot` (written, or staged for the I/O thread): the others copy theirs
@@ -154,10 +157,13 @@ class OffloadTier:
 
     def __init__(self, store: PageStore, full_group_ids: Sequence[int],
                  events: Optional[KVEventRecorder] = None, clock: Callable[[], float] = time.perf_counter,
-                 executor: Optional[Executor] = None, mirror: Optional[TierMirror] = None):
+                 executor: Optional[Executor] = None, mirror: Optional[TierMirror] = None,
+                 wake: Optional[Callable[[], None]] = None):
         """`executor`: the tier's one I/O thread, where reads run, and writes too for a store that
         stages them (the file store); None copies inside `offer` and `start_load`. `mirror`: the
-        other ranks of a tensor-parallel worker (with an executor, a load lands once they read too)."""
+        other ranks of a tensor-parallel worker (with an executor, a load lands once they read too).
+        `wake`: called (from any thread; it must not block) whenever a load has a result for `poll`,
+        so the engine loop polls at once instead of waiting out its poll interval; None: nobody waits."""
         if store.num_slots < 1:
             raise ValueError("an offload tier needs room for at least one page")
         if executor is not None:
@@ -181,12 +187,11 @@ class OffloadTier:
                         if executor is not None and isinstance(store, StagingPageStore) else None)
         # load id -> (its read, its keys, pages, start time): reads in flight on the executor
         self._in_flight: dict[str, tuple[Future, list[CacheKey], int, float]] = {}
-        self._wake: Callable[[], None] = lambda: None  # nobody waits (tests, loops that poll): `wake_on_results`
+        self._wake: Callable[[], None] = wake or (lambda: None)
         self.stats = OffloadStats()
 
     def wake_on_results(self, wake: Callable[[], None]) -> None:
-        """Call `wake` (from any thread; it must not block) whenever a load has a result for `poll`:
-        the engine loop then polls at once instead of waiting out its poll interval."""
+        """Replace the constructor's `wake` (bench/_offload_wake.py compares wake-ups on one live tier)."""
         self._wake = wake
 
     def attach(self, device_lookup: Callable[[bytes, int], Optional[int]]) -> None:
@@ -420,9 +425,7 @@ class OffloadTier:
         the medium (a file store's descriptor and its directory lock, so a new tier can take it)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        close_store = getattr(self.store, "close", None)
-        if close_store is not None:
-            close_store()
+        self.store.close()
 
     def check_invariants(self) -> None:
         used = set(self._slots.values())

@@ -46,6 +46,9 @@ class HostPageStore:
     def capacity_bytes(self) -> int:
         return self.num_slots * self.page_bytes
 
+    def close(self) -> None:
+        """Host memory is released with the store itself: nothing to close."""
+
     def write(self, slot: int, block_id: int) -> None:
         if self._cpu_rows is not None:
             pool, buffer = self._cpu_rows

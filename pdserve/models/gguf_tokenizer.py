@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import logging
 from types import MappingProxyType
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from pdserve.models.gguf_file import GGUFVocab
 from pdserve.models.hf_config import UnsupportedModelFeature
+
+if TYPE_CHECKING:  # the GGUF reader loads torch; the engine loop detokenizes without it
+    from pdserve.models.gguf_file import GGUFVocab
 
 logger = logging.getLogger(__name__)
 

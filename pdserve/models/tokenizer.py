@@ -11,14 +11,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from tokenizers import Tokenizer as Backend
 
 from pdserve.api.chat_template import ChatTemplate, TemplateError
-from pdserve.models.gguf_file import GGUFVocab
 from pdserve.models.gguf_tokenizer import build_gguf_backend
 from pdserve.models.hf_config import ModelLoadError, eos_ids_of
+
+if TYPE_CHECKING:  # the GGUF reader loads torch; the engine loop detokenizes without it
+    from pdserve.models.gguf_file import GGUFVocab
 
 logger = logging.getLogger(__name__)
 

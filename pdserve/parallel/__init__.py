@@ -3,6 +3,6 @@
 `ranks` is the process group (gloo on the CPU; NCCL for tensors and gloo for
 control records on CUDA) with a timeout on every collective. What travels
 over it (scheduled steps, transport commands) is defined by its users:
-`pdserve.engine.tensor_parallel` and `pdserve.transfer.ranked_transport`.
+`pdserve.runner.tensor_parallel` and `pdserve.transfer.ranked_transport`.
 May import: api. Imports torch, never nixl.
 """

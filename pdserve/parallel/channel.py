@@ -19,7 +19,7 @@ from pdserve.parallel.ranks import RankGroup
 
 @dataclass(frozen=True, slots=True)
 class RankMessage:
-    step: Any = None  # the chunks to run (pdserve.engine.tensor_parallel), None: no step
+    step: Any = None  # the chunks to run (pdserve.runner.tensor_parallel), None: no step
     decode_step: bool = False  # which forward path rank 0 takes, so every rank takes it
     logit_rows: tuple[tuple[int, ...], ...] = ()  # eager path: the rows of each logits computation, in order
     commands: tuple[Any, ...] = ()  # offload tier and transport commands, applied before the step
@@ -41,7 +41,7 @@ class RankSetup:
 
     num_blocks: int
     with_transport: bool  # P and D workers: each rank registers its slice with its own NIXL agent
-    num_offload_slots: int = 0  # pages of each rank's offload tier (pdserve.engine.offload_ranks)
+    num_offload_slots: int = 0  # pages of each rank's offload tier (pdserve.runner.offload_ranks)
     offload_dir: Optional[str] = None  # a file tier: each rank r > 0 keeps its pages under <dir>/rank-<r>
     num_offload_staging_rows: int = 0  # a file tier's staging rows, as many on every rank
 

@@ -22,13 +22,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from pdserve.api.errors import PdserveError
+from pdserve.parallel.errors import RanksLost
 
 logger = logging.getLogger(__name__)
-
-
-class RanksLost(PdserveError):
-    """A collective failed or timed out: some rank of this worker is gone, so the worker cannot serve."""
 
 
 class RankGroup:

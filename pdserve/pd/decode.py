@@ -24,7 +24,7 @@ from pdserve.metrics import TransferMetrics
 from pdserve.pd.connector import (ADMIT_LOCAL, ADMIT_REMOTE, FREE_NOW, Admission, AdmissionKind, FinishAction,
                                   KVEvents, LoadFailure)
 from pdserve.pd.geometry import handoff_ranges, handoff_sides, handoff_slices
-from pdserve.pd.messages import KVMessage
+from pdserve.pd.messages import KVMessage, MessageKind
 from pdserve.pd.peers import PeerConnections
 from pdserve.request import RemoteSource, Request
 from pdserve.transfer.planner import plan_pull
@@ -113,11 +113,11 @@ class DecodeConnector:
         remote.uncached_blocks = pull.uncached_blocks
         if not pull.local_ids:  # D's prefix cache holds everything it needs
             del self._remotes[request.request_id]
-            self._send(remote, "free")
+            self._send(remote, MessageKind.FREE)
             return False
         try:
             remote.read_started_s = self.clock()
-            done = KVMessage("done", params.remote_request_id, _nonce(params))
+            done = KVMessage(MessageKind.DONE, params.remote_request_id, _nonce(params))
             remote.handle = self.transport.start_read(remote.peer_key, pull.local_ids, pull.remote_ids, done.encode())
         except TransferError as error:
             del self._remotes[request.request_id]
@@ -134,7 +134,7 @@ class DecodeConnector:
             remote.aborted = True
             return FinishAction(free_blocks=False)
         del self._remotes[request.request_id]  # ended before pulling: P can free at once
-        self._send(remote, "free")
+        self._send(remote, MessageKind.FREE)
         return FREE_NOW
 
     # ---- the engine loop's tick -------------------------------------------------------
@@ -189,7 +189,7 @@ class DecodeConnector:
             return
         self._last_heartbeat_s = now
         for remote in self._remotes.values():
-            if not remote.aborted and self._send(remote, "renew"):
+            if not remote.aborted and self._send(remote, MessageKind.RENEW):
                 remote.lease_fresh_s = now
 
     # ---- helpers ------------------------------------------------------------------------
@@ -198,7 +198,7 @@ class DecodeConnector:
         """The remote KV cannot be used: per policy, compute locally or fail; P may free at once."""
         logger.warning("request %s: %s", request.request_id, reason)
         del self._remotes[request.request_id]
-        self._send(remote, "free")
+        self._send(remote, MessageKind.FREE)
         self.metrics.failures.labels(policy=self.policy).inc()
         if self.policy == "recompute":
             return ADMIT_LOCAL
@@ -210,7 +210,7 @@ class DecodeConnector:
             logger.warning("request %s: %s; prefilling locally", request_id, reason)
         return LoadFailure(request_id, KVPullFailed(reason), recompute=self.policy == "recompute")
 
-    def _send(self, remote: _Remote, kind: str) -> bool:
+    def _send(self, remote: _Remote, kind: MessageKind) -> bool:
         """True when the message left; a lost one is covered by P's lease."""
         peer_key = self.peers.key_for(remote.peer_key)
         if peer_key is None:

@@ -10,14 +10,23 @@ parse to None and are ignored by the receiver.
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Optional
 
 from pdserve.api.kv_transfer import PIN_NONCE_PATTERN
 
-MessageKind = Literal["done", "free", "renew"]
-_KINDS = ("done", "free", "renew")
+
+class MessageKind(enum.Enum):
+    """What a message tells P about a pin; the value is its word on the wire."""
+
+    DONE = "done"  # the READ landed: release the pin
+    FREE = "free"  # D will not read (aborted, recomputed): release the pin
+    RENEW = "renew"  # D still means to read: extend the lease
+
+
+_WORDS = {kind.value: kind for kind in MessageKind}
 MAX_MESSAGE_BYTES = 512
 _NONCE = re.compile(PIN_NONCE_PATTERN)
 
@@ -29,7 +38,7 @@ class KVMessage:
     nonce: str  # the pin's, from kv_transfer_params
 
     def encode(self) -> bytes:
-        return f"{self.kind}:{self.nonce}:{self.request_id}".encode()
+        return f"{self.kind.value}:{self.nonce}:{self.request_id}".encode()
 
 
 def parse_message(payload: bytes) -> Optional[KVMessage]:
@@ -41,6 +50,6 @@ def parse_message(payload: bytes) -> Optional[KVMessage]:
         return None
     kind, sep, rest = text.partition(":")
     nonce, sep_2, request_id = rest.partition(":")
-    if not sep or not sep_2 or kind not in _KINDS or not request_id or _NONCE.fullmatch(nonce) is None:
+    if not sep or not sep_2 or kind not in _WORDS or not request_id or _NONCE.fullmatch(nonce) is None:
         return None
-    return KVMessage(kind, request_id, nonce)  # type: ignore[arg-type]
+    return KVMessage(_WORDS[kind], request_id, nonce)

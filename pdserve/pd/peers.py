@@ -33,11 +33,11 @@ class PeerConnections:
         self.clock = clock
         self._ready: set[str] = set()
         self._attempts: dict[str, _Attempt] = {}
-        self._generation = getattr(transport, "generation", 0)
+        self._generation = transport.generation
 
     def _follow_agent(self) -> None:
         """A replaced NIXL agent (its process died) knows no peer: every one connects again."""
-        generation = getattr(self.transport, "generation", 0)
+        generation = self.transport.generation
         if generation != self._generation:
             self._generation = generation
             self._ready.clear()

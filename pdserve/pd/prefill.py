@@ -25,7 +25,7 @@ from pdserve.metrics import TransferMetrics
 from pdserve.pd.connector import ADMIT_LOCAL, FREE_NOW, Admission, FinishAction, KVEvents
 from pdserve.pd.geometry import handoff_ranges, handoff_slices
 from pdserve.pd.leases import LeaseTable
-from pdserve.pd.messages import parse_message
+from pdserve.pd.messages import MessageKind, parse_message
 from pdserve.request import Request
 from pdserve.transfer.transport import KVTransport
 
@@ -144,7 +144,7 @@ class PrefillConnector:
         self._released_early = []
         for payload in self.transport.poll_notifications():
             self._apply_message(payload, events)
-        epoch = transfer_epoch(self._base_epoch, getattr(self.transport, "generation", 0))
+        epoch = transfer_epoch(self._base_epoch, self.transport.generation)
         if epoch != self.identity.epoch:  # the agent was replaced: new pins name the new one
             self.identity = dataclasses.replace(self.identity, epoch=epoch)
         for request_id in self.leases.expire():
@@ -163,11 +163,11 @@ class PrefillConnector:
         if not self.leases.holds(message.request_id, message.nonce):
             # Late (the pin was released, or a newer pin reuses the id) or forged: it touches nothing.
             self.metrics.rejected_messages.labels(reason="stale").inc()
-            logger.info("ignoring a %s message for request %s: no live pin carries its nonce", message.kind,
+            logger.info("ignoring a %s message for request %s: no live pin carries its nonce", message.kind.value,
                         message.request_id)
             return
-        if message.kind == "renew":
+        if message.kind is MessageKind.RENEW:
             self.leases.renew([message.request_id])
         elif self.leases.release(message.request_id):  # "done" or "free"
             events.released.append(message.request_id)
-            logger.info("request %s: blocks released (%s)", message.request_id, message.kind)
+            logger.info("request %s: blocks released (%s)", message.request_id, message.kind.value)

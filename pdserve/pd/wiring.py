@@ -75,7 +75,8 @@ class KVSide:
         if self.describe is None:
             return None
         try:
-            return self.describe(transfer_epoch(self.base_epoch, getattr(self.transport, "generation", 0)))
+            generation = self.transport.generation if self.transport is not None else 0
+            return self.describe(transfer_epoch(self.base_epoch, generation))
         except TransferError:
             return None
 

@@ -11,7 +11,7 @@ worker's cache is worth routing to as well).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,10 +27,23 @@ from pdserve.server.kv_events import KVEventHub, KVEventMetrics, KVEventSource, 
 
 if TYPE_CHECKING:
     from pdserve.engine.api import EngineClient
-    from pdserve.engine.factory import BuiltEngine
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.kv.events import KVEventRecorder
+    from pdserve.models.loader import LoadedModel
     from pdserve.models.tokenizer import Tokenizer
 
 NDJSON = "application/x-ndjson"
+
+
+class BuiltEngine(Protocol):
+    """What these routes read of a worker's assembled engine (`pdserve.app.engine_factory.BuiltEngine`;
+    the server never imports the composition root)."""
+
+    engine: "AsyncEngine"
+    loaded: "LoadedModel"
+    kv_manager: KVCacheManager
+    kv_events: "KVEventRecorder"
+    epoch: str
 
 
 def routing_info(tokenizer: "Tokenizer", model: str, epoch: str, kv_manager: KVCacheManager) -> RoutingInfo:

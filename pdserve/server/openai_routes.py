@@ -87,7 +87,7 @@ def _chat_format(ctx: ServingContext, body: ChatCompletionRequest, request_id: s
     tools = ToolMode(
         kind=mode,
         function_name=body.tool_choice.function.name if mode == "named" else "",  # type: ignore[union-attr]
-        parser=parser_for_template(getattr(ctx.engine.tokenizer, "chat_template", None)) if mode == "auto" else None,
+        parser=parser_for_template(ctx.engine.tokenizer.chat_template) if mode == "auto" else None,
     )
     return ChatFormat(
         response_id=f"chatcmpl-{request_id}", model=ctx.engine.model_name, created=int(time.time()),

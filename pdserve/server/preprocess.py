@@ -53,8 +53,7 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: Optional[int], param: 
 
 
 def _vocab_size(engine: "EngineClient") -> Optional[int]:
-    size = getattr(engine.tokenizer, "vocab_size", None)
-    return size if isinstance(size, int) else None
+    return engine.tokenizer.vocab_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +150,7 @@ async def _grammar(engine: "EngineClient", body: OpenAIRequest) -> Optional[str]
     if constraint is None:
         return None
     grammar = await asyncio.to_thread(compile_constraint, constraint)
-    tokenizer = getattr(engine, "grammar_tokenizer", None)
+    tokenizer = engine.grammar_tokenizer
     if tokenizer is not None:  # built once, here rather than on the engine thread
         try:
             await asyncio.to_thread(tokenizer.get)

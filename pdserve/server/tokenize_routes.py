@@ -48,7 +48,7 @@ def build_tokenize_router(ctx: ServingContext) -> APIRouter:
         body = parse_body(DetokenizeRequest, await read_body(raw, ctx.limits), ctx.limits)
         ensure_ready(ctx.engine)
         check_model(ctx.engine, body.model)
-        check_token_ids(body.tokens, getattr(ctx.engine.tokenizer, "vocab_size", None), "tokens")
+        check_token_ids(body.tokens, ctx.engine.tokenizer.vocab_size, "tokens")
         text = await asyncio.to_thread(ctx.engine.tokenizer.decode, body.tokens)
         return json_response(DetokenizeResponse(prompt=text))
 

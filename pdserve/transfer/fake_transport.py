@@ -69,6 +69,7 @@ class FakeTransport:
             raise ValueError("pool_canonical_view must be 2-D [num_blocks, page_bytes]")
         self._view = pool_canonical_view
         self.agent_name = agent_name
+        self.generation = 0  # a fake's agent is never replaced
         self._fabric = fabric
         self._peers: dict[str, PeerInfo] = {}
         self._connecting: dict[str, PeerInfo] = {}

@@ -48,7 +48,7 @@ _RANK_FIELDS = ("agent_name", "agent_metadata", "mem_type", "device_id", "base_a
 MAX_RANKS = 64
 _SYNC_INTERVAL_S = 0.001  # reports younger than this are reused (many handles are polled per turn)
 _PROGRESS_INTERVAL_S = 0.005  # how often idle followers are asked to move their agents' messages
-_STATE_ORDER = {"FAILED": 0, "PENDING": 1, "DONE": 2}
+_STATE_ORDER = {TransferState.FAILED: 0, TransferState.PENDING: 1, TransferState.DONE: 2}  # worst first
 
 
 class FollowerLink(Protocol):
@@ -92,8 +92,8 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class FollowerReport:
-    connects: dict[str, tuple[str, Optional[str]]]  # peer key -> (state name, why it failed)
-    reads: dict[int, tuple[str, Optional[str]]]  # handle id -> (state name, error)
+    connects: dict[str, tuple[TransferState, Optional[str]]]  # peer key -> (state, why it failed)
+    reads: dict[int, tuple[TransferState, Optional[str]]]  # handle id -> (state, error)
     held: frozenset[int]  # handles whose pages this rank may still write
 
 
@@ -124,8 +124,8 @@ def rank_descriptor(info: PeerInfo) -> dict:
     return {name: data[name] for name in _RANK_FIELDS}
 
 
-def _worst(states: Sequence[tuple[str, Optional[str]]]) -> tuple[str, Optional[str]]:
-    return min(states, key=lambda state: _STATE_ORDER[state[0]], default=("DONE", None))
+def _worst(states: Sequence[tuple[TransferState, Optional[str]]]) -> tuple[TransferState, Optional[str]]:
+    return min(states, key=lambda state: _STATE_ORDER[state[0]], default=(TransferState.DONE, None))
 
 
 # ---- one rank's share ---------------------------------------------------------------------------
@@ -165,10 +165,10 @@ class RankReader:
         self._links: dict[str, _Link] = {}
         self._reads: dict[int, list[TransferHandle]] = {}
         self._read_errors: dict[int, str] = {}
-        self._generation = getattr(local, "generation", 0)
+        self._generation = local.generation
 
     def connect(self, peer_key: str, ranks: Sequence[PeerInfo]) -> None:
-        generation = getattr(self.local, "generation", 0)
+        generation = self.local.generation
         if generation != self._generation:  # a replaced agent (its process died) knows none of the links
             self._generation = generation
             self._links.clear()
@@ -198,16 +198,16 @@ class RankReader:
                 link.failure = f"rank {self.rank} -> peer rank {source.remote_rank}: {error.message}"
                 return
 
-    def connect_state(self, peer_key: str) -> tuple[str, Optional[str]]:
+    def connect_state(self, peer_key: str) -> tuple[TransferState, Optional[str]]:
         link = self._links.get(peer_key)
         if link is None:
-            return "FAILED", "not connecting"
+            return TransferState.FAILED, "not connecting"
         if link.failure is not None:
-            return "FAILED", link.failure
+            return TransferState.FAILED, link.failure
         states = []
         for sub_key in link.sub_keys:
             state = self.local.poll_connect(sub_key)
-            states.append((state.name, self.local.connect_failure(sub_key) if state is TransferState.FAILED else None))
+            states.append((state, self.local.connect_failure(sub_key) if state is TransferState.FAILED else None))
         return _worst(states)
 
     def disconnect(self, peer_key: str) -> None:
@@ -247,10 +247,10 @@ class RankReader:
         return (unit_chunk_ids(link.units.local, local_ids, source.local_offset * self.rows_per_head, num_rows),
                 unit_chunk_ids(link.units.remote, remote_ids, source.remote_offset * self.rows_per_head, num_rows))
 
-    def read_state(self, handle_id: int) -> tuple[str, Optional[str]]:
+    def read_state(self, handle_id: int) -> tuple[TransferState, Optional[str]]:
         if handle_id in self._read_errors:
-            return "FAILED", self._read_errors[handle_id]
-        states = [(self.local.poll(handle).name, handle.error) for handle in self._reads.get(handle_id, [])]
+            return TransferState.FAILED, self._read_errors[handle_id]
+        states = [(self.local.poll(handle), handle.error) for handle in self._reads.get(handle_id, [])]
         return _worst(states)
 
     def release(self, handle_id: int) -> bool:
@@ -311,7 +311,7 @@ class RankedTransport:
     @property
     def generation(self) -> int:
         """Times rank 0's agent was replaced (an isolated agent that died); the other ranks' agents run inline."""
-        return getattr(self.local, "generation", 0)
+        return self.local.generation
 
     def local_peer_info(self, engine_id: str, epoch: str) -> PeerInfo:
         info = self.local.local_peer_info(engine_id, epoch)
@@ -345,19 +345,19 @@ class RankedTransport:
 
     def poll_connect(self, peer_key: str) -> TransferState:
         state, _ = self.reader.connect_state(peer_key)
-        if state == "FAILED":
+        if state is TransferState.FAILED:
             return TransferState.FAILED
-        states = [state] + [report.connects.get(peer_key, ("FAILED", "not connecting"))[0]
+        states = [state] + [report.connects.get(peer_key, (TransferState.FAILED, "not connecting"))[0]
                             for report in self._followers_now()]
-        return TransferState[_worst([(name, None) for name in states])[0]]
+        return _worst([(each, None) for each in states])[0]
 
     def connect_failure(self, peer_key: str) -> Optional[str]:
         state, error = self.reader.connect_state(peer_key)
-        if state == "FAILED":
+        if state is TransferState.FAILED:
             return f"rank 0: {error}"
         for rank, report in enumerate(self._reports, start=1):
-            state, error = report.connects.get(peer_key, ("FAILED", None))
-            if state == "FAILED":
+            state, error = report.connects.get(peer_key, (TransferState.FAILED, None))
+            if state is TransferState.FAILED:
                 return f"rank {rank}: {error or 'cannot reach the peer'}"
         return None
 
@@ -403,15 +403,15 @@ class RankedTransport:
         if read is None or handle.state is not TransferState.PENDING:
             return handle.state if read is not None else TransferState.FAILED
         state, error = self.reader.read_state(handle.handle_id)
-        if state == "FAILED":
+        if state is TransferState.FAILED:
             return self._fail(handle, f"rank 0: {error}")
         follower_states = []
         for rank, report in enumerate(self._followers_now(), start=1):
-            name, error = report.reads.get(handle.handle_id, ("PENDING", None))
-            if name == "FAILED":
+            follower_state, error = report.reads.get(handle.handle_id, (TransferState.PENDING, None))
+            if follower_state is TransferState.FAILED:
                 return self._fail(handle, f"rank {rank}: {error}")
-            follower_states.append(name)
-        if state == "DONE" and all(name == "DONE" for name in follower_states):
+            follower_states.append(follower_state)
+        if state is TransferState.DONE and all(each is TransferState.DONE for each in follower_states):
             self._notify(read)
             handle.state = TransferState.DONE
         return handle.state

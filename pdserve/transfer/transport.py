@@ -142,6 +142,12 @@ class KVTransport(Protocol):
         """Bytes of one page; a peer is only usable when its page_bytes is equal."""
         ...
 
+    @property
+    def generation(self) -> int:
+        """How many times this transport's agent was replaced (an isolated NIXL agent that died): 0 for
+        one that never was. A new generation knows no peer, and the worker's transfer epoch names it."""
+        ...
+
     def local_peer_info(self, engine_id: str, epoch: str) -> PeerInfo:
         """What a reader needs to pull from this process's pool."""
         ...

@@ -48,7 +48,7 @@ def test_threads_per_rank_shares_the_workers_threads_and_never_drops_below_one()
 
 
 def test_threads_per_rank_matches_what_the_worker_does():
-    from pdserve.engine.devices import rank_threads
+    from pdserve.runner.devices import rank_threads
 
     for num_threads in (1, 2, 5, 8):
         for size in (1, 2, 3):

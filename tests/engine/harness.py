@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from pdserve.api.sampling import SamplingParams
-from pdserve.engine.factory import BuiltEngine, build_engine
+from pdserve.app.engine_factory import BuiltEngine, build_engine
 from pdserve.metrics import Metrics
 from pdserve.models.loader import LoadedModel
 from pdserve.request import GenerationRequest, RequestOutput

@@ -10,7 +10,7 @@ import httpx
 from fastapi import FastAPI
 
 from pdserve.api.config import CacheConfig, ModelConfig, ServerConfig, TransferConfig, WorkerConfig
-from pdserve.engine.factory import BuiltEngine, build_engine
+from pdserve.app.engine_factory import BuiltEngine, build_engine
 from pdserve.metrics import Metrics
 from pdserve.server.app import create_app
 from pdserve.server.kv_routes import create_kv_router

@@ -14,7 +14,7 @@ import torch
 
 from pdserve.api.config import CacheConfig, ModelConfig, ServerConfig, WorkerConfig
 from pdserve.api.sampling import FinishReason
-from pdserve.engine.factory import build_engine
+from pdserve.app.engine_factory import build_engine
 from pdserve.metrics import Metrics
 from pdserve.models.loader import embedded_model_path, load_model
 from pdserve.server.app import create_app

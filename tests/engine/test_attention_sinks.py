@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pdserve.engine.paged_attention as paged_attention
-from pdserve.engine.decode_attention import (
+import pdserve.runner.paged_attention as paged_attention
+from pdserve.runner.decode_attention import (
     attend_decode, attend_decode_static, attend_decode_torch, build_decode_rows,
 )
-from pdserve.engine.paged_attention import PagedAttention
+from pdserve.runner.paged_attention import PagedAttention
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from tests.engine.test_decode_attention import BLOCK_SIZE as ROW_BLOCK_SIZE
 from tests.engine.test_decode_attention import HEAD_DIM as ROW_HEAD_DIM

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pdserve.engine.decode_attention import attend_decode, attend_decode_torch, build_decode_rows, plan_slices
+from pdserve.runner.decode_attention import attend_decode, attend_decode_torch, build_decode_rows, plan_slices
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec
 from tests.models.test_quantized_blocks import require_native_kernels
 

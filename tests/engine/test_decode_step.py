@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.decode_step import DecodeStep, _layer_step_static, should_compile
-from pdserve.engine.paged_attention import PagedAttention
-from pdserve.engine.runner import ModelRunner
+from pdserve.runner.decode_step import DecodeStep, _layer_step_static, should_compile
+from pdserve.runner.paged_attention import PagedAttention
+from pdserve.runner.model_runner import ModelRunner
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.kv.specs import plan_groups

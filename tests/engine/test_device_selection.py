@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from pdserve.api.config import ModelConfig
 from pdserve.api.flags import worker_config
 from pdserve.app.cli import build_parser
-from pdserve.engine.devices import pick_device
+from pdserve.runner.devices import pick_device
 from tests.devices import cuda_available
 
 

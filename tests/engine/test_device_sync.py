@@ -16,7 +16,6 @@ from pdserve.engine.emitter import OutputEmitter
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.outputs import OutputProcessor
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput, StepResult
-from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stats import EngineStats
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, plan_groups
@@ -26,6 +25,7 @@ from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
 from pdserve.request import GenerationRequest
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
 from tests.devices import cuda_available
+from tests.engine.checked_scheduler import CheckedScheduler
 from tests.server.fake_engine import FakeTokenizer
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 32
@@ -38,7 +38,10 @@ class Tokenizer(FakeTokenizer):
 
 
 class RecordingRunner:
-    """Answers every sampling chunk with token 7; logs what it is asked to do."""
+    """Answers every sampling chunk with token 7; logs what it is asked to do (a `StepRunner`)."""
+
+    cancellable = False  # its steps are never abandoned between layers
+    stop_check = None
 
     def __init__(self, events: list[str], fail_execute: bool = False, fail_sync: bool = False):
         self.events = events
@@ -55,6 +58,12 @@ class RecordingRunner:
         self.events.append("synchronize")
         if self.fail_sync:
             raise RuntimeError("CUDA error: sticky")
+
+    def bind_thread(self) -> None:
+        pass
+
+    def keep_ranks_alive(self) -> None:
+        pass
 
 
 class RecordingKV(KVCacheManager):
@@ -89,7 +98,7 @@ def make_loop(runner_kwargs: dict, prefill: bool = False) -> tuple[EngineLoop, l
         connector = RecordingPrefillConnector(events, transport, LeaseTable(30.0),
                                               PrefillIdentity("P", "e", "127.0.0.1", 1), PLAN, BLOCK_SIZE,
                                               Metrics().transfer)
-    scheduler = Scheduler(SchedulerConfig(), kv, BLOCK_SIZE, 1000, connector=connector)
+    scheduler = CheckedScheduler(SchedulerConfig(), kv, BLOCK_SIZE, 1000, connector=connector)
     loop = EngineLoop(scheduler, RecordingRunner(events, **runner_kwargs), OutputEmitter(OutputProcessor(Tokenizer())),
                       (2,), EngineStats(Metrics(), kv))
     outputs: list = []
@@ -139,7 +148,7 @@ def test_a_step_whose_synchronize_raises_is_a_failed_step():
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 def test_runner_synchronize_leaves_the_compute_stream_idle():
-    from pdserve.engine.runner import ModelRunner
+    from pdserve.runner.model_runner import ModelRunner
     from pdserve.kv.layout import KVPoolLayout
 
     class BusyModel(torch.nn.Module):

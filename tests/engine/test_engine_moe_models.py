@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pdserve.engine.decode_attention as decode_attention
-import pdserve.engine.decode_step as decode_step
-import pdserve.engine.paged_attention as paged_attention
+import pdserve.runner.decode_attention as decode_attention
+import pdserve.runner.decode_step as decode_step
+import pdserve.runner.paged_attention as paged_attention
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec
 from pdserve.models.loader import load_model
 from pdserve.request import GenerationRequest

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
-from pdserve.engine.factory import BuiltEngine, build_engine
+from pdserve.app.engine_factory import BuiltEngine, build_engine
 from pdserve.kv.prefix import first_live_block, max_hit_blocks
 from pdserve.metrics import Metrics
 from pdserve.models.loader import load_model

@@ -86,7 +86,7 @@ def test_gemma3_sliding_groups_hold_only_the_window_during_a_long_request(gemma)
 
 def test_pool_sized_from_a_memory_budget(qwen):
     from pdserve.api.config import CacheConfig, ModelConfig, WorkerConfig
-    from pdserve.engine.factory import build_engine
+    from pdserve.app.engine_factory import build_engine
     from pdserve.metrics import Metrics
 
     _, loaded = qwen

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.decode_step import DecodeStep
-from pdserve.engine.fused_layer import FusedLlamaLayer, fused_layers, unfusable_reason
+from pdserve.runner.decode_step import DecodeStep
+from pdserve.runner.fused_layer import FusedLlamaLayer, fused_layers, unfusable_reason
 from pdserve.models.loader import load_model
 from tests.engine.test_decode_step import BLOCK_SIZE, _chunk, _prefilled, _runner
 from tests.models.hf_oracle import randomize_norms, save_tiny_checkpoint

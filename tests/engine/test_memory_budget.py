@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
-from pdserve.engine.memory_budget import (
+from pdserve.runner.memory_budget import (
     DEFAULT_HOST_KV_MEMORY_BYTES, StepLimits, pool_num_blocks, run_worst_case_steps, worst_case_steps)
 from pdserve.kv.specs import plan_groups
 from pdserve.models.loader import load_model
@@ -62,7 +62,7 @@ def test_num_blocks_wins_then_kv_memory_then_the_device_default(gemma_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 def test_cuda_pool_sized_from_free_memory_keeps_the_share_and_room_for_the_largest_step(gemma_dir):
-    from pdserve.engine.factory import build_engine
+    from pdserve.app.engine_factory import build_engine
     from pdserve.metrics import Metrics
 
     torch.cuda.empty_cache()

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from pdserve.api.config import CacheConfig, ParallelConfig, WorkerConfig
-from pdserve.engine.factory import _num_offload_slots
-from pdserve.engine.offload_ranks import FileTierFollower, HostTierFollower, RankMirror, TierRead, TierWrite
+from pdserve.app.kv_cache_side import num_offload_slots
+from pdserve.runner.offload_ranks import FileTierFollower, HostTierFollower, RankMirror, TierRead, TierWrite
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.kv.offload import OffloadTier, PageLoad
 from pdserve.kv.offload_file import FilePageStore
@@ -217,7 +217,7 @@ def test_tensor_parallel_takes_both_tiers(tmp_path):
     layout = KVPoolLayout(8, 2, 4, 2, 16, torch.float32)
     host = WorkerConfig(cache=CacheConfig(kv_offload_bytes=10 * layout.page_bytes),
                         parallel=ParallelConfig(tensor_parallel_size=2))
-    assert _num_offload_slots(host, layout) == 10
+    assert num_offload_slots(host, layout) == 10
     files = host.model_copy(update={"cache": CacheConfig(kv_offload_bytes=10 * layout.page_bytes,
                                                          kv_offload_dir=str(tmp_path))})
-    assert _num_offload_slots(files, layout) == 10
+    assert num_offload_slots(files, layout) == 10

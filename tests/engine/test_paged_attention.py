@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.api.sampling import SamplingParams
-from pdserve.engine.decode_attention import uses_native_kernel
-from pdserve.engine.paged_attention import PagedAttention, fold_query_heads, unfold_query_heads
+from pdserve.runner.decode_attention import uses_native_kernel
+from pdserve.runner.paged_attention import PagedAttention, fold_query_heads, unfold_query_heads
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.api.sampling import SamplingParams
-from pdserve.engine.sampler import Sampler
+from pdserve.runner.sampler import Sampler
 from pdserve.engine.schedule_types import ScheduledChunk
 from tests.devices import cuda_available
 from tests.models.test_quantized_blocks import require_native_kernels
@@ -111,7 +111,7 @@ def test_a_seeded_request_resumes_identically_after_preemption_or_on_another_wor
 
 
 def test_a_late_draw_costs_what_the_first_does_and_each_draw_has_its_own_seed():
-    from pdserve.engine.sampler import draw_seed
+    from pdserve.runner.sampler import draw_seed
 
     sampler = Sampler(torch.device("cpu"))
     late = chunk("s", 1_000_000_000, temperature=1.0, seed=7)  # a billion earlier draws, none replayed

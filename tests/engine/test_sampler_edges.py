@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.api.sampling import SamplingParams
-from pdserve.engine.grammar_matchers import GrammarMatchers, bitmask_to_allowed
-from pdserve.engine.logits_processors import adjust_logits
-from pdserve.engine.sampler import Sampler, unpack_sampled
+from pdserve.runner.grammar_matchers import GrammarMatchers, bitmask_to_allowed
+from pdserve.runner.logits_processors import adjust_logits
+from pdserve.runner.sampler import Sampler, unpack_sampled
 from pdserve.engine.schedule_types import ScheduledChunk
 
 VOCAB = 64

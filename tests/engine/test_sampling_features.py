@@ -11,9 +11,9 @@ import torch
 
 from pdserve.api.sampling import SamplingParams
 from pdserve.api.structured_protocol import OutputConstraint
-from pdserve.engine.grammar_matchers import allow_only, bitmask_to_allowed
-from pdserve.engine.logits_processors import adjust_logits
-from pdserve.engine.sampler import Sampler
+from pdserve.runner.grammar_matchers import allow_only, bitmask_to_allowed
+from pdserve.runner.logits_processors import adjust_logits
+from pdserve.runner.sampler import Sampler
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.grammar.compiler import compile_constraint
 
@@ -226,7 +226,7 @@ def test_min_tokens_leaves_a_grammar_row_to_its_grammar(device):
 def test_a_tokenizer_llguidance_cannot_read_is_a_remembered_request_fault():
     from types import SimpleNamespace
 
-    from pdserve.engine.grammar_matchers import GrammarTokenizer
+    from pdserve.runner.grammar_matchers import GrammarTokenizer
     from pdserve.grammar.errors import GrammarTokenizerUnavailable
 
     calls = []

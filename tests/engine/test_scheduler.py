@@ -8,10 +8,11 @@ import pytest
 from pdserve.api.config import SchedulerConfig
 from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.schedule_types import SampledToken, SchedulerOutput
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_invariants import SchedulerInvariantError
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from pdserve.request import Request, RequestStatus
+from tests.engine.checked_scheduler import CheckedScheduler
 
 BLOCK = 4
 
@@ -20,7 +21,7 @@ def make_scheduler(num_blocks=64, budget=32, max_running=8, specs=None, max_mode
     plan = plan_groups(specs or [FullAttentionSpec()] * 2)
     kv = KVCacheManager(plan, num_blocks, BLOCK, prefix)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_running=max_running)
-    return Scheduler(config, kv, BLOCK, max_model_len), kv
+    return CheckedScheduler(config, kv, BLOCK, max_model_len), kv
 
 
 def make_request(request_id, num_prompt, max_tokens=4, first_token=1, **sampling):
@@ -160,3 +161,17 @@ def test_every_prompt_token_is_computed_exactly_once(budget):
     for positions in computed.values():
         assert positions == list(range(len(positions)))
         assert len(positions) == 11 + 2  # prompt + every sampled token but the last
+
+
+def test_check_invariants_names_each_broken_rule():
+    scheduler, kv = make_scheduler()
+    scheduler.add_request(make_request("a", 6))
+    scheduler.add_request(make_request("b", 6))
+    run_step(scheduler, kv)
+    scheduler.check_invariants()  # a healthy state passes
+    scheduler.waiting.append(scheduler.running[0])  # "a" now sits in two queues, with blocks, as RUNNING
+    with pytest.raises(SchedulerInvariantError) as raised:
+        scheduler.check_invariants()
+    message = str(raised.value)
+    assert "more than one queue" in message and "waiting requests that hold blocks: ['a']" in message
+    assert "queued as waiting with another status: ['a']" in message

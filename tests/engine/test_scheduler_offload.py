@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pdserve.api.config import SchedulerConfig
 from pdserve.api.sampling import FinishReason
-from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.offload import OffloadTier
 from pdserve.kv.specs import FullAttentionSpec, plan_groups
 from pdserve.request import RequestStatus
+from tests.engine.checked_scheduler import CheckedScheduler
 from tests.engine.test_scheduler import BLOCK, make_request, run_step
 from tests.kv.test_offload import FakePages
 
@@ -19,7 +19,7 @@ def make_offload_scheduler(num_blocks=9, num_slots=32):
     pages = FakePages(num_blocks, num_slots)
     kv = KVCacheManager(plan, num_blocks, BLOCK, offload=OffloadTier(pages, [0]))
     config = SchedulerConfig(max_num_batched_tokens=64, max_num_running=4)
-    return Scheduler(config, kv, BLOCK, 1000), kv, pages
+    return CheckedScheduler(config, kv, BLOCK, 1000), kv, pages
 
 
 def finish_alone(scheduler, kv, request):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from pdserve.api.config import SchedulerConfig
-from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_budget import MIN_PREFILL_CHUNK, StepBudget, StepTimeModel
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, plan_groups
+from tests.engine.checked_scheduler import CheckedScheduler
 from tests.engine.test_scheduler import BLOCK, answer, make_request
 
 
@@ -68,7 +68,7 @@ def test_a_prompt_arriving_beside_decoding_streams_is_cut_into_chunks_that_fit_t
     clock = Clock()
     kv = KVCacheManager(plan_groups([FullAttentionSpec()] * 2), 256, BLOCK)
     config = SchedulerConfig(max_num_batched_tokens=512, max_step_ms=max_step_ms)
-    scheduler = Scheduler(config, kv, BLOCK, 4096, clock=clock)
+    scheduler = CheckedScheduler(config, kv, BLOCK, 4096, clock=clock)
 
     def step() -> list:
         output = scheduler.schedule()

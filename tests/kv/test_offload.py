@@ -35,6 +35,9 @@ class FakePages:
     def write(self, slot: int, block_id: int) -> None:
         self.slots[slot] = self.pool[block_id]
 
+    def close(self) -> None:
+        pass
+
     def read(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         if self.fail_reads:
             raise OffloadIOError("injected")

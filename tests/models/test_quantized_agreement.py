@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pdserve.api.sampling import SamplingParams
-from pdserve.engine.paged_attention import PagedAttention
-from pdserve.engine.runner import ModelRunner
+from pdserve.runner.paged_attention import PagedAttention
+from pdserve.runner.model_runner import ModelRunner
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.kv.specs import plan_groups

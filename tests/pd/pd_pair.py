@@ -12,7 +12,6 @@ from pdserve.api.config import SchedulerConfig
 from pdserve.api.kv_transfer import PROTOCOL_VERSION, AgentInfo, PoolGeometry, RemotePrefillParams
 from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.schedule_types import SampledToken
-from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from pdserve.metrics import Metrics
@@ -25,6 +24,7 @@ from pdserve.request import RemoteSource, Request
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
 from pdserve.transfer.ranked_transport import RankedTransport, encode_ranks, rank_descriptor
 from pdserve.transfer.transport import KVTransport
+from tests.engine.checked_scheduler import CheckedScheduler
 
 BLOCK = 4
 NUM_BLOCKS = 64
@@ -53,7 +53,7 @@ class PrefillSide:
         self.connector = PrefillConnector(self.transport, LeaseTable(lease_s, clock=clock),
                                           PrefillIdentity(name, "epoch-1", "127.0.0.1", 1), PLAN, BLOCK,
                                           self.metrics.transfer)
-        self.scheduler = Scheduler(SchedulerConfig(), self.kv, BLOCK, 10_000, connector=self.connector)
+        self.scheduler = CheckedScheduler(SchedulerConfig(), self.kv, BLOCK, 10_000, connector=self.connector)
 
     def prefill(self, request_id: str, num_prompt: int) -> RemotePrefillParams:
         """Run a remote-decode prefill (no model: the test writes a recognisable pattern per page)."""
@@ -98,7 +98,7 @@ class DecodeSide:
         self.peers = PeerConnections(reader, connect_timeout_s=5.0, clock=clock)
         self.connector = DecodeConnector(reader, self.peers, PLAN, block_size, self.metrics.transfer, policy,
                                          pull_timeout_s=pull_timeout_s, heartbeat_s=heartbeat_s, clock=clock)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_running=max_running), self.kv, block_size, 10_000,
+        self.scheduler = CheckedScheduler(SchedulerConfig(max_num_running=max_running), self.kv, block_size, 10_000,
                                    connector=self.connector)
 
     def connect(self, p: PrefillSide) -> Optional[str]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.pd.messages import MAX_MESSAGE_BYTES, KVMessage, parse_message
+from pdserve.pd.messages import MAX_MESSAGE_BYTES, KVMessage, MessageKind, parse_message
 
 NONCE = "0123456789abcdef0123456789abcdef"
 
 
-@pytest.mark.parametrize("kind", ["done", "free", "renew"])
+@pytest.mark.parametrize("kind", list(MessageKind))
 def test_a_message_survives_its_round_trip_even_with_colons_in_the_request_id(kind):
     message = KVMessage(kind, "chat:42#1", NONCE)
     assert parse_message(message.encode()) == message

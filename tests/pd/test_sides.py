@@ -11,7 +11,7 @@ from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.schedule_types import SampledToken
 from pdserve.kv.specs import SlidingWindowSpec
 from pdserve.pd.geometry import handoff_ranges, handoff_slices
-from pdserve.pd.messages import KVMessage
+from pdserve.pd.messages import KVMessage, MessageKind
 from pdserve.request import Request, RequestStatus
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
 from pdserve.transfer.transport import PeerInfo
@@ -324,7 +324,7 @@ def test_messages_without_the_pins_nonce_touch_nothing_and_are_counted(p, fabric
     stranger = FakeTransport(torch.zeros(4, PAGE_BYTES, dtype=torch.int8), "stranger", fabric)
     peer_key = stranger.connect(PeerInfo.from_dict(p.agent_info().transport))
     forged = "f" * 32
-    for kind in ("free", "done", "renew"):
+    for kind in (MessageKind.FREE, MessageKind.DONE, MessageKind.RENEW):
         stranger.send_message(peer_key, KVMessage(kind, "r1", forged).encode())
     stranger.send_message(peer_key, b"free:r1")  # version 1's form
     p.tick()
@@ -339,7 +339,7 @@ def test_the_nonce_from_the_params_frees_the_pin(p, fabric):
     params = p.prefill("r1", 30)
     stranger = FakeTransport(torch.zeros(4, PAGE_BYTES, dtype=torch.int8), "holder", fabric)
     peer_key = stranger.connect(PeerInfo.from_dict(p.agent_info().transport))
-    stranger.send_message(peer_key, KVMessage("free", "r1", params.remote_pin_nonce).encode())
+    stranger.send_message(peer_key, KVMessage(MessageKind.FREE, "r1", params.remote_pin_nonce).encode())
     p.tick()
     assert p.connector.num_pinned_blocks == 0 and not p.kv.has_request("r1")
 
@@ -352,7 +352,7 @@ def test_a_late_message_about_an_earlier_pin_cannot_free_a_newer_pin_of_the_same
     assert second.remote_pin_nonce != first.remote_pin_nonce
     late = FakeTransport(torch.zeros(4, PAGE_BYTES, dtype=torch.int8), "late", fabric)
     peer_key = late.connect(PeerInfo.from_dict(p.agent_info().transport))
-    late.send_message(peer_key, KVMessage("done", "r1", first.remote_pin_nonce).encode())
+    late.send_message(peer_key, KVMessage(MessageKind.DONE, "r1", first.remote_pin_nonce).encode())
     p.tick()
     assert p.kv.has_request("r1") and p.connector.num_pinned_blocks > 0
     assert rejected_messages(p, "stale") == 1

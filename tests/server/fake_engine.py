@@ -35,6 +35,7 @@ class FakeTokenizer:
 
     vocab_size = 256 + _BYTE_OFFSET
     eos_token_ids = (EOS_ID,)
+    chat_template = None  # its own fixed format below, no Jinja template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [byte + _BYTE_OFFSET for byte in text.encode("utf-8")]
@@ -65,6 +66,7 @@ class FakeEngine:
     kv_transfer_params_out: Optional[RemotePrefillParams] = None  # attached to the final output
     num_cached_tokens: int = 0
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    grammar_tokenizer: None = None  # grammars are compiled but not checked against a vocabulary
     requests: list[GenerationRequest] = field(default_factory=list)
     aborted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)

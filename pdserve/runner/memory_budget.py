@@ -17,7 +17,7 @@ import torch
 
 from pdserve.api.config import WorkerConfig
 from pdserve.api.sampling import SamplingParams
-from pdserve.engine.runner import ModelRunner
+from pdserve.runner.model_runner import ModelRunner
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput
 from pdserve.kv.layout import KVPoolLayout, num_blocks_for_budget
 from pdserve.kv.sizing import DeviceMemory, kv_pool_budget

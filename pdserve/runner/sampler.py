@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from pdserve.engine.logits_processors import adjust_logits, needs_adjustment
+from pdserve.runner.logits_processors import adjust_logits, needs_adjustment
 from pdserve.engine.schedule_types import SampledToken, ScheduledChunk
 from pdserve.kernels.native import ops
 

@@ -1,4 +1,4 @@
-"""Runs one scheduled step on the device: the only engine code that touches torch.
+"""Runs one scheduled step on the device: the `StepRunner` the engine loop hands every step to.
 
 Owns the model, the KV pool tensor and the sampler. Steps made only of
 single-token chunks go through `DecodeStep` (a pure, optionally compiled pass)
@@ -20,22 +20,19 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from pdserve.engine import prompt_logprobs
-from pdserve.engine.decode_step import DecodeStep
-from pdserve.engine.grammar_matchers import GrammarMatchers, bitmask_to_allowed
-from pdserve.engine.paged_attention import PagedAttention
-from pdserve.engine.sampler import Sampler, unpack_sampled
+from pdserve.runner import prompt_logprobs
+from pdserve.runner.decode_step import DecodeStep
+from pdserve.runner.grammar_matchers import GrammarMatchers, bitmask_to_allowed
+from pdserve.runner.paged_attention import PagedAttention
+from pdserve.runner.sampler import Sampler, unpack_sampled
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
+from pdserve.engine.step_runner import StepCancelled
 from pdserve.kernels.native import cpu_kernels_available
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
-
-
-class StepCancelled(Exception):
-    """The step was abandoned between layers: every request in it was aborted meanwhile."""
 
 
 class ModelRunner:

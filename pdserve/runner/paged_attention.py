@@ -41,7 +41,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.decode_attention import DecodeRows, attend_decode, build_decode_rows, uses_native_kernel
+from pdserve.runner.decode_attention import DecodeRows, attend_decode, build_decode_rows, uses_native_kernel
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.kv.specs import AttentionSpec, FullAttentionSpec, KVGroupPlan
 

@@ -26,10 +26,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from pdserve.engine.decode_attention import (
+from pdserve.runner.decode_attention import (
     DecodeRows, attend_decode, attend_decode_static, build_decode_rows, uses_native_kernel,
 )
-from pdserve.engine.fused_layer import FusedDecoderStack, fused_layers
+from pdserve.runner.fused_layer import FusedDecoderStack, fused_layers
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.models.base import CausalLM, DecoderLayer

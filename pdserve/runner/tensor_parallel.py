@@ -31,11 +31,11 @@ import torch
 
 from pdserve.api.config import WorkerConfig
 from pdserve.api.sampling import SamplingParams
-from pdserve.engine import prompt_logprobs
-from pdserve.engine.devices import pick_device, pick_dtype, rank_device, rank_threads
-from pdserve.engine.runner import ModelRunner
+from pdserve.runner import prompt_logprobs
+from pdserve.runner.devices import pick_device, pick_dtype, rank_device, rank_threads
+from pdserve.runner.model_runner import ModelRunner
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
-from pdserve.engine.offload_ranks import FileTierFollower, HostTierFollower
+from pdserve.runner.offload_ranks import FileTierFollower, HostTierFollower
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.offload_file import FilePageStore
 from pdserve.kv.offload_host import HostPageStore

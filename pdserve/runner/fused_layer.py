@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.decode_attention import DecodeRows
+from pdserve.runner.decode_attention import DecodeRows
 from pdserve.kernels.native import cpu_kernels_available, ops
 from pdserve.models.base import CausalLM, DecoderLayer
 from pdserve.models.llama import LlamaDecoderLayer

@@ -1,0 +1,137 @@
+"""Assembles a worker's engine from its config: the model side, the KV side and the P/D side
+(`model_side`, `kv_cache_side`, `pd_side`), then the scheduler, the loop and its async face.
+
+Invariant: every part is given what it needs at construction (the loop's inbox is made first, so the
+offload tier and the P/D admission are built with its wake-up and `call_soon`); nothing is set on an
+object after it was built.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import httpx
+import torch
+
+from pdserve.api.config import WorkerConfig
+from pdserve.api.kv_transfer import AgentInfo
+from pdserve.app.kv_cache_side import build_kv_cache_side
+from pdserve.app.model_side import ModelSide, build_model_side
+from pdserve.app.pd_side import build_pd_side
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.core_share import CoreShare, open_core_share
+from pdserve.engine.emitter import OutputEmitter
+from pdserve.engine.inbox import EngineInbox
+from pdserve.engine.loop import EngineLoop
+from pdserve.engine.outputs import OutputProcessor
+from pdserve.engine.request_ids import RequestIdRegistry
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.stats import EngineStats
+from pdserve.kv.events import KVEventRecorder
+from pdserve.kv.layout import KVPoolLayout
+from pdserve.kv.manager import KVCacheManager
+from pdserve.kv.specs import KVGroupPlan
+from pdserve.metrics import Metrics
+from pdserve.models.loader import LoadedModel
+from pdserve.pd.prefill import PrefillConnector
+from pdserve.pd.wiring import KVSide, TransportFactory, nixl_transport
+from pdserve.runner.model_runner import ModelRunner
+
+
+logger = logging.getLogger(__name__)
+CHECK_INVARIANTS_ENV = "PDSERVE_CHECK_INVARIANTS"  # "1": the loop checks the scheduler's invariants after every step
+
+
+@dataclass
+class BuiltEngine:
+    engine: AsyncEngine
+    loaded: LoadedModel
+    plan: KVGroupPlan
+    layout: KVPoolLayout
+    kv_manager: KVCacheManager
+    runner: ModelRunner
+    kv_side: KVSide
+    kv_events: KVEventRecorder
+    epoch: str  # fresh at every start: the P/D handshake's epoch, or its own for a colocated worker
+
+    @property
+    def agent_info(self) -> Optional[AgentInfo]:
+        return self.kv_side.agent_info
+
+    def release_pinned(self, request_id: str) -> None:
+        """Prefill workers: free a pinned prefill's blocks now (on the engine thread, at its next turn)."""
+        connector = self.kv_side.connector
+        if isinstance(connector, PrefillConnector):
+            self.engine.engine_loop.call_soon(functools.partial(connector.release_early, request_id))
+
+    def close(self) -> None:
+        """Stop the engine thread, then release the transport, the offload tier and the other ranks
+        (never the other way round)."""
+        self.engine.shutdown()
+        self.kv_side.close()
+        if self.kv_manager.offload is not None:
+            self.kv_manager.offload.close()
+        self.runner.close()
+
+
+def _core_share(config: WorkerConfig, metrics: Metrics) -> Optional[CoreShare]:
+    """--core-ledger: this worker's threads follow the other worker's work (P and D on one host)."""
+    if config.model.core_ledger is None:
+        return None
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError("--core-ledger is for single-rank workers (-tp 1)")
+    narrow = config.model.num_threads or torch.get_num_threads()
+    wide = config.model.num_threads_alone or len(os.sched_getaffinity(0))
+
+    def set_threads(num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
+        metrics.engine.cpu_threads.set(num_threads)
+
+    return open_core_share(config.model.core_ledger, config.role, narrow, max(narrow, wide), set_threads)
+
+
+def _log_ready(config: WorkerConfig, model: ModelSide, model_name: str) -> None:
+    plan, layout = model.plan, model.layout
+    logger.info(
+        "engine ready: role=%s model=%s device=%s dtype=%s tp=%d groups=%d group_size=%d blocks=%d block_size=%d "
+        "page_bytes=%d max_model_len=%d", config.role, model_name, model.device, model.dtype,
+        config.parallel.tensor_parallel_size, len(plan.groups), plan.group_size, layout.num_blocks,
+        layout.block_size, layout.page_bytes, model.max_model_len,
+    )
+
+
+def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | None = None, *,
+                 request_ids: Optional[RequestIdRegistry] = None,
+                 transport_factory: TransportFactory = nixl_transport,
+                 http_transport: Optional[httpx.AsyncBaseTransport] = None,
+                 rendezvous_fd: Optional[int] = None) -> BuiltEngine:
+    """`rendezvous_fd` is rank 0's listening socket of a tensor-parallel worker (app.ranks).
+    `loaded` lets tests and benchmarks share one set of weights between engines;
+    it must have been loaded with the device and dtype `config` implies. The
+    transport factory and the handshake's HTTP transport let in-process tests
+    replace NIXL and the network."""
+    model = build_model_side(config, loaded, rendezvous_fd)
+    inbox = EngineInbox()  # before the parts that report to the loop
+    cache = build_kv_cache_side(config, model.plan, model.layout, model.runner.pool, model.channel, inbox.wake)
+    model_name = config.model.served_name or model.loaded.name
+    pd = build_pd_side(config, metrics, model, model_name, transport_factory, inbox.call_soon, http_transport)
+    stats = EngineStats(metrics, cache.kv_manager)
+    scheduler = Scheduler(config.scheduler, cache.kv_manager, config.cache.block_size, model.max_model_len,
+                          connector=pd.kv_side.connector, on_preempt=stats.record_preemption)
+    metrics.engine.cpu_threads.set(torch.get_num_threads())
+    tokenizer = model.loaded.tokenizer
+    loop = EngineLoop(scheduler, model.runner, OutputEmitter(OutputProcessor(tokenizer)), tokenizer.eos_token_ids,
+                      stats, request_ids, inbox=inbox, core_share=_core_share(config, metrics),
+                      check_invariants=os.environ.get(CHECK_INVARIANTS_ENV) == "1")
+    metrics.engine.watch_progress(loop.progress_age_s)
+    metrics.engine.watch_ranks(config.parallel.tensor_parallel_size, loop.is_alive)
+    max_in_flight = config.scheduler.max_num_running + config.scheduler.max_num_waiting
+    engine = AsyncEngine(loop, model_name, model.max_model_len, tokenizer, max_in_flight, pd.admission,
+                         model.grammar_tokenizer)
+    _log_ready(config, model, model_name)
+    return BuiltEngine(engine, model.loaded, model.plan, model.layout, cache.kv_manager, model.runner, pd.kv_side,
+                       cache.kv_events, pd.kv_side.base_epoch)

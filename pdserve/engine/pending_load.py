@@ -1,0 +1,37 @@
+"""One record per loading request (WAITING_FOR_REMOTE_KV): which parts of its KV are still being
+written into its blocks, and what the request does once none is.
+
+    part            who writes the blocks            reported by
+    pull            a prefill worker (NIXL READ)     the connector's KVEvents (landed / failed)
+    tier read       this worker's offload tier       the KV manager's poll_offload (landed / failed)
+
+Invariant: a record has at least one part in flight until it is removed; the request moves on
+(runs from `resume_at`, recomputes, or fails with `error`) only when no part still writes its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pdserve.api.errors import PdserveError
+from pdserve.request import Request
+
+
+@dataclass(slots=True)
+class PendingLoad:
+    request: Request
+    resume_at: int  # computed tokens once everything landed (the prefix, or all but the last prompt token)
+    pulling: bool  # prompt KV coming from a prefill worker
+    reading_tier: bool  # prefix pages coming from this worker's offload tier
+    failed: bool = False  # a part failed: recompute, or fail with `error`
+    error: Optional[PdserveError] = None  # set when a failed part says the request must fail (outranks a recompute)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether some part still writes the request's blocks."""
+        return self.pulling or self.reading_tier
+
+    def part_failed(self, error: Optional[PdserveError]) -> None:
+        self.failed = True
+        self.error = self.error or error
