@@ -150,6 +150,23 @@ def start_workers(*workers: Worker) -> list[Worker]:
     return list(workers)
 
 
+def stop_all(*processes: Worker | ProxyProcess, timeout_s: float = 15.0) -> None:
+    """SIGTERM every process at once, then wait for each (SIGKILL past `timeout_s`): a worker takes seconds
+    to exit after it drained (its NIXL agent process, its engine thread), and stopping a cluster's
+    processes one after the other made each teardown the sum of those seconds. One signal each: a second
+    SIGTERM tells a worker to skip its drain."""
+    by_pid = {each.process.pid: each for each in processes if each.process is not None and each.process.poll() is None}
+    running = list(by_pid.values())  # a process listed twice is signalled once
+    for each in running:
+        each.process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for each in running:
+        try:
+            each.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            each.kill()
+
+
 REMOTE_DECODE = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
