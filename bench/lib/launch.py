@@ -1,0 +1,164 @@
+"""The one process launcher of the benchmarks (and of tests/integration): pdserve workers, the proxy,
+any server binary, each a child process on 127.0.0.1 logging to a file; and `free_port`.
+
+Invariant: whatever is started here is stopped on the way out (SIGTERM, then SIGKILL), even when it
+never became ready, and a start that fails says why with the tail of the process's log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import httpx
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Worker:
+    role: str
+    port: int
+    log_path: str
+    extra_args: list[str] = field(default_factory=list)
+    device: str = "cpu"  # tests take it from the `device` fixture (tests/conftest.py)
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+    process: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Worker":
+        # One torch thread each: several workers share this host's few cores.
+        command = [sys.executable, "-m", "pdserve.app.cli", self.role, "--host", "127.0.0.1", "--port", str(self.port),
+                   "--log-level", "info", "--num-threads", "1", "--device", self.device, *self.extra_args]
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **self.env)
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> "Worker":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.role} worker exited early:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.role} worker not ready in {timeout_s}s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-num_chars:]
+
+    def metric(self, name: str) -> float:
+        """Sum of every sample of a metric (all label sets) from /metrics."""
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+class ProxyProcess:
+    """`pdserve proxy` as a real process, its output in a log file."""
+
+    def __init__(self, port: int, log_path: str, args: list[str]):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.args = args
+        self.process: Optional[subprocess.Popen] = None
+        self.start()
+
+    def start(self) -> "ProxyProcess":
+        command = [sys.executable, "-m", "pdserve.app.cli", "proxy", "--port", str(self.port), *self.args]
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        return self
+
+    def health(self, token: Optional[str] = None) -> dict:
+        headers = {"X-Pdserve-Internal-Token": token} if token else {}
+        return httpx.get(self.url + "/health", headers=headers, timeout=2).json()
+
+    def is_ready(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if not (line.startswith(name + " ") or line.startswith(name + "{")):
+                continue
+            if all(f'{key}="{value}"' in line for key, value in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def start_workers(*workers: Worker) -> list[Worker]:
+    """Start all, then wait for all (they load their models in parallel)."""
+    for worker in workers:
+        worker.start()
+    try:
+        for worker in workers:
+            worker.wait_ready()
+    except Exception:
+        for worker in workers:
+            worker.kill()
+        raise
+    return list(workers)
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
