@@ -162,3 +162,131 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+class LaunchError(RuntimeError):
+    """A system under test exited early or never became ready."""
+
+
+STOP_TIMEOUT_S = 40.0  # `up` stops its proxy, then drains both workers
+_PROBE = {"prompt": [1000, 1001, 1002, 1003], "max_tokens": 2, "temperature": 0.0}
+
+
+@dataclass
+class ServerProcess:
+    """Any server under test (`pdserve up`/`serve`/a worker/the proxy, llama-server, transformers serve).
+
+    `ready="completion"` waits for a real completion (liveness endpoints answer before the model has
+    loaded); `ready="health"` for /health. `own_session` puts it in its own process group, which
+    `stop` signals whole (servers that start children of their own)."""
+
+    name: str
+    argv: list[str]
+    port: int
+    log_path: str
+    env: dict[str, str] = field(default_factory=dict)
+    ready: str = "completion"
+    own_session: bool = False
+    process: Optional[subprocess.Popen] = field(default=None, repr=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ServerProcess":
+        python_path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONPATH=python_path, **self.env)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(list(self.argv), stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=env, cwd=REPO_ROOT,
+                                            start_new_session=self.own_session)
+        return self
+
+    def _answers(self) -> bool:
+        try:
+            if self.ready == "health":
+                return httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200
+            return httpx.post(f"{self.base_url}/v1/completions", json=_PROBE, timeout=60.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, timeout_s: float) -> "ServerProcess":
+        deadline_s = time.monotonic() + timeout_s
+        while time.monotonic() < deadline_s:
+            if self.process.poll() is not None:
+                raise LaunchError(f"{self.name} exited with {self.process.returncode}: {self.log_tail()}")
+            if self._answers():
+                return self
+            time.sleep(0.5 if self.ready == "health" else 1.0)
+        raise LaunchError(f"{self.name} not ready in {timeout_s:.0f} s: {self.log_tail()}")
+
+    def pids(self) -> list[int]:
+        """This process and all its descendants (the workers and proxy of `up`)."""
+        return [self.process.pid, *descendant_pids(self.process.pid)] if self.process else []
+
+    def log_tail(self, num_chars: int = 800) -> str:
+        try:
+            with open(self.log_path, "rb") as log:
+                return " ".join(log.read().decode("utf-8", "replace")[-num_chars:].split())
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM (pdserve shuts down cleanly on it), SIGKILL on a hang; then any pdserve child left."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        children = descendant_pids(self.process.pid)
+        signal_of = (lambda sig: os.killpg(self.process.pid, sig)) if self.own_session else self.process.send_signal
+        signal_of(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            signal_of(signal.SIGKILL)
+            self.process.wait()
+        for pid in children:  # `up` stops its children itself; this only catches ones it left behind
+            _kill_if_pdserve(pid)
+
+
+def pdserve_argv(command: str, port: int, *args: str) -> list[str]:
+    """`pdserve <command>` as this interpreter runs it."""
+    return [sys.executable, "-m", "pdserve.app.cli", command, "--port", str(port), *args]
+
+
+def _process_state(pid: int) -> Optional[tuple[str, int]]:
+    """(state, parent pid) from /proc; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state, ppid = f.read().rsplit(")", 1)[1].split()[:2]  # the name may hold spaces and ')'
+        return state, int(ppid)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def descendant_pids(root_pid: int) -> list[int]:
+    """Every living (not exited) descendant of `root_pid`, from /proc (empty where /proc is missing)."""
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return []
+    children: dict[int, list[int]] = {}
+    for pid in pids:
+        found = _process_state(pid)
+        if found is not None and found[0] not in ("Z", "X"):
+            children.setdefault(found[1], []).append(pid)
+    descendants, frontier = [], [root_pid]
+    while frontier:
+        kids = children.get(frontier.pop(), [])
+        descendants += kids
+        frontier += kids
+    return descendants
+
+
+def _kill_if_pdserve(pid: int) -> None:
+    """Kills a leftover child, after checking the pid still names a pdserve process (pids get reused)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"pdserve.app." not in f.read():  # a worker, proxy or `up` (cli), or a TP rank (ranks)
+                return
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ProcessLookupError):
+        pass
