@@ -15,6 +15,7 @@ Results are ratios (process / inline), not absolute times: machines here are noi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -25,9 +26,11 @@ import time
 
 import torch
 
+from bench.transfer.pools import prefill_child, time_read
+
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.transfer.nixl_transport import NixlTransport
-from pdserve.transfer.transport import PeerInfo, TransferState
+from pdserve.transfer.transport import PeerInfo
 
 # The embedded SmolLM2's pages: 30 layers x K/V x 16 tokens x 3 KV heads x 64 dims x fp32 = 737,280 bytes.
 SHAPE = dict(group_size=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.float32)
@@ -59,14 +62,7 @@ def serve_prefill(mode: str, num_blocks: int, out: multiprocessing.Queue, stop: 
 
 def timed_read(transport: NixlTransport, key: str, num_blocks: int) -> float:
     ids = list(range(1, num_blocks + 1))
-    started = time.perf_counter()
-    handle = transport.start_read(key, ids, ids, b"")
-    while transport.poll(handle) is TransferState.PENDING:
-        pass
-    elapsed = time.perf_counter() - started
-    if handle.state is not TransferState.DONE or not transport.release(handle):
-        raise RuntimeError(f"read failed: {handle.error}")
-    return elapsed
+    return time_read(transport, key, ids, ids)
 
 
 def poll_overhead_us(transport: NixlTransport) -> float:
@@ -78,16 +74,11 @@ def poll_overhead_us(transport: NixlTransport) -> float:
 
 def run(prompt_tokens: list[int], reps: int) -> dict:
     num_blocks = max(prompt_tokens) // SHAPE["block_size"] + 2
-    context = multiprocessing.get_context("spawn")
-    pairs, stops, children = {}, [], []
-    try:
+    pairs = {}
+    with contextlib.ExitStack() as children:
         for mode in MODES:
-            out, stop = context.Queue(), context.Event()
-            child = context.Process(target=serve_prefill, args=(mode, num_blocks, out, stop), daemon=True)
-            child.start()
-            stops.append(stop)
-            children.append(child)
-            peer = PeerInfo.from_dict(json.loads(out.get(timeout=120)))
+            published, _ = children.enter_context(prefill_child(serve_prefill, mode, num_blocks, timeout_s=120))
+            peer = PeerInfo.from_dict(published)
             view = pool(num_blocks, mode)
             transport = NixlTransport(view, f"bench-iso-decode-{mode}", isolated=mode == "process")
             pairs[mode] = (transport, view, transport.connect(peer))
@@ -117,13 +108,6 @@ def run(prompt_tokens: list[int], reps: int) -> dict:
         return {"rows": rows, "poll_notifications_us": overhead, "reps": reps,
                 "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"), "shape": {**SHAPE, "dtype": "float32"},
                 "page_bytes": SHAPE_PAGE_BYTES, "shmem_thp": _shmem_thp()}
-    finally:
-        for stop in stops:
-            stop.set()
-        for child in children:
-            child.join(timeout=30)
-            if child.is_alive():
-                child.kill()
 
 
 

@@ -41,7 +41,7 @@ from bench.lib.machine import CpuMeter
 from bench.transfer import pools
 from bench.transfer.pools import (
     MEMORY_MODES, SHAPES, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record, memcpy_run,
-    write_report)
+    prefill_child, write_report)
 from pdserve.transfer.descriptor_runs import choose_runs
 from pdserve.transfer.token_units import UnitGeometry, unit_chunk_ids, unit_geometry
 from pdserve.transfer.transport import PeerInfo, TransferState
@@ -295,41 +295,39 @@ def check_landed(shape: PoolShape, reader: Reader, prefill_pages: dict[int, int]
 def measure_mode(shape: PoolShape, mode: str, prompt_tokens: Sequence[int], bs_cases: list[Case], reps: int,
                  sweep: Sequence[int], sweep_runs: Sequence[int]) -> tuple[list[dict], list[dict]]:
     """Every prompt and case in one memory mode, against a fresh prefill child; then the sweep."""
-    max_tokens = max(prompt_tokens)
     prefill_sizes = sorted({c.prefill_block for c in bs_cases})
-    decode_sizes = sorted({c.decode_block for c in bs_cases})
-    context = multiprocessing.get_context("spawn")
-    published_queue, stop = context.Queue(), context.Event()
-    child = context.Process(target=serve_pools, args=(shape, mode, prefill_sizes, max_tokens, published_queue, stop),
-                            daemon=True)
-    child.start()
     readers: list[Reader] = []
-    try:
-        published = {int(size): PeerInfo.from_dict(info)
-                     for size, info in json.loads(published_queue.get(timeout=300)).items()}
-        views = {}
-        for size in decode_sizes:
-            layout = block_shape(shape, size, max_tokens).layout()
-            views[size] = allocate_bytes(layout.pool_bytes, mode).view(layout.num_blocks, layout.page_bytes)
-        for index, case in enumerate(bs_cases):
-            readers.append(open_case_reader(case, views[case.decode_block], published[case.prefill_block],
-                                            rows_of(shape), f"bench-bs-decode-{index}-{mode}"))
-        pages = {size: info.page_bytes for size, info in published.items()}
-        rows = [row for num_tokens in prompt_tokens
-                for row in measure_prompt(shape, mode, num_tokens, max_tokens, readers, pages, reps, child.pid)]
-        sweep_rows = []
-        if sweep:
-            sweep_rows = measure_sweep(mode, min(prompt_tokens), views.get(16), published.get(16), sweep, sweep_runs,
-                                       reps)
-        return rows, sweep_rows
-    finally:
-        for reader in readers:
-            reader.transport.close()
-        stop.set()
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
-            child.join(timeout=10)
+    with prefill_child(serve_pools, shape, mode, prefill_sizes, max(prompt_tokens)) as (infos, child_pid):
+        try:
+            return _measure_readers(shape, mode, prompt_tokens, bs_cases, reps, sweep, sweep_runs, infos, child_pid,
+                                    readers)
+        finally:
+            for reader in readers:
+                reader.transport.close()
+
+
+def _measure_readers(shape: PoolShape, mode: str, prompt_tokens: Sequence[int], bs_cases: list[Case], reps: int,
+                     sweep: Sequence[int], sweep_runs: Sequence[int], infos: dict, child_pid: int,
+                     readers: list) -> tuple[list[dict], list[dict]]:
+    """`measure_mode` against a started child; opens its readers into `readers` (the caller closes them)."""
+    max_tokens = max(prompt_tokens)
+    decode_sizes = sorted({c.decode_block for c in bs_cases})
+    published = {int(size): PeerInfo.from_dict(info) for size, info in infos.items()}
+    views = {}
+    for size in decode_sizes:
+        layout = block_shape(shape, size, max_tokens).layout()
+        views[size] = allocate_bytes(layout.pool_bytes, mode).view(layout.num_blocks, layout.page_bytes)
+    for index, case in enumerate(bs_cases):
+        readers.append(open_case_reader(case, views[case.decode_block], published[case.prefill_block],
+                                        rows_of(shape), f"bench-bs-decode-{index}-{mode}"))
+    pages = {size: info.page_bytes for size, info in published.items()}
+    rows = [row for num_tokens in prompt_tokens
+            for row in measure_prompt(shape, mode, num_tokens, max_tokens, readers, pages, reps, child_pid)]
+    sweep_rows = []
+    if sweep:
+        sweep_rows = measure_sweep(mode, min(prompt_tokens), views.get(16), published.get(16), sweep, sweep_runs,
+                                   reps)
+    return rows, sweep_rows
 
 
 def measure_prompt(shape: PoolShape, mode: str, num_tokens: int, max_tokens: int, readers: list[Reader],

@@ -23,7 +23,7 @@ import torch
 
 from bench.transfer.pools import (
     GPU_MODE, MEMORY_MODES, SHAPES, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record,
-    memcpy_run, synchronize, time_read, write_report,
+    memcpy_run, prefill_child, synchronize, time_read, write_report,
 )
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from pdserve.transfer.nixl_transport import NixlTransport
@@ -61,7 +61,7 @@ def serve_pool(shape_name: str, mode: str, device: str, out: multiprocessing.Que
     synchronize(device)
     by_page = NixlTransport(pages, f"bench-prefill-pages-{mode}")
     by_piece = NixlTransport(pieces, f"bench-prefill-pieces-{mode}")
-    out.put([json.dumps(t.local_peer_info("bench-prefill", mode).to_dict()) for t in (by_page, by_piece)])
+    out.put(json.dumps([t.local_peer_info("bench-prefill", mode).to_dict() for t in (by_page, by_piece)]))
     # Keep calling into NIXL as a prefill engine loop does: without a progress
     # thread, a reader's connection set-up needs this side to make progress too.
     while not stop.wait(0.002):
@@ -93,12 +93,8 @@ def check_bytes(view: torch.Tensor, local_rows: list[int], remote_rows: list[int
 def measure_pulls(shape_name: str, mode: str, device: str, prompt_tokens: Sequence[int], reps: int,
                   with_pieces: bool = True) -> list[dict]:
     """Every prompt size in one memory mode, against a fresh prefill child."""
-    context = multiprocessing.get_context("spawn")
-    published, stop = context.Queue(), context.Event()
-    child = context.Process(target=serve_pool, args=(shape_name, mode, device, published, stop), daemon=True)
-    child.start()
-    try:
-        page_info, piece_info = (PeerInfo.from_dict(json.loads(d)) for d in published.get(timeout=120))
+    with prefill_child(serve_pool, shape_name, mode, device, timeout_s=120) as (published, _):
+        page_info, piece_info = (PeerInfo.from_dict(info) for info in published)
         shape = SHAPES[shape_name]
         pages, pieces = allocate_views(shape, mode, device)
         by_page = NixlTransport(pages, f"bench-decode-pages-{mode}")
@@ -110,11 +106,6 @@ def measure_pulls(shape_name: str, mode: str, device: str, prompt_tokens: Sequen
         by_page.close()
         by_piece.close()
         return rows
-    finally:
-        stop.set()
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
 
 
 def measure_prompt(shape: PoolShape, mode: str, device: str, num_tokens: int, transports: tuple[NixlTransport, NixlTransport],

@@ -7,15 +7,18 @@ or failed is an error, never a time); runs taking turns rep by rep see the same 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
+import json
 import logging
+import multiprocessing
 import os
 import platform
 import statistics
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -150,6 +153,24 @@ def write_report(out: str, argv: Optional[Sequence[str]], started_s: float, **fi
     report = {"command": " ".join(command), **fields, "wall_s": time.perf_counter() - started_s}
     write_document(out, report, indent=2)
     print(f"\nwrote {out} in {report['wall_s']:.1f} s")
+
+
+@contextlib.contextmanager
+def prefill_child(target: Callable, *args: object, timeout_s: float = 300.0) -> Iterator[tuple[object, int]]:
+    """A spawned child running `target(*args, out, stop)`: it puts its pools' peer infos on `out` (one
+    JSON text), then serves them until `stop`. Yields (what it published, its pid); stops it on exit."""
+    context = multiprocessing.get_context("spawn")
+    out, stop = context.Queue(), context.Event()
+    child = context.Process(target=target, args=(*args, out, stop), daemon=True)
+    child.start()
+    try:
+        yield json.loads(out.get(timeout=timeout_s)), child.pid
+    finally:
+        stop.set()
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)
 
 
 def parse_pair(text: str) -> tuple[int, int]:

@@ -36,7 +36,7 @@ from bench.lib.machine import CpuMeter
 from bench.transfer import pools
 from bench.transfer.pools import (
     MEMORY_MODES, SHAPES, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record, memcpy_run,
-    write_report)
+    prefill_child, write_report)
 from pdserve.kv.head_split import heads_split_problem, rank_kv_heads
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.transfer.transport import PeerInfo
@@ -355,30 +355,18 @@ def measure_mode(shape: PoolShape, mode: str, prompt_tokens: Sequence[int], tp_c
     pairs = list(dict.fromkeys((c.prefill_tp, c.decode_tp) for c in tp_cases))
     prefill_tps = sorted({p for p, _ in pairs})
     decode_tps = sorted({d for _, d in pairs})
-    context = multiprocessing.get_context("spawn")
-    published_queue, stop = context.Queue(), context.Event()
-    child = context.Process(target=serve_ranks, args=(shape, mode, prefill_tps, published_queue, stop), daemon=True)
-    child.start()
-    workers: dict[int, DecodeWorker] = {}
-    try:
-        published = {int(tp): [PeerInfo.from_dict(info) for info in infos]
-                     for tp, infos in json.loads(published_queue.get(timeout=300)).items()}
+    with prefill_child(serve_ranks, shape, mode, prefill_tps) as (infos_by_tp, child_pid):
+        published = {int(tp): [PeerInfo.from_dict(info) for info in infos] for tp, infos in infos_by_tp.items()}
         buffer = allocate_bytes(shape.num_pool_blocks * shape.layout().page_bytes, mode)
         workers = open_decode_workers(buffer, shape, mode, decode_tps)
-        keys = connect_all(workers, published, pairs)
-        rows = []
-        for num_tokens in prompt_tokens:
-            rows += measure_prompt(shape, mode, num_tokens, tp_cases, workers, keys, reps, child.pid)
-        return rows
-    finally:
-        for worker in workers.values():
-            for transport in worker.transports:
-                transport.close()
-        stop.set()
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
-            child.join(timeout=10)
+        try:
+            keys = connect_all(workers, published, pairs)
+            return [row for num_tokens in prompt_tokens
+                    for row in measure_prompt(shape, mode, num_tokens, tp_cases, workers, keys, reps, child_pid)]
+        finally:
+            for worker in workers.values():
+                for transport in worker.transports:
+                    transport.close()
 
 
 def measure_prompt(shape: PoolShape, mode: str, num_tokens: int, tp_cases: list[TpCase],
