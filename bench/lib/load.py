@@ -59,10 +59,10 @@ def _client(num_connections: int, keep_alive: bool = True) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=httpx.Timeout(READ_TIMEOUT_S, connect=30.0), limits=limits)
 
 
-def _duration(records: Sequence, started_s: float, clock: Clock) -> float:
-    ends = [r.done_s for r in records if getattr(r, "done_s", None) is not None]
-    sends = [r.sent_s for r in records if hasattr(r, "sent_s")]
-    return (max(ends) - min(sends)) if ends and sends else clock() - started_s
+def _duration(records: Sequence[RequestRecord]) -> float:
+    """First send to last answer; 0 when nothing was answered."""
+    ends = [r.done_s for r in records if r.done_s is not None]
+    return max(ends) - min(r.sent_s for r in records) if ends else 0.0
 
 
 async def _open_loop(base_url: str, calls: Sequence[Call], max_concurrency: Optional[int], send: Send,
@@ -86,7 +86,7 @@ async def _open_loop(base_url: str, calls: Sequence[Call], max_concurrency: Opti
 
     async with _client(max_concurrency or max(1, len(calls))) as client:
         records = list(await asyncio.gather(*(one(client, call) for call in calls)))
-    return LoadResult(records, _duration(records, 0.0, clock))
+    return LoadResult(records, _duration(records))
 
 
 def run_open_loop(base_url: str, calls: Sequence[Call], max_concurrency: Optional[int] = None,

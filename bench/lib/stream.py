@@ -92,7 +92,7 @@ def take_line(record: RequestRecord, line: str, now_s: float) -> bool:
     """Adds one SSE line to the record; True when it was an event (data or [DONE]).
 
     An error event is recorded and reading goes on: a stream that broke says so, then ends."""
-    if line.strip() == "data: [DONE]":
+    if line.startswith("data:") and line[len("data:"):].strip() == "[DONE]":
         record.finished = True
         return True
     try:
