@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import time
 from typing import Optional
 
 from bench.lib.launch import REPO_ROOT, ServerProcess, free_port
+from bench.lib.machine import machine_info
 from bench.lib.report import write_document
 from bench.lib.stats import percentile
 
@@ -329,8 +329,7 @@ def report(results: dict, args: argparse.Namespace) -> dict:
     print(f"target: kv_aware proxy overhead < {TARGET_ADDED_P50_MS} ms at p50: "
           f"{'met' if kv_share >= 0.5 else 'NOT met'} ({kv_share:.0%} of requests at <= 1 ms); "
           f"kv_aware adds {', '.join(f'{k} {v:+.3f} ms' for k, v in kv_added.items())} at p50 over plain P/D")
-    return {"benchmark": "proxy", "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                              "platform": platform.platform()},
+    return {"benchmark": "proxy", "machine": machine_info(),
             "settings": {"requests": args.requests, "warmup": args.warmup, "rounds": args.rounds,
                          "concurrency": args.concurrency,
                          "duration_s": args.duration_s},

@@ -33,6 +33,7 @@ from bench.chaos.cluster import AUTH, ChaosCluster
 from bench.chaos.load import MixedLoad, baselines
 from bench.chaos.phases import PHASES, PREFILL_CALL, READ_PHASES, STREAM_CALL, Kill, Stage, run_kill
 from bench.chaos.report import charge, failures, format_table, rows
+from bench.lib.report import write_document
 from bench.lib.workloads import good_calls
 
 
@@ -136,9 +137,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for failure in result["failures"]:
         print("FAILED:", failure)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        write_document(args.out, json.loads(json.dumps(result, default=str)))
     return 1 if result["failures"] else 0
 
 

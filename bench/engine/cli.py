@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ import torch
 
 from bench.engine import peers
 from bench.lib.machine import CpuMeter, wait_for_quiet
+from bench.lib.machine import machine_info as lib_machine_info
 from bench.engine.llama_server import LlamaServerSystem
 from bench.engine.systems import BenchError, HttpSystem, HttpTarget, Messages
 from bench.lib.launch import REPO_ROOT, ServerProcess, free_port
@@ -89,17 +89,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def machine_info(device: str) -> dict:
     import transformers
 
-    cpu_model = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    return {
-        "cpu": cpu_model, "num_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": device,
-        "cuda": torch.cuda.is_available(), "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "load_average_at_start": os.getloadavg(),
-    }
+    machine = lib_machine_info()
+    machine["load_average_at_start"] = machine.pop("load_average")
+    return machine | {"torch_threads": torch.get_num_threads(), "device": device, "cuda": torch.cuda.is_available(),
+                      "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def pdserve_system(name: str, extra_args: Sequence[str], device: str, log_dir: str) -> HttpSystem:

@@ -19,6 +19,7 @@ from bench.lib.stream import Body, Clock, RequestRecord, read_async
 
 T = TypeVar("T")
 READ_TIMEOUT_S = 900.0  # a long prompt queued behind others can take minutes on a small CPU
+FIRST_TURN, LATER_TURN = "first turn", "later turns"  # the classes `run_conversations` gives turns by default
 
 
 @dataclass(slots=True)
@@ -153,7 +154,7 @@ async def _conversations(url: str, conversations: Sequence, body: dict, think_ti
 
 def run_conversations(url: str, conversations: Sequence, body: dict, think_time_s: float,
                       on_turn: Callable[[], None] = lambda: None,
-                      class_of: Callable[[int], str] = lambda turn: "first turn" if turn == 0 else "later turns",
+                      class_of: Callable[[int], str] = lambda turn: FIRST_TURN if turn == 0 else LATER_TURN,
                       ) -> LoadResult:
     """Each conversation (`arrival_s`, `system_prompt`, `questions`) turn after turn (the next question after the answer plus the
     think time); conversations overlap as their arrivals say. `body` holds everything but messages."""

@@ -9,11 +9,11 @@ invocation (same machine, same conversations).
 from __future__ import annotations
 
 import os
-import platform
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
-from bench.lib.load import LoadResult
+from bench.lib.load import FIRST_TURN, LATER_TURN, LoadResult
+from bench.lib.machine import machine_info
 from bench.lib.report import write_document
 from bench.lib.stats import RunSummary, summarize_run
 
@@ -97,7 +97,7 @@ def write_json(path: str, command: str, workload: dict, cluster: dict, results: 
                extra: dict) -> None:
     document = {
         "benchmark": "routing", "command": command, "workload": workload, "cluster": cluster, **extra,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": machine_info(),
         "verdict": verdict(results),
         "policies": [{
             "policy": r.policy, "summary": asdict(r.summary), "prompt_tokens": r.prompt_tokens,

@@ -14,7 +14,6 @@ import json
 import logging
 import multiprocessing
 import os
-import platform
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from bench.lib.machine import machine_info
 from bench.lib.report import write_document
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.transfer.nixl_transport import NixlTransport
@@ -143,8 +143,7 @@ def memcpy_run(num_bytes: int, mode: str, device: str) -> Callable[[], float]:
 
 def machine_record(memcpy_threads: int) -> dict:
     """What a KV transfer report says of the machine it ran on."""
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "memcpy_threads": memcpy_threads, "load_average": os.getloadavg()}
+    return machine_info() | {"torch": torch.__version__, "memcpy_threads": memcpy_threads}
 
 
 def write_report(out: str, argv: Optional[Sequence[str]], started_s: float, **fields: object) -> None:
