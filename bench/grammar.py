@@ -1,6 +1,6 @@
 """Structured-output cost: engine tokens/s at concurrency 8 with and without a JSON-schema grammar.
 
-    python3 bench/grammar.py [--rounds 11] [--max-tokens 32] [--out bench/results/grammar.json]
+    python -m bench.grammar [--rounds 11] [--max-tokens 32] [--out bench/results/grammar.json]
 
 Invariant: both sides run in this one process on the same engine, weights,
 prompts, seeds and output lengths, interleaved round by round (plain, grammar,
@@ -20,18 +20,15 @@ import sys
 import time
 from typing import Optional
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:  # run as a script: make `pdserve` importable
-    sys.path.insert(0, REPO_ROOT)
+import torch
 
-import torch  # noqa: E402
-
-from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig  # noqa: E402
-from pdserve.app.engine_factory import build_engine  # noqa: E402
-from pdserve.grammar.compiler import compile_constraint  # noqa: E402
-from pdserve.metrics import Metrics  # noqa: E402
-from pdserve.request import GenerationRequest, SamplingParams  # noqa: E402
-from pdserve.api.structured_protocol import OutputConstraint  # noqa: E402
+from bench.lib.launch import REPO_ROOT
+from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from pdserve.app.engine_factory import build_engine
+from pdserve.grammar.compiler import compile_constraint
+from pdserve.metrics import Metrics
+from pdserve.request import GenerationRequest, SamplingParams
+from pdserve.api.structured_protocol import OutputConstraint
 
 CONCURRENCY = 8
 # Nested, and long enough that the answer stays inside the grammar for the whole run.

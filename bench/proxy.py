@@ -1,7 +1,7 @@
 """Proxy overhead benchmark: latency added by `pdserve proxy` and its request rate, side by side
 with sending the same requests straight to the backend, against stub workers that answer at once.
 
-    python3 bench/proxy.py [--requests 2000] [--duration-s 8] [--concurrency 32] [--out bench/results/proxy.json]
+    python -m bench.proxy [--requests 2000] [--duration-s 8] [--concurrency 32] [--out bench/results/proxy.json]
 
 Four paths, all over real HTTP/1.1 keep-alive connections on 127.0.0.1:
   direct                  client -> stub decode
@@ -20,17 +20,16 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Optional
 
-# Run as a script, sys.path[0] is bench/, where this file shadows the `proxy` package: it imports
-# nothing from the repo, and the proxy runs in its own process from the repository root.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.lib.launch import REPO_ROOT, ServerProcess, free_port
+from bench.lib.machine import machine_info
+from bench.lib.report import write_document
+from bench.lib.stats import percentile
 
 KV_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "stub-p",
              "remote_request_id": "r", "remote_block_ids": [[1, 2, 3]], "remote_host": "127.0.0.1",
@@ -182,11 +181,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def percentile_ms(samples_s: list[float], q: float) -> float:
-    ordered = sorted(samples_s)
-    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def measure_latency(targets: dict[str, tuple[int, Optional[int]]], path: str, body: bytes, num_requests: int,
                           num_warmup: int, num_rounds: int) -> dict[str, dict]:
     """Sequential requests, the paths interleaved in rounds so that load drifting on the machine
@@ -215,7 +209,7 @@ async def measure_latency(targets: dict[str, tuple[int, Optional[int]]], path: s
             client.close()
     results = {}
     for name, (_, pid) in targets.items():
-        results[name] = {"p50_ms": percentile_ms(samples[name], 0.50), "p99_ms": percentile_ms(samples[name], 0.99),
+        results[name] = {"p50_ms": 1000 * percentile(samples[name], 50), "p99_ms": 1000 * percentile(samples[name], 99),
                          "mean_ms": 1000 * statistics.fmean(samples[name])}
         if pid is not None:
             results[name]["proxy_cpu_ms_per_request"] = 1000 * cpu_s[name] / len(samples[name])
@@ -238,36 +232,6 @@ async def measure_rate(port: int, concurrency: int, duration_s: float) -> float:
     started = time.perf_counter()
     await asyncio.gather(*(worker(slot) for slot in range(concurrency)))
     return sum(counts) / (time.perf_counter() - started)
-
-
-def spawn(argv: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, *argv], cwd=REPO_ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-async def wait_ready(port: int, path: str = "/health", timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
-            ok = (await reader.readline()).split(b" ")[1] == b"200"
-            writer.close()
-            if ok:
-                return
-        except (OSError, IndexError):
-            pass
-        await asyncio.sleep(0.1)
-    raise TimeoutError(f"nothing ready on port {port}")
 
 
 def overhead_from_metrics(port: int) -> dict:
@@ -301,25 +265,31 @@ async def wait_kv_ready(port: int, timeout_s: float = 60.0) -> None:
     raise TimeoutError("the kv_aware proxy never indexed the stubs' blocks")
 
 
-async def run(args: argparse.Namespace, kv_file: str) -> dict:
+async def run(args: argparse.Namespace, kv_file: str, log_dir: str) -> dict:
     ports = {name: free_port() for name in ("prefill", "decode", "proxy_pd", "proxy_1leg", "proxy_kv")}
-    stub = [os.path.abspath(__file__), "--kv-file", kv_file, "--serve-stub"]
-    proxy = ["-m", "pdserve.app.cli", "proxy", "--log-level", "warning", "--decode", f"127.0.0.1:{ports['decode']}"]
+    stub = [sys.executable, "-m", "bench.proxy", "--kv-file", kv_file, "--serve-stub"]
+    proxy = [sys.executable, "-m", "pdserve.app.cli", "proxy", "--log-level", "warning",
+             "--decode", f"127.0.0.1:{ports['decode']}"]
     two_legs = ["--prefill", f"127.0.0.1:{ports['prefill']}"]
-    processes = [
-        spawn([*stub, str(ports["prefill"])]), spawn([*stub, str(ports["decode"])]),
-        spawn([*proxy, "--port", str(ports["proxy_pd"]), *two_legs]),
-        spawn([*proxy, "--port", str(ports["proxy_1leg"])]),
+    argvs = {
+        "prefill": [*stub, str(ports["prefill"])], "decode": [*stub, str(ports["decode"])],
+        "proxy_pd": [*proxy, "--port", str(ports["proxy_pd"]), *two_legs],
+        "proxy_1leg": [*proxy, "--port", str(ports["proxy_1leg"])],
         # Both legs every time (no cache-aware skip), so it compares with the plain P/D path.
-        spawn([*proxy, "--port", str(ports["proxy_kv"]), *two_legs, "--policy", "kv_aware",
-               "--kv-decode-only-max-tokens", "0"]),
-    ]
+        "proxy_kv": [*proxy, "--port", str(ports["proxy_kv"]), *two_legs, "--policy", "kv_aware",
+                     "--kv-decode-only-max-tokens", "0"],
+    }
+    processes = {name: ServerProcess(name, argv, ports[name], os.path.join(log_dir, f"{name}.log"), ready="health")
+                 for name, argv in argvs.items()}
     try:
-        for port in ports.values():
-            await wait_ready(port)
+        for process in processes.values():
+            process.start()
+        for process in processes.values():
+            process.wait_ready(30.0)
         await wait_kv_ready(ports["proxy_kv"])
-        targets = dict(zip(PATHS, ((ports["decode"], None), (ports["proxy_1leg"], processes[3].pid),
-                                   (ports["proxy_pd"], processes[2].pid), (ports["proxy_kv"], processes[4].pid))))
+        pid = {name: process.process.pid for name, process in processes.items()}
+        targets = dict(zip(PATHS, ((ports["decode"], None), (ports["proxy_1leg"], pid["proxy_1leg"]),
+                                   (ports["proxy_pd"], pid["proxy_pd"]), (ports["proxy_kv"], pid["proxy_kv"]))))
         results: dict[str, dict] = {name: {} for name in PATHS}
         for kind, path, body in KINDS:
             for name, measured in (await measure_latency(targets, path, body, args.requests, args.warmup,
@@ -331,9 +301,8 @@ async def run(args: argparse.Namespace, kv_file: str) -> dict:
             results[name]["proxy_overhead_histogram"] = overhead_from_metrics(port)
         return results
     finally:
-        for process in reversed(processes):  # the proxies first: they hold the stubs' event streams
-            process.terminate()
-            process.wait(10)
+        for process in reversed(processes.values()):  # the proxies first: they hold the stubs' event streams
+            process.stop(timeout_s=10)
 
 
 def report(results: dict, args: argparse.Namespace) -> dict:
@@ -360,8 +329,7 @@ def report(results: dict, args: argparse.Namespace) -> dict:
     print(f"target: kv_aware proxy overhead < {TARGET_ADDED_P50_MS} ms at p50: "
           f"{'met' if kv_share >= 0.5 else 'NOT met'} ({kv_share:.0%} of requests at <= 1 ms); "
           f"kv_aware adds {', '.join(f'{k} {v:+.3f} ms' for k, v in kv_added.items())} at p50 over plain P/D")
-    return {"benchmark": "proxy", "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                              "platform": platform.platform()},
+    return {"benchmark": "proxy", "machine": machine_info(),
             "settings": {"requests": args.requests, "warmup": args.warmup, "rounds": args.rounds,
                          "concurrency": args.concurrency,
                          "duration_s": args.duration_s},
@@ -391,15 +359,12 @@ def main() -> int:
         uvicorn.run(make_stub_app(kv), host="127.0.0.1", port=args.serve_stub, log_level="warning", access_log=False,
                     timeout_keep_alive=120)
         return 0
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(kv_stub_data(), f)
-    try:
-        summary = report(asyncio.run(run(args, f.name)), args)
-    finally:
-        os.unlink(f.name)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(summary, f, indent=2)
+    with tempfile.TemporaryDirectory(prefix="proxy-bench-") as work_dir:
+        kv_file = os.path.join(work_dir, "kv.json")
+        with open(kv_file, "w") as f:
+            json.dump(kv_stub_data(), f)
+        summary = report(asyncio.run(run(args, kv_file, work_dir)), args)
+    write_document(args.out, summary, indent=2)
     print(f"wrote {args.out}")
     return 0
 

@@ -1,10 +1,10 @@
 """Serving benchmark: open-loop streaming load with synthetic prompts against an OpenAI-compatible
 server, or P/D (`pdserve up`) against one colocated `pdserve serve` given the same cores.
 
-    python3 bench/serve.py run --base-url http://127.0.0.1:8000 --request-rate 0.5 --num-prompts 40 \\
+    python -m bench.serve run --base-url http://127.0.0.1:8000 --request-rate 0.5 --num-prompts 40 \\
         --mix "long:2000:32:0.2,short:128:128:0.8" --out run.json --plot-dir plots/
-    python3 bench/serve.py compare --wait-for-idle-s 600   # the P/D vs colocated run of docs/benchmarks.md
-    python3 bench/serve.py sweep --rates 0.1,0.2,0.3,0.4 --systems colocated,pd,pd-adaptive  # goodput
+    python -m bench.serve compare --wait-for-idle-s 600   # the P/D vs colocated run of docs/benchmarks.md
+    python -m bench.serve sweep --rates 0.1,0.2,0.3,0.4 --systems colocated,pd,pd-adaptive  # goodput
 
 Every run is also judged against an SLO (--slo-ttft-ms + --slo-ttft-ms-per-token x prompt
 tokens, --slo-tpot-ms; issue 27's 1 s + 2 ms/token and 20 ms by default): attainment is the
@@ -29,25 +29,19 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if sys.path[:1] != [REPO_ROOT]:  # run as a script: `bench` and `proxy` from the repo, first
-    sys.path.insert(0, REPO_ROOT)  # (the script's own directory holds bench/proxy.py, not the package)
+from tqdm import tqdm
 
-from tqdm import tqdm  # noqa: E402
-
-from bench._cpu import CpuMeter  # noqa: E402
-from bench.serving.client import Endpoint, RequestRecord, run_load  # noqa: E402
-from bench.serving.goodput import DEFAULT_SLO, attainment, goodput_rate  # noqa: E402
-from bench.serving.launch import (  # noqa: E402
-    LaunchError, ServerProcess, colocated_argv, free_port, pd_cluster_argv,
+from bench.lib.machine import CpuMeter
+from bench.lib.launch import REPO_ROOT, LaunchError, ServerProcess, free_port, pdserve_argv
+from bench.lib.load import run_open_loop
+from bench.lib.machine import wait_for_idle
+from bench.lib.report import format_report, write_json
+from bench.lib.stats import DEFAULT_SLO, RunSummary, attainment, goodput_rate, summarize_run
+from bench.lib.stream import RequestRecord
+from bench.lib.workloads import (
+    Endpoint, RequestClass, WorkloadError, build_requests, long_class_name, parse_mix, single_class, warmup_requests,
 )
-from proxy.routing.disaggregation import Slo  # noqa: E402
-from bench.serving.machine import wait_for_idle  # noqa: E402
-from bench.serving.report import format_report, write_json  # noqa: E402
-from bench.serving.stats import RunSummary, summarize_run  # noqa: E402
-from bench.serving.workload import (  # noqa: E402
-    RequestClass, WorkloadError, build_requests, long_class_name, parse_mix, single_class, warmup_requests,
-)
+from proxy.routing.disaggregation import Slo
 
 logger = logging.getLogger("bench.serve")
 
@@ -127,6 +121,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     sweep.add_argument("--rates", default="0.1,0.2,0.3,0.4", help="Poisson rates (requests/s), comma-separated")
     sweep.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "serve_goodput.json"))
     sweep.add_argument("--plot-dir", default=None, help="write the attainment-vs-rate plot here")
+    sweep.add_argument("--plot-from", default=None, help="draw the plot from this sweep report instead of measuring")
     _add_system_flags(sweep)
     _add_workload_flags(compare)
     _add_workload_flags(sweep)
@@ -185,7 +180,7 @@ def measure(label: str, endpoint: Endpoint, args: argparse.Namespace,
             server_pids: Sequence[int] = ()) -> tuple[RunSummary, list[RequestRecord]]:
     """Warm up, then the measured run with a progress bar; other processes' CPU share when pids are known."""
     if args.num_warmups:
-        warm = run_load(endpoint, warmup_requests(args.num_warmups, args.seed))
+        warm = run_open_loop(endpoint.base_url, endpoint.calls(warmup_requests(args.num_warmups, args.seed)))
         failed = [r.error for r in warm.records if not r.ok]
         if failed:
             logger.warning("%s: %d warm-up requests failed, first: %s", label, len(failed), failed[0])
@@ -194,7 +189,8 @@ def measure(label: str, endpoint: Endpoint, args: argparse.Namespace,
     if meter is not None:
         meter.start()
     with tqdm(total=len(requests), desc=label, unit="req", file=sys.stderr, mininterval=1.0) as bar:
-        result = run_load(endpoint, requests, args.concurrency, on_done=lambda record: bar.update(1))
+        result = run_open_loop(endpoint.base_url, endpoint.calls(requests), args.concurrency,
+                               on_done=lambda record: bar.update(1))
     summary = summarize_run(label, result.records, result.duration_s, long_class_name(args.classes))
     summary.foreign_cpu_fraction = meter.foreign_fraction() if meter is not None else None
     if (summary.foreign_cpu_fraction or 0.0) > _NOISY_FOREIGN_FRACTION:
@@ -232,7 +228,7 @@ def emit(args: argparse.Namespace, runs: list[tuple[RunSummary, list[RequestReco
         write_json(args.out, command, workload_dict(args), runs, extra)
         logger.info("wrote %s", args.out)
     if args.plot_dir:
-        from bench.serving.plots import plot_all  # matplotlib only when plots are asked for
+        from bench.lib.plots import plot_all  # matplotlib only when plots are asked for
 
         for path in plot_all(runs, args.plot_dir):
             logger.info("wrote %s", path)
@@ -243,6 +239,17 @@ def run_single(args: argparse.Namespace, command: str) -> int:
     runs = [measure(args.label or args.base_url, endpoint, args)]
     emit(args, runs, command)
     return 0 if runs[0][0].num_failed == 0 else 1
+
+
+def pd_cluster_argv(port: int, num_blocks: int) -> list[str]:
+    """`pdserve up`: it pins prefill and decode to half of the cores each and gives each that many threads."""
+    return pdserve_argv("up", port, "--prefill-port", "0", "--decode-port", "0", "--num-blocks", str(num_blocks),
+                        "--log-level", "warning")
+
+
+def colocated_argv(port: int, num_blocks: int, num_threads: int) -> list[str]:
+    return pdserve_argv("serve", port, "--num-blocks", str(num_blocks), "--num-threads", str(num_threads),
+                        "--log-level", "warning")
 
 
 def _usable_cores() -> int:
@@ -310,8 +317,23 @@ def run_compare(args: argparse.Namespace, command: str) -> int:
     return 0 if all(summary.num_failed == 0 for summary, _ in runs) else 1
 
 
+def plot_sweep_report(path: str, out_dir: str) -> str:
+    """The attainment-vs-rate figure of a written sweep report (its "goodput" and "slo")."""
+    import json
+
+    from bench.lib.plots import plot_attainment
+
+    with open(path, encoding="utf-8") as f:
+        report = json.load(f)
+    table = {name: [tuple(point) for point in entry["attainment_by_rate"]] for name, entry in report["goodput"].items()}
+    return plot_attainment(table, Slo(**report["slo"]), out_dir)
+
+
 def run_sweep(args: argparse.Namespace, command: str) -> int:
     """Each system started once, then run at every rate (lowest first); attainment per rate, goodput."""
+    if args.plot_from:
+        logger.info("wrote %s", plot_sweep_report(args.plot_from, args.plot_dir or os.path.dirname(args.plot_from)))
+        return 0
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-goodput-bench-")
     os.makedirs(log_dir, exist_ok=True)
     slo = slo_of(args)
@@ -324,7 +346,8 @@ def run_sweep(args: argparse.Namespace, command: str) -> int:
             server.wait_ready(_READY_TIMEOUT_S)
             endpoint = Endpoint(server.base_url, args.model, with_logprobs=not args.no_logprobs)
             # One request of every class first: a system's first long prompt pays one-time costs.
-            run_load(endpoint, build_requests(args.classes, len(args.classes), math.inf, args.seed ^ 0xC1A55))
+            first = build_requests(args.classes, len(args.classes), math.inf, args.seed ^ 0xC1A55)
+            run_open_loop(endpoint.base_url, endpoint.calls(first))
             for index, rate in enumerate(args.rate_list):
                 if args.wait_for_idle_s > 0:
                     wait_for_idle(args.wait_for_idle_s)
@@ -354,7 +377,7 @@ def run_sweep(args: argparse.Namespace, command: str) -> int:
                     "goodput": goodput, "log_dir": log_dir})
         logger.info("wrote %s", args.out)
     if args.plot_dir:
-        from bench.serving.plots import plot_attainment  # matplotlib only when plots are asked for
+        from bench.lib.plots import plot_attainment  # matplotlib only when plots are asked for
 
         logger.info("wrote %s", plot_attainment(table, slo, args.plot_dir))
     return 0
@@ -375,7 +398,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bar
     args = parse_args(argv)
-    command = shlex.join(["python3", "bench/serve.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join(["python", "-m", "bench.serve", *(argv if argv is not None else sys.argv[1:])])
     started_s = time.monotonic()
     runners = {"compare": run_compare, "sweep": run_sweep, "run": run_single}
     status = runners[args.command](args, command)

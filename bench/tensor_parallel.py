@@ -2,7 +2,7 @@
 `pdserve serve -tp N` for each N in --sizes, side by side in one run, with each size's
 decode tokens/s as a ratio of TP=1's (the ratio is the figure to read: machines are noisy).
 
-    python3 bench/tensor_parallel.py [--sizes 1,2,3] [--num-layers 12] [--num-threads 2] \\
+    python -m bench.tensor_parallel [--sizes 1,2,3] [--num-layers 12] [--num-threads 2] \\
         [--max-tokens 96] [--repeats 3] [--streams 4] [--wait-for-idle-s 0] [--out bench-tensor-parallel.json]
 
 Per size: start the worker (every size gets the same --num-threads, shared out over its
@@ -20,7 +20,6 @@ shows up as a row with its reason, never as zero.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -28,7 +27,6 @@ import random
 import re
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,17 +34,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:  # run as a script: make `bench` and `tests` importable
-    sys.path.insert(0, REPO_ROOT)
+import httpx
 
-import httpx  # noqa: E402
-
-from bench.serving.client import Endpoint, RequestRecord, run_load  # noqa: E402
-from bench.serving.launch import LaunchError, ServerProcess, free_port  # noqa: E402
-from bench.serving.machine import wait_for_idle  # noqa: E402
-from bench._cpu import CpuMeter  # noqa: E402
-from bench.serving.workload import SyntheticRequest  # noqa: E402
+from bench.lib.launch import REPO_ROOT, LaunchError, ServerProcess, free_port, pdserve_argv
+from bench.lib.load import run_open_loop
+from bench.lib.machine import CpuMeter, wait_for_idle
+from bench.lib.report import write_document
+from bench.lib.stats import percentile
+from bench.lib.stream import RequestRecord
+from bench.lib.tiny_model import write_word_tokenizer
+from bench.lib.workloads import Endpoint, SyntheticRequest
 
 logger = logging.getLogger("bench.tensor_parallel")
 
@@ -132,7 +129,7 @@ def threads_per_rank(num_threads: int, tp_size: int) -> int:
 
 def median(values: Sequence[float]) -> Optional[float]:
     """The median; None for no values."""
-    return statistics.median(values) if values else None
+    return percentile(values, 50)
 
 
 def decode_tokens_per_s(chunk_times_s: Sequence[float], chunk_num_tokens: Sequence[int]) -> Optional[float]:
@@ -236,12 +233,7 @@ def report_dict(command: str, config: dict, machine: dict, results: Sequence[Siz
 
 
 def write_json(path: str, report: dict) -> None:
-    directory = os.path.dirname(path)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
+    write_document(path, report, indent=2)
 
 
 def prompts(num_prompts: int, vocab_size: int, seed: int, length: int = _PROMPT_TOKENS) -> list[tuple[int, ...]]:
@@ -257,8 +249,6 @@ def build_checkpoint(directory: str, shape: ModelShape, seed: int) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.models.hf_oracle import write_word_tokenizer
-
     torch.manual_seed(seed)
     config = LlamaConfig(
         hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
@@ -273,34 +263,9 @@ def build_checkpoint(directory: str, shape: ModelShape, seed: int) -> str:
 
 
 def worker_argv(model_dir: str, port: int, tp_size: int, num_threads: int, num_blocks: int) -> list[str]:
-    return [sys.executable, "-m", "pdserve.app.cli", "serve", "--model", model_dir, "-tp", str(tp_size),
-            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
-            "--num-threads", str(num_threads), "--num-blocks", str(num_blocks), "--log-level", "warning"]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
-def stop_worker(server: ServerProcess) -> None:
-    """Stops rank 0 (it stops its ranks), then kills any rank it left behind: ServerProcess.stop only
-    reaps leftovers started as `pdserve.app.cli`, and local ranks run as `pdserve.app.ranks`."""
-    descendants = [pid for pid in server.pids() if pid != (server.process.pid if server.process else None)]
-    server.stop()
-    deadline_s = time.monotonic() + 10.0
-    for pid in descendants:
-        while b"pdserve" in _cmdline(pid) and time.monotonic() < deadline_s:
-            time.sleep(0.2)
-        if b"pdserve" in _cmdline(pid):  # still one of ours (pids get reused)
-            logger.warning("rank pid %d outlived its worker; killing it", pid)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    return pdserve_argv("serve", port, "--model", model_dir, "-tp", str(tp_size), "--host", "127.0.0.1",
+                        "--device", "cpu", "--dtype", "float32", "--num-threads", str(num_threads),
+                        "--num-blocks", str(num_blocks), "--log-level", "warning")
 
 
 def served_model_id(base_url: str) -> str:
@@ -317,14 +282,18 @@ def _check(records: Sequence[RequestRecord], max_tokens: int) -> None:
             raise RuntimeError(f"request {record.index} got {record.num_output_tokens} tokens, asked {max_tokens}")
 
 
+def _load(endpoint: Endpoint, requests: Sequence[SyntheticRequest]) -> list[RequestRecord]:
+    return run_open_loop(endpoint.base_url, endpoint.calls(requests)).records
+
+
 def measure_worker(endpoint: Endpoint, args: argparse.Namespace, result: SizeResult) -> None:
     """Warm-up, batch-1 runs, then the concurrent streams, into `result`."""
     batch1_prompts = prompts(args.repeats, args.shape.vocab_size, args.seed)
     stream_prompts = prompts(args.streams, args.shape.vocab_size, args.seed + 1)
     warm = prompts(1, args.shape.vocab_size, args.seed + 2)[0]
-    _check(run_load(endpoint, [SyntheticRequest(-1, "warmup", warm, _WARMUP_TOKENS, 0.0)]).records, _WARMUP_TOKENS)
+    _check(_load(endpoint, [SyntheticRequest(-1, "warmup", warm, _WARMUP_TOKENS, 0.0)]), _WARMUP_TOKENS)
     for index, prompt in enumerate(batch1_prompts):
-        record = run_load(endpoint, [SyntheticRequest(index, "batch1", prompt, args.max_tokens, 0.0)]).records[0]
+        record = _load(endpoint, [SyntheticRequest(index, "batch1", prompt, args.max_tokens, 0.0)])[0]
         _check([record], args.max_tokens)
         tokens_per_s = decode_tokens_per_s(record.chunk_times_s, record.chunk_num_tokens)
         if tokens_per_s is None:
@@ -332,7 +301,7 @@ def measure_worker(endpoint: Endpoint, args: argparse.Namespace, result: SizeRes
         result.batch1_runs_tokens_per_s.append(tokens_per_s)
         logger.info("TP=%d batch 1, run %d: %.1f decode tok/s", result.tp_size, index + 1, tokens_per_s)
     requests = [SyntheticRequest(i, "streams", p, args.max_tokens, 0.0) for i, p in enumerate(stream_prompts)]
-    records = run_load(endpoint, requests).records
+    records = _load(endpoint, requests)
     _check(records, args.max_tokens)
     result.streams_tokens_per_s = aggregate_decode_tokens_per_s(
         [(r.chunk_times_s, r.chunk_num_tokens) for r in records])
@@ -364,7 +333,7 @@ def run_size(model_dir: str, tp_size: int, args: argparse.Namespace) -> SizeResu
         logger.error("TP=%d failed: %s\nlog tail (%s):\n%s", tp_size, exc, server.log_path,
                      server.log_tail(3000) if server.process else "")
     finally:
-        stop_worker(server)
+        server.stop()  # rank 0 stops its ranks; any it left behind is killed
     return result
 
 
@@ -442,7 +411,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    command = shlex.join(["python3", "bench/tensor_parallel.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join(["python", "-m", "bench.tensor_parallel", *(argv if argv is not None else sys.argv[1:])])
     args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-tp-bench-")
     os.makedirs(args.log_dir, exist_ok=True)
     started_s = time.monotonic()

@@ -15,21 +15,16 @@ from starlette.responses import Response
 from pdserve.api.errors import PdserveError
 
 
-class ProxyError(Exception):
-    status_code = 500
-    error_type = "internal_error"
-
-    def __init__(self, message: str, *, param: Optional[str] = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
+class ProxyError(PdserveError):
+    """An answer the proxy makes up itself: a `PdserveError` (status, type, message, param) whose 503s
+    carry the proxy's configured Retry-After rather than the class's `retry_after_s`."""
 
 
 class RejectedRequest(ProxyError):
     """The workers' own edge validation (pdserve/api/validation.py) refused the request:
     the client gets exactly the status, type, message and param a worker would give."""
 
-    def __init__(self, error: "PdserveError"):
+    def __init__(self, error: PdserveError):
         super().__init__(error.message, param=error.param)
         self.status_code = error.status_code
         self.error_type = error.error_type

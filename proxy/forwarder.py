@@ -1,4 +1,7 @@
-"""The two-leg trip of one client request: pick workers, prefill, decode, retry, relay.
+"""The two-leg trip of one client request: route it, prefill, decode, retry, relay.
+
+Where a request goes is `proxy.routing.route.choose_route`'s pure choice over a snapshot of the
+pools; this module gathers that snapshot, executes the route and its retries, and counts them.
 
 Invariants: a decode worker is chosen before any prefill work starts (no
 decode, no wasted prefill: a quick 503); a failed prefill leg is retried on
@@ -40,15 +43,16 @@ from proxy.legs import KVRetry, LegFailed, LegSender, OpenLeg, PassThrough, cach
 from proxy.metrics import ProxyMetrics, status_class
 from proxy.slo import SloTracker
 from proxy.relay import ClientGone, RelayStreamResponse, StreamTiming, until_client_disconnects
-from proxy.routing.disaggregation import DECODE, PrefillSpeed, Signals, Slo, decide
+from proxy.routing.candidates import Candidate, Pick, RoleTurns, RouteRequest
+from proxy.routing.disaggregation import PrefillSpeed
 from proxy.routing.kv_routing import KVRouting
-from proxy.routing.policies import RoutingPolicy, build_policy
+from proxy.routing.policies import RoutingPolicy
+from proxy.routing.route import (DECODE_ONLY, DISAGGREGATED, NO_PREFILL, SKIPPED_DECODE_CACHED, Route, RouteSettings,
+                                 RouteSignals, choose_route, pick_prefill, pick_worker, request_mode)
 
 logger = logging.getLogger(__name__)
 
 PREFILLER_HEADER = "x-prefiller-host-port"  # llm-d's routing sidecar names the prefill worker so
-DISAGGREGATED = "disaggregated"
-DECODE_ONLY = "decode_only"
 # A decode leg that failed these ways reached its worker, which may still be reading the KV.
 _MAY_STILL_READ = ("timeout", "transport")
 # Failures of the connection, not of the worker's answer: the same worker may be tried again.
@@ -83,15 +87,13 @@ class Forwarder:
         self._config = config
         self._prefill_pool = prefill_pool
         self._decode_pool = decode_pool
-        routing = config.routing
-        self._prefill_policy = build_policy(routing.prefill_policy, routing)
-        self._decode_policy = build_policy(routing.decode_policy, routing)
+        self._settings = RouteSettings.from_config(config)
+        self._turns = {Role.PREFILL: RoleTurns(), Role.DECODE: RoleTurns()}  # advanced as picks are executed
         self._sender = LegSender(metrics, config.timeouts)
         self._releaser = KVReleaser(metrics, config.health.timeout_s)
         self._metrics = metrics
         self._kv = kv  # set when a role's policy is kv_aware
-        self._slo = SloTracker(Slo(config.slo.ttft_ms, config.slo.ttft_ms_per_token, config.slo.tpot_ms),
-                               metrics.slo_requests, metrics.slo_attainment)
+        self._slo = SloTracker(self._settings.slo, metrics.slo_requests, metrics.slo_attainment)
         # Seconds per prompt token of each role's prefill, from legs that had their worker to themselves.
         self._speeds = {Role.PREFILL: PrefillSpeed(), Role.DECODE: PrefillSpeed()}
 
@@ -106,8 +108,9 @@ class Forwarder:
             request.prefill_url = self._named_prefill(raw.headers.get(PREFILLER_HEADER))
             if self._kv is not None:
                 await self._kv.prepare(request)
-            timing.mode = self._mode(request)
-            leg = await until_client_disconnects(raw.receive, self._run_legs(request, timing))
+            facts = self._route_request(request)
+            timing.mode = request_mode(facts, self._settings)
+            leg = await until_client_disconnects(raw.receive, self._run_legs(request, facts, timing))
         except ProxyError as exc:
             return self._counted(timing.mode, error_response(exc, request_id, self._config.retry_after_s))
         except PassThrough as exc:
@@ -153,69 +156,73 @@ class Forwarder:
         self._metrics.requests.labels(mode, status_class(response.status_code)).inc()
         return response
 
-    def _mode(self, request: ClientRequest) -> str:
-        """What the request's shape decides; where a disaggregable prompt is computed is `_where`'s call."""
-        if not self._config.has_prefill:
-            return DECODE_ONLY  # no prefill tier at all: a load balancer over decode workers
-        if request.needs_local_prompt:
-            return DECODE_ONLY
-        return DISAGGREGATED
-
     @staticmethod
     def _num_prompt_tokens(request: ClientRequest) -> int:
         blocks = request.kv_route.blocks if request.kv_route is not None else None
         return blocks.num_tokens if blocks is not None else request.num_prompt_tokens  # exact if known
 
-    def _where(self, request: ClientRequest, decode: Backend) -> str:
-        """Prefill worker or the decode worker itself, by the static threshold or the adaptive policy."""
-        routing = self._config.routing
-        predicted = request.kv_route.predicted.get(decode.url, 0) if request.kv_route is not None else 0
-        available = self._prefill_pool.available()
-        signals = Signals(
-            num_prompt_tokens=self._num_prompt_tokens(request), decode_cached_tokens=predicted,
-            prefill_backlog_tokens=min((b.prompt_tokens_in_flight for b in available), default=0),
-            decode_backlog_tokens=decode.prompt_tokens_in_flight,
-            decode_running=max(decode.num_in_flight, decode.load.num_running))
-        adaptive = routing.disaggregation == "adaptive"
-        decision = decide(signals, self._slo.slo,
-                          self._speeds[Role.PREFILL].s_per_token if adaptive else None,
-                          self._speeds[Role.DECODE].s_per_token, routing.disagg_min_prompt_tokens,
-                          routing.decode_stall_tpots)
-        self._metrics.disaggregation.labels(decision.where, decision.reason).inc()
-        return decision.where
+    # ---- the route's signals, and its picks executed -----------------------------------------
+
+    def _route_request(self, request: ClientRequest) -> RouteRequest:
+        blocks_known = self._kv is not None and self._kv.blocks_known(request)
+        return RouteRequest(self._num_prompt_tokens(request), request.prefix_key(self._config.routing.prefix_chars),
+                            request.needs_local_prompt, request.prefill_url, blocks_known)
+
+    def _candidates(self, role: Role, request: ClientRequest) -> tuple[Candidate, ...]:
+        """Every worker of the role as it is now, with the KV index's prediction where kv_aware routes it."""
+        kv = self._kv if self._kv is not None and self._kv.handles(role) else None
+        return tuple(Candidate.of(b, kv.cached_prefix(b.url, request) if kv is not None and b.is_available() else None)
+                     for b in self._pool(role).backends())
+
+    def _signals(self, request: ClientRequest) -> RouteSignals:
+        return RouteSignals(self._candidates(Role.DECODE, request), self._candidates(Role.PREFILL, request),
+                            self._turns[Role.DECODE], self._turns[Role.PREFILL],
+                            self._speeds[Role.PREFILL].s_per_token, self._speeds[Role.DECODE].s_per_token)
+
+    def _take(self, role: Role, request: ClientRequest, pick: Optional[Pick]) -> Optional[Backend]:
+        """Execute a pick: its rotation advances, kv_aware keeps its prediction; the backend it names."""
+        if pick is None:
+            return None
+        self._turns[role] = self._turns[role].after(pick)
+        if self._kv is not None and self._kv.handles(role):
+            self._kv.record(role, request, pick)
+        return self._pool(role).get(pick.url)
+
+    def _count_route(self, route: Route) -> None:
+        if route.reason == SKIPPED_DECODE_CACHED and self._kv is not None:
+            self._kv.record_skipped_prefill()
+        if route.decision is not None:
+            self._metrics.disaggregation.labels(route.decision.where, route.decision.reason).inc()
 
     def _pick(self, role: Role, request: ClientRequest, exclude_urls: Collection[str] = ()) -> Optional[Backend]:
-        pool, policy = self._pool_and_policy(role)
-        candidates = pool.available(exclude_urls)
-        if not candidates:
-            return None
-        if self._kv is not None and self._kv.handles(role):
-            return self._kv.choose(role, candidates, request)
-        return policy.choose(candidates, request.prefix_key(self._config.routing.prefix_chars))
+        pick = pick_worker(self._policy(role), self._route_request(request), self._candidates(role, request),
+                           self._turns[role], exclude_urls)
+        return self._take(role, request, pick)
 
-    def _pool_and_policy(self, role: Role) -> tuple[BackendPool, RoutingPolicy]:
-        if role is Role.PREFILL:
-            return self._prefill_pool, self._prefill_policy
-        return self._decode_pool, self._decode_policy
+    def _pool(self, role: Role) -> BackendPool:
+        return self._prefill_pool if role is Role.PREFILL else self._decode_pool
+
+    def _policy(self, role: Role) -> RoutingPolicy:
+        return self._settings.prefill_policy if role is Role.PREFILL else self._settings.decode_policy
 
     def _unavailable(self, role: Role) -> NoBackendAvailable:
         self._metrics.rejected.labels(role.value).inc()
         return NoBackendAvailable(f"no {role.value} worker is available; retry later")
 
-    async def _run_legs(self, request: ClientRequest, timing: RequestTiming) -> OpenLeg:
-        decode = self._pick(Role.DECODE, request)
+    async def _run_legs(self, request: ClientRequest, facts: RouteRequest, timing: RequestTiming) -> OpenLeg:
+        route = choose_route(facts, self._signals(request), self._settings)
+        decode = self._take(Role.DECODE, request, route.decode)
         if decode is None:
             raise self._unavailable(Role.DECODE)
-        if timing.mode == DISAGGREGATED and self._kv is not None and self._kv.skips_prefill(request, decode):
-            timing.mode = DECODE_ONLY  # cache-aware disaggregation: decode holds nearly all of the prompt
-        if timing.mode == DISAGGREGATED and self._config.colocated_fallback and not self._prefill_pool.available():
-            return await self._colocated(request, decode, timing, "no_prefill")
-        if timing.mode == DISAGGREGATED and self._where(request, decode) == DECODE:
+        self._count_route(route)
+        if route.reason == NO_PREFILL:
+            return await self._colocated(request, decode, timing, NO_PREFILL)
+        if route.mode == DECODE_ONLY:
             timing.mode = DECODE_ONLY
-        if timing.mode == DECODE_ONLY:
             return await self._decode(request, decode, None)
+        first_prefill = self._take(Role.PREFILL, request, route.prefill)
         try:
-            return await self._disaggregated(request, decode, timing, ())
+            return await self._disaggregated(request, decode, timing, (), first_prefill)
         except DecodeLost as lost:
             logger.warning("request %s: decode worker %s dropped it before answering; prefilling again for "
                            "another one", request.request_id, lost.url)
@@ -227,11 +234,12 @@ class Forwarder:
             raise again.error from None
 
     async def _disaggregated(self, request: ClientRequest, decode: Optional[Backend], timing: RequestTiming,
-                             avoid_decode: Collection[str]) -> OpenLeg:
-        """Prefill, then decode on `decode` (or a worker not in `avoid_decode`); a decode that cannot read
-        the KV gets one more prefill; with no prefill possible, the decode worker computes the prompt."""
+                             avoid_decode: Collection[str], first_prefill: Optional[Backend] = None) -> OpenLeg:
+        """Prefill (first on `first_prefill`, the route's), then decode on `decode` (or a worker not in
+        `avoid_decode`); a decode that cannot read the KV gets one more prefill; with no prefill possible,
+        the decode worker computes the prompt."""
         try:
-            prefill, params = await self._prefill(request, (), timing)
+            prefill, params = await self._prefill(request, (), timing, first_prefill)
         except ProxyError as error:
             return await self._colocated(request, decode, timing, "prefill_failed", error, avoid_decode)
         decode_started_s = time.perf_counter()
@@ -275,14 +283,15 @@ class Forwarder:
             self._releaser.release_unless_read(hold, request.request_id)
             raise
 
-    async def _prefill(self, request: ClientRequest, avoid_urls: Collection[str],
-                       timing: RequestTiming) -> tuple[Backend, dict[str, Any]]:
+    async def _prefill(self, request: ClientRequest, avoid_urls: Collection[str], timing: RequestTiming,
+                       first: Optional[Backend] = None) -> tuple[Backend, dict[str, Any]]:
         started_s = time.perf_counter()
         tried: set[str] = set()
         last: Optional[LegFailed] = None
         try:
-            for _ in range(self._config.max_prefill_attempts):
-                backend = self._pick_prefill(request, tried, avoid_urls, last)
+            for attempt in range(self._config.max_prefill_attempts):
+                backend = first if attempt == 0 and first is not None else \
+                    self._pick_prefill(request, tried, avoid_urls, last)
                 if backend is None:
                     break
                 if last is not None:
@@ -321,19 +330,11 @@ class Forwarder:
 
     def _pick_prefill(self, request: ClientRequest, tried: set[str], avoid_urls: Collection[str],
                       last: Optional[LegFailed]) -> Optional[Backend]:
-        """The worker the client named, while it is available and untried; else an untried worker,
-        preferably not one to avoid; a tried one again only after its connection failed (a dropped
-        keep-alive connection), never after it answered or timed out."""
-        if request.prefill_url is not None and request.prefill_url not in tried.union(avoid_urls):
-            named = self._prefill_pool.get(request.prefill_url)
-            if named is not None and named.is_available():
-                return named
-        backend = self._pick(Role.PREFILL, request, tried.union(avoid_urls))
-        if backend is None:
-            backend = self._pick(Role.PREFILL, request, tried)
-        if backend is None and last is not None and last.reason in _CONNECTION_FAILURES:
-            backend = self._pick(Role.PREFILL, request)
-        return backend
+        """`pick_prefill` on the pool as it is now: a worker whose connection failed may be tried again."""
+        pick = pick_prefill(self._settings.prefill_policy, self._route_request(request),
+                            self._candidates(Role.PREFILL, request), self._turns[Role.PREFILL], tried, avoid_urls,
+                            may_retry_tried=last is not None and last.reason in _CONNECTION_FAILURES)
+        return self._take(Role.PREFILL, request, pick)
 
     async def _decode(self, request: ClientRequest, first: Optional[Backend],
                       params: Optional[dict[str, Any]], hold: Optional[PrefillHold] = None,

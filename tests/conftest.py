@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from tests.devices import device_params
+from tests.file_budget import pytest_addoption, pytest_configure  # noqa: F401 - the hooks: seconds per test file
 from tests.process_guard import pytest_sessionfinish  # noqa: F401 - the hook: no test may leave a process behind
 
 

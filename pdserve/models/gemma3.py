@@ -14,14 +14,13 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 
-from pdserve.kv.specs import AttentionSpec, SlidingWindowSpec
-from pdserve.models.base import QKV, CausalLM, DecoderLayer, ModelSpec
+from pdserve.kv.specs import SlidingWindowSpec
+from pdserve.models.base import QKV, CausalLM, DecoderLayer
+from pdserve.models.decoder_args import DecoderArgs, decoder_fields
 from pdserve.models.hf_config import (
     FULL_LAYER,
     SLIDING_LAYER,
-    ModelLoadError,
     UnsupportedModelFeature,
-    head_dim_of,
     layer_specs_from_types,
     require,
     standard_rope,
@@ -37,24 +36,13 @@ DEFAULT_SLIDING_PATTERN = 6  # five sliding layers, then one full layer
 
 
 @dataclass(frozen=True, slots=True)
-class Gemma3Args:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
+class Gemma3Args(DecoderArgs):
     hidden_activation: str
     attention_bias: bool
     query_pre_attn_scalar: float
     final_logit_softcapping: float | None
     rope_full: Mapping[str, Any]
     rope_sliding: Mapping[str, Any]
-    layer_specs: tuple[AttentionSpec, ...]
 
 
 def _gemma3_ropes(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -89,19 +77,9 @@ def gemma3_args(config: Mapping[str, Any]) -> Gemma3Args:
         SLIDING_LAYER if (i + 1) % pattern else FULL_LAYER for i in range(num_layers)
     ]
     rope_full, rope_sliding = _gemma3_ropes(config)
-    num_heads = int(require(config, "num_attention_heads"))
     softcap = config.get("final_logit_softcapping")
     return Gemma3Args(
-        vocab_size=int(require(config, "vocab_size")),
-        hidden_size=int(require(config, "hidden_size")),
-        intermediate_size=int(require(config, "intermediate_size")),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-        head_dim=head_dim_of(config),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(require(config, "max_position_embeddings")),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        **decoder_fields(config, default_tie_word_embeddings=True),
         hidden_activation=str(config.get("hidden_activation") or "gelu_pytorch_tanh"),
         attention_bias=bool(config.get("attention_bias", False)),
         query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256),
@@ -195,19 +173,7 @@ class Gemma3ForCausalLM(CausalLM):
     def __init__(self, args: Gemma3Args, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.args, self.dtype = args, dtype
-        if len(args.layer_specs) != args.num_layers:
-            raise ModelLoadError(f"{len(args.layer_specs)} layer types for {args.num_layers} layers")
-        self.spec = ModelSpec(
-            architecture="gemma3",
-            num_layers=args.num_layers,
-            hidden_size=args.hidden_size,
-            num_heads=args.num_heads,
-            num_kv_heads=args.num_kv_heads,
-            head_dim=args.head_dim,
-            vocab_size=args.vocab_size,
-            max_position_embeddings=args.max_position_embeddings,
-            layer_specs=args.layer_specs,
-        )
+        self.spec = args.model_spec("gemma3")
         self.embed_tokens: torch.nn.Module = Embedding(args.vocab_size, args.hidden_size, dtype)
         # sqrt(hidden) rounded to the model dtype, as the reference does (55.4256 -> 55.5 in bf16).
         embed_scale = torch.tensor(args.hidden_size**0.5, dtype=torch.float32).to(device=device, dtype=dtype)

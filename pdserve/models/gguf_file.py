@@ -196,6 +196,19 @@ class GGUFCheckpoint:
         )
 
     # WeightSource -------------------------------------------------------
+    # What these serve is what gguf_cache.py stores: bump its CONVERTER_VERSION when it changes.
+
+    def tensor_names(self) -> list[str]:
+        """The HF names of every tensor this checkpoint serves."""
+        return list(self._by_hf_name)
+
+    def converted_bytes(self, name: str, keep_packed: bool) -> int:
+        """At most the bytes of the tensor as `get` serves it (float32) or, when keep_packed and it is
+        packable, as `get_packed` does (blocks: under 2 bytes a weight)."""
+        info = self._tensors[self._by_hf_name[name]]
+        num_elements = int(np.prod(info.dims, dtype=np.int64))
+        packable = keep_packed and info.ggml_type in PACKED_GGML_TYPES and len(info.dims) == 2
+        return num_elements * (2 if packable else 4)
 
     def has(self, name: str) -> bool:
         return name in self._by_hf_name

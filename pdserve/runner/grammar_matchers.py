@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import llguidance
-import llguidance.torch as llguidance_torch
+import llguidance.numpy as llguidance_numpy  # not llguidance.torch: it runs torch.compile at import (seconds a start)
 import torch
 
 from pdserve.engine.schedule_types import SampledToken, ScheduledChunk
@@ -62,6 +62,15 @@ class GrammarTokenizer:
 class _Matcher:
     matcher: llguidance.LLMatcher
     num_consumed: int
+
+
+def allocate_token_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """A bitmask allowing every token, in host memory a GPU copies from fast (as llguidance.torch's)."""
+    shape = llguidance_numpy.get_bitmask_shape(num_rows, vocab_size)
+    try:
+        return torch.full(shape, -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+    except RuntimeError:  # no memory can be pinned here
+        return torch.full(shape, -1, dtype=torch.int32)
 
 
 def bitmask_to_allowed(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -121,14 +130,14 @@ class GrammarMatchers:
         if self._pool is not None:  # its thread may stay busy: later steps get a fresh one
             self._pool.shutdown(wait=False)
         self._pool = self._executor = None
-        bitmask = llguidance_torch.allocate_token_bitmask(len(chunks), self.vocab_size)
+        bitmask = allocate_token_bitmask(len(chunks), self.vocab_size)
         for row in late:
             bitmask[row].zero_()
         return bitmask, late
 
     def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], num_rows: int) -> torch.Tensor:
-        bitmask = llguidance_torch.allocate_token_bitmask(num_rows, self.vocab_size)
-        llguidance_torch.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        bitmask = allocate_token_bitmask(num_rows, self.vocab_size)
+        llguidance_numpy.fill_next_token_bitmask_par(self._executor, rows, bitmask.numpy())  # fills it in place
         for matcher, row in rows:
             if matcher.is_error():  # only EOS: end the answer rather than sample garbage
                 allow_only(bitmask[row], self.tokenizer.eos_token_ids)

@@ -1,11 +1,10 @@
-"""KV-aware routing for the forwarder: a request's prompt blocks, each candidate's cached prefix,
-the choice, cache-aware disaggregation, and the check of every prediction against the worker's answer.
+"""KV-aware routing's signals for the forwarder: a request's prompt blocks, each worker's cached
+prefix (the KV index's prediction), the record of each kv_aware pick, and the check of every
+prediction against the worker's answer. The choice itself is `proxy.routing.route.choose_route`'s.
 
 Invariant: routing by cache never fails a request: without the prompt's
 blocks (tokenizer not fetched yet, a request the worker will reject) the role
-falls back to least_loaded; the prefill leg is skipped only when the chosen
-decode worker's cache leaves at most `kv_decode_only_max_tokens` prompt tokens
-for it to compute. Each candidate's cached prefix is matched over that
+falls back to least_loaded. Each candidate's cached prefix is matched over that
 worker's own block size (the index records it), so prefill and decode workers
 with different block sizes are each predicted exactly.
 """
@@ -21,11 +20,13 @@ from prometheus_client import CollectorRegistry
 from proxy.backends import Backend, BackendPool, Role
 from proxy.config import RoutingConfig
 from proxy.routing.kv_events_client import KVEventSubscriptions, fetch_prompt_hasher
-from proxy.routing.kv_index import KVIndex
+from proxy.routing.candidates import Pick
+from proxy.routing.kv_index import CachedPrefix, KVIndex
 from proxy.routing.kv_metrics import KVRoutingMetrics
 from proxy.routing.kv_prompt import KVRoute, PromptBlocks, PromptHasher
-from proxy.routing.policies import LeastLoadedPolicy
-from proxy.routing.policies_kv import NO_BLOCKS, KVAwarePolicy, ScoredCandidate, rank, reason_for, score_candidate
+from proxy.routing.policies_kv import (KV_REASONS, ScoredCandidate, decode_alone_suffices, rank, reason_for,
+                                       score_candidate)
+from proxy.routing.route import SKIPPED_DECODE_CACHED
 
 if TYPE_CHECKING:
     from proxy.client_request import ClientRequest
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KV_AWARE = "kv_aware"
-SKIPPED_DECODE_CACHED = "skipped_decode_cached"
 
 
 class KVRouting:
@@ -44,12 +44,12 @@ class KVRouting:
         self.metrics = KVRoutingMetrics(registry, self.index)
         self.hasher: Optional[PromptHasher] = None
         names = {Role.PREFILL: config.prefill_policy, Role.DECODE: config.decode_policy}
-        self._policies = {role: KVAwarePolicy() for role, name in names.items() if name == KV_AWARE}
-        self._fallback = {role: LeastLoadedPolicy() for role in self._policies}
-        self._subscriptions = KVEventSubscriptions([pools[role] for role in self._policies], self.index, self.metrics)
+        self._roles = frozenset(role for role, name in names.items() if name == KV_AWARE)
+        self._subscriptions = KVEventSubscriptions([pools[role] for role in Role if role in self._roles],
+                                                   self.index, self.metrics)
 
     def handles(self, role: Role) -> bool:
-        return role in self._policies
+        return role in self._roles
 
     async def run_forever(self) -> None:
         """Follow the event streams; fetch the tokenizer and template once (lifespan task)."""
@@ -76,33 +76,30 @@ class KVRouting:
                                  request.request_id)
         request.kv_route = KVRoute(blocks)
 
-    def choose(self, role: Role, candidates: Sequence[Backend], request: "ClientRequest") -> Backend:
-        route: Optional[KVRoute] = request.kv_route
+    def blocks_known(self, request: "ClientRequest") -> bool:
+        return self.hasher is not None and request.kv_route is not None and request.kv_route.blocks is not None
+
+    def cached_prefix(self, url: str, request: "ClientRequest") -> Optional[CachedPrefix]:
+        """The index's prediction of the worker's prefix hit for this request; None without its blocks."""
         hasher = self.hasher
-        if route is None or route.blocks is None or hasher is None:
-            self.metrics.decisions.labels(role.value, NO_BLOCKS).inc()
-            return self._fallback[role].choose(candidates, b"")
-        choice, reason = self._policies[role].choose(self._score(candidates, route.blocks, hasher))
-        route.predicted[choice.backend.url] = choice.cached_tokens
-        self.metrics.decisions.labels(role.value, reason).inc()
-        logger.debug("request %s: %s -> %s (%s, %d of %d tokens cached, %d of them in its offload tier)",
-                     request.request_id, role.value, choice.backend.url, reason, choice.cached_tokens,
-                     route.blocks.num_tokens, choice.offload_tokens)
-        return choice.backend
+        if hasher is None or request.kv_route is None or request.kv_route.blocks is None:
+            return None
+        return self.index.cached_prefix(url, request.kv_route.blocks, hasher.plan)
 
-    def skips_prefill(self, request: "ClientRequest", decode: Backend) -> bool:
-        """Cache-aware disaggregation: the decode worker holds all but a few of the prompt's tokens."""
+    def record(self, role: Role, request: "ClientRequest", pick: Pick) -> None:
+        """A kv_aware pick the forwarder executes: its reason counted, its prediction kept to be checked."""
+        if pick.reason not in KV_REASONS:
+            return  # not the policy's choice (the prefill worker the client named)
+        self.metrics.decisions.labels(role.value, pick.reason).inc()
         route: Optional[KVRoute] = request.kv_route
-        if route is None or route.blocks is None or decode.url not in route.predicted:
-            return False
-        if not self._decode_alone_suffices(route.blocks.num_tokens, route.predicted[decode.url]):
-            return False
-        self.metrics.decisions.labels(Role.PREFILL.value, SKIPPED_DECODE_CACHED).inc()
-        return True
+        if pick.cached_tokens is None or route is None or route.blocks is None:
+            return
+        route.predicted[pick.url] = pick.cached_tokens
+        logger.debug("request %s: %s -> %s (%s, %d of %d tokens cached)", request.request_id, role.value,
+                     pick.url, pick.reason, pick.cached_tokens, route.blocks.num_tokens)
 
-    def _decode_alone_suffices(self, num_prompt_tokens: int, cached_tokens: int) -> bool:
-        limit = self._config.kv_decode_only_max_tokens
-        return limit > 0 and cached_tokens > 0 and num_prompt_tokens - cached_tokens <= limit
+    def record_skipped_prefill(self) -> None:
+        self.metrics.decisions.labels(Role.PREFILL.value, SKIPPED_DECODE_CACHED).inc()
 
     def observe(self, role: Role, request: "ClientRequest", backend: Backend, actual_cached_tokens: Optional[int]) -> None:
         """The worker's own count (usage.prompt_tokens_details.cached_tokens) against the prediction."""
@@ -147,8 +144,8 @@ class KVRouting:
                 "reason": reason_for(ranked[0], scored) if ranked else None,
             }
         best_decode = answer[Role.DECODE.value]["candidates"][:1]
-        answer["skip_prefill"] = self.handles(Role.DECODE) and bool(best_decode) and self._decode_alone_suffices(
-            blocks.num_tokens, best_decode[0]["cached_tokens"])
+        answer["skip_prefill"] = self.handles(Role.DECODE) and bool(best_decode) and decode_alone_suffices(
+            blocks.num_tokens, best_decode[0]["cached_tokens"], self._config.kv_decode_only_max_tokens)
         return answer
 
     def _explained(self, candidate: ScoredCandidate) -> dict[str, Any]:

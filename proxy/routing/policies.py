@@ -1,49 +1,52 @@
-"""Routing policies: which of the available backends of one role serves a request.
+"""Routing policies: which of the offered workers of one role serves a request.
 
-Each policy sees only backends that are available right now (healthy, breaker
-closed or on trial, not saturated) and must return one of them; the caller
-handles the empty case. Prefill and decode each get their own policy object.
+Invariant: a policy is pure. It sees only workers offered right now (available, not excluded; never
+an empty list), the request's routing facts and the role's rotation turns, and returns a `Pick` of
+one of them naming the rotation it used; the forwarder advances that turn when it executes the pick.
+A policy object holds settings only. Prefill and decode each get their own.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import Protocol, Sequence, TypeVar
 
-from proxy.backends import Backend
-from proxy.config import PolicyName, RoutingConfig
+from proxy.routing.candidates import FALLBACK_TURN, POLICY_TURN, Candidate, Pick, RoleTurns, RouteRequest
+
+ROUND_ROBIN = "round_robin"
+LEAST_LOADED = "least_loaded"
+PREFIX = "prefix"  # the prefix's own worker
+PREFIX_BUSY = "prefix_busy"  # the prefix's worker was at its cap: the least loaded one
+
+
+class Routable(Protocol):
+    """What a policy reads of a worker (a `Candidate`, or a live `Backend` for /kv/explain)."""
+
+    @property
+    def url(self) -> str: ...
+
+    def load_score(self) -> float: ...
+
+
+R = TypeVar("R", bound=Routable)
 
 
 class RoutingPolicy(Protocol):
-    def choose(self, candidates: Sequence[Backend], prefix_key: bytes) -> Backend:
-        """Pick one of `candidates` (never empty). `prefix_key` names the prompt's prefix."""
+    def choose(self, offered: Sequence[Candidate], request: RouteRequest, turns: RoleTurns) -> Pick:
+        """One of `offered` (never empty)."""
 
 
-class RoundRobinPolicy:
-    """Each backend in turn; a backend that drops out is simply skipped."""
-
-    def __init__(self) -> None:
-        self._num_chosen = 0
-
-    def choose(self, candidates: Sequence[Backend], prefix_key: bytes) -> Backend:
-        ordered = sorted(candidates, key=lambda b: b.url)  # stable order whatever the pool's history
-        backend = ordered[self._num_chosen % len(ordered)]
-        self._num_chosen += 1
-        return backend
+def round_robin(offered: Sequence[R], turn: int) -> R:
+    """Each worker in turn, in a stable order whatever the pool's history; one that dropped out is skipped."""
+    ordered = sorted(offered, key=lambda b: b.url)
+    return ordered[turn % len(ordered)]
 
 
-class LeastLoadedPolicy:
+def least_loaded(offered: Sequence[R], turn: int) -> R:
     """Lowest load score (queued + running requests and KV usage); ties go round robin."""
-
-    def __init__(self) -> None:
-        self._num_chosen = 0
-
-    def choose(self, candidates: Sequence[Backend], prefix_key: bytes) -> Backend:
-        lowest = min(b.load_score() for b in candidates)
-        tied = sorted((b for b in candidates if b.load_score() == lowest), key=lambda b: b.url)
-        backend = tied[self._num_chosen % len(tied)]
-        self._num_chosen += 1
-        return backend
+    lowest = min(b.load_score() for b in offered)
+    return round_robin([b for b in offered if b.load_score() == lowest], turn)
 
 
 def rendezvous_rank(prefix_key: bytes, url: str) -> int:
@@ -52,24 +55,25 @@ def rendezvous_rank(prefix_key: bytes, url: str) -> int:
     return int.from_bytes(digest, "big")
 
 
+class RoundRobinPolicy:
+    def choose(self, offered: Sequence[Candidate], request: RouteRequest, turns: RoleTurns) -> Pick:
+        return Pick(round_robin(offered, turns.policy).url, ROUND_ROBIN, POLICY_TURN)
+
+
+class LeastLoadedPolicy:
+    def choose(self, offered: Sequence[Candidate], request: RouteRequest, turns: RoleTurns) -> Pick:
+        return Pick(least_loaded(offered, turns.policy).url, LEAST_LOADED, POLICY_TURN)
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixAwarePolicy:
     """The same prompt prefix goes to the same backend (its prefix cache is warm there),
     unless that backend's load reached `max_load`: then the least loaded one serves."""
 
-    def __init__(self, max_load: int) -> None:
-        self._max_load = max_load
-        self._fallback = LeastLoadedPolicy()
+    max_load: int
 
-    def choose(self, candidates: Sequence[Backend], prefix_key: bytes) -> Backend:
-        preferred = max(candidates, key=lambda b: rendezvous_rank(prefix_key, b.url))
-        if preferred.load_score() < self._max_load:
-            return preferred
-        return self._fallback.choose(candidates, prefix_key)
-
-
-def build_policy(name: PolicyName, config: RoutingConfig) -> RoutingPolicy:
-    if name == "round_robin":
-        return RoundRobinPolicy()
-    if name in ("least_loaded", "kv_aware"):  # kv_aware scores in proxy/routing/kv_routing.py; this is its fallback
-        return LeastLoadedPolicy()
-    return PrefixAwarePolicy(config.prefix_max_load)
+    def choose(self, offered: Sequence[Candidate], request: RouteRequest, turns: RoleTurns) -> Pick:
+        preferred = max(offered, key=lambda b: rendezvous_rank(request.prefix_key, b.url))
+        if preferred.load_score() < self.max_load:
+            return Pick(preferred.url, PREFIX)
+        return Pick(least_loaded(offered, turns.fallback).url, PREFIX_BUSY, FALLBACK_TURN)

@@ -10,8 +10,8 @@ than a miss (a copy is far cheaper than computing): `offload_hit_weight`
 the score the least_loaded policy uses (queued + running requests, plus 4 x
 KV usage); `load_tokens` (--kv-load-tokens) prices one unit of load in prompt
 tokens. Lowest score wins; ties go to the worthier cached prefix, then round
-robin. Invariant: `rank` is a pure function of its inputs (explain uses it),
-and `choose` always returns one of the candidates.
+robin. Invariant: `rank` and `choose` are pure functions of their inputs (explain
+uses `rank`), and `choose` always returns one of the candidates.
 """
 
 from __future__ import annotations
@@ -19,18 +19,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from proxy.backends import Backend
+from proxy.routing.candidates import FALLBACK_TURN, POLICY_TURN, Candidate, Pick, RoleTurns, RouteRequest
 from proxy.routing.kv_index import CachedPrefix
+from proxy.routing.policies import Routable, least_loaded
 
 CACHE_HIT = "cache_hit"  # the winner holds the worthiest cached prefix on offer (a device hit beats a tier one)
 LOAD = "load"  # another worker held more of the prompt, but its queue cost more
 NO_HIT = "no_hit"  # nobody held any of it: load alone decided
 NO_BLOCKS = "no_blocks"  # the prompt's blocks are unknown (tokenizer not loaded, or a malformed request)
+KV_REASONS = (CACHE_HIT, LOAD, NO_HIT, NO_BLOCKS)
 
 
 @dataclass(frozen=True, slots=True)
 class ScoredCandidate:
-    backend: Backend
+    backend: Routable
     cached_tokens: int  # what the worker will report cached, tier included (the prediction checked)
     offload_tokens: int  # of those, the ones it loads from its offload tier first
     cached_worth_tokens: float  # device tokens + offload_hit_weight * offload tokens
@@ -42,7 +44,7 @@ class ScoredCandidate:
                 "load": round(self.load, 3), "score": round(self.score, 3)}
 
 
-def score_candidate(backend: Backend, cached: CachedPrefix, num_prompt_tokens: int, load_tokens: float,
+def score_candidate(backend: Routable, cached: CachedPrefix, num_prompt_tokens: int, load_tokens: float,
                     offload_hit_weight: float) -> ScoredCandidate:
     load = backend.load_score()
     worth = cached.num_device_tokens + offload_hit_weight * cached.num_offload_tokens
@@ -62,16 +64,33 @@ def reason_for(choice: ScoredCandidate, scored: Sequence[ScoredCandidate]) -> st
     return CACHE_HIT if choice.cached_worth_tokens == most_worth else LOAD
 
 
+def choose_scored(scored: Sequence[ScoredCandidate], turn: int) -> tuple[ScoredCandidate, str]:
+    """The best candidate and why; exact ties (typically: nothing cached, equal load) rotate by `turn`,
+    as least_loaded's do."""
+    ranked = rank(scored)
+    best = ranked[0]
+    tied = [c for c in ranked if (c.score, c.cached_worth_tokens) == (best.score, best.cached_worth_tokens)]
+    choice = tied[turn % len(tied)]
+    return choice, reason_for(choice, scored)
+
+
+def decode_alone_suffices(num_prompt_tokens: int, cached_tokens: int, max_uncached_tokens: int) -> bool:
+    """Cache-aware disaggregation: the decode worker holds all but at most `max_uncached_tokens` of the
+    prompt (0: never skip the prefill leg)."""
+    return max_uncached_tokens > 0 and cached_tokens > 0 and num_prompt_tokens - cached_tokens <= max_uncached_tokens
+
+
+@dataclass(frozen=True, slots=True)
 class KVAwarePolicy:
-    """One per role. Exact ties (typically: nothing cached, equal load) rotate, as least_loaded does."""
+    """One per role. Without the prompt's blocks it is least_loaded on its fallback rotation."""
 
-    def __init__(self) -> None:
-        self._num_chosen = 0
+    load_tokens: float
+    offload_hit_weight: float
 
-    def choose(self, scored: Sequence[ScoredCandidate]) -> tuple[ScoredCandidate, str]:
-        ranked = rank(scored)
-        best = ranked[0]
-        tied = [c for c in ranked if (c.score, c.cached_worth_tokens) == (best.score, best.cached_worth_tokens)]
-        choice = tied[self._num_chosen % len(tied)]
-        self._num_chosen += 1
-        return choice, reason_for(choice, scored)
+    def choose(self, offered: Sequence[Candidate], request: RouteRequest, turns: RoleTurns) -> Pick:
+        if not request.blocks_known:
+            return Pick(least_loaded(offered, turns.fallback).url, NO_BLOCKS, FALLBACK_TURN)
+        scored = [score_candidate(c, c.cached or CachedPrefix(), request.num_prompt_tokens, self.load_tokens,
+                                  self.offload_hit_weight) for c in offered]
+        choice, reason = choose_scored(scored, turns.policy)
+        return Pick(choice.backend.url, reason, POLICY_TURN, choice.cached_tokens)

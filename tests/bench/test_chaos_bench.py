@@ -1,4 +1,4 @@
-"""bench/chaos.py still runs end to end (one kill of a decode worker mid-read): the table and the JSON."""
+"""bench.chaos still runs end to end (one kill of a decode worker mid-read): the table and the JSON."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def test_chaos_benchmark_kills_once_and_writes_its_counts(tmp_path):
     out = tmp_path / "chaos.json"
     result = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "bench", "chaos.py"), "--victim", "decode", "--phase", "mid-read",
+        [sys.executable, "-m", "bench.chaos", "--victim", "decode", "--phase", "mid-read",
          "--kills", "1", "--load-threads", "1", "--num-decode", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

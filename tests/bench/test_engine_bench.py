@@ -10,14 +10,15 @@ import time
 import httpx
 import pytest
 
-from bench._hf_peers import transformers_serve_argv, transformers_serve_extra_body
-from bench._llama_server import llama_server_argv, llama_server_extra_body
-from bench._loadgen import BenchError, HttpTarget, stream_one
-from bench._report import (
+from bench.engine.peers import transformers_serve_argv, transformers_serve_extra_body
+from bench.engine.llama_server import llama_server_argv, llama_server_extra_body
+from bench.engine.systems import BenchError, HttpTarget, stream_one
+from bench.engine.report import (
     GENERATE, LLAMA_SERVER, SERVE, SUBJECT_FP32, BenchReport, LongPromptResult, PhaseResult, RequestSample, Roofline,
-    check_targets, format_long_prompts, format_table, percentile, ratio_vs_best_peer, summarize, write_json,
+    check_targets, format_long_prompts, format_table, ratio_vs_best_peer, summarize, write_json,
 )
-from bench._workload import chat_messages, full_workload, long_prompt_messages, quick_workload
+from bench.engine.workload import chat_messages, full_workload, long_prompt_messages, quick_workload
+from bench.lib.stats import percentile
 
 
 def _phase(system: str, concurrency: int, tokens_per_s: float) -> PhaseResult:
@@ -57,10 +58,10 @@ def test_prompts_differ_from_their_first_words():
 
 
 def test_percentile_interpolates_and_handles_empty_input():
-    assert percentile([], 0.5) is None
-    assert percentile([3.0], 0.9) == 3.0
-    assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == pytest.approx(2.5)
-    assert percentile([1.0, 2.0, 3.0], 1.0) == 3.0
+    assert percentile([], 50) is None
+    assert percentile([3.0], 90) == 3.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0], 100) == 3.0
 
 
 def test_summary_throughput_is_total_tokens_over_phase_wall_time():
@@ -211,7 +212,7 @@ def test_transformers_serve_gets_pdserve_kv_capacity_and_no_eos():
 
 
 def test_cpu_meter_counts_this_process_as_its_own_and_reports_a_fraction():
-    from bench._cpu import CpuMeter, _process_ticks
+    from bench.lib.machine import CpuMeter, _process_ticks
 
     before = _process_ticks(os.getpid())
     meter = CpuMeter(pids=[])
@@ -226,7 +227,7 @@ def test_cpu_meter_counts_this_process_as_its_own_and_reports_a_fraction():
 
 
 def test_wait_for_quiet_gives_up_after_its_budget():
-    from bench._cpu import wait_for_quiet
+    from bench.lib.machine import wait_for_quiet
 
     started_s = time.monotonic()
     fraction = wait_for_quiet([], max_foreign_fraction=-1.0, max_wait_s=0.0, window_s=0.05)  # never quiet enough
@@ -235,9 +236,9 @@ def test_wait_for_quiet_gives_up_after_its_budget():
 
 
 def test_a_run_can_be_cut_to_some_concurrency_levels_and_names_a_level_it_lacks():
-    from bench._report import TargetCheck, format_targets
-    from bench._workload import full_workload
-    from bench.engine import only_levels
+    from bench.engine.report import TargetCheck, format_targets
+    from bench.engine.workload import full_workload
+    from bench.engine.cli import only_levels
 
     workload = full_workload()
     cut = only_levels(workload, [1])
@@ -251,9 +252,9 @@ def test_a_run_can_be_cut_to_some_concurrency_levels_and_names_a_level_it_lacks(
 
 
 def test_a_phase_whose_server_dropped_a_connection_runs_again_and_other_errors_stand(monkeypatch):
-    import bench.engine as engine
-    from bench._report import PhaseResult
-    from bench._workload import full_workload
+    import bench.engine.cli as engine
+    from bench.engine.report import PhaseResult
+    from bench.engine.workload import full_workload
 
     outcomes = {"dropped": [PhaseResult("s", 1, error="Server disconnected", dropped_connection=True),
                             PhaseResult("s", 1, num_requests=6, num_output_tokens=768, wall_s=12.0)],

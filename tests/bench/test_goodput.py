@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bench.serving.client import RequestRecord
-from bench.serving.goodput import DEFAULT_SLO, attainment, goodput_rate
+from bench.lib.stream import RequestRecord
+from bench.lib.stats import DEFAULT_SLO, attainment, goodput_rate
 
 
 def record(prompt: int, ttft_s: float, gap_s: float, tokens: int = 5, ok: bool = True) -> RequestRecord:
@@ -55,7 +55,7 @@ def test_server_args_reach_every_system_and_name_it(tmp_path):
 
 def test_goodput_table_and_plot(tmp_path):
     from bench.serve import format_goodput_table
-    from bench.serving.plots import plot_attainment
+    from bench.lib.plots import plot_attainment
 
     table = {"colocated": [(0.1, 0.95), (0.2, 0.7)], "P/D adaptive": [(0.1, 1.0), (0.2, 0.92)]}
     text = format_goodput_table(table, [0.1, 0.2])

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from bench._offload_loads import BASELINE, MODES, load_bandwidth
+from bench.kv_offload.loads import BASELINE, MODES, load_bandwidth
 from tests.integration.cluster import REPO_ROOT
 
 
@@ -24,7 +24,7 @@ def test_every_mode_is_timed_and_each_tier_has_its_share_of_the_raw_copy(tmp_pat
 
 def test_loads_only_prints_the_table_and_writes_json(tmp_path):
     out = tmp_path / "loads.json"
-    run = subprocess.run([sys.executable, "bench/kv_offload.py", "--loads-only", "--page-bytes", "8192",
+    run = subprocess.run([sys.executable, "-m", "bench.kv_offload", "--loads-only", "--page-bytes", "8192",
                           "--load-rounds", "2", "--load-pages", "3", "--dir", str(tmp_path / "tier"),
                           "--load-out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
@@ -34,7 +34,7 @@ def test_loads_only_prints_the_table_and_writes_json(tmp_path):
 
 
 def test_the_workload_plot_draws_every_tier(tmp_path):
-    from bench._offload_plot import plot_workload
+    from bench.lib.plots import plot_offload_ttft as plot_workload
 
     rows = [{"tier": tier, "computed_prompt_tokens": computed, "prompt_tokens": 8448, "ttft_p50_s": p50,
              "ttft_p99_s": 2 * p50, "tier_hit_rate": hits}
@@ -46,7 +46,7 @@ def test_the_workload_plot_draws_every_tier(tmp_path):
 
 
 def test_repeats_pool_their_ttfts_and_load_bandwidth():
-    from bench.kv_offload import pooled
+    from bench.kv_offload.cli import pooled
 
     runs = [{"tier": "memory", "computed_prompt_tokens": 10, "ttfts_s": [0.1, 0.5, 0.9], "later_turn_ttfts_s": [0.5],
              "load_bytes": 4e9, "load_s": 1.0},
@@ -63,7 +63,7 @@ def test_repeats_pool_their_ttfts_and_load_bandwidth():
 def test_the_wake_benchmark_times_every_tier_hit_in_both_modes(tmp_path):
     import torch
 
-    from bench._offload_wake import MODES, wake_latency
+    from bench.kv_offload.wake import MODES, wake_latency
     from pdserve.models.loader import load_model
     from tests.tiny_models import make_tiny_qwen3
 

@@ -9,7 +9,7 @@ import multiprocessing
 import numpy as np
 import pytest
 
-from bench.kv_transfer_block_size import (
+from bench.transfer.block_size import (
     BS_SHAPES, Case, add_ratios, cases, chunk_pairs, format_sweep, format_table, main, parse_pair, pool_blocks,
     reversed_chunk_pairs, rows_of, token_bytes)
 from pdserve.transfer.descriptor_runs import direct_runs, staged_runs

@@ -10,7 +10,7 @@ import multiprocessing
 import pytest
 import torch
 
-from bench.kv_transfer_tp import (
+from bench.transfer.tp import (
     TP_SHAPES, TpCase, add_ratios, block_ids, cases, coalescing_gains, expected_descriptors, format_table, main,
     parse_pair, rank_layouts, rank_views, sample_blocks, sources_per_rank, split_problem,
 )

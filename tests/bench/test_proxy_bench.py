@@ -1,4 +1,4 @@
-"""bench/proxy.py still runs end to end (tiny sizes): stubs, two proxies, the table and the JSON."""
+"""bench.proxy still runs end to end (tiny sizes): stubs, two proxies, the table and the JSON."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 def test_proxy_benchmark_runs_and_writes_every_path(tmp_path):
     out = tmp_path / "proxy.json"
     result = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "bench", "proxy.py"), "--requests", "20", "--warmup", "5",
+        [sys.executable, "-m", "bench.proxy", "--requests", "20", "--warmup", "5",
          "--rounds", "2", "--duration-s", "0.5", "--concurrency", "4", "--out", str(out)],
         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -11,12 +11,13 @@ import time
 
 import pytest
 
-from bench.serving.client import Endpoint, RequestRecord, StreamError, chunk_num_tokens, parse_event
-from bench.serving.report import format_latency_table, format_report, format_throughput_table, write_json
-from bench.serving.stats import (
+from bench.lib.stream import RequestRecord, StreamError, chunk_num_tokens, parse_event
+from bench.lib.workloads import Endpoint
+from bench.lib.report import format_latency_table, format_report, format_throughput_table, write_json
+from bench.lib.stats import (
     describe, itl_gaps, percentile, prefill_windows, split_gaps_by_windows, summarize_run, tpot_s, ttft_s,
 )
-from bench.serving.workload import (
+from bench.lib.workloads import (
     PROMPT_TOKEN_ID_HIGH, PROMPT_TOKEN_ID_LOW, LengthRange, WorkloadError, build_requests, class_counts,
     long_class_name, parse_mix, poisson_offsets_s, single_class, warmup_requests,
 )
@@ -242,7 +243,7 @@ def test_json_report_holds_summaries_and_raw_request_timings(tmp_path):
 
 def test_plots_are_written_as_png_files_for_every_run(tmp_path):
     pytest.importorskip("matplotlib")
-    from bench.serving.plots import plot_all
+    from bench.lib.plots import plot_all
 
     pd, colocated = _two_summaries()
     runs = [(pd, [_record(0, "long", 0.0, [2.0, 2.1]), _record(1, "short", 2.2, [2.3, 2.45, 2.5])]),
@@ -255,7 +256,7 @@ def test_plots_are_written_as_png_files_for_every_run(tmp_path):
 
 
 def test_idle_wait_returns_true_once_quiet_long_enough_and_false_at_its_deadline():
-    from bench.serving.machine import busy_fraction, wait_for_idle
+    from bench.lib.machine import busy_fraction, wait_for_idle
 
     busy = busy_fraction(0.05)
     assert busy is None or 0.0 <= busy <= 1.0

@@ -22,7 +22,7 @@ import signal
 import httpx
 import pytest
 
-from tests.integration.cluster import ProxyProcess, Worker, free_port, start_workers, wait_for
+from tests.integration.cluster import ProxyProcess, Worker, free_port, start_workers, stop_all, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -49,9 +49,7 @@ def cluster(tmp_path_factory, device):
         assert wait_for(proxy.is_ready, 60), "proxy never became ready"
         yield prefill, decode, proxy
     finally:
-        proxy.stop()
-        for worker in (prefill, decode):
-            worker.stop()
+        stop_all(proxy, prefill, decode)
 
 
 def direct(decode: Worker, body: dict) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.cluster import Worker, decode_leg, free_port, prefill_leg, start_workers, wait_for
+from tests.integration.cluster import Worker, decode_leg, free_port, prefill_leg, start_workers, stop_all, wait_for
 from tests.integration.prompts import aligned_chat_prompt
 from tests.process_guard import living_descendants
 
@@ -44,8 +44,7 @@ def cluster(tmp_path_factory, device):
     decode = Worker("decode", free_port(), str(logs / "decode.log"), [*common, "--no-prefix-caching"], device)
     start_workers(prefill, decode)
     yield prefill, decode
-    prefill.stop()
-    decode.stop()
+    stop_all(prefill, decode)
 
 
 def agent_pid(worker: Worker) -> int:

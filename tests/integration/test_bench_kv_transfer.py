@@ -1,4 +1,4 @@
-"""bench/kv_transfer.py end to end on one small pull, on each device: it moves real pages
+"""bench.transfer.kv_pull --mode layout end to end on one small pull, on each device: it moves real pages
 between two processes, verifies them, and records where the pools lived."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 def test_kv_transfer_bench_pulls_verified_pages_on_the_chosen_device(device, tmp_path):
     out = tmp_path / "kv_transfer.json"
-    command = [sys.executable, "bench/kv_transfer.py", "--device", device, "--memory", "4k-pages", "--reps", "1",
+    command = [sys.executable, "-m", "bench.transfer.kv_pull", "--mode", "layout", "--device", device,
+               "--memory", "4k-pages", "--reps", "1",
                "--prompt-tokens", "256", "--out", str(out)]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stderr[-3000:]

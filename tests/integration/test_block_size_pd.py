@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.cluster import Worker, free_port, page_bytes, start_workers, two_legs, wait_for
+from tests.integration.cluster import Worker, free_port, page_bytes, start_workers, stop_all, two_legs, wait_for
 from tests.integration.test_tensor_parallel import NUM_NEW, VOCAB, assert_greedy_parity, tiny_llama, token_ids
 from tests.models.hf_oracle import hf_greedy_with_margins
 from tests.tiny_models import GEMMA_VOCAB, GEMMA_WINDOW, make_tiny_gemma3, random_prompt
@@ -46,8 +46,7 @@ def shapes(request, tmp_path_factory):
     workers = {shape: worker(shape[0], model_dir, logs, shape[1], shape[2]) for shape in sorted(shapes_needed)}
     start_workers(*workers.values())
     yield request.param, oracle, vocab, workers
-    for each in workers.values():
-        each.stop()
+    stop_all(*workers.values())
 
 
 def tokens_moved(decode: Worker, length: int, prefill_block: int, decode_block: int) -> int:
@@ -128,5 +127,4 @@ def test_a_partial_prefix_hit_on_a_decode_worker_of_another_block_size_pulls_onl
         assert pulled[0] == (0, end)
         assert pulled[1] == (64, end - 64)  # the shared tokens came from D's own cache, only the tail travelled
     finally:
-        for each in (prefill, decode):
-            each.stop()
+        stop_all(prefill, decode)

@@ -21,8 +21,8 @@ from typing import Any, Optional
 import httpx
 import pytest
 
-from tests.integration.cluster import (REPO_ROOT, ProxyProcess, Worker, decode_leg, free_port, prefill_leg,
-                                       start_workers, wait_for)
+from tests.integration.cluster import (
+    REPO_ROOT, ProxyProcess, Worker, decode_leg, free_port, prefill_leg, start_workers, stop_all, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -126,9 +126,7 @@ def cluster(tmp_path_factory, device):
         assert wait_for(proxy.is_ready, 30), "proxy never became ready"
         yield state
     finally:
-        state["proxy"].stop()
-        for name in ("prefill", "decode"):
-            state[name].stop()
+        stop_all(state["proxy"], state["prefill"], state["decode"])
 
 
 @pytest.fixture(scope="module")

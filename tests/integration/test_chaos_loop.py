@@ -3,7 +3,7 @@
 and not, with greedy baselines), each SIGKILLed at forced phases and restarted. After every kill: the
 survivors live, no answer differs from its baseline (a cut stream is a prefix of it), no call hangs,
 nothing is pinned or in use after the lease, the cluster serves again, and a prefill worker's death
-loses no request. The longer, random version is bench/chaos.py; phases: bench/_chaos_phases.py."""
+loses no request. The longer, random version is `python -m bench.chaos`; phases: bench/chaos/phases.py."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import random
 
 import pytest
 
-from bench._chaos_cluster import ChaosCluster
-from bench._chaos_load import CUT, LOST, OK, MixedLoad
-from bench._chaos_phases import READ_PHASES, Stage, run_kill
-from bench._chaos_report import charge
-from bench.chaos import expected_answers
+from bench.chaos.cluster import ChaosCluster
+from bench.chaos.load import CUT, LOST, OK, MixedLoad
+from bench.chaos.phases import READ_PHASES, Stage, run_kill
+from bench.chaos.report import charge
+from bench.chaos.cli import expected_answers
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.cluster import Worker, free_port, page_bytes, start_workers, two_legs, wait_for
+from tests.integration.cluster import Worker, free_port, page_bytes, start_workers, stop_all, two_legs, wait_for
 from tests.integration.test_tensor_parallel import NUM_NEW, VOCAB, assert_greedy_parity, tiny_llama, token_ids
 from tests.models.hf_oracle import hf_greedy_with_margins
 from tests.tiny_models import GEMMA_VOCAB, GEMMA_WINDOW, make_tiny_gemma3, random_prompt
@@ -40,8 +40,7 @@ def shapes(request, tmp_path_factory):
     workers = {(role, size): worker(role, model_dir, logs, size) for role in ("prefill", "decode") for size in (1, 2)}
     start_workers(*workers.values())
     yield oracle, vocab, workers
-    for each in workers.values():
-        each.stop()
+    stop_all(*workers.values())
 
 
 @pytest.mark.parametrize("prefill_size, decode_size", PAIRS)
@@ -110,5 +109,4 @@ def test_a_partial_prefix_hit_on_a_decode_worker_of_another_tp_size_pulls_only_t
         assert cached_second == 6 * BLOCK_SIZE  # the shared blocks, from D's own cache
         assert blocks_second == sent_second - 6 > 0  # only the tail travelled
     finally:
-        for each in (prefill, decode):
-            each.stop()
+        stop_all(prefill, decode)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.cluster import ProxyProcess, Worker, free_port, start_workers, two_legs, wait_for
+from tests.integration.cluster import ProxyProcess, Worker, free_port, start_workers, stop_all, two_legs, wait_for
 from tests.tiny_models import QWEN_VOCAB, make_tiny_qwen3, random_prompt
 
 pytestmark = pytest.mark.slow
@@ -42,8 +42,7 @@ def workers(tmp_path_factory, device):
     tiered_decode = Worker("decode", free_port(), str(logs / "tiered-decode.log"), [*common, *tier], device)
     started = start_workers(plain, tiered, filed, prefill, decode, tiered_decode)
     yield plain, tiered, (filed, offload_dir), prefill, decode, tiered_decode
-    for worker in started:
-        worker.stop()
+    stop_all(*started)
 
 
 def body(model: str, prompt: list[int]) -> dict:

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.cluster import Worker, free_port, start_workers, wait_for
+from tests.integration.cluster import Worker, free_port, start_workers, stop_all, wait_for
 from tests.integration.test_proxy_failures import ProxyProcess
 
 pytestmark = pytest.mark.slow
@@ -39,10 +39,7 @@ def cluster(tmp_path_factory, device):
             assert wait_for(lambda: routing_ready(proxy), timeout_s=60), "proxy never loaded the routing info"
         yield state
     finally:
-        sticky.stop()
-        skipping.stop()
-        for worker in [*state["prefills"], decode, *workers]:
-            worker.stop()
+        stop_all(sticky, skipping, *state["prefills"], decode, *workers)
 
 
 def metric(proxy: ProxyProcess, name: str, **labels: str) -> float:

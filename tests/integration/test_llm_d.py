@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.cluster import Worker, free_port, start_workers, wait_for
+from tests.integration.cluster import Worker, free_port, start_workers, stop_all, wait_for
 from tests.integration.pd_sidecar import (
     PREFILL_HEADER, SidecarReplay, decode_leg_body, go_marshal, go_unmarshal, prefill_leg_body)
 from tests.integration.test_prometheus import query as prometheus_query, start_prometheus
@@ -45,8 +45,7 @@ def cluster(tmp_path_factory, device):
     replay = SidecarReplay(decode.url)
     yield prefill, decode, replay
     replay.close()
-    for worker in workers:
-        worker.stop()
+    stop_all(*workers)
 
 
 def chat_body(question: str, max_tokens: int = 24, **extra) -> dict:

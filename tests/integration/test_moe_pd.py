@@ -9,7 +9,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.cluster import Worker, free_port, page_bytes, same_path_reference, start_workers, two_legs
+from tests.integration.cluster import (
+    Worker, free_port, page_bytes, same_path_reference, start_workers, stop_all, two_legs)
 from tests.models.hf_oracle import hf_greedy_generate
 from tests.tiny_models import (
     GPT_OSS_VOCAB, GPT_OSS_WINDOW, QWEN_MOE_VOCAB, make_tiny_gpt_oss, make_tiny_qwen3_moe, random_prompt,
@@ -35,8 +36,7 @@ def cluster(request, tmp_path_factory, device):
     decode = Worker("decode", free_port(), str(logs / "decode.log"), [*common, "--no-prefix-caching"], device)
     workers = start_workers(prefill, decode)
     yield request.param, hf_model, vocab, prefill, decode
-    for worker in workers:
-        worker.stop()
+    stop_all(*workers)
 
 
 def _token_ids(choice: dict) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.cluster import start_workers, two_legs
+from tests.integration.cluster import start_workers, stop_all, two_legs
 from tests.integration.test_tensor_parallel import (
     NUM_NEW, assert_greedy_parity, greedy, token_ids, tp_worker, worker_model)
 from tests.models.hf_oracle import hf_greedy_with_margins
@@ -39,8 +39,7 @@ def moe_tp2(tmp_path_factory):
     found["pd"] = (prefill, decode)
     start_workers(*workers, prefill, decode)
     yield found
-    for worker in (*workers, prefill, decode):
-        worker.stop()
+    stop_all(*workers, prefill, decode)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from tests.integration.cluster import (
-    Worker, decode_leg, free_port, page_bytes, prefill_leg, same_path_reference, start_workers, two_legs, wait_for)
+    Worker, decode_leg, free_port, page_bytes, prefill_leg, same_path_reference, start_workers, stop_all, two_legs,
+    wait_for)
 from tests.integration.prompts import aligned_chat_prompt
 
 pytestmark = pytest.mark.slow
@@ -30,8 +31,7 @@ def cluster(tmp_path_factory, device):
     decode = Worker("decode", free_port(), str(logs / "decode.log"), [*common, "--no-prefix-caching"], device)
     workers = start_workers(prefill, decode)
     yield prefill, decode
-    for worker in workers:
-        worker.stop()
+    stop_all(*workers)
 
 
 def chat_body(question: str, max_tokens: int = 32, **extra) -> dict:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.integration.cluster import (
-    Worker, decode_leg, free_port, prefill_leg, same_path_reference, start_workers, two_legs, wait_for)
+    Worker, decode_leg, free_port, prefill_leg, same_path_reference, start_workers, stop_all, two_legs, wait_for)
 from tests.integration.prompts import aligned_chat_prompt
 
 pytestmark = pytest.mark.slow
@@ -37,8 +37,7 @@ def cluster(tmp_path_factory, device):
     start_workers(prefill, recompute, fail)
     current = {"prefill": prefill, "recompute": recompute, "fail": fail}
     yield current
-    for worker in current.values():  # tests replace a restarted prefill worker here: stop that one too
-        worker.stop()
+    stop_all(*current.values())  # tests replace a restarted prefill worker here: stop that one too
 
 
 def pd_logprobs(response) -> list[float]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.cluster import Worker, free_port, page_bytes, same_path_reference, start_workers, two_legs
+from tests.integration.cluster import (
+    Worker, free_port, page_bytes, same_path_reference, start_workers, stop_all, two_legs)
 from tests.tiny_models import GEMMA_VOCAB, GEMMA_WINDOW, make_tiny_gemma3, random_prompt
 
 pytestmark = pytest.mark.slow
@@ -25,8 +26,7 @@ def cluster(tmp_path_factory, device):
     decode = Worker("decode", free_port(), str(logs / "decode.log"), [*common, "--no-prefix-caching"], device)
     workers = start_workers(prefill, decode)
     yield prefill, decode
-    for worker in workers:
-        worker.stop()
+    stop_all(*workers)
 
 
 def test_gemma3_pd_matches_the_same_kv_on_the_same_path_and_moves_only_the_live_window(cluster):

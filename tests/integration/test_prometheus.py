@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from tests.integration.cluster import REPO_ROOT, Worker, free_port, start_workers, wait_for
+from tests.integration.cluster import REPO_ROOT, Worker, free_port, start_workers, stop_all, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -85,8 +85,7 @@ def test_prometheus_scrapes_workers_and_proxy(tmp_path):
             if process is not None:
                 process.terminate()
                 process.wait(10)
-        prefill.stop()
-        decode.stop()
+        stop_all(prefill, decode)
 
 
 def _ready(url: str) -> bool:

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.cluster import ProxyProcess, Worker, free_port, start_workers, wait_for
+from tests.integration.cluster import ProxyProcess, Worker, free_port, start_workers, stop_all, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +38,7 @@ def cluster(tmp_path_factory):
         assert wait_for(lambda: _ready(proxy), 30), "proxy never became ready"
         yield state
     finally:
-        proxy.stop()
-        for worker in [*workers, state["decode"]]:
-            worker.stop()
+        stop_all(proxy, *workers, state["decode"])
 
 
 def _ready(proxy: ProxyProcess) -> bool:

@@ -12,7 +12,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from pdserve.api.openapi import OPENAPI_PATH, PROTOCOL_VERSION_LABEL, openapi_document
-from tests.integration.cluster import ProxyProcess, Worker, free_port, start_workers, wait_for
+from tests.integration.cluster import ProxyProcess, Worker, free_port, start_workers, stop_all, wait_for
 from tests.tiny_models import make_tiny_qwen3
 
 pytestmark = pytest.mark.slow
@@ -38,9 +38,7 @@ def targets(tmp_path_factory):
         assert wait_for(proxy.is_ready, 60), "the proxy did not become ready"
         yield {"worker": workers["serve"].url, "proxy": proxy.url, "workers": workers}
     finally:
-        proxy.stop()
-        for worker in workers.values():
-            worker.stop()
+        stop_all(proxy, *workers.values())
 
 
 def call(case, base_url: str) -> None:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from tests.integration.cluster import Worker, free_port, page_bytes, start_workers, two_legs, wait_for
+from tests.integration.cluster import Worker, free_port, page_bytes, start_workers, stop_all, two_legs, wait_for
 from tests.models.hf_oracle import hf_greedy_with_margins, randomize_norms, save_tiny_checkpoint
 from tests.tiny_models import GEMMA_VOCAB, GEMMA_WINDOW, make_tiny_gemma3, random_prompt
 
@@ -94,8 +94,7 @@ def tp2_workers(tmp_path_factory):
     workers["gemma3-window"] = tp_worker("serve", gemma_dir, logs, "gemma3", "-tp", "2")
     start_workers(*workers.values())
     yield oracles, workers
-    for worker in workers.values():
-        worker.stop()
+    stop_all(*workers.values())
 
 
 @pytest.mark.parametrize("name", [*CASES, "gemma3-window"])
@@ -222,8 +221,7 @@ def pd_tp2(tmp_path_factory):
     single = tp_worker("serve", model_dir, logs, "single")
     workers = start_workers(prefill, decode, single)
     yield prefill, decode, single
-    for worker in workers:
-        worker.stop()
+    stop_all(*workers)
 
 
 def test_pd_at_tp2_equals_one_worker_with_every_rank_slice_pulled(pd_tp2):

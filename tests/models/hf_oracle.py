@@ -4,13 +4,11 @@ the HF layout (safetensors + a word-level tokenizer.json)."""
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Sequence
 
 import torch
-from tokenizers import Tokenizer as Backend
-from tokenizers import models, pre_tokenizers
+
+from bench.lib.tiny_model import write_word_tokenizer  # noqa: F401 (re-exported)
 
 
 def hf_greedy_generate(hf_model: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
@@ -50,24 +48,6 @@ def randomize_norms(hf_model: torch.nn.Module, center: float = 1.0, seed: int = 
         for name, param in hf_model.named_parameters():
             if "norm" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.3 + center)
-
-
-def write_word_tokenizer(directory: str, vocab_size: int, eos_token_ids: Sequence[int] = (1,)) -> None:
-    """A word-level tokenizer.json whose ids cover the model's vocabulary, plus
-    tokenizer_config.json (special tokens, a chat template) and generation_config.json."""
-    vocab = {"<unk>": 0, "<eos>": 1, "<bos>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
-    backend = Backend(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.save(os.path.join(directory, "tokenizer.json"))
-    config = {
-        "bos_token": "<bos>",
-        "eos_token": {"content": "<eos>"},
-        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}",
-    }
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f)
-    with open(os.path.join(directory, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": list(eos_token_ids)}, f)
 
 
 def save_tiny_checkpoint(hf_model: torch.nn.Module, directory: str, max_shard_size: str | None = None) -> str:

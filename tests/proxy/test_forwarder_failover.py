@@ -83,7 +83,7 @@ def test_an_exception_escaping_the_forwarder_is_a_logged_500_that_names_the_requ
     """Our bug, not the client's or a worker's: a plain 500 with the request id, logged with its traceback."""
     from proxy.forwarder import Forwarder
 
-    async def broken(self, request, timing):
+    async def broken(self, *args):
         raise RuntimeError("a bug in the proxy")
 
     monkeypatch.setattr(Forwarder, "_run_legs", broken)

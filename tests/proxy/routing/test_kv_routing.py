@@ -20,7 +20,9 @@ from proxy.backends import BackendPool, Role
 from proxy.client_request import ClientRequest
 from proxy.config import RoutingConfig
 from proxy.routing.kv_prompt import PromptHasher
+from proxy.routing.candidates import Candidate, RoleTurns, RouteRequest
 from proxy.routing.kv_routing import KVRouting
+from proxy.routing.route import build_policy, pick_worker
 from tests.kv.kv_stubs import BLOCK, KVStubWorker, stub_routing_info
 from tests.proxy.proxy_stubs import Served, ServedProxy, fast_config
 from tests.proxy.routing.test_kv_index import held_prefix
@@ -198,9 +200,11 @@ def test_each_candidate_is_scored_over_its_own_block_size_and_explain_shows_it()
         routing.index.apply_snapshot(url, role.value, "e1", 0, block_size, blocks)
     request = ClientRequest("/v1/completions", {"prompt": TOKENS, "max_tokens": 1}, "r1", False, "", len(TOKENS))
     asyncio.run(routing.prepare(request))
-    prefill = routing.choose(Role.PREFILL, pools[Role.PREFILL].available(), request)
-    decode = routing.choose(Role.DECODE, pools[Role.DECODE].available(), request)
-    assert (prefill.url, decode.url) == ("http://p32", "http://d16")
+    facts = RouteRequest(len(TOKENS), blocks_known=routing.blocks_known(request))
+    policy = build_policy("kv_aware", config.routing)
+    for role in Role:
+        offered = [Candidate.of(b, routing.cached_prefix(b.url, request)) for b in pools[role].backends()]
+        routing.record(role, request, pick_worker(policy, facts, offered, RoleTurns()))
     assert request.kv_route.predicted == {"http://p32": 64, "http://d16": 48}
     answer = asyncio.run(routing.explain(request.path, request.body))
     assert (answer["block_size"], answer["num_prompt_tokens"], answer["num_blocks"]) == (BLOCK, 70, 70 // BLOCK)

@@ -8,7 +8,9 @@ from pydantic import ValidationError
 
 from proxy.config import RoutingConfig
 from proxy.routing.kv_index import CachedPrefix
-from proxy.routing.policies_kv import CACHE_HIT, LOAD, NO_HIT, KVAwarePolicy, rank, score_candidate
+from proxy.routing.candidates import Candidate, RoleTurns, RouteRequest
+from proxy.routing.policies_kv import (CACHE_HIT, LOAD, NO_BLOCKS, NO_HIT, KVAwarePolicy, choose_scored,
+                                       decode_alone_suffices, rank, score_candidate)
 from tests.proxy.routing.test_policies import URLS, backend
 
 PROMPT_TOKENS = 100
@@ -45,16 +47,16 @@ def test_a_device_hit_beats_a_tier_hit_which_beats_a_miss():
     for weight in (0.01, OFFLOAD_HIT_WEIGHT, 0.99):
         ranked = rank(scored_prefixes([miss, tier, device], weight=weight))
         assert [c.backend.url for c in ranked] == [URLS[2], URLS[1], URLS[0]], weight
-    choice, reason = KVAwarePolicy().choose(scored_prefixes([miss, tier]))
+    choice, reason = choose_scored(scored_prefixes([miss, tier]), 0)
     assert (choice.backend.url, reason) == (URLS[1], CACHE_HIT)
 
 
 def test_a_longer_prefix_in_the_tier_can_outweigh_a_shorter_one_on_the_device():
     device, tier = CachedPrefix(16), CachedPrefix(64, num_offload_tokens=48)  # worth 16 vs 16 + 24
-    choice, reason = KVAwarePolicy().choose(scored_prefixes([device, tier]))
+    choice, reason = choose_scored(scored_prefixes([device, tier]), 0)
     assert (choice.backend.url, reason) == (URLS[1], CACHE_HIT)
     shorter = CachedPrefix(64, num_offload_tokens=64)  # worth 32 against a device prefix of 40
-    choice, reason = KVAwarePolicy().choose(scored_prefixes([CachedPrefix(40), shorter]))
+    choice, reason = choose_scored(scored_prefixes([CachedPrefix(40), shorter]), 0)
     assert (choice.backend.url, reason) == (URLS[0], CACHE_HIT)
 
 
@@ -65,23 +67,45 @@ def test_the_offload_weight_stays_strictly_between_a_miss_and_a_device_hit(weigh
 
 
 def test_the_longest_cached_prefix_wins_when_loads_are_equal():
-    choice, reason = KVAwarePolicy().choose(scored([(16, 1), (64, 1), (32, 1)]))
+    choice, reason = choose_scored(scored([(16, 1), (64, 1), (32, 1)]), 0)
     assert (choice.backend.url, reason) == (URLS[1], CACHE_HIT)
 
 
 def test_load_can_outweigh_a_longer_prefix_and_the_reason_says_so():
-    choice, reason = KVAwarePolicy().choose(scored([(16, 0), (64, 6)]))  # 84 vs 36 + 60
+    choice, reason = choose_scored(scored([(16, 0), (64, 6)]), 0)  # 84 vs 36 + 60
     assert (choice.backend.url, reason) == (URLS[0], LOAD)
 
 
 def test_with_nothing_cached_ties_rotate_like_least_loaded():
-    policy = KVAwarePolicy()
-    chosen = [policy.choose(scored([(0, 0), (0, 0), (0, 2)]))[0].backend.url for _ in range(4)]
+    chosen = [choose_scored(scored([(0, 0), (0, 0), (0, 2)]), turn)[0].backend.url for turn in range(4)]
     assert chosen == [URLS[0], URLS[1], URLS[0], URLS[1]]
-    assert policy.choose(scored([(0, 0), (0, 0)]))[1] == NO_HIT
+    assert choose_scored(scored([(0, 0), (0, 0)]), 0)[1] == NO_HIT
 
 
 def test_rank_is_pure_and_breaks_score_ties_by_the_longer_prefix():
     candidates = scored([(0, 1), (10, 2), (20, 0)], load_tokens=10.0)  # scores 110, 110, 80
     assert [c.backend.url for c in rank(candidates)] == [URLS[2], URLS[1], URLS[0]]
     assert rank(candidates) == rank(candidates)
+
+
+def test_the_policy_scores_each_candidates_predicted_prefix_and_keeps_the_prediction():
+    offered = [Candidate(URLS[0], True, 0.0, cached=CachedPrefix(16)),
+               Candidate(URLS[1], True, 1.0, cached=CachedPrefix(64))]
+    pick = KVAwarePolicy(10.0, OFFLOAD_HIT_WEIGHT).choose(offered, RouteRequest(PROMPT_TOKENS, blocks_known=True),
+                                                         RoleTurns())
+    assert (pick.url, pick.reason, pick.cached_tokens) == (URLS[1], CACHE_HIT, 64)  # 84 vs 36 + 10
+
+
+def test_without_the_prompts_blocks_the_policy_is_least_loaded_on_its_fallback_rotation():
+    offered = [Candidate(URLS[0], True, 2.0), Candidate(URLS[1], True, 0.0), Candidate(URLS[2], True, 0.0)]
+    policy = KVAwarePolicy(10.0, OFFLOAD_HIT_WEIGHT)
+    picks = [policy.choose(offered, RouteRequest(PROMPT_TOKENS), RoleTurns(fallback=turn)) for turn in range(2)]
+    assert [(p.url, p.reason, p.cached_tokens) for p in picks] == [(URLS[1], NO_BLOCKS, None),
+                                                                   (URLS[2], NO_BLOCKS, None)]
+
+
+def test_the_decode_worker_alone_suffices_only_within_the_limit_and_with_a_hit():
+    assert decode_alone_suffices(100, 40, 64)
+    assert not decode_alone_suffices(100, 30, 64)
+    assert not decode_alone_suffices(10, 0, 64)  # nothing cached: never skip on size alone
+    assert not decode_alone_suffices(100, 100, 0)  # 0: never

@@ -1,0 +1,1 @@
+"""Chaos: kills at forced phases under load (`python -m bench.chaos`)."""

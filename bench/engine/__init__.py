@@ -1,0 +1,1 @@
+"""The engine benchmark: pdserve against llama-server and transformers (`python -m bench.engine`)."""

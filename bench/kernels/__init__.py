@@ -1,0 +1,1 @@
+"""Micro-benchmarks of single kernels and the decode step: `python -m bench.kernels.<name>`."""

@@ -1,0 +1,281 @@
+"""KV offload benchmark: a multi-turn workload whose working set is several times the pool, run with
+no tier, the host-memory tier and the file tier, side by side, in one process (real engines, the embedded
+SmolLM2 by default, CPU).
+
+    python -m bench.kv_offload [--model PATH] [--conversations 8] [--turns 4] [--pool-share 0.25]
+                                [--user-tokens 96] [--answer-tokens 192] [--repeats 1]
+                                [--out bench/results/kv_offload.json] [--plot bench/results/kv_offload.png]
+    python -m bench.kv_offload --stores-only [--page-bytes 737280] [--store-rounds 40]
+                                [--store-out bench/results/kv_offload_store.json]
+    python -m bench.kv_offload --loads-only [--page-bytes 737280] [--load-rounds 200] [--load-pages 16]
+                                [--load-out bench/results/kv_offload_load.json]
+    python -m bench.kv_offload --wake-only [--wake-rounds 6] [--wake-out bench/results/kv_offload_wake.json]
+
+Each conversation grows turn by turn (its history, a new user message of random token ids, the
+answer), with answers twice as long as questions by default, as in real chat logs (LMSYS-Chat-1M
+averages about 70 prompt and 215 response tokens a turn; `--answer-tokens 16`, the default until
+2026-11-26, made histories grow by little more than the new message), turns round-robin over the
+conversations, one request at a time, so a conversation's prefix has been pushed out of the pool
+by the others by the time it comes back. Prints, per configuration: prompt tokens computed, TTFT
+p50/p99 (submit to first token, in-process), TTFT p50 of the turns after the first (the requests a
+cache can help at all), the tier's hit rate (tokens loaded / tokens asked for), and each tier's
+load bandwidth against a raw copy of the same pages in this process (memory) and a raw pread of
+them (file; a fresh file in --dir, so mostly the page cache, as a tier the size of free RAM would
+be). `--repeats N` runs the three configurations N times in rotation (none, memory, file, none,
+...), so a slow moment of the machine hits one repeat of each rather than one configuration; TTFTs
+are pooled over the repeats and each repeat's p50 ratio to the no-tier run is printed too.
+
+Then (or alone, with --stores-only, no model loaded) the engine-thread cost of one file-tier store
+(bench.kv_offload.stores): `OffloadTier.offer` with the write done on the calling thread (pwrite and
+CRC32, as before issue 21 point 3) against the staged store (one copy into a staging row, the write on
+the tier's I/O thread), same pages, same file system.
+
+Then (or alone, with --loads-only) each tier's load bandwidth against a raw copy of the same bytes
+(bench.kv_offload.loads): a page store's `read` against `numpy.copyto` (memory tier) and a bare
+`preadv` (file tier, with its XXH3 check and with the CRC32 it used before), interleaved round by round.
+
+Alone, with --wake-only (bench.kv_offload.wake): on a real engine with its own engine thread, how
+long a file-tier load that has ended waits for the idle engine thread to land it, with the tier's
+wake-up and without (the engine's next poll), and the TTFT of those requests.
+
+Invariant: all configurations see the very same requests in the same order with greedy sampling,
+so they must answer the same tokens (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Optional
+
+
+import numpy
+import torch
+
+from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from pdserve.api.sampling import SamplingParams
+from pdserve.app.engine_factory import build_engine
+from pdserve.metrics import Metrics
+from pdserve.models.loader import load_model
+from pdserve.request import GenerationRequest
+
+from bench.kv_offload.loads import load_bandwidth, print_load_table
+from bench.lib.report import write_document
+from bench.lib.stats import percentile
+from bench.kv_offload.stores import print_store_table, store_costs
+
+BLOCK = 16
+
+
+def conversations(num: int, turns: int, user_tokens: int, vocab: int, seed: int = 0) -> list[list[list[int]]]:
+    """user messages: [conversation][turn] -> token ids."""
+    generator = torch.Generator().manual_seed(seed)
+    return [[torch.randint(10, vocab, (user_tokens,), generator=generator).tolist() for _ in range(turns)]
+            for _ in range(num)]
+
+
+def run(loaded, num_blocks: int, offload_bytes: Optional[int], offload_dir: Optional[str], messages,
+        answer_tokens: int) -> dict:
+    config = WorkerConfig(model=ModelConfig(device="cpu", dtype="float32"),
+                          cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, kv_offload_bytes=offload_bytes,
+                                            kv_offload_dir=offload_dir),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_running=4))
+    metrics = Metrics()
+    built = build_engine(config, metrics, loaded)
+    loop = built.engine.engine_loop
+    sampling = SamplingParams(max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
+    histories: list[list[int]] = [[] for _ in messages]
+    ttfts, answers = [], []
+    for turn in range(len(messages[0])):
+        for index, turn_messages in enumerate(messages):
+            prompt = histories[index] + turn_messages[turn]
+            outputs: list = []
+            first: list[float] = []
+
+            def sink(output, outputs=outputs, first=first):  # noqa: ANN001
+                if not first and output.new_token_ids:
+                    first.append(time.perf_counter())
+                outputs.append(output)
+
+            started = time.perf_counter()
+            loop.submit(GenerationRequest(f"c{index}-t{turn}", tuple(prompt), sampling), sink)
+            loop.run_until_idle()
+            ttfts.append(first[0] - started)
+            answer = [t for output in outputs for t in output.new_token_ids]
+            answers.append(answer)
+            histories[index] = prompt + answer
+    stats = built.kv_manager.prefix_stats
+    value = metrics.registry.get_sample_value
+    load_s = value("pdserve_kv_offload_duration_seconds_sum", {"direction": "load"}) or 0.0
+    load_bytes = value("pdserve_kv_offload_bytes_total", {"direction": "load"}) or 0.0
+    result = {
+        "tier": "file" if offload_dir else "memory" if offload_bytes else "none",
+        "computed_prompt_tokens": loop.stats.num_computed_prompt_tokens,
+        "prompt_tokens": stats.num_query_tokens,
+        "ttfts_s": ttfts,
+        "later_turn_ttfts_s": ttfts[len(messages):],  # requests go turn by turn
+        "tier_hit_rate": stats.num_offload_hit_tokens / max(1, stats.num_query_tokens),
+        "load_bytes": load_bytes,
+        "load_s": load_s,
+        "page_bytes": built.layout.page_bytes,
+        "stores_skipped": built.kv_manager.offload.stats.num_skipped_stores if built.kv_manager.offload else 0,
+        "answers": answers,
+    }
+    built.close()
+    return result
+
+
+def raw_copy_gb_per_s(page_bytes: int, num_pages: int = 64, reps: int = 20) -> float:
+    """The same copy a memory-tier load makes (one `numpy.copyto` per page into spread pool rows), on bare arrays."""
+    source = torch.randn(num_pages * page_bytes // 4).view(torch.int8).view(num_pages, page_bytes).numpy()
+    target = torch.zeros((num_pages * 2, page_bytes), dtype=torch.int8).numpy()
+    started = time.perf_counter()
+    for _ in range(reps):
+        for page in range(num_pages):
+            numpy.copyto(target[2 * page], source[page])
+    return num_pages * page_bytes * reps / (time.perf_counter() - started) / 1e9
+
+
+def raw_pread_gb_per_s(page_bytes: int, directory: str, num_pages: int = 64, reps: int = 20) -> float:
+    """preadv of the same pages from a file just written (the page cache) into distinct rows, as loads do."""
+    path = os.path.join(directory, "raw.bin")
+    with open(path, "wb") as f:
+        f.write(os.urandom(num_pages * page_bytes))
+    rows = torch.zeros((num_pages * 2, page_bytes), dtype=torch.int8)
+    targets = [rows[2 * page].numpy() for page in range(num_pages)]
+    fd = os.open(path, os.O_RDONLY)
+    started = time.perf_counter()
+    for _ in range(reps):
+        for page in range(num_pages):
+            os.preadv(fd, [targets[page]], page * page_bytes)
+    elapsed = time.perf_counter() - started
+    os.close(fd)
+    os.unlink(path)
+    return num_pages * page_bytes * reps / elapsed / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--user-tokens", type=int, default=96)
+    parser.add_argument("--answer-tokens", type=int, default=192,
+                        help="greedy tokens per answer (the default: twice the user message, as in chat logs)")
+    parser.add_argument("--pool-share", type=float, default=0.25, help="pool size / working set")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="run the three configurations this many times, "
+                        "in rotation, and pool their TTFTs")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--plot", default=None, help="draw computed tokens, TTFT and hit rate per tier (PNG)")
+    parser.add_argument("--plot-from", default=None, help="draw --plot from this --out report instead of measuring")
+    parser.add_argument("--dir", default=None, help="where the file tier goes (default: a temporary directory)")
+    parser.add_argument("--stores-only", action="store_true", help="only the engine-thread cost of file stores")
+    parser.add_argument("--page-bytes", type=int, default=737_280, help="page size of the store benchmark "
+                        "(default: the embedded SmolLM2's, 16 tokens)")
+    parser.add_argument("--store-rounds", type=int, default=40, help="bursts of evictions per store mode")
+    parser.add_argument("--store-burst", type=int, default=32, help="evictions per burst (one step's, 512 tokens)")
+    parser.add_argument("--store-out", default=None, help="write the store figures as JSON here")
+    parser.add_argument("--loads-only", action="store_true", help="only the tiers' load bandwidth against raw copies")
+    parser.add_argument("--load-rounds", type=int, default=200, help="loads per mode")
+    parser.add_argument("--load-pages", type=int, default=16, help="pages per load (one request's prefix)")
+    parser.add_argument("--load-out", default=None, help="write the load figures as JSON here")
+    parser.add_argument("--wake-only", action="store_true", help="only how long an ended file-tier load waits for "
+                        "an idle engine thread, with and without the tier's wake-up")
+    parser.add_argument("--wake-rounds", type=int, default=6, help="rounds of 4 tier hits per wake mode")
+    parser.add_argument("--wake-out", default=None, help="write the wake figures as JSON here")
+    args = parser.parse_args()
+    if args.plot_from:
+        from bench.lib.plots import plot_offload_ttft
+
+        with open(args.plot_from, encoding="utf-8") as f:
+            print(f"wrote {plot_offload_ttft(json.load(f)['rows'], args.plot or args.plot_from[:-5] + '.png')}")
+        return
+    torch.set_num_threads(args.threads)
+    if args.wake_only:
+        from bench.kv_offload.wake import print_wake_table, wake_latency
+
+        loaded = load_model(args.model, torch.float32, torch.device("cpu"))
+        wake = wake_latency(loaded, args.dir or tempfile.mkdtemp(prefix="pdserve-kv-offload-"), args.wake_rounds)
+        print_wake_table(wake)
+        _write_json(args.wake_out, {"args": vars(args), **wake})
+        return
+    if not args.stores_only and not args.loads_only:
+        run_workload(args)
+    directory = args.dir or tempfile.mkdtemp(prefix="pdserve-kv-offload-")
+    if not args.loads_only:
+        costs = store_costs(args.page_bytes, directory, args.store_rounds, args.store_burst)
+        print_store_table(costs)
+        _write_json(args.store_out, {"args": vars(args), **costs})
+    if not args.stores_only:
+        bandwidth = load_bandwidth(args.page_bytes, directory, args.load_rounds, args.load_pages)
+        print_load_table(bandwidth)
+        _write_json(args.load_out, {"args": vars(args), **bandwidth})
+
+
+def _write_json(path: Optional[str], document: dict) -> None:
+    if path:
+        write_document(path, document, indent=2)
+
+
+def pooled(runs: list[dict]) -> dict:
+    """One configuration's repeats as one row: counts from the first (every repeat computes the same),
+    TTFTs pooled, load bandwidth over all bytes and seconds."""
+    ttfts = [ttft for one in runs for ttft in one["ttfts_s"]]
+    later = [ttft for one in runs for ttft in one["later_turn_ttfts_s"]]
+    load_s = sum(one["load_s"] for one in runs)
+    return {**runs[0], "ttfts_s": ttfts, "later_turn_ttfts_s": later,
+            "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": percentile(ttfts, 99),
+            "later_turn_ttft_p50_s": statistics.median(later),
+            "load_gb_per_s": sum(one["load_bytes"] for one in runs) / load_s / 1e9 if load_s else None}
+
+
+def run_workload(args: argparse.Namespace) -> None:
+    loaded = load_model(args.model, torch.float32, torch.device("cpu"))
+    messages = conversations(args.conversations, args.turns, args.user_tokens, loaded.model.spec.vocab_size)
+    final_tokens = args.turns * (args.user_tokens + args.answer_tokens)
+    working_set_blocks = args.conversations * -(-final_tokens // BLOCK) * 1  # one group on SmolLM2-like models
+    num_blocks = max(-(-final_tokens // BLOCK) + 2, int(working_set_blocks * args.pool_share)) + 1
+    directory = args.dir or tempfile.mkdtemp(prefix="pdserve-kv-offload-")
+    tier_bytes = (8 * num_blocks) << 20  # twice the working set or more: the pool is the bottleneck
+    repeats: list[list[dict]] = []
+    for _ in range(args.repeats):
+        repeats.append([run(loaded, num_blocks, offload_bytes, offload_dir, messages, args.answer_tokens)
+                        for offload_bytes, offload_dir in ((None, None), (tier_bytes, None), (tier_bytes, directory))])
+    assert all(row["answers"] == repeats[0][0]["answers"] for rows in repeats for row in rows), "a tier changed an answer"
+    rows = [pooled([rows[index] for rows in repeats]) for index in range(3)]
+    raw = raw_copy_gb_per_s(rows[1]["page_bytes"])
+    raw_file = raw_pread_gb_per_s(rows[1]["page_bytes"], directory)
+    print(f"pool {num_blocks - 1} blocks, working set {working_set_blocks} blocks, "
+          f"{args.conversations} conversations x {args.turns} turns")
+    print(f"{'tier':8} {'computed':>9} {'of':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'p50 turns 2+':>13} "
+          f"{'p50 / none':>11} {'tier hit':>9} {'load GB/s':>10} {'skipped stores':>15}")
+    for row in rows:
+        bandwidth = f"{row['load_gb_per_s']:.2f}" if row["load_gb_per_s"] else "-"
+        print(f"{row['tier']:8} {row['computed_prompt_tokens']:9d} {row['prompt_tokens']:7d} "
+              f"{row['ttft_p50_s'] * 1000:7.1f}ms {row['ttft_p99_s'] * 1000:7.1f}ms "
+              f"{row['later_turn_ttft_p50_s'] * 1000:11.1f}ms {row['ttft_p50_s'] / rows[0]['ttft_p50_s']:11.2f} "
+              f"{row['tier_hit_rate']:9.2f} {bandwidth:>10} {row['stores_skipped']:15d}")
+    if args.repeats > 1:
+        for tier in (1, 2):
+            ratios = [statistics.median(rows[tier]["ttfts_s"]) / statistics.median(rows[0]["ttfts_s"])
+                      for rows in repeats]
+            print(f"{rows[tier]['tier']} tier, TTFT p50 / no tier, per repeat: "
+                  + " ".join(f"{ratio:.2f}" for ratio in ratios))
+    print(f"raw copy of the same pages in this process: {raw:.2f} GB/s; raw pread of them: {raw_file:.2f} GB/s")
+    if args.plot:
+        from bench.lib.plots import plot_offload_ttft  # matplotlib only when a plot is asked for
+
+        print(f"wrote {plot_offload_ttft(rows, args.plot)}")
+    document = {"args": vars(args), "raw_copy_gb_per_s": raw, "raw_pread_gb_per_s": raw_file,
+                "rows": [{k: v for k, v in row.items() if k != "answers"} for row in rows],
+                "repeats": [[{k: v for k, v in row.items() if k != "answers"} for row in rows] for rows in repeats]}
+    _write_json(args.out, document)
+
+
+if __name__ == "__main__":
+    main()

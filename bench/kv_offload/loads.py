@@ -1,0 +1,137 @@
+"""Load bandwidth of the offload tier's page stores against a raw copy of the same bytes
+(bench.kv_offload --loads-only): the issue's target is loads at 80% or more of the raw copy.
+
+Each round loads the same pages (one request's prefix: `pages_per_load` pages from slots into
+pool rows) in every mode, the modes interleaved round by round so a noisy machine hits all alike:
+
+    raw memcpy            numpy.copyto of each page from a host buffer into its pool row
+    memory tier           HostPageStore.read of those pages
+    raw preadv            os.preadv of each page from a file into its pool row (page cache, as written)
+    file tier, XXH3       FilePageStore.read: preadv and the page's XXH3 check (what the tier runs)
+    file tier, CRC32      the same with zlib.crc32, the checksum it used before
+    raw preadv, re-read   raw preadv from a file whose pages were dropped once and read back from the device
+    file tier, re-read    FilePageStore.read (XXH3) from a file in that same state
+    raw preadv, disk      raw preadv with the file's pages dropped from the page cache first
+    file tier, disk       FilePageStore.read (XXH3) with its file's pages dropped first
+
+All on the calling thread, as the tier's I/O thread runs them. Every file state has files of its
+own (a raw one and a tier's), so dropping one state's pages never changes another's. The page
+cache holds a file's pages as they were written, or as a read from the device brought them back,
+and the kernel copies the first kind about twice as fast here (16-19 against 7-8 GB/s; as
+written, a check at XXH3's 35 GB/s costs relatively more): a tier the size of free RAM reads
+pages as written, a tier larger than RAM reads pages re-read from the device, or the device
+itself. The "disk" modes drop the file's cached pages before each load (fdatasync, then
+POSIX_FADV_DONTNEED; no root needed); the "re-read" ones once, before the first round.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import zlib
+from typing import Callable
+
+import numpy
+import torch
+import xxhash
+
+from pdserve.kv.offload_file import FilePageStore
+from pdserve.kv.offload_host import HostPageStore
+
+MODES = ("raw memcpy", "memory tier", "raw preadv", "file tier, XXH3", "file tier, CRC32", "raw preadv, re-read",
+         "file tier, re-read", "raw preadv, disk", "file tier, disk")
+BASELINE = {"memory tier": "raw memcpy", "file tier, XXH3": "raw preadv", "file tier, CRC32": "raw preadv",
+            "file tier, re-read": "raw preadv, re-read", "file tier, disk": "raw preadv, disk"}
+# tier store: (directory, checksum); raw file per page-cache state
+STORES = {"file tier, XXH3": ("XXH3", xxhash.xxh3_64_intdigest), "file tier, CRC32": ("CRC32", zlib.crc32),
+          "file tier, re-read": ("XXH3-re-read", xxhash.xxh3_64_intdigest),
+          "file tier, disk": ("XXH3-disk", xxhash.xxh3_64_intdigest)}
+RAW_FILES = {"raw preadv": "raw.bin", "raw preadv, re-read": "raw-re-read.bin", "raw preadv, disk": "raw-disk.bin"}
+
+
+def _drop_cached_pages(path: str) -> None:
+    """Make the next read of `path` come from the device: write back, then drop its page-cache pages."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def load_bandwidth(page_bytes: int, directory: str, rounds: int, pages_per_load: int) -> dict:
+    """Per mode: GB/s of one load (p50 over rounds, and of the total), and each tier's share of its raw copy."""
+    num_pages = pages_per_load
+    pool = torch.zeros((2 * num_pages + 1, page_bytes), dtype=torch.int8)
+    source = torch.randint(-128, 127, (num_pages, page_bytes), dtype=torch.int8)
+    slots, targets = list(range(num_pages)), [1 + 2 * page for page in range(num_pages)]  # distinct, spread rows
+    pool_rows, source_rows = pool.numpy(), source.numpy()
+
+    host = HostPageStore(pool, num_pages * page_bytes)
+    files = {mode: FilePageStore(pool, num_pages * page_bytes, os.path.join(directory, name), checksum=checksum)
+             for mode, (name, checksum) in STORES.items()}
+    for slot in slots:  # fill every store with the source pages
+        numpy.copyto(pool_rows[targets[slot]], source_rows[slot])
+        host.write(slot, targets[slot])
+        for store in files.values():
+            store.write(slot, targets[slot])
+    raw_fds = {}
+    for mode, name in RAW_FILES.items():
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(source_rows.tobytes())
+        raw_fds[mode] = os.open(os.path.join(directory, name), os.O_RDONLY)
+
+    def raw_memcpy() -> None:
+        for slot in slots:
+            numpy.copyto(pool_rows[targets[slot]], source_rows[slot])
+
+    def raw_preadv(fd: int) -> None:
+        for slot in slots:
+            os.preadv(fd, [pool_rows[targets[slot]]], slot * page_bytes)
+
+    runs: dict[str, Callable[[], None]] = {
+        "raw memcpy": raw_memcpy, "memory tier": lambda: host.read(slots, targets),
+        **{mode: (lambda fd=fd: raw_preadv(fd)) for mode, fd in raw_fds.items()},
+        **{mode: (lambda store=store: store.read(slots, targets)) for mode, store in files.items()}}
+    paths = {**{mode: os.path.join(directory, name) for mode, name in RAW_FILES.items()},
+             **{mode: store.path for mode, store in files.items()}}
+    for mode in ("raw preadv, re-read", "file tier, re-read"):
+        _drop_cached_pages(paths[mode])  # once: round 0 (untimed) reads them back from the device
+    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for round_ in range(rounds + 1):  # round 0 warms up, untimed
+        for mode in MODES:
+            if mode.endswith(", disk"):
+                _drop_cached_pages(paths[mode])  # untimed
+            started = time.perf_counter()
+            runs[mode]()
+            if round_:
+                seconds[mode].append(time.perf_counter() - started)
+            if not numpy.array_equal(pool_rows[targets], source_rows):
+                raise RuntimeError(f"{mode} did not load the pages it was given")
+            pool_rows[targets] = 0  # each mode loads into rows it must fill itself
+    for mode, fd in raw_fds.items():
+        os.close(fd)
+        os.unlink(paths[mode])
+    for store in files.values():
+        store.close()
+    load_bytes = num_pages * page_bytes
+    result: dict = {"page_bytes": page_bytes, "pages_per_load": num_pages, "rounds": rounds, "modes": {}}
+    for mode in MODES:
+        result["modes"][mode] = {"gb_per_s_p50": load_bytes / statistics.median(seconds[mode]) / 1e9,
+                                 "gb_per_s_total": load_bytes * rounds / sum(seconds[mode]) / 1e9}
+    for mode, baseline in BASELINE.items():
+        ours, raw = result["modes"][mode], result["modes"][baseline]
+        ours["share_of_raw_p50"] = ours["gb_per_s_p50"] / raw["gb_per_s_p50"]
+        ours["share_of_raw_total"] = ours["gb_per_s_total"] / raw["gb_per_s_total"]
+    return result
+
+
+def print_load_table(bandwidth: dict) -> None:
+    print(f"\ntier loads, {bandwidth['pages_per_load']} pages of {bandwidth['page_bytes']:,} bytes per load, "
+          f"{bandwidth['rounds']} rounds per mode, interleaved")
+    print(f"{'mode':18} {'GB/s p50':>9} {'GB/s all':>9} {'of raw p50':>11} {'of raw all':>11}")
+    for mode, row in bandwidth["modes"].items():
+        shares = (f"{row['share_of_raw_p50']:10.0%} {row['share_of_raw_total']:11.0%}" if "share_of_raw_p50" in row
+                  else f"{'-':>10} {'-':>11}")
+        print(f"{mode:18} {row['gb_per_s_p50']:9.2f} {row['gb_per_s_total']:9.2f} {shares}")

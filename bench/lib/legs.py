@@ -1,0 +1,48 @@
+"""The proxy's two hops of the P/D wire protocol, sent by hand to a prefill and a decode worker
+(tests and the chaos benchmark catch a request between them).
+
+Invariant: the legs are spelled exactly as the proxy spells them (docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import httpx
+
+from bench.lib.launch import Worker
+
+
+REMOTE_DECODE = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}
+
+
+def prefill_leg(prefill: Worker, path: str, body: dict, request_id: str, headers: Optional[dict] = None) -> httpx.Response:
+    """The proxy's first hop, as the wire protocol describes it."""
+    leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    leg.update(stream=False, max_tokens=1, kv_transfer_params=REMOTE_DECODE)
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    return httpx.post(prefill.url + path, json=leg, headers={"X-Request-Id": request_id, **(headers or {})}, timeout=120)
+
+
+def decode_leg(decode: Worker, path: str, body: dict, params: dict, request_id: str,
+               headers: Optional[dict] = None) -> httpx.Response:
+    return httpx.post(decode.url + path, json={**body, "kv_transfer_params": params},
+                      headers={"X-Request-Id": request_id, **(headers or {})}, timeout=120)
+
+
+def two_legs(prefill: Worker, decode: Worker, path: str, body: dict, request_id: str,
+             headers: Optional[dict] = None) -> tuple[dict, httpx.Response]:
+    first = prefill_leg(prefill, path, body, request_id, headers)
+    first.raise_for_status()
+    params = first.json()["kv_transfer_params"]
+    return params, decode_leg(decode, path, body, params, request_id, headers)
+
+
+def page_bytes(worker: Worker, headers: Optional[dict] = None) -> int:
+    """Bytes of one page of a P or D worker's pool (one rank's, for a tensor-parallel worker)."""
+    info = httpx.get(worker.url + "/internal/kv/agent_info", headers=headers or {}, timeout=10).json()
+    return int(info["geometry"]["page_bytes"])

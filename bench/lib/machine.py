@@ -1,0 +1,140 @@
+"""The machine under a benchmark: waiting for a shared machine to go idle before a measured run, how
+busy it was with work that is not the benchmark's during one (`CpuMeter`), and what it is.
+
+Invariant: it only ever reads /proc and sleeps; it never waits longer than asked, and the foreign
+share counts only CPU time of processes outside the measured set (this process and the servers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+logger = logging.getLogger(__name__)
+
+_IDLE_FIELDS = (3, 4)  # idle and iowait, after the "cpu" label
+
+
+def _cpu_ticks() -> Optional[tuple[int, int]]:
+    """(total, idle) jiffies of all CPUs since boot; None without /proc."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(values), sum(values[i] for i in _IDLE_FIELDS if i < len(values))
+
+
+def busy_fraction(interval_s: float) -> Optional[float]:
+    """Share of all CPUs busy over the next `interval_s` seconds."""
+    before = _cpu_ticks()
+    time.sleep(interval_s)
+    after = _cpu_ticks()
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return 1.0 - (after[1] - before[1]) / (after[0] - before[0])
+
+
+def wait_for_idle(max_wait_s: float, max_busy_fraction: float = 0.1, quiet_s: float = 30.0,
+                  sample_s: float = 5.0) -> bool:
+    """Returns once the machine stayed under `max_busy_fraction` busy for `quiet_s` in a row (True),
+    or after `max_wait_s` (False)."""
+    deadline_s = time.monotonic() + max_wait_s
+    quiet_since_s: Optional[float] = None
+    while time.monotonic() < deadline_s:
+        busy = busy_fraction(sample_s)
+        if busy is None:
+            return False
+        now_s = time.monotonic()
+        quiet_since_s = (quiet_since_s or now_s - sample_s) if busy <= max_busy_fraction else None
+        if quiet_since_s is not None and now_s - quiet_since_s >= quiet_s:
+            return True
+    logger.warning("the machine did not go idle within %.0f s; measuring anyway", max_wait_s)
+    return False
+
+
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal; idle and iowait are not busy
+
+
+def _machine_busy_ticks() -> Optional[int]:
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    return sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields))
+
+
+def _process_ticks(pid: int) -> int:
+    """utime + stime of one process, all its threads; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return 0
+    fields = text.rsplit(")", 1)[1].split()  # the command name may hold spaces; it ends at the last ')'
+    return int(fields[11]) + int(fields[12])
+
+
+@dataclass(slots=True)
+class CpuSnapshot:
+    time_s: float
+    machine_ticks: Optional[int]
+    own_ticks: int
+
+
+class CpuMeter:
+    """Brackets a phase; `foreign_fraction` is the share of all cores other processes used."""
+
+    def __init__(self, pids: Iterable[int]):
+        self._pids = [os.getpid(), *pids]
+        self._ticks_per_s = os.sysconf("SC_CLK_TCK")
+        self._num_cpus = os.cpu_count() or 1
+        self._start: Optional[CpuSnapshot] = None
+
+    def _snapshot(self) -> CpuSnapshot:
+        return CpuSnapshot(time.monotonic(), _machine_busy_ticks(), sum(_process_ticks(p) for p in self._pids))
+
+    def start(self) -> None:
+        self._start = self._snapshot()
+
+    def foreign_fraction(self) -> Optional[float]:
+        """Fraction of the machine's CPU capacity since `start()` spent outside the measured processes."""
+        end = self._snapshot()
+        if self._start is None or end.machine_ticks is None or self._start.machine_ticks is None:
+            return None
+        elapsed_ticks = (end.time_s - self._start.time_s) * self._ticks_per_s * self._num_cpus
+        if elapsed_ticks <= 0:
+            return None
+        foreign_ticks = (end.machine_ticks - self._start.machine_ticks) - (end.own_ticks - self._start.own_ticks)
+        return min(1.0, max(0.0, foreign_ticks / elapsed_ticks))
+
+
+def wait_for_quiet(pids: Iterable[int], max_foreign_fraction: float, max_wait_s: float,
+                   window_s: float = 1.0) -> Optional[float]:
+    """Waits (at most `max_wait_s`) for a `window_s` window in which other processes use less than
+    `max_foreign_fraction` of the CPUs; returns the last window's fraction, None where unknown."""
+    pids = list(pids)
+    deadline_s = time.monotonic() + max_wait_s
+    while True:
+        meter = CpuMeter(pids)
+        meter.start()
+        time.sleep(window_s)
+        fraction = meter.foreign_fraction()
+        if fraction is None or fraction < max_foreign_fraction or time.monotonic() >= deadline_s:
+            return fraction
+
+
+def machine_info() -> dict:
+    cpu_model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpu": cpu_model, "num_cpus": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "load_average": os.getloadavg()}

@@ -1,0 +1,135 @@
+"""The routing benchmark's results: per-policy figures from the client and the workers' counters,
+the table, the JSON and a bar chart of the prefill work.
+
+Invariant: a figure that was not measured prints as '-' and is null in the
+JSON, never 0; ratios are taken against the round_robin run of the same
+invocation (same machine, same conversations).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+from bench.lib.load import FIRST_TURN, LATER_TURN, LoadResult
+from bench.lib.machine import machine_info
+from bench.lib.report import write_document
+from bench.lib.stats import RunSummary, summarize_run
+
+BASELINE = "round_robin"
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    summary: RunSummary
+    result: LoadResult
+    prompt_tokens: int  # every successful turn's prompt, as the answers' usage counted it
+    computed_prefill_tokens: float  # prompt tokens the prefill workers' models computed
+    computed_decode_tokens: float  # ... and the decode workers' (the last token of each pulled prompt, or more)
+    kv_bytes_pulled: float
+    kv_events: float  # events the workers published (only while a kv_aware proxy subscribed)
+    decode_only_turns: float  # turns the proxy served without a prefill leg
+    prediction_error_tokens: Optional[float]  # kv_aware: sum of |reported - predicted| over checked answers
+
+    @property
+    def computed_tokens(self) -> float:
+        return self.computed_prefill_tokens + self.computed_decode_tokens
+
+    @property
+    def num_ok(self) -> int:
+        return self.summary.num_requests - self.summary.num_failed
+
+    @property
+    def cache_hit_rate(self) -> Optional[float]:
+        """Share of prompt tokens no model had to compute (served from some prefix cache)."""
+        return 1.0 - self.computed_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+def summarize(policy: str, result: LoadResult) -> RunSummary:
+    return summarize_run(policy, result.records, result.duration_s)
+
+
+def _ms(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def _ttft(summary: RunSummary, class_name: Optional[str], attribute: str) -> Optional[float]:
+    latency = summary.overall if class_name is None else summary.by_class.get(class_name)
+    distribution = latency.ttft if latency is not None else None
+    return getattr(distribution, attribute) if distribution is not None else None
+
+
+def format_table(results: Sequence[PolicyResult]) -> str:
+    baseline = next((r for r in results if r.policy == BASELINE), None)
+    lines = ["| policy | turns ok / failed | prompt tokens | prefill tokens computed | vs round_robin "
+             "| cache hit (tokens) | TTFT p50 ms | TTFT p99 ms | TTFT p50 later turns ms | KV MB pulled / turn "
+             "| turns without prefill leg | other CPU |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        ratio = f"{r.computed_tokens / baseline.computed_tokens:.2f}" if baseline and baseline.computed_tokens else "-"
+        hit = "-" if r.cache_hit_rate is None else f"{r.cache_hit_rate:.0%}"
+        pulled = r.kv_bytes_pulled / r.num_ok / 1e6 if r.num_ok else None
+        other = r.summary.foreign_cpu_fraction
+        lines.append(
+            f"| {r.policy} | {r.num_ok} / {r.summary.num_failed} | {r.prompt_tokens:,} | {r.computed_tokens:,.0f} "
+            f"| {ratio} | {hit} | {_ms(_ttft(r.summary, None, 'p50'))} | {_ms(_ttft(r.summary, None, 'p99'))} "
+            f"| {_ms(_ttft(r.summary, LATER_TURN, 'p50'))} | {'-' if pulled is None else f'{pulled:.1f}'} "
+            f"| {r.decode_only_turns:.0f} | {'-' if other is None else f'{other:.0%}'} |")
+    return "\n".join(lines)
+
+
+def verdict(results: Sequence[PolicyResult]) -> list[str]:
+    by_policy = {r.policy: r for r in results}
+    kv, baseline = by_policy.get("kv_aware"), by_policy.get(BASELINE)
+    if kv is None or baseline is None or not baseline.computed_tokens:
+        return ["target not evaluated: needs both kv_aware and round_robin runs"]
+    ratio = kv.computed_tokens / baseline.computed_tokens
+    p50s = {r.policy: _ttft(r.summary, None, "p50") for r in results}
+    best = min((p for p in p50s if p50s[p] is not None), key=lambda p: p50s[p])
+    return [f"kv_aware computes {ratio:.2f}x the prefill tokens of round_robin (target <= 0.50): "
+            f"{'met' if ratio <= 0.5 else 'NOT met'}",
+            f"best TTFT p50: {best} ({_ms(p50s[best])} ms; target kv_aware): {'met' if best == 'kv_aware' else 'NOT met'}"]
+
+
+def write_json(path: str, command: str, workload: dict, cluster: dict, results: Sequence[PolicyResult],
+               extra: dict) -> None:
+    document = {
+        "benchmark": "routing", "command": command, "workload": workload, "cluster": cluster, **extra,
+        "machine": machine_info(),
+        "verdict": verdict(results),
+        "policies": [{
+            "policy": r.policy, "summary": asdict(r.summary), "prompt_tokens": r.prompt_tokens,
+            "computed_prefill_tokens": r.computed_prefill_tokens, "computed_decode_tokens": r.computed_decode_tokens,
+            "cache_hit_rate": r.cache_hit_rate, "kv_bytes_pulled": r.kv_bytes_pulled, "kv_events": r.kv_events,
+            "decode_only_turns": r.decode_only_turns, "prediction_error_tokens": r.prediction_error_tokens,
+            "turns": [{"class": rec.class_name, "sent_s": rec.sent_s, "first_token_s": rec.chunk_times_s[:1],
+                       "done_s": rec.done_s, "prompt_tokens": rec.num_prompt_tokens,
+                       "decode_cached_tokens": rec.cached_tokens, "error": rec.error}
+                      for rec in r.result.records],
+        } for r in results],
+    }
+    write_document(path, document)
+
+
+def plot(results: Sequence[PolicyResult], out_dir: str) -> list[str]:
+    """The serving benchmark's latency CDFs and histograms per policy, and the prefill work per policy."""
+    from bench.lib.plots import plot_cdfs, plot_histograms, plt  # matplotlib only when plotting
+
+    os.makedirs(out_dir, exist_ok=True)
+    runs = [(r.summary, r.result.records) for r in results]
+    paths = [os.path.join(out_dir, name) for name in ("latency_cdf.png", "latency_hist.png", "prefill_work.png")]
+    plot_cdfs(runs, paths[0])
+    plot_histograms(runs, paths[1])
+    figure, axis = plt.subplots(figsize=(8, 4))
+    names = [r.policy for r in results]
+    axis.bar(names, [r.computed_prefill_tokens for r in results], label="on prefill workers")
+    axis.bar(names, [r.computed_decode_tokens for r in results], bottom=[r.computed_prefill_tokens for r in results],
+             label="on decode workers")
+    axis.set(title=f"prompt tokens computed ({FIRST_TURN} + {LATER_TURN})", ylabel="tokens")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(paths[2], dpi=110)
+    plt.close(figure)
+    return paths

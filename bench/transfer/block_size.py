@@ -1,0 +1,445 @@
+"""KV pulls between block sizes: a decode worker whose pages hold D tokens pulls one prompt's KV from a
+prefill worker whose pages hold P tokens (16->16, 16->32, 32->16), over NIXL between two processes,
+direct (one descriptor per (unit, row): pdserve/transfer/token_units.py) or staged (one descriptor
+per remote run into a staging buffer, then one local copy), over 4 KiB pages or transparent huge
+pages; against the 16->16 pull (one descriptor per page) and a memcpy of the same bytes.
+
+    python -m bench.transfer.kv_pull --mode block-size [--shape smollm2|llama3-8b|tiny] [--pairs 16:16 16:32 32:16]
+        [--memory 4k-pages|huge-pages|both] [--prompt-tokens 2048 8192] [--reps 5]
+        [--sweep 1 2 4 8 16 32 64 128] [--sweep-runs 0 2 4 8] [--out bench/results/kv_transfer_block_size.json]
+
+`--sweep K ...` adds the measurements behind `NixlTransport`'s choice between direct and staged
+reads, at equal block sizes and the smallest prompt size: each page cut into K chunks whose
+local order is reversed (so nothing merges directly: one descriptor a chunk), read direct or
+staged. With `--sweep-runs R ...` the read takes groups of R consecutive chunks of each page
+and skips the next R (so a staged read takes one descriptor per R chunks: the descriptor factor
+is R); R = 0 reads every chunk (about one staged descriptor a page).
+
+The prefill side is one child process holding one pool per prefill block size (each its own
+agent); this process holds one pool per decode block size and, per case, its own NixlTransport
+on it (read_mode "direct" or "staged"). Block ids are scattered on both sides.
+
+Invariant: every case of a prompt moves the very same bytes (every token of every row once)
+between the same two processes; only the block sizes, and so the descriptors, differ. A case's
+landed bytes are checked token by token after the timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import multiprocessing
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from bench.lib.machine import CpuMeter
+from bench.transfer import pools
+from bench.transfer.pools import (
+    MEMORY_MODES, SHAPES, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record, memcpy_run,
+    prefill_child, write_report)
+from pdserve.transfer.descriptor_runs import choose_runs
+from pdserve.transfer.token_units import UnitGeometry, unit_chunk_ids, unit_geometry
+from pdserve.transfer.transport import PeerInfo, TransferState
+
+logger = logging.getLogger("bench.transfer.block_size")
+
+PAIRS = ((16, 16), (16, 32), (32, 16))  # (prefill block size, decode block size)
+PROMPT_TOKENS = (2048, 8192)
+TIMEOUT_S = 60.0
+SEED = 2020
+TAG_SHIFT = 40  # int64 word i of the pool of prefill block size b holds i + (b << TAG_SHIFT)
+
+BS_SHAPES = {
+    "smollm2": SHAPES["smollm2"],  # 30 slots, 3 KV heads x 64, fp32: 180 rows of 4 KiB units
+    "llama3-8b": SHAPES["llama3-8b"],  # 32 slots, 8 KV heads x 128, bf16: 512 rows of 4 KiB units
+    # For the end-to-end test: 2 slots, 2 KV heads x 16, fp32 (8 rows of 1 KiB units).
+    "tiny": PoolShape("tiny", group_size=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, num_pool_blocks=0),
+}
+
+
+# ---- cases and ids (pure) -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    prefill_block: int
+    decode_block: int
+    read: str  # "pages" (equal block sizes: one descriptor per page), "direct" or "staged"
+
+    @property
+    def label(self) -> str:
+        return f"{self.prefill_block}->{self.decode_block}"
+
+
+def parse_pair(text: str) -> tuple[int, int]:
+    """"P:D" (or "P->D") -> (P, D); ValueError unless one block size divides the other."""
+    prefill, decode = pools.parse_pair(text)
+    small, large = sorted((prefill, decode))
+    if large % small:
+        raise ValueError(f"pair {text!r}: one block size must divide the other")
+    return prefill, decode
+
+
+def cases(pairs: Sequence[tuple[int, int]]) -> list[Case]:
+    """The 16->16 page pull first (the reference), then every other pair, direct and staged."""
+    ordered = list(dict.fromkeys([(16, 16), *pairs]))
+    return [Case(p, d, read) for p, d in ordered for read in (("pages",) if p == d else ("direct", "staged"))]
+
+
+def pool_blocks(max_tokens: int, block_size: int) -> int:
+    """Pages a side's pool holds for one block size: the largest prompt's, half again as many to
+    scatter in, and the null block."""
+    needed = math.ceil(max_tokens / block_size)
+    return needed + needed // 2 + 1
+
+
+def scattered_ids(count: int, num_pool_blocks: int, generator: torch.Generator) -> list[int]:
+    """`count` distinct block ids in random order, never the null block 0."""
+    return (torch.randperm(num_pool_blocks - 1, generator=generator)[:count] + 1).tolist()
+
+
+def chunk_pairs(geometry: UnitGeometry, prefill_ids: Sequence[int], decode_ids: Sequence[int], prefill_block: int,
+                decode_block: int, num_tokens: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(local, remote) chunk ids of a prompt: unit k covers tokens [k*u, (k+1)*u), u the smaller
+    block size, and each of its `rows` rows is one chunk pair."""
+    unit = min(prefill_block, decode_block)
+    starts = np.arange(0, num_tokens, unit)
+    remote_units = np.asarray(prefill_ids)[starts // prefill_block] * (prefill_block // unit) \
+        + (starts % prefill_block) // unit
+    local_units = np.asarray(decode_ids)[starts // decode_block] * (decode_block // unit) \
+        + (starts % decode_block) // unit
+    return unit_chunk_ids(geometry.local, local_units, 0, rows), unit_chunk_ids(geometry.remote, remote_units, 0, rows)
+
+
+def reversed_chunk_pairs(prefill_ids: Sequence[int], decode_ids: Sequence[int], chunks_per_page: int,
+                         run_chunks: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The sweep's pairs: chunk i of remote page prefill_ids[j] -> chunk K-1-i of local page decode_ids[j],
+    for every i (run_chunks 0 or >= K), or for the i in every other group of `run_chunks` (0.., 2R..)."""
+    k = chunks_per_page
+    within = np.arange(k)
+    if 0 < run_chunks < k:
+        within = within[(within // run_chunks) % 2 == 0]
+    remote = (np.asarray(prefill_ids)[:, None] * k + within[None, :]).reshape(-1)
+    local = (np.asarray(decode_ids)[:, None] * k + (k - 1 - within)[None, :]).reshape(-1)
+    return local, remote
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Adds vs_pages (GB/s over the 16->16 page pull of the same memory and prompt) and vs_memcpy, in place."""
+    reference = {(r["memory"], r["prompt_tokens"]): r["pull_gbps"] for r in rows if r["read"] == "pages"}
+    for r in rows:
+        base = reference.get((r["memory"], r["prompt_tokens"]))
+        r["vs_pages"] = r["pull_gbps"] / base if base else None
+        r["vs_memcpy"] = r["pull_gbps"] / r["memcpy_gbps"] if r.get("memcpy_gbps") else None
+    return rows
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _percent(value: Optional[float]) -> str:
+    return "?" if value is None else f"{value:.0%}"
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| memory | tokens | P->D | read | descriptors | MB | pull ms | GB/s | vs 16->16 | vs memcpy "
+             "| memcpy GB/s | auto picks | other CPU |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        lines.append(f"| {r['memory']} | {r['prompt_tokens']} | {r['prefill_block']}->{r['decode_block']} | "
+                     f"{r['read']} | {r['descriptors']} | {r['num_bytes'] / 1e6:.1f} | {r['pull_s'] * 1e3:.1f} | "
+                     f"{r['pull_gbps']:.2f} | {_ratio(r.get('vs_pages'))} | {_ratio(r.get('vs_memcpy'))} | "
+                     f"{r['memcpy_gbps']:.2f} | {r['auto_picks']} | {_percent(r.get('foreign_cpu_fraction'))} |")
+    return "\n".join(lines)
+
+
+def format_sweep(rows: list[dict]) -> str:
+    lines = ["| memory | tokens | chunks a page | chunk KiB | run chunks | direct descriptors | staged descriptors "
+             "| direct GB/s | staged GB/s | staged / direct |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['memory']} | {r['prompt_tokens']} | {r['chunks_per_page']} | {r['chunk_bytes'] / 1024:.1f} "
+                     f"| {r['run_chunks'] or 'page'} | {r['direct_descriptors']} | {r['staged_descriptors']} | "
+                     f"{r['direct_gbps']:.2f} | {r['staged_gbps']:.2f} | {r['staged_over_direct']:.2f} |")
+    return "\n".join(lines)
+
+
+# ---- pools ------------------------------------------------------------------------------------------
+
+
+def block_shape(shape: PoolShape, block_size: int, max_tokens: int) -> PoolShape:
+    return dataclasses.replace(shape, block_size=block_size, num_pool_blocks=pool_blocks(max_tokens, block_size))
+
+
+def rows_of(shape: PoolShape) -> int:
+    """Rows of a page: one per (KV head, layer slot, K|V)."""
+    return shape.num_kv_heads * shape.group_size * 2
+
+
+def token_bytes(shape: PoolShape) -> int:
+    """Bytes one token takes in a page, whatever the block size: one head vector per row."""
+    return rows_of(shape) * shape.head_dim * shape.dtype.itemsize
+
+
+def serve_pools(shape: PoolShape, mode: str, block_sizes: Sequence[int], max_tokens: int,
+                out: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+    """Child: one patterned pool per prefill block size, each with its own agent; publishes {block size: PeerInfo}."""
+    from pdserve.transfer.nixl_transport import NixlTransport
+
+    transports, published = [], {}
+    for block_size in block_sizes:
+        layout = block_shape(shape, block_size, max_tokens).layout()
+        buffer = allocate_bytes(layout.pool_bytes, mode)
+        torch.arange(buffer.numel() // 8, dtype=torch.int64, out=buffer.view(torch.int64))
+        buffer.view(torch.int64).add_(block_size << TAG_SHIFT)
+        transport = NixlTransport(buffer.view(layout.num_blocks, layout.page_bytes),
+                                  f"bench-bs-prefill-{block_size}-{mode}")
+        transports.append(transport)
+        published[block_size] = transport.local_peer_info(f"bench-prefill-block{block_size}", mode).to_dict()
+    out.put(json.dumps(published))
+    while not stop.wait(0.002):  # no progress thread: readers' connection set-up needs this side too
+        for transport in transports:
+            transport.poll_notifications()
+    for transport in transports:
+        transport.close()
+
+
+@dataclasses.dataclass
+class Reader:
+    """One case's transport on a decode pool, connected to the prefill pool it reads from."""
+
+    case: Case
+    transport: object  # NixlTransport
+    key: str
+    view: torch.Tensor  # the decode pool, int8 [blocks, page bytes]
+    geometry: Optional[UnitGeometry]  # None for whole pages
+    descriptors: int = 0
+
+    def pull(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> float:
+        """Seconds from start_read until DONE (descriptor selection and the staged copy included)."""
+        started_s = time.perf_counter()
+        handle = self.transport.start_read(self.key, local_ids, remote_ids, b"")
+        while self.transport.poll(handle) is TransferState.PENDING:
+            if time.perf_counter() - started_s > TIMEOUT_S:
+                raise RuntimeError(f"{self.case}: read did not finish in time")
+        elapsed_s = time.perf_counter() - started_s
+        if handle.state is not TransferState.DONE:
+            raise RuntimeError(f"{self.case}: read failed: {handle.error}")
+        while not self.transport.release(handle):
+            pass
+        self.descriptors = handle.num_blocks
+        return elapsed_s
+
+
+def open_reader(case: Case, view: torch.Tensor, peer: PeerInfo, name: str, chunk_bytes: Optional[int],
+                geometry: Optional[UnitGeometry] = None) -> Reader:
+    """A transport on `view` reading in the case's mode, connected to `peer` in chunks of `chunk_bytes`."""
+    from pdserve.transfer.nixl_transport import NixlTransport
+
+    transport = NixlTransport(view, name, read_mode="staged" if case.read == "staged" else "direct")
+    key = transport.begin_connect(peer, chunk_bytes=chunk_bytes)
+    deadline_s = time.monotonic() + TIMEOUT_S
+    while (state := transport.poll_connect(key)) is TransferState.PENDING and time.monotonic() < deadline_s:
+        time.sleep(0.001)
+    if state is not TransferState.DONE:
+        transport.close()
+        raise RuntimeError(f"{case}: cannot connect in chunks of {chunk_bytes}: {transport.connect_failure(key)}")
+    return Reader(case, transport, key, view, geometry)
+
+
+def open_case_reader(case: Case, view: torch.Tensor, peer: PeerInfo, rows: int, name: str) -> Reader:
+    """Whole pages at equal block sizes, else chunks of one unit of one row."""
+    if case.read == "pages":
+        return open_reader(case, view, peer, name, None)
+    geometry = unit_geometry(view.shape[1], rows, peer.page_bytes, rows)
+    return open_reader(case, view, peer, name, geometry.unit_bytes, geometry)
+
+
+# ---- measurements -----------------------------------------------------------------------------------
+
+
+def check_landed(shape: PoolShape, reader: Reader, prefill_pages: dict[int, int], prefill_ids: list[int],
+                 decode_ids: list[int], num_tokens: int, local_ids, remote_ids) -> int:
+    """Pulls once onto zeroed sampled pages and checks every token of every row of them against the
+    prefill pattern. Returns the number of decode pages checked."""
+    case, rows = reader.case, rows_of(shape)
+    decode_block, prefill_block = case.decode_block, case.prefill_block
+    samples = sorted(set(range(min(3, len(decode_ids)))) | {len(decode_ids) // 2}
+                     | set(range(max(0, len(decode_ids) - 3), len(decode_ids))))
+    for j in samples:
+        reader.view[decode_ids[j]].zero_()
+    reader.pull(local_ids, remote_ids)
+    page_words = prefill_pages[prefill_block] // 8
+    words = reader.view.view(torch.int64)
+    for j in samples:
+        got = words[decode_ids[j]].view(rows, decode_block, -1)
+        for offset in range(0, decode_block, min(decode_block, prefill_block)):
+            token = j * decode_block + offset
+            if token >= num_tokens:
+                break
+            source, source_offset = divmod(token, prefill_block)
+            page = (torch.arange(page_words, dtype=torch.int64) + prefill_ids[source] * page_words
+                    + (prefill_block << TAG_SHIFT)).view(rows, prefill_block, -1)
+            span = min(decode_block, prefill_block)
+            if not torch.equal(got[:, offset:offset + span], page[:, source_offset:source_offset + span]):
+                raise RuntimeError(f"{case} {case.read}: decode page {decode_ids[j]} tokens {offset}.. do not hold "
+                                   f"prefill page {prefill_ids[source]} tokens {source_offset}..")
+    return len(samples)
+
+
+def measure_mode(shape: PoolShape, mode: str, prompt_tokens: Sequence[int], bs_cases: list[Case], reps: int,
+                 sweep: Sequence[int], sweep_runs: Sequence[int]) -> tuple[list[dict], list[dict]]:
+    """Every prompt and case in one memory mode, against a fresh prefill child; then the sweep."""
+    prefill_sizes = sorted({c.prefill_block for c in bs_cases})
+    readers: list[Reader] = []
+    with prefill_child(serve_pools, shape, mode, prefill_sizes, max(prompt_tokens)) as (infos, child_pid):
+        try:
+            return _measure_readers(shape, mode, prompt_tokens, bs_cases, reps, sweep, sweep_runs, infos, child_pid,
+                                    readers)
+        finally:
+            for reader in readers:
+                reader.transport.close()
+
+
+def _measure_readers(shape: PoolShape, mode: str, prompt_tokens: Sequence[int], bs_cases: list[Case], reps: int,
+                     sweep: Sequence[int], sweep_runs: Sequence[int], infos: dict, child_pid: int,
+                     readers: list) -> tuple[list[dict], list[dict]]:
+    """`measure_mode` against a started child; opens its readers into `readers` (the caller closes them)."""
+    max_tokens = max(prompt_tokens)
+    decode_sizes = sorted({c.decode_block for c in bs_cases})
+    published = {int(size): PeerInfo.from_dict(info) for size, info in infos.items()}
+    views = {}
+    for size in decode_sizes:
+        layout = block_shape(shape, size, max_tokens).layout()
+        views[size] = allocate_bytes(layout.pool_bytes, mode).view(layout.num_blocks, layout.page_bytes)
+    for index, case in enumerate(bs_cases):
+        readers.append(open_case_reader(case, views[case.decode_block], published[case.prefill_block],
+                                        rows_of(shape), f"bench-bs-decode-{index}-{mode}"))
+    pages = {size: info.page_bytes for size, info in published.items()}
+    rows = [row for num_tokens in prompt_tokens
+            for row in measure_prompt(shape, mode, num_tokens, max_tokens, readers, pages, reps, child_pid)]
+    sweep_rows = []
+    if sweep:
+        sweep_rows = measure_sweep(mode, min(prompt_tokens), views.get(16), published.get(16), sweep, sweep_runs,
+                                   reps)
+    return rows, sweep_rows
+
+
+def measure_prompt(shape: PoolShape, mode: str, num_tokens: int, max_tokens: int, readers: list[Reader],
+                   pages: dict[int, int], reps: int, child_pid: int) -> list[dict]:
+    from pdserve.transfer.descriptor_runs import DEFAULT_STAGED_DESCRIPTOR_FACTOR, DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES
+
+    generator = torch.Generator().manual_seed(SEED + num_tokens)
+    ids = {}  # block size -> (prefill ids, decode ids) of this prompt; pools of one block size match
+    for size in sorted({r.case.prefill_block for r in readers} | {r.case.decode_block for r in readers}):
+        count, num_pool = math.ceil(num_tokens / size), pool_blocks(max_tokens, size)
+        ids[size] = scattered_ids(count, num_pool, generator), scattered_ids(count, num_pool, generator)
+    rows_per_page = rows_of(shape)
+    plans = []
+    for reader in readers:
+        case = reader.case
+        prefill_ids, decode_ids = ids[case.prefill_block][0], ids[case.decode_block][1]
+        if reader.geometry is None:
+            plans.append((decode_ids, prefill_ids, prefill_ids, decode_ids))
+        else:
+            local, remote = chunk_pairs(reader.geometry, prefill_ids, decode_ids, case.prefill_block,
+                                        case.decode_block, num_tokens, rows_per_page)
+            plans.append((local, remote, prefill_ids, decode_ids))
+    num_bytes = num_tokens * token_bytes(shape)
+    meter = CpuMeter([child_pid])
+    meter.start()
+    pulls = [(lambda reader=reader, plan=plan: reader.pull(plan[0], plan[1])) for reader, plan in zip(readers, plans)]
+    medians = interleaved_medians([*pulls, memcpy_run(num_bytes, mode, "cpu")], reps)
+    foreign = meter.foreign_fraction()
+    memcpy_s = medians[-1]
+    rows = []
+    for reader, plan, pull_s in zip(readers, plans, medians):
+        local, remote, prefill_ids, decode_ids = plan
+        checked = check_landed(shape, reader, pages, prefill_ids, decode_ids, num_tokens, local, remote)
+        auto = "pages" if reader.geometry is None else \
+            ("staged" if choose_runs(local, remote, reader.geometry.unit_bytes, "auto", DEFAULT_STAGED_DESCRIPTOR_FACTOR,
+                                     DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES)[1] is not None else "direct")
+        rows.append({
+            "memory": mode, "shape": shape.label, "prompt_tokens": num_tokens, "prefill_block": reader.case.prefill_block,
+            "decode_block": reader.case.decode_block, "read": reader.case.read, "descriptors": reader.descriptors,
+            "num_bytes": num_bytes, "pull_s": pull_s, "pull_gbps": num_bytes / pull_s / 1e9, "memcpy_s": memcpy_s,
+            "memcpy_gbps": num_bytes / memcpy_s / 1e9, "auto_picks": auto, "pages_checked": checked,
+            "staging_bytes": reader.transport.staging_bytes, "foreign_cpu_fraction": foreign,
+            "huge_page_kib": huge_page_kib(),
+        })
+    return rows
+
+
+def measure_sweep(mode: str, num_tokens: int, view: Optional[torch.Tensor], peer: Optional[PeerInfo],
+                  chunks_per_page: Sequence[int], run_chunks: Sequence[int], reps: int) -> list[dict]:
+    """Equal block sizes (16), each page as K chunks reversed locally, every chunk or groups of R:
+    direct (one descriptor a chunk) vs staged (one per run of R, or about one a page)."""
+    if view is None or peer is None:
+        raise ValueError("the sweep needs the 16->16 pair")
+    generator = torch.Generator().manual_seed(SEED - num_tokens)
+    count = math.ceil(num_tokens / 16)
+    prefill_ids, decode_ids = (scattered_ids(count, peer.num_blocks, generator) for _ in range(2))
+    rows = []
+    for k in chunks_per_page:
+        if peer.page_bytes % k:
+            logger.warning("pages of %d bytes do not split into %d chunks: skipped", peer.page_bytes, k)
+            continue
+        readers = [open_reader(Case(16, 16, read), view, peer, f"bench-bs-sweep-{read}-{k}-{mode}",
+                               peer.page_bytes // k) for read in ("direct", "staged")]
+        try:
+            for run in [r for r in run_chunks if r == 0 or r < k]:
+                local, remote = reversed_chunk_pairs(prefill_ids, decode_ids, k, run)
+                num_bytes = len(local) * peer.page_bytes // k
+                direct_s, staged_s = interleaved_medians([lambda r=r: r.pull(local, remote) for r in readers], reps)
+                rows.append({"memory": mode, "prompt_tokens": num_tokens, "chunks_per_page": k,
+                             "chunk_bytes": peer.page_bytes // k, "run_chunks": run, "num_bytes": num_bytes,
+                             "direct_descriptors": readers[0].descriptors, "staged_descriptors": readers[1].descriptors,
+                             "direct_gbps": num_bytes / direct_s / 1e9, "staged_gbps": num_bytes / staged_s / 1e9,
+                             "staged_over_direct": direct_s / staged_s})
+        finally:
+            for reader in readers:
+                reader.transport.close()
+    return rows
+
+
+def run(args, parser, argv: Optional[Sequence[str]]) -> int:
+    """`--mode block-size`: every block-size pair asked for, in every memory mode."""
+    started_s = time.perf_counter()
+    try:
+        pairs = [parse_pair(text) for text in args.pairs]
+    except ValueError as error:
+        parser.error(str(error))
+    bs_cases = cases(pairs)
+    largest = max(size for case in bs_cases for size in (case.prefill_block, case.decode_block))
+    if any(tokens < 1 or tokens % largest for tokens in args.prompt_tokens):
+        parser.error(f"--prompt-tokens must be multiples of the largest block size, {largest}")
+    shape = BS_SHAPES[args.shape]
+    modes = MEMORY_MODES if args.memory == "both" else (args.memory,)
+    rows, sweep = [], []
+    for mode in modes:
+        mode_rows, mode_sweep = measure_mode(shape, mode, args.prompt_tokens, bs_cases, args.reps, args.sweep,
+                                             args.sweep_runs)
+        rows += mode_rows
+        sweep += mode_sweep
+    add_ratios(rows)
+    print(f"{shape.label}: {rows_of(shape)} rows a page, median of {args.reps} reps, scattered block ids")
+    print(format_table(rows))
+    if sweep:
+        print("\nequal block sizes, each page as K chunks reversed locally (runs of R of them): direct vs staged")
+        print(format_sweep(sweep))
+    write_report(args.out, argv, started_s,
+                 machine=machine_record(args.memcpy_threads), reps=args.reps,
+                 shape=dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}, pulls=rows, sweep=sweep)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m bench.transfer.kv_pull --mode block-size ...`"""
+    from bench.transfer.kv_pull import main as kv_pull
+
+    return kv_pull(["--mode", "block-size", *(argv or [])])

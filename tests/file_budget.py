@@ -1,0 +1,93 @@
+"""No test file takes more than its budget (90 s, module fixtures included) unless SLOW_FILES says why.
+
+A pytest plugin (tests/conftest.py loads it). It sums the setup, call and teardown time of every
+test per file and, at the end of the session, fails the run naming each file over budget, and prints
+the slowest files. Session-scoped fixtures (the clusters tests/integration/conftest.py shares) are
+charged once, to a line of their own, not to whichever file happened to need them first: their set-up
+time is taken out of that test's setup. A partial run (`-k`, one file) can only sum less per file
+than the whole run, so it never blames a file for another's cost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from types import MappingProxyType
+from typing import Mapping
+
+import pytest
+
+BUDGET_S = 90.0
+NUM_FILES_SHOWN = 15
+SESSION_LINE = "session fixture "  # the prefix of a shared fixture's line in the tables
+
+# file (as pytest names it, from the repository root) -> why it may take longer than the budget.
+SLOW_FILES: Mapping[str, str] = MappingProxyType({
+})
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--file-budget-s", type=float, default=BUDGET_S,
+                     help="fail the run when one test file takes longer than this, unless tests/file_budget.py "
+                          "lists it with a reason (0: no check; the table of slowest files still prints)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(FileBudget(config.getoption("--file-budget-s")), "file-budget")
+
+
+class FileBudget:
+    """Seconds per test file and per session fixture, and the verdict against the budget."""
+
+    def __init__(self, budget_s: float, allowed: Mapping[str, str] = SLOW_FILES):
+        self.budget_s = budget_s
+        self.allowed = allowed
+        self.seconds: dict[str, float] = defaultdict(float)  # file or session-fixture line -> seconds
+        self._session_setup_s = 0.0  # session fixtures set up during the current test's setup
+        self._session_depth = 0  # session fixtures being set up right now (nested ones count once)
+        self.over_budget: list[str] = []
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+        if fixturedef.scope != "session" or self._session_depth:
+            return (yield)
+        self._session_depth += 1
+        started_s = time.monotonic()
+        try:
+            return (yield)
+        finally:
+            self._session_depth -= 1
+            elapsed_s = time.monotonic() - started_s
+            self._session_setup_s += elapsed_s
+            self.seconds[SESSION_LINE + fixturedef.argname] += elapsed_s
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        duration_s = report.duration
+        if report.when == "setup":
+            duration_s = max(0.0, duration_s - self._session_setup_s)
+            self._session_setup_s = 0.0
+        self.seconds[report.nodeid.split("::", 1)[0]] += duration_s
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if self.budget_s <= 0:
+            return
+        self.over_budget = sorted(name for name, seconds in self.seconds.items()
+                                  if seconds > self.budget_s and name not in self.allowed)
+        if self.over_budget and exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:  # noqa: ANN001 (pytest's hook signature)
+        if not self.seconds:
+            return
+        slowest = sorted(((name, seconds) for name, seconds in self.seconds.items() if seconds >= 0.05),
+                         key=lambda item: -item[1])[:NUM_FILES_SHOWN]
+        terminalreporter.section(f"slowest test files (setup and teardown included; budget {self.budget_s:g} s)")
+        for name, seconds in slowest:
+            note = f"  (allowed: {self.allowed[name]})" if name in self.allowed else ""
+            terminalreporter.write_line(f"{seconds:8.1f} s  {name}{note}")
+        terminalreporter.write_line(f"{sum(self.seconds.values()):8.1f} s  in all")
+        for name in self.over_budget:
+            terminalreporter.write_line(
+                f"{name} took {self.seconds[name]:.1f} s, over the {self.budget_s:g} s budget of one test file: "
+                f"make it faster, or list it in tests/file_budget.py SLOW_FILES with its reason", red=True)
