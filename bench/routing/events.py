@@ -8,13 +8,13 @@ unique (no prefix hits) and outgrow the pool, so blocks are stored and evicted.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import threading
 import time
 
 import httpx
 
+from bench.lib.load import Call, run_open_loop
 from pdserve.kv.events_wire import EVENTS, decode_line
 
 TOKEN_HEADER = "X-Pdserve-Internal-Token"
@@ -43,18 +43,16 @@ class _Counter(threading.Thread):
                         self.counts[event.kind.value] += 1
 
 
-async def _saturate(url: str, num_prompts: int, prompt_tokens: int, seed: int) -> float:
+def _saturate(url: str, num_prompts: int, prompt_tokens: int, seed: int) -> float:
+    """Every prompt at once (the open-loop driver, all arrivals at 0); seconds until the last answered."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1000, 20000) for _ in range(prompt_tokens)] for _ in range(num_prompts)]
-    async with httpx.AsyncClient(timeout=600) as client:
-        started = time.perf_counter()
-        answers = await asyncio.gather(*(client.post(url + "/v1/completions", json={
-            "prompt": prompt, "max_tokens": 1, "temperature": 0}) for prompt in prompts))
-        elapsed_s = time.perf_counter() - started
-    failed = [a.status_code for a in answers if a.status_code != 200]
+    calls = [Call("/v1/completions", {"prompt": [rng.randrange(1000, 20000) for _ in range(prompt_tokens)],
+                                      "max_tokens": 1, "temperature": 0}) for _ in range(num_prompts)]
+    result = run_open_loop(url, calls)
+    failed = [record.error for record in result.records if record.status != 200]
     if failed:
         raise RuntimeError(f"saturating requests failed: {failed[:5]}")
-    return elapsed_s
+    return result.duration_s
 
 
 def event_rate_under_load(url: str, token: str, num_prompts: int = 16, prompt_tokens: int = 1000,
@@ -65,7 +63,7 @@ def event_rate_under_load(url: str, token: str, num_prompts: int = 16, prompt_to
         raise RuntimeError("no KV event stream from " + url)
     time.sleep(0.2)
     before = dict(counter.counts)
-    elapsed_s = asyncio.run(_saturate(url, num_prompts, prompt_tokens, seed))
+    elapsed_s = _saturate(url, num_prompts, prompt_tokens, seed)
     time.sleep(0.5)  # the last drain (every 20 ms) and its line
     counter.stopped = True
     events = {kind: counter.counts[kind] - before[kind] for kind in counter.counts}
