@@ -53,6 +53,9 @@ class RandomWeights:
         tensor = torch.randn(self.shapes[name], generator=generator) * self.std
         return tensor + 1.0 if name.endswith("norm.weight") else tensor
 
+    def get_packed(self, name: str) -> None:
+        return None  # plain float tensors only
+
 
 def _attention_shapes(prefix: str, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool) -> dict:
     shapes = {prefix + "q_proj.weight": (heads * head_dim, hidden), prefix + "k_proj.weight": (kv_heads * head_dim, hidden),

@@ -173,8 +173,7 @@ class ShardedWeights:
     def get_packed(self, name: str) -> Optional[PackedWeight]:
         """The slice as blocks; None (the loader dequantizes) when the source has no blocks or the
         slice would cut a quantization block."""
-        getter = getattr(self.source, "get_packed", None)
-        packed = getter(name) if getter is not None else None
+        packed = self.source.get_packed(name)
         kind, span = self._rule(name)
         if packed is None or kind is None:
             return packed

@@ -70,7 +70,7 @@ class WeightLoader:
     def _weight(self, names: Sequence[str], float_format: Optional[BlockFormat]) -> Union[PackedWeight, list[torch.Tensor]]:
         """The rows of `names` stacked: packed when the policy says so, else float parts."""
         packed_parts: list[Optional[PackedWeight]] = [
-            self.source.get_packed(name) if self.policy.keep_packed and hasattr(self.source, "get_packed") else None
+            self.source.get_packed(name) if self.policy.keep_packed else None
             for name in names
         ]
         if all(part is not None for part in packed_parts):

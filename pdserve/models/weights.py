@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 from contextlib import ExitStack
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 from safetensors import safe_open
 
 from pdserve.models.hf_config import ModelLoadError
+from pdserve.models.quant.blocks import PackedWeight
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -28,6 +29,11 @@ class WeightSource(Protocol):
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor under this HF name, on the CPU; ModelLoadError when absent."""
+        ...
+
+    def get_packed(self, name: str) -> Optional[PackedWeight]:
+        """The weight as quantized blocks the native kernels run as they are; None when the source
+        holds it in another form (the loader then takes `get`)."""
         ...
 
 
@@ -51,6 +57,9 @@ class SafetensorsSource:
         if handle is None:
             raise ModelLoadError(f"checkpoint has no tensor {name!r}")
         return handle.get_tensor(name)
+
+    def get_packed(self, name: str) -> Optional[PackedWeight]:
+        return None  # safetensors checkpoints hold plain tensors
 
     def close(self) -> None:
         self._stack.close()

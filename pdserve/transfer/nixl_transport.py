@@ -174,7 +174,7 @@ class NixlTransport:
         self._local_dlists = {self.page_bytes: agent.prep_xfer_dlist(
             _LOCAL_AGENT, self._descriptors(self.page_bytes), self._mem_type)}
         self._metadata = agent.get_agent_metadata()
-        self._agent_name = getattr(agent, "name", self._agent_name)  # before the agent: other threads read both
+        self._agent_name = agent.name  # before the agent: other threads read both
         # No callback holds `self`: a reference cycle would leave the agent to the cyclic garbage
         # collector, whose arbitrary finalization order aborts inside NIXL.
         self._staging = StagingBuffers(functools.partial(allocate_host_or_device, self._view.device,
@@ -185,10 +185,11 @@ class NixlTransport:
 
     def _agent_alive(self) -> bool:
         """False while no agent serves: its process just died (what it held is dropped) or the new one starts."""
-        if self._agent is not None and getattr(self._agent, "dead", None) is None:
+        death = _death_of(self._agent)
+        if self._agent is not None and death is None:
             return True
         if self._agent is not None:
-            self._lose_agent(self._agent.dead)
+            self._lose_agent(death)
         if not self._restart.advance(self._new_agent, f"{self._base_name}-r{self.generation}", self._set_up):
             return False
         logger.warning("NIXL agent %s is up (replacement %d): peers reconnect to it", self._agent_name, self.generation)
@@ -555,7 +556,7 @@ class NixlTransport:
             return
         self._closed = True
         self._restart.close()
-        if self._agent is None or getattr(self._agent, "dead", None) is not None:
+        if self._agent is None or _death_of(self._agent) is not None:
             return  # its process died and took everything it held with it
         # One progress call first: without it, destroying the agent after a read from a killed peer
         # aborted the process now and then (UCX had not yet handled the lost endpoint).
@@ -584,6 +585,11 @@ class NixlTransport:
             logger.warning("unregistering the pool of agent %s failed: %r", self._agent_name, exc)
         if isinstance(self._agent, IsolatedAgent):
             self._agent.close()
+
+
+def _death_of(agent: Any) -> Optional[str]:
+    """Why an agent's process died, or None while it serves (an agent in this process dies with it)."""
+    return agent.dead if isinstance(agent, IsolatedAgent) else None
 
 
 def new_inline_agent(name: str, progress_thread: bool) -> Any:
