@@ -23,6 +23,16 @@ SESSION_LINE = "session fixture "  # the prefix of a shared fixture's line in th
 
 # file (as pytest names it, from the repository root) -> why it may take longer than the budget.
 SLOW_FILES: Mapping[str, str] = MappingProxyType({
+    "tests/integration/test_chaos_loop.py":
+        "kills each process of a P/D cluster at nine forced phases and restarts it: nine worker starts are the test",
+    "tests/integration/test_kv_offload.py":
+        "eight workers in five tier set-ups (host, file, either side of P/D, tensor-parallel host and file), "
+        "each a start-up flag of its own",
+    "tests/engine/test_engine_smollm2.py":
+        "the embedded model through the engine against transformers: batched, sequential, chunked, "
+        "prefix-cached and preempted runs of four 40-token answers, on one core",
+    "tests/bench/test_chaos_bench.py":
+        "runs the chaos benchmark end to end: a P/D cluster under load, killed once and restarted",
 })
 
 
