@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -15,6 +16,30 @@ from tests.process_guard import pytest_sessionfinish  # noqa: F401 - the hook: n
 def device(request) -> str:
     """The device a test runs on: "cpu" in CI, also "cuda" where there is a GPU."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_model():
+    """transformers' LlamaForCausalLM from the embedded GGUF, dequantized by its own code: the oracle of
+    the model and engine tests, loaded once a run (about 20 s on one core) and only read.
+
+    transformers refuses GGUF files unless `accelerate` is importable, which it
+    only uses to dispatch across several devices; we load on one CPU, so the
+    gate is lifted for this load only.
+    """
+    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers.modeling_utils as modeling_utils
+
+    from pdserve.models.loader import embedded_model_path
+
+    path = embedded_model_path()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(modeling_utils, "is_accelerate_available", lambda: True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+        )
+    return model.eval()
 
 
 def pytest_sessionstart(session) -> None:  # noqa: ANN001 (pytest's hook signature)

@@ -1,8 +1,8 @@
 """No test file takes more than its budget (90 s, module fixtures included) unless SLOW_FILES says why.
 
 A pytest plugin (tests/conftest.py loads it). It sums the setup, call and teardown time of every
-test per file and, at the end of the session, fails the run naming each file over budget, and prints
-the slowest files. Session-scoped fixtures (the clusters tests/integration/conftest.py shares) are
+test per file and, at the end of the session, prints the slowest files and names each file over
+budget; with --file-budget-s (scripts/test, hence CI) such a file fails the run. Session-scoped fixtures (the clusters tests/integration/conftest.py shares) are
 charged once, to a line of their own, not to whichever file happened to need them first: their set-up
 time is taken out of that test's setup. A partial run (`-k`, one file) can only sum less per file
 than the whole run, so it never blames a file for another's cost.
@@ -23,24 +23,38 @@ SESSION_LINE = "session fixture "  # the prefix of a shared fixture's line in th
 
 # file (as pytest names it, from the repository root) -> why it may take longer than the budget.
 SLOW_FILES: Mapping[str, str] = MappingProxyType({
+    "tests/integration/test_chaos_loop.py":
+        "kills each process of a P/D cluster at nine forced phases and restarts it: nine worker starts are the test",
+    "tests/integration/test_kv_offload.py":
+        "eight workers in five tier set-ups (host, file, either side of P/D, tensor-parallel host and file), "
+        "each a start-up flag of its own",
+    "tests/engine/test_engine_smollm2.py":
+        "the embedded model through the engine against transformers: batched, sequential, chunked, "
+        "prefix-cached and preempted runs of four 40-token answers, on one core",
+    "tests/bench/test_chaos_bench.py":
+        "runs the chaos benchmark end to end: a P/D cluster under load, killed once and restarted",
 })
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--file-budget-s", type=float, default=BUDGET_S,
-                     help="fail the run when one test file takes longer than this, unless tests/file_budget.py "
-                          "lists it with a reason (0: no check; the table of slowest files still prints)")
+    parser.addoption("--file-budget-s", type=float, default=None,
+                     help=f"fail the run when one test file takes longer than this, unless tests/file_budget.py "
+                          f"lists it with a reason (scripts/test, and so CI, pass {BUDGET_S:g}; without it a file "
+                          f"over {BUDGET_S:g} s is only named, as a busy machine slows everything; 0: no check)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(FileBudget(config.getoption("--file-budget-s")), "file-budget")
+    budget_s = config.getoption("--file-budget-s")
+    enforced = budget_s is not None
+    config.pluginmanager.register(FileBudget(budget_s if enforced else BUDGET_S, enforce=enforced), "file-budget")
 
 
 class FileBudget:
     """Seconds per test file and per session fixture, and the verdict against the budget."""
 
-    def __init__(self, budget_s: float, allowed: Mapping[str, str] = SLOW_FILES):
+    def __init__(self, budget_s: float, allowed: Mapping[str, str] = SLOW_FILES, enforce: bool = True):
         self.budget_s = budget_s
+        self.enforce = enforce  # fail the session, or only name the files over budget
         self.allowed = allowed
         self.seconds: dict[str, float] = defaultdict(float)  # file or session-fixture line -> seconds
         self._session_setup_s = 0.0  # session fixtures set up during the current test's setup
@@ -74,7 +88,7 @@ class FileBudget:
             return
         self.over_budget = sorted(name for name, seconds in self.seconds.items()
                                   if seconds > self.budget_s and name not in self.allowed)
-        if self.over_budget and exitstatus == pytest.ExitCode.OK:
+        if self.over_budget and self.enforce and exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter) -> None:  # noqa: ANN001 (pytest's hook signature)
@@ -90,4 +104,6 @@ class FileBudget:
         for name in self.over_budget:
             terminalreporter.write_line(
                 f"{name} took {self.seconds[name]:.1f} s, over the {self.budget_s:g} s budget of one test file: "
-                f"make it faster, or list it in tests/file_budget.py SLOW_FILES with its reason", red=True)
+                f"make it faster, or list it in tests/file_budget.py SLOW_FILES with its reason"
+                + ("" if self.enforce else " (not enforced without --file-budget-s, which scripts/test passes)"),
+                red=self.enforce, yellow=not self.enforce)

@@ -89,10 +89,13 @@ def test_a_listed_file_may_take_longer_and_an_unlisted_one_fails_the_session():
     assert budget.over_budget == ["tests/other.py"]
 
 
-def test_a_budget_of_zero_checks_nothing():
+def test_a_budget_of_zero_checks_nothing_and_an_unenforced_one_only_names_the_file():
     budget = FileBudget(0.0)
     budget.pytest_runtest_logreport(report("tests/x.py::test_a", "call", 1000.0))
     assert finish(budget).exitstatus == pytest.ExitCode.OK
+    named = FileBudget(10.0, enforce=False)
+    named.pytest_runtest_logreport(report("tests/x.py::test_a", "call", 1000.0))
+    assert finish(named).exitstatus == pytest.ExitCode.OK and named.over_budget == ["tests/x.py"]
 
 
 def test_every_listed_slow_file_exists_and_says_why():

@@ -16,10 +16,9 @@ from pdserve.api.config import CacheConfig, ModelConfig, ServerConfig, WorkerCon
 from pdserve.api.sampling import FinishReason
 from pdserve.app.engine_factory import build_engine
 from pdserve.metrics import Metrics
-from pdserve.models.loader import embedded_model_path, load_model
+from pdserve.models.loader import load_model
 from pdserve.server.app import create_app
 from tests.engine.harness import generate, greedy, make_engine
-from tests.engine.oracle import load_hf_gguf
 from tests.models.hf_oracle import hf_prompt_logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
@@ -83,8 +82,8 @@ def chat_ids(loaded, question: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    return load_hf_gguf(embedded_model_path())
+def hf_model(hf_smollm2_model):
+    return hf_smollm2_model  # loaded once a run (tests/conftest.py)
 
 
 def test_top1_and_top_logprobs_equal_transformers_log_softmax(loaded, hf_model):

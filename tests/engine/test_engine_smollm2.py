@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.models.loader import embedded_model_path, load_model
+from pdserve.models.loader import load_model
 from tests.engine.harness import generate, generate_one_by_one, greedy, make_engine
-from tests.engine.oracle import load_hf_gguf
 from tests.models.hf_oracle import hf_greedy_generate
 
 import torch
@@ -37,9 +36,8 @@ def chat_prompts(loaded):
 
 
 @pytest.fixture(scope="module")
-def hf_answers(chat_prompts):
-    model = load_hf_gguf(embedded_model_path())
-    return [hf_greedy_generate(model, prompt, NUM_TOKENS) for prompt in chat_prompts]
+def hf_answers(chat_prompts, hf_smollm2_model):
+    return [hf_greedy_generate(hf_smollm2_model, prompt, NUM_TOKENS) for prompt in chat_prompts]
 
 
 def test_batched_greedy_matches_transformers_token_for_token(loaded, chat_prompts, hf_answers):
