@@ -23,8 +23,14 @@ def _ms(value: Optional[float]) -> str:
     return _DASH if value is None else f"{value * 1000:.1f}"
 
 
-def _percent(value: Optional[float]) -> str:
-    return _DASH if value is None else f"{value:.0%}"
+def percent_cell(value: Optional[float], missing: str = _DASH) -> str:
+    """A table cell of a fraction as a whole percent; `missing` when there is none."""
+    return missing if value is None else f"{value:.0%}"
+
+
+def ratio_cell(value: Optional[float], missing: str = _DASH) -> str:
+    """A table cell of a ratio to two decimals; `missing` when there is none."""
+    return missing if value is None else f"{value:.2f}"
 
 
 def format_throughput_table(summaries: Sequence[RunSummary]) -> str:
@@ -34,7 +40,7 @@ def format_throughput_table(summaries: Sequence[RunSummary]) -> str:
         lines.append(
             f"| {s.label} | {s.num_requests - s.num_failed} / {s.num_failed} | {s.duration_s:.1f} "
             f"| {s.request_throughput:.3f} | {s.output_throughput:.1f} | {s.total_token_throughput:.1f} "
-            f"| {_percent(s.foreign_cpu_fraction)} |"
+            f"| {percent_cell(s.foreign_cpu_fraction)} |"
         )
     return "\n".join(lines)
 

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from bench.lib.machine import CpuMeter
+from bench.lib.report import percent_cell, ratio_cell
 from bench.transfer import pools
 from bench.transfer.pools import (
     MEMORY_MODES, SHAPES, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record, memcpy_run,
@@ -139,14 +140,6 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def _ratio(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _percent(value: Optional[float]) -> str:
-    return "?" if value is None else f"{value:.0%}"
-
-
 def format_table(rows: list[dict]) -> str:
     lines = ["| memory | tokens | P->D | read | descriptors | MB | pull ms | GB/s | vs 16->16 | vs memcpy "
              "| memcpy GB/s | auto picks | other CPU |",
@@ -154,8 +147,8 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['memory']} | {r['prompt_tokens']} | {r['prefill_block']}->{r['decode_block']} | "
                      f"{r['read']} | {r['descriptors']} | {r['num_bytes'] / 1e6:.1f} | {r['pull_s'] * 1e3:.1f} | "
-                     f"{r['pull_gbps']:.2f} | {_ratio(r.get('vs_pages'))} | {_ratio(r.get('vs_memcpy'))} | "
-                     f"{r['memcpy_gbps']:.2f} | {r['auto_picks']} | {_percent(r.get('foreign_cpu_fraction'))} |")
+                     f"{r['pull_gbps']:.2f} | {ratio_cell(r.get('vs_pages'))} | {ratio_cell(r.get('vs_memcpy'))} | "
+                     f"{r['memcpy_gbps']:.2f} | {r['auto_picks']} | {percent_cell(r.get('foreign_cpu_fraction'), missing='?')} |")
     return "\n".join(lines)
 
 

@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from bench.lib.machine import CpuMeter
+from bench.lib.report import percent_cell, ratio_cell
 from bench.transfer import pools
 from bench.transfer.pools import (
     MEMORY_MODES, SHAPES, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record, memcpy_run,
@@ -170,14 +171,6 @@ def coalescing_gains(rows: list[dict]) -> dict[tuple[str, int, str], float]:
             if key[3] == "contiguous" and by_key.get((*key[:3], "scattered"))}
 
 
-def _ratio(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _percent(value: Optional[float]) -> str:
-    return "?" if value is None else f"{value:.0%}"
-
-
 def format_table(rows: list[dict]) -> str:
     """A markdown table, one line per (memory, prompt, pair, allocation)."""
     lines = ["| memory | tokens | P->D | blocks | descriptors | MB | pull ms | GB/s | vs 1->1 | vs memcpy "
@@ -186,9 +179,9 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['memory']} | {r['prompt_tokens']} | {r['prefill_tp']}->{r['decode_tp']} | "
                      f"{r['allocation']} | {r['descriptors']} | {r['num_bytes'] / 1e6:.1f} | "
-                     f"{r['pull_s'] * 1e3:.1f} | {r['pull_gbps']:.2f} | {_ratio(r.get('vs_1to1'))} | "
-                     f"{_ratio(r.get('vs_memcpy'))} | {r['memcpy_gbps']:.2f} | "
-                     f"{_percent(r.get('foreign_cpu_fraction'))} |")
+                     f"{r['pull_s'] * 1e3:.1f} | {r['pull_gbps']:.2f} | {ratio_cell(r.get('vs_1to1'))} | "
+                     f"{ratio_cell(r.get('vs_memcpy'))} | {r['memcpy_gbps']:.2f} | "
+                     f"{percent_cell(r.get('foreign_cpu_fraction'), missing='?')} |")
     return "\n".join(lines)
 
 
