@@ -185,7 +185,7 @@ class NixlTransport:
 
     def _agent_alive(self) -> bool:
         """False while no agent serves: its process just died (what it held is dropped) or the new one starts."""
-        death = _death_of(self._agent)
+        death = self._agent.dead if isinstance(self._agent, IsolatedAgent) else None  # an inline agent dies with us
         if self._agent is not None and death is None:
             return True
         if self._agent is not None:
@@ -556,7 +556,7 @@ class NixlTransport:
             return
         self._closed = True
         self._restart.close()
-        if self._agent is None or _death_of(self._agent) is not None:
+        if self._agent is None or (isinstance(self._agent, IsolatedAgent) and self._agent.dead is not None):
             return  # its process died and took everything it held with it
         # One progress call first: without it, destroying the agent after a read from a killed peer
         # aborted the process now and then (UCX had not yet handled the lost endpoint).
@@ -585,11 +585,6 @@ class NixlTransport:
             logger.warning("unregistering the pool of agent %s failed: %r", self._agent_name, exc)
         if isinstance(self._agent, IsolatedAgent):
             self._agent.close()
-
-
-def _death_of(agent: Any) -> Optional[str]:
-    """Why an agent's process died, or None while it serves (an agent in this process dies with it)."""
-    return agent.dead if isinstance(agent, IsolatedAgent) else None
 
 
 def new_inline_agent(name: str, progress_thread: bool) -> Any:
