@@ -36,15 +36,23 @@ class Worker:
     device: str = "cpu"  # tests take it from the `device` fixture (tests/conftest.py)
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     process: Optional[subprocess.Popen] = None
+    # The listener of the /internal/* routes (KV handshake, release, routing info, KV events): a free
+    # port of its own, picked once, so a restarted worker keeps it.
+    internal_port: int = field(default_factory=free_port)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def internal_url(self) -> str:
+        return f"http://127.0.0.1:{self.internal_port}"
+
     def start(self) -> "Worker":
         # One torch thread each: several workers share this host's few cores.
         command = [sys.executable, "-m", "pdserve.app.cli", self.role, "--host", "127.0.0.1", "--port", str(self.port),
-                   "--log-level", "info", "--num-threads", "1", "--device", self.device, *self.extra_args]
+                   "--internal-port", str(self.internal_port), "--log-level", "info", "--num-threads", "1",
+                   "--device", self.device, *self.extra_args]
         env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **self.env)
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
@@ -265,8 +273,17 @@ class ServerProcess:
 
 
 def pdserve_argv(command: str, port: int, *args: str) -> list[str]:
-    """`pdserve <command>` as this interpreter runs it."""
-    return [sys.executable, "-m", "pdserve.app.cli", command, "--port", str(port), *args]
+    """`pdserve <command>` as this interpreter runs it; a worker gets a free internal port of its own
+    (its default, --port + 1, may be taken on a host where every port was picked free)."""
+    internal = ["--internal-port", str(free_port())] if command in ("serve", "prefill", "decode") else []
+    return [sys.executable, "-m", "pdserve.app.cli", command, "--port", str(port), *internal, *args]
+
+
+def internal_url_of(url: str, timeout_s: float = 10.0) -> str:
+    """The internal listener (/internal/* routes) of the pdserve worker serving at `url`, at the port
+    its GET /load names."""
+    port = int(httpx.get(url + "/load", timeout=timeout_s).json()["internal_port"])
+    return str(httpx.URL(url).copy_with(port=port)).rstrip("/")
 
 
 def _process_state(pid: int) -> Optional[tuple[str, int]]:

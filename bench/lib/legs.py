@@ -44,5 +44,5 @@ def two_legs(prefill: Worker, decode: Worker, path: str, body: dict, request_id:
 
 def page_bytes(worker: Worker, headers: Optional[dict] = None) -> int:
     """Bytes of one page of a P or D worker's pool (one rank's, for a tensor-parallel worker)."""
-    info = httpx.get(worker.url + "/internal/kv/agent_info", headers=headers or {}, timeout=10).json()
+    info = httpx.get(worker.internal_url + "/internal/kv/agent_info", headers=headers or {}, timeout=10).json()
     return int(info["geometry"]["page_bytes"])

@@ -18,7 +18,7 @@ from typing import Optional
 
 import httpx
 
-from bench.lib.launch import LaunchError, ServerProcess, free_port
+from bench.lib.launch import LaunchError, ServerProcess, free_port, internal_url_of
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ class RoutingCluster:
 
     def _worker(self, role: str, index: int) -> ServerProcess:
         port = free_port()
-        argv = [sys.executable, "-m", "pdserve.app.cli", role, "--port", str(port), "--num-blocks",
+        argv = [sys.executable, "-m", "pdserve.app.cli", role, "--port", str(port), "--internal-port",
+                str(free_port()), "--num-blocks",
                 str(self.spec.num_blocks), "--num-threads", str(self.spec.num_threads), "--log-level", "warning",
                 "--internal-token", self.spec.token, *PATIENT_PD]
         return ServerProcess(f"{role}{index}", argv, port, os.path.join(self.spec.log_dir, f"{role}{index}.log"))
@@ -123,7 +124,7 @@ class RoutingCluster:
         """Every worker idle, every prefix cache empty."""
         self.wait_idle()
         for worker in self.workers:
-            response = httpx.post(worker.base_url + "/internal/kv/reset_prefix_cache",
+            response = httpx.post(internal_url_of(worker.base_url) + "/internal/kv/reset_prefix_cache",
                                   headers={TOKEN_HEADER: self.spec.token}, timeout=30)
             response.raise_for_status()
 

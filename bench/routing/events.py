@@ -14,6 +14,7 @@ import time
 
 import httpx
 
+from bench.lib.launch import internal_url_of
 from bench.lib.load import Call, run_open_loop
 from pdserve.kv.events_wire import EVENTS, decode_line
 
@@ -32,7 +33,7 @@ class _Counter(threading.Thread):
 
     def run(self) -> None:
         headers = {TOKEN_HEADER: self._token}
-        with httpx.stream("GET", self._url + "/internal/kv/events", headers=headers, timeout=30) as response:
+        with httpx.stream("GET", internal_url_of(self._url) + "/internal/kv/events", headers=headers, timeout=30) as response:
             for line in response.iter_lines():
                 self.subscribed.set()
                 if self.stopped:

@@ -148,6 +148,10 @@ class ServerConfig(_Frozen):
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "port to listen on (default per role: serve 8000, prefill 8100, decode 8200)",
                         ge=0, le=65535)
+    internal_port: Optional[int] = setting(
+        None, "port of the internal listener (same --host): the only place the /internal/* routes (KV handshake, "
+              "release, routing info, KV events, prefix-cache reset) are served; the serving port answers 404 for "
+              "them (default: --port + 1)", ge=0, le=65535)
     internal_token: Optional[str] = setting(
         None, "shared token guarding internal endpoints and kv_transfer_params (prefer the variable: flags show "
               "in process listings); P and D bound to a non-loopback --host refuse to start without it",
@@ -170,6 +174,24 @@ class ServerConfig(_Frozen):
     @classmethod
     def _token_not_empty(cls, token: Optional[str]) -> Optional[str]:
         return check_token(token)
+
+    @model_validator(mode="after")
+    def _internal_port_is_its_own(self) -> "ServerConfig":
+        if self.internal_port is None and self.port == 65535:
+            raise ValueError("--port 65535 leaves no default internal port (--port + 1): pass --internal-port")
+        if self.internal_port is not None and self.internal_port == self.port != 0:
+            raise ValueError(f"--internal-port must differ from --port ({self.port}): the internal routes must not "
+                             "share the serving port")
+        return self
+
+    @property
+    def internal_listen_port(self) -> int:
+        """The internal listener's port: --internal-port, else the serving port + 1 (0, any free port,
+        with --port 0: the worker binds both before it loads and records the ports it got). Peers reach
+        the internal routes here (P names it in its kv_transfer_params' remote_port)."""
+        if self.internal_port is not None:
+            return self.internal_port
+        return self.port + 1 if self.port else 0
 
 
 class TransferConfig(_Frozen):

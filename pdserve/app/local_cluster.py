@@ -58,7 +58,7 @@ def plan_cores(cores: Sequence[int]) -> CorePlan:
 
 
 # Settings `up` decides per child (ports, cores, threads, token, identity) rather than forwarding.
-_UP_OWNS = ("--host", "--port", "--num-threads", "--core-ledger", "--num-threads-alone", "--internal-token",
+_UP_OWNS = ("--host", "--port", "--internal-port", "--num-threads", "--core-ledger", "--num-threads-alone", "--internal-token",
             "--log-level", "--engine-id", "--advertise-host", "--tp-rank", "--tp-master-addr", "--tp-master-port")
 
 
@@ -117,6 +117,12 @@ def _resolve_port(host: str, port: int) -> int:
     return port if port != 0 else free_port(host)
 
 
+def _internal_port(host: str, port: int, asked: int) -> int:
+    """A worker's internal listener: the worker's own default (its port + 1) next to a port given, a free
+    one next to a port `up` picked (`port` 0 asked for any)."""
+    return free_port(host) if asked == 0 else port + 1
+
+
 def build_specs(args: argparse.Namespace, cores: Sequence[int], core_ledger: Optional[str] = None) -> list[ChildSpec]:
     """The three command lines, in start order: prefill, decode, proxy. `core_ledger`: the file
     both workers share with --core-handover (the caller makes it)."""
@@ -135,8 +141,9 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int], core_ledger: Opt
     specs = []
     for role, port, cores_of, threads in (("prefill", prefill_port, plan.prefill_cores, plan.prefill_threads),
                                           ("decode", decode_port, plan.decode_cores, plan.decode_threads)):
-        argv = [*base, role, "--port", str(port), "--num-threads", str(args.num_threads or threads), *common,
-                *worker_args[role]]
+        internal_port = _internal_port(args.host, port, getattr(args, f"{role}_port"))
+        argv = [*base, role, "--port", str(port), "--internal-port", str(internal_port),
+                "--num-threads", str(args.num_threads or threads), *common, *worker_args[role]]
         # The decode worker's own prefills (adaptive disaggregation) must not stall its streams.
         if not any(arg.split("=")[0] == "--max-step-ms" for arg in forwarded):
             argv += ["--max-step-ms", f"{args.slo_tpot_ms or SloConfig().tpot_ms:g}"]

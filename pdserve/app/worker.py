@@ -1,7 +1,8 @@
-"""Composition root of a worker process: config -> metrics, engine, app -> uvicorn.
+"""Composition root of a worker process: config -> metrics, engine, apps -> two uvicorn listeners.
 
 The HTTP server comes up first and answers 503 on /health until the weights
-are loaded, so orchestrators can tell "loading" from "dead".
+are loaded, so orchestrators can tell "loading" from "dead". The /internal/*
+routes live on their own listener (--internal-port), never on the serving port.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import uvicorn
 
 from pdserve.api.config import WorkerConfig, is_loopback_host
 from pdserve.api.http_bounds import http_protocol_with_header_deadline
-from pdserve.app.drain import DrainingServer
+from pdserve.app.listeners import InternalServer, WorkerServer, bind_listener, bound_port
 from pdserve.app.ranks import start_local_ranks, stop_local_ranks
 from pdserve.engine.async_engine import LoadingEngine
 from pdserve.app.engine_factory import BuiltEngine, build_engine
 from pdserve.engine.request_ids import RequestIdRegistry
 from pdserve.metrics import Metrics
 from pdserve.pd.wiring import TransportFactory, nixl_transport
-from pdserve.server.app import create_app
+from pdserve.server.app import create_app, create_internal_app
 from pdserve.server.kv_events_routes import create_kv_events_router
 from pdserve.server.kv_routes import create_kv_router
 
@@ -52,16 +53,23 @@ def _load_in_background(config: WorkerConfig, metrics: Metrics, handle: LoadingE
     return thread
 
 
-def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nixl_transport) -> int:
-    """Serve until told to stop; returns the process exit status (1 when the worker could not serve).
-    A tensor-parallel worker started without --tp-rank starts its other ranks on this host first."""
-    children, rendezvous_fd = [], None
-    if config.parallel.tensor_parallel_size > 1 and config.parallel.tp_rank is None:
-        local = start_local_ranks(config)
-        config, children, rendezvous_fd = local.config, local.children, local.rendezvous_fd
-    metrics = Metrics()
-    handle = LoadingEngine(config.model.served_name or "default", RequestIdRegistry())
-    loaded = _Loaded()
+def _bind_listeners(config: WorkerConfig) -> tuple[WorkerConfig, list]:
+    """Bind the serving and the internal socket now, and record the ports they got in the config
+    (`--port 0` picks a free one): P names its internal port to decode workers as remote_port."""
+    server = config.server
+    serving = bind_listener(server.host, server.port)
+    try:
+        internal = bind_listener(server.host, server.internal_listen_port)
+    except OSError:
+        serving.close()
+        raise
+    ports = {"port": bound_port(serving), "internal_port": bound_port(internal)}
+    logger.info("serving on %s:%d, internal routes on %s:%d", server.host, ports["port"], server.host,
+                ports["internal_port"])
+    return config.model_copy(update={"server": server.model_copy(update=ports)}), [serving, internal]
+
+
+def _internal_routers(config: WorkerConfig, metrics: Metrics, handle: LoadingEngine, loaded: _Loaded) -> list:
     internal_open = is_loopback_host(config.server.host) or config.server.insecure_no_token
     routers = [create_kv_events_router(handle, lambda: loaded.built, metrics, config.server.internal_token,
                                        open_without_token=internal_open)]
@@ -72,15 +80,36 @@ def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nix
 
         routers.append(create_kv_router(lambda: loaded.built.agent_info if loaded.built else None,
                                         config.server.internal_token, release if config.role == "prefill" else None))
-    app = create_app(handle, metrics, config.server, extra_routers=routers, limits=config.limits)
-    _load_in_background(config, metrics, handle, loaded, transport_factory, rendezvous_fd)
-    uvicorn_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
-                                    log_level=config.server.log_level,
-                                    http=http_protocol_with_header_deadline(config.limits.header_timeout_s))
-    server = DrainingServer(uvicorn_config, lambda: handle.inner, config.server.drain_timeout_s,
-                            is_alive=handle.is_alive)
+    return routers
+
+
+def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nixl_transport) -> int:
+    """Serve until told to stop; returns the process exit status (1 when the worker could not serve).
+    A tensor-parallel worker started without --tp-rank starts its other ranks on this host first."""
     try:
-        server.run()
+        config, (serving_socket, internal_socket) = _bind_listeners(config)
+    except OSError as error:
+        logger.error("cannot listen on %s (port %d or internal port %d): %s", config.server.host, config.server.port,
+                     config.server.internal_listen_port, error)
+        return 1
+    children, rendezvous_fd = [], None
+    if config.parallel.tensor_parallel_size > 1 and config.parallel.tp_rank is None:
+        local = start_local_ranks(config)
+        config, children, rendezvous_fd = local.config, local.children, local.rendezvous_fd
+    metrics = Metrics()
+    handle = LoadingEngine(config.model.served_name or "default", RequestIdRegistry())
+    loaded = _Loaded()
+    app = create_app(handle, metrics, config.server, limits=config.limits)
+    internal_app = create_internal_app(metrics, _internal_routers(config, metrics, handle, loaded))
+    _load_in_background(config, metrics, handle, loaded, transport_factory, rendezvous_fd)
+    http = http_protocol_with_header_deadline(config.limits.header_timeout_s)
+    internal = InternalServer(uvicorn.Config(internal_app, log_level=config.server.log_level, http=http))
+    uvicorn_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                    log_level=config.server.log_level, http=http)
+    server = WorkerServer(uvicorn_config, internal, internal_socket, lambda: handle.inner,
+                          config.server.drain_timeout_s, is_alive=handle.is_alive)
+    try:
+        server.run(sockets=[serving_socket])
     finally:
         if loaded.built is not None:
             loaded.built.close()

@@ -39,7 +39,7 @@ class PrefillIdentity:
     engine_id: str
     epoch: str
     host: str  # the address decode workers reach this worker's HTTP server on
-    port: int
+    port: int  # its internal listener (--internal-port): the handshake and release routes live there
     tp_size: int = 1  # tensor-parallel ranks: a decode worker reads rank r's slice from rank r
 
 

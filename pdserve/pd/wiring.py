@@ -105,7 +105,8 @@ def build_kv_side(config: WorkerConfig, metrics: Metrics, pool: PoolDescription,
             tp_size=config.parallel.tensor_parallel_size, compatibility=pool.compatibility,
         )
     if config.role == "prefill":
-        identity = PrefillIdentity(engine_id, epoch, transfer.advertise_host or config.server.host, config.server.port,
+        identity = PrefillIdentity(engine_id, epoch, transfer.advertise_host or config.server.host,
+                                   config.server.internal_listen_port,
                                    config.parallel.tensor_parallel_size)
         max_pinned = int(transfer.max_pinned_share * (pool.num_blocks - 1))  # block 0 is the null block
         connector = PrefillConnector(transport, LeaseTable(transfer.lease_s, max_pin_s=transfer.pin_lifetime_s), identity, pool.plan, pool.block_size,

@@ -1,7 +1,10 @@
-"""`create_app`: the FastAPI application of one worker, built from an engine, metrics and config.
+"""`create_app` and `create_internal_app`: the two FastAPI applications of one worker.
 
-A factory, never a module-level app: every app (and every test) gets its own
-routes, error handlers and request-id registry around the objects passed in.
+The serving app (the OpenAI API, tokenize, ops) is what clients and sidecars reach; the
+internal app carries the /internal/* routes (KV handshake, release, routing info, KV events,
+prefix-cache reset) on a listener of its own. Invariant: no /internal/ route is ever mounted
+on the serving app, so the serving port answers 404 for every one of them. Factories, never
+module-level apps: every app (and every test) gets its own routes and error handlers.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pdserve.server.openai_routes import build_openai_router
 from pdserve.server.ops_routes import build_ops_router
 from pdserve.server.tokenize_routes import build_tokenize_router
 
+INTERNAL_PREFIX = "/internal/"
+
 if TYPE_CHECKING:
     from pdserve.engine.api import EngineClient
 
@@ -29,10 +34,9 @@ def create_app(
     metrics: Metrics,
     config: ServerConfig,
     *,
-    extra_routers: Sequence[APIRouter] = (),
     limits: LimitsConfig = LimitsConfig(),
 ) -> FastAPI:
-    """Build the worker's app; `extra_routers` lets other subsystems (KV hand-off) mount their routes."""
+    """Build the worker's serving app: the OpenAI routes, tokenize and ops; nothing internal."""
     ctx = ServingContext(engine=engine, metrics=metrics, config=config, limits=limits)
     # The generation routes parse raw bodies themselves, so FastAPI's own schema would be
     # empty and misleading: the one served is built from the wire models (pdserve/api/openapi.py).
@@ -44,6 +48,19 @@ def create_app(
     app.include_router(build_openai_router(ctx))
     app.include_router(build_tokenize_router(ctx))
     app.include_router(build_ops_router(ctx))
-    for router in extra_routers:
+    return app
+
+
+def create_internal_app(metrics: Metrics, routers: Sequence[APIRouter]) -> FastAPI:
+    """Build the worker's internal app from the routers of the subsystems that serve peers (KV hand-off,
+    KV events); each route checks the internal token itself. Refuses a route outside /internal/, so that
+    nothing a client needs ends up off the serving port by mistake."""
+    app = FastAPI(title="pdserve internal", openapi_url=None, docs_url=None, redoc_url=None)
+    install_error_handlers(app, metrics.request)
+    for router in routers:
+        paths = [getattr(route, "path", None) for route in router.routes]  # a nested router has none: refused
+        stray = [path for path in paths if path is None or not path.startswith(INTERNAL_PREFIX)]
+        if stray:
+            raise ValueError(f"the internal listener serves only {INTERNAL_PREFIX} routes, not {stray}")
         app.include_router(router)
     return app

@@ -4,7 +4,9 @@
 orchestrator never routes traffic to a worker that is loading or draining;
 `/live` is 200 while the worker can still serve (a loading or draining
 worker must not be restarted) and 503 once its engine loop died or its model
-failed to load, so an orchestrator restarts it. `/load` is what routing proxies poll.
+failed to load, so an orchestrator restarts it. `/load` is what routing proxies poll; it also
+names the port of the worker's internal listener (`internal_port`), where a proxy reaches the
+/internal/* routes (routing info, KV events, release): the serving port has none of them.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def build_ops_router(ctx: ServingContext) -> APIRouter:
     @router.get("/load")
     async def load() -> Response:
         report = ctx.engine.load_report()
-        return JSONResponse({"ready": ctx.engine.is_ready(), **dataclasses.asdict(report)})
+        return JSONResponse({"ready": ctx.engine.is_ready(), **dataclasses.asdict(report),
+                             "internal_port": ctx.config.internal_listen_port})
 
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -61,7 +61,9 @@ def start_worker(role: str, model_path: str, fabric: FakeFabric, *, prefill_app:
     built.engine.start()
     release = built.release_pinned if role == "prefill" else None
     routers = [] if role == "colocated" else [create_kv_router(lambda: built.agent_info, None, release)]
-    app = create_app(built.engine, metrics, config.server, extra_routers=routers)
+    app = create_app(built.engine, metrics, config.server)
+    for router in routers:  # in process, one ASGI app stands for both of a worker's listeners
+        app.include_router(router)
     return InProcessWorker(built, app, metrics, transports)
 
 

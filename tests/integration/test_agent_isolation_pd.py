@@ -55,7 +55,7 @@ def agent_pid(worker: Worker) -> int:
 
 
 def handshake(worker: Worker) -> httpx.Response:
-    return httpx.get(worker.url + "/internal/kv/agent_info", headers=AUTH, timeout=10)
+    return httpx.get(worker.internal_url + "/internal/kv/agent_info", headers=AUTH, timeout=10)
 
 
 def crash_agent(worker: Worker) -> dict:

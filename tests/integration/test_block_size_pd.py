@@ -55,7 +55,7 @@ def tokens_moved(decode: Worker, length: int, prefill_block: int, decode_block: 
     boundary) up to the last unit. Written from the rule, not from the planner's code."""
     unit = min(prefill_block, decode_block)
     end = -(-length // unit) * unit
-    groups = httpx.get(decode.url + "/internal/kv/agent_info", timeout=10).json()["geometry"]["groups"]
+    groups = httpx.get(decode.internal_url + "/internal/kv/agent_info", timeout=10).json()["geometry"]["groups"]
     total = 0
     for group in groups:
         start = 0

@@ -133,7 +133,7 @@ def test_a_turn_the_decode_worker_holds_skips_the_prefill_leg_with_the_same_answ
 
 def test_kv_endpoints_of_the_workers_need_the_internal_token(cluster):
     decode = cluster["decode"]
-    assert httpx.get(decode.url + "/internal/kv/routing_info", timeout=10).status_code == 401
-    assert httpx.post(decode.url + "/internal/kv/reset_prefix_cache", timeout=10).status_code == 401
-    with httpx.stream("GET", decode.url + "/internal/kv/events", timeout=10) as response:
+    assert httpx.get(decode.internal_url + "/internal/kv/routing_info", timeout=10).status_code == 401
+    assert httpx.post(decode.internal_url + "/internal/kv/reset_prefix_cache", timeout=10).status_code == 401
+    with httpx.stream("GET", decode.internal_url + "/internal/kv/events", timeout=10) as response:
         assert response.status_code == 401

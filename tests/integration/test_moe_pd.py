@@ -64,7 +64,7 @@ def test_moe_pd_matches_transformers_and_moves_only_the_live_window(cluster):
         assert got["logprobs"]["token_logprobs"] == expected["choices"][0]["logprobs"]["token_logprobs"]
         assert _token_ids(got) == hf_greedy_generate(hf_model, prompt, NUM_TOKENS)
 
-        info = httpx.get(prefill.url + "/internal/kv/agent_info", timeout=10).json()
+        info = httpx.get(prefill.internal_url + "/internal/kv/agent_info", timeout=10).json()
         kinds = [group["kind"] for group in info["geometry"]["groups"]]
         num_prompt_blocks = -(-length // BLOCK_SIZE)
         for kind, ids in zip(kinds, params["remote_block_ids"]):

@@ -100,11 +100,11 @@ def test_prefill_returns_vllm_compatible_params(cluster):
                 "remote_block_ids", "remote_host", "remote_port", "tp_size"):
         assert key in params
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-    assert params["remote_port"] == prefill.port
+    assert params["remote_port"] == prefill.internal_port  # D handshakes on the internal listener
     # No decode leg follows: free the pinned block now, not at the lease's end, so that the
     # tests after this one (which count pinned blocks) do not depend on how fast they run.
     release = {k: params[k] for k in ("remote_request_id", "remote_engine_id", "remote_epoch")}
-    assert httpx.post(prefill.url + "/internal/kv/release", json=release, headers=AUTH, timeout=5).status_code == 202
+    assert httpx.post(prefill.internal_url + "/internal/kv/release", json=release, headers=AUTH, timeout=5).status_code == 202
     assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, timeout_s=LEASE_S / 2)
 
 
@@ -188,10 +188,36 @@ def test_forged_params_get_a_4xx_and_read_nothing(cluster):
 
 def test_agent_info_needs_the_internal_token(cluster):
     prefill, _ = cluster
-    assert httpx.get(prefill.url + "/internal/kv/agent_info", timeout=10).status_code == 401
-    info = httpx.get(prefill.url + "/internal/kv/agent_info", headers=AUTH, timeout=10)
+    assert httpx.get(prefill.internal_url + "/internal/kv/agent_info", timeout=10).status_code == 401
+    info = httpx.get(prefill.internal_url + "/internal/kv/agent_info", headers=AUTH, timeout=10)
     assert info.status_code == 200
     assert info.json()["geometry"]["num_blocks"] == 400
+
+
+INTERNAL_ROUTES = [("GET", "/internal/kv/agent_info"), ("GET", "/internal/kv/routing_info"),
+                   ("GET", "/internal/kv/events"), ("POST", "/internal/kv/reset_prefix_cache"),
+                   ("POST", "/internal/kv/release")]
+
+
+def internal_status(url: str, method: str, path: str, headers: dict) -> int:
+    """The status only: a stream (the KV events) is closed once its head has come."""
+    body = {"remote_request_id": "nobody", "remote_engine_id": "e", "remote_epoch": "0"} if method == "POST" else None
+    with httpx.stream(method, url + path, json=body, headers=headers, timeout=10) as response:
+        return response.status_code
+
+
+def test_internal_routes_live_on_their_own_listener_with_the_token_and_the_serving_port_has_none(cluster):
+    """Issue 36 item 2: the serving port (what a sidecar forwards to) answers 404 for every internal
+    route, token or not; the internal listener serves them to the token's holders only."""
+    for worker in cluster:
+        routes = [(method, path) for method, path in INTERNAL_ROUTES
+                  if path != "/internal/kv/release" or worker.role == "prefill"]  # release is P's alone
+        for method, path in routes:
+            for headers in ({}, AUTH):
+                assert internal_status(worker.url, method, path, headers) == 404, (worker.role, path, headers)
+            assert internal_status(worker.internal_url, method, path, {}) == 401, (worker.role, path)
+            # Let through: 200 (202 for a release, 409 for one naming another engine: nothing to free).
+            assert internal_status(worker.internal_url, method, path, AUTH) in (200, 202, 409), (worker.role, path)
 
 
 def test_prefill_leg_without_token_is_refused(cluster):

@@ -46,7 +46,7 @@ def test_gemma3_pd_matches_the_same_kv_on_the_same_path_and_moves_only_the_live_
         assert got["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
         assert response.json()["usage"]["completion_tokens"] == 32
 
-        info = httpx.get(prefill.url + "/internal/kv/agent_info", timeout=10).json()
+        info = httpx.get(prefill.internal_url + "/internal/kv/agent_info", timeout=10).json()
         kinds = [group["kind"] for group in info["geometry"]["groups"]]
         num_prompt_blocks = -(-length // BLOCK_SIZE)
         window_blocks = -(-GEMMA_WINDOW // BLOCK_SIZE) + 1

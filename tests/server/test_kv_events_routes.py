@@ -7,10 +7,9 @@ from typing import Optional
 
 import pytest
 
-from pdserve.api.config import LimitsConfig, ServerConfig
 from pdserve.kv.routing_info import EVENTS_PATH, RESET_PREFIX_CACHE_PATH, ROUTING_INFO_PATH
 from pdserve.metrics import create_metrics
-from pdserve.server.app import create_app
+from pdserve.server.app import create_internal_app
 from pdserve.server.errors import INTERNAL_TOKEN_HEADER
 from pdserve.server.kv_events_routes import create_kv_events_router
 from tests.server.fake_engine import FakeEngine, asgi_client
@@ -28,8 +27,7 @@ def app(token: Optional[str], open_without_token: bool):
     engine, metrics = FakeEngine(), create_metrics()
     # No engine is built: a caller let through gets 503 (not ready), one kept out 401.
     router = create_kv_events_router(engine, lambda: None, metrics, token, open_without_token=open_without_token)
-    return create_app(engine, metrics, ServerConfig(internal_token=token), extra_routers=[router],
-                      limits=LimitsConfig())
+    return create_internal_app(metrics, [router])
 
 
 async def statuses(application, headers: Optional[dict] = None) -> list[int]:
