@@ -1,9 +1,12 @@
-"""Backends (worker endpoints) of one role: their pooled HTTP client, health, load and breaker.
+"""Backends (worker endpoints) of one role: their pooled HTTP clients, health, load and breaker.
 
 Invariant: a backend is offered to routing only while its last health poll
 said ready, its breaker lets a request through and it is not saturated;
 every request sent to it is bracketed by `begin()` and exactly one `end()`,
 so the in-flight count (the freshest load signal the proxy has) never drifts.
+A worker's /internal/* routes live on its internal listener, whose port its
+/load names: the proxy calls them there (`Backend.internal_client`), never on
+the serving URL once the worker has named one.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class LoadReport:
     num_waiting: int = 0
     num_waiting_for_kv: int = 0
     kv_usage: float = 0.0
+    internal_port: Optional[int] = None  # the worker's internal listener; None: it names none
 
     @classmethod
     def from_json(cls, body: dict) -> "LoadReport":
@@ -58,8 +62,10 @@ class LoadReport:
             value = body.get(key, 0)
             return value if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
+        port = body.get("internal_port")
+        valid_port = port if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 else None
         return cls(int(number("num_running")), int(number("num_waiting")),
-                   int(number("num_waiting_for_kv")), float(number("kv_usage")))
+                   int(number("num_waiting_for_kv")), float(number("kv_usage")), valid_port)
 
     @property
     def num_queued(self) -> int:
@@ -78,6 +84,27 @@ class Backend:
     num_in_flight: int = 0
     prompt_tokens_in_flight: int = 0  # prompt tokens of the legs in flight that make this worker compute a prompt
     num_failed_polls: int = 0
+    make_client: Optional["ClientFactory"] = None  # builds the internal listener's client
+    internal_clients: dict[int, httpx.AsyncClient] = field(default_factory=dict)  # by internal port
+
+    @property
+    def internal_client(self) -> httpx.AsyncClient:
+        """The client of the worker's internal listener (/internal/* routes), at the port its last /load
+        named. Until one has (the worker is not ready yet) or for a worker that names none (an older
+        release), the serving client: there a current worker answers 404 and callers retry later."""
+        port = self.load.internal_port
+        if port is None or self.make_client is None:
+            return self.client
+        client = self.internal_clients.get(port)
+        if client is None:
+            url = str(httpx.URL(self.url).copy_with(port=port)).rstrip("/")
+            client = self.internal_clients[port] = self.make_client(url)
+        return client
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        for client in self.internal_clients.values():
+            await client.aclose()
 
     def is_available(self) -> bool:
         if not self.healthy or not self.breaker.allows_request():
@@ -186,7 +213,7 @@ class BackendPool:
         backend = Backend(
             url=url, role=self.role, client=self._make_client(url),
             breaker=CircuitBreaker(health.breaker_failures, health.breaker_cooldown_s),
-            max_in_flight=self._config.routing.max_in_flight_per_backend,
+            max_in_flight=self._config.routing.max_in_flight_per_backend, make_client=self._make_client,
         )
         self._backends[url] = backend
         logger.info("%s backend added: %s", self.role.value, url)
@@ -205,11 +232,11 @@ class BackendPool:
             if backend.num_in_flight > 0:
                 still_busy.append(backend)
             else:
-                await backend.client.aclose()
+                await backend.aclose()
         self._retired = still_busy
 
     async def aclose(self) -> None:
         for backend in [*self._backends.values(), *self._retired]:
-            await backend.client.aclose()
+            await backend.aclose()
         self._backends.clear()
         self._retired.clear()

@@ -56,7 +56,7 @@ class KVReleaser:
     async def _send(self, backend: Backend, body: dict[str, str], request_id: str) -> None:
         failure: Optional[str] = None
         try:
-            response = await backend.client.post(RELEASE_PATH, json=body, timeout=self._timeout_s)
+            response = await backend.internal_client.post(RELEASE_PATH, json=body, timeout=self._timeout_s)
             if response.status_code not in (202, 409):  # 409: the worker restarted, nothing is pinned
                 failure = f"HTTP {response.status_code}"
         except httpx.HTTPError as error:

@@ -69,7 +69,7 @@ class KVEventSubscription:
     async def _follow(self) -> None:
         """Read one stream to its end."""
         timeout = httpx.Timeout(STREAM_READ_TIMEOUT_S, connect=STREAM_READ_TIMEOUT_S)
-        async with self.backend.client.stream("GET", EVENTS_PATH, timeout=timeout) as response:
+        async with self.backend.internal_client.stream("GET", EVENTS_PATH, timeout=timeout) as response:
             if response.status_code != 200:
                 await response.aread()
                 logger.debug("KV events of %s: HTTP %d", self.backend.url, response.status_code)
@@ -146,7 +146,7 @@ async def fetch_prompt_hasher(list_backends: Callable[[], list[Backend]],
 
 async def _try_fetch(backend: Backend, timeout_s: float) -> Optional[PromptHasher]:
     try:
-        response = await backend.client.get(ROUTING_INFO_PATH, timeout=timeout_s)
+        response = await backend.internal_client.get(ROUTING_INFO_PATH, timeout=timeout_s)
         if response.status_code != 200:
             logger.debug("routing info of %s: HTTP %d", backend.url, response.status_code)
             return None
