@@ -3,8 +3,10 @@
 # them against the Kubernetes schemas, checks the Prometheus Operator objects,
 # the llm-d/GIE and LeaderWorkerSet overlays (their CRD kinds against the schemas
 # vendored in deploy/kubernetes/schemas/, the rest against Kubernetes'),
-# the alert rules (promtool check + unit tests), the scrape config, every query
-# of the Grafana dashboard, and lints the YAML and the Dockerfiles.
+# that every worker's internal listener and UCX ports are declared and admitted
+# only from label-selected peers (deploy/check_policies.py), the alert rules
+# (promtool check + unit tests), the scrape config, every query of the Grafana
+# dashboard, and lints the YAML and the Dockerfiles.
 # Installs what it lacks: PyPI packages into $PYTHON, promtool from Debian.
 # Exits non-zero when any check fails (all checks run; failures are listed).
 set -uo pipefail
@@ -126,6 +128,8 @@ check "schemas llm-d (InferencePool, EndpointPickerConfig; core kinds $K8S_VERSI
 check "render lws" render deploy/lws "$WORK/lws.yaml"
 check "schemas lws (LeaderWorkerSet, its pod templates; core kinds $K8S_VERSIONS)" \
   validate_with_crds "$WORK/lws.yaml" LeaderWorkerSet
+check "internal ports and NetworkPolicies (overlays, llm-d, lws)" "$PYTHON" deploy/check_policies.py \
+  "$WORK/cpu.yaml" "$WORK/gpu.yaml" "$WORK/gpu-rdma.yaml" "$WORK/llm-d.yaml" "$WORK/lws.yaml"
 check "PrometheusRule matches alerts.yml" "$PYTHON" deploy/sync_prometheusrule.py --check
 check "promtool check rules alerts.yml" promtool check rules deploy/prometheus/alerts.yml
 check "promtool test rules alerts_test.yml" promtool test rules deploy/prometheus/alerts_test.yml

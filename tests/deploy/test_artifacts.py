@@ -132,7 +132,8 @@ def test_worker_args_parse_with_the_pdserve_cli(overlay):
         assert args.port == port and args.host == "0.0.0.0"
         assert args.advertise_host == "10.0.0.1", "peers must reach the pod IP"
         assert args.internal_token == "token"
-        assert [p["containerPort"] for p in container["ports"]] == [port]
+        assert args.internal_port == port + 1
+        assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": port, "internal": port + 1}
 
 
 def _subcommands(parser) -> set[str]:
@@ -243,7 +244,7 @@ def test_pod_monitor_scrapes_the_named_port_of_every_pdserve_pod():
     selector = monitoring[("PodMonitor", "pdserve")]["spec"]["selector"]["matchLabels"]
     for deployment in _deployments(_objects("cpu")).values():
         assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
-        assert [p["name"] for p in _container(deployment)["ports"]] == [endpoints[0]["port"]]
+        assert [p["name"] for p in _container(deployment)["ports"]][0] == endpoints[0]["port"] == "http"
     assert endpoints[0]["path"] == "/metrics"
     assert {r["targetLabel"] for r in endpoints[0]["relabelings"]} == {"component"}
 

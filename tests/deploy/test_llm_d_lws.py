@@ -23,6 +23,7 @@ from tests.deploy.test_artifacts import (
     DEPLOY, ROOT, _dashboard, _environment, _flag, _load_module, dashboard_exprs, kustomize_render)
 
 validate_crds = _load_module("validate_crds")
+check_policies = _load_module("check_policies")
 LLM_D_RELEASE = "v0.8.0"  # llm-d-inference-scheduler: the EPP image and the routing sidecar image
 ROLE_LABEL = "llm-d.ai/role"
 LWS_LABEL = "leaderworkerset.sigs.k8s.io/name"
@@ -82,7 +83,10 @@ def test_pool_port_is_the_prefill_worker_and_the_decode_pods_sidecar_in_front_of
     prefill_args = parser.parse_args(_args(objects, prefill))
     assert (prefill_args.command, prefill_args.host, prefill_args.port) == ("prefill", "0.0.0.0", target)
     assert prefill_args.advertise_host == "10.0.0.1", "the decode pods pull from the pod IP"
-    assert [p["containerPort"] for p in prefill["ports"]] == [target]
+    # The internal routes (the handshake decode pods make) on a port of their own, never the pool's.
+    assert {p["name"]: p["containerPort"] for p in prefill["ports"]} == {"http": target,
+                                                                         "internal": prefill_args.internal_port}
+    assert prefill_args.internal_port != target
     decode_pod = _pod_spec(objects[("Deployment", "pdserve-decode")])
     containers = _containers(decode_pod)
     sidecar, decode = containers["routing-sidecar"], containers["decode"]
@@ -91,6 +95,7 @@ def test_pool_port_is_the_prefill_worker_and_the_decode_pods_sidecar_in_front_of
     sidecar_args = _args(objects, sidecar, POD_NAMESPACE="llm")
     assert _flag(sidecar_args, "--port") == str(target) and _flag(sidecar_args, "--vllm-port") == str(decode_args.port)
     assert decode_args.host == "127.0.0.1", "only the sidecar reaches the decode worker"
+    assert decode_args.internal_port not in (None, target), "the sidecar never forwards to the internal routes"
     assert _flag(sidecar_args, "--kv-connector") == "nixlv2"
     assert _flag(sidecar_args, "--enable-ssrf-protection") == "true"
     assert _flag(sidecar_args, "--inference-pool") == f"llm/{objects[('InferencePool', 'pdserve')]['metadata']['name']}"
@@ -111,7 +116,7 @@ def test_llm_d_workers_are_valid_configurations_without_a_token_that_the_sidecar
     assert "--insecure-no-token" in prefill["args"]
     decode = _containers(_pod_spec(objects[("Deployment", "pdserve-decode")]))["decode"]
     config = worker_config(parser.parse_args(_args(objects, decode)), "decode")
-    assert config.transfer.allowed_peers, "a decode pod pulls only from the pod network"
+    assert config.transfer.allowed_peers, "a decode pod pulls only from the prefill pods"
     # Who reaches the token-less prefill workers: decode pods, the EPP, Prometheus; nobody else.
     policy = objects[("NetworkPolicy", "pdserve-prefill")]["spec"]
     prefill_labels = objects[("Deployment", "pdserve-prefill")]["spec"]["template"]["metadata"]["labels"]
@@ -120,6 +125,38 @@ def test_llm_d_workers_are_valid_configurations_without_a_token_that_the_sidecar
     assert {label.get("app.kubernetes.io/component") for label in sources} == {"decode", "epp", None}
     assert {label.get("app.kubernetes.io/name") for label in sources if "app.kubernetes.io/component" not in label} \
         == {"prometheus"}
+    # Its internal port (the KV handshake): decode pods alone.
+    internal_sources = [peer["podSelector"]["matchLabels"] for rule in policy["ingress"]
+                        if any(port["port"] == "internal" for port in rule.get("ports", [])) for peer in rule["from"]]
+    assert [label["app.kubernetes.io/component"] for label in internal_sources] == ["decode"]
+
+
+def test_llm_d_decode_pods_admit_ucx_from_prefill_pods_only_and_pull_only_from_the_prefill_pool():
+    objects = _objects("llm-d")
+    policy = objects[("NetworkPolicy", "pdserve-decode")]["spec"]
+    decode_labels = objects[("Deployment", "pdserve-decode")]["spec"]["template"]["metadata"]["labels"]
+    assert _matches(policy["podSelector"]["matchLabels"], decode_labels) and policy["policyTypes"] == ["Ingress"]
+    low, high = map(int, objects[("ConfigMap", "pdserve-config")]["data"]["UCX_TCP_PORT_RANGE"].split("-"))
+    [ucx_rule] = [rule for rule in policy["ingress"] if any(port.get("endPort") for port in rule["ports"])]
+    assert [(port["port"], port["endPort"]) for port in ucx_rule["ports"]] == [(low, high)]
+    assert [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in ucx_rule["from"]] \
+        == ["prefill"]
+    assert check_policies.check(list(objects.values())) == []
+
+
+def test_policy_check_refuses_an_internal_port_open_to_all_an_undeclared_one_and_a_pod_network_allow_list():
+    objects = _objects("llm-d")
+    prefill_policy = objects[("NetworkPolicy", "pdserve-prefill")]
+    prefill_policy["spec"]["ingress"].append({"ports": [{"port": 8001, "protocol": "TCP"}]})
+    prefill = _containers(_pod_spec(objects[("Deployment", "pdserve-prefill")]))["prefill"]
+    prefill["ports"] = [port for port in prefill["ports"] if port["name"] != "internal"]
+    objects[("ConfigMap", "pdserve-config")]["data"]["PDSERVE_KV_ALLOWED_PEERS"] = "10.0.0.0/8"
+    del objects[("NetworkPolicy", "pdserve-decode")]
+    problems = "\n".join(check_policies.check(list(objects.values())))
+    assert "not declared as the containerPort named internal" in problems
+    assert "is admitted from everyone" in problems
+    assert "no NetworkPolicy selects this worker's pods" in problems
+    assert "10.0.0.0/8 spans the pod network" in problems
 
 
 def test_epp_serves_the_pool_and_runs_p_d_with_a_prefix_aware_scorer():
@@ -256,9 +293,13 @@ def test_lws_leaders_alone_are_what_services_budgets_and_the_proxy_see(role):
     monitor = yaml.safe_load((DEPLOY / "kubernetes" / "monitoring" / "podmonitor.yaml").read_text())
     port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
     assert port in [p["name"] for p in template["leaderTemplate"]["spec"]["containers"][0]["ports"]]
-    policy = objects[("NetworkPolicy", "pdserve-workers")]["spec"]
-    (expression,) = policy["podSelector"]["matchExpressions"]
-    assert expression == {"key": LWS_LABEL, "operator": "Exists"}, "the policy covers every rank's pod"
+    # The ranks of one worker reach each other on every port; nobody else gets more than the base
+    # policies give (the proxy never reaches the rendezvous).
+    policy = objects[("NetworkPolicy", f"pdserve-{role}-ranks")]["spec"]
+    assert policy["podSelector"]["matchLabels"][LWS_LABEL] == f"pdserve-{role}"
+    [rule] = policy["ingress"]
+    assert [peer["podSelector"]["matchLabels"][LWS_LABEL] for peer in rule["from"]] == [f"pdserve-{role}"]
+    assert check_policies.check(list(objects.values())) == []
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
