@@ -73,6 +73,18 @@ def test_port_zero_picks_distinct_free_ports():
     assert len(ports) == 3 and 0 not in ports
 
 
+def test_each_worker_gets_an_internal_port_of_its_own_and_up_owns_the_flag():
+    given = specs_for("--prefill-port", "9100", "--decode-port", "9200")
+    assert [flag(given[name].argv, "--internal-port") for name in ("prefill", "decode")] == ["9101", "9201"]
+    with pytest.raises(SystemExit):  # one port cannot serve both workers: `up` does not forward one
+        build_parser().parse_args(["up", "--internal-port", "7777"])
+    free = specs_for("--port", "0", "--prefill-port", "0", "--decode-port", "0")
+    ports = [spec.port for spec in free.values()] + [int(flag(free[name].argv, "--internal-port"))
+                                                     for name in ("prefill", "decode")]
+    assert len(set(ports)) == 5 and 0 not in ports
+    assert "--internal-port" not in free["proxy"].argv
+
+
 def test_model_flags_are_passed_to_both_workers_only():
     specs = specs_for("--model", "/m.gguf", "--kv-memory", "256MiB", "--max-model-len", "512")
     for name in ("prefill", "decode"):
