@@ -24,7 +24,6 @@ import os
 import signal
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence, Union
 
 import torch
@@ -39,6 +38,7 @@ from pdserve.runner.offload_ranks import FileTierFollower, HostTierFollower
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.offload_file import FilePageStore
 from pdserve.kv.offload_host import HostPageStore
+from pdserve.kv.offload_writes import SerialExecutor
 from pdserve.kv.specs import plan_groups
 from pdserve.models.loader import load_model, resolve_quantization
 from pdserve.models.registry import TensorParallelRank
@@ -166,7 +166,7 @@ def _tier_follower(setup: RankSetup, layout: KVPoolLayout, pool: torch.Tensor, r
                           setup.num_offload_staging_rows)
     logger.info("rank %d: KV offload tier %s, %d pages of %d bytes", rank, store.path, store.num_slots,
                 store.page_bytes)
-    return FileTierFollower(store, rank, ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-kv-offload-rank{rank}"))
+    return FileTierFollower(store, rank, SerialExecutor(f"pdserve-kv-offload-rank{rank}"))
 
 
 def _follow(group: RankGroup, runner: ModelRunner, transport: Optional[FollowerTransport],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.offload import OffloadIOError, OffloadTier
 from pdserve.kv.offload_file import FilePageStore
+from pdserve.kv.offload_writes import SerialExecutor
 from pdserve.kv.specs import FullAttentionSpec, plan_groups
 from tests.kv.test_offload import BS, FakePages, compute, prompt
 
@@ -81,7 +81,7 @@ def test_two_workers_cannot_share_a_directory_and_a_restart_wipes_it(tmp_path):
 
 def test_closing_a_tier_lets_its_writes_finish_and_frees_the_directory(tmp_path):
     pool = pool_view()
-    io = ThreadPoolExecutor(1)
+    io = SerialExecutor()
     tier = OffloadTier(FilePageStore(pool, 4 * PAGE_BYTES, str(tmp_path)), [0], executor=io)
     tier.offer(1, (b"h" * 8, 0), None)  # staged; written on the I/O thread
     tier.close()
@@ -115,7 +115,7 @@ def poll_until(manager: KVCacheManager, timeout_s: float = 10.0):
 
 def threaded_manager(num_blocks=9, num_slots=16):
     pages = GatedPages(num_blocks, num_slots)
-    tier = OffloadTier(pages, [0], executor=ThreadPoolExecutor(1))
+    tier = OffloadTier(pages, [0], executor=SerialExecutor())
     return KVCacheManager(plan_groups([FullAttentionSpec()]), num_blocks, BS, offload=tier), pages
 
 
