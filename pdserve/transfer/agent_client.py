@@ -65,7 +65,11 @@ class _AgentObject:
 
 class IsolatedAgent:
     def __init__(self, name: str, enable_prog_thread: bool = False,
-                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S):
+                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, nixl_api_module: str = "nixl._api"):
+        """`nixl_api_module`: the module the child takes nixl_agent from. The engine passes the backend
+        module nixl chose in its own process (`nixl_cu13._api`, say), so that the child skips nixl's
+        package import, which on a CPU-only torch imports all of torch to find no CUDA version (seconds
+        of start-up and hundreds of MB of resident memory in every worker's agent process)."""
         self.name = name
         self.call_timeout_s = call_timeout_s
         self.dead: Optional[str] = None
@@ -74,10 +78,10 @@ class IsolatedAgent:
         self._mapped: set[int] = set()
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a crash leaves its stack in the worker's log
+        argv = [str(theirs.fileno()), name, "1" if enable_prog_thread else "0", nixl_api_module]
         try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.transfer.agent_process", str(theirs.fileno()), name,
-                 "1" if enable_prog_thread else "0"], pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+            self._process = subprocess.Popen([sys.executable, "-m", "pdserve.transfer.agent_process", *argv],
+                                             pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         self._connection = Connection(ours.detach())

@@ -1,7 +1,7 @@
 """The NIXL agent's own process: a fault in NIXL or UCX kills this process, not the engine.
 
 Started by pdserve/transfer/agent_client.py (`python -m pdserve.transfer.agent_process FD NAME
-PROGRESS_THREAD`) with one end of a socket pair as FD. It creates the agent, says
+PROGRESS_THREAD NIXL_API_MODULE`) with one end of a socket pair as FD. It creates the agent, says
 ("ready", backends) or ("failed", why), then answers one request at a time:
 
     engine process                         agent process
@@ -19,6 +19,7 @@ workers start their agent from a loader thread).
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import sys
@@ -126,12 +127,14 @@ def serve(connection: Connection, server: AgentServer) -> None:
 
 
 def main(argv: list[str]) -> int:
-    fd, name, progress_thread = int(argv[0]), argv[1], argv[2] == "1"
+    fd, name, progress_thread, api_module = int(argv[0]), argv[1], argv[2] == "1", argv[3]
     connection = Connection(fd)
     try:
-        from pdserve.transfer.nixl_transport import new_inline_agent  # nixl's one home in pdserve
-
-        agent = new_inline_agent(name, progress_thread)
+        # nixl's own backend module, named by the engine (agent_client.py says why): never the engine's
+        # nixl_transport, which would import torch here for nothing.
+        nixl_api = importlib.import_module(api_module)
+        agent = nixl_api.nixl_agent(name, nixl_api.nixl_agent_config(enable_prog_thread=progress_thread,
+                                                                      backends=["UCX"]))
     except Exception as exc:
         connection.send(("failed", repr(exc)))
         return 1

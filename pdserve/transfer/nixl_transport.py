@@ -1,8 +1,8 @@
-"""KVTransport over NIXL (UCX backend): the only module of pdserve that imports nixl.
+"""KVTransport over NIXL (UCX backend): the only module of pdserve that imports nixl (an agent process imports
+the backend module this one names).
 
-Invariant: the pool's canonical view is registered once as one region; a READ moves chunks
-(whole pages, or the `chunk_bytes` pieces of `begin_connect`) and the handle is DONE only once
-every chunk is in its local place.
+Invariant: the pool's canonical view is registered once as one region; a READ moves chunks (whole pages,
+or the `chunk_bytes` pieces of `begin_connect`) and the handle is DONE only once every chunk is in place.
 
     local pool (canonical int8 view [num_blocks, page_bytes], one NIXL region)
     base                                                     base + num_blocks*page_bytes
@@ -43,9 +43,8 @@ the engine. Its death is noticed at the next call; the reads it ran fail, its pe
 and a replacement with a new name and metadata starts (pdserve/transfer/agent_restart.py);
 `generation` counts them, so the worker can advertise the new identity.
 
-NIXL raises its own exception classes (no common base beyond Exception) from
-C++ bindings; every call into the agent is therefore wrapped, and a failure
-becomes a TransferError or a FAILED handle, never an engine crash.
+NIXL raises its own exception classes (no common base beyond Exception) from C++ bindings; every call
+into the agent is therefore wrapped, and a failure becomes a TransferError or a FAILED handle, never a crash.
 """
 
 from __future__ import annotations
@@ -132,9 +131,10 @@ class NixlTransport:
         self._base_name = self._agent_name = agent_name
         self._connect_timeout_s = connect_timeout_s
         self._isolated = isolated
-        self._new_agent = (functools.partial(IsolatedAgent, enable_prog_thread=progress_thread,
-                                             call_timeout_s=agent_call_timeout_s) if isolated
-                           else functools.partial(new_inline_agent, progress_thread=progress_thread))
+        isolated_agent = functools.partial(IsolatedAgent, enable_prog_thread=progress_thread,
+                                           call_timeout_s=agent_call_timeout_s, nixl_api_module=nixl_agent.__module__)
+        self._new_agent = isolated_agent if isolated else functools.partial(new_inline_agent,
+                                                                             progress_thread=progress_thread)
         self._on_agent_restart = on_agent_restart
         # A few bytes of our own to land the warm-up read of `connect` in.
         self._scratch = allocate_host_or_device(view.device, _WARM_UP_BYTES, isolated)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import pathlib
 import signal
 import time
 
@@ -148,6 +149,10 @@ def test_reads_through_agent_processes_land_exactly_and_notify(prefill, decode):
     read_exactly(transport, view, prefill.peer, [3, 5, 6], [7, 9, 10], b"landed")
     assert prefill.next_message() == b"landed"
     assert transport.generation == 0 and prefill.generation == 0
+    # The agent process imports nixl's backend module alone: torch would cost every worker seconds of
+    # start-up and hundreds of MB (nixl's own package import loads all of torch on a CPU-only build).
+    for pid in (transport._agent.pid, prefill.agent_pid):
+        assert b"libtorch" not in pathlib.Path(f"/proc/{pid}/maps").read_bytes()
 
 
 @pytest.mark.parametrize("crash", [signal.SIGSEGV, signal.SIGKILL])
