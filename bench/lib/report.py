@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from bench.lib.machine import machine_info
 from bench.lib.stats import Distribution, RunSummary
@@ -31,6 +31,12 @@ def percent_cell(value: Optional[float], missing: str = _DASH) -> str:
 def ratio_cell(value: Optional[float], missing: str = _DASH) -> str:
     """A table cell of a ratio to two decimals; `missing` when there is none."""
     return missing if value is None else f"{value:.2f}"
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table: the first column left-aligned, the others right-aligned; cells as given."""
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
 
 
 def format_throughput_table(summaries: Sequence[RunSummary]) -> str:
