@@ -37,7 +37,7 @@ import httpx
 from bench.lib.launch import LaunchError, ServerProcess, free_port, pdserve_argv
 from bench.lib.load import run_open_loop
 from bench.lib.machine import CpuMeter, machine_info, wait_for_idle
-from bench.lib.report import write_document
+from bench.lib.report import cell, write_document
 from bench.lib.stats import percentile
 from bench.lib.stream import RequestRecord
 from bench.lib.tiny_model import save_tiny_checkpoint
@@ -180,10 +180,6 @@ def ratios(results: Sequence[SizeResult]) -> dict[int, dict[str, Optional[float]
             for r in results}
 
 
-def _rate(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
 def _times(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -197,10 +193,6 @@ def short_error(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _percent(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
 def format_table(results: Sequence[SizeResult], num_streams: int) -> str:
     """Markdown table, one row per TP size; also fine on a terminal. `other CPU`: the share of all
     cores that processes other than the bench and the worker took while the size was measured."""
@@ -212,9 +204,9 @@ def format_table(results: Sequence[SizeResult], num_streams: int) -> str:
         if r.error is not None:
             lines.append(prefix + f"| failed: {short_error(r.error)} | - | - | - | - |")
             continue
-        lines.append(prefix + f"| {_rate(r.batch1_tokens_per_s)} | {_times(by_size[r.tp_size]['batch1'])} "
-                              f"| {_rate(r.streams_tokens_per_s)} | {_times(by_size[r.tp_size]['streams'])} "
-                              f"| {_percent(r.foreign_cpu_fraction)} |")
+        lines.append(prefix + f"| {cell(r.batch1_tokens_per_s, '.1f')} | {_times(by_size[r.tp_size]['batch1'])} "
+                              f"| {cell(r.streams_tokens_per_s, '.1f')} | {_times(by_size[r.tp_size]['streams'])} "
+                              f"| {cell(r.foreign_cpu_fraction, '.0%')} |")
     return "\n".join(lines)
 
 
@@ -301,7 +293,7 @@ def measure_worker(endpoint: Endpoint, args: argparse.Namespace, result: SizeRes
     result.streams_tokens_per_s = aggregate_decode_tokens_per_s(
         [(r.chunk_times_s, r.chunk_num_tokens) for r in records])
     result.streams_output_tokens = sum(r.num_output_tokens for r in records)
-    logger.info("TP=%d %d streams: %s decode tok/s", result.tp_size, args.streams, _rate(result.streams_tokens_per_s))
+    logger.info("TP=%d %d streams: %s decode tok/s", result.tp_size, args.streams, cell(result.streams_tokens_per_s, '.1f'))
 
 
 def run_size(model_dir: str, tp_size: int, args: argparse.Namespace) -> SizeResult:

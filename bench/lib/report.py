@@ -19,18 +19,9 @@ from bench.lib.stream import RequestRecord
 _DASH = "-"
 
 
-def _ms(value: Optional[float]) -> str:
-    return _DASH if value is None else f"{value * 1000:.1f}"
-
-
-def percent_cell(value: Optional[float], missing: str = _DASH) -> str:
-    """A table cell of a fraction as a whole percent; `missing` when there is none."""
-    return missing if value is None else f"{value:.0%}"
-
-
-def ratio_cell(value: Optional[float], missing: str = _DASH) -> str:
-    """A table cell of a ratio to two decimals; `missing` when there is none."""
-    return missing if value is None else f"{value:.2f}"
+def cell(value: Optional[float], spec: str = ".2f", scale: float = 1.0, missing: str = _DASH) -> str:
+    """A table cell: `value * scale` formatted by `spec` (".0%", ".1f", ...); `missing` when there is none."""
+    return missing if value is None else format(value * scale, spec)
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
@@ -46,7 +37,7 @@ def format_throughput_table(summaries: Sequence[RunSummary]) -> str:
         lines.append(
             f"| {s.label} | {s.num_requests - s.num_failed} / {s.num_failed} | {s.duration_s:.1f} "
             f"| {s.request_throughput:.3f} | {s.output_throughput:.1f} | {s.total_token_throughput:.1f} "
-            f"| {percent_cell(s.foreign_cpu_fraction)} |"
+            f"| {cell(s.foreign_cpu_fraction, '.0%')} |"
         )
     return "\n".join(lines)
 
@@ -81,7 +72,7 @@ def format_latency_table(summaries: Sequence[RunSummary]) -> str:
             if dist is None:
                 lines.append(f"| {name} | {summary.label} | {' | '.join([_DASH] * 5)} | 0 |")
                 continue
-            cells = " | ".join(_ms(v) for v in (dist.mean, dist.p50, dist.p90, dist.p99, dist.max))
+            cells = " | ".join(cell(v, ".1f", 1000) for v in (dist.mean, dist.p50, dist.p90, dist.p99, dist.max))
             lines.append(f"| {name} | {summary.label} | {cells} | {dist.count} |")
     return "\n".join(lines)
 

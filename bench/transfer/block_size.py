@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from bench.lib.report import percent_cell, ratio_cell
+from bench.lib.report import cell
 from bench.transfer import pools
 from bench.transfer.pools import (
     MEMORY_MODES, SHAPES, TIMEOUT_S, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record,
@@ -145,8 +145,8 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['memory']} | {r['prompt_tokens']} | {r['prefill_block']}->{r['decode_block']} | "
                      f"{r['read']} | {r['descriptors']} | {r['num_bytes'] / 1e6:.1f} | {r['pull_s'] * 1e3:.1f} | "
-                     f"{r['pull_gbps']:.2f} | {ratio_cell(r.get('vs_pages'))} | {ratio_cell(r.get('vs_memcpy'))} | "
-                     f"{r['memcpy_gbps']:.2f} | {r['auto_picks']} | {percent_cell(r.get('foreign_cpu_fraction'), missing='?')} |")
+                     f"{r['pull_gbps']:.2f} | {cell(r.get('vs_pages'))} | {cell(r.get('vs_memcpy'))} | "
+                     f"{r['memcpy_gbps']:.2f} | {r['auto_picks']} | {cell(r.get('foreign_cpu_fraction'), '.0%', missing='?')} |")
     return "\n".join(lines)
 
 

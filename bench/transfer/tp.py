@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from bench.lib.report import percent_cell, ratio_cell
+from bench.lib.report import cell
 from bench.transfer import pools
 from bench.transfer.pools import (
     MEMORY_MODES, SHAPES, TIMEOUT_S, PoolShape, allocate_bytes, huge_page_kib, machine_record, medians_with_memcpy,
@@ -174,9 +174,9 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['memory']} | {r['prompt_tokens']} | {r['prefill_tp']}->{r['decode_tp']} | "
                      f"{r['allocation']} | {r['descriptors']} | {r['num_bytes'] / 1e6:.1f} | "
-                     f"{r['pull_s'] * 1e3:.1f} | {r['pull_gbps']:.2f} | {ratio_cell(r.get('vs_1to1'))} | "
-                     f"{ratio_cell(r.get('vs_memcpy'))} | {r['memcpy_gbps']:.2f} | "
-                     f"{percent_cell(r.get('foreign_cpu_fraction'), missing='?')} |")
+                     f"{r['pull_s'] * 1e3:.1f} | {r['pull_gbps']:.2f} | {cell(r.get('vs_1to1'))} | "
+                     f"{cell(r.get('vs_memcpy'))} | {r['memcpy_gbps']:.2f} | "
+                     f"{cell(r.get('foreign_cpu_fraction'), '.0%', missing='?')} |")
     return "\n".join(lines)
 
 
