@@ -65,14 +65,12 @@ def format_table(results: Sequence[PolicyResult]) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         ratio = f"{r.computed_tokens / baseline.computed_tokens:.2f}" if baseline and baseline.computed_tokens else "-"
-        hit = "-" if r.cache_hit_rate is None else f"{r.cache_hit_rate:.0%}"
         pulled = r.kv_bytes_pulled / r.num_ok / 1e6 if r.num_ok else None
-        other = r.summary.foreign_cpu_fraction
+        ttfts = [_ttft(r.summary, None, "p50"), _ttft(r.summary, None, "p99"), _ttft(r.summary, LATER_TURN, "p50")]
         lines.append(
             f"| {r.policy} | {r.num_ok} / {r.summary.num_failed} | {r.prompt_tokens:,} | {r.computed_tokens:,.0f} "
-            f"| {ratio} | {hit} | {cell(_ttft(r.summary, None, 'p50'), '.0f', 1000)} | {cell(_ttft(r.summary, None, 'p99'), '.0f', 1000)} "
-            f"| {cell(_ttft(r.summary, LATER_TURN, 'p50'), '.0f', 1000)} | {cell(pulled, '.1f')} "
-            f"| {r.decode_only_turns:.0f} | {'-' if other is None else f'{other:.0%}'} |")
+            f"| {ratio} | {cell(r.cache_hit_rate, '.0%')} | {' | '.join(cell(t, '.0f', 1000) for t in ttfts)} "
+            f"| {cell(pulled, '.1f')} | {r.decode_only_turns:.0f} | {cell(r.summary.foreign_cpu_fraction, '.0%')} |")
     return "\n".join(lines)
 
 
