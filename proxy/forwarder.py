@@ -324,8 +324,9 @@ class Forwarder:
             answer = await self._sender.prefill(backend, request)
         finally:
             backend.prompt_tokens_in_flight -= num_tokens
-        if alone:
-            self._speeds[Role.PREFILL].observe(num_tokens, time.perf_counter() - started_s)
+        computed = num_tokens - (answer.num_cached_tokens or 0)  # the worker's count of its cached prefix
+        if alone and computed > 0:
+            self._speeds[Role.PREFILL].observe(computed, time.perf_counter() - started_s)
         return answer
 
     def _pick_prefill(self, request: ClientRequest, tried: set[str], avoid_urls: Collection[str],
@@ -379,8 +380,10 @@ class Forwarder:
         backend.prompt_tokens_in_flight += num_tokens
         try:
             leg = await self._sender.open_decode(backend, request, params)
-            if computes_prompt and alone and request.stream:  # its headers came with the first token
-                self._speeds[Role.DECODE].observe(num_tokens, leg.headers_s - leg.started_s)
+            cached = self._predicted_cached_tokens(request, backend)
+            if computes_prompt and alone and request.stream and cached is not None and num_tokens > cached:
+                # its headers came with the first token
+                self._speeds[Role.DECODE].observe(num_tokens - cached, leg.headers_s - leg.started_s)
             return leg
         except (KVRetry, PassThrough):
             hold.decode_may_read = False  # the decode worker answered: it ended the request
@@ -390,6 +393,14 @@ class Forwarder:
             raise
         finally:
             backend.prompt_tokens_in_flight -= num_tokens
+
+    @staticmethod
+    def _predicted_cached_tokens(request: ClientRequest, backend: Backend) -> Optional[int]:
+        """The KV index's prediction of `backend`'s prefix hit for this request; None where it made none.
+        A streamed decode leg's usage comes only at its end, so its speed sample subtracts this instead,
+        and without a prediction it takes none: D's rate then defaults to P's."""
+        route = request.kv_route
+        return route.predicted.get(backend.url) if route is not None else None
 
     def _respond(self, request: ClientRequest, leg: OpenLeg, timing: RequestTiming) -> Response:
         headers = {REQUEST_ID_HEADER: request.request_id}
