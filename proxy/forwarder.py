@@ -31,7 +31,7 @@ from typing import Any, Collection, Optional
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from pdserve.api.errors import InvalidRequest, PdserveError
+from pdserve.api.errors import PdserveError
 from pdserve.api.http_bounds import read_body
 
 from proxy.backends import Backend, BackendPool, Outcome, Role
@@ -131,15 +131,16 @@ class Forwarder:
 
     def _named_prefill(self, host_port: Optional[str]) -> Optional[str]:
         """The prefill backend an llm-d style `x-prefiller-host-port` header names, when it is one this
-        proxy knows; anything else is a 400: the proxy never connects to an address a client chose."""
+        proxy knows; anything else is ignored, exactly as a known backend that is unavailable is: the
+        proxy never connects to an address a client chose, and the answer never tells a client which
+        addresses are backends (an unknown name and an unhealthy backend route alike)."""
         if host_port is None:
             return None
         wanted = host_port.strip().lower()
         for backend in self._prefill_pool.backends():
             if backend.url.split("://", 1)[-1].lower() == wanted:
                 return backend.url
-        raise RejectedRequest(InvalidRequest(f"{PREFILLER_HEADER} names no prefill worker of this proxy",
-                                             param=PREFILLER_HEADER))
+        return None
 
     async def _read_body(self, raw: Request) -> bytes:
         try:
