@@ -41,7 +41,7 @@ from proxy.errors import NoBackendAvailable, ProxyError, RejectedRequest, error_
 from proxy.kv_release import KVReleaser, PrefillHold
 from proxy.legs import KVRetry, LegFailed, LegSender, OpenLeg, PassThrough, cached_tokens_of
 from proxy.metrics import ProxyMetrics, status_class
-from proxy.slo import SloTracker
+from proxy.slo import SloTracker, client_key
 from proxy.relay import ClientGone, RelayStreamResponse, StreamTiming, until_client_disconnects
 from proxy.routing.candidates import Candidate, Pick, RoleTurns, RouteRequest
 from proxy.routing.disaggregation import PrefillSpeed
@@ -106,6 +106,8 @@ class Forwarder:
             request = parse_client_request(path, await self._read_body(raw), request_id,
                                            self._config.routing.chars_per_token, self._config.limits)
             request.prefill_url = self._named_prefill(raw.headers.get(PREFILLER_HEADER))
+            request.client_key = client_key(raw.headers.get("authorization"),
+                                            raw.client.host if raw.client is not None else None)
             if self._kv is not None:
                 await self._kv.prepare(request)
             facts = self._route_request(request)
@@ -414,7 +416,7 @@ class Forwarder:
             def on_complete(stream: StreamTiming) -> None:
                 if stream.first_s is not None:
                     self._slo.observe(self._num_prompt_tokens(request), stream.first_s - timing.arrival_s,
-                                      stream.mean_gap_s)
+                                      stream.mean_gap_s, request.client_key)
 
             return RelayStreamResponse(leg, lambda now_s: self._observe(timing, leg, now_s, True), on_broken, headers,
                                        on_complete=on_complete,
