@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from pdserve.api.config import WorkerConfig
 from pdserve.app.children import child_environment, die_with_parent, linux_libc, python_module_command
+from pdserve.parallel.rendezvous import listen_on
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +45,7 @@ class LocalRanks:
 def bind_rendezvous(port: int) -> socket.socket:
     """A socket listening on 127.0.0.1:`port` (0: a free port). Binding here, before any rank
     starts, closes the window in which a port that was merely found free gets taken."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", port))
-        listener.listen(128)
-    except OSError:
-        listener.close()
-        raise
-    return listener
+    return listen_on("127.0.0.1", port)
 
 
 def start_local_ranks(config: WorkerConfig) -> LocalRanks:
