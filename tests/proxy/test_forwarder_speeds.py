@@ -10,7 +10,7 @@ from proxy.app import build_components
 from proxy.backends import Role
 from proxy.client_request import parse_client_request
 from proxy.legs import OpenLeg, PrefillAnswer
-from proxy.routing.kv_prompt import KVRoute
+from proxy.routing.kv_prompt import KVRoute, PromptBlocks
 from tests.proxy.proxy_stubs import fast_config
 
 
@@ -69,3 +69,15 @@ def test_a_decode_only_leg_learns_from_the_uncached_part_the_index_predicted_and
     request.kv_route.predicted[backend.url] = 600
     asyncio.run(forwarder._open_decode(backend, request, None, None))
     assert recorded.samples == [400]
+
+
+def test_a_text_prompt_is_counted_by_the_tokenizer_where_the_proxy_has_it():
+    """The estimate (characters / 4) says 250 tokens for this text; the tokenizer's count (the prompt's
+    blocks, as kv_aware routing computed them) is what the sample uses."""
+    forwarder, backend, recorded = forwarder_with(FakeSender(num_cached_tokens=16), Role.PREFILL)
+    body = {"model": "m", "prompt": "x" * 1000, "max_tokens": 4}
+    request = parse_client_request("/v1/completions", json.dumps(body).encode(), "rid", 4.0)
+    assert request.num_prompt_tokens == 250
+    request.kv_route = KVRoute(PromptBlocks(tuple(range(64))))
+    asyncio.run(forwarder._timed_prefill(backend, request))
+    assert recorded.samples == [64 - 16]
