@@ -116,7 +116,7 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
     dtype = pick_dtype(config.model.dtype, device)
     torch.set_num_threads(rank_threads(config.model.num_threads, size))
     group = RankGroup(rank, size, parallel.tp_master_addr, parallel.tp_master_port or 0, parallel.tp_timeout_s, device,
-                      parallel.tp_join_timeout_s)
+                      parallel.tp_join_timeout_s, internal_token=config.server.internal_token)
     transport = None
     tier: Optional[TierFollower] = None
     try:
