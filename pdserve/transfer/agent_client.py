@@ -63,6 +63,25 @@ class _AgentObject:
             self.agent.call("release", self.object_id)
 
 
+class _Registration(_AgentObject):
+    """A registration, and the start of the memfd mapping it lies in (unmapped with its last one)."""
+
+    __slots__ = ("region_start",)
+
+    def __init__(self, agent: "IsolatedAgent", object_id: int, region_start: int):
+        super().__init__(agent, object_id)
+        self.region_start = region_start
+
+
+@dataclass(slots=True)
+class _Mapping:
+    """A memfd mapped in the agent process: by inode, since freed memory comes back at the same address."""
+
+    length: int
+    inode: int
+    num_registrations: int = 0
+
+
 class IsolatedAgent:
     def __init__(self, name: str, enable_prog_thread: bool = False,
                  call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S):
@@ -71,7 +90,7 @@ class IsolatedAgent:
         self.dead: Optional[str] = None
         self.backends: list[str] = []
         self._ready = False
-        self._mapped: set[int] = set()
+        self._mapped: dict[int, _Mapping] = {}  # region start -> what the agent process maps there
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a crash leaves its stack in the worker's log
         try:
@@ -141,20 +160,45 @@ class IsolatedAgent:
 
     # ---- nixl_agent's interface ------------------------------------------------------------
 
-    def register_memory(self, memory: Any, mem_type: Optional[str] = None) -> _AgentObject:
-        """Register a host tensor (torch) that lies in pdserve shared memory."""
+    def register_memory(self, memory: Any, mem_type: Optional[str] = None) -> _Registration:
+        """Register a host tensor (torch) that lies in pdserve shared memory.
+
+        The agent maps the tensor's memfd first unless it maps that very memfd (same inode) there
+        already; a mapping of freed memory left at the address (no registration in it) is dropped."""
         if getattr(memory, "is_cuda", False):
             raise AgentCallFailed("an isolated NIXL agent registers host memory only")
         address, length = memory.data_ptr(), memory.numel() * memory.element_size()
         region = region_of(address, length)
-        if region.start not in self._mapped:
+        inode = os.fstat(region.fd).st_ino
+        mapping = self._mapped.get(region.start)
+        if mapping is not None and (mapping.inode, mapping.length) != (inode, region.length):
+            if mapping.num_registrations:
+                raise AgentCallFailed(f"memory at {region.start:#x} is another memfd than the one still "
+                                      f"registered there ({mapping.num_registrations} registrations)")
+            self._unmap(region.start)
+            mapping = None
+        if mapping is None:
             self.call("map", region.start, region.length, fd=region.fd, timeout_s=REGISTER_TIMEOUT_S)
-            self._mapped.add(region.start)
-        return _AgentObject(self, self.call("register", address, length, "DRAM", 0, timeout_s=REGISTER_TIMEOUT_S))
+            mapping = self._mapped[region.start] = _Mapping(region.length, inode)
+        object_id = self.call("register", address, length, "DRAM", 0, timeout_s=REGISTER_TIMEOUT_S)
+        mapping.num_registrations += 1
+        return _Registration(self, object_id, region.start)
 
-    def deregister_memory(self, registration: _AgentObject) -> None:
-        if self.dead is None:
-            self.call("deregister", registration.object_id)
+    def deregister_memory(self, registration: _Registration) -> None:
+        """Deregister; the last registration in a mapping unmaps it in the agent (issue 36: a buffer
+        allocated later at the same address must not meet the old memory there)."""
+        if self.dead is not None:
+            return
+        self.call("deregister", registration.object_id)
+        mapping = self._mapped.get(registration.region_start)
+        if mapping is not None:
+            mapping.num_registrations -= 1
+            if mapping.num_registrations <= 0:
+                self._unmap(registration.region_start)
+
+    def _unmap(self, start: int) -> None:
+        self._mapped.pop(start, None)
+        self.call("unmap", start)
 
     def get_agent_metadata(self) -> bytes:
         return self.call("metadata")
