@@ -37,6 +37,7 @@ TORCH_AND_NIXL_FREE_MODULES = [
     "pdserve.transfer.ranked_transport", "pdserve.kv.head_split", "pdserve.engine.step_budget",
     # the isolated NIXL agent's engine side (its process imports nixl through nixl_transport)
     "pdserve.transfer.agent_client", "pdserve.transfer.agent_restart", "pdserve.kv.shared_memory",
+    "pdserve.transfer.agent_wire", "pdserve.transfer.nixl_records",
     # the HTTP layer
     "pdserve.server.app", "pdserve.server.kv_events", "pdserve.server.kv_events_routes",
 ]
