@@ -258,8 +258,10 @@ class NixlTransport:
         if peer.agent_name == self._agent_name:
             raise TransferError(f"peer {key} uses this agent's own name {peer.agent_name!r}")
         self._connect_failures.pop(key, None)
-        for stale_key in [k for k, p in {**self._peers, **self._connecting}.items()
-                          if p.info.engine_id == peer.engine_id or p.info.agent_name == peer.agent_name]:
+        held = {**self._peers, **self._connecting}
+        for clash in [k for k, p in held.items() if p.info.clashes_with(peer)]:
+            raise TransferError(f"peer {key} announces agent {peer.agent_name!r}, which peer {clash} uses")
+        for stale_key in [k for k, p in held.items() if p.info.replaced_by(peer)]:
             logger.info("peer %s replaced by %s (restart)", stale_key, key)
             self.disconnect(stale_key)
         remote_name = self._load_remote(peer)

@@ -105,7 +105,7 @@ class DecodeSide:
         outcome: list[Optional[str]] = []
         from pdserve.transfer.transport import PeerInfo
 
-        self.peers.ensure(PeerInfo.from_dict(p.agent_info().transport), outcome.append)
+        self.peers.ensure(PeerInfo.from_dict(p.agent_info().transport, via="127.0.0.1:1"), outcome.append)  # as admitted
         self.peers.poll()
         return outcome[0]
 
