@@ -130,3 +130,39 @@ def test_closing_an_agent_that_ignores_close_kills_it_with_a_bounded_wait():
     end.send(("ok", None))  # answers "close" but never exits
     agent.close()
     assert end.process.killed and None not in end.process.waits and agent.dead is not None
+
+
+# ---- issue 36 item 4: a memfd is unmapped in the agent with its last registration ------------------
+
+
+def requests_seen(end: FakeAgentEnd, count: int) -> list[str]:
+    """The ops the agent was sent (a "map" is followed by its file descriptor, taken here)."""
+    from multiprocessing.reduction import recv_handle
+
+    connection, ops = Connection(os.dup(end.sock.fileno())), []
+    for _ in range(count):
+        op, _args = connection.recv()
+        ops.append(op)
+        if op == "map":
+            os.close(recv_handle(connection))
+    return ops
+
+
+def test_the_last_deregistration_of_a_memfd_unmaps_it_in_the_agent():
+    import torch
+
+    from pdserve.kv.shared_memory import shared_zeros
+
+    agent, end = started_agent()
+    memory = torch.frombuffer(shared_zeros(1 << 16), dtype=torch.int8)
+    for reply in (None, 1, 2, None, None, None):  # map, register x2, deregister x2, unmap
+        end.send(("ok", reply))
+    first, second = agent.register_memory(memory), agent.register_memory(memory[:4096])
+    agent.deregister_memory(first)
+    assert requests_seen(end, 4) == ["map", "register", "register", "deregister"]  # one left: still mapped
+    agent.deregister_memory(second)
+    assert requests_seen(end, 2) == ["deregister", "unmap"]
+    end.send(("ok", None))
+    end.send(("ok", 3))
+    agent.register_memory(memory)  # mapped afresh: the agent holds nothing there any more
+    assert requests_seen(end, 2) == ["map", "register"]
