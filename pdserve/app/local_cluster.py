@@ -28,7 +28,8 @@ import httpx
 
 from pdserve.api.config import DEFAULT_PORTS, CacheConfig
 from pdserve.api.flags import FORWARDED_ARGS, add_worker_flags, parse_device
-from pdserve.app.children import child_environment, die_with_parent, free_port, linux_libc, python_module_command
+from pdserve.api.child_process import child_environment, python_module_command
+from pdserve.app.children import die_with_parent, free_port, linux_libc
 from pdserve.engine.core_share import create_ledger
 from proxy.cli import INTERNAL_TOKEN_ENV, LIMIT_FLAGS
 from proxy.config import SloConfig

@@ -22,7 +22,8 @@ import sys
 from dataclasses import dataclass
 
 from pdserve.api.config import WorkerConfig
-from pdserve.app.children import child_environment, die_with_parent, linux_libc, python_module_command
+from pdserve.api.child_process import child_environment, python_module_command
+from pdserve.app.children import die_with_parent, linux_libc
 from pdserve.parallel.rendezvous import listen_on
 
 logger = logging.getLogger(__name__)

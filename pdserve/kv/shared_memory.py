@@ -107,3 +107,12 @@ def map_at(fd: int, address: int, length: int) -> None:
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.munmap(ctypes.c_void_p(got), length)
         raise OSError(17, f"cannot map shared memory at {address:#x}: the kernel placed it at {got:#x}")
+
+
+def unmap_at(address: int, length: int) -> None:
+    """Undo `map_at` (the agent's side, once nothing registered there is left); OSError if refused."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    if libc.munmap(ctypes.c_void_p(address), length) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"cannot unmap shared memory at {address:#x}: {os.strerror(error)}")

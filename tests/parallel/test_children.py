@@ -9,7 +9,7 @@ import sys
 
 from pdserve.api.config import WorkerConfig
 from pdserve.app import ranks as ranks_module
-from pdserve.app.children import child_environment, python_module_command
+from pdserve.api.child_process import child_environment, python_module_command
 
 
 def test_a_module_in_the_working_directory_is_not_imported_by_a_child(tmp_path):
