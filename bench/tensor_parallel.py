@@ -22,12 +22,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import platform
 import random
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,13 +34,13 @@ from typing import Optional, Sequence
 
 import httpx
 
-from bench.lib.launch import REPO_ROOT, LaunchError, ServerProcess, free_port, pdserve_argv
+from bench.lib.launch import LaunchError, ServerProcess, free_port, pdserve_argv
 from bench.lib.load import run_open_loop
-from bench.lib.machine import CpuMeter, wait_for_idle
-from bench.lib.report import write_document
+from bench.lib.machine import CpuMeter, machine_info, wait_for_idle
+from bench.lib.report import cell, write_document
 from bench.lib.stats import percentile
 from bench.lib.stream import RequestRecord
-from bench.lib.tiny_model import write_word_tokenizer
+from bench.lib.tiny_model import save_tiny_checkpoint
 from bench.lib.workloads import Endpoint, SyntheticRequest
 
 logger = logging.getLogger("bench.tensor_parallel")
@@ -182,10 +180,6 @@ def ratios(results: Sequence[SizeResult]) -> dict[int, dict[str, Optional[float]
             for r in results}
 
 
-def _rate(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
 def _times(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -199,10 +193,6 @@ def short_error(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _percent(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
 def format_table(results: Sequence[SizeResult], num_streams: int) -> str:
     """Markdown table, one row per TP size; also fine on a terminal. `other CPU`: the share of all
     cores that processes other than the bench and the worker took while the size was measured."""
@@ -214,9 +204,9 @@ def format_table(results: Sequence[SizeResult], num_streams: int) -> str:
         if r.error is not None:
             lines.append(prefix + f"| failed: {short_error(r.error)} | - | - | - | - |")
             continue
-        lines.append(prefix + f"| {_rate(r.batch1_tokens_per_s)} | {_times(by_size[r.tp_size]['batch1'])} "
-                              f"| {_rate(r.streams_tokens_per_s)} | {_times(by_size[r.tp_size]['streams'])} "
-                              f"| {_percent(r.foreign_cpu_fraction)} |")
+        lines.append(prefix + f"| {cell(r.batch1_tokens_per_s, '.1f')} | {_times(by_size[r.tp_size]['batch1'])} "
+                              f"| {cell(r.streams_tokens_per_s, '.1f')} | {_times(by_size[r.tp_size]['streams'])} "
+                              f"| {cell(r.foreign_cpu_fraction, '.0%')} |")
     return "\n".join(lines)
 
 
@@ -256,10 +246,7 @@ def build_checkpoint(directory: str, shape: ModelShape, seed: int) -> str:
         vocab_size=shape.vocab_size, max_position_embeddings=shape.max_position_embeddings,
         tie_word_embeddings=False, bos_token_id=2, eos_token_id=1,
     )
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(directory, safe_serialization=True)
-    write_word_tokenizer(directory, shape.vocab_size)
-    return directory
+    return save_tiny_checkpoint(LlamaForCausalLM(config).eval(), directory)
 
 
 def worker_argv(model_dir: str, port: int, tp_size: int, num_threads: int, num_blocks: int) -> list[str]:
@@ -306,7 +293,7 @@ def measure_worker(endpoint: Endpoint, args: argparse.Namespace, result: SizeRes
     result.streams_tokens_per_s = aggregate_decode_tokens_per_s(
         [(r.chunk_times_s, r.chunk_num_tokens) for r in records])
     result.streams_output_tokens = sum(r.num_output_tokens for r in records)
-    logger.info("TP=%d %d streams: %s decode tok/s", result.tp_size, args.streams, _rate(result.streams_tokens_per_s))
+    logger.info("TP=%d %d streams: %s decode tok/s", result.tp_size, args.streams, cell(result.streams_tokens_per_s, '.1f'))
 
 
 def run_size(model_dir: str, tp_size: int, args: argparse.Namespace) -> SizeResult:
@@ -335,31 +322,6 @@ def run_size(model_dir: str, tp_size: int, args: argparse.Namespace) -> SizeResu
     finally:
         server.stop()  # rank 0 stops its ranks; any it left behind is killed
     return result
-
-
-def _git(*args: str) -> Optional[str]:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def git_commit() -> Optional[str]:
-    out = _git("rev-parse", "HEAD")
-    return out.strip() if out else None
-
-
-def uncommitted_paths() -> Optional[list[str]]:
-    """Tracked files that differ from the commit: the workers ran the working tree, not the commit alone."""
-    out = _git("status", "--porcelain", "--untracked-files=no")
-    return None if out is None else [line[3:] for line in out.splitlines() if line.strip()]
-
-
-def machine_dict() -> dict:
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu_count": os.cpu_count(), "usable_cores": usable, "platform": platform.platform(),
-            "python": platform.python_version(), "commit": git_commit(),
-            "uncommitted_changes": uncommitted_paths()}
 
 
 def config_dict(args: argparse.Namespace) -> dict:
@@ -393,7 +355,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(str(exc))
     if args.num_threads is None:
-        args.num_threads = machine_dict()["usable_cores"] or 1
+        args.num_threads = len(os.sched_getaffinity(0)) or 1
     for name in ("num_layers", "num_threads", "repeats", "streams", "num_blocks"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -415,7 +377,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-tp-bench-")
     os.makedirs(args.log_dir, exist_ok=True)
     started_s = time.monotonic()
-    machine = machine_dict()  # before any worker: the commit and working tree the workers run
+    machine = machine_info()  # before any worker: the commit and working tree the workers run
     results: list[SizeResult] = []
     try:
         with tempfile.TemporaryDirectory(prefix="pdserve-tp-model-") as model_dir:

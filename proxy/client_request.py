@@ -49,6 +49,7 @@ class ClientRequest:
     needs_local_prompt: bool = False  # the decode worker must compute the prompt itself (see below)
     kv_route: Optional["KVRoute"] = None  # set by kv_aware routing (proxy/routing/kv_routing.py)
     prefill_url: Optional[str] = None  # a known prefill backend the client named (x-prefiller-host-port)
+    client_key: str = ""  # who it counts for in the SLO window (proxy.slo.client_key)
 
     def prefix_key(self, num_chars: int) -> bytes:
         return self.prompt_text[:num_chars].encode("utf-8", "surrogatepass")

@@ -31,7 +31,7 @@ from typing import Any, Collection, Optional
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from pdserve.api.errors import InvalidRequest, PdserveError
+from pdserve.api.errors import PdserveError
 from pdserve.api.http_bounds import read_body
 
 from proxy.backends import Backend, BackendPool, Outcome, Role
@@ -41,7 +41,7 @@ from proxy.errors import NoBackendAvailable, ProxyError, RejectedRequest, error_
 from proxy.kv_release import KVReleaser, PrefillHold
 from proxy.legs import KVRetry, LegFailed, LegSender, OpenLeg, PassThrough, cached_tokens_of
 from proxy.metrics import ProxyMetrics, status_class
-from proxy.slo import SloTracker
+from proxy.slo import SloTracker, client_key
 from proxy.relay import ClientGone, RelayStreamResponse, StreamTiming, until_client_disconnects
 from proxy.routing.candidates import Candidate, Pick, RoleTurns, RouteRequest
 from proxy.routing.disaggregation import PrefillSpeed
@@ -106,6 +106,8 @@ class Forwarder:
             request = parse_client_request(path, await self._read_body(raw), request_id,
                                            self._config.routing.chars_per_token, self._config.limits)
             request.prefill_url = self._named_prefill(raw.headers.get(PREFILLER_HEADER))
+            request.client_key = client_key(raw.headers.get("authorization"),
+                                            raw.client.host if raw.client is not None else None)
             if self._kv is not None:
                 await self._kv.prepare(request)
             facts = self._route_request(request)
@@ -131,15 +133,16 @@ class Forwarder:
 
     def _named_prefill(self, host_port: Optional[str]) -> Optional[str]:
         """The prefill backend an llm-d style `x-prefiller-host-port` header names, when it is one this
-        proxy knows; anything else is a 400: the proxy never connects to an address a client chose."""
+        proxy knows; anything else is ignored, exactly as a known backend that is unavailable is: the
+        proxy never connects to an address a client chose, and the answer never tells a client which
+        addresses are backends (an unknown name and an unhealthy backend route alike)."""
         if host_port is None:
             return None
         wanted = host_port.strip().lower()
         for backend in self._prefill_pool.backends():
             if backend.url.split("://", 1)[-1].lower() == wanted:
                 return backend.url
-        raise RejectedRequest(InvalidRequest(f"{PREFILLER_HEADER} names no prefill worker of this proxy",
-                                             param=PREFILLER_HEADER))
+        return None
 
     async def _read_body(self, raw: Request) -> bytes:
         try:
@@ -324,8 +327,9 @@ class Forwarder:
             answer = await self._sender.prefill(backend, request)
         finally:
             backend.prompt_tokens_in_flight -= num_tokens
-        if alone:
-            self._speeds[Role.PREFILL].observe(num_tokens, time.perf_counter() - started_s)
+        computed = num_tokens - (answer.num_cached_tokens or 0)  # the worker's count of its cached prefix
+        if alone and computed > 0:
+            self._speeds[Role.PREFILL].observe(computed, time.perf_counter() - started_s)
         return answer
 
     def _pick_prefill(self, request: ClientRequest, tried: set[str], avoid_urls: Collection[str],
@@ -379,8 +383,10 @@ class Forwarder:
         backend.prompt_tokens_in_flight += num_tokens
         try:
             leg = await self._sender.open_decode(backend, request, params)
-            if computes_prompt and alone and request.stream:  # its headers came with the first token
-                self._speeds[Role.DECODE].observe(num_tokens, leg.headers_s - leg.started_s)
+            cached = self._predicted_cached_tokens(request, backend)
+            if computes_prompt and alone and request.stream and cached is not None and num_tokens > cached:
+                # its headers came with the first token
+                self._speeds[Role.DECODE].observe(num_tokens - cached, leg.headers_s - leg.started_s)
             return leg
         except (KVRetry, PassThrough):
             hold.decode_may_read = False  # the decode worker answered: it ended the request
@@ -390,6 +396,14 @@ class Forwarder:
             raise
         finally:
             backend.prompt_tokens_in_flight -= num_tokens
+
+    @staticmethod
+    def _predicted_cached_tokens(request: ClientRequest, backend: Backend) -> Optional[int]:
+        """The KV index's prediction of `backend`'s prefix hit for this request; None where it made none.
+        A streamed decode leg's usage comes only at its end, so its speed sample subtracts this instead,
+        and without a prediction it takes none: D's rate then defaults to P's."""
+        route = request.kv_route
+        return route.predicted.get(backend.url) if route is not None else None
 
     def _respond(self, request: ClientRequest, leg: OpenLeg, timing: RequestTiming) -> Response:
         headers = {REQUEST_ID_HEADER: request.request_id}
@@ -402,7 +416,7 @@ class Forwarder:
             def on_complete(stream: StreamTiming) -> None:
                 if stream.first_s is not None:
                     self._slo.observe(self._num_prompt_tokens(request), stream.first_s - timing.arrival_s,
-                                      stream.mean_gap_s)
+                                      stream.mean_gap_s, request.client_key)
 
             return RelayStreamResponse(leg, lambda now_s: self._observe(timing, leg, now_s, True), on_broken, headers,
                                        on_complete=on_complete,

@@ -2,9 +2,10 @@
 
 A pytest plugin (tests/conftest.py loads it). It sums the setup, call and teardown time of every
 test per file and, at the end of the session, prints the slowest files and names each file over
-budget; with --file-budget-s (scripts/test, hence CI) such a file fails the run. Session-scoped fixtures (the clusters tests/integration/conftest.py shares) are
-charged once, to a line of their own, not to whichever file happened to need them first: their set-up
-time is taken out of that test's setup. A partial run (`-k`, one file) can only sum less per file
+budget; with --file-budget-s (scripts/test, hence CI) such a file fails the run. Session-scoped
+fixtures (such as the transformers oracle tests/conftest.py shares) are charged once, to a line of
+their own, not to whichever file happened to need them first: their set-up time is taken out of that
+test's setup. A partial run (`-k`, one file) can only sum less per file
 than the whole run, so it never blames a file for another's cost.
 """
 

@@ -35,8 +35,12 @@ TORCH_AND_NIXL_FREE_MODULES = [
     "pdserve.transfer", "pdserve.transfer.transport", "pdserve.transfer.planner", "pdserve.transfer.fake_transport",
     "pdserve.transfer.token_units", "pdserve.transfer.descriptor_runs", "pdserve.transfer.staging",
     "pdserve.transfer.ranked_transport", "pdserve.kv.head_split", "pdserve.engine.step_budget",
-    # the isolated NIXL agent's engine side (its process imports nixl through nixl_transport)
+    # the isolated NIXL agent: its engine side, and its process's module (which imports nixl's backend
+    # module only inside main, by the name the engine passes)
     "pdserve.transfer.agent_client", "pdserve.transfer.agent_restart", "pdserve.kv.shared_memory",
+    "pdserve.transfer.agent_wire", "pdserve.transfer.nixl_records", "pdserve.transfer.agent_process",
+    # how children are started; the TP rendezvous and its control records
+    "pdserve.api.child_process", "pdserve.parallel.control", "pdserve.parallel.rendezvous",
     # the HTTP layer
     "pdserve.server.app", "pdserve.server.kv_events", "pdserve.server.kv_events_routes",
 ]

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from typing import Optional, Sequence
+from typing import Sequence
 
 from bench.chaos.load import HANG_S, LOST, OUTCOMES, Result, classify
 from bench.chaos.phases import Kill
+from bench.lib.report import cell
 
 BETWEEN = ("-", "between kills")
 
@@ -79,10 +80,6 @@ def failures(kills: Sequence[Kill], table: Sequence[dict]) -> list[str]:
     return found
 
 
-def _s(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
 def format_table(table: Sequence[dict]) -> str:
     lines = ["| victim | phase | kills | forced | ok | cut | lost | wrong | hang | leaking | survivors failed "
              "| P deaths | agent restarts | recovery s (median / max) |",
@@ -92,5 +89,5 @@ def format_table(table: Sequence[dict]) -> str:
             f"| {row['victim']} | {row['phase']} | {row['kills']} | {row['forced']} | {row['ok']} | {row['cut']} "
             f"| {row['lost']} | {row['wrong']} | {row['hang']} | {row['kills_leaking']} | {row['survivors_failed']} "
             f"| {row['prefill_deaths']} | {row.get('agent_restarts', 0)} "
-            f"| {_s(row['recovery_s_median'])} / {_s(row['recovery_s_max'])} |")
+            f"| {cell(row['recovery_s_median'], '.1f')} / {cell(row['recovery_s_max'], '.1f')} |")
     return "\n".join(lines)

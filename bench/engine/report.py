@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional, Sequence
 
-from bench.lib.report import write_document
+from bench.lib.report import cell, write_document
 from bench.lib.stats import percentile
 
 SUBJECT = "pdserve"  # quantized weights: its default for a quantized GGUF
@@ -168,14 +168,6 @@ def check_targets(results: Sequence[PhaseResult]) -> list[TargetCheck]:
             for system, baseline, c, required in TARGETS]
 
 
-def _ms(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}"
-
-
-def _percent(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
 def format_table(results: Sequence[PhaseResult], roofline: Optional[Roofline] = None) -> str:
     """Markdown table, rows grouped by concurrency; also fine on a terminal."""
     header = "| concurrency | system | output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | vs best peer | other CPU |"
@@ -187,9 +179,9 @@ def format_table(results: Sequence[PhaseResult], roofline: Optional[Roofline] = 
                 continue
             vs_best = ratio_vs_best_peer(results, result)
             lines.append(
-                f"| {concurrency} | {result.system} | {result.output_tokens_per_s:.1f} | {_ms(result.ttft_p50_s)} "
-                f"| {_ms(result.tpot_p50_s)} | {'-' if vs_best is None else f'{vs_best:.2f}x'} "
-                f"| {_percent(result.foreign_cpu_fraction)} |"
+                f"| {concurrency} | {result.system} | {result.output_tokens_per_s:.1f} | {cell(result.ttft_p50_s, '.0f', 1000)} "
+                f"| {cell(result.tpot_p50_s, '.0f', 1000)} | {cell(vs_best, '.2f')}{'' if vs_best is None else 'x'} "
+                f"| {cell(result.foreign_cpu_fraction, '.0%')} |"
             )
         lines += _ceiling_rows(roofline, concurrency)
     return "\n".join(lines)
@@ -219,7 +211,7 @@ def format_long_prompts(results: Sequence[LongPromptResult]) -> str:
             continue
         runs = ", ".join(f"{t * 1000:.0f}" for t in result.ttft_s)
         speedup = "-" if llama is None else f"{llama / result.ttft_median_s:.2f}x"
-        lines.append(f"| {result.system} | {result.prompt_tokens} | {_ms(result.ttft_median_s)} | {runs} | {speedup} |")
+        lines.append(f"| {result.system} | {result.prompt_tokens} | {cell(result.ttft_median_s, '.0f', 1000)} | {runs} | {speedup} |")
     return "\n".join(lines)
 
 

@@ -18,25 +18,17 @@ averages about 70 prompt and 215 response tokens a turn; `--answer-tokens 16`, t
 conversations, one request at a time, so a conversation's prefix has been pushed out of the pool
 by the others by the time it comes back. Prints, per configuration: prompt tokens computed, TTFT
 p50/p99 (submit to first token, in-process), TTFT p50 of the turns after the first (the requests a
-cache can help at all), the tier's hit rate (tokens loaded / tokens asked for), and each tier's
-load bandwidth against a raw copy of the same pages in this process (memory) and a raw pread of
-them (file; a fresh file in --dir, so mostly the page cache, as a tier the size of free RAM would
-be). `--repeats N` runs the three configurations N times in rotation (none, memory, file, none,
-...), so a slow moment of the machine hits one repeat of each rather than one configuration; TTFTs
-are pooled over the repeats and each repeat's p50 ratio to the no-tier run is printed too.
+cache can help at all), the tier's hit rate (tokens loaded / tokens asked for) and its load
+bandwidth (a fresh file in --dir for the file tier: mostly the page cache). `--repeats N` runs the
+three configurations N times in rotation (none, memory, file, none, ...), so a slow moment of the
+machine hits one repeat of each rather than one configuration; TTFTs are pooled over the repeats
+and each repeat's p50 ratio to the no-tier run is printed too.
 
-Then (or alone, with --stores-only, no model loaded) the engine-thread cost of one file-tier store
-(bench.kv_offload.stores): `OffloadTier.offer` with the write done on the calling thread (pwrite and
-CRC32, as before issue 21 point 3) against the staged store (one copy into a staging row, the write on
-the tier's I/O thread), same pages, same file system.
-
-Then (or alone, with --loads-only) each tier's load bandwidth against a raw copy of the same bytes
-(bench.kv_offload.loads): a page store's `read` against `numpy.copyto` (memory tier) and a bare
-`preadv` (file tier, with its XXH3 check and with the CRC32 it used before), interleaved round by round.
-
-Alone, with --wake-only (bench.kv_offload.wake): on a real engine with its own engine thread, how
-long a file-tier load that has ended waits for the idle engine thread to land it, with the tier's
-wake-up and without (the engine's next poll), and the TTFT of those requests.
+Then, or alone with its flag, the tier's micro-benchmarks, each described in its module: the
+engine-thread cost of a file-tier store (`stores.py`, --stores-only), each tier's load bandwidth
+against a raw copy of the same bytes (`loads.py`, --loads-only), and how long an ended file-tier
+load waits for an idle engine thread with and without the tier's wake-up (`wake.py`, --wake-only,
+alone only).
 
 Invariant: all configurations see the very same requests in the same order with greedy sampling,
 so they must answer the same tokens (checked).
@@ -46,14 +38,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
 from typing import Optional
 
 
-import numpy
 import torch
 
 from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
@@ -127,35 +117,6 @@ def run(loaded, num_blocks: int, offload_bytes: Optional[int], offload_dir: Opti
     }
     built.close()
     return result
-
-
-def raw_copy_gb_per_s(page_bytes: int, num_pages: int = 64, reps: int = 20) -> float:
-    """The same copy a memory-tier load makes (one `numpy.copyto` per page into spread pool rows), on bare arrays."""
-    source = torch.randn(num_pages * page_bytes // 4).view(torch.int8).view(num_pages, page_bytes).numpy()
-    target = torch.zeros((num_pages * 2, page_bytes), dtype=torch.int8).numpy()
-    started = time.perf_counter()
-    for _ in range(reps):
-        for page in range(num_pages):
-            numpy.copyto(target[2 * page], source[page])
-    return num_pages * page_bytes * reps / (time.perf_counter() - started) / 1e9
-
-
-def raw_pread_gb_per_s(page_bytes: int, directory: str, num_pages: int = 64, reps: int = 20) -> float:
-    """preadv of the same pages from a file just written (the page cache) into distinct rows, as loads do."""
-    path = os.path.join(directory, "raw.bin")
-    with open(path, "wb") as f:
-        f.write(os.urandom(num_pages * page_bytes))
-    rows = torch.zeros((num_pages * 2, page_bytes), dtype=torch.int8)
-    targets = [rows[2 * page].numpy() for page in range(num_pages)]
-    fd = os.open(path, os.O_RDONLY)
-    started = time.perf_counter()
-    for _ in range(reps):
-        for page in range(num_pages):
-            os.preadv(fd, [targets[page]], page * page_bytes)
-    elapsed = time.perf_counter() - started
-    os.close(fd)
-    os.unlink(path)
-    return num_pages * page_bytes * reps / elapsed / 1e9
 
 
 def main() -> None:
@@ -248,8 +209,6 @@ def run_workload(args: argparse.Namespace) -> None:
                         for offload_bytes, offload_dir in ((None, None), (tier_bytes, None), (tier_bytes, directory))])
     assert all(row["answers"] == repeats[0][0]["answers"] for rows in repeats for row in rows), "a tier changed an answer"
     rows = [pooled([rows[index] for rows in repeats]) for index in range(3)]
-    raw = raw_copy_gb_per_s(rows[1]["page_bytes"])
-    raw_file = raw_pread_gb_per_s(rows[1]["page_bytes"], directory)
     print(f"pool {num_blocks - 1} blocks, working set {working_set_blocks} blocks, "
           f"{args.conversations} conversations x {args.turns} turns")
     print(f"{'tier':8} {'computed':>9} {'of':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'p50 turns 2+':>13} "
@@ -266,13 +225,11 @@ def run_workload(args: argparse.Namespace) -> None:
                       for rows in repeats]
             print(f"{rows[tier]['tier']} tier, TTFT p50 / no tier, per repeat: "
                   + " ".join(f"{ratio:.2f}" for ratio in ratios))
-    print(f"raw copy of the same pages in this process: {raw:.2f} GB/s; raw pread of them: {raw_file:.2f} GB/s")
     if args.plot:
         from bench.lib.plots import plot_offload_ttft  # matplotlib only when a plot is asked for
 
         print(f"wrote {plot_offload_ttft(rows, args.plot)}")
-    document = {"args": vars(args), "raw_copy_gb_per_s": raw, "raw_pread_gb_per_s": raw_file,
-                "rows": [{k: v for k, v in row.items() if k != "answers"} for row in rows],
+    document = {"args": vars(args), "rows": [{k: v for k, v in row.items() if k != "answers"} for row in rows],
                 "repeats": [[{k: v for k, v in row.items() if k != "answers"} for row in rows] for rows in repeats]}
     _write_json(args.out, document)
 

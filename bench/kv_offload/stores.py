@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -22,6 +21,7 @@ import torch
 from bench.lib.stats import percentile
 from pdserve.kv.offload import OffloadTier
 from pdserve.kv.offload_file import FilePageStore
+from pdserve.kv.offload_writes import SerialExecutor
 
 MODES = ("sync pwrite", "staged", "staged, 2x burst")
 
@@ -32,7 +32,7 @@ def _tier(pool: torch.Tensor, directory: str, num_slots: int, staging_rows: Opti
     if staging_rows is None:
         return OffloadTier(FilePageStore(pool, num_slots * page_bytes, directory), [0])
     store = FilePageStore(pool, num_slots * page_bytes, directory, staging_rows)
-    return OffloadTier(store, [0], executor=ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-offload"))
+    return OffloadTier(store, [0], executor=SerialExecutor())
 
 
 def _drain(tier: OffloadTier) -> None:

@@ -10,9 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import subprocess
 import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
+
+from bench.lib.launch import REPO_ROOT
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +132,22 @@ def wait_for_quiet(pids: Iterable[int], max_foreign_fraction: float, max_wait_s:
             return fraction
 
 
+def source_state() -> dict:
+    """The commit the benchmark ran and the tracked files that differ from it (processes it starts run
+    the working tree, not the commit alone); None for either where git cannot tell."""
+    def git(*args: str) -> Optional[str]:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit.strip() if commit else None,
+            "uncommitted_changes": None if status is None else [line[3:] for line in status.splitlines() if line.strip()]}
+
+
 def machine_info() -> dict:
+    """The machine and the source a report came from."""
     cpu_model = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -137,4 +155,5 @@ def machine_info() -> dict:
     except OSError:
         pass
     return {"cpu": cpu_model, "num_cpus": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "load_average": os.getloadavg()}
+            "usable_cores": len(os.sched_getaffinity(0)), "platform": platform.platform(),
+            "load_average": os.getloadavg()} | source_state()

@@ -168,7 +168,7 @@ def plot_attainment(table: dict[str, list[tuple[float, float]]], slo, out_dir: s
 
 
 def plot_kv_pull(report: dict, path: str) -> str:
-    """`transfer.kv_pull --mode plain|layout`: bytes a pull moves, and how long it takes against a memcpy
+    """`transfer.kv_pull --mode layout`: bytes a pull moves, and how long it takes against a memcpy
     of the same bytes, per memory mode, against the prompt length."""
     figure, (bytes_axis, time_axis) = plt.subplots(1, 2, figsize=(11, 4))
     for index, memory in enumerate(dict.fromkeys(row["memory"] for row in report["pulls"])):

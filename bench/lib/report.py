@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from bench.lib.machine import machine_info
 from bench.lib.stats import Distribution, RunSummary
@@ -19,18 +19,15 @@ from bench.lib.stream import RequestRecord
 _DASH = "-"
 
 
-def _ms(value: Optional[float]) -> str:
-    return _DASH if value is None else f"{value * 1000:.1f}"
+def cell(value: Optional[float], spec: str = ".2f", scale: float = 1.0, missing: str = _DASH) -> str:
+    """A table cell: `value * scale` formatted by `spec` (".0%", ".1f", ...); `missing` when there is none."""
+    return missing if value is None else format(value * scale, spec)
 
 
-def percent_cell(value: Optional[float], missing: str = _DASH) -> str:
-    """A table cell of a fraction as a whole percent; `missing` when there is none."""
-    return missing if value is None else f"{value:.0%}"
-
-
-def ratio_cell(value: Optional[float], missing: str = _DASH) -> str:
-    """A table cell of a ratio to two decimals; `missing` when there is none."""
-    return missing if value is None else f"{value:.2f}"
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table: the first column left-aligned, the others right-aligned; cells as given."""
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
 
 
 def format_throughput_table(summaries: Sequence[RunSummary]) -> str:
@@ -40,7 +37,7 @@ def format_throughput_table(summaries: Sequence[RunSummary]) -> str:
         lines.append(
             f"| {s.label} | {s.num_requests - s.num_failed} / {s.num_failed} | {s.duration_s:.1f} "
             f"| {s.request_throughput:.3f} | {s.output_throughput:.1f} | {s.total_token_throughput:.1f} "
-            f"| {percent_cell(s.foreign_cpu_fraction)} |"
+            f"| {cell(s.foreign_cpu_fraction, '.0%')} |"
         )
     return "\n".join(lines)
 
@@ -75,7 +72,7 @@ def format_latency_table(summaries: Sequence[RunSummary]) -> str:
             if dist is None:
                 lines.append(f"| {name} | {summary.label} | {' | '.join([_DASH] * 5)} | 0 |")
                 continue
-            cells = " | ".join(_ms(v) for v in (dist.mean, dist.p50, dist.p90, dist.p99, dist.max))
+            cells = " | ".join(cell(v, ".1f", 1000) for v in (dist.mean, dist.p50, dist.p90, dist.p99, dist.max))
             lines.append(f"| {name} | {summary.label} | {cells} | {dist.count} |")
     return "\n".join(lines)
 

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from bench.lib.load import FIRST_TURN, LATER_TURN, LoadResult
 from bench.lib.machine import machine_info
-from bench.lib.report import write_document
+from bench.lib.report import cell, write_document
 from bench.lib.stats import RunSummary, summarize_run
 
 BASELINE = "round_robin"
@@ -51,10 +51,6 @@ def summarize(policy: str, result: LoadResult) -> RunSummary:
     return summarize_run(policy, result.records, result.duration_s)
 
 
-def _ms(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}"
-
-
 def _ttft(summary: RunSummary, class_name: Optional[str], attribute: str) -> Optional[float]:
     latency = summary.overall if class_name is None else summary.by_class.get(class_name)
     distribution = latency.ttft if latency is not None else None
@@ -69,14 +65,12 @@ def format_table(results: Sequence[PolicyResult]) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         ratio = f"{r.computed_tokens / baseline.computed_tokens:.2f}" if baseline and baseline.computed_tokens else "-"
-        hit = "-" if r.cache_hit_rate is None else f"{r.cache_hit_rate:.0%}"
         pulled = r.kv_bytes_pulled / r.num_ok / 1e6 if r.num_ok else None
-        other = r.summary.foreign_cpu_fraction
+        ttfts = [_ttft(r.summary, None, "p50"), _ttft(r.summary, None, "p99"), _ttft(r.summary, LATER_TURN, "p50")]
         lines.append(
             f"| {r.policy} | {r.num_ok} / {r.summary.num_failed} | {r.prompt_tokens:,} | {r.computed_tokens:,.0f} "
-            f"| {ratio} | {hit} | {_ms(_ttft(r.summary, None, 'p50'))} | {_ms(_ttft(r.summary, None, 'p99'))} "
-            f"| {_ms(_ttft(r.summary, LATER_TURN, 'p50'))} | {'-' if pulled is None else f'{pulled:.1f}'} "
-            f"| {r.decode_only_turns:.0f} | {'-' if other is None else f'{other:.0%}'} |")
+            f"| {ratio} | {cell(r.cache_hit_rate, '.0%')} | {' | '.join(cell(t, '.0f', 1000) for t in ttfts)} "
+            f"| {cell(pulled, '.1f')} | {r.decode_only_turns:.0f} | {cell(r.summary.foreign_cpu_fraction, '.0%')} |")
     return "\n".join(lines)
 
 
@@ -90,7 +84,7 @@ def verdict(results: Sequence[PolicyResult]) -> list[str]:
     best = min((p for p in p50s if p50s[p] is not None), key=lambda p: p50s[p])
     return [f"kv_aware computes {ratio:.2f}x the prefill tokens of round_robin (target <= 0.50): "
             f"{'met' if ratio <= 0.5 else 'NOT met'}",
-            f"best TTFT p50: {best} ({_ms(p50s[best])} ms; target kv_aware): {'met' if best == 'kv_aware' else 'NOT met'}"]
+            f"best TTFT p50: {best} ({cell(p50s[best], '.0f', 1000)} ms; target kv_aware): {'met' if best == 'kv_aware' else 'NOT met'}"]
 
 
 def write_json(path: str, command: str, workload: dict, cluster: dict, results: Sequence[PolicyResult],

@@ -37,12 +37,11 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from bench.lib.machine import CpuMeter
-from bench.lib.report import percent_cell, ratio_cell
+from bench.lib.report import cell
 from bench.transfer import pools
 from bench.transfer.pools import (
-    MEMORY_MODES, SHAPES, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record, memcpy_run,
-    prefill_child, write_report)
+    MEMORY_MODES, SHAPES, TIMEOUT_S, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record,
+    medians_with_memcpy, prefill_child, serve_until_stopped, time_read, write_report)
 from pdserve.transfer.descriptor_runs import choose_runs
 from pdserve.transfer.token_units import UnitGeometry, unit_chunk_ids, unit_geometry
 from pdserve.transfer.transport import PeerInfo, TransferState
@@ -51,7 +50,6 @@ logger = logging.getLogger("bench.transfer.block_size")
 
 PAIRS = ((16, 16), (16, 32), (32, 16))  # (prefill block size, decode block size)
 PROMPT_TOKENS = (2048, 8192)
-TIMEOUT_S = 60.0
 SEED = 2020
 TAG_SHIFT = 40  # int64 word i of the pool of prefill block size b holds i + (b << TAG_SHIFT)
 
@@ -147,8 +145,8 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['memory']} | {r['prompt_tokens']} | {r['prefill_block']}->{r['decode_block']} | "
                      f"{r['read']} | {r['descriptors']} | {r['num_bytes'] / 1e6:.1f} | {r['pull_s'] * 1e3:.1f} | "
-                     f"{r['pull_gbps']:.2f} | {ratio_cell(r.get('vs_pages'))} | {ratio_cell(r.get('vs_memcpy'))} | "
-                     f"{r['memcpy_gbps']:.2f} | {r['auto_picks']} | {percent_cell(r.get('foreign_cpu_fraction'), missing='?')} |")
+                     f"{r['pull_gbps']:.2f} | {cell(r.get('vs_pages'))} | {cell(r.get('vs_memcpy'))} | "
+                     f"{r['memcpy_gbps']:.2f} | {r['auto_picks']} | {cell(r.get('foreign_cpu_fraction'), '.0%', missing='?')} |")
     return "\n".join(lines)
 
 
@@ -195,11 +193,7 @@ def serve_pools(shape: PoolShape, mode: str, block_sizes: Sequence[int], max_tok
         transports.append(transport)
         published[block_size] = transport.local_peer_info(f"bench-prefill-block{block_size}", mode).to_dict()
     out.put(json.dumps(published))
-    while not stop.wait(0.002):  # no progress thread: readers' connection set-up needs this side too
-        for transport in transports:
-            transport.poll_notifications()
-    for transport in transports:
-        transport.close()
+    serve_until_stopped(transports, stop)
 
 
 @dataclasses.dataclass
@@ -215,17 +209,7 @@ class Reader:
 
     def pull(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> float:
         """Seconds from start_read until DONE (descriptor selection and the staged copy included)."""
-        started_s = time.perf_counter()
-        handle = self.transport.start_read(self.key, local_ids, remote_ids, b"")
-        while self.transport.poll(handle) is TransferState.PENDING:
-            if time.perf_counter() - started_s > TIMEOUT_S:
-                raise RuntimeError(f"{self.case}: read did not finish in time")
-        elapsed_s = time.perf_counter() - started_s
-        if handle.state is not TransferState.DONE:
-            raise RuntimeError(f"{self.case}: read failed: {handle.error}")
-        while not self.transport.release(handle):
-            pass
-        self.descriptors = handle.num_blocks
+        elapsed_s, self.descriptors = time_read(self.transport, self.key, local_ids, remote_ids)
         return elapsed_s
 
 
@@ -344,12 +328,8 @@ def measure_prompt(shape: PoolShape, mode: str, num_tokens: int, max_tokens: int
                                         case.decode_block, num_tokens, rows_per_page)
             plans.append((local, remote, prefill_ids, decode_ids))
     num_bytes = num_tokens * token_bytes(shape)
-    meter = CpuMeter([child_pid])
-    meter.start()
     pulls = [(lambda reader=reader, plan=plan: reader.pull(plan[0], plan[1])) for reader, plan in zip(readers, plans)]
-    medians = interleaved_medians([*pulls, memcpy_run(num_bytes, mode, "cpu")], reps)
-    foreign = meter.foreign_fraction()
-    memcpy_s = medians[-1]
+    medians, memcpy_s, foreign = medians_with_memcpy(pulls, num_bytes, mode, reps, child_pid)
     rows = []
     for reader, plan, pull_s in zip(readers, plans, medians):
         local, remote, prefill_ids, decode_ids = plan

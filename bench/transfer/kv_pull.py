@@ -1,13 +1,12 @@
-"""The KV-pull benchmark: one prompt's KV pulled over NIXL between two processes, in one of four modes.
+"""The KV-pull benchmark: one prompt's KV pulled over NIXL between two processes, in one of three modes.
 
-    python -m bench.transfer.kv_pull --mode plain      [--shape smollm2|llama3-8b] [--device cpu|cuda[:N]]
-    python -m bench.transfer.kv_pull --mode layout     # plain, plus per-(layer, K|V) piece descriptors
+    python -m bench.transfer.kv_pull --mode layout     [--shape smollm2|llama3-8b] [--device cpu|cuda[:N]]
     python -m bench.transfer.kv_pull --mode tp         [--pairs 1:1 1:2 2:1 2:2 1:4 4:1] [--shape llama3-8b]
     python -m bench.transfer.kv_pull --mode block-size [--pairs 16:16 16:32 32:16] [--sweep 1 2 4 8]
     python -m bench.transfer.kv_pull --plot-from docs/figures/kv_pull_bytes.json --plot docs/figures/kv_pull_bytes.png
 
 Every mode times its pulls against an in-process memcpy of the same bytes, over 4 KiB pages or
-transparent huge pages (`--memory`), and writes JSON (`--out`); plain and layout can also draw the
+transparent huge pages (`--memory`), and writes JSON (`--out`); layout can also draw the
 bytes and time of a pull against the prompt length (`--plot`). Invariant: within a mode every case
 moves the very same bytes between the same two processes; only their description to NIXL differs.
 """
@@ -20,9 +19,9 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-MODES = ("plain", "layout", "tp", "block-size")
+MODES = ("layout", "tp", "block-size")
 DEFAULTS = {  # mode -> (shape, JSON report); prompt sizes and pairs default to the mode's module's
-    "plain": ("smollm2", "bench/results/kv_pull.json"), "layout": ("smollm2", "bench/results/kv_transfer.json"),
+    "layout": ("smollm2", "bench/results/kv_transfer.json"),
     "tp": ("llama3-8b", "bench/results/kv_transfer_tp.json"),
     "block-size": ("smollm2", "bench/results/kv_transfer_block_size.json"),
 }
@@ -35,7 +34,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, argpa
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--memory", choices=["4k-pages", "huge-pages", "both"], default="both",
                         help="back pools and memcpy buffers with 4 KiB pages, huge pages, or run both")
-    parser.add_argument("--device", default="cpu", help="plain/layout: cpu, or cuda / cuda:N (GPU memory)")
+    parser.add_argument("--device", default="cpu", help="layout: cpu, or cuda / cuda:N (GPU memory)")
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=None, help="prompt sizes to pull")
     parser.add_argument("--shape", default=None,
                         help="pool geometry: smollm2 (fp32), llama3-8b (32 layers, 8x128, bf16), tiny (tp, block-size)")
@@ -47,7 +46,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, argpa
                         help="block-size: the sweep reads groups of R chunks a page, skipping R (0: every chunk)")
     parser.add_argument("--memcpy-threads", type=int, default=1,
                         help="torch threads for the memcpy baseline and staged copies (UCX copies on one core)")
-    parser.add_argument("--plot", default=None, help="plain/layout: draw bytes and time against prompt length here")
+    parser.add_argument("--plot", default=None, help="layout: draw bytes and time against prompt length here")
     parser.add_argument("--plot-from", default=None, help="draw --plot from this report instead of measuring")
     args = parser.parse_args(argv)
     args.shape = args.shape or DEFAULTS[args.mode][0]
@@ -66,17 +65,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     import torch
 
-    from bench.transfer import block_size, plain, tp
+    from bench.transfer import block_size, layout, tp
 
     torch.set_num_threads(args.memcpy_threads)
-    module = {"plain": plain, "layout": plain, "tp": tp, "block-size": block_size}[args.mode]
-    shapes = {"plain": plain.SHAPES, "layout": plain.SHAPES, "tp": tp.TP_SHAPES, "block-size": block_size.BS_SHAPES}
+    module = {"layout": layout, "tp": tp, "block-size": block_size}[args.mode]
+    shapes = {"layout": layout.SHAPES, "tp": tp.TP_SHAPES, "block-size": block_size.BS_SHAPES}
     if args.shape not in shapes[args.mode]:
         parser.error(f"--mode {args.mode} takes --shape {' or '.join(sorted(shapes[args.mode]))}")
     args.prompt_tokens = args.prompt_tokens or list(module.PROMPT_TOKENS)
     args.pairs = args.pairs or [f"{p}:{d}" for p, d in getattr(module, "PAIRS", ())]
     status = module.run(args, parser, argv)
-    if args.plot and args.mode in ("plain", "layout"):
+    if args.plot and args.mode == "layout":
         from bench.lib.plots import plot_kv_pull
 
         with open(args.out, encoding="utf-8") as f:

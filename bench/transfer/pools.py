@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from bench.lib.machine import machine_info
+from bench.lib.machine import CpuMeter, machine_info
 from bench.lib.report import write_document
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.transfer.nixl_transport import NixlTransport
@@ -62,7 +62,8 @@ SHAPES = {
 MEMORY_MODES = ("4k-pages", "huge-pages")  # how host pools (and memcpy buffers) are backed
 GPU_MODE = "vram"  # the one memory mode on CUDA
 MADV_HUGEPAGE = 14  # <sys/mman.h>
-TIMEOUT_S = 30.0
+TIMEOUT_S = 60.0
+NOISY_FOREIGN_FRACTION = 0.15  # warn when others take more of the CPUs while measuring
 # ---- memory ----------------------------------------------------------------------------------
 
 
@@ -101,18 +102,21 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_read(transport: NixlTransport, key: str, local_ids: list[int], remote_ids: list[int]) -> float:
-    """Seconds from start_read to DONE (descriptor selection included)."""
+def time_read(transport: NixlTransport, key: str, local_ids: Sequence[int], remote_ids: Sequence[int],
+              timeout_s: float = TIMEOUT_S) -> tuple[float, int]:
+    """(seconds from start_read to DONE, descriptor selection and any staged copy included;
+    descriptors the read took)."""
     started_s = time.perf_counter()
     handle = transport.start_read(key, local_ids, remote_ids, b"")
     while transport.poll(handle) is TransferState.PENDING:
-        if time.perf_counter() - started_s > TIMEOUT_S:
+        if time.perf_counter() - started_s > timeout_s:
             raise RuntimeError("read did not finish in time")
     elapsed_s = time.perf_counter() - started_s
     if handle.state is not TransferState.DONE:
         raise RuntimeError(f"read failed: {handle.error}")
-    transport.release(handle)
-    return elapsed_s
+    while not transport.release(handle):
+        pass
+    return elapsed_s, handle.num_blocks
 
 
 def interleaved_medians(runs: Sequence[Callable[[], float]], reps: int) -> list[float]:
@@ -139,6 +143,19 @@ def memcpy_run(num_bytes: int, mode: str, device: str) -> Callable[[], float]:
         return time.perf_counter() - started_s
 
     return run
+
+
+def medians_with_memcpy(runs: Sequence[Callable[[], float]], num_bytes: int, mode: str, reps: int,
+                        child_pid: int, device: str = "cpu") -> tuple[list[float], float, Optional[float]]:
+    """(median seconds of each run, of a memcpy of `num_bytes` taking turns with them, the share of
+    the CPUs other processes than this one and the child used meanwhile)."""
+    meter = CpuMeter([child_pid])
+    meter.start()
+    medians = interleaved_medians([*runs, memcpy_run(num_bytes, mode, device)], reps)
+    foreign = meter.foreign_fraction()
+    if (foreign or 0.0) > NOISY_FOREIGN_FRACTION:
+        logger.warning("%s: other processes used %.0f%% of the CPUs while measuring", mode, foreign * 100)
+    return medians[:-1], medians[-1], foreign
 
 
 def machine_record(memcpy_threads: int) -> dict:
@@ -170,6 +187,16 @@ def prefill_child(target: Callable, *args: object, timeout_s: float = 300.0) -> 
         if child.is_alive():
             child.kill()
             child.join(timeout=10)
+
+
+def serve_until_stopped(transports: Sequence[NixlTransport], stop: multiprocessing.Event) -> None:
+    """A prefill child's loop: call into NIXL as an engine loop does (without a progress thread, a
+    reader's connection set-up needs this side to make progress too) until `stop`; then close."""
+    while not stop.wait(0.002):
+        for transport in transports:
+            transport.poll_notifications()
+    for transport in transports:
+        transport.close()
 
 
 def parse_pair(text: str) -> tuple[int, int]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import multiprocessing
 import time
@@ -32,24 +31,20 @@ from typing import Optional, Sequence
 
 import torch
 
-from bench.lib.machine import CpuMeter
-from bench.lib.report import percent_cell, ratio_cell
+from bench.lib.report import cell
 from bench.transfer import pools
 from bench.transfer.pools import (
-    MEMORY_MODES, SHAPES, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record, memcpy_run,
-    prefill_child, write_report)
+    MEMORY_MODES, SHAPES, TIMEOUT_S, PoolShape, allocate_bytes, huge_page_kib, machine_record, medians_with_memcpy,
+    prefill_child, serve_until_stopped, write_report)
 from pdserve.kv.head_split import heads_split_problem, rank_kv_heads
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.transfer.transport import PeerInfo, TransferState
 
-logger = logging.getLogger("bench.transfer.tp")
 
 PAIRS = ((1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1))  # (prefill TP, decode TP)
 ALLOCATIONS = ("contiguous", "scattered")
 PROMPT_TOKENS = (2048, 8192)
-TIMEOUT_S = 60.0
 SEED = 4321
-_NOISY_FOREIGN_FRACTION = 0.15
 
 TP_SHAPES = {
     "llama3-8b": SHAPES["llama3-8b"],  # 32 layers, 8 KV heads x 128, bf16: 2 MiB pages
@@ -179,9 +174,9 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['memory']} | {r['prompt_tokens']} | {r['prefill_tp']}->{r['decode_tp']} | "
                      f"{r['allocation']} | {r['descriptors']} | {r['num_bytes'] / 1e6:.1f} | "
-                     f"{r['pull_s'] * 1e3:.1f} | {r['pull_gbps']:.2f} | {ratio_cell(r.get('vs_1to1'))} | "
-                     f"{ratio_cell(r.get('vs_memcpy'))} | {r['memcpy_gbps']:.2f} | "
-                     f"{percent_cell(r.get('foreign_cpu_fraction'), missing='?')} |")
+                     f"{r['pull_s'] * 1e3:.1f} | {r['pull_gbps']:.2f} | {cell(r.get('vs_1to1'))} | "
+                     f"{cell(r.get('vs_memcpy'))} | {r['memcpy_gbps']:.2f} | "
+                     f"{cell(r.get('foreign_cpu_fraction'), '.0%', missing='?')} |")
     return "\n".join(lines)
 
 
@@ -205,12 +200,7 @@ def serve_ranks(shape: PoolShape, mode: str, tps: Sequence[int], out: multiproce
             infos.append(transport.local_peer_info(f"bench-prefill-tp{tp}", mode).to_dict())
         published[tp] = infos
     out.put(json.dumps(published))
-    # No progress thread: the readers' connection set-up needs this side to call into NIXL too.
-    while not stop.wait(0.002):
-        for transport in transports:
-            transport.poll_notifications()
-    for transport in transports:
-        transport.close()
+    serve_until_stopped(transports, stop)
 
 
 def rank_views(buffer: torch.Tensor, shape: PoolShape, tp: int) -> list[tuple[torch.Tensor, int]]:
@@ -370,14 +360,7 @@ def measure_prompt(shape: PoolShape, mode: str, num_tokens: int, tp_cases: list[
            for allocation in {c.allocation for c in tp_cases}}
     pullers = [Puller(workers[c.decode_tp], keys[(c.prefill_tp, c.decode_tp)], *ids[c.allocation]) for c in tp_cases]
     num_bytes = num_blocks * shape.layout().page_bytes
-    meter = CpuMeter([child_pid])
-    meter.start()
-    medians = interleaved_medians([*pullers, memcpy_run(num_bytes, mode, "cpu")], reps)
-    foreign = meter.foreign_fraction()
-    if (foreign or 0.0) > _NOISY_FOREIGN_FRACTION:
-        logger.warning("%s %d tokens: other processes used %.0f%% of the CPUs while measuring",
-                       mode, num_tokens, foreign * 100)
-    memcpy_s = medians[-1]
+    medians, memcpy_s, foreign = medians_with_memcpy(pullers, num_bytes, mode, reps, child_pid)
     rows = []
     for case, puller, pull_s in zip(tp_cases, pullers, medians):
         expected = expected_descriptors(case.prefill_tp, case.decode_tp, num_blocks, case.allocation)

@@ -1,4 +1,5 @@
-"""What the child processes a composition root starts share: a free local port, and dying with the parent.
+"""What the child processes a composition root starts share: a free local port and dying with the parent
+(their command line and environment: pdserve/api/child_process.py).
 
 `pdserve up` starts prefill, decode and proxy; a tensor-parallel worker starts its other
 ranks. Either way a child must not outlive the process that started it.

@@ -8,7 +8,6 @@ under tensor parallelism rank 0's copies are repeated by every rank on its slice
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -21,6 +20,7 @@ from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.offload import OffloadTier
 from pdserve.kv.offload_file import FilePageStore
 from pdserve.kv.offload_host import HostPageStore
+from pdserve.kv.offload_writes import SerialExecutor
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan
 from pdserve.parallel.channel import LeaderChannel
 from pdserve.runner.offload_ranks import RankMirror
@@ -72,7 +72,7 @@ def _offload_tier(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout,
     if on_files:
         store = FilePageStore(layout.canonical_view(pool), cache.kv_offload_bytes, cache.kv_offload_dir,
                               num_offload_staging_rows(config, plan, layout))
-        executor = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-offload")
+        executor = SerialExecutor()
         logger.info("KV offload tier: %s, %d pages of %d bytes, %d staging rows%s", store.path, store.num_slots,
                     store.page_bytes, store.num_staging_rows, ranks_note)
         return OffloadTier(store, full_group_ids, events, executor=executor, mirror=mirror, wake=wake)

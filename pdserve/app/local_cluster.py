@@ -28,6 +28,7 @@ import httpx
 
 from pdserve.api.config import DEFAULT_PORTS, CacheConfig
 from pdserve.api.flags import FORWARDED_ARGS, add_worker_flags, parse_device
+from pdserve.api.child_process import child_environment, python_module_command
 from pdserve.app.children import die_with_parent, free_port, linux_libc
 from pdserve.engine.core_share import create_ledger
 from proxy.cli import INTERNAL_TOKEN_ENV, LIMIT_FLAGS
@@ -105,7 +106,7 @@ class ChildSpec:
     argv: list[str]
     port: int
     cores: Optional[tuple[int, ...]] = None
-    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment, trimmed
 
 
 def hands_cores_over(args: argparse.Namespace, cores: Sequence[int]) -> bool:
@@ -131,7 +132,7 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int], core_ledger: Opt
         plan = CorePlan(None, None, plan.prefill_threads, plan.decode_threads)
     # The token travels in the environment, not in argv, which any local user can list.
     env = {INTERNAL_TOKEN_ENV: args.internal_token or secrets.token_hex(16)}
-    base = [sys.executable, "-m", "pdserve.app.cli"]
+    base = python_module_command("pdserve.app.cli")
     common = ["--host", args.host, "--log-level", args.log_level]
     forwarded = list(getattr(args, FORWARDED_ARGS, None) or [])
     worker_args = role_worker_args(args, forwarded)
@@ -268,7 +269,7 @@ class LocalCluster:
         for spec in self.specs:
             self.processes[spec.name] = subprocess.Popen(
                 spec.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}, start_new_session=True,
+                env=child_environment({"PYTHONUNBUFFERED": "1", **spec.env}), start_new_session=True,
                 preexec_fn=_child_setup(spec.cores, libc))
         for name, process in self.processes.items():
             pump = threading.Thread(target=self.output.pump, args=(name, process.stdout), daemon=True,

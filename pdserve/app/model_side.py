@@ -88,7 +88,8 @@ def _meet_ranks(config: WorkerConfig, device: torch.device, rendezvous_fd: Optio
     if parallel.tp_master_port is None:
         raise ValueError("a tensor-parallel worker needs its rendezvous port (--tp-master-port)")
     return RankGroup(0, parallel.tensor_parallel_size, parallel.tp_master_addr, parallel.tp_master_port,
-                     parallel.tp_timeout_s, device, parallel.tp_join_timeout_s, listen_fd=rendezvous_fd)
+                     parallel.tp_timeout_s, device, parallel.tp_join_timeout_s, listen_fd=rendezvous_fd,
+                     internal_token=config.server.internal_token)
 
 
 def _set_threads(config: WorkerConfig, ranks: Optional[RankGroup]) -> None:

@@ -3,7 +3,7 @@
 `pdserve prefill -tp 3` is rank 0: it binds its rendezvous port (a free one
 unless --tp-master-port names it) and keeps it bound, so nothing else on the
 host can take it before rank 0's store listens on it, then starts
-ranks 1 and 2 as child processes (`python -m pdserve.app.ranks`, the config in
+ranks 1 and 2 as child processes (`python -P -m pdserve.app.ranks`, a trimmed environment, the config in
 the environment, never on the command line where the internal token would
 show). Ranks on other hosts are started as their own commands instead
 (`--tp-rank`, `--tp-master-addr`, `--tp-master-port`); both paths meet in
@@ -22,7 +22,9 @@ import sys
 from dataclasses import dataclass
 
 from pdserve.api.config import WorkerConfig
+from pdserve.api.child_process import child_environment, python_module_command
 from pdserve.app.children import die_with_parent, linux_libc
+from pdserve.parallel.rendezvous import listen_on
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +46,7 @@ class LocalRanks:
 def bind_rendezvous(port: int) -> socket.socket:
     """A socket listening on 127.0.0.1:`port` (0: a free port). Binding here, before any rank
     starts, closes the window in which a port that was merely found free gets taken."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", port))
-        listener.listen(128)
-    except OSError:
-        listener.close()
-        raise
-    return listener
+    return listen_on("127.0.0.1", port)
 
 
 def start_local_ranks(config: WorkerConfig) -> LocalRanks:
@@ -65,8 +59,8 @@ def start_local_ranks(config: WorkerConfig) -> LocalRanks:
     # ranks still wait to meet would otherwise leave them waiting).
     set_up = (lambda: die_with_parent(libc, signal.SIGKILL)) if libc is not None else None
     for rank in range(1, config.parallel.tensor_parallel_size):
-        environment = {**os.environ, CONFIG_VARIABLE: with_rank(config, rank, port, "127.0.0.1").model_dump_json()}
-        children.append(subprocess.Popen([sys.executable, "-m", "pdserve.app.ranks"], env=environment,
+        environment = child_environment({CONFIG_VARIABLE: with_rank(config, rank, port, "127.0.0.1").model_dump_json()})
+        children.append(subprocess.Popen(python_module_command("pdserve.app.ranks"), env=environment,
                                          preexec_fn=set_up))
     logger.info("started tensor-parallel ranks 1-%d (pids %s), rendezvous on 127.0.0.1:%d",
                 len(children), [child.pid for child in children], port)

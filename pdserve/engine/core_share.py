@@ -16,7 +16,9 @@ prefill worker's steps (--max-step-ms, --max-num-batched-tokens) to bound it.
 Why not oversubscription (both workers always at `wide`): measured in docs/benchmarks.md
 ("Goodput"), two busy workers' spinning intra-op threads slow each other down far more than a
 lone worker gains. Why not static pinning: a lone worker then idles half the machine.
-Torch-free: the thread count is set through the callable the engine gives.
+The ledger is created O_EXCL|O_NOFOLLOW (0600) and opened O_NOFOLLOW, checked to be this user's
+regular file of exactly LEDGER_BYTES, so a planted link or a short file is a start-up error, not a
+write elsewhere or a SIGBUS. Torch-free: the thread count is set through the callable the engine gives.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import stat
 from typing import Callable
 
 logger = logging.getLogger(__name__)
@@ -34,9 +37,35 @@ LEDGER_BYTES = 64
 
 
 def create_ledger(path: str) -> None:
-    """A fresh ledger: both roles idle (`pdserve up` makes it before starting the workers)."""
-    with open(path, "wb") as f:
+    """A fresh ledger: both roles idle (`pdserve up` makes it, in a directory of its own, before starting
+    the workers). Never through a link, never over an existing file: ValueError then."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as error:
+        raise ValueError(f"cannot create the core ledger {path}: {error}") from error
+    with os.fdopen(fd, "wb") as f:
         f.write(bytes(LEDGER_BYTES))
+
+
+def _open_checked_ledger(path: str) -> int:
+    """A read-write descriptor of the ledger at `path`: not a link, a regular file of this user,
+    exactly LEDGER_BYTES long (a shorter one would fault when mapped); ValueError otherwise."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError as error:  # ELOOP: a link at the path
+        raise ValueError(f"cannot open the core ledger {path}: {error}") from error
+    info = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        problem = "is not a regular file"
+    elif info.st_uid != os.geteuid():
+        problem = f"is owned by uid {info.st_uid}, not this user ({os.geteuid()})"
+    elif info.st_size != LEDGER_BYTES:
+        problem = f"holds {info.st_size} bytes, not {LEDGER_BYTES}"
+    if problem is not None:
+        os.close(fd)
+        raise ValueError(f"the core ledger {path} {problem}")
+    return fd
 
 
 class CoreShare:
@@ -78,7 +107,7 @@ class CoreShare:
 def open_core_share(path: str, role: str, narrow: int, wide: int,
                     set_threads: Callable[[int], None]) -> CoreShare:
     """The worker's side of the ledger file at `path` (made by `create_ledger`); starts narrow."""
-    fd = os.open(path, os.O_RDWR)
+    fd = _open_checked_ledger(path)
     try:
         ledger = mmap.mmap(fd, LEDGER_BYTES)
     finally:

@@ -1,8 +1,8 @@
 """File page store of the offload tier: pages in one file under --kv-offload-dir, written and read on an I/O thread.
 
 Invariant: slot s is bytes [s * page_bytes, (s + 1) * page_bytes) of `pages.bin`,
-and a read hands a page to the pool only if its checksum (64-bit XXH3) equals
-the one recorded after its write completed, so a torn or corrupt page, or one
+and a read hands a page to the pool only if its checksum (64-bit XXH3, seeded
+with a secret drawn when the store opens) equals the one recorded after its write completed, so a torn or corrupt page, or one
 whose write never ran, is a failed load (the request recomputes), never wrong
 tokens; a write that fails (a full disk) is a store that did not happen.
 
@@ -25,18 +25,27 @@ pool reuses its block, and a store that finds every staging row busy (the disk
 lags the evictions) is skipped rather than waited for. `write` does the whole
 store on the calling thread (tests, and the benchmark's baseline).
 
-Start-up: the directory is locked (`flock` on `<dir>/lock`), so two workers
-never share it, and `pages.bin` is truncated: the index lives in memory, so
-no page survives a restart. That is the safe choice: nothing on disk can be
-mistaken for another model's, dtype's, layout's or rank's KV.
+Start-up: the directory is made 0700 and must belong to this process's user
+(opened once, everything below it opened relative to that descriptor, never
+through a link); it is locked (`flock` on `<dir>/lock`), so two workers never
+share it, and `pages.bin` is unlinked and created anew (`O_CREAT|O_EXCL|O_NOFOLLOW`):
+the index lives in memory, so no page survives a restart. That is the safe
+choice: nothing on disk can be mistaken for another model's, dtype's, layout's
+or rank's KV, and a link planted at `pages.bin` is replaced, never written through.
+
+The checksum's seed is a per-store secret (64 random bits): a page crafted to
+pass a plain XXH3 fails here. XXH3 is not a MAC; the directory's owner and mode
+keep others out, and a keyed BLAKE2b would cost 90x per load (0.5 against
+45 GB/s measured here), which is why the seed keys a fast hash instead.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import stat
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy
 import torch
@@ -45,24 +54,72 @@ import xxhash
 from pdserve.kv.offload import OffloadIOError, store_geometry
 
 
+def keyed_xxh3() -> Callable[[numpy.ndarray], int]:
+    """XXH3-64 of a page, seeded with a secret drawn now (one per store, never written anywhere)."""
+    seed = int.from_bytes(os.urandom(8), "little")
+    return lambda page: xxhash.xxh3_64_intdigest(page, seed=seed)
+
+
+def open_private_directory(directory: str) -> int:
+    """A descriptor of `directory` (created if missing), which belongs to this user and is 0700 from now on;
+    ValueError when another user owns it."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            raise ValueError(f"--kv-offload-dir {directory} is owned by uid {info.st_uid}, not this user "
+                             f"({os.geteuid()}): another user could read or plant pages there")
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_lock(directory_fd: int, directory: str) -> int:
+    try:
+        return os.open("lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=directory_fd)
+    except OSError as error:  # ELOOP: a link planted at the lock
+        raise ValueError(f"--kv-offload-dir {directory}: cannot open its lock file: {error}") from error
+
+
+def _create_pages_file(directory_fd: int) -> int:
+    """`pages.bin` anew: whatever sits at that name (an old file, a planted link) is unlinked first."""
+    try:
+        os.unlink("pages.bin", dir_fd=directory_fd)
+    except FileNotFoundError:
+        pass
+    return os.open("pages.bin", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=directory_fd)
+
+
 class FilePageStore:
     medium = "disk"
 
     def __init__(self, pool_view: torch.Tensor, capacity_bytes: int, directory: str, num_staging_rows: int = 8,
-                 checksum: Callable[[numpy.ndarray], int] = xxhash.xxh3_64_intdigest):
-        """`checksum`: of one page's bytes (a benchmark compares others; the default is the fast one)."""
+                 checksum: Optional[Callable[[numpy.ndarray], int]] = None):
+        """`checksum`: of one page's bytes (a benchmark compares others; the default, `keyed_xxh3()`,
+        is the fast one)."""
         self.page_bytes, self.num_slots = store_geometry(pool_view.shape, pool_view.dtype == torch.int8,
                                                          capacity_bytes)
-        os.makedirs(directory, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        directory_fd = open_private_directory(directory)
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise ValueError(f"--kv-offload-dir {directory} is in use by another worker") from None
+            lock_fd = _open_lock(directory_fd, directory)
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._fd = _create_pages_file(directory_fd)
+            except BlockingIOError:
+                os.close(lock_fd)
+                raise ValueError(f"--kv-offload-dir {directory} is in use by another worker") from None
+            except BaseException:
+                os.close(lock_fd)  # closing drops the lock
+                raise
+        finally:
+            os.close(directory_fd)
+        self._lock_fd = lock_fd
         self.path = os.path.join(directory, "pages.bin")
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        self._checksum = checksum
+        self._checksum = checksum if checksum is not None else keyed_xxh3()
         self._sums: list[int | None] = [None] * self.num_slots
         self._pool = pool_view
         self._on_cpu = pool_view.device.type == "cpu"

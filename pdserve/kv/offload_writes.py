@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, runtime_checkable
 
@@ -46,12 +46,30 @@ class FinishedWrite:
     duration_s: float  # the write itself, on the I/O thread
 
 
+@runtime_checkable
+class OrderedExecutor(Protocol):
+    """An executor that says it runs its jobs one at a time, in submission order (the I/O thread's contract)."""
+
+    runs_one_at_a_time: bool
+
+    def submit(self, fn: Callable, /, *args, **kwargs): ...
+
+
+class SerialExecutor(ThreadPoolExecutor):
+    """A thread pool of exactly one thread: the offload tier's I/O executor."""
+
+    runs_one_at_a_time = True
+
+    def __init__(self, thread_name_prefix: str = "pdserve-kv-offload"):
+        super().__init__(max_workers=1, thread_name_prefix=thread_name_prefix)
+
+
 def require_serial(executor: Executor) -> None:
-    """ValueError unless `executor` runs one job at a time (a ThreadPoolExecutor(1)): a read must run
-    after the writes queued before it, and two writes of one slot must not interleave."""
-    num_workers = getattr(executor, "_max_workers", 1)  # ThreadPoolExecutor's own count
-    if num_workers != 1:
-        raise ValueError(f"the offload tier's I/O executor must have one worker, not {num_workers}")
+    """ValueError unless `executor` is an OrderedExecutor (a SerialExecutor): a read must run after the
+    writes queued before it, and two writes of one slot must not interleave."""
+    if not (isinstance(executor, OrderedExecutor) and executor.runs_one_at_a_time):
+        raise ValueError(f"the offload tier's I/O executor must run one worker in order "
+                         f"(a SerialExecutor), not {type(executor).__name__}")
 
 
 class WriteQueue:

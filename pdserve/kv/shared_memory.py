@@ -15,7 +15,8 @@ base it advertises to peers) is valid in the agent unchanged:
 
 The engine finds the memfd behind an address from /proc/self/maps (inode) and /proc/self/fd,
 and sends it to the agent over their socket (SCM_RIGHTS). The agent maps it with
-MAP_FIXED_NOREPLACE: it never replaces a mapping of its own; if the address is taken there the
+MAP_FIXED_NOREPLACE: it never replaces a mapping of its own (the memfd is sealed at its size,
+F_SEAL_SHRINK|F_SEAL_GROW, so neither side can pull pages from under the other); if the address is taken there the
 map fails and the engine starts another agent process (a new random layout). Linux only;
 torch-free and nixl-free.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import mmap
 import os
 from dataclasses import dataclass
@@ -43,12 +45,15 @@ class SharedRegion:
 
 
 def shared_zeros(num_bytes: int) -> mmap.mmap:
-    """A zeroed MAP_SHARED mapping of a fresh memfd, advised for transparent huge pages (they apply
+    """A zeroed MAP_SHARED mapping of a fresh memfd, sealed against shrinking and growing, advised for transparent huge pages (they apply
     only where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows it). The memfd stays open
     through the mmap object's own descriptor, which is how `region_of` finds it."""
-    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, num_bytes)
+        # Its size is fixed from here on, for every process it reaches: a shrunk memfd would turn the
+        # other side's accesses past the new end into SIGBUS, and nothing here expects one to grow.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         backing = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)
@@ -102,3 +107,12 @@ def map_at(fd: int, address: int, length: int) -> None:
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.munmap(ctypes.c_void_p(got), length)
         raise OSError(17, f"cannot map shared memory at {address:#x}: the kernel placed it at {got:#x}")
+
+
+def unmap_at(address: int, length: int) -> None:
+    """Undo `map_at` (the agent's side, once nothing registered there is left); OSError if refused."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    if libc.munmap(ctypes.c_void_p(address), length) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"cannot unmap shared memory at {address:#x}: {os.strerror(error)}")

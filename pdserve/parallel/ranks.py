@@ -7,8 +7,10 @@
     gather(report)     <--- control ----- gather(report)
     all_reduce(partial sums) <-- tensors --> all_reduce(partial sums)
 
-Control records go over gloo (pickled; only a worker's own ranks may reach the
-rendezvous port); tensors go over gloo on the CPU and NCCL on CUDA. Every
+Control records go over gloo, pickled and sealed with an HMAC keyed by the internal token
+(`pdserve.parallel.control`: a rank unpickles nothing whose tag fails); tensors go over gloo
+on the CPU and NCCL on CUDA. Rank 0's store listens on --tp-master-addr only (a socket bound
+before the store takes it over), never on every interface. Every
 collective is bounded by the group's timeout: a rank that dies or hangs makes
 the others' next collective raise `RanksLost` instead of blocking forever.
 """
@@ -22,22 +24,33 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from pdserve.parallel.control import ControlRecordRejected, control_key, seal, unseal
 from pdserve.parallel.errors import RanksLost
+from pdserve.parallel.rendezvous import listen_on
 
 logger = logging.getLogger(__name__)
+
+MAX_CONTROL_RECORD_BYTES = 1 << 30  # a size past this is no record of ours: the group is broken
 
 
 class RankGroup:
     """This process's membership of its worker's ranks (one per process)."""
 
     def __init__(self, rank: int, size: int, master_addr: str, master_port: int, timeout_s: float,
-                 device: torch.device, join_timeout_s: Optional[float] = None, listen_fd: Optional[int] = None):
+                 device: torch.device, join_timeout_s: Optional[float] = None, listen_fd: Optional[int] = None,
+                 internal_token: Optional[str] = None):
         """Blocks until all `size` ranks joined (at most `join_timeout_s`, default `timeout_s`);
         every later collective is bounded by `timeout_s`. Rank 0's store listens on `listen_fd`
-        (taking it over) when given: a socket already bound to `master_port`."""
+        (taking it over) when given: a socket already bound to `master_port`; else on a socket it
+        binds to `master_addr`:`master_port` itself. `internal_token` keys the control records'
+        HMAC; without one the ranks must meet on a loopback address (ValueError otherwise)."""
         self.rank = rank
         self.size = size
         self.timeout_s = timeout_s
+        self._key = control_key(internal_token, master_addr)
+        self._num_records = 0  # control collectives so far: the same count on every rank
+        if rank == 0 and listen_fd is None:
+            listen_fd = listen_on(master_addr, master_port).detach()
         timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
         join_timeout = timedelta(seconds=join_timeout_s or timeout_s)
@@ -76,23 +89,46 @@ class RankGroup:
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, record: Any = None) -> Any:
-        """Rank 0 sends `record`; every rank returns it."""
-        box = [record]
+        """Rank 0 sends `record`; every rank returns it (the followers once its tag checked out)."""
+        sequence = self._next_sequence()
+        sealed = seal(self._key, record, sequence, 0) if self.is_leader else b""
         try:
-            dist.broadcast_object_list(box, src=0, group=self._control)
+            size = torch.tensor([len(sealed)], dtype=torch.int64)
+            dist.broadcast(size, src=0, group=self._control)
+            data = _bytes_tensor(sealed) if self.is_leader else torch.empty(_checked_size(size), dtype=torch.uint8)
+            dist.broadcast(data, src=0, group=self._control)
+        except ControlRecordRejected:
+            raise
         except Exception as error:  # noqa: BLE001
             raise RanksLost(f"rank {self.rank}: no word from the other ranks within {self.timeout_s:g} s "
                             f"({error})") from error
-        return box[0]
+        return record if self.is_leader else unseal(self._key, data.numpy().tobytes(), sequence, 0)
 
     def gather(self, record: Any) -> Optional[list[Any]]:
-        """Every rank sends `record`; rank 0 gets them all in rank order, the others None."""
-        box: Optional[list[Any]] = [None] * self.size if self.is_leader else None
+        """Every rank sends `record`; rank 0 gets them all in rank order (each checked), the others None."""
+        sequence = self._next_sequence()
+        sealed = seal(self._key, record, sequence, self.rank)
         try:
-            dist.gather_object(record, box, dst=0, group=self._control)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+            dist.all_gather(sizes, torch.tensor([len(sealed)], dtype=torch.int64), group=self._control)
+            longest = max(_checked_size(size) for size in sizes)
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[:len(sealed)] = _bytes_tensor(sealed)
+            parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)] if self.is_leader else None
+            dist.gather(padded, parts, dst=0, group=self._control)
+        except ControlRecordRejected:
+            raise
         except Exception as error:  # noqa: BLE001
             raise RanksLost(f"rank {self.rank}: gathering the ranks' reports failed: {error}") from error
-        return box
+        if parts is None:
+            return None
+        return [record if sender == 0 else
+                unseal(self._key, parts[sender][:int(sizes[sender])].numpy().tobytes(), sequence, sender)
+                for sender in range(self.size)]
+
+    def _next_sequence(self) -> int:
+        self._num_records += 1
+        return self._num_records
 
     def close(self) -> None:
         """Leave the group (best effort: the others may be gone already)."""
@@ -101,3 +137,14 @@ class RankGroup:
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             logger.debug("leaving the process group failed", exc_info=True)
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _checked_size(size: torch.Tensor) -> int:
+    value = int(size.item())
+    if not 0 <= value <= MAX_CONTROL_RECORD_BYTES:
+        raise ControlRecordRejected(f"a control record of {value} bytes: no rank of this worker sent it")
+    return value

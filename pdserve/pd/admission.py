@@ -6,13 +6,17 @@ and answered the handshake with a matching compatibility hash, engine id and
 epoch, whose block lists fit that peer's pool and the prompt, and whose
 peer's data path is connected. Everything else is a typed
 4xx, or (for a peer that cannot be reached) the failure policy's outcome; a
-peer that failed is remembered per (engine id, epoch) with a backoff so later
-requests get that outcome at once. Torch-free.
+peer that failed is remembered per (handshake address, engine id, epoch) with a
+backoff so later requests get that outcome at once (one address's failures
+never hold back another's). The data path is keyed the same way: a handshake
+through one address never displaces a connection made through another.
+Memory is bounded: at most `max_peers` failures are remembered. Torch-free.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -28,7 +32,7 @@ from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.request import GenerationRequest, RemoteSource
 from pdserve.transfer.planner import validate_remote_block_ids
 from pdserve.transfer.token_units import block_size_problem
-from pdserve.transfer.transport import PeerInfo, TransferError
+from pdserve.transfer.transport import PeerInfo, TransferError, handshake_address, peer_key
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +78,22 @@ class PrefillAdmission:
 
 
 class PeerFailureMemory:
-    """Peers (by `<engine id>@<epoch>`) that failed recently: asked again only after a growing backoff."""
+    """Peers (by transport peer key) that failed recently: asked again only after a growing backoff.
+    At most `max_peers` are remembered; the least recently failed is forgotten first (it is then
+    merely asked again sooner)."""
 
     def __init__(self, initial_backoff_s: float = 1.0, max_backoff_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_peers: int = 1024):
         self.initial_backoff_s = initial_backoff_s
         self.max_backoff_s = max_backoff_s
         self.clock = clock
-        self._failures: dict[str, tuple[float, float, str]] = {}  # key -> (retry at, backoff, reason)
+        self.max_peers = max_peers
+        # key -> (retry at, backoff, reason), least recently failed first
+        self._failures: collections.OrderedDict[str, tuple[float, float, str]] = collections.OrderedDict()
+
+    @property
+    def num_remembered(self) -> int:
+        return len(self._failures)
 
     def reason_to_skip(self, peer_key: str) -> Optional[str]:
         entry = self._failures.get(peer_key)
@@ -93,6 +105,9 @@ class PeerFailureMemory:
         previous = self._failures.get(peer_key)
         backoff = self.initial_backoff_s if previous is None else min(previous[1] * 2, self.max_backoff_s)
         self._failures[peer_key] = (self.clock() + backoff, backoff, reason)
+        self._failures.move_to_end(peer_key)
+        while len(self._failures) > self.max_peers:
+            self._failures.popitem(last=False)
 
     def record_success(self, peer_key: str) -> None:
         self._failures.pop(peer_key, None)
@@ -140,14 +155,15 @@ class DecodeAdmission:
 
         if self.allowed_peers is not None:
             self.allowed_peers.check(params.remote_host)  # before any connection to it
-        peer_key = f"{params.remote_engine_id}@{params.remote_epoch}"
-        reason = self.failures.reason_to_skip(peer_key)
+        via = handshake_address(params.remote_host, params.remote_port)
+        key = peer_key(params.remote_engine_id, params.remote_epoch, via)
+        reason = self.failures.reason_to_skip(key)
         if reason is not None:
             return self._unreachable(local, reason)
         try:
             agent = await self.handshake.peer_for(params)
         except KVPullFailed as error:
-            return self._unreachable(local, error.message, peer_key)
+            return self._unreachable(local, error.message, key)
         if params.tp_size != agent.tp_size:
             raise KVParamsInvalid(f"kv_transfer_params.tp_size is {params.tp_size} but prefill worker "
                                   f"{params.remote_engine_id} runs {agent.tp_size} tensor-parallel ranks")
@@ -157,12 +173,16 @@ class DecodeAdmission:
                                   f"{problem}", param="kv_transfer_params")
         check_block_ids(params, agent, self.plan)
         try:
-            error_text = await self.connect_peer(PeerInfo.from_dict(agent.transport))
-        except TransferError as error:  # the peer's transport record is malformed
+            peer = PeerInfo.from_dict(agent.transport, via=via)
+            if (peer.engine_id, peer.epoch) != (agent.engine_id, agent.epoch):  # the handshake checks it too
+                raise TransferError(f"the transport record of {via} names engine {peer.engine_id!r} epoch "
+                                    f"{peer.epoch!r}, its agent info {agent.engine_id!r} {agent.epoch!r}")
+            error_text = await self.connect_peer(peer)
+        except TransferError as error:  # the peer's transport record is malformed or not its own
             error_text = error.message
         if error_text is not None:
-            return self._unreachable(local, error_text, peer_key)
-        self.failures.record_success(peer_key)
+            return self._unreachable(local, error_text, key)
+        self.failures.record_success(key)
         return dataclasses.replace(local, remote=RemoteSource(params, agent))
 
     def _unreachable(self, local: GenerationRequest, reason: str, peer_key: Optional[str] = None) -> GenerationRequest:

@@ -28,7 +28,8 @@ from pdserve.pd.messages import KVMessage, MessageKind
 from pdserve.pd.peers import PeerConnections
 from pdserve.request import RemoteSource, Request
 from pdserve.transfer.planner import plan_pull
-from pdserve.transfer.transport import KVTransport, TransferError, TransferHandle, TransferState
+from pdserve.transfer.transport import (KVTransport, TransferError, TransferHandle, TransferState, handshake_address,
+                                       peer_key)
 
 logger = logging.getLogger(__name__)
 AGENT_CHECK_INTERVAL_S = 0.1  # how often an idle or busy D asks its transport whether the agent lives
@@ -48,8 +49,10 @@ class _Remote:
     uncached_blocks: tuple[int, ...] = ()  # per group: leading table entries the pull left partly unfilled
 
     @property
-    def peer_key(self) -> str:
-        return f"{self.source.agent.engine_id}@{self.source.agent.epoch}"
+    def peer_key(self) -> str:  # the key admission connected: by handshake address, engine and epoch
+        params = self.source.params
+        return peer_key(self.source.agent.engine_id, self.source.agent.epoch,
+                        handshake_address(params.remote_host, params.remote_port))
 
     def lease_deadline_s(self, own_lease_s: float) -> float:
         # Half the lease as margin: P's clock started before ours, and a renewal in flight may not

@@ -2,14 +2,17 @@
 
 D fetches `GET /internal/kv/agent_info` from P's own HTTP server once per
 (engine id, epoch). Invariant: D uses a peer only when its compatibility hash
-equals D's own (same model, dtype, geometry, layout, groups and protocol) and
-the engine id and epoch in the request's params match what P says now.
+equals D's own (same model, dtype, geometry, layout, groups and protocol),
+the engine id and epoch in the request's params match what P says now, and
+P's transport record names that same engine and epoch. An answer is at most
+`MAX_HANDSHAKE_BYTES`, and at most `max_cached_peers` answers are kept.
 Torch-free.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import json
 import logging
@@ -25,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 AGENT_INFO_PATH = "/internal/kv/agent_info"
 TOKEN_HEADER = "X-Pdserve-Internal-Token"  # same header as pdserve.server.errors.INTERNAL_TOKEN_HEADER
+MAX_HANDSHAKE_BYTES = 1 << 20  # an agent info answer is a few KiB (64 tensor-parallel ranks: a few hundred)
+DEFAULT_MAX_CACHED_PEERS = 256  # prefill addresses whose answers are kept (least recently used dropped)
 
 
 def groups_to_wire(plan: KVGroupPlan) -> list[GroupWire]:
@@ -73,7 +78,9 @@ def incompatibilities(own: dict[str, Any], theirs: dict[str, Any], limit: int = 
 class HandshakeClient:
     """Fetches and caches peers' agent info; refreshes when a peer restarts.
 
-    Requests that need the same peer at once share one fetch. The fetch's HTTP client speaks
+    Requests that need the same peer at once share one fetch; answers are kept per address, the
+    `max_cached_peers` most recently used (a params stream naming ever new addresses cannot grow
+    it). The fetch's HTTP client speaks
     plain http to P's internal endpoint only: it loads no CA bundle (that blocked the event
     loop for about 50 ms per handshake) and ignores HTTP(S)_PROXY from the environment
     (an internal call must not leave through an operator's egress proxy)."""
@@ -81,7 +88,8 @@ class HandshakeClient:
     def __init__(self, own_hash: str, token: Optional[str], timeout_s: float = 5.0,
                  on_handshake: Callable[[], None] = lambda: None,
                  http_transport: Optional[httpx.AsyncBaseTransport] = None,
-                 own_compatibility: Optional[dict[str, Any]] = None):
+                 own_compatibility: Optional[dict[str, Any]] = None,
+                 max_cached_peers: int = DEFAULT_MAX_CACHED_PEERS):
         """`http_transport` replaces the network (in-process tests route to a prefill app);
         `own_compatibility` (the document behind `own_hash`) lets a refusal say what differs."""
         self.http_transport = http_transport
@@ -90,7 +98,8 @@ class HandshakeClient:
         self.on_handshake = on_handshake
         self.token = token
         self.timeout_s = timeout_s
-        self._by_address: dict[tuple[str, int], AgentInfo] = {}
+        self.max_cached_peers = max_cached_peers
+        self._by_address: collections.OrderedDict[tuple[str, int], AgentInfo] = collections.OrderedDict()
         self._fetching: dict[tuple[str, int], asyncio.Task[AgentInfo]] = {}
 
     async def _fetch(self, host: str, port: int) -> AgentInfo:
@@ -99,15 +108,21 @@ class HandshakeClient:
         try:
             async with httpx.AsyncClient(timeout=self.timeout_s, transport=self.http_transport, verify=False,
                                          trust_env=False) as client:
-                response = await client.get(url, headers=headers)
+                async with client.stream("GET", url, headers=headers) as response:
+                    if response.status_code != 200:
+                        raise KVPullFailed(f"prefill worker {host}:{port} refused the handshake "
+                                           f"(HTTP {response.status_code})")
+                    body = await _read_capped(response, f"{host}:{port}")
         except httpx.HTTPError as error:
             raise KVPullFailed(f"prefill worker {host}:{port} unreachable for handshake: {error!r}") from None
-        if response.status_code != 200:
-            raise KVPullFailed(f"prefill worker {host}:{port} refused the handshake (HTTP {response.status_code})")
         try:
-            info = AgentInfo.model_validate_json(response.content)
+            info = AgentInfo.model_validate_json(body)
         except ValueError:  # pydantic's ValidationError included
             raise KVPullFailed(f"prefill worker {host}:{port} answered the handshake with malformed agent info") from None
+        record = (info.transport.get("engine_id"), info.transport.get("epoch"))
+        if record != (info.engine_id, info.epoch):
+            raise KVPullFailed(f"prefill worker {host}:{port} is engine {info.engine_id!r} epoch {info.epoch!r}, but "
+                               f"its transport record names engine {record[0]!r} epoch {record[1]!r}")
         self.on_handshake()
         logger.info("handshake with %s:%d: engine %s epoch %s", host, port, info.engine_id, info.epoch)
         return info
@@ -124,15 +139,27 @@ class HandshakeClient:
                 if self._fetching.get(address) is done:
                     del self._fetching[address]
                 if not done.cancelled() and done.exception() is None:
-                    self._by_address[address] = done.result()
+                    self._remember(address, done.result())
 
             task.add_done_callback(settle)
         return await asyncio.shield(task)
+
+    def _remember(self, address: tuple[str, int], info: AgentInfo) -> None:
+        self._by_address[address] = info
+        self._by_address.move_to_end(address)
+        while len(self._by_address) > self.max_cached_peers:
+            self._by_address.popitem(last=False)
+
+    @property
+    def num_cached_peers(self) -> int:
+        return len(self._by_address)
 
     async def peer_for(self, params: RemotePrefillParams) -> AgentInfo:
         """The verified agent info of the peer the params point at."""
         address = (params.remote_host, params.remote_port)
         info = self._by_address.get(address)
+        if info is not None:
+            self._by_address.move_to_end(address)
         if info is None or (info.engine_id, info.epoch) != (params.remote_engine_id, params.remote_epoch):
             info = await self._shared_fetch(address)
         if info.compat_hash != self.own_hash:
@@ -148,3 +175,17 @@ class HandshakeClient:
         if info.epoch != params.remote_epoch:
             raise KVParamsStale(f"kv_transfer_params.remote_epoch {params.remote_epoch!r} is stale: the prefill worker restarted")
         return info
+
+
+async def _read_capped(response: httpx.Response, address: str) -> bytes:
+    """The body of a handshake answer; KVPullFailed past MAX_HANDSHAKE_BYTES (read no further)."""
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_HANDSHAKE_BYTES:
+        raise KVPullFailed(f"prefill worker {address} announced a handshake answer of {declared} bytes "
+                           f"(at most {MAX_HANDSHAKE_BYTES})")
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) > MAX_HANDSHAKE_BYTES:
+            raise KVPullFailed(f"prefill worker {address} sent a handshake answer over {MAX_HANDSHAKE_BYTES} bytes")
+    return bytes(body)

@@ -24,7 +24,6 @@ import os
 import signal
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence, Union
 
 import torch
@@ -39,6 +38,7 @@ from pdserve.runner.offload_ranks import FileTierFollower, HostTierFollower
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.offload_file import FilePageStore
 from pdserve.kv.offload_host import HostPageStore
+from pdserve.kv.offload_writes import SerialExecutor
 from pdserve.kv.specs import plan_groups
 from pdserve.models.loader import load_model, resolve_quantization
 from pdserve.models.registry import TensorParallelRank
@@ -116,7 +116,7 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
     dtype = pick_dtype(config.model.dtype, device)
     torch.set_num_threads(rank_threads(config.model.num_threads, size))
     group = RankGroup(rank, size, parallel.tp_master_addr, parallel.tp_master_port or 0, parallel.tp_timeout_s, device,
-                      parallel.tp_join_timeout_s)
+                      parallel.tp_join_timeout_s, internal_token=config.server.internal_token)
     transport = None
     tier: Optional[TierFollower] = None
     try:
@@ -166,7 +166,7 @@ def _tier_follower(setup: RankSetup, layout: KVPoolLayout, pool: torch.Tensor, r
                           setup.num_offload_staging_rows)
     logger.info("rank %d: KV offload tier %s, %d pages of %d bytes", rank, store.path, store.num_slots,
                 store.page_bytes)
-    return FileTierFollower(store, rank, ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-kv-offload-rank{rank}"))
+    return FileTierFollower(store, rank, SerialExecutor(f"pdserve-kv-offload-rank{rank}"))
 
 
 def _follow(group: RankGroup, runner: ModelRunner, transport: Optional[FollowerTransport],

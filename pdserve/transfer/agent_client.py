@@ -3,10 +3,13 @@
 A segfault in NIXL or UCX (one was reproduced when a decode peer was SIGKILLed mid-READ:
 docs/reliability.md, "The prefill crash") then kills the agent process, not the engine. Every
 call is one request/answer over a socket pair (pdserve/transfer/agent_process.py); memory is
-shared by address (pdserve/kv/shared_memory.py), so descriptors cross unchanged. A closed
-socket, or no answer within `call_timeout_s` (the child is then killed), marks the agent dead:
-every later call raises `AgentProcessDied`, and releasing its objects is a no-op (a dead process
-writes no memory). NixlTransport then fails what was in flight and starts a new agent.
+shared by address (pdserve/kv/shared_memory.py), so descriptors cross unchanged. The bound on a
+call is hard (pdserve/transfer/agent_wire.py): a closed socket, no whole answer within
+`call_timeout_s` (an answer cut off halfway included), or a malformed answer marks the agent
+dead, and its process is killed; the wait for the killed process to exit is bounded too
+(`KILL_WAIT_S`: one stuck in the kernel is left behind, named in the log). Every later call
+raises `AgentProcessDied`, and releasing its objects is a no-op (a dead process writes no
+memory). NixlTransport then fails what was in flight and starts a new agent.
 
 Start-up does not block: the constructor starts the process; `ready()` says, without waiting,
 whether the agent is up (it raises `AgentProcessDied` if it failed to start).
@@ -14,21 +17,28 @@ whether the agent is up (it raises `AgentProcessDied` if it failed to start).
 
 from __future__ import annotations
 
+import logging
 import os
+import select
 import signal
 import socket
 import subprocess
-import sys
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
+from pdserve.api.child_process import child_environment, python_module_command
 from pdserve.kv.shared_memory import region_of
+from pdserve.transfer.agent_wire import AgentWireError, receive_within, send_within
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CALL_TIMEOUT_S = 5.0
+KILL_WAIT_S = 5.0  # for a killed agent process to exit (one in uninterruptible sleep may not)
 # Mapping and registering memory may pin it (RDMA transports pin every page): more time than a call.
 REGISTER_TIMEOUT_S = 120.0
 
@@ -63,23 +73,57 @@ class _AgentObject:
             self.agent.call("release", self.object_id)
 
 
+class _Registration(_AgentObject):
+    """A registration, and the start of the memfd mapping it lies in (unmapped with its last one)."""
+
+    __slots__ = ("region_start",)
+
+    def __init__(self, agent: "IsolatedAgent", object_id: int, region_start: int):
+        super().__init__(agent, object_id)
+        self.region_start = region_start
+
+
+@dataclass(slots=True)
+class _Mapping:
+    """A memfd mapped in the agent process: by inode, since freed memory comes back at the same address."""
+
+    length: int
+    inode: int
+    num_registrations: int = 0
+
+
+def start_agent_process(fd: int, name: str, enable_prog_thread: bool, nixl_api_module: str) -> subprocess.Popen:
+    """`python -P -m pdserve.transfer.agent_process` with `fd` (its end of the socket pair) passed on, in the
+    trimmed environment of every pdserve child (pdserve/api/child_process.py)."""
+    command = python_module_command("pdserve.transfer.agent_process", str(fd), name,
+                                    "1" if enable_prog_thread else "0", nixl_api_module)
+    env = child_environment({"PYTHONFAULTHANDLER": "1"})  # a crash leaves its stack in the worker's log
+    return subprocess.Popen(command, pass_fds=[fd], env=env, stdin=subprocess.DEVNULL)
+
+
 class IsolatedAgent:
     def __init__(self, name: str, enable_prog_thread: bool = False,
-                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S):
+                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, nixl_api_module: str = "nixl._api",
+                 start_process: Callable[[int, str, bool, str], Any] = start_agent_process,
+                 clock: Callable[[], float] = time.monotonic):
+        """`start_process(fd, name, progress_thread, nixl_api_module)` starts the agent's process (a Popen,
+        or a fake). `nixl_api_module`: the module the child takes nixl_agent from. The engine passes the
+        backend module nixl chose in its own process (`nixl_cu13._api`, say), so that the child skips nixl's
+        package import, which on a CPU-only torch imports all of torch to find no CUDA version (seconds
+        of start-up and hundreds of MB of resident memory in every worker's agent process)."""
         self.name = name
+        self._clock = clock
         self.call_timeout_s = call_timeout_s
         self.dead: Optional[str] = None
         self.backends: list[str] = []
         self._ready = False
-        self._mapped: set[int] = set()
+        self._mapped: dict[int, _Mapping] = {}  # region start -> what the agent process maps there
         ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a crash leaves its stack in the worker's log
         try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.transfer.agent_process", str(theirs.fileno()), name,
-                 "1" if enable_prog_thread else "0"], pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+            self._process = start_process(theirs.fileno(), name, enable_prog_thread, nixl_api_module)
         finally:
             theirs.close()
+        ours.setblocking(False)  # our end only: every wait is a poll with a deadline
         self._connection = Connection(ours.detach())
 
     @property
@@ -92,38 +136,46 @@ class IsolatedAgent:
             return True
         if self.dead is not None:
             raise AgentProcessDied(self.dead)
+        if not self._readable_within(0):
+            if self._process.poll() is not None:
+                self._die("exited while starting")
+            return False
         try:
-            if not self._connection.poll(0):
-                if self._process.poll() is not None:
-                    self._die("exited while starting")
-                return False
-            kind, value = self._connection.recv()
-        except (EOFError, OSError):
-            self._die("exited while starting")
-        if kind != "ready":
-            self._die(f"could not create the NIXL agent: {value}")
-        self.backends, self._ready = value, True
+            reply = receive_within(self._connection.fileno(), self._clock() + self.call_timeout_s, self._clock)
+        except AgentWireError as exc:
+            self._die(f"exited while starting ({exc})")
+        if not (isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "ready" and isinstance(reply[1], list)):
+            self._die(f"could not create the NIXL agent: {reply!r:.300}")
+        self.backends, self._ready = reply[1], True
         return True
 
     def wait_ready(self, timeout_s: float) -> None:
-        if not self._ready and not self._connection.poll(timeout_s):
+        if not self._ready and not self._readable_within(timeout_s):
             self._die(f"not up within {timeout_s:g} s")
         if not self.ready():
             self._die("not up")
+
+    def _readable_within(self, timeout_s: float) -> bool:
+        poller = select.poll()
+        poller.register(self._connection.fileno(), select.POLLIN)
+        return bool(poller.poll(timeout_s * 1000))
 
     def call(self, op: str, *args: Any, fd: Optional[int] = None, timeout_s: Optional[float] = None) -> Any:
         if self.dead is not None:
             raise AgentProcessDied(self.dead)
         timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
+        deadline_s = self._clock() + timeout_s
         try:
-            self._connection.send((op, args))
+            send_within(self._connection.fileno(), (op, args), deadline_s, self._clock)
             if fd is not None:
                 send_handle(self._connection, fd, self._process.pid)
-            if not self._connection.poll(timeout_s):
-                self._die(f"no answer to {op!r} within {timeout_s:g} s")
-            kind, value = self._connection.recv()
-        except (EOFError, OSError):
-            self._die(f"connection lost during {op!r}")
+            reply = receive_within(self._connection.fileno(), deadline_s, self._clock)
+        except (AgentWireError, OSError) as exc:
+            self._die(f"gave no whole answer to {op!r} (bound {timeout_s:g} s): {exc}")
+        if not (isinstance(reply, tuple) and len(reply) == 2 and reply[0] in ("ok", "err")) or \
+                (reply[0] == "err" and not isinstance(reply[1], str)):
+            self._die(f"answered {op!r} with a malformed reply {reply!r:.200}")
+        kind, value = reply
         if kind == "err":
             raise AgentCallFailed(value)
         return value
@@ -131,30 +183,63 @@ class IsolatedAgent:
     def _die(self, reason: str) -> None:
         """Mark the agent dead (killing its process if still there) and raise AgentProcessDied."""
         if self.dead is None:
-            if self._process.poll() is None:
-                self._process.kill()
-            code = self._process.wait()
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            self.dead = f"NIXL agent process {self._process.pid} {reason} ({how})"
+            self.dead = f"NIXL agent process {self._process.pid} {reason} ({self._kill_and_reap()})"
             self._connection.close()
         raise AgentProcessDied(self.dead)
 
+    def _kill_and_reap(self) -> str:
+        """Kill the process if it still runs and wait at most KILL_WAIT_S for it: how it ended."""
+        if self._process.poll() is None:
+            self._process.kill()
+        try:
+            code = self._process.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            logger.error("NIXL agent process %d did not exit within %g s of SIGKILL: left behind",
+                         self._process.pid, KILL_WAIT_S)
+            return f"still there {KILL_WAIT_S:g} s after SIGKILL"
+        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
     # ---- nixl_agent's interface ------------------------------------------------------------
 
-    def register_memory(self, memory: Any, mem_type: Optional[str] = None) -> _AgentObject:
-        """Register a host tensor (torch) that lies in pdserve shared memory."""
+    def register_memory(self, memory: Any, mem_type: Optional[str] = None) -> _Registration:
+        """Register a host tensor (torch) that lies in pdserve shared memory.
+
+        The agent maps the tensor's memfd first unless it maps that very memfd (same inode) there
+        already; a mapping of freed memory left at the address (no registration in it) is dropped."""
         if getattr(memory, "is_cuda", False):
             raise AgentCallFailed("an isolated NIXL agent registers host memory only")
         address, length = memory.data_ptr(), memory.numel() * memory.element_size()
         region = region_of(address, length)
-        if region.start not in self._mapped:
+        inode = os.fstat(region.fd).st_ino
+        mapping = self._mapped.get(region.start)
+        if mapping is not None and (mapping.inode, mapping.length) != (inode, region.length):
+            if mapping.num_registrations:
+                raise AgentCallFailed(f"memory at {region.start:#x} is another memfd than the one still "
+                                      f"registered there ({mapping.num_registrations} registrations)")
+            self._unmap(region.start)
+            mapping = None
+        if mapping is None:
             self.call("map", region.start, region.length, fd=region.fd, timeout_s=REGISTER_TIMEOUT_S)
-            self._mapped.add(region.start)
-        return _AgentObject(self, self.call("register", address, length, "DRAM", 0, timeout_s=REGISTER_TIMEOUT_S))
+            mapping = self._mapped[region.start] = _Mapping(region.length, inode)
+        object_id = self.call("register", address, length, "DRAM", 0, timeout_s=REGISTER_TIMEOUT_S)
+        mapping.num_registrations += 1
+        return _Registration(self, object_id, region.start)
 
-    def deregister_memory(self, registration: _AgentObject) -> None:
-        if self.dead is None:
-            self.call("deregister", registration.object_id)
+    def deregister_memory(self, registration: _Registration) -> None:
+        """Deregister; the last registration in a mapping unmaps it in the agent (issue 36: a buffer
+        allocated later at the same address must not meet the old memory there)."""
+        if self.dead is not None:
+            return
+        self.call("deregister", registration.object_id)
+        mapping = self._mapped.get(registration.region_start)
+        if mapping is not None:
+            mapping.num_registrations -= 1
+            if mapping.num_registrations <= 0:
+                self._unmap(registration.region_start)
+
+    def _unmap(self, start: int) -> None:
+        self._mapped.pop(start, None)
+        self.call("unmap", start)
 
     def get_agent_metadata(self) -> bytes:
         return self.call("metadata")
@@ -203,8 +288,7 @@ class IsolatedAgent:
             try:
                 self._process.wait(timeout=self.call_timeout_s)
             except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+                self._kill_and_reap()
             self.dead = f"NIXL agent process {self._process.pid} closed"
             self._connection.close()
 

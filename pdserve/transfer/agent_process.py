@@ -1,14 +1,20 @@
 """The NIXL agent's own process: a fault in NIXL or UCX kills this process, not the engine.
 
 Started by pdserve/transfer/agent_client.py (`python -m pdserve.transfer.agent_process FD NAME
-PROGRESS_THREAD`) with one end of a socket pair as FD. It creates the agent, says
+PROGRESS_THREAD NIXL_API_MODULE`) with one end of a socket pair as FD. It creates the agent, says
 ("ready", backends) or ("failed", why), then answers one request at a time:
 
     engine process                         agent process
-    ("register", addr, len, mem)  ----->   map the memfd at addr (fd sent alongside), register
+    ("map", start, len)           ----->   map the memfd (fd sent alongside) at start
+    ("register", addr, len, mem)  ----->   register [addr, addr + len) of a mapped memfd
                                   <-----   ("ok", handle id)
+    ("unmap", start)              ----->   drop the mapping (nothing registered in it any more)
     ("check", xfer id)            ----->   agent.check_xfer_state(...)
                                   <-----   ("ok", "PROC" | "DONE" | "ERR")
+
+A mapping is known by its start address and its memfd's inode: memory freed in the engine and
+allocated anew at the same address is another memfd, which the engine maps only after unmapping
+the old one here (a read into the stale mapping would land where the engine never looks).
 
 NIXL objects (registrations, descriptor lists, transfers) stay here, named to the engine by
 integer ids. An exception answers ("err", repr); a crash closes the socket, which the engine
@@ -19,6 +25,7 @@ workers start their agent from a loader thread).
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import sys
@@ -26,7 +33,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any, Callable
 
-from pdserve.kv.shared_memory import map_at
+from pdserve.kv.shared_memory import map_at, unmap_at
 
 _PARENT_CHECK_S = 1.0
 
@@ -38,7 +45,7 @@ class AgentServer:
         self._receive_fd = receive_fd
         self._objects: dict[int, Any] = {}
         self._ids = itertools.count(1)
-        self._mapped: set[int] = set()
+        self._mapped: dict[int, tuple[int, int]] = {}  # start -> (length, memfd inode)
 
     def _keep(self, value: Any) -> int:
         object_id = next(self._ids)
@@ -54,11 +61,21 @@ class AgentServer:
     def op_map(self, start: int, length: int) -> None:
         fd = self._receive_fd()
         try:
-            if start not in self._mapped:
+            identity = (length, os.fstat(fd).st_ino)
+            mapped = self._mapped.get(start)
+            if mapped is None:
                 map_at(fd, start, length)
-                self._mapped.add(start)
+                self._mapped[start] = identity
+            elif mapped != identity:
+                raise ValueError(f"{start:#x} still maps memfd inode {mapped[1]} ({mapped[0]} bytes), not inode "
+                                 f"{identity[1]} ({length} bytes): unmap it first")
         finally:
             os.close(fd)  # the mapping keeps the memory
+
+    def op_unmap(self, start: int) -> None:
+        mapped = self._mapped.pop(start, None)
+        if mapped is not None:
+            unmap_at(start, mapped[0])
 
     def op_register(self, address: int, length: int, mem_type: str, device_id: int) -> int:
         return self._keep(self.agent.register_memory([(address, length, device_id, "")], mem_type))
@@ -126,12 +143,14 @@ def serve(connection: Connection, server: AgentServer) -> None:
 
 
 def main(argv: list[str]) -> int:
-    fd, name, progress_thread = int(argv[0]), argv[1], argv[2] == "1"
+    fd, name, progress_thread, api_module = int(argv[0]), argv[1], argv[2] == "1", argv[3]
     connection = Connection(fd)
     try:
-        from pdserve.transfer.nixl_transport import new_inline_agent  # nixl's one home in pdserve
-
-        agent = new_inline_agent(name, progress_thread)
+        # nixl's own backend module, named by the engine (agent_client.py says why): never the engine's
+        # nixl_transport, which would import torch here for nothing.
+        nixl_api = importlib.import_module(api_module)
+        agent = nixl_api.nixl_agent(name, nixl_api.nixl_agent_config(enable_prog_thread=progress_thread,
+                                                                      backends=["UCX"]))
     except Exception as exc:
         connection.send(("failed", repr(exc)))
         return 1

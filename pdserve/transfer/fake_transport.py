@@ -111,8 +111,10 @@ class FakeTransport:
         if self.page_bytes % chunk or peer.page_bytes % chunk:
             raise TransferError(f"chunks of {chunk} bytes divide neither pages of {peer.page_bytes} (peer {peer.key}) "
                                 f"nor of {self.page_bytes} (here)")
-        for stale_key in [k for k, p in {**self._peers, **self._connecting}.items()
-                          if p.engine_id == peer.engine_id or p.agent_name == peer.agent_name]:
+        held = {**self._peers, **self._connecting}
+        for clash in [k for k, p in held.items() if p.clashes_with(peer)]:
+            raise TransferError(f"peer {peer.key} announces agent {peer.agent_name!r}, which peer {clash} uses")
+        for stale_key in [k for k, p in held.items() if p.replaced_by(peer)]:
             self.disconnect(stale_key)
         self._connect_failures.pop(peer.key, None)
         self._connecting[peer.key] = peer

@@ -1,8 +1,8 @@
-"""KVTransport over NIXL (UCX backend): the only module of pdserve that imports nixl.
+"""KVTransport over NIXL (UCX backend): the only module of pdserve that imports nixl (an agent process imports
+the backend module this one names).
 
-Invariant: the pool's canonical view is registered once as one region; a READ moves chunks
-(whole pages, or the `chunk_bytes` pieces of `begin_connect`) and the handle is DONE only once
-every chunk is in its local place.
+Invariant: the pool's canonical view is registered once as one region; a READ moves chunks (whole pages,
+or the `chunk_bytes` pieces of `begin_connect`) and the handle is DONE only once every chunk is in place.
 
     local pool (canonical int8 view [num_blocks, page_bytes], one NIXL region)
     base                                                     base + num_blocks*page_bytes
@@ -40,12 +40,12 @@ CUDA the handle is DONE, and the buffer free, only once the copy's event complet
 Agent isolation (`isolated=True`, host-memory pools): the agent runs in its own process
 (pdserve/transfer/agent_client.py), so a crash inside NIXL or UCX costs the reads in flight, not
 the engine. Its death is noticed at the next call; the reads it ran fail, its peers are dropped,
-and a replacement with a new name and metadata starts (pdserve/transfer/agent_restart.py);
-`generation` counts them, so the worker can advertise the new identity.
+and a replacement with a new name and metadata starts (pdserve/transfer/agent_restart.py; the
+pool is registered with it on a helper thread, never the engine's); `generation` counts them, so
+the worker can advertise the new identity.
 
-NIXL raises its own exception classes (no common base beyond Exception) from
-C++ bindings; every call into the agent is therefore wrapped, and a failure
-becomes a TransferError or a FAILED handle, never an engine crash.
+NIXL raises its own exception classes (no common base beyond Exception) from C++ bindings; every call
+into the agent is therefore wrapped, and a failure becomes a TransferError or a FAILED handle, never a crash.
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ import functools
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -66,6 +65,7 @@ from pdserve.transfer.agent_restart import AgentRestart
 from pdserve.transfer.descriptor_runs import (
     DEFAULT_STAGED_DESCRIPTOR_FACTOR, DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES, DirectRuns, StagedRuns, check_ids,
     check_read_mode, choose_runs, chunk_descriptors, run_descriptors)
+from pdserve.transfer.nixl_records import AgentRegistration, ConnectedPeer, ReadInFlight, fail_read
 from pdserve.transfer.staged_copy import Scatter, allocate_host_or_device, copy_out_of_staging
 from pdserve.transfer.staging import StagingBuffer, StagingBuffers
 from pdserve.transfer.ucx_environment import allow_cuda_ipc_reads
@@ -79,23 +79,6 @@ _WARM_UP_BYTES = 64
 _AGENT_START_TIMEOUT_S = 60.0  # the first agent process, at worker start-up (importing nixl included)
 MAX_PREPPED_CHUNKS_PER_PAGE = 64  # head-range chunks of the TP path; never a pool of (unit, row) chunks
 DEFAULT_STAGING_IDLE_BYTES = 1 << 30  # staging buffers kept for reuse between reads
-
-
-@dataclass(slots=True)
-class _Peer:
-    info: PeerInfo
-    remote_name: str
-    dlist: Any  # nixl_prepped_dlist_handle over the peer's chunks; None for fine chunks (described per read)
-    chunk_bytes: int  # the unit of reads from this peer: a page, a head range of one, or a (unit, row) piece
-    warm_up: Any = None  # the warm-up read while connecting, None once connected
-
-
-@dataclass(slots=True)
-class _InFlight:
-    xfer: Any  # nixl_xfer_handle
-    peer_key: str
-    scatter: Optional[Scatter] = None  # set for a staged read
-    lost: Optional[str] = None  # why, once the agent that ran it died (the read failed, nothing to release)
 
 
 class NixlTransport:
@@ -132,19 +115,20 @@ class NixlTransport:
         self._base_name = self._agent_name = agent_name
         self._connect_timeout_s = connect_timeout_s
         self._isolated = isolated
-        self._new_agent = (functools.partial(IsolatedAgent, enable_prog_thread=progress_thread,
-                                             call_timeout_s=agent_call_timeout_s) if isolated
-                           else functools.partial(new_inline_agent, progress_thread=progress_thread))
+        isolated_agent = functools.partial(IsolatedAgent, enable_prog_thread=progress_thread,
+                                           call_timeout_s=agent_call_timeout_s, nixl_api_module=nixl_agent.__module__)
+        self._new_agent = isolated_agent if isolated else functools.partial(new_inline_agent,
+                                                                             progress_thread=progress_thread)
         self._on_agent_restart = on_agent_restart
         # A few bytes of our own to land the warm-up read of `connect` in.
         self._scratch = allocate_host_or_device(view.device, _WARM_UP_BYTES, isolated)
         self._mem_type = "VRAM" if view.is_cuda else "DRAM"
         self._device_id = view.get_device() if view.is_cuda else 0
-        self._peers: dict[str, _Peer] = {}
-        self._connecting: dict[str, _Peer] = {}
+        self._peers: dict[str, ConnectedPeer] = {}
+        self._connecting: dict[str, ConnectedPeer] = {}
         self._connect_failures: dict[str, str] = {}
         self._unreleased: list[Any] = []  # transfers NIXL could not release yet
-        self._in_flight: dict[int, _InFlight] = {}
+        self._in_flight: dict[int, ReadInFlight] = {}
         self._handle_ids = itertools.count(1)
         self._closed = False
         self.generation = 0  # how many times the agent was replaced (its name and metadata change each time)
@@ -156,7 +140,7 @@ class NixlTransport:
             agent = self._new_agent(agent_name)
             if isinstance(agent, IsolatedAgent):
                 agent.wait_ready(_AGENT_START_TIMEOUT_S)
-            self._set_up(agent)
+            self._install(agent, self._register_with(agent))
         except TransferError:
             raise
         except Exception as exc:  # NIXL binding errors share no base class
@@ -164,16 +148,21 @@ class NixlTransport:
         logger.info("NIXL agent %s registered %d pages of %d bytes (%s%s)", agent_name, self.num_blocks,
                     self.page_bytes, self._mem_type, ", own process" if isolated else "")
 
-    def _set_up(self, agent: Any) -> None:
-        """Register the pool and the scratch buffer with `agent`, prepare the page list, then use it."""
+    def _register_with(self, agent: Any) -> AgentRegistration:
+        """Register the pool and the scratch buffer with `agent` and prepare the page list. Touches
+        nothing of `self` but the memory: a replacement agent runs this on a helper thread."""
         if "UCX" not in agent.backends:
             raise TransferError("the NIXL UCX backend plugin is not available")
-        self._registration = agent.register_memory(self._view)
-        self._scratch_registration = agent.register_memory(self._scratch)
+        pool, scratch = agent.register_memory(self._view), agent.register_memory(self._scratch)
+        pages = agent.prep_xfer_dlist(_LOCAL_AGENT, self._descriptors(self.page_bytes), self._mem_type)
+        return AgentRegistration(pool, scratch, pages, agent.get_agent_metadata())
+
+    def _install(self, agent: Any, registered: AgentRegistration) -> None:
+        """Use `agent`, registered by `_register_with` (engine thread)."""
+        self._registration, self._scratch_registration = registered.pool, registered.scratch
         # Local descriptor lists by unit (whole pages, or the chunks a peer's reads move).
-        self._local_dlists = {self.page_bytes: agent.prep_xfer_dlist(
-            _LOCAL_AGENT, self._descriptors(self.page_bytes), self._mem_type)}
-        self._metadata = agent.get_agent_metadata()
+        self._local_dlists = {self.page_bytes: registered.pages}
+        self._metadata = registered.metadata
         self._agent_name = agent.name  # before the agent: other threads read both
         # No callback holds `self`: a reference cycle would leave the agent to the cyclic garbage
         # collector, whose arbitrary finalization order aborts inside NIXL.
@@ -190,8 +179,11 @@ class NixlTransport:
             return True
         if self._agent is not None:
             self._lose_agent(death)
-        if not self._restart.advance(self._new_agent, f"{self._base_name}-r{self.generation}", self._set_up):
+        replacement = self._restart.advance(self._new_agent, f"{self._base_name}-r{self.generation}",
+                                            self._register_with)  # registers on a helper thread
+        if replacement is None:
             return False
+        self._install(*replacement)
         logger.warning("NIXL agent %s is up (replacement %d): peers reconnect to it", self._agent_name, self.generation)
         return True
 
@@ -266,8 +258,10 @@ class NixlTransport:
         if peer.agent_name == self._agent_name:
             raise TransferError(f"peer {key} uses this agent's own name {peer.agent_name!r}")
         self._connect_failures.pop(key, None)
-        for stale_key in [k for k, p in {**self._peers, **self._connecting}.items()
-                          if p.info.engine_id == peer.engine_id or p.info.agent_name == peer.agent_name]:
+        held = {**self._peers, **self._connecting}
+        for clash in [k for k, p in held.items() if p.info.clashes_with(peer)]:
+            raise TransferError(f"peer {key} announces agent {peer.agent_name!r}, which peer {clash} uses")
+        for stale_key in [k for k, p in held.items() if p.info.replaced_by(peer)]:
             logger.info("peer %s replaced by %s (restart)", stale_key, key)
             self.disconnect(stale_key)
         remote_name = self._load_remote(peer)
@@ -290,7 +284,7 @@ class NixlTransport:
                 dlist.release()
             self._forget_remote(remote_name)
             raise
-        self._connecting[key] = _Peer(peer, remote_name, dlist, chunk, warm_up)
+        self._connecting[key] = ConnectedPeer(peer, remote_name, dlist, chunk, warm_up)
         return key
 
     def poll_connect(self, peer_key: str) -> TransferState:
@@ -376,7 +370,7 @@ class NixlTransport:
         self._drop(peer)
         logger.info("disconnected from peer %s", peer_key)
 
-    def _drop(self, peer: _Peer) -> None:
+    def _drop(self, peer: ConnectedPeer) -> None:
         try:
             if peer.dlist is not None:
                 peer.dlist.release()
@@ -408,7 +402,7 @@ class NixlTransport:
                 buffer = self._staging.acquire(staged.num_chunks * chunk)
             except Exception as exc:
                 if self._read_mode == "staged":
-                    return _fail(handle, f"no staging buffer for the read from peer {peer_key}: {exc!r}")
+                    return fail_read(handle, f"no staging buffer for the read from peer {peer_key}: {exc!r}")
                 logger.warning("no staging buffer (%r): reading directly from peer %s", exc, peer_key)
                 staged = None
         scatter = None
@@ -423,8 +417,8 @@ class NixlTransport:
         except Exception as exc:
             if buffer is not None:
                 self._staging.give_back(buffer)
-            return _fail(handle, f"cannot create the read from peer {peer_key}: {exc!r}")
-        in_flight = self._in_flight[handle.handle_id] = _InFlight(xfer, peer_key, scatter)
+            return fail_read(handle, f"cannot create the read from peer {peer_key}: {exc!r}")
+        in_flight = self._in_flight[handle.handle_id] = ReadInFlight(xfer, peer_key, scatter)
         try:
             status = self._agent.transfer(xfer)
         except Exception as exc:  # e.g. the peer disconnected after the request was made
@@ -432,7 +426,7 @@ class NixlTransport:
         self._apply_status(handle, in_flight, status)
         return handle
 
-    def _direct_xfer(self, peer: _Peer, runs: DirectRuns, local_ids: np.ndarray, remote_ids: np.ndarray,
+    def _direct_xfer(self, peer: ConnectedPeer, runs: DirectRuns, local_ids: np.ndarray, remote_ids: np.ndarray,
                      notification: bytes) -> Any:
         """A READ straight into the pool: the prepared lists where nothing merges, else one descriptor per run."""
         chunk = peer.chunk_bytes
@@ -443,14 +437,14 @@ class NixlTransport:
         remote = run_descriptors(peer.info.base_address, runs.remote_first, runs.count, chunk, peer.info.device_id)
         return self._described_xfer(peer, local, remote, notification)
 
-    def _staged_xfer(self, peer: _Peer, runs: StagedRuns, buffer: StagingBuffer, notification: bytes) -> Any:
+    def _staged_xfer(self, peer: ConnectedPeer, runs: StagedRuns, buffer: StagingBuffer, notification: bytes) -> Any:
         """A READ of one descriptor per remote run into consecutive chunks of the staging buffer."""
         chunk = peer.chunk_bytes
         local = run_descriptors(buffer.address, runs.staging_first, runs.count, chunk, self._device_id)
         remote = run_descriptors(peer.info.base_address, runs.remote_first, runs.count, chunk, peer.info.device_id)
         return self._described_xfer(peer, local, remote, notification)
 
-    def _described_xfer(self, peer: _Peer, local: np.ndarray, remote: np.ndarray, notification: bytes) -> Any:
+    def _described_xfer(self, peer: ConnectedPeer, local: np.ndarray, remote: np.ndarray, notification: bytes) -> Any:
         return self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, self._mem_type),
                                            self._agent.get_xfer_descs(remote, peer.info.mem_type), peer.remote_name,
                                            notification)
@@ -460,7 +454,7 @@ class NixlTransport:
             try:
                 self.send_message(handle.peer_key, notification)
             except TransferError as exc:
-                return _fail(handle, exc.message)
+                return fail_read(handle, exc.message)
         handle.state = TransferState.DONE
         return handle
 
@@ -469,11 +463,11 @@ class NixlTransport:
             return handle.state
         in_flight = self._in_flight.get(handle.handle_id)
         if in_flight is None:
-            return _fail(handle, "the handle was released while pending").state
+            return fail_read(handle, "the handle was released while pending").state
         if in_flight.lost is None:
             self._agent_alive()  # notices a death, which marks this read lost
         if in_flight.lost is not None:
-            return _fail(handle, in_flight.lost).state
+            return fail_read(handle, in_flight.lost).state
         if in_flight.scatter is not None and in_flight.scatter.copied:
             status = "DONE"  # NIXL finished earlier: only the copy out of staging is left to complete
         else:
@@ -484,14 +478,14 @@ class NixlTransport:
         self._apply_status(handle, in_flight, status)
         return handle.state
 
-    def _apply_status(self, handle: TransferHandle, in_flight: _InFlight, status: str) -> None:
+    def _apply_status(self, handle: TransferHandle, in_flight: ReadInFlight, status: str) -> None:
         if status == "DONE":
             if in_flight.scatter is None:
                 handle.state = TransferState.DONE
             else:
                 self._finish_staged(handle, in_flight.scatter)
         elif status != "PROC":
-            _fail(handle, handle.error or f"NIXL reported {status} for the read from peer {handle.peer_key}")
+            fail_read(handle, handle.error or f"NIXL reported {status} for the read from peer {handle.peer_key}")
 
     def _finish_staged(self, handle: TransferHandle, scatter: Scatter) -> None:
         """Copy the staged chunks into the pool (once); DONE when that copy has completed."""
@@ -499,7 +493,7 @@ class NixlTransport:
             try:
                 copy_out_of_staging(self._view, scatter)
             except Exception as exc:
-                _fail(handle, f"copying the staged chunks into the pool failed: {exc!r}")
+                fail_read(handle, f"copying the staged chunks into the pool failed: {exc!r}")
                 return
         if scatter.fence is None or scatter.fence.query():
             handle.state = TransferState.DONE
@@ -510,7 +504,7 @@ class NixlTransport:
             return True
         if in_flight.lost is not None:  # its agent process is gone: nothing writes the pages any more
             del self._in_flight[handle.handle_id]
-            _fail(handle, in_flight.lost)
+            fail_read(handle, in_flight.lost)
             return True
         scatter = in_flight.scatter
         if scatter is not None and scatter.fence is not None and not scatter.fence.query():
@@ -526,7 +520,7 @@ class NixlTransport:
         if scatter is not None:
             self._staging.give_back(scatter.buffer, scatter.fence)
         if handle.state is TransferState.PENDING:
-            _fail(handle, "cancelled by release")
+            fail_read(handle, "cancelled by release")
         return True
 
     # ---- notifications ---------------------------------------------------------------
@@ -590,11 +584,3 @@ class NixlTransport:
 def new_inline_agent(name: str, progress_thread: bool) -> Any:
     """A NIXL agent with the UCX backend in this process (an agent process makes its own with this)."""
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
-
-
-def _fail(handle: TransferHandle, error: str) -> TransferHandle:
-    if handle.state is TransferState.PENDING:
-        logger.warning("read %d from peer %s failed: %s", handle.handle_id, handle.peer_key, error)
-    handle.state = TransferState.FAILED
-    handle.error = error
-    return handle

@@ -339,7 +339,7 @@ class RankedTransport:
         """Connect every rank to the peer's ranks it reads from (`chunk_bytes` is decided here)."""
         ranks = decode_ranks(peer)
         self.reader.connect(peer.key, ranks)
-        self._queue(Connect(peer.key, tuple(rank.to_dict() for rank in ranks)))
+        self._queue(Connect(peer.key, tuple({**rank.to_dict(), "via": rank.via} for rank in ranks)))
         self._reported_s = float("-inf")  # the next poll must see the followers' answer to this
         return peer.key
 
@@ -467,7 +467,8 @@ class FollowerTransport:
         for command in commands:
             if isinstance(command, Connect):
                 try:
-                    self.reader.connect(command.peer_key, [PeerInfo.from_dict(peer) for peer in command.peers])
+                    self.reader.connect(command.peer_key, [PeerInfo.from_dict(peer, via=str(peer.get("via", "")))
+                                                           for peer in command.peers])
                 except TransferError as error:
                     logger.warning("rank %d: cannot connect to %s: %s", self.reader.rank, command.peer_key, error)
             elif isinstance(command, Disconnect):

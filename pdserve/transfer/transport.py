@@ -42,6 +42,9 @@ class PeerInfo:
     the `page_bytes` bytes at base_address + b * page_bytes, b < num_blocks.
     `epoch` is an opaque id fresh at every process start: a restarted peer has
     a new epoch, so cached connections to the old process are never reused.
+    `via` is the handshake address ("host:port") the reader learnt this record
+    through, set by the reader, never sent: the key includes it, so a record
+    obtained through one address never stands in for one obtained through another.
     """
 
     engine_id: str
@@ -53,6 +56,7 @@ class PeerInfo:
     base_address: int
     num_blocks: int
     page_bytes: int
+    via: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form: every value is a str or an int (metadata in base64)."""
@@ -69,8 +73,9 @@ class PeerInfo:
         }
 
     @classmethod
-    def from_dict(cls, data: Any) -> "PeerInfo":
-        """Parse `to_dict` output received from a peer; TransferError on anything malformed."""
+    def from_dict(cls, data: Any, via: str = "") -> "PeerInfo":
+        """Parse `to_dict` output received from a peer (through handshake address `via`);
+        TransferError on anything malformed."""
         if not isinstance(data, dict):
             raise TransferError(f"peer info must be a JSON object, got {type(data).__name__}")
         strings = {name: _require_str(data, name) for name in ("engine_id", "epoch", "agent_name", "mem_type")}
@@ -83,12 +88,32 @@ class PeerInfo:
             metadata = base64.b64decode(_require_str(data, "agent_metadata"), validate=True)
         except (binascii.Error, ValueError) as exc:
             raise TransferError(f"peer info agent_metadata is not valid base64: {exc}") from exc
-        return cls(agent_metadata=metadata, **strings, **ints)
+        return cls(agent_metadata=metadata, via=via, **strings, **ints)
 
     @property
     def key(self) -> str:
-        """The peer key `connect` returns: one per (engine_id, epoch)."""
-        return f"{self.engine_id}@{self.epoch}"
+        """The peer key `connect` returns: one per (engine_id, epoch, via)."""
+        return peer_key(self.engine_id, self.epoch, self.via)
+
+    def replaced_by(self, new: "PeerInfo") -> bool:
+        """Whether connecting `new` retires this peer: the same engine or agent (a restart) reached
+        through the same handshake address. Through another address it never does (issue 36)."""
+        return self.via == new.via and (self.engine_id == new.engine_id or self.agent_name == new.agent_name)
+
+    def clashes_with(self, new: "PeerInfo") -> bool:
+        """Whether `new`, from another handshake address, announces this peer's agent name: an agent
+        knows its remote agents by name, so the second cannot be connected beside the first."""
+        return self.via != new.via and self.agent_name == new.agent_name
+
+
+def handshake_address(host: str, port: int) -> str:
+    """The `via` of a peer reached by a handshake with host:port (an IPv6 literal in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def peer_key(engine_id: str, epoch: str, via: str = "") -> str:
+    """A connection's key: `<engine>@<epoch>`, then `@<handshake address>` where one is known."""
+    return f"{engine_id}@{epoch}@{via}" if via else f"{engine_id}@{epoch}"
 
 
 def _require_str(data: dict, name: str) -> str:

@@ -4,7 +4,9 @@ itself (decode-only), whichever keeps the request, and the streams already decod
 Invariant: the choice changes where a prompt is computed, never what is computed (the answer is the
 same either way); without enough measurements it is the static rule (`--disagg-min-prompt-tokens`).
 
-The estimates, per request (s/token: seconds per prompt token, learned from this proxy's own legs):
+The estimates, per request (s/token: seconds per computed prompt token, learned from this proxy's own
+legs: a prefill leg's cached prefix, as its worker reports it, is left out of the count, and so is the
+decode worker's predicted one; samples age, see `PrefillSpeed`):
 
     budget    = slo.ttft_ms + slo.ttft_ms_per_token * prompt tokens
     ttft(P/D) = (tokens queued on the least-busy prefill worker + prompt) * s/token(P)
@@ -22,13 +24,15 @@ per-token average absorbs a short stall), unlimited when it is idle. Torch-free.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 DECODE = "decode"
 PREFILL = "prefill"
 _MIN_SAMPLES = 3
-_EWMA_WEIGHT = 0.25  # of a new sample
+_EWMA_WEIGHT = 0.25  # of a new sample, back to back
+SPEED_HALF_LIFE_S = 60.0  # an estimate's weight halves per minute without a sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,19 +50,31 @@ class Slo:
 
 
 class PrefillSpeed:
-    """Seconds per prompt token of one role's prefill, an exponentially weighted mean of clean
-    samples (a leg that had its worker to itself: no queueing in the figure)."""
+    """Seconds per computed prompt token of one role's prefill, an exponentially weighted mean of clean
+    samples (a leg that had its worker to itself: no queueing in the figure; its cached prefix not
+    counted). Samples age: the estimate's weight halves every `half_life_s` without a sample, so after a
+    quiet spell the next sample counts for more than the old ones (a worker restarted, or now shared)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, half_life_s: float = SPEED_HALF_LIFE_S):
         self.num_samples = 0
         self._s_per_token = 0.0
+        self._clock = clock
+        self._half_life_s = half_life_s
+        self._last_sample_s = 0.0
 
     def observe(self, num_tokens: int, seconds: float) -> None:
+        """`num_tokens`: the prompt tokens the leg computed (its cached prefix left out)."""
         if num_tokens < 1 or seconds <= 0:
             return
         sample = seconds / num_tokens
-        self._s_per_token = sample if self.num_samples == 0 else \
-            (1 - _EWMA_WEIGHT) * self._s_per_token + _EWMA_WEIGHT * sample
+        now_s = self._clock()
+        if self.num_samples == 0:
+            self._s_per_token = sample
+        else:
+            age_s = max(0.0, now_s - self._last_sample_s)
+            kept = (1 - _EWMA_WEIGHT) * 0.5 ** (age_s / self._half_life_s)
+            self._s_per_token = kept * self._s_per_token + (1 - kept) * sample
+        self._last_sample_s = now_s
         self.num_samples += 1
 
     @property

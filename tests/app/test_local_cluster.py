@@ -39,7 +39,8 @@ def flag(argv: list[str], name: str) -> str:
 def test_specs_start_prefill_decode_then_proxy_wired_together():
     specs = specs_for("--port", "9000", "--prefill-port", "9100", "--decode-port", "9200", "--policy", "prefix")
     assert list(specs) == ["prefill", "decode", "proxy"]
-    assert specs["prefill"].argv[3:5] == ["prefill", "--port"] and flag(specs["prefill"].argv, "--port") == "9100"
+    assert specs["prefill"].argv[:5] == [sys.executable, "-P", "-m", "pdserve.app.cli", "prefill"]  # -P: issue 36
+    assert flag(specs["prefill"].argv, "--port") == "9100"
     proxy = specs["proxy"].argv
     assert flag(proxy, "--prefill") == "http://127.0.0.1:9100" and flag(proxy, "--decode") == "http://127.0.0.1:9200"
     assert flag(proxy, "--policy") == "prefix"
@@ -98,7 +99,7 @@ def test_request_bounds_reach_the_workers_and_the_proxy_alike():
         argv = specs[name].argv
         assert flag(argv, "--max-json-depth") == "8" and flag(argv, "--max-body-bytes") == "1MiB"
     assert "--no-prefix-caching" not in specs["proxy"].argv
-    args = build_parser().parse_args(specs["proxy"].argv[3:])
+    args = build_parser().parse_args(specs["proxy"].argv[4:])
     assert proxy_config(args).limits.max_json_depth == 8
 
 
@@ -238,7 +239,7 @@ def test_the_disaggregation_policy_and_slo_reach_the_proxy_only():
     specs = specs_for("--disaggregation", "adaptive", "--slo-ttft-ms", "800", "--slo-tpot-ms", "25")
     proxy = specs["proxy"].argv
     assert flag(proxy, "--disaggregation") == "adaptive"
-    config = proxy_config(build_parser().parse_args(proxy[3:]))
+    config = proxy_config(build_parser().parse_args(proxy[4:]))
     assert config.routing.disaggregation == "adaptive"
     assert (config.slo.ttft_ms, config.slo.ttft_ms_per_token, config.slo.tpot_ms) == (800.0, 2.0, 25.0)
     for role in ("prefill", "decode"):

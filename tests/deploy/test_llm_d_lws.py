@@ -293,12 +293,10 @@ def test_lws_leaders_alone_are_what_services_budgets_and_the_proxy_see(role):
     monitor = yaml.safe_load((DEPLOY / "kubernetes" / "monitoring" / "podmonitor.yaml").read_text())
     port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
     assert port in [p["name"] for p in template["leaderTemplate"]["spec"]["containers"][0]["ports"]]
-    # The ranks of one worker reach each other on every port; nobody else gets more than the base
-    # policies give (the proxy never reaches the rendezvous).
-    policy = objects[("NetworkPolicy", f"pdserve-{role}-ranks")]["spec"]
-    assert policy["podSelector"]["matchLabels"][LWS_LABEL] == f"pdserve-{role}"
-    [rule] = policy["ingress"]
-    assert [peer["podSelector"]["matchLabels"][LWS_LABEL] for peer in rule["from"]] == [f"pdserve-{role}"]
+    policy = objects[("NetworkPolicy", "pdserve-workers")]["spec"]
+    (expression,) = policy["podSelector"]["matchExpressions"]
+    assert expression == {"key": LWS_LABEL, "operator": "Exists"}, "the policy covers every rank's pod"
+    # Every worker's internal port and UCX ports: declared, and admitted from label-selected peers only.
     assert check_policies.check(list(objects.values())) == []
 
 

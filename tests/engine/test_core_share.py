@@ -4,6 +4,8 @@ processes map it)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pdserve.engine.core_share import CoreShare, create_ledger, open_core_share
@@ -51,3 +53,29 @@ def test_bad_settings_are_refused():
         CoreShare(bytearray(64), "colocated", 1, 2, lambda threads: None)
     with pytest.raises(ValueError, match="own share"):
         CoreShare(bytearray(64), "prefill", 3, 2, lambda threads: None)
+
+
+# ---- the ledger file is opened safely (issue 36, item 9) ----------------------------------------
+
+
+def test_a_link_at_the_ledger_path_is_refused_and_its_target_untouched(tmp_path):
+    target = tmp_path / "victim"
+    target.write_bytes(bytes(64))
+    os.symlink(target, tmp_path / "ledger")
+    with pytest.raises(ValueError, match="core ledger"):
+        open_core_share(str(tmp_path / "ledger"), "prefill", 1, 2, lambda n: None)
+    with pytest.raises(ValueError, match="core ledger"):
+        create_ledger(str(tmp_path / "ledger"))
+
+
+def test_a_ledger_of_the_wrong_size_or_owner_is_refused(tmp_path, monkeypatch):
+    short = tmp_path / "short"
+    short.write_bytes(b"\x00")  # mapping 64 bytes of it would fault on the first read past its end
+    with pytest.raises(ValueError, match="1 bytes"):
+        open_core_share(str(short), "decode", 1, 2, lambda n: None)
+    path = str(tmp_path / "ledger")
+    create_ledger(path)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(path).st_uid + 1)
+    with pytest.raises(ValueError, match="owned by uid"):
+        open_core_share(path, "decode", 1, 2, lambda n: None)

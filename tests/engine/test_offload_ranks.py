@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from pdserve.kv.layout import KVPoolLayout
 from pdserve.kv.offload import OffloadTier, PageLoad
 from pdserve.kv.offload_file import FilePageStore
 from pdserve.kv.offload_host import HostPageStore
+from pdserve.kv.offload_writes import SerialExecutor
 from pdserve.parallel.channel import LeaderChannel, RankMessage, RankReport
 from pdserve.parallel.ranks import RanksLost
 
@@ -123,7 +123,7 @@ class FileRanks:
     def __init__(self, directory: str, num_staging_rows: int = 4):
         self.pools = [slice_pool(0), slice_pool(1)]
         self.expected = [pool.clone() for pool in self.pools]
-        self.io = [ThreadPoolExecutor(1), ThreadPoolExecutor(1)]
+        self.io = [SerialExecutor(), SerialExecutor()]
         self.follower = FileTierFollower(FilePageStore(self.pools[1], 4 * PAGE, os.path.join(directory, "rank-1"),
                                                        num_staging_rows), 1, self.io[1])
         self.channel = LeaderChannel(OneFollowerGroup(self.follower))  # type: ignore[arg-type]

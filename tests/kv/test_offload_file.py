@@ -5,14 +5,15 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import xxhash
 
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.offload import OffloadIOError, OffloadTier
 from pdserve.kv.offload_file import FilePageStore
+from pdserve.kv.offload_writes import SerialExecutor
 from pdserve.kv.specs import FullAttentionSpec, plan_groups
 from tests.kv.test_offload import BS, FakePages, compute, prompt
 
@@ -81,7 +82,7 @@ def test_two_workers_cannot_share_a_directory_and_a_restart_wipes_it(tmp_path):
 
 def test_closing_a_tier_lets_its_writes_finish_and_frees_the_directory(tmp_path):
     pool = pool_view()
-    io = ThreadPoolExecutor(1)
+    io = SerialExecutor()
     tier = OffloadTier(FilePageStore(pool, 4 * PAGE_BYTES, str(tmp_path)), [0], executor=io)
     tier.offer(1, (b"h" * 8, 0), None)  # staged; written on the I/O thread
     tier.close()
@@ -115,7 +116,7 @@ def poll_until(manager: KVCacheManager, timeout_s: float = 10.0):
 
 def threaded_manager(num_blocks=9, num_slots=16):
     pages = GatedPages(num_blocks, num_slots)
-    tier = OffloadTier(pages, [0], executor=ThreadPoolExecutor(1))
+    tier = OffloadTier(pages, [0], executor=SerialExecutor())
     return KVCacheManager(plan_groups([FullAttentionSpec()]), num_blocks, BS, offload=tier), pages
 
 
@@ -186,3 +187,52 @@ def test_the_host_store_copies_whole_pages_both_ways(device):
         store.read([0], [3, 4])
     with pytest.raises(ValueError):
         HostPageStore(pool, PAGE_BYTES - 1)
+
+
+def test_the_directory_is_made_private_and_one_of_another_owner_is_refused(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)
+    FilePageStore(pool_view(), 4 * PAGE_BYTES, str(shared)).close()
+    assert os.stat(shared).st_mode & 0o777 == 0o700
+    fresh = tmp_path / "fresh"
+    FilePageStore(pool_view(), 4 * PAGE_BYTES, str(fresh)).close()
+    assert os.stat(fresh).st_mode & 0o777 == 0o700
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(shared).st_uid + 1)  # as if another user owned it
+    with pytest.raises(ValueError, match="owned by uid"):
+        FilePageStore(pool_view(), 4 * PAGE_BYTES, str(shared))
+
+
+def test_a_planted_link_at_the_pages_file_is_replaced_not_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    directory = tmp_path / "tier"
+    directory.mkdir(mode=0o700)
+    os.symlink(victim, directory / "pages.bin")
+    store = FilePageStore(pool_view(), 4 * PAGE_BYTES, str(directory))
+    store.write(0, 1)
+    store.close()
+    assert victim.read_bytes() == b"precious"
+    assert not os.path.islink(directory / "pages.bin")
+
+
+def test_a_link_at_the_lock_is_refused(tmp_path):
+    directory = tmp_path / "tier"
+    directory.mkdir(mode=0o700)
+    os.symlink(tmp_path / "elsewhere", directory / "lock")
+    with pytest.raises(ValueError, match="lock"):
+        FilePageStore(pool_view(), 4 * PAGE_BYTES, str(directory))
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_the_page_checksum_is_keyed_per_store(tmp_path):
+    """A page whose plain XXH3 an attacker can compute does not pass: the sum is keyed with a secret
+    drawn when the store opens, so two stores sum the same page differently."""
+    pool = pool_view()
+    first = FilePageStore(pool, 4 * PAGE_BYTES, str(tmp_path / "a"))
+    second = FilePageStore(pool, 4 * PAGE_BYTES, str(tmp_path / "b"))
+    page = pool[1].numpy()
+    assert first._checksum(page) != second._checksum(page)
+    assert first._checksum(page) != xxhash.xxh3_64_intdigest(page)
+    first.close()
+    second.close()

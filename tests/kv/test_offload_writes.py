@@ -16,6 +16,7 @@ import torch
 
 from pdserve.kv.offload import OffloadTier, PageLoad
 from pdserve.kv.offload_file import FilePageStore
+from pdserve.kv.offload_writes import SerialExecutor
 from pdserve.metrics import Metrics
 
 PAGE_BYTES = 4096
@@ -26,6 +27,8 @@ KEY_C = (b"c" * 16, 0)
 
 class ManualExecutor(Executor):
     """The tier's one I/O thread, stepped by hand: jobs run oldest first, only when the test says."""
+
+    runs_one_at_a_time = True
 
     def __init__(self):
         self.jobs: deque = deque()
@@ -61,7 +64,7 @@ def load(tier: OffloadTier, load_id: str, key, block_id: int):
 
 
 def test_the_engine_thread_only_stages_the_page_and_the_io_thread_writes_it(tmp_path, monkeypatch):
-    executor = ThreadPoolExecutor(1, thread_name_prefix="pdserve-kv-offload")
+    executor = SerialExecutor()
     tier, store, pool, _ = file_tier(tmp_path, executor=executor)
     writers = []
     real_pwrite = os.pwrite
@@ -204,7 +207,7 @@ def test_a_write_that_failed_before_the_slot_was_reused_does_not_drop_the_new_pa
 def test_the_io_executor_must_run_one_job_at_a_time(tmp_path):
     pool = torch.zeros((4, PAGE_BYTES), dtype=torch.int8)
     store = FilePageStore(pool, 2 * PAGE_BYTES, str(tmp_path))
-    with ThreadPoolExecutor(2) as two_threads, pytest.raises(ValueError, match="one worker"):
+    with ThreadPoolExecutor(2) as two_threads, pytest.raises(ValueError, match="one worker in order"):
         OffloadTier(store, [0], executor=two_threads)
     store.close()
 

@@ -105,7 +105,8 @@ class DecodeSide:
         outcome: list[Optional[str]] = []
         from pdserve.transfer.transport import PeerInfo
 
-        self.peers.ensure(PeerInfo.from_dict(p.agent_info().transport), outcome.append)
+        via = "127.0.0.1:1"  # P's handshake address, as admission names it
+        self.peers.ensure(PeerInfo.from_dict(p.agent_info().transport, via=via), outcome.append)
         self.peers.poll()
         return outcome[0]
 

@@ -264,3 +264,59 @@ async def test_an_incompatible_prefill_worker_is_a_400_that_names_what_differs()
     with pytest.raises(KVParamsInvalid, match=r"incompatible model or KV layout \(head_dim: 16 here, 32 there\)"):
         await gate.admit(request(stub.params()))
     assert connect.calls == 0
+
+
+# ---- issue 36 item 3: handshake identity and bounded memory ---------------------------------------
+
+
+@pytest.mark.parametrize("field", ["engine_id", "epoch"])
+async def test_a_transport_record_naming_another_engine_or_epoch_is_refused_before_any_connection(field):
+    stub, connect = StubPrefill(), Connector()
+    info = stub.side.agent_info()
+    forged = info.model_copy(update={"transport": {**info.transport, field: "someone-else"}})
+    stub.handler = lambda request: httpx.Response(200, content=forged.model_dump_json())
+    with pytest.raises(KVPullFailed, match="transport record names"):
+        await admission(stub, connect, policy="fail").admit(request(stub.params()))
+    assert connect.calls == 0
+
+
+async def test_a_failure_through_one_address_never_holds_back_the_same_engine_through_another():
+    """A peer at another address claiming P's engine and epoch fails to connect: P's own address
+    is not put in backoff by it."""
+    stub = StubPrefill()
+
+    class ByAddress(Connector):
+        async def __call__(self, peer):
+            self.calls += 1
+            return "unreachable" if peer.via.startswith("10.9.9.9:") else None
+
+    connect = ByAddress()
+    gate = admission(stub, connect)
+    impostor = stub.params(remote_host="10.9.9.9")
+    assert (await gate.admit(request(impostor))).remote is None  # recomputed locally, remembered
+    genuine = await gate.admit(request(stub.params()))
+    assert genuine.remote is not None and connect.calls == 2
+
+
+async def test_connections_are_asked_for_by_handshake_address_engine_and_epoch():
+    stub = StubPrefill()
+    seen = []
+
+    class Recording(Connector):
+        async def __call__(self, peer):
+            seen.append(peer)
+            return None
+
+    params = stub.params()
+    await admission(stub, Recording()).admit(request(params))
+    assert seen[0].via == f"{params.remote_host}:{params.remote_port}"  # an IPv4 literal: no brackets
+    assert seen[0].key == f"P@epoch-1@{params.remote_host}:{params.remote_port}"
+
+
+def test_the_failure_memory_forgets_the_least_recently_failed_past_its_bound():
+    memory = PeerFailureMemory(clock=FakeClock(), max_peers=3)
+    for number in range(5):
+        memory.record_failure(f"peer-{number}", "down")
+    assert memory.num_remembered == 3
+    assert memory.reason_to_skip("peer-0") is None and memory.reason_to_skip("peer-1") is None
+    assert memory.reason_to_skip("peer-4") is not None

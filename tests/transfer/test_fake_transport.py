@@ -144,3 +144,27 @@ def test_start_read_rejects_out_of_range_or_mismatched_ids(pair, local_ids, remo
     decode, _, _, _, key = pair
     with pytest.raises(ValueError):
         decode.start_read(key, local_ids, remote_ids, b"")
+
+
+def test_a_peer_reached_through_another_address_never_displaces_a_connected_one():
+    """Issue 36 item 3: a record naming a connected engine, learnt through another handshake
+    address, gets its own connection; the one made through the first address stays."""
+    import dataclasses
+
+    fabric = FakeFabric()
+    decode = FakeTransport(canonical_pool(4, fill=False), "decode-0", fabric)
+    genuine = FakeTransport(canonical_pool(4, fill=True), "prefill-0", fabric)
+    impostor = FakeTransport(canonical_pool(4, fill=False), "impostor", fabric)
+    first = decode.connect(dataclasses.replace(genuine.local_peer_info("engine-p", "epoch-1"), via="10.0.0.1:8100"))
+    other = dataclasses.replace(impostor.local_peer_info("engine-p", "epoch-2"), via="10.0.0.66:8100")
+    second = decode.connect(other)
+    assert first != second
+    assert decode.poll_connect(first) is TransferState.DONE and decode.poll_connect(second) is TransferState.DONE
+    # The same agent name through yet another address cannot stand beside the first: refused.
+    same_name = dataclasses.replace(genuine.local_peer_info("engine-x", "epoch-9"), via="10.0.0.77:8100")
+    with pytest.raises(TransferError, match="which peer engine-p@epoch-1@10.0.0.1:8100 uses"):
+        decode.begin_connect(same_name)
+    assert decode.poll_connect(first) is TransferState.DONE
+    # Through the same address a new epoch is a restart: it replaces the old connection.
+    restarted = decode.connect(dataclasses.replace(genuine.local_peer_info("engine-p", "epoch-3"), via="10.0.0.1:8100"))
+    assert decode.poll_connect(restarted) is TransferState.DONE and decode.poll_connect(first) is TransferState.FAILED

@@ -80,3 +80,17 @@ def test_prefill_speed_is_measured_only_after_a_few_samples_and_follows_them():
     speed.observe(0, 1.0)  # nothing to learn from
     speed.observe(10, 0.0)
     assert speed.num_samples == 23
+
+
+def test_an_old_estimate_weighs_less_the_longer_ago_its_samples_were_taken():
+    """Samples age: after a quiet spell of many half-lives the first new sample all but replaces the
+    estimate, where back to back it moves it by the usual EWMA weight (issue 36, item 8)."""
+    now = [0.0]
+    speed = PrefillSpeed(clock=lambda: now[0], half_life_s=60.0)
+    for _ in range(3):
+        speed.observe(1000, 2.0)
+    speed.observe(500, 2.0)  # back to back: a quarter of the way from 0.002 to 0.004
+    assert speed.s_per_token == pytest.approx(0.0025)
+    now[0] += 600.0  # ten half-lives later the worker is four times as slow as first learned
+    speed.observe(250, 2.0)
+    assert speed.s_per_token == pytest.approx(0.008, rel=0.01)

@@ -1,37 +1,36 @@
-"""Micro-benchmark of the native decode attention at the embedded model's shapes (9 query heads
-over 3 KV heads of 64, block size 16) for one query row at several context lengths, each call on
-a different layer slot of one 30-layer pool, as a decode step walks them (so the keys come from
-memory, not cache). The library is cached per source, so comparing two kernels means running
-this on two checkouts one after the other; the two page layouts are compared side by side in one
-run: `token` (the pages of P/D protocol 2: tokens outer, heads inner) and `head` (today's, heads
-outermost: pdserve/kv/layout.py), the same kernel reading both through strided views:
+"""Paged decode attention at the embedded model's shapes over token-major and heads-outermost pages.
 
-    python -m bench.kernels.decode_attention [--keys 200 400 1000 2000] [--out bench/results/decode_attention.json]
-    python -m bench.kernels.decode_attention --device cuda --rows 16   # the torch path on a GPU, bfloat16
-
-Prints microseconds per call per layout, the head layout's time over the token layout's, and the
-same less a one-key call (the Python and dispatch cost).
+9 query heads over 3 KV heads of 64, block size 16, one query row (CPU, native kernel, float32)
+or `--rows` rows (CUDA, the eager torch path, bfloat16) at several context lengths, each call on
+another layer slot of one 30-layer pool, as a decode step walks them (keys come from memory, not
+cache). The two page layouts run back to back per context length: `token` (P/D protocol 2: tokens
+outer, heads inner) and `head` (today's, heads outermost: pdserve/kv/layout.py), the same kernel
+reading both through strided views. On the CPU the table also shows the head layout less a
+one-key call (the Python and dispatch cost).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
 
-
 from bench.kernels.timing import median_ms
-from pdserve.runner.decode_attention import attend_decode_torch, build_decode_rows
+from bench.lib.report import markdown_table
 from pdserve.kernels.native import cpu_kernels_error, ops
-from pdserve.kv.specs import FullAttentionSpec
 from pdserve.kv.layout import KVPoolLayout
+from pdserve.kv.specs import FullAttentionSpec
+from pdserve.runner.decode_attention import attend_decode_torch, build_decode_rows
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, HEADS = 30, 16, 3, 64, 9
-
-
 LAYOUTS = ("token", "head")
+
+
+def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
+    parser.add_argument("--keys", type=int, nargs="+", default=[200, 400, 1000, 2000])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rows", type=int, default=16, help="decode rows per call (--device cuda)")
 
 
 def layer_caches(layout: str, num_blocks: int, device: str = "cpu",
@@ -80,38 +79,23 @@ def microseconds_per_call(keys: int, rounds: int, layout: str = "head") -> float
     return median_ms(every_layer, 10, rounds) / LAYERS * 1000
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--keys", type=int, nargs="+", default=[200, 400, 1000, 2000])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--out", default="bench/results/decode_attention.json")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--rows", type=int, default=16, help="decode rows per call (--device cuda)")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> tuple[str, dict]:
     torch.manual_seed(0)
-    # Each context length measures both layouts back to back, so drift on a noisy machine hits both.
     if args.device == "cuda":
-        results = {keys: {layout: cuda_microseconds_per_call(keys, args.rows, args.rounds, layout)
-                          for layout in LAYOUTS} for keys in args.keys}
-        columns, extra = "| rows ", lambda value: f"| {args.rows} "
+        measure = lambda keys, layout: cuda_microseconds_per_call(keys, args.rows, args.rounds, layout)  # noqa: E731
+        last_column, last = "rows", lambda value: args.rows  # noqa: E731
         record = {"device": torch.cuda.get_device_name()}
     else:
         if cpu_kernels_error() is not None:
             raise SystemExit(f"native kernels unavailable: {cpu_kernels_error()}")
         overhead = microseconds_per_call(1, args.rounds)
-        results = {keys: {layout: microseconds_per_call(keys, args.rounds, layout) for layout in LAYOUTS}
-                   for keys in args.keys}
-        columns = f"| head less a one-key call ({overhead:.1f} us) "
-        extra = lambda value: f"| {value['head'] - overhead:.1f} "  # noqa: E731
+        measure = lambda keys, layout: microseconds_per_call(keys, args.rounds, layout)  # noqa: E731
+        last_column = f"head less a one-key call ({overhead:.1f} us)"
+        last = lambda value: f"{value['head'] - overhead:.1f}"  # noqa: E731
         record = {"one_key_us": overhead}
-    print(f"| keys | token layout, us per call | head layout, us per call | head / token {columns}|")
-    print("|---:|---:|---:|---:|---:|")
-    for keys, value in results.items():
-        print(f"| {keys} | {value['token']:.1f} | {value['head']:.1f} | {value['head'] / value['token']:.2f} "
-              f"{extra(value)}|")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), **record, "us_per_call": results}, f, indent=2)
-
-if __name__ == "__main__":
-    main()
+    results = {keys: {layout: measure(keys, layout) for layout in LAYOUTS} for keys in args.keys}
+    table = markdown_table(
+        ["keys", "token layout, us per call", "head layout, us per call", "head / token", last_column],
+        [(keys, f"{v['token']:.1f}", f"{v['head']:.1f}", f"{v['head'] / v['token']:.2f}", last(v))
+         for keys, v in results.items()])
+    return table, record | {"us_per_call": results}

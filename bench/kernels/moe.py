@@ -1,30 +1,24 @@
-"""MoE decode on the CPU: a gpt-oss-shaped model against the dense model with the same active parameters.
+"""MoE decode on the CPU: a gpt-oss shape against the dense model with the same active parameters.
 
-Three tables, one run:
-
-1. Engine decode tokens/s at batch 1 and 16 of a random-weight gpt-oss shape (default 24 layers,
-   32 experts top-4, hidden 512, 256 per expert, windows of 128 alternating with full layers, sinks)
-   and of a dense Llama-family model with the same attention and an MLP as wide as the 4 active
-   experts together (its layers run the fused native kernel, as they do when served).
-2. One MoE layer's forward at batch 1 and 16 as the number of experts grows at fixed top-k: time
-   follows the active experts' weights, not the total.
-3. The grouped MoE (one matmul per active expert per step, `pdserve.models.moe.Experts`) against
-   a loop over tokens (each token's k experts run apart), the layout it replaces.
-
-Weights are random (shapes are what matter) and made on the fly from a seed per tensor name, so no
-checkpoint is written. Prints a table and writes JSON (`--out`).
+Two tables, one run: (1) engine decode tokens/s at batch 1 and 16 of a random-weight gpt-oss shape
+(24 layers, 32 experts top-4, hidden 512, 256 per expert, windows of 128 alternating with full
+layers, sinks) and of a dense Llama-family model with the same attention and an MLP as wide as the
+active experts together (its layers run the fused native kernel, as when served); (2) one MoE
+layer at batch 1 and 16 as the experts grow at fixed top-k (time follows the active experts'
+weights, not the total), grouped (one matmul per active expert, `pdserve.models.moe.Experts`)
+against a loop over tokens, the layout it replaces. Weights are random, seeded per tensor name.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import zlib
-from typing import Callable
 
 import torch
 
+from bench.kernels.timing import median_ms
+from bench.lib.report import markdown_table
 from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from pdserve.api.sampling import SamplingParams
 from pdserve.app.engine_factory import build_engine
@@ -66,20 +60,28 @@ def _attention_shapes(prefix: str, hidden: int, heads: int, kv_heads: int, head_
     return shapes
 
 
-def gpt_oss_model(layers: int, experts: int, top_k: int, hidden: int, expert_width: int, vocab: int):
+def _common_shapes(layers: int, hidden: int, vocab: int) -> tuple[dict, dict]:
+    """(config, shapes) both shapes share: embeddings, norms and biased attention of 64-wide heads."""
     heads, kv_heads, head_dim = hidden // 64, max(1, hidden // 256), 64
-    config = {"architectures": ["GptOssForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
-              "intermediate_size": expert_width, "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "head_dim": head_dim, "max_position_embeddings": 4096,
-              "sliding_window": 128, "num_local_experts": experts, "num_experts_per_tok": top_k,
-              "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                                  "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}}
+    config = {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": head_dim, "max_position_embeddings": 4096}
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes.update(_attention_shapes(p + "self_attn.", hidden, heads, kv_heads, head_dim, True))
-        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                       p + "self_attn.sinks": (heads,), p + "mlp.router.weight": (experts, hidden),
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)})
+    return config, shapes
+
+
+def gpt_oss_model(layers: int, experts: int, top_k: int, hidden: int, expert_width: int, vocab: int):
+    config, shapes = _common_shapes(layers, hidden, vocab)
+    config |= {"architectures": ["GptOssForCausalLM"], "intermediate_size": expert_width, "sliding_window": 128,
+               "num_local_experts": experts, "num_experts_per_tok": top_k,
+               "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                   "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.sinks": (hidden // 64,), p + "mlp.router.weight": (experts, hidden),
                        p + "mlp.router.bias": (experts,),
                        p + "mlp.experts.gate_up_proj": (experts, hidden, 2 * expert_width),
                        p + "mlp.experts.gate_up_proj_bias": (experts, 2 * expert_width),
@@ -89,17 +91,11 @@ def gpt_oss_model(layers: int, experts: int, top_k: int, hidden: int, expert_wid
 
 
 def dense_model(layers: int, hidden: int, intermediate: int, vocab: int):
-    heads, kv_heads, head_dim = hidden // 64, max(1, hidden // 256), 64
-    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
-              "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "head_dim": head_dim, "max_position_embeddings": 4096,
-              "attention_bias": True}
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    config, shapes = _common_shapes(layers, hidden, vocab)
+    config |= {"architectures": ["LlamaForCausalLM"], "intermediate_size": intermediate, "attention_bias": True}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update(_attention_shapes(p + "self_attn.", hidden, heads, kv_heads, head_dim, True))
-        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                       p + "mlp.gate_proj.weight": (intermediate, hidden), p + "mlp.up_proj.weight": (intermediate, hidden),
+        shapes.update({p + "mlp.gate_proj.weight": (intermediate, hidden), p + "mlp.up_proj.weight": (intermediate, hidden),
                        p + "mlp.down_proj.weight": (hidden, intermediate)})
     return config, RandomWeights(shapes)
 
@@ -139,14 +135,6 @@ def decode_tokens_per_s(config: dict, weights: RandomWeights, batch: int, prompt
     return batch * new_tokens / max(total_s - prefill_s, 1e-9)
 
 
-def _time(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    started = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - started) / repeats
-
-
 def random_experts(num_experts: int, hidden: int, width: int) -> Experts:
     experts = Experts(num_experts, hidden, width, clamped_swiglu(1.702, 7.0), True, torch.float32)
     loader = WeightLoader(RandomWeights({}), WeightPolicy(), CPU)
@@ -181,51 +169,38 @@ def moe_layer_rows(hidden: int, width: int, top_k: int, expert_counts: list[int]
             top, ids = torch.topk(logits, top_k, dim=-1)
             routing = (torch.softmax(top, -1), ids)
             with torch.inference_mode():
-                grouped_s = _time(lambda: experts(x, routing), repeats)
-                loop_s = _time(lambda: per_token_loop(experts, x, *routing), repeats)
+                grouped_ms = median_ms(lambda: experts(x, routing), repeats, 1)
+                loop_ms = median_ms(lambda: per_token_loop(experts, x, *routing), repeats, 1)
             rows.append({"experts": num_experts, "top_k": top_k, "batch": batch,
                          "active_experts": int(ids.unique().numel()),
                          "total_params_m": round(num_experts * 3 * hidden * width / 1e6, 1),
-                         "grouped_ms": round(grouped_s * 1e3, 3), "per_token_ms": round(loop_s * 1e3, 3)})
+                         "grouped_ms": round(grouped_ms, 3), "per_token_ms": round(loop_ms, 3)})
         del experts
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--expert-width", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--out", default="bench/results/moe_decode.json")
-    args = parser.parse_args()
+def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
+    for flag, default in (("--layers", 24), ("--experts", 32), ("--top-k", 4), ("--hidden", 512),
+                          ("--expert-width", 256), ("--vocab", 8192), ("--prompt-tokens", 64), ("--new-tokens", 32),
+                          ("--threads", torch.get_num_threads())):
+        parser.add_argument(flag, type=int, default=default)
+
+
+def run(args: argparse.Namespace) -> tuple[str, dict]:
     torch.set_num_threads(args.threads)
-    engine_rows = []
     models = {
         f"gpt-oss shape ({args.experts} experts top-{args.top_k})":
             gpt_oss_model(args.layers, args.experts, args.top_k, args.hidden, args.expert_width, args.vocab),
         f"dense, same active params (MLP {args.top_k * args.expert_width})":
             dense_model(args.layers, args.hidden, args.top_k * args.expert_width, args.vocab),
     }
-    for name, (config, weights) in models.items():
-        for batch in (1, 16):
-            tps = decode_tokens_per_s(config, weights, batch, args.prompt_tokens, args.new_tokens)
-            engine_rows.append({"model": name, "batch": batch, "decode_tokens_per_s": round(tps, 1)})
-            print(f"{name:50s} batch {batch:2d}: {tps:8.1f} decode tokens/s", flush=True)
+    engine_rows = [{"model": name, "batch": batch,
+                    "decode_tokens_per_s": round(decode_tokens_per_s(config, weights, batch, args.prompt_tokens,
+                                                                     args.new_tokens), 1)}
+                   for name, (config, weights) in models.items() for batch in (1, 16)]
     layer_rows = moe_layer_rows(args.hidden, args.expert_width, args.top_k, [8, 32, 128], repeats=20)
-    print(f"\n{'experts':>7} {'batch':>5} {'active':>6} {'total Mparams':>13} {'grouped ms':>10} {'per-token ms':>12}")
-    for row in layer_rows:
-        print(f"{row['experts']:7d} {row['batch']:5d} {row['active_experts']:6d} {row['total_params_m']:13.1f} "
-              f"{row['grouped_ms']:10.3f} {row['per_token_ms']:12.3f}")
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "engine": engine_rows, "moe_layer": layer_rows}, f, indent=2)
-    print(f"\nwrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    table = markdown_table(["model", "batch", "decode tok/s"], [r.values() for r in engine_rows]) + "\n\n" + \
+        markdown_table(["experts", "batch", "active", "total Mparams", "grouped ms", "per-token ms"],
+                       [(r["experts"], r["batch"], r["active_experts"], r["total_params_m"], r["grouped_ms"],
+                         r["per_token_ms"]) for r in layer_rows])
+    return table, {"engine": engine_rows, "moe_layer": layer_rows}

@@ -1,6 +1,6 @@
 """KV pull bandwidth between two processes over NIXL against an in-process memcpy of the same bytes
-(`--mode plain`: one descriptor per page), with `--mode layout` also one descriptor per (layer, K|V)
-piece side by side; plus the bytes sliding-window clipping saves (Gemma 3 1B, gpt-oss-20b).
+(`--mode layout`): one descriptor per page and one per (layer, K|V) piece side by side; plus the
+bytes sliding-window clipping saves (Gemma 3 1B, gpt-oss-20b).
 
 On CUDA both pools (and the memcpy baseline's buffers) are GPU memory on that device, so the pull
 goes over whatever UCX picks between two processes on one GPU (cuda_ipc unless UCX_TLS says otherwise).
@@ -22,8 +22,8 @@ from typing import Optional, Sequence
 import torch
 
 from bench.transfer.pools import (
-    GPU_MODE, MEMORY_MODES, SHAPES, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record,
-    memcpy_run, prefill_child, synchronize, time_read, write_report,
+    GPU_MODE, MEMORY_MODES, SHAPES, PoolShape, allocate_bytes, huge_page_kib, machine_record, medians_with_memcpy,
+    prefill_child, serve_until_stopped, synchronize, time_read, write_report,
 )
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from pdserve.transfer.nixl_transport import NixlTransport
@@ -59,16 +59,9 @@ def serve_pool(shape_name: str, mode: str, device: str, out: multiprocessing.Que
     pages, pieces = allocate_views(SHAPES[shape_name], mode, device)
     pages.view(torch.int64).copy_(torch.arange(pages.numel() // 8, dtype=torch.int64).view(pages.shape[0], -1))
     synchronize(device)
-    by_page = NixlTransport(pages, f"bench-prefill-pages-{mode}")
-    by_piece = NixlTransport(pieces, f"bench-prefill-pieces-{mode}")
-    out.put(json.dumps([t.local_peer_info("bench-prefill", mode).to_dict() for t in (by_page, by_piece)]))
-    # Keep calling into NIXL as a prefill engine loop does: without a progress
-    # thread, a reader's connection set-up needs this side to make progress too.
-    while not stop.wait(0.002):
-        by_page.poll_notifications()
-        by_piece.poll_notifications()
-    by_page.close()
-    by_piece.close()
+    transports = [NixlTransport(pages, f"bench-prefill-pages-{mode}"), NixlTransport(pieces, f"bench-prefill-pieces-{mode}")]
+    out.put(json.dumps([t.local_peer_info("bench-prefill", mode).to_dict() for t in transports]))
+    serve_until_stopped(transports, stop)
 
 
 # ---- measurements --------------------------------------------------------------------------
@@ -90,10 +83,9 @@ def check_bytes(view: torch.Tensor, local_rows: list[int], remote_rows: list[int
             raise RuntimeError(f"local row {local_row} does not hold remote row {remote_row}")
 
 
-def measure_pulls(shape_name: str, mode: str, device: str, prompt_tokens: Sequence[int], reps: int,
-                  with_pieces: bool = True) -> list[dict]:
+def measure_pulls(shape_name: str, mode: str, device: str, prompt_tokens: Sequence[int], reps: int) -> list[dict]:
     """Every prompt size in one memory mode, against a fresh prefill child."""
-    with prefill_child(serve_pool, shape_name, mode, device, timeout_s=120) as (published, _):
+    with prefill_child(serve_pool, shape_name, mode, device, timeout_s=120) as (published, child_pid):
         page_info, piece_info = (PeerInfo.from_dict(info) for info in published)
         shape = SHAPES[shape_name]
         pages, pieces = allocate_views(shape, mode, device)
@@ -101,7 +93,7 @@ def measure_pulls(shape_name: str, mode: str, device: str, prompt_tokens: Sequen
         by_piece = NixlTransport(pieces, f"bench-decode-pieces-{mode}")
         keys = by_page.connect(page_info), by_piece.connect(piece_info)
         rows = [measure_prompt(shape, mode, device, num_tokens, (by_page, by_piece), keys, (pages, pieces), reps,
-                               with_pieces)
+                               child_pid)
                 for num_tokens in prompt_tokens]
         by_page.close()
         by_piece.close()
@@ -109,8 +101,7 @@ def measure_pulls(shape_name: str, mode: str, device: str, prompt_tokens: Sequen
 
 
 def measure_prompt(shape: PoolShape, mode: str, device: str, num_tokens: int, transports: tuple[NixlTransport, NixlTransport],
-                   keys: tuple[str, str], views: tuple[torch.Tensor, torch.Tensor], reps: int,
-                   with_pieces: bool = True) -> dict:
+                   keys: tuple[str, str], views: tuple[torch.Tensor, torch.Tensor], reps: int, child_pid: int) -> dict:
     (by_page, by_piece), (page_key, piece_key), (pages, pieces) = transports, keys, views
     num_blocks = math.ceil(num_tokens / shape.block_size)
     generator = torch.Generator().manual_seed(SEED + num_tokens)
@@ -119,34 +110,30 @@ def measure_prompt(shape: PoolShape, mode: str, device: str, num_tokens: int, tr
     local_ids = (torch.randperm(shape.num_pool_blocks - 1, generator=generator)[:num_blocks] + 1).tolist()
     local_rows, remote_rows = piece_rows(shape, local_ids), piece_rows(shape, remote_ids)
     num_bytes = num_blocks * by_page.page_bytes
-    runs = [lambda: time_read(by_page, page_key, local_ids, remote_ids), memcpy_run(num_bytes, mode, device)]
-    if with_pieces:
-        runs.append(lambda: time_read(by_piece, piece_key, local_rows, remote_rows))
-    page_s, memcpy_s, *piece_s = interleaved_medians(runs, reps)
-    layouts = [(by_page, page_key, pages, local_ids, remote_ids)]
-    if with_pieces:
-        layouts.append((by_piece, piece_key, pieces, local_rows, remote_rows))
+    (page_s, piece_s), memcpy_s, foreign = medians_with_memcpy(
+        [lambda: time_read(by_page, page_key, local_ids, remote_ids)[0],
+         lambda: time_read(by_piece, piece_key, local_rows, remote_rows)[0]], num_bytes, mode, reps, child_pid, device)
     # The timed reads overwrite each other's rows: verify each layout on a clean pool.
-    for transport, key, view, local, remote in layouts:
+    for transport, key, view, local, remote in ((by_page, page_key, pages, local_ids, remote_ids),
+                                                (by_piece, piece_key, pieces, local_rows, remote_rows)):
         pages.zero_()
         synchronize(device)
         time_read(transport, key, local, remote)
         check_bytes(view, local, remote)
     return {"memory": mode, "shape": shape.label,
-            **pull_row(shape, num_tokens, num_blocks, num_bytes, page_s, piece_s[0] if piece_s else None, memcpy_s),
-            "huge_page_kib": huge_page_kib()}
+            **pull_row(shape, num_tokens, num_blocks, num_bytes, page_s, piece_s, memcpy_s),
+            "foreign_cpu_fraction": foreign, "huge_page_kib": huge_page_kib()}
 
 
-def pull_row(shape: PoolShape, num_tokens: int, num_blocks: int, num_bytes: int, page_s: float,
-             piece_s: Optional[float], memcpy_s: float) -> dict:
-    page_gbps, memcpy_gbps = num_bytes / page_s / 1e9, num_bytes / memcpy_s / 1e9
-    piece_gbps = num_bytes / piece_s / 1e9 if piece_s else None
+def pull_row(shape: PoolShape, num_tokens: int, num_blocks: int, num_bytes: int, page_s: float, piece_s: float,
+             memcpy_s: float) -> dict:
+    page_gbps, piece_gbps, memcpy_gbps = (num_bytes / seconds / 1e9 for seconds in (page_s, piece_s, memcpy_s))
     return {
         "prompt_tokens": num_tokens, "num_blocks": num_blocks, "num_bytes": num_bytes,
         "page_descriptors": num_blocks, "piece_descriptors": num_blocks * shape.num_pieces,
         "page_pull_s": page_s, "piece_pull_s": piece_s, "memcpy_s": memcpy_s,
         "page_pull_gbps": page_gbps, "piece_pull_gbps": piece_gbps, "memcpy_gbps": memcpy_gbps,
-        "page_vs_memcpy": page_gbps / memcpy_gbps, "piece_vs_memcpy": piece_gbps and piece_gbps / memcpy_gbps,
+        "page_vs_memcpy": page_gbps / memcpy_gbps, "piece_vs_memcpy": piece_gbps / memcpy_gbps,
     }
 
 
@@ -183,19 +170,15 @@ def _clipping_rows(model: str, g: dict) -> list[dict]:
 # ---- report --------------------------------------------------------------------------------
 
 
-def _gbps(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
 def format_tables(shape: PoolShape, pulls: list[dict], clipping: list[dict]) -> str:
     lines = [f"{shape.label} pool (page {shape.layout().page_bytes:,} B), scattered block ids, median of reps",
              f"{'memory':>10} {'tokens':>6} {'blocks':>6} {'MB':>6} | {'page GB/s':>9} {'descs':>5} | "
              f"{'layer GB/s':>10} {'descs':>7} | {'memcpy GB/s':>11} | {'page/memcpy':>11} {'layer/memcpy':>12}"]
     for r in pulls:
         lines.append(f"{r['memory']:>10} {r['prompt_tokens']:>6} {r['num_blocks']:>6} {r['num_bytes'] / 1e6:>6.1f} | "
-                     f"{r['page_pull_gbps']:>9.2f} {r['page_descriptors']:>6} | {_gbps(r['piece_pull_gbps']):>10} "
+                     f"{r['page_pull_gbps']:>9.2f} {r['page_descriptors']:>6} | {r['piece_pull_gbps']:>10.2f} "
                      f"{r['piece_descriptors']:>7} | {r['memcpy_gbps']:>11.2f} | {r['page_vs_memcpy']:>11.2f} "
-                     f"{_gbps(r['piece_vs_memcpy']):>12}")
+                     f"{r['piece_vs_memcpy']:>12.2f}")
     lines += ["", "Sliding-window clipping (bytes D pulls; unclipped = every layer full)",
               f"{'model':>12} {'tokens':>7} {'groups':>6} | {'blocks clipped':>14} {'MB clipped':>10} | "
               f"{'blocks unclipped':>16} {'MB unclipped':>12} | {'saved':>6}"]
@@ -207,15 +190,14 @@ def format_tables(shape: PoolShape, pulls: list[dict], clipping: list[dict]) -> 
 
 
 def run(args, parser, argv: Optional[Sequence[str]]) -> int:
-    """`--mode plain` (page descriptors) or `--mode layout` (also per-piece descriptors)."""
-    with_pieces = args.mode == "layout"
+    """`--mode layout`: page and per-piece descriptors, in every memory mode asked for."""
     modes = (GPU_MODE,) if args.device.startswith("cuda") else MEMORY_MODES if args.memory == "both" else (args.memory,)
     shape = SHAPES[args.shape]
     if max(args.prompt_tokens) > (shape.num_pool_blocks - 1) * shape.block_size:
         parser.error(f"--prompt-tokens must fit the bench pool: at most {(shape.num_pool_blocks - 1) * shape.block_size}")
     started_s = time.perf_counter()
     pulls = [row for mode in modes
-             for row in measure_pulls(args.shape, mode, args.device, args.prompt_tokens, args.reps, with_pieces)]
+             for row in measure_pulls(args.shape, mode, args.device, args.prompt_tokens, args.reps)]
     clipping = clipping_rows()
     print(format_tables(shape, pulls, clipping))
     device = args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device)
