@@ -295,3 +295,23 @@ def test_prometheus_stores_both_families_as_written(cluster, tmp_path):
     finally:
         prometheus.terminate()
         prometheus.wait(10)
+
+
+ISSUE_36_ROUTES = [("GET", "/internal/kv/agent_info"), ("GET", "/internal/kv/routing_info"),
+                   ("GET", "/internal/kv/events"), ("POST", "/internal/kv/reset_prefix_cache")]
+
+
+def route_status(url: str, method: str, path: str) -> int:
+    with httpx.stream(method, url + path, timeout=10) as response:  # a stream is closed once its head came
+        return response.status_code
+
+
+def test_the_ports_a_sidecar_forwards_to_answer_404_for_internal_routes_without_a_token(cluster):
+    """Issue 36: the sidecar forwards every path it does not handle to D's serving port, and P's pool
+    port is open to the decode pods; neither serves /internal/* any more. The internal listeners do
+    (tokenless on loopback, as here; the manifests keep them to label-selected peers)."""
+    prefill, decode, _ = cluster
+    for worker in (prefill, decode):
+        for method, path in ISSUE_36_ROUTES:
+            assert route_status(worker.url, method, path) == 404, (worker.role, path)
+            assert route_status(worker.internal_url, method, path) == 200, (worker.role, path)
