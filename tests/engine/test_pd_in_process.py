@@ -171,13 +171,14 @@ async def test_the_proxys_release_call_frees_a_pinned_prefill_at_once(prefill):
     params = await prefill_params(prefill, PROMPTS[0], "released-early")
     assert metric_value(prefill.metrics, "pdserve_transfer_pinned_blocks") > 0
     release = {"remote_request_id": params["remote_request_id"], "remote_engine_id": params["remote_engine_id"],
-               "remote_epoch": params["remote_epoch"]}
+               "remote_epoch": params["remote_epoch"], "remote_pin_nonce": params["remote_pin_nonce"]}
     async with prefill.client() as client:
+        bare = await client.post("/internal/kv/release", json={**release, "remote_pin_nonce": None})
         stale = await client.post("/internal/kv/release", json={**release, "remote_epoch": "0" * 16})
         malformed = await client.post("/internal/kv/release", json={"remote_request_id": 5})
         oversized = await client.post("/internal/kv/release", json={**release, "padding": "x" * 10_000})
         accepted = await client.post("/internal/kv/release", json=release)
-    assert stale.status_code == 409 and malformed.status_code == 400
+    assert stale.status_code == 409 and malformed.status_code == 400 and bare.status_code == 400
     assert oversized.status_code == 413  # read up to its bound, never whole
     assert accepted.status_code == 202
     assert await wait_until(lambda: metric_value(prefill.metrics, "pdserve_transfer_pinned_blocks") == 0)

@@ -275,7 +275,7 @@ def test_no_one_without_the_token_can_make_workers_read_pin_or_release(cluster):
     assert prefill_leg(prefill, COMPLETIONS, completion("hi"), "trust-2").status_code == 401
     assert decode_leg(decode, COMPLETIONS, completion("hi"), params, "trust-1").status_code == 401
     assert httpx.get(prefill.url + "/internal/kv/agent_info", timeout=5).status_code == 401
-    release = {k: params[k] for k in ("remote_request_id", "remote_engine_id", "remote_epoch")}
+    release = {k: params[k] for k in ("remote_request_id", "remote_engine_id", "remote_epoch", "remote_pin_nonce")}
     assert httpx.post(prefill.url + "/internal/kv/release", json=release, timeout=5).status_code == 401
     for host, status in (("127.0.0.1:80/x", 400), ("evil.example.com", 403), ("10.1.2.3", 403)):
         smuggled = decode_leg(decode, COMPLETIONS, completion("hi"), {**params, "remote_host": host}, "t", AUTH)

@@ -103,7 +103,7 @@ def test_prefill_returns_vllm_compatible_params(cluster):
     assert params["remote_port"] == prefill.port
     # No decode leg follows: free the pinned block now, not at the lease's end, so that the
     # tests after this one (which count pinned blocks) do not depend on how fast they run.
-    release = {k: params[k] for k in ("remote_request_id", "remote_engine_id", "remote_epoch")}
+    release = {k: params[k] for k in ("remote_request_id", "remote_engine_id", "remote_epoch", "remote_pin_nonce")}
     assert httpx.post(prefill.url + "/internal/kv/release", json=release, headers=AUTH, timeout=5).status_code == 202
     assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, timeout_s=LEASE_S / 2)
 

@@ -26,6 +26,8 @@ from starlette.routing import Route
 from proxy.app import build_components, create_app
 from proxy.config import HealthConfig, ProxyConfig
 
+PIN_NONCE = "ab" * 16  # the pin nonce the stub prefill worker hands out
+
 
 @dataclass
 class RecordedCall:
@@ -102,7 +104,7 @@ class StubWorker:
     def _params(self, body: dict) -> dict:
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.name,
                 "remote_request_id": "p-1", "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1",
-                "remote_port": 1, "tp_size": 1, "remote_epoch": f"{self.name}-epoch"}
+                "remote_port": 1, "tp_size": 1, "remote_epoch": f"{self.name}-epoch", "remote_pin_nonce": PIN_NONCE}
 
     async def _events(self, source: str, request_id: str):
         try:
