@@ -27,10 +27,12 @@ MODEL = "SmolLM2-135M-Instruct"
 LEASE_S = 3.0  # short, so the expired-lease case waits little; D renews while it holds a request
 PATH = "/v1/completions"
 PIN_FIELDS = ("remote_request_id", "remote_engine_id", "remote_epoch", "remote_pin_nonce")
-# Prompts of equal token counts (checked below): swapping their params passes every length check.
-FRANCE = "The capital of France is a city called"
-SPAIN = "The capital of Spain is a city called"
-COLOURS = "The three primary colours are red, blue and"
+# Prompts of equal token counts (checked below) over several blocks: swapping their params passes every
+# length check, and reversing a block list changes what it names.
+PREAMBLE = ("You are a patient geography teacher. Answer each question in one short sentence, name the city "
+            "first, and add one fact about its river or its history. ")
+FRANCE = PREAMBLE + "The capital of France is a city called"
+SPAIN = PREAMBLE + "The capital of Spain is a city called"
 
 
 def body(prompt: str) -> dict:
@@ -54,13 +56,14 @@ def expected(cluster) -> dict[str, str]:
     """Each prompt's greedy text from the decode worker alone, and a check that the swap prompts align."""
     _, decode = cluster
     answers = {}
-    for prompt in (FRANCE, SPAIN, COLOURS):
+    for prompt in (FRANCE, SPAIN):
         response = httpx.post(decode.url + PATH, json=body(prompt), timeout=120)
         assert response.status_code == 200, response.text
         answers[prompt] = response.json()["choices"][0]["text"]
         answers[prompt + "#tokens"] = response.json()["usage"]["prompt_tokens"]
     assert answers[FRANCE + "#tokens"] == answers[SPAIN + "#tokens"], "the swap prompts must be of one length"
     assert answers[FRANCE] != answers[SPAIN], "the swap prompts must answer differently"
+    assert answers[FRANCE + "#tokens"] > 2 * 16, "the prompts must span three blocks"
     return answers
 
 
@@ -125,7 +128,7 @@ def test_the_params_of_one_prompt_sent_with_another_are_never_read(cluster, expe
 def test_client_block_ids_are_ignored_whatever_they_name(cluster, expected, forge):
     prefill, decode = cluster
     params = pin(prefill, FRANCE, f"ids-{forge}")
-    other = pin(prefill, COLOURS, f"ids-{forge}-other") if forge == "another_live_pin" else None
+    other = pin(prefill, SPAIN, f"ids-{forge}-other") if forge == "another_live_pin" else None
     forged_ids = {"reversed": [list(reversed(ids)) for ids in params["remote_block_ids"]],
                   "out_of_range": [[10**6 + i for i, _ in enumerate(ids)] for ids in params["remote_block_ids"]],
                   "another_live_pin": other["remote_block_ids"] if other else None}[forge]
@@ -198,7 +201,7 @@ def test_what_the_ticket_exchange_adds_to_the_handoff(cluster):
         return (time.perf_counter() - started) * 1e3
 
     times_ms = []
-    for i in range(20):  # each claimed at once: the short lease runs out in seconds
+    for i in range(10):  # each claimed at once: the short lease runs out in seconds
         params = RemotePrefillParams.model_validate(pin(prefill, FRANCE, f"timed-{i}"))
         times_ms.append(asyncio.run(claim_ms(params)))
         assert release(prefill, params.model_dump()) == 202
