@@ -99,7 +99,7 @@ class TicketAlreadyClaimed(PdserveError):
     """P: the pin's ticket went to a reader already; a second one may not read the same blocks."""
 
     status_code = 409
-    error_type = "kv_params_stale"
+    error_type = "kv_ticket_claimed"
 
 
 class PinReference(BaseModel):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from typing import Callable, Literal, Optional
@@ -48,6 +49,11 @@ class TicketUnreachable(Exception):
     """P did not answer the claim usably (network, timeout, oversized or malformed answer, 5xx)."""
 
 
+class TicketNotHeld(Exception):
+    """P holds no claimable pin for these params: unknown id, wrong nonce, read, released, expired (404),
+    or its ticket went to another reader (409 `kv_ticket_claimed`)."""
+
+
 class TicketClient:
     """Claims a pin's ticket from P. Bounded: `timeout_s` for the whole exchange, `MAX_TICKET_BYTES` of body.
     Like the handshake, it speaks plain http to P's internal endpoint and ignores proxy settings."""
@@ -61,15 +67,19 @@ class TicketClient:
         self._releases: set[asyncio.Task] = set()
 
     async def claim(self, params: RemotePrefillParams) -> PinTicket:
-        """P's ticket for the params' pin. KVParamsStale: P names no such pin (404), gave it to another
-        reader, or is another engine or start (409). TicketUnreachable: anything else."""
+        """P's ticket for the params' pin. TicketNotHeld: P holds no claimable pin for them. KVParamsStale
+        (409): the address serves another engine or a later start of it (P restarted). TicketUnreachable:
+        anything else."""
         try:
             status, body = await asyncio.wait_for(self._post(params), self.timeout_s)
         except (httpx.HTTPError, asyncio.TimeoutError) as error:
             raise TicketUnreachable(f"no ticket from {params.remote_host}:{params.remote_port}: {error!r}") from None
-        if status in (404, 409):
-            raise KVParamsStale(f"prefill worker {params.remote_engine_id} holds no claimable pin "
+        if status == 404 or (status == 409 and _error_type(body) == "kv_ticket_claimed"):
+            raise TicketNotHeld(f"prefill worker {params.remote_engine_id} holds no claimable pin "
                                 f"{params.remote_request_id} for these params (HTTP {status})")
+        if status == 409:
+            raise KVParamsStale(f"kv_transfer_params name engine {params.remote_engine_id!r}, epoch "
+                                f"{params.remote_epoch!r}: not the prefill worker at that address now")
         if status != 200:
             raise TicketUnreachable(f"prefill worker {params.remote_engine_id} refused the ticket (HTTP {status})")
         try:
@@ -110,6 +120,15 @@ class TicketClient:
                         raise TicketUnreachable(f"the ticket passed {self.max_bytes} bytes")
                     chunks.append(chunk)
                 return response.status_code, b"".join(chunks)
+
+
+def _error_type(body: bytes) -> Optional[str]:
+    """`error.type` of an OpenAI-style error body, None when it is not one."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("type") if isinstance(error, dict) else None
 
 
 def ticketed_params(params: RemotePrefillParams, ticket: PinTicket) -> RemotePrefillParams:
@@ -156,8 +175,8 @@ class TicketAdmission:
         except TicketUnreachable as error:
             self.failures.record_failure(peer_key, str(error))
             return self._local(request, "pull_failed", KVPullFailed(f"prefill worker unreachable: {error}"))
-        except KVParamsStale as error:
-            return self._local(request, "stale_ticket", KVTicketUnusable(error.message))
+        except TicketNotHeld as error:
+            return self._local(request, "stale_ticket", KVTicketUnusable(str(error)))
         logger.debug("request %s: ticket claimed in %.1f ms", request.request_id, (self.clock() - started_s) * 1e3)
         if not prompt_matches(ticket, request.prompt_token_ids):
             self.client.release_in_background(params)

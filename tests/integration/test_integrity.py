@@ -189,6 +189,16 @@ def test_a_pin_released_before_d_reads_is_never_read_and_only_its_nonce_releases
     assert recomputed(decode, "stale_ticket") > before
 
 
+def test_params_of_an_earlier_start_of_the_prefill_worker_are_a_409(cluster, expected):
+    """What D sees when P restarted between the legs: P's route names another epoch (the restart itself,
+    re-handshaked transparently, is in test_pd_failures)."""
+    prefill, decode = cluster
+    params = pin(prefill, FRANCE, "earlier-start")
+    status, _ = decode_text(decode, FRANCE, {**params, "remote_epoch": "0123456789abcdef"}, "earlier-start")
+    assert status == 409
+    assert release(prefill, params) == 202
+
+
 def test_what_the_ticket_exchange_adds_to_the_handoff(cluster):
     """The ticket claim D makes before each READ, timed with D's own client against the live P (printed
     for docs/benchmarks.md; asserts nothing about time)."""

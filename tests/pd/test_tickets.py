@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from pdserve.api.kv_transfer import KVTicketUnusable, RemotePrefillParams, prompt_digest
+from pdserve.api.kv_transfer import KVParamsStale, KVTicketUnusable, RemotePrefillParams, prompt_digest
 from pdserve.api.sampling import SamplingParams
 from pdserve.pd.leases import ClaimOutcome, LeaseTable
 from pdserve.pd.tickets import TicketAdmission, TicketClient
@@ -135,6 +135,14 @@ async def test_a_ticket_is_claimed_once_so_a_second_reader_never_reads_the_same_
     replay = await pair.admit(params)
     assert first.remote is not None and replay.remote is None
     assert pair.recomputed == [("stale_ticket", 30)] and len(pair.inner.seen) == 1
+
+
+async def test_params_naming_an_earlier_start_of_the_prefill_worker_are_a_409_whatever_the_policy():
+    pair = Pair()
+    params = pair.p.prefill("r1", 30)
+    with pytest.raises(KVParamsStale):  # P restarted between the legs: the proxy re-runs leg 1
+        await pair.admit(params.model_copy(update={"remote_epoch": "an-earlier-start"}))
+    assert not pair.recomputed and not pair.inner.seen
 
 
 async def test_an_unreachable_prefill_worker_is_a_counted_local_prefill_and_then_skipped():
