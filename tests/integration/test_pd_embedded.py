@@ -142,37 +142,49 @@ def test_prefill_reclaims_blocks_within_the_lease_when_no_decode_reads(cluster):
     assert prefill.metric("pdserve_transfer_expired_leases_total") == expired_before + 1
 
 
-def _forgeries(params: dict) -> dict[str, dict]:
-    def changed(**fields):
-        forged = copy.deepcopy(params)
-        forged.update(fields)
-        return forged
+def _changed(params: dict, **fields) -> dict:
+    forged = copy.deepcopy(params)
+    forged.update(fields)
+    return forged
 
+
+def _refused_forgeries(params: dict) -> dict[str, dict]:
+    """Params D refuses before it claims the pin's ticket (the pin stays claimable)."""
     missing = copy.deepcopy(params)
-    del missing["remote_block_ids"]
+    del missing["remote_block_ids"]  # informative since protocol 5, but still part of the schema
+    return {
+        "block ids not a list": _changed(params, remote_block_ids="1,2,3"),
+        "wrong engine id": _changed(params, remote_engine_id="someone-else"),
+        "wrong epoch": _changed(params, remote_epoch="0000000000000000"),
+        "missing field": missing,
+        "port out of range": _changed(params, remote_port=70000),
+    }
+
+
+def _ignored_forgeries(params: dict) -> dict[str, dict]:
+    """Fields D no longer reads from the params (protocol 5: it reads P's ticket): served from P's blocks."""
     ids = params["remote_block_ids"][0]
     return {
-        "block id out of range": changed(remote_block_ids=[[*ids[:-1], 10_000]]),
-        "negative block id": changed(remote_block_ids=[[-1, *ids[1:]]]),
-        "null block id": changed(remote_block_ids=[[0, *ids[1:]]]),
-        "duplicate block ids": changed(remote_block_ids=[[ids[0]] * len(ids)]),
-        "too few blocks": changed(remote_block_ids=[ids[:-1]]),
-        "too many groups": changed(remote_block_ids=[ids, ids]),
-        "block ids not a list": changed(remote_block_ids="1,2,3"),
-        "wrong engine id": changed(remote_engine_id="someone-else"),
-        "wrong epoch": changed(remote_epoch="0000000000000000"),
-        "wrong prompt length": changed(num_prompt_tokens=params["num_prompt_tokens"] + 1),
-        "missing field": missing,
-        "port out of range": changed(remote_port=70000),
+        "block id out of range": _changed(params, remote_block_ids=[[*ids[:-1], 10_000]]),
+        "negative block id": _changed(params, remote_block_ids=[[-1, *ids[1:]]]),
+        "null block id": _changed(params, remote_block_ids=[[0, *ids[1:]]]),
+        "duplicate block ids": _changed(params, remote_block_ids=[[ids[0]] * len(ids)]),
+        "too few blocks": _changed(params, remote_block_ids=[ids[:-1]]),
+        "too many groups": _changed(params, remote_block_ids=[ids, ids]),
+        "wrong prompt length": _changed(params, num_prompt_tokens=params["num_prompt_tokens"] + 1),
     }
+
+
+FORGE_BODY = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 4,
+              "temperature": 0}
 
 
 def test_forged_params_get_a_4xx_and_read_nothing(cluster):
     prefill, decode = cluster
-    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 4, "temperature": 0}
+    body = FORGE_BODY
     params = prefill_leg(prefill, "/v1/completions", body, "forge-source", AUTH).json()["kv_transfer_params"]
     descriptors_before = decode.metric("pdserve_transfer_descriptors_total")
-    for name, forged in _forgeries(params).items():
+    for name, forged in _refused_forgeries(params).items():
         response = decode_leg(decode, "/v1/completions", body, forged, "forged", AUTH)
         assert 400 <= response.status_code < 500, (name, response.status_code, response.text)
         assert "error" in response.json(), name
@@ -184,6 +196,18 @@ def test_forged_params_get_a_4xx_and_read_nothing(cluster):
     response = decode_leg(decode, "/v1/completions", body, params, "genuine", AUTH)
     assert response.status_code == 200, response.text
     assert decode.metric("pdserve_transfer_descriptors_total") > descriptors_before
+
+
+def test_block_ids_and_lengths_in_the_params_are_ignored_and_p_s_own_are_read(cluster):
+    prefill, decode = cluster
+    want = decode_leg(decode, "/v1/completions", FORGE_BODY, None, "forge-local", AUTH).json()["choices"][0]["text"]
+    for name in _ignored_forgeries({"remote_block_ids": [[1, 2]], "num_prompt_tokens": 1}):
+        params = prefill_leg(prefill, "/v1/completions", FORGE_BODY, "forge-ignored", AUTH).json()["kv_transfer_params"]
+        forged = _ignored_forgeries(params)[name]  # a fresh pin each: a ticket is claimed once
+        descriptors_before = decode.metric("pdserve_transfer_descriptors_total")
+        response = decode_leg(decode, "/v1/completions", FORGE_BODY, forged, "forge-ignored", AUTH)
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == want, (name, response.text)
+        assert decode.metric("pdserve_transfer_descriptors_total") > descriptors_before, name
 
 
 def test_agent_info_needs_the_internal_token(cluster):
