@@ -29,6 +29,9 @@ from pdserve.api.errors import InvalidRequest, PdserveError
 # tickets: D claims the pin's record from P (POST /internal/kv/pin) and reads only the block ids P names there,
 # after checking its prompt against P's digest; remote_block_ids on the wire is accepted and ignored.
 PROTOCOL_VERSION = 5
+# D's answer to a P/D leg whose prompt it computed itself (pull failed, stale ticket, prompt mismatch): the
+# proxy counts such legs (pdserve_proxy_pd_legs_recomputed_total). Absent when D pulled the KV.
+KV_RECOMPUTED_HEADER = "X-Pdserve-KV-Recomputed"
 PIN_NONCE_PATTERN = r"[0-9a-f]{16,64}"  # a pin's nonce as params and messages carry it (P makes 32 hex digits)
 _PARAM = "kv_transfer_params"
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"

@@ -191,6 +191,7 @@ class TicketAdmission:
         if admitted.remote is None:  # the inner admission fell back to a local prefill (peer unreachable)
             self.client.release_in_background(params)
             self.count_recompute("pull_failed", len(request.prompt_token_ids))
+            return dataclasses.replace(admitted, pd_recomputed=True)
         return admitted
 
     def _local(self, request: GenerationRequest, reason: RecomputeReason, error: PdserveError) -> GenerationRequest:
@@ -198,4 +199,4 @@ class TicketAdmission:
             raise error
         logger.warning("request %s: %s; prefilling locally", request.request_id, error.message)
         self.count_recompute(reason, len(request.prompt_token_ids))
-        return dataclasses.replace(request, kv_params=None)
+        return dataclasses.replace(request, kv_params=None, pd_recomputed=True)

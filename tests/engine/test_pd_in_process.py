@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pdserve.api.kv_transfer import KV_RECOMPUTED_HEADER
 from pdserve.api.sampling import SamplingParams
 from pdserve.request import GenerationRequest
 from pdserve.transfer.fake_transport import FakeFabric
@@ -95,11 +96,35 @@ async def test_full_decode_path_in_process_equals_a_local_run(qwen_dir, fabric, 
                                              json={**BODY, "prompt": prompt, "kv_transfer_params": params})
             assert response.status_code == 200, response.text
             assert response.headers["x-request-id"] == request_id
+            assert KV_RECOMPUTED_HEADER.lower() not in response.headers  # the KV was pulled
             assert response.json()["choices"][0]["text"] == await local_text(colocated, prompt)
         assert metric_value(decode.metrics, "pdserve_transfer_descriptors_total") > 0
         assert await wait_until(lambda: prefill.built.engine.load_report().num_pinned_blocks == 0)
         assert metric_value(decode.metrics, "pdserve_transfer_failures_total") == 0
         assert metric_value(decode.metrics, "pdserve_engine_computed_prompt_tokens_total") == 2  # one per prompt
+    finally:
+        decode.close()
+
+
+async def test_a_pd_leg_computed_on_decode_says_so_to_the_proxy_and_is_counted(qwen_dir, fabric, colocated, prefill):
+    decode = start_worker("decode", qwen_dir, fabric, prefill_app=prefill.app)
+    other_prompt = [token + 1 for token in PROMPTS[0]]  # as long as PROMPTS[0], other tokens
+    try:
+        mismatched = await prefill_params(prefill, PROMPTS[0], "mismatch")
+        answers = {}
+        for name, prompt, params in (("prompt_mismatch", other_prompt, mismatched),
+                                     ("pull_failed", PROMPTS[1], await prefill_params(prefill, PROMPTS[1], "fails"))):
+            decode.transport.fail_reads = name == "pull_failed"  # the READ fails on the engine thread
+            async with decode.client() as client:
+                answers[name] = await client.post("/v1/completions", json={**BODY, "prompt": prompt,
+                                                                            "kv_transfer_params": params})
+            assert answers[name].status_code == 200, answers[name].text
+            assert answers[name].headers[KV_RECOMPUTED_HEADER] == "1", name
+            assert answers[name].json()["choices"][0]["text"] == await local_text(colocated, prompt), name
+            recomputed = decode.metrics.transfer.recomputed_prompt_tokens.labels(reason=name)._value.get()
+            assert recomputed == len(prompt), name
+        # D told P at once that it will not read the other prompt's pin (a failed READ's pin waits for its lease).
+        assert await wait_until(lambda: "mismatch" not in prefill.built.kv_side.connector.leases)
     finally:
         decode.close()
 

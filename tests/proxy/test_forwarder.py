@@ -328,6 +328,19 @@ def released_soon(workers, count: int) -> list[dict]:
     return released(workers)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_p_d_legs_the_decode_worker_computed_itself_are_counted(cluster, proxy, stream):
+    workers, _ = cluster
+    for worker in workers.values():
+        worker.says_recomputed = worker.role == "decode"
+    assert httpx.post(proxy.url + "/v1/completions", json={**BODY, "stream": stream}).status_code == 200
+    assert proxy.metric("pdserve_proxy_pd_legs_recomputed_total") == 1
+    for worker in workers.values():
+        worker.says_recomputed = False
+    assert httpx.post(proxy.url + "/v1/completions", json={**BODY, "stream": stream}).status_code == 200
+    assert proxy.metric("pdserve_proxy_pd_legs_recomputed_total") == 1  # a pulled leg says nothing
+
+
 @pytest.mark.parametrize("status, error_type", [(400, "invalid_request_error"), (503, "service_unavailable"),
                                                 (500, "internal_error")])
 def test_a_refused_decode_leg_frees_the_prefill_workers_kv_at_once(cluster, proxy, status, error_type):
