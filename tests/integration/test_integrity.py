@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.api.kv_transfer import RemotePrefillParams
+from pdserve.api.kv_transfer import KV_RECOMPUTED_HEADER, RemotePrefillParams
 from pdserve.pd.tickets import TicketClient
 from tests.integration.cluster import Worker, decode_leg, free_port, prefill_leg, start_workers, stop_all, wait_for
 
@@ -87,8 +87,12 @@ def pin(prefill: Worker, prompt: str, request_id: str) -> dict:
 
 
 def decode_text(decode: Worker, prompt: str, params: dict, request_id: str) -> tuple[int, str]:
+    recomputed_before = decode.metric("pdserve_pd_recomputed_prompt_tokens_total")
     response = decode_leg(decode, PATH, body(prompt), params, request_id)
     text = response.json()["choices"][0]["text"] if response.status_code == 200 else ""
+    if response.status_code == 200:  # D tells the proxy whether it computed the prompt itself, as it counts
+        computed_here = decode.metric("pdserve_pd_recomputed_prompt_tokens_total") > recomputed_before
+        assert (response.headers.get(KV_RECOMPUTED_HEADER) == "1") == computed_here
     return response.status_code, text
 
 
