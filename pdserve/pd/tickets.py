@@ -149,9 +149,11 @@ class TicketAdmission:
     def __init__(self, inner: KVAdmission, client: TicketClient, policy: Literal["recompute", "fail"],
                  count_recompute: CountRecompute = lambda reason, num_tokens: None,
                  allowed_peers: Optional[PeerAllowList] = None, failures: Optional[PeerFailureMemory] = None,
-                 clock: Callable[[], float] = time.monotonic):
-        """`failures`: the inner admission's memory of dead peers, so a dead P costs no claim either."""
+                 count_failure: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic):
+        """`failures`: the inner admission's memory of dead peers, so a dead P costs no claim either;
+        `count_failure`: the inner admission's count of unreachable peers (pdserve_transfer_failures_total)."""
         self.inner = inner
+        self.count_failure = count_failure
         self.failures = failures or PeerFailureMemory()
         self.client = client
         self.policy = policy
@@ -168,11 +170,13 @@ class TicketAdmission:
         peer_key = f"{params.remote_engine_id}@{params.remote_epoch}"
         skip = self.failures.reason_to_skip(peer_key)
         if skip is not None:
+            self.count_failure()
             return self._local(request, "pull_failed", KVPullFailed(f"prefill worker unreachable: {skip}"))
         started_s = self.clock()
         try:
             ticket = await self.client.claim(params)
         except TicketUnreachable as error:
+            self.count_failure()
             self.failures.record_failure(peer_key, str(error))
             return self._local(request, "pull_failed", KVPullFailed(f"prefill worker unreachable: {error}"))
         except TicketNotHeld as error:

@@ -153,4 +153,5 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
     tickets = TicketClient(config.server.internal_token, transfer.handshake_timeout_s, http_transport)
     recomputed = metrics.transfer.recomputed_prompt_tokens
     return TicketAdmission(inner, tickets, transfer.failure_policy, allowed_peers=allowed_peers, failures=inner.failures,
-                           count_recompute=lambda reason, num_tokens: recomputed.labels(reason=reason).inc(num_tokens))
+                           count_recompute=lambda reason, num_tokens: recomputed.labels(reason=reason).inc(num_tokens),
+                           count_failure=failures.inc)
