@@ -47,7 +47,7 @@ def cluster(tmp_path_factory, device):
                      device)
     decode = Worker("decode", free_port(), str(logs / "decode.log"), [*common, "--no-prefix-caching"], device)
     workers = start_workers(prefill, decode)
-    yield prefill, decode
+    yield workers  # [prefill, decode]; the restart cases at the end replace a worker in place
     stop_all(*workers)
 
 
@@ -201,6 +201,33 @@ def test_params_of_an_earlier_start_of_the_prefill_worker_are_a_409(cluster, exp
     status, _ = decode_text(decode, FRANCE, {**params, "remote_epoch": "0123456789abcdef"}, "earlier-start")
     assert status == 409
     assert release(prefill, params) == 202
+
+
+def restart(cluster: list, index: int) -> Worker:
+    old = cluster[index]
+    old.kill()
+    cluster[index] = Worker(old.role, old.port, old.log_path, old.extra_args, old.device)
+    start_workers(cluster[index])
+    return cluster[index]
+
+
+def test_a_prefill_worker_restarted_between_the_legs_gets_a_409_then_serves(cluster, expected):
+    prefill, decode = cluster
+    params = pin(prefill, FRANCE, "before-p-restart")
+    prefill = restart(cluster, 0)  # same address, a fresh epoch, an empty pool
+    status, _ = decode_text(decode, FRANCE, params, "before-p-restart")
+    assert status == 409
+    bytes_before = decode.metric("pdserve_transfer_bytes_total")
+    assert decode_text(decode, FRANCE, pin(prefill, FRANCE, "after-p-restart"), "after-p-restart") == \
+        (200, expected[FRANCE])
+    assert decode.metric("pdserve_transfer_bytes_total") > bytes_before, "D handshook the new P and pulled"
+
+
+def test_a_decode_worker_restarted_between_the_legs_answers_the_prompts_own_text(cluster, expected):
+    prefill, _ = cluster
+    params = pin(prefill, SPAIN, "before-d-restart")
+    decode = restart(cluster, 1)  # the pin may outlive the restart or not (3 s lease): either way, right text
+    assert decode_text(decode, SPAIN, params, "before-d-restart") == (200, expected[SPAIN])
 
 
 def test_what_the_ticket_exchange_adds_to_the_handoff(cluster):
