@@ -36,7 +36,9 @@ from pdserve.request import GenerationRequest
 
 logger = logging.getLogger(__name__)
 
-PIN_PATH = "/internal/kv/pin"  # served by pdserve/server/kv_routes.py on the prefill worker
+# Served by pdserve/server/kv_routes.py on the prefill worker (our proxy spells the release path in
+# proxy/kv_release.py: it may not import pd/).
+PIN_PATH = "/internal/kv/pin"
 RELEASE_PATH = "/internal/kv/release"
 MAX_TICKET_BYTES = 4 << 20  # block ids of the longest prompt of a large pool, with room; past it: refused
 

@@ -27,10 +27,9 @@ from pdserve.api.kv_transfer import (AgentInfo, KVParamsStale, PinReference, Pin
 from pdserve.api.validation import invalid_request_from_validation
 from pdserve.pd.handshake import AGENT_INFO_PATH
 from pdserve.pd.leases import Claim, ClaimOutcome
+from pdserve.pd.tickets import PIN_PATH, RELEASE_PATH  # one home for the paths D calls and P serves
 from pdserve.server.errors import check_internal_token
 
-RELEASE_PATH = "/internal/kv/release"
-PIN_PATH = "/internal/kv/pin"
 # A release or a claim names four short ids: read at most this much of its body (413 past it, never the rest).
 _PIN_BODY_LIMITS = LimitsConfig(max_body_bytes=4096)
 
