@@ -357,6 +357,12 @@ class TransferMetrics:
             "pdserve_transfer_pinned_refusals_total",
             "Remote-decode prefills refused (503) because pinned blocks reached their limit.", registry=registry,
         )
+        self.recomputed_prompt_tokens = Counter(
+            "pdserve_pd_recomputed_prompt_tokens_total",
+            "D: prompt tokens of requests that came as P/D but were prefilled here, by reason (pull_failed: P "
+            "unreachable or the READ failed; prompt_mismatch: P's pin holds another prompt; stale_ticket: P holds "
+            "no claimable pin, or its lease ran short before the pull). D's own prefix cache may spare some.",
+            ["reason"], registry=registry)
         self.waiting_for_kv = Gauge(
             "pdserve_transfer_waiting_for_kv_requests", "Decode requests whose KV pull is in flight.",
             registry=registry,

@@ -60,6 +60,7 @@ class GenerationRequest:
     kv_params: Optional["KVTransferRequest"] = None
     remote_decode: bool = False  # P: keep the prompt's KV for a decode worker
     remote: Optional["RemoteSource"] = None  # D: verified source of the prompt's KV
+    pd_recomputed: bool = False  # D: came as P/D, but the admission chose to compute the prompt here
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: Optional["PdserveError"] = None  # set with FinishReason.ERROR
     kv_transfer_params: Optional["RemotePrefillParams"] = None  # P's answer for the decode worker
+    pd_recomputed: bool = False  # D: the request came as P/D and its prompt was computed here
 
 
 @dataclass(slots=True)
@@ -102,6 +104,7 @@ class Request:
     remote_decode: bool = False  # P: keep the prompt's KV for a decode worker (input)
     remote: Optional["RemoteSource"] = None  # D: where to pull the prompt's KV; None once consumed
     kv_transfer_params: Optional["RemotePrefillParams"] = None  # P: the finish hook's answer (output)
+    pd_recomputed: bool = False  # D: came as P/D, but its prompt is computed here (admission or failed pull)
     error: Optional["PdserveError"] = None  # why it ended with FinishReason.ERROR
     # Logprobs of prompt tokens 1.. (when asked), filled as prefill chunks run; sent with the first output.
     prompt_logprobs: list["TopLogprobs"] = field(default_factory=list)

@@ -33,6 +33,7 @@ from starlette.responses import Response
 
 from pdserve.api.errors import PdserveError
 from pdserve.api.http_bounds import read_body
+from pdserve.api.kv_transfer import KV_RECOMPUTED_HEADER
 
 from proxy.backends import Backend, BackendPool, Outcome, Role
 from proxy.client_request import REQUEST_ID_HEADER, ClientRequest, choose_request_id, parse_client_request
@@ -387,6 +388,8 @@ class Forwarder:
             if computes_prompt and alone and request.stream and cached is not None and num_tokens > cached:
                 # its headers came with the first token
                 self._speeds[Role.DECODE].observe(num_tokens - cached, leg.headers_s - leg.started_s)
+            if params is not None and leg.response.headers.get(KV_RECOMPUTED_HEADER) == "1":
+                self._metrics.pd_legs_recomputed.inc()  # the silent-recompute alarm's proxy side
             return leg
         except (KVRetry, PassThrough):
             hold.decode_may_read = False  # the decode worker answered: it ended the request

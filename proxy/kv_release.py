@@ -5,7 +5,9 @@ blocks — the decode leg was never sent, was refused before its connection
 opened, or was answered with a non-200 (the decode worker ended the request) —
 never after a decode leg that timed out or broke mid-way (the decode worker
 may still be reading; it tells the prefill worker itself, or the lease
-expires). Releases run in the background: the client's answer never waits.
+expires). A release names the pin by its request id and nonce (both from
+P's kv_transfer_params): the prefill worker frees nothing for the id alone.
+Releases run in the background: the client's answer never waits.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from proxy.metrics import ProxyMetrics
 logger = logging.getLogger(__name__)
 
 RELEASE_PATH = "/internal/kv/release"
-_RELEASE_FIELDS = ("remote_request_id", "remote_engine_id", "remote_epoch")
+# The pin's nonce too: the prefill worker frees nothing for a bare request id.
+_RELEASE_FIELDS = ("remote_request_id", "remote_engine_id", "remote_epoch", "remote_pin_nonce")
 
 
 @dataclass(slots=True)

@@ -68,6 +68,11 @@ class ProxyMetrics:
         self.rejected = Counter(
             "pdserve_proxy_rejected_total", "503s because no backend of a role was available",
             ["role"], registry=registry)
+        self.pd_legs_recomputed = Counter(
+            "pdserve_proxy_pd_legs_recomputed_total",
+            "P/D decode legs whose prompt the decode worker computed itself after all (it said so in its "
+            "X-Pdserve-KV-Recomputed header: pull failed, stale ticket, prompt mismatch): prefill work wasted",
+            registry=registry)
         self.kv_releases = Counter(
             "pdserve_proxy_kv_releases_total",
             "Prefills whose pinned KV the proxy asked their prefill worker to free (the decode leg failed or "

@@ -113,7 +113,8 @@ class ChaosCluster:
             self.proxy.start()
         else:
             old = self.workers[name]
-            worker = Worker(old.role, old.port, old.log_path, old.extra_args, old.device, old.env)
+            worker = Worker(old.role, old.port, old.log_path, old.extra_args, old.device, old.env,
+                            internal_port=old.internal_port)
             start_workers(worker)
             self.workers[name] = worker
         if wait:

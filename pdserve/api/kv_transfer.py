@@ -12,8 +12,11 @@ and `bare_host`, the one rule for how a peer's host is written. Torch-free.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import re
+import sys
+from array import array
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
@@ -22,8 +25,13 @@ from pdserve.api.errors import InvalidRequest, PdserveError
 
 # 2: pins carry a nonce (remote_pin_nonce) that D's done/free/renew must echo; 3: pages hold heads outermost
 # (pdserve/kv/layout.py), so a version-2 peer's pages would be read wrongly; 4: the block size is
-# negotiated, not hashed (P and D may page in different block sizes, one dividing the other).
-PROTOCOL_VERSION = 4
+# negotiated, not hashed (P and D may page in different block sizes, one dividing the other); 5: params are
+# tickets: D claims the pin's record from P (POST /internal/kv/pin) and reads only the block ids P names there,
+# after checking its prompt against P's digest; remote_block_ids on the wire is accepted and ignored.
+PROTOCOL_VERSION = 5
+# D's answer to a P/D leg whose prompt it computed itself (pull failed, stale ticket, prompt mismatch): the
+# proxy counts such legs (pdserve_proxy_pd_legs_recomputed_total). Absent when D pulled the KV.
+KV_RECOMPUTED_HEADER = "X-Pdserve-KV-Recomputed"
 PIN_NONCE_PATTERN = r"[0-9a-f]{16,64}"  # a pin's nonce as params and messages carry it (P makes 32 hex digits)
 _PARAM = "kv_transfer_params"
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -75,13 +83,62 @@ class KVPinnedFull(PdserveError):
     retry_after_s = 1
 
 
-class KVReleaseRequest(BaseModel):
-    """`POST /internal/kv/release` on P: the proxy gives up on a prefill's KV (its decode leg failed)."""
+class KVTicketUnusable(PdserveError):
+    """The prefill worker holds no claimable pin for these params (unknown id, wrong nonce, already read,
+    released, expired), or the pin is of another prompt; under `--kv-failure-policy fail` (409)."""
+
+    status_code = 409
+    error_type = "kv_params_stale"
+
+
+class TicketNotFound(PdserveError):
+    """P: no live pin of that id carries that nonce (never pinned, released, expired, or a forged nonce)."""
+
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class TicketAlreadyClaimed(PdserveError):
+    """P: the pin's ticket went to a reader already; a second one may not read the same blocks."""
+
+    status_code = 409
+    error_type = "kv_ticket_claimed"
+
+
+class PinReference(BaseModel):
+    """Which pin, on which engine start: the body of `POST /internal/kv/release` (the proxy gives up on a
+    prefill's KV) and of `POST /internal/kv/pin` (D claims its ticket). Without the pin's nonce a caller
+    can neither free nor read a pin, whatever request id it names."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
     remote_request_id: StrictStr = Field(min_length=1, max_length=256)
     remote_engine_id: StrictStr = Field(min_length=1, max_length=128)
     remote_epoch: StrictStr = Field(min_length=1, max_length=64)
+    remote_pin_nonce: StrictStr = Field(pattern=f"^{PIN_NONCE_PATTERN}$")
+
+
+
+class PinTicket(BaseModel):
+    """P's own record of a pin, the only source of the block ids D reads (`POST /internal/kv/pin`).
+
+    `prompt_sha256` is `prompt_digest` of the prompt tokens P computed the pinned KV from; D reads
+    only when its own prompt has the same digest. `lease_left_s`: what remained of the lease when
+    P answered (D trusts no longer)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    request_id: StrictStr = Field(min_length=1, max_length=256)
+    block_ids: list[list[StrictInt]]
+    num_prompt_tokens: StrictInt = Field(ge=1)
+    prompt_sha256: StrictStr = Field(pattern="^[0-9a-f]{64}$")
+    lease_left_s: float = Field(ge=0)
+
+
+def prompt_digest(token_ids: "list[int] | tuple[int, ...]") -> str:
+    """The identity of a prompt on the wire: sha256 over its token ids as little-endian int64."""
+    packed = array("q", token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return hashlib.sha256(packed.tobytes()).hexdigest()
 
 
 class RemoteDecodeRequest(BaseModel):
@@ -96,7 +153,11 @@ class RemoteDecodeRequest(BaseModel):
 
 
 class RemotePrefillParams(BaseModel):
-    """What P returns and D receives: where the prompt's KV blocks are."""
+    """What P returns and D receives: which pin on which prefill worker holds the prompt's KV.
+
+    D takes from it only who to ask (engine, epoch, host, port) and which pin (request id, nonce);
+    `remote_block_ids`, `num_prompt_tokens` and `lease_s` are informative (vLLM's proxy copies them):
+    D reads the block ids of P's own record (`PinTicket`), never these."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
     do_remote_prefill: StrictBool

@@ -18,7 +18,7 @@ import httpx
 import torch
 
 from pdserve.api.config import WorkerConfig
-from pdserve.api.kv_transfer import AgentInfo
+from pdserve.api.kv_transfer import AgentInfo, PinTicket
 from pdserve.app.kv_cache_side import build_kv_cache_side
 from pdserve.app.model_side import ModelSide, build_model_side
 from pdserve.app.pd_side import build_pd_side
@@ -37,6 +37,7 @@ from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import Metrics
 from pdserve.models.loader import LoadedModel
+from pdserve.pd.leases import Claim
 from pdserve.pd.prefill import PrefillConnector
 from pdserve.pd.wiring import KVSide, TransportFactory, nixl_transport
 from pdserve.runner.model_runner import ModelRunner
@@ -62,11 +63,17 @@ class BuiltEngine:
     def agent_info(self) -> Optional[AgentInfo]:
         return self.kv_side.agent_info
 
-    def release_pinned(self, request_id: str) -> None:
-        """Prefill workers: free a pinned prefill's blocks now (on the engine thread, at its next turn)."""
+    def release_pinned(self, request_id: str, nonce: str) -> None:
+        """Prefill workers: free a pinned prefill's blocks now (on the engine thread, at its next turn),
+        if `nonce` is its pin's."""
         connector = self.kv_side.connector
         if isinstance(connector, PrefillConnector):
-            self.engine.engine_loop.call_soon(functools.partial(connector.release_early, request_id))
+            self.engine.engine_loop.call_soon(functools.partial(connector.release_early, request_id, nonce))
+
+    def claim_ticket(self, request_id: str, nonce: str) -> Optional[Claim[PinTicket]]:
+        """Prefill workers: a pin's ticket for the reader that shows its nonce (thread-safe; None elsewhere)."""
+        connector = self.kv_side.connector
+        return connector.claim_ticket(request_id, nonce) if isinstance(connector, PrefillConnector) else None
 
     def close(self) -> None:
         """Stop the engine thread, then release the transport, the offload tier and the other ranks

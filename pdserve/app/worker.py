@@ -74,12 +74,17 @@ def _internal_routers(config: WorkerConfig, metrics: Metrics, handle: LoadingEng
     routers = [create_kv_events_router(handle, lambda: loaded.built, metrics, config.server.internal_token,
                                        open_without_token=internal_open)]
     if config.role != "colocated":
-        def release(request_id: str) -> None:  # the route answers 503 until the engine is built
+        def release(request_id: str, nonce: str) -> None:  # the route answers 503 until the engine is built
             if loaded.built is not None:
-                loaded.built.release_pinned(request_id)
+                loaded.built.release_pinned(request_id, nonce)
 
+        def claim(request_id: str, nonce: str):  # None until the engine is built (503)
+            return loaded.built.claim_ticket(request_id, nonce) if loaded.built is not None else None
+
+        prefill = config.role == "prefill"
         routers.append(create_kv_router(lambda: loaded.built.agent_info if loaded.built else None,
-                                        config.server.internal_token, release if config.role == "prefill" else None))
+                                        config.server.internal_token, release if prefill else None,
+                                        claim if prefill else None))
     return routers
 
 

@@ -178,6 +178,7 @@ class EngineLoop:
             arrival_time_s=command.arrival_time_s,
             remote_decode=generation.remote_decode,
             remote=generation.remote,
+            pd_recomputed=generation.pd_recomputed,
         )
         self.emitter.register(request.request_id, command.sink)
         self.scheduler.add_request(request)

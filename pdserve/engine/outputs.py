@@ -81,6 +81,7 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens,
             error=request.error if finished else None,
             kv_transfer_params=request.kv_transfer_params if finished else None,
+            pd_recomputed=request.pd_recomputed,
         )
         return output, stop_reason
 

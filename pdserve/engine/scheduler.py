@@ -186,6 +186,8 @@ class Scheduler:
         if load is None or not load.pulling:
             return  # ended meanwhile, or a late report
         load.pulling = False
+        if failed:
+            load.request.pd_recomputed = True  # a P/D request whose prompt this worker computes after all
         self._load_part_ended(load, failed, error)
 
     def _tier_read_ended(self, request_id: str, *, failed: bool = False) -> None:
@@ -328,6 +330,7 @@ class Scheduler:
             if admission.kind is AdmissionKind.REMOTE:
                 return self._admit_remote(request)
             request.remote = None  # given up: the prompt is computed here
+            request.pd_recomputed = True
         prefix = self._prefix_for(request)
         num_new = self._allocate_fitting(request, prefix.num_tokens, min(request.num_tokens - prefix.num_tokens, budget), prefix)
         if not num_new:

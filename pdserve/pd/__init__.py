@@ -5,8 +5,9 @@ The wire records (kv_transfer_params, the handshake's answer) are contract:
 worker is), `geometry` (which blocks travel), `peer_trust` (which hosts D may
 contact), `connector` (the contract with the scheduler), `prefill` and
 `decode` (the two sides, engine thread), `peers` (decode-side connections,
-never waited on), `admission` (async-side checks before the engine sees a
-request), `leases` and `messages` (P's pins and D's notes to P), `wiring`
+never waited on), `tickets` (D claims the pin's record from P and checks its
+prompt: the only source of the block ids it reads), `admission` (async-side
+checks before the engine sees a request), `leases` and `messages` (P's pins and D's notes to P), `wiring`
 (building it all for a worker).
 Torch-free and nixl-free: pages move through `pdserve.transfer`.
 May import: api, kv, transfer, request (the engine-thread record), metrics;
@@ -18,8 +19,10 @@ Block lifetime on both sides (one request; time flows down):
     ------------------                                 -----------------
     prompt computed, first token sampled
     request_finished -> pin blocks, lease = now+L
-    params {engine, epoch, block ids} --proxy------->  admission: parse, handshake,
-                                                       check block ids, connect peer
+    params {engine, epoch, pin id, nonce} --proxy--->  tickets: claim the pin (HTTP),
+    ticket {block ids, prompt sha256} -------------->    own prompt's digest equal?
+                                                       admission: handshake, check
+                                                       P's block ids, connect peer
                                                        request queued      (renew every H s)
     lease renewed <------------------ "renew" -------  scheduler allocates the whole prompt,
                                                        start_pull: READ of the blocks

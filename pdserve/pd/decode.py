@@ -3,9 +3,12 @@
 Invariants: a block under an in-flight READ is never handed back for freeing,
 even when its request is aborted (it is released when the READ ends); a READ
 whose result could postdate the prefill worker's lease is treated as failed,
-so D never computes with pages P may have reused; a failed pull never yields
+so D never computes with pages P may have reused; the block ids read are
+those of P's own pin record (pd/tickets.py put them in the params: the
+client's never get here); a failed pull never yields
 tokens from partial KV (policy `recompute` prefills locally, `fail` ends the
-request with `KVPullFailed`); P hears "free" whenever D will not read.
+request with `KVPullFailed`, and every prompt token so recomputed is counted
+by reason); P hears "free" whenever D will not read.
 Leases are renewed for queued requests and for those whose READ is in flight.
 Torch-free.
 """
@@ -99,9 +102,11 @@ class DecodeConnector:
         if request.remote is None or remote is None:
             return ADMIT_LOCAL
         if self.clock() > remote.lease_deadline_s(self.lease_s):
-            return self._unusable(request, remote, "the prefill worker's lease may have expired before the pull")
+            return self._unusable(request, remote, "the prefill worker's lease may have expired before the pull",
+                                  "stale_ticket")
         if self.peers.key_for(remote.peer_key) is None:
-            return self._unusable(request, remote, f"prefill worker {remote.peer_key} is no longer connected")
+            return self._unusable(request, remote, f"prefill worker {remote.peer_key} is no longer connected",
+                                  "pull_failed")
         return ADMIT_REMOTE
 
     def start_pull(self, request: Request, block_tables: Sequence[Sequence[int]], num_cached_tokens: int) -> bool:
@@ -124,7 +129,8 @@ class DecodeConnector:
             remote.handle = self.transport.start_read(remote.peer_key, pull.local_ids, pull.remote_ids, done.encode())
         except TransferError as error:
             del self._remotes[request.request_id]
-            self._failed_to_start.append(self._failure(request.request_id, f"KV read could not start: {error.message}"))
+            self._failed_to_start.append(self._failure(request.request_id, f"KV read could not start: {error.message}",
+                                                       request.num_prompt_tokens))
         self.metrics.waiting_for_kv.set(self.num_loading)
         return True
 
@@ -184,7 +190,8 @@ class DecodeConnector:
         else:
             self.peers.forget(remote.peer_key)
             events.failed.append(self._failure(request_id, "could not read the prompt's KV from the prefill worker"
-                                                           + (f": {handle.error}" if handle.error else "")))
+                                               + (f": {handle.error}" if handle.error else ""),
+                                               remote.source.params.num_prompt_tokens))
 
     def _heartbeat(self, now: float) -> None:
         """Renew P's leases of every remote request D still needs: queued or pulling."""
@@ -197,20 +204,23 @@ class DecodeConnector:
 
     # ---- helpers ------------------------------------------------------------------------
 
-    def _unusable(self, request: Request, remote: _Remote, reason: str) -> Admission:
-        """The remote KV cannot be used: per policy, compute locally or fail; P may free at once."""
+    def _unusable(self, request: Request, remote: _Remote, reason: str, label: str) -> Admission:
+        """The remote KV cannot be used: per policy, compute locally (counted under `label`) or fail;
+        P may free at once."""
         logger.warning("request %s: %s", request.request_id, reason)
         del self._remotes[request.request_id]
         self._send(remote, MessageKind.FREE)
         self.metrics.failures.labels(policy=self.policy).inc()
         if self.policy == "recompute":
+            self.metrics.recomputed_prompt_tokens.labels(reason=label).inc(request.num_prompt_tokens)
             return ADMIT_LOCAL
         return Admission(AdmissionKind.FAIL, KVPullFailed(reason))
 
-    def _failure(self, request_id: str, reason: str) -> LoadFailure:
+    def _failure(self, request_id: str, reason: str, num_prompt_tokens: int) -> LoadFailure:
         self.metrics.failures.labels(policy=self.policy).inc()
         if self.policy == "recompute":
             logger.warning("request %s: %s; prefilling locally", request_id, reason)
+            self.metrics.recomputed_prompt_tokens.labels(reason="pull_failed").inc(num_prompt_tokens)
         return LoadFailure(request_id, KVPullFailed(reason), recompute=self.policy == "recompute")
 
     def _send(self, remote: _Remote, kind: MessageKind) -> bool:

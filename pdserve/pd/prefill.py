@@ -3,10 +3,14 @@
 Invariants: a pinned request's blocks stay allocated (nothing can reuse them
 under a remote READ) until exactly one of: the reader's completion
 notification, an early-release message (D's "free", or the proxy's release
-call once the decode leg failed), or lease expiry; only then are they
+call once the decode leg failed, both carrying the pin's nonce), or lease
+expiry; only then are they
 reported `released` for the scheduler to free. Pinned blocks never exceed
 `max_pinned_blocks` (but for one request larger than that, pinned alone): a
-prefill that would pass it ends with 503 instead of pinning. Torch-free.
+prefill that would pass it ends with 503 instead of pinning. The block ids a
+reader may use come only from the pin's ticket (`claim_ticket`, handed out
+once, to the nonce's holder), which names the digest of the prompt the
+blocks were computed from. Torch-free.
 """
 
 from __future__ import annotations
@@ -17,14 +21,14 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from pdserve.api.kv_transfer import KVPinnedFull, RemotePrefillParams
+from pdserve.api.kv_transfer import KVPinnedFull, PinTicket, RemotePrefillParams, prompt_digest
 from pdserve.api.sampling import FinishReason
 from pdserve.kv.block_pool import NULL_BLOCK_ID, KVInvariantError
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import TransferMetrics
 from pdserve.pd.connector import ADMIT_LOCAL, FREE_NOW, Admission, FinishAction, KVEvents
 from pdserve.pd.geometry import handoff_ranges, handoff_slices
-from pdserve.pd.leases import LeaseTable
+from pdserve.pd.leases import Claim, LeaseTable
 from pdserve.pd.messages import MessageKind, parse_message
 from pdserve.request import Request
 from pdserve.transfer.transport import KVTransport
@@ -95,7 +99,10 @@ class PrefillConnector:
         if not self.has_room_to_pin(num_blocks):
             self.metrics.pinned_refusals.inc()
             return FinishAction(error=self._full_error(num_blocks))
-        lease = self.leases.pin(request.request_id, num_blocks)
+        ticket = PinTicket(request_id=request.request_id, block_ids=block_ids, lease_left_s=self.leases.lease_s,
+                           num_prompt_tokens=request.num_prompt_tokens,
+                           prompt_sha256=prompt_digest(request.prompt_token_ids))
+        lease = self.leases.pin(request.request_id, num_blocks, ticket)
         self.metrics.pinned_blocks.set(self.leases.num_pinned_blocks)
         logger.info("request %s: %d blocks pinned for a decode worker (lease %.0fs)",
                     request.request_id, lease.num_blocks, self.leases.lease_s)
@@ -111,8 +118,21 @@ class PrefillConnector:
         return KVPinnedFull(f"this prefill worker holds {self.leases.num_pinned_blocks} blocks for decode workers; "
                             f"{num_blocks} more would pass its limit of {self.max_pinned_blocks}: retry later")
 
-    def release_early(self, request_id: str) -> None:
-        """The proxy gave up on this prefill (its decode leg failed or was refused): free at the next poll."""
+    def claim_ticket(self, request_id: str, nonce: str) -> Claim[PinTicket]:
+        """A reader asks where the pin's blocks are (any thread; answered once per pin). The ticket's
+        `lease_left_s` is what remains of the lease now."""
+        claim = self.leases.claim(request_id, nonce)
+        if claim.ticket is None:
+            return claim
+        return dataclasses.replace(claim, ticket=claim.ticket.model_copy(update={"lease_left_s": claim.lease_left_s}))
+
+    def release_early(self, request_id: str, nonce: str) -> None:
+        """The proxy gave up on this prefill (its decode leg failed or was refused): free at the next poll.
+        Only with the pin's nonce: a bare request id, or a late release of an earlier pin, frees nothing."""
+        if not self.leases.holds(request_id, nonce):
+            self.metrics.rejected_messages.labels(reason="stale").inc()
+            logger.info("request %s: release ignored, no live pin carries its nonce", request_id)
+            return
         if self.leases.release(request_id):
             self._released_early.append(request_id)
             logger.info("request %s: blocks released (the proxy gave up on its decode leg)", request_id)

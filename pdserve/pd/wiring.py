@@ -28,6 +28,7 @@ from pdserve.pd.leases import LeaseTable
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.pd.peers import PeerConnections
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity, transfer_epoch
+from pdserve.pd.tickets import TicketAdmission, TicketClient
 from pdserve.transfer.transport import KVTransport, TransferError
 
 # (pool's canonical int8 view [num_blocks, page_bytes], agent name) -> transport
@@ -147,5 +148,11 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
     # The engine thread abandons a connection after connect_timeout_s; wait a little longer for its word.
     connect = engine_thread_connector(run_on_engine_thread, side.peers.ensure, transfer.connect_timeout_s + 1.0)
     failures = metrics.transfer.failures.labels(policy=transfer.failure_policy)
-    return DecodeAdmission(handshake, pool.plan, pool.block_size, transfer.failure_policy, connect,
-                           count_failure=failures.inc, allowed_peers=PeerAllowList.parse(transfer.allowed_peers))
+    allowed_peers = PeerAllowList.parse(transfer.allowed_peers)
+    inner = DecodeAdmission(handshake, pool.plan, pool.block_size, transfer.failure_policy, connect,
+                            count_failure=failures.inc, allowed_peers=allowed_peers)
+    tickets = TicketClient(config.server.internal_token, transfer.handshake_timeout_s, http_transport)
+    recomputed = metrics.transfer.recomputed_prompt_tokens
+    return TicketAdmission(inner, tickets, transfer.failure_policy, allowed_peers=allowed_peers, failures=inner.failures,
+                           count_recompute=lambda reason, num_tokens: recomputed.labels(reason=reason).inc(num_tokens),
+                           count_failure=failures.inc)

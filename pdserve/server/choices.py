@@ -94,6 +94,7 @@ class ChoiceStreams:
         self._num_unfinished = len(choices)
         self._started = False
         self._closed = False
+        self.pd_recomputed = False  # D: an output said the prompt came as P/D and was computed here
 
     def __aiter__(self) -> "ChoiceStreams":
         return self
@@ -111,6 +112,7 @@ class ChoiceStreams:
             raise item
         if item.finished:
             self._num_unfinished -= 1
+        self.pd_recomputed = self.pd_recomputed or item.pd_recomputed
         return index, item
 
     def _start(self, choice: Choice) -> None:

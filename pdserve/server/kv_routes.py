@@ -1,10 +1,14 @@
 """Internal routes of P/D workers: `GET /internal/kv/agent_info` (the handshake) and, on a prefill
-worker, `POST /internal/kv/release` (the proxy gives up on a prefill's KV once its decode leg failed).
+worker, `POST /internal/kv/pin` (a decode worker claims a pin's ticket: where its blocks are and which
+prompt they hold) and `POST /internal/kv/release` (the proxy gives up on a prefill's KV once its decode
+leg failed).
 
 Guarded by the shared internal token when one is configured: the handshake
-lets a caller address this worker's memory, a release frees it. A release
-names the engine id and epoch the KV came from, so a stale one (this worker
-restarted since) frees nothing.
+lets a caller address this worker's memory, a release frees it. A ticket
+claim and a release name the engine id and epoch the KV came from, so a
+stale one (this worker restarted since) gets nothing, and the pin's nonce:
+without it a caller learns and frees nothing (an unknown id and a wrong
+nonce answer the same 404).
 """
 
 from __future__ import annotations
@@ -18,19 +22,24 @@ from pydantic import ValidationError
 from pdserve.api.config import LimitsConfig
 from pdserve.api.errors import EngineNotReady
 from pdserve.api.http_bounds import read_body
-from pdserve.api.kv_transfer import AgentInfo, KVParamsStale, KVReleaseRequest
+from pdserve.api.kv_transfer import (AgentInfo, KVParamsStale, PinReference, PinTicket, TicketAlreadyClaimed,
+                                     TicketNotFound)
 from pdserve.api.validation import invalid_request_from_validation
 from pdserve.pd.handshake import AGENT_INFO_PATH
+from pdserve.pd.leases import Claim, ClaimOutcome
+from pdserve.pd.tickets import PIN_PATH, RELEASE_PATH  # one home for the paths D calls and P serves
 from pdserve.server.errors import check_internal_token
 
-RELEASE_PATH = "/internal/kv/release"
-# A release names three short ids: read at most this much of its body (413 past it, never the rest).
-_RELEASE_BODY_LIMITS = LimitsConfig(max_body_bytes=4096)
+# A release or a claim names four short ids: read at most this much of its body (413 past it, never the rest).
+_PIN_BODY_LIMITS = LimitsConfig(max_body_bytes=4096)
+
+ReleasePin = Callable[[str, str], None]  # (request id, nonce): free at the engine thread's next turn
+ClaimTicket = Callable[[str, str], Optional[Claim[PinTicket]]]  # (request id, nonce); None: engine not built
 
 
 def create_kv_router(agent_info: Callable[[], Optional[AgentInfo]], internal_token: Optional[str],
-                     release: Optional[Callable[[str], None]] = None) -> APIRouter:
-    """`release(request_id)` asks the engine thread to free a pinned prefill (prefill workers only)."""
+                     release: Optional[ReleasePin] = None, claim: Optional[ClaimTicket] = None) -> APIRouter:
+    """`release` and `claim` are a prefill worker's (None elsewhere: the routes are absent)."""
     router = APIRouter()
 
     def ready_agent() -> AgentInfo:
@@ -38,6 +47,17 @@ def create_kv_router(agent_info: Callable[[], Optional[AgentInfo]], internal_tok
         if info is None:
             raise EngineNotReady("the KV pool is not registered yet (model loading)")
         return info
+
+    async def pin_reference(request: Request) -> PinReference:
+        check_internal_token(request, internal_token)
+        try:
+            body = PinReference.model_validate_json(await read_body(request, _PIN_BODY_LIMITS))
+        except ValidationError as error:
+            raise invalid_request_from_validation(error) from None
+        info = ready_agent()
+        if (body.remote_engine_id, body.remote_epoch) != (info.engine_id, info.epoch):
+            raise KVParamsStale("the KV names another engine or an earlier start of this one: no such pin here")
+        return body
 
     @router.get(AGENT_INFO_PATH)
     async def get_agent_info(request: Request) -> Response:
@@ -47,15 +67,21 @@ def create_kv_router(agent_info: Callable[[], Optional[AgentInfo]], internal_tok
     if release is not None:
         @router.post(RELEASE_PATH)
         async def release_pinned(request: Request) -> Response:
-            check_internal_token(request, internal_token)
-            try:
-                body = KVReleaseRequest.model_validate_json(await read_body(request, _RELEASE_BODY_LIMITS))
-            except ValidationError as error:
-                raise invalid_request_from_validation(error) from None
-            info = ready_agent()
-            if (body.remote_engine_id, body.remote_epoch) != (info.engine_id, info.epoch):
-                raise KVParamsStale("the KV names another engine or an earlier start of this one: nothing to release")
-            release(body.remote_request_id)
+            body = await pin_reference(request)
+            release(body.remote_request_id, body.remote_pin_nonce)
             return JSONResponse({"status": "accepted"}, status_code=202)
+
+    if claim is not None:
+        @router.post(PIN_PATH)
+        async def claim_ticket(request: Request) -> Response:
+            body = await pin_reference(request)
+            answer = claim(body.remote_request_id, body.remote_pin_nonce)
+            if answer is None:
+                raise EngineNotReady("the engine is not built yet (model loading)")
+            if answer.outcome is ClaimOutcome.ALREADY_CLAIMED:
+                raise TicketAlreadyClaimed(f"pin {body.remote_request_id}: its ticket was claimed already")
+            if answer.outcome is not ClaimOutcome.GRANTED or answer.ticket is None:
+                raise TicketNotFound(f"no live pin {body.remote_request_id} with that nonce")
+            return Response(answer.ticket.model_dump_json(), media_type="application/json")
 
     return router

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from pdserve.api.config import LimitsConfig
 from pdserve.api.errors import EngineOverloaded
 from pdserve.api.http_bounds import read_body
+from pdserve.api.kv_transfer import KV_RECOMPUTED_HEADER
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIRequest
 from pdserve.api.validation import parse_request
 from pdserve.server.chat_formatting import ChatFormat, ToolMode
@@ -103,6 +104,12 @@ async def _collect(streams: ChoiceStreams) -> list[GenerationResult]:
     return results
 
 
+def _mark_recomputed(headers: dict[str, str], streams: ChoiceStreams) -> None:
+    """D tells the proxy that a P/D leg's prompt was computed here (the proxy counts such legs)."""
+    if streams.pd_recomputed:
+        headers[KV_RECOMPUTED_HEADER] = "1"
+
+
 async def _serve(
     ctx: ServingContext,
     raw: Request,
@@ -134,11 +141,13 @@ async def _serve(
             # the engine refuses (overloaded, bad kv_transfer_params) still gets
             # its proper HTTP status instead of a 200 with an error event.
             first = await run_until_disconnected(raw, streams.__anext__())
+            _mark_recomputed(headers, streams)
             events = sse_events(streams, first, response_format, body.include_usage, ctx.metrics.request)
             handed_off = True
             return EventStreamResponse(events, on_close=_StreamCloser(ctx, streams), headers=headers,
                                        send_timeout_s=ctx.config.stream_send_timeout_s)
         results = await run_until_disconnected(raw, _collect(streams))
+        _mark_recomputed(headers, streams)
         usage = results_usage(results, [len(p) for p in prepared.prompts], prepared.num_choices)
         return await final_json_response(lambda: response_format.final_response(results, usage),
                                          answer_size(results), headers)

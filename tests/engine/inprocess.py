@@ -59,8 +59,10 @@ def start_worker(role: str, model_path: str, fabric: FakeFabric, *, prefill_app:
     handshake_route = httpx.ASGITransport(app=prefill_app) if prefill_app is not None else None
     built = build_engine(config, metrics, transport_factory=fake_transport, http_transport=handshake_route)
     built.engine.start()
-    release = built.release_pinned if role == "prefill" else None
-    routers = [] if role == "colocated" else [create_kv_router(lambda: built.agent_info, None, release)]
+    prefill = role == "prefill"
+    routers = [] if role == "colocated" else [create_kv_router(lambda: built.agent_info, None,
+                                                               built.release_pinned if prefill else None,
+                                                               built.claim_ticket if prefill else None)]
     app = create_app(built.engine, metrics, config.server)
     for router in routers:  # in process, one ASGI app stands for both of a worker's listeners
         app.include_router(router)

@@ -50,7 +50,7 @@ def test_unschedulable_work_waits_on_events_instead_of_spinning(qwen_dir):
         # Pinned blocks keep the connector polling every few ms; a spinning loop turns ~100k times a second.
         assert spins < 400, f"{spins} loop turns in one second with nothing schedulable"
         assert not waiting.outputs
-        prefill.built.release_pinned("pinned")
+        prefill.built.release_pinned("pinned", pinned.final.kv_transfer_params.remote_pin_nonce)
         assert wait(lambda: waiting.outputs and waiting.final.finished, 30)
         assert len(waiting.token_ids) == 4
     finally:

@@ -186,7 +186,7 @@ def test_prefill_legs_never_get_a_5xx(workers, body, params):
     answer = json.loads(text) if status == 200 and not body.get("stream") else {}
     pinned = answer.get("kv_transfer_params")
     if pinned:  # as the proxy would once no decode leg follows: the pinned-blocks limit is not what is fuzzed
-        release = {key: pinned[key] for key in ("remote_request_id", "remote_engine_id", "remote_epoch")}
+        release = {key: pinned[key] for key in ("remote_request_id", "remote_engine_id", "remote_epoch", "remote_pin_nonce")}
         assert asyncio.run(post(prefill, "/internal/kv/release", release))[0] == 202
 
 

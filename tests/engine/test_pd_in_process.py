@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pdserve.api.kv_transfer import KV_RECOMPUTED_HEADER
 from pdserve.api.sampling import SamplingParams
 from pdserve.request import GenerationRequest
 from pdserve.transfer.fake_transport import FakeFabric
@@ -95,11 +96,35 @@ async def test_full_decode_path_in_process_equals_a_local_run(qwen_dir, fabric, 
                                              json={**BODY, "prompt": prompt, "kv_transfer_params": params})
             assert response.status_code == 200, response.text
             assert response.headers["x-request-id"] == request_id
+            assert KV_RECOMPUTED_HEADER.lower() not in response.headers  # the KV was pulled
             assert response.json()["choices"][0]["text"] == await local_text(colocated, prompt)
         assert metric_value(decode.metrics, "pdserve_transfer_descriptors_total") > 0
         assert await wait_until(lambda: prefill.built.engine.load_report().num_pinned_blocks == 0)
         assert metric_value(decode.metrics, "pdserve_transfer_failures_total") == 0
         assert metric_value(decode.metrics, "pdserve_engine_computed_prompt_tokens_total") == 2  # one per prompt
+    finally:
+        decode.close()
+
+
+async def test_a_pd_leg_computed_on_decode_says_so_to_the_proxy_and_is_counted(qwen_dir, fabric, colocated, prefill):
+    decode = start_worker("decode", qwen_dir, fabric, prefill_app=prefill.app)
+    other_prompt = [token + 1 for token in PROMPTS[0]]  # as long as PROMPTS[0], other tokens
+    try:
+        mismatched = await prefill_params(prefill, PROMPTS[0], "mismatch")
+        answers = {}
+        for name, prompt, params in (("prompt_mismatch", other_prompt, mismatched),
+                                     ("pull_failed", PROMPTS[1], await prefill_params(prefill, PROMPTS[1], "fails"))):
+            decode.transport.fail_reads = name == "pull_failed"  # the READ fails on the engine thread
+            async with decode.client() as client:
+                answers[name] = await client.post("/v1/completions", json={**BODY, "prompt": prompt,
+                                                                            "kv_transfer_params": params})
+            assert answers[name].status_code == 200, answers[name].text
+            assert answers[name].headers[KV_RECOMPUTED_HEADER] == "1", name
+            assert answers[name].json()["choices"][0]["text"] == await local_text(colocated, prompt), name
+            recomputed = decode.metrics.transfer.recomputed_prompt_tokens.labels(reason=name)._value.get()
+            assert recomputed == len(prompt), name
+        # D told P at once that it will not read the other prompt's pin (a failed READ's pin waits for its lease).
+        assert await wait_until(lambda: "mismatch" not in prefill.built.kv_side.connector.leases)
     finally:
         decode.close()
 
@@ -171,13 +196,14 @@ async def test_the_proxys_release_call_frees_a_pinned_prefill_at_once(prefill):
     params = await prefill_params(prefill, PROMPTS[0], "released-early")
     assert metric_value(prefill.metrics, "pdserve_transfer_pinned_blocks") > 0
     release = {"remote_request_id": params["remote_request_id"], "remote_engine_id": params["remote_engine_id"],
-               "remote_epoch": params["remote_epoch"]}
+               "remote_epoch": params["remote_epoch"], "remote_pin_nonce": params["remote_pin_nonce"]}
     async with prefill.client() as client:
+        bare = await client.post("/internal/kv/release", json={**release, "remote_pin_nonce": None})
         stale = await client.post("/internal/kv/release", json={**release, "remote_epoch": "0" * 16})
         malformed = await client.post("/internal/kv/release", json={"remote_request_id": 5})
         oversized = await client.post("/internal/kv/release", json={**release, "padding": "x" * 10_000})
         accepted = await client.post("/internal/kv/release", json=release)
-    assert stale.status_code == 409 and malformed.status_code == 400
+    assert stale.status_code == 409 and malformed.status_code == 400 and bare.status_code == 400
     assert oversized.status_code == 413  # read up to its bound, never whole
     assert accepted.status_code == 202
     assert await wait_until(lambda: metric_value(prefill.metrics, "pdserve_transfer_pinned_blocks") == 0)

@@ -275,7 +275,7 @@ def test_no_one_without_the_token_can_make_workers_read_pin_or_release(cluster):
     assert prefill_leg(prefill, COMPLETIONS, completion("hi"), "trust-2").status_code == 401
     assert decode_leg(decode, COMPLETIONS, completion("hi"), params, "trust-1").status_code == 401
     assert httpx.get(prefill.internal_url + "/internal/kv/agent_info", timeout=5).status_code == 401
-    release = {k: params[k] for k in ("remote_request_id", "remote_engine_id", "remote_epoch")}
+    release = {k: params[k] for k in ("remote_request_id", "remote_engine_id", "remote_epoch", "remote_pin_nonce")}
     assert httpx.post(prefill.internal_url + "/internal/kv/release", json=release, timeout=5).status_code == 401
     for host, status in (("127.0.0.1:80/x", 400), ("evil.example.com", 403), ("10.1.2.3", 403)):
         smuggled = decode_leg(decode, COMPLETIONS, completion("hi"), {**params, "remote_host": host}, "t", AUTH)
@@ -311,7 +311,8 @@ def test_every_process_bounds_bodies_depth_and_slow_heads(cluster):
 
 def restart(cluster, name: str) -> Worker:
     old = cluster[name]
-    worker = Worker(old.role, old.port, old.log_path, old.extra_args, old.device, old.env)
+    worker = Worker(old.role, old.port, old.log_path, old.extra_args, old.device, old.env,
+                    internal_port=old.internal_port)
     start_workers(worker)
     cluster[name] = worker
     assert wait_for(cluster["proxy"].is_ready, 30)

@@ -180,7 +180,8 @@ def test_sidecar_falls_back_to_decode_alone_when_the_prefill_worker_answers_503(
             assert got == want
     finally:
         params = held.json()["kv_transfer_params"]
-        release = {key: params[key] for key in ("remote_request_id", "remote_engine_id", "remote_epoch")}
+        release = {key: params[key]
+                   for key in ("remote_request_id", "remote_engine_id", "remote_epoch", "remote_pin_nonce")}
         assert httpx.post(prefill.internal_url + "/internal/kv/release", json=release, timeout=10).status_code == 202
         assert wait_for(lambda: no_pins(prefill), 30)
 

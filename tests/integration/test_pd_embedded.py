@@ -103,7 +103,7 @@ def test_prefill_returns_vllm_compatible_params(cluster):
     assert params["remote_port"] == prefill.internal_port  # D handshakes on the internal listener
     # No decode leg follows: free the pinned block now, not at the lease's end, so that the
     # tests after this one (which count pinned blocks) do not depend on how fast they run.
-    release = {k: params[k] for k in ("remote_request_id", "remote_engine_id", "remote_epoch")}
+    release = {k: params[k] for k in ("remote_request_id", "remote_engine_id", "remote_epoch", "remote_pin_nonce")}
     assert httpx.post(prefill.internal_url + "/internal/kv/release", json=release, headers=AUTH, timeout=5).status_code == 202
     assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, timeout_s=LEASE_S / 2)
 
@@ -142,37 +142,49 @@ def test_prefill_reclaims_blocks_within_the_lease_when_no_decode_reads(cluster):
     assert prefill.metric("pdserve_transfer_expired_leases_total") == expired_before + 1
 
 
-def _forgeries(params: dict) -> dict[str, dict]:
-    def changed(**fields):
-        forged = copy.deepcopy(params)
-        forged.update(fields)
-        return forged
+def _changed(params: dict, **fields) -> dict:
+    forged = copy.deepcopy(params)
+    forged.update(fields)
+    return forged
 
+
+def _refused_forgeries(params: dict) -> dict[str, dict]:
+    """Params D refuses before it claims the pin's ticket (the pin stays claimable)."""
     missing = copy.deepcopy(params)
-    del missing["remote_block_ids"]
+    del missing["remote_block_ids"]  # informative since protocol 5, but still part of the schema
+    return {
+        "block ids not a list": _changed(params, remote_block_ids="1,2,3"),
+        "wrong engine id": _changed(params, remote_engine_id="someone-else"),
+        "wrong epoch": _changed(params, remote_epoch="0000000000000000"),
+        "missing field": missing,
+        "port out of range": _changed(params, remote_port=70000),
+    }
+
+
+def _ignored_forgeries(params: dict) -> dict[str, dict]:
+    """Fields D no longer reads from the params (protocol 5: it reads P's ticket): served from P's blocks."""
     ids = params["remote_block_ids"][0]
     return {
-        "block id out of range": changed(remote_block_ids=[[*ids[:-1], 10_000]]),
-        "negative block id": changed(remote_block_ids=[[-1, *ids[1:]]]),
-        "null block id": changed(remote_block_ids=[[0, *ids[1:]]]),
-        "duplicate block ids": changed(remote_block_ids=[[ids[0]] * len(ids)]),
-        "too few blocks": changed(remote_block_ids=[ids[:-1]]),
-        "too many groups": changed(remote_block_ids=[ids, ids]),
-        "block ids not a list": changed(remote_block_ids="1,2,3"),
-        "wrong engine id": changed(remote_engine_id="someone-else"),
-        "wrong epoch": changed(remote_epoch="0000000000000000"),
-        "wrong prompt length": changed(num_prompt_tokens=params["num_prompt_tokens"] + 1),
-        "missing field": missing,
-        "port out of range": changed(remote_port=70000),
+        "block id out of range": _changed(params, remote_block_ids=[[*ids[:-1], 10_000]]),
+        "negative block id": _changed(params, remote_block_ids=[[-1, *ids[1:]]]),
+        "null block id": _changed(params, remote_block_ids=[[0, *ids[1:]]]),
+        "duplicate block ids": _changed(params, remote_block_ids=[[ids[0]] * len(ids)]),
+        "too few blocks": _changed(params, remote_block_ids=[ids[:-1]]),
+        "too many groups": _changed(params, remote_block_ids=[ids, ids]),
+        "wrong prompt length": _changed(params, num_prompt_tokens=params["num_prompt_tokens"] + 1),
     }
+
+
+FORGE_BODY = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 4,
+              "temperature": 0}
 
 
 def test_forged_params_get_a_4xx_and_read_nothing(cluster):
     prefill, decode = cluster
-    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 4, "temperature": 0}
+    body = FORGE_BODY
     params = prefill_leg(prefill, "/v1/completions", body, "forge-source", AUTH).json()["kv_transfer_params"]
     descriptors_before = decode.metric("pdserve_transfer_descriptors_total")
-    for name, forged in _forgeries(params).items():
+    for name, forged in _refused_forgeries(params).items():
         response = decode_leg(decode, "/v1/completions", body, forged, "forged", AUTH)
         assert 400 <= response.status_code < 500, (name, response.status_code, response.text)
         assert "error" in response.json(), name
@@ -186,6 +198,18 @@ def test_forged_params_get_a_4xx_and_read_nothing(cluster):
     assert decode.metric("pdserve_transfer_descriptors_total") > descriptors_before
 
 
+def test_block_ids_and_lengths_in_the_params_are_ignored_and_p_s_own_are_read(cluster):
+    prefill, decode = cluster
+    want = decode_leg(decode, "/v1/completions", FORGE_BODY, None, "forge-local", AUTH).json()["choices"][0]["text"]
+    for name in _ignored_forgeries({"remote_block_ids": [[1, 2]], "num_prompt_tokens": 1}):
+        params = prefill_leg(prefill, "/v1/completions", FORGE_BODY, "forge-ignored", AUTH).json()["kv_transfer_params"]
+        forged = _ignored_forgeries(params)[name]  # a fresh pin each: a ticket is claimed once
+        descriptors_before = decode.metric("pdserve_transfer_descriptors_total")
+        response = decode_leg(decode, "/v1/completions", FORGE_BODY, forged, "forge-ignored", AUTH)
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == want, (name, response.text)
+        assert decode.metric("pdserve_transfer_descriptors_total") > descriptors_before, name
+
+
 def test_agent_info_needs_the_internal_token(cluster):
     prefill, _ = cluster
     assert httpx.get(prefill.internal_url + "/internal/kv/agent_info", timeout=10).status_code == 401
@@ -196,12 +220,14 @@ def test_agent_info_needs_the_internal_token(cluster):
 
 INTERNAL_ROUTES = [("GET", "/internal/kv/agent_info"), ("GET", "/internal/kv/routing_info"),
                    ("GET", "/internal/kv/events"), ("POST", "/internal/kv/reset_prefix_cache"),
-                   ("POST", "/internal/kv/release")]
+                   ("POST", "/internal/kv/release"), ("POST", "/internal/kv/pin")]
+PREFILL_ONLY = ("/internal/kv/release", "/internal/kv/pin")
 
 
 def internal_status(url: str, method: str, path: str, headers: dict) -> int:
     """The status only: a stream (the KV events) is closed once its head has come."""
-    body = {"remote_request_id": "nobody", "remote_engine_id": "e", "remote_epoch": "0"} if method == "POST" else None
+    body = ({"remote_request_id": "nobody", "remote_engine_id": "e", "remote_epoch": "0", "remote_pin_nonce": "0" * 32}
+            if method == "POST" else None)
     with httpx.stream(method, url + path, json=body, headers=headers, timeout=10) as response:
         return response.status_code
 
@@ -211,13 +237,15 @@ def test_internal_routes_live_on_their_own_listener_with_the_token_and_the_servi
     route, token or not; the internal listener serves them to the token's holders only."""
     for worker in cluster:
         routes = [(method, path) for method, path in INTERNAL_ROUTES
-                  if path != "/internal/kv/release" or worker.role == "prefill"]  # release is P's alone
+                  if path not in PREFILL_ONLY or worker.role == "prefill"]  # a pin's routes are P's alone
         for method, path in routes:
             for headers in ({}, AUTH):
                 assert internal_status(worker.url, method, path, headers) == 404, (worker.role, path, headers)
             assert internal_status(worker.internal_url, method, path, {}) == 401, (worker.role, path)
-            # Let through: 200 (202 for a release, 409 for one naming another engine: nothing to free).
-            assert internal_status(worker.internal_url, method, path, AUTH) in (200, 202, 409), (worker.role, path)
+            # Let through: 200 (202 for a release, 409 for one naming another engine: nothing to free; a claim
+            # of a pin nobody holds: P's 404, the same answer as for a wrong nonce).
+            let_through = (200, 202, 404, 409) if path == "/internal/kv/pin" else (200, 202, 409)
+            assert internal_status(worker.internal_url, method, path, AUTH) in let_through, (worker.role, path)
 
 
 def test_prefill_leg_without_token_is_refused(cluster):

@@ -70,7 +70,8 @@ def test_prefill_restart_is_rehandshaked_transparently(cluster, tmp_path):
     assert pd_logprobs(first) == expected["token_logprobs"]
     handshakes = decode.metric("pdserve_transfer_handshakes_total")
     prefill.stop()
-    restarted = Worker("prefill", prefill.port, prefill.log_path, prefill.extra_args, prefill.device)
+    restarted = Worker("prefill", prefill.port, prefill.log_path, prefill.extra_args, prefill.device,
+                       internal_port=prefill.internal_port)
     start_workers(restarted)
     cluster["prefill"] = restarted
     params, second = two_legs(restarted, decode, "/v1/completions", story(), "after-restart")
@@ -108,6 +109,7 @@ def test_prefill_killed_after_returning_params_recompute_and_fail_policies(clust
         assert httpx.get(decode.url + "/health", timeout=5).status_code == 200
         assert local_text(decode) == expected
 
-    restarted = Worker("prefill", prefill.port, prefill.log_path, prefill.extra_args, prefill.device)
+    restarted = Worker("prefill", prefill.port, prefill.log_path, prefill.extra_args, prefill.device,
+                       internal_port=prefill.internal_port)
     start_workers(restarted)
     cluster["prefill"] = restarted

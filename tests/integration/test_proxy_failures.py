@@ -104,7 +104,7 @@ def test_killing_the_only_decode_worker_gives_quick_503s_then_recovers(cluster, 
         assert response.status_code == 503, response.text
         assert response.headers["retry-after"] == "1"
         assert response.json()["error"]["type"] == "service_unavailable"
-    revived = Worker("decode", decode.port, decode.log_path, decode.extra_args)
+    revived = Worker("decode", decode.port, decode.log_path, decode.extra_args, internal_port=decode.internal_port)
     cluster["decode"] = revived
     start_workers(revived)
 

@@ -110,6 +110,7 @@ def test_failed_pull_under_recompute_policy_prefills_locally(p, d, clock):
     assert request in d.scheduler.waiting
     step = d.scheduler.schedule()  # admitted again as an ordinary local request
     assert step.chunks[0].start_position == 0 and step.chunks[0].num_tokens == 30
+    assert recomputed_tokens(d, "pull_failed") == 30  # the silent-recompute alarm's count
     d.kv.check_invariants()
 
 
@@ -227,6 +228,7 @@ def test_decode_does_not_read_blocks_whose_lease_may_have_expired(p, d, clock):
     assert d.transport.num_unreleased_handles == 0
     # Recompute policy: admitted as an ordinary local prefill of the whole prompt.
     assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == 0
+    assert recomputed_tokens(d, "stale_ticket") == 30
     p.tick()
     assert p.connector.num_pinned_blocks == 0, "P was not told to free blocks D will not read"
 
@@ -278,15 +280,27 @@ def test_an_exception_in_the_finish_hook_fails_that_request_only(p):
 def test_an_early_release_frees_a_pinned_prefill_at_the_next_poll(p, clock):
     params = p.prefill("r1", 30)
     assert p.connector.num_pinned_blocks > 0
-    p.connector.release_early("unknown")  # nothing pinned under it: nothing happens
-    p.connector.release_early(params.remote_request_id)
+    p.connector.release_early("unknown", params.remote_pin_nonce)  # nothing pinned under it: nothing happens
+    p.connector.release_early(params.remote_request_id, params.remote_pin_nonce)
     assert p.connector.has_pending()
     p.tick()
     assert p.connector.num_pinned_blocks == 0 and not p.kv.has_request("r1")
     assert p.scheduler.take_released_ids() == ["r1"]
-    p.connector.release_early("r1")  # twice: still once
+    p.connector.release_early("r1", params.remote_pin_nonce)  # twice: still once
     p.tick()
     assert p.scheduler.take_released_ids() == []
+    p.kv.check_invariants()
+
+
+def test_an_early_release_without_the_pins_nonce_frees_nothing(p, clock):
+    params = p.prefill("r1", 30)
+    p.connector.release_early("r1", "0" * 32)  # the id alone, with a made-up nonce
+    p.tick()
+    assert p.kv.has_request("r1") and p.connector.num_pinned_blocks > 0
+    assert p.scheduler.take_released_ids() == [] and rejected_messages(p, "stale") == 1
+    p.connector.release_early("r1", params.remote_pin_nonce)
+    p.tick()
+    assert p.scheduler.take_released_ids() == ["r1"]
     p.kv.check_invariants()
 
 
@@ -346,7 +360,7 @@ def test_the_nonce_from_the_params_frees_the_pin(p, fabric):
 
 def test_a_late_message_about_an_earlier_pin_cannot_free_a_newer_pin_of_the_same_id(p, fabric, clock):
     first = p.prefill("r1", 30)
-    p.connector.release_early("r1")
+    p.connector.release_early("r1", first.remote_pin_nonce)
     p.tick()
     second = p.prefill("r1", 30)  # the id comes back (a client's own X-Request-Id, say)
     assert second.remote_pin_nonce != first.remote_pin_nonce
@@ -410,3 +424,7 @@ def test_a_decode_worker_of_twice_the_block_size_pulls_units_and_keeps_a_half_fi
     for group_id in range(len(PLAN.groups)):
         assert ((group_id, request.block_hashes[2]) in cached) is (group_id not in sliding), group_id
     d.kv.check_invariants()
+
+
+def recomputed_tokens(side, reason: str) -> float:
+    return side.metrics.transfer.recomputed_prompt_tokens.labels(reason=reason)._value.get()

@@ -26,6 +26,8 @@ from starlette.routing import Route
 from proxy.app import build_components, create_app
 from proxy.config import HealthConfig, ProxyConfig
 
+PIN_NONCE = "ab" * 16  # the pin nonce the stub prefill worker hands out
+
 
 @dataclass
 class RecordedCall:
@@ -52,6 +54,7 @@ class StubWorker:
     disconnects: list[str] = field(default_factory=list)  # request ids whose client went away
     releases: list[dict] = field(default_factory=list)  # prefill: bodies of POST /internal/kv/release
     hold: Optional[threading.Event] = None  # when set here and clear, generation waits until it is set
+    says_recomputed: bool = False  # decode: answer P/D legs as a worker that computed their prompt itself
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -94,15 +97,17 @@ class StubWorker:
             self.num_kv_failures -= 1
             return _error(503, "kv_pull_failed")
         source = (body.get("kv_transfer_params") or {}).get("remote_engine_id", "local")
+        headers = {"X-Pdserve-KV-Recomputed": "1"} if self.says_recomputed and body.get("kv_transfer_params") else {}
         if body.get("stream"):
-            return StreamingResponse(self._events(source, request_id), media_type="text/event-stream")
+            return StreamingResponse(self._events(source, request_id), media_type="text/event-stream", headers=headers)
         return JSONResponse({"id": request_id, "object": "text_completion",
-                             "choices": [{"index": 0, "text": f"from {source}", "finish_reason": "stop"}]})
+                             "choices": [{"index": 0, "text": f"from {source}", "finish_reason": "stop"}]},
+                            headers=headers)
 
     def _params(self, body: dict) -> dict:
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.name,
                 "remote_request_id": "p-1", "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1",
-                "remote_port": 1, "tp_size": 1, "remote_epoch": f"{self.name}-epoch"}
+                "remote_port": 1, "tp_size": 1, "remote_epoch": f"{self.name}-epoch", "remote_pin_nonce": PIN_NONCE}
 
     async def _events(self, source: str, request_id: str):
         try:

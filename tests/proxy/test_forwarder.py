@@ -10,7 +10,7 @@ import pytest
 
 from proxy.config import HealthConfig, RoutingConfig, TimeoutConfig
 from tests.proxy.forwarder_fixtures import BODY, SLOW_POLLS, cluster, proxy, start_proxy, stubs  # noqa: F401
-from tests.proxy.proxy_stubs import Served, unused_url
+from tests.proxy.proxy_stubs import PIN_NONCE, Served, unused_url
 
 def test_legs_follow_the_wire_protocol_with_one_request_id(cluster, proxy):
     workers, _ = cluster
@@ -328,6 +328,19 @@ def released_soon(workers, count: int) -> list[dict]:
     return released(workers)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_p_d_legs_the_decode_worker_computed_itself_are_counted(cluster, proxy, stream):
+    workers, _ = cluster
+    for worker in workers.values():
+        worker.says_recomputed = worker.role == "decode"
+    assert httpx.post(proxy.url + "/v1/completions", json={**BODY, "stream": stream}).status_code == 200
+    assert proxy.metric("pdserve_proxy_pd_legs_recomputed_total") == 1
+    for worker in workers.values():
+        worker.says_recomputed = False
+    assert httpx.post(proxy.url + "/v1/completions", json={**BODY, "stream": stream}).status_code == 200
+    assert proxy.metric("pdserve_proxy_pd_legs_recomputed_total") == 1  # a pulled leg says nothing
+
+
 @pytest.mark.parametrize("status, error_type", [(400, "invalid_request_error"), (503, "service_unavailable"),
                                                 (500, "internal_error")])
 def test_a_refused_decode_leg_frees_the_prefill_workers_kv_at_once(cluster, proxy, status, error_type):
@@ -337,7 +350,8 @@ def test_a_refused_decode_leg_frees_the_prefill_workers_kv_at_once(cluster, prox
     assert response.status_code in (status, 502)
     [release] = released_soon(workers, 1)
     engine = workers["d0"].calls[0].body["kv_transfer_params"]["remote_engine_id"]
-    assert release == {"remote_request_id": "p-1", "remote_engine_id": engine, "remote_epoch": f"{engine}-epoch"}
+    assert release == {"remote_request_id": "p-1", "remote_engine_id": engine, "remote_epoch": f"{engine}-epoch",
+                       "remote_pin_nonce": PIN_NONCE}
     assert proxy.metric("pdserve_proxy_kv_releases_total", result="sent") == 1
 
 

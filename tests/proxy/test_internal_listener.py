@@ -16,7 +16,7 @@ from proxy.kv_release import KVReleaser, PrefillHold
 from proxy.metrics import create_proxy_metrics
 from tests.proxy.proxy_stubs import Served, fast_config
 
-PARAMS = {"remote_request_id": "r-1", "remote_engine_id": "p0", "remote_epoch": "e0"}
+PARAMS = {"remote_request_id": "r-1", "remote_engine_id": "p0", "remote_epoch": "e0", "remote_pin_nonce": "ab" * 16}
 
 
 def recording(calls: list[str]) -> Starlette:

@@ -7,7 +7,7 @@ import re
 from pdserve.gie_metrics import PROTOCOL_NAMES
 from pdserve.metrics import LoadSnapshot, Metrics, create_metrics
 
-NAME_PATTERN = re.compile(r"^pdserve_(request|scheduler|kv|engine|transfer)_[a-z0-9_]+$")
+NAME_PATTERN = re.compile(r"^pdserve_(request|scheduler|kv|engine|transfer|pd)_[a-z0-9_]+$")
 UNIT_SUFFIXES = ("_seconds", "_ratio", "_requests", "_total", "_blocks", "_bytes_per_second", "_ranks", "_threads")
 # Names a protocol owns, not we: the gauges GIE's model-server protocol names, which an endpoint
 # picker reads by these exact names (docs/operations.md, "Running under llm-d / GIE"). Listed one by
