@@ -69,6 +69,7 @@ def test_worker_argv_names_the_tp_size_threads_and_cpu():
     argv = worker_argv("/m", 1234, 3, 2, 512)
     assert argv[1:4] == ["-m", "pdserve.app.cli", "serve"]
     flags = dict(zip(argv[4::2], argv[5::2]))
+    assert 0 < int(flags.pop("--internal-port")) < 65536  # a free port of its own
     assert flags == {"--model": "/m", "-tp": "3", "--host": "127.0.0.1", "--port": "1234", "--device": "cpu",
                      "--dtype": "float32", "--num-threads": "2", "--num-blocks": "512", "--log-level": "warning"}
 
