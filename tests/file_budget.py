@@ -34,11 +34,8 @@ SLOW_FILES: Mapping[str, str] = MappingProxyType({
         "prefix-cached and preempted runs of four 40-token answers, on one core",
     "tests/bench/test_chaos_bench.py":
         "runs the chaos benchmark end to end: a P/D cluster under load, killed once and restarted",
-    # The next three took 66-77 s in a quiet CI run here (2026-11-27): listed so that a busy run does not fail
+    # The next two took 66-77 s in a quiet CI run here (2026-11-27): listed so that a busy run does not fail
     # on them; each is a candidate for a cluster shared per test run.
-    "tests/integration/test_adaptive_disaggregation.py":
-        "a ~3,000-token prompt prefilled on the embedded model three times, to time the prefill worker, "
-        "before the forced routing decisions",
     "tests/integration/test_tensor_parallel.py":
         "five TP set-ups, every rank a process with gloo between them: TP=2 parity (tiny Llama shapes and "
         "Gemma 3's window), ranks started as separate commands, the embedded model at TP=3, P/D at TP=2, a lost rank",

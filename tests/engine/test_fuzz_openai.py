@@ -186,12 +186,17 @@ def test_prefill_legs_never_get_a_5xx(workers, body, params):
     answer = json.loads(text) if status == 200 and not body.get("stream") else {}
     pinned = answer.get("kv_transfer_params")
     if pinned:  # as the proxy would once no decode leg follows: the pinned-blocks limit is not what is fuzzed
-        release = {key: pinned[key] for key in ("remote_request_id", "remote_engine_id", "remote_epoch", "remote_pin_nonce")}
+        release = {key: pinned[key]
+                   for key in ("remote_request_id", "remote_engine_id", "remote_epoch", "remote_pin_nonce")}
         assert asyncio.run(post(prefill, "/internal/kv/release", release))[0] == 202
 
 
 @pytest.fixture(scope="module")
 def template_params(workers) -> dict[str, Any]:
+    # The streamed prefill legs fuzzed before keep their pins until the lease ends (no decode leg, and
+    # no release: a stream's params are not read there). Wait those out, or a fast machine finds P's
+    # pinned-blocks limit reached (503) when it pins the template.
+    assert_settles(workers["prefill"])
     body = {"prompt": TEMPLATE_PROMPT, "max_tokens": 1, "kv_transfer_params": DECODE_REQUEST}
     status, text = asyncio.run(post(workers["prefill"], "/v1/completions", body))
     assert status == 200, text

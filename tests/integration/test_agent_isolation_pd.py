@@ -92,9 +92,10 @@ def test_a_prefill_worker_lives_through_its_agent_crash_and_serves_pd_from_the_n
     pulled = decode.metric("pdserve_transfer_bytes_total")
     after = crash_agent(prefill)
     assert after["epoch"].startswith(stale["remote_epoch"] + ".")
-    # The pin of the dead agent names the old epoch: D computes that prompt itself, same answer.
-    text, _ = pd_answer(prefill, decode, "pinned-before-crash", stale)
-    assert text == local
+    # The pin of the dead agent names the old epoch: P hands out no ticket for it, and D answers 409
+    # kv_params_stale (as for a restarted P: the proxy runs the prefill leg again) and reads nothing.
+    refused = decode_leg(decode, "/v1/completions", body(), stale, "pinned-before-crash", AUTH)
+    assert refused.status_code == 409 and refused.json()["error"]["type"] == "kv_params_stale", refused.text
     assert decode.metric("pdserve_transfer_bytes_total") == pulled
     # A new pin names the new epoch: D handshakes again and pulls it through P's new agent.
     text, params = pd_answer(prefill, decode, "after-crash")

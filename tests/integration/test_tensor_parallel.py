@@ -14,7 +14,8 @@ import httpx
 import pytest
 import torch
 
-from tests.integration.cluster import Worker, free_port, page_bytes, start_workers, stop_all, two_legs, wait_for
+from tests.integration.cluster import (Worker, decode_leg, free_port, page_bytes, prefill_leg, start_workers, stop_all,
+                                       two_legs, wait_for)
 from tests.models.hf_oracle import hf_greedy_with_margins, randomize_norms, save_tiny_checkpoint
 from tests.tiny_models import GEMMA_VOCAB, GEMMA_WINDOW, make_tiny_gemma3, random_prompt
 
@@ -247,9 +248,9 @@ def test_pd_at_tp2_equals_one_worker_with_every_rank_slice_pulled(pd_tp2):
 def test_params_naming_another_tp_size_than_the_prefill_worker_runs_are_refused(pd_tp2):
     prefill, decode, single = pd_tp2
     body = {"model": worker_model(single), "prompt": random_prompt(9, VOCAB, 1), "max_tokens": 2}
-    params, _ = two_legs(prefill, decode, "/v1/completions", body, "tp-size-probe")
-    response = httpx.post(decode.url + "/v1/completions", json={**body, "kv_transfer_params": {**params, "tp_size": 1}},
-                          timeout=60)
+    # A fresh pin (a ticket is claimed once), its params forged to name one rank.
+    params = prefill_leg(prefill, "/v1/completions", body, "tp-size-probe").json()["kv_transfer_params"]
+    response = decode_leg(decode, "/v1/completions", body, {**params, "tp_size": 1}, "tp-size-probe")
     assert response.status_code == 400 and "tp_size is 1" in response.json()["error"]["message"]
 
 
