@@ -44,6 +44,52 @@ class SlidingWindowSpec:
 AttentionSpec = Union[FullAttentionSpec, SlidingWindowSpec]
 
 
+# Bytes per element of the dtypes a recurrent state may be kept in (named, so this module stays torch-free).
+STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentStateSpec:
+    """A layer that keeps a fixed-size state per request instead of K/V per token (Gated
+    DeltaNet, Mamba2): the last `conv_window` inputs of its short causal convolution, and a
+    recurrent tensor. Shapes are one rank's share when the model is split.
+
+        conv window:     [conv_channels, conv_window]   (oldest input first)
+        recurrent state: recurrent_shape                 (e.g. [heads, key_dim, value_dim])
+    """
+
+    kind: str  # "gated_delta_net" or "mamba2": which mixer reads it (a peer must agree)
+    conv_channels: int
+    conv_window: int  # kernel size - 1
+    recurrent_shape: tuple[int, ...]
+    dtype: str = "float32"  # a key of STATE_DTYPE_BYTES
+
+    def __post_init__(self) -> None:
+        if self.dtype not in STATE_DTYPE_BYTES:
+            raise ValueError(f"recurrent state dtype {self.dtype!r} is not one of {sorted(STATE_DTYPE_BYTES)}")
+        if self.conv_channels < 1 or self.conv_window < 0 or not self.recurrent_shape or min(self.recurrent_shape) < 1:
+            raise ValueError(f"malformed recurrent state spec {self}")
+
+    @property
+    def conv_elements(self) -> int:
+        return self.conv_channels * self.conv_window
+
+    @property
+    def recurrent_elements(self) -> int:
+        count = 1
+        for size in self.recurrent_shape:
+            count *= size
+        return count
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one request's state of this layer (conv window then recurrent tensor)."""
+        return (self.conv_elements + self.recurrent_elements) * STATE_DTYPE_BYTES[self.dtype]
+
+
+LayerSpec = Union[FullAttentionSpec, SlidingWindowSpec, RecurrentStateSpec]
+
+
 @dataclass(frozen=True, slots=True)
 class KVGroup:
     group_id: int

@@ -5,6 +5,15 @@ tokens concatenated). It never sees blocks or requests: each attention layer
 hands its new q/k/v to an `AttentionContext`, which stores k/v in the paged
 pool and returns the attention output, applying causality, request boundaries
 and the layer's sliding window itself.
+
+A layer with recurrent state (Gated DeltaNet, Mamba2) instead reads each
+sequence's state from the same context (`RecurrentStateContext`), runs its scan
+over the sequence's rows of the flat batch and writes the state after its last
+row back. Layer ids count only layers that hold a cache (K/V or state):
+`ModelSpec.layer_specs[layer_id]` is the spec of the layer with that id, and a
+block without any cache (Nemotron-H's MLP blocks) takes none. The runner's
+context object implements both protocols, and `CausalLM.forward` hands that one
+object to every layer.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from pdserve.kv.specs import AttentionSpec
+from pdserve.kv.specs import LayerSpec, RecurrentStateSpec
 
 
 class AttentionContext(Protocol):
@@ -33,6 +42,29 @@ class AttentionContext(Protocol):
         ...
 
 
+class RecurrentStateContext(Protocol):
+    """What a recurrent-state layer gets for one forward pass over a flat batch.
+
+    The batch holds the rows of one or more sequences back to back; sequence i owns rows
+    [sequence_starts[i], sequence_starts[i + 1]) at consecutive positions. Its state is the
+    one left after its previous row (zeros for a sequence that starts at position 0).
+    """
+
+    def sequence_starts(self) -> list[int]:
+        """cu_seqlens of the flat batch: len = number of sequences + 1, first 0, last the row count."""
+        ...
+
+    def read_state(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv window [num_sequences, conv_channels, conv_window], recurrent state
+        [num_sequences, *recurrent_shape]) of every sequence before this pass, in the dtype of the
+        layer's `RecurrentStateSpec`; fresh tensors the layer may update in place."""
+        ...
+
+    def write_state(self, layer_id: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Store every sequence's state after its last row of this pass (same shapes as `read_state`)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """Geometry the KV pool and the scheduler need from a model."""
@@ -45,10 +77,14 @@ class ModelSpec:
     head_dim: int
     vocab_size: int
     max_position_embeddings: int
-    layer_specs: tuple[AttentionSpec, ...]  # one per layer
+    layer_specs: tuple[LayerSpec, ...]  # one per cache-holding layer, indexed by layer id
     # Ranks the model is split over; num_heads and num_kv_heads above are then one rank's.
     tensor_parallel_size: int = 1
     model_kv_heads: int = 0  # the whole model's KV heads when split (0: num_kv_heads, not split)
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        return any(isinstance(spec, RecurrentStateSpec) for spec in self.layer_specs)
 
     @property
     def total_kv_heads(self) -> int:

@@ -3,7 +3,9 @@ sequence, K/V kept in plain growing tensors, sliding windows by position.
 
 It stands in for the paged pool so model files can be checked against
 transformers on their own; a flat batch may hold several sequences
-(`cu_seqlens` order) and a sequence may arrive in successive chunks.
+(`cu_seqlens` order) and a sequence may arrive in successive chunks. Layers
+with recurrent state (`RecurrentStateContext`) keep one conv window and one
+recurrent tensor per (sequence, layer), zeros before the sequence's first chunk.
 """
 
 from __future__ import annotations
@@ -12,33 +14,78 @@ from typing import Hashable, Sequence
 
 import torch
 
-from pdserve.kv.specs import AttentionSpec, SlidingWindowSpec
+from pdserve.kv.specs import LayerSpec, RecurrentStateSpec, SlidingWindowSpec
 from pdserve.models.base import CausalLM
 
 
 class ContiguousAttention:
-    def __init__(self, layer_specs: Sequence[AttentionSpec]):
+    def __init__(self, layer_specs: Sequence[LayerSpec], device: torch.device | str = "cpu"):
         self.layer_specs = tuple(layer_specs)
+        self.device = torch.device(device)
         self._keys: dict[tuple[Hashable, int], torch.Tensor] = {}
         self._values: dict[tuple[Hashable, int], torch.Tensor] = {}
+        self._states: dict[tuple[Hashable, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._positions: dict[Hashable, int] = {}  # tokens of each sequence before the current batch
         self._seq_ids: list[Hashable] = []
         self._cu_seqlens: list[int] = [0]
+        self._pending: dict[Hashable, int] = {}  # tokens of each sequence in the current batch
+        self._ran = False  # whether a layer has run the current batch
 
     def set_batch(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> None:
         """Declare the layout of the next forward: seq_ids[i] owns num_tokens[i] consecutive tokens."""
+        for seq_id in self._seq_ids:  # the previous batch is done
+            self._positions[seq_id] = self.num_cached(seq_id)
+        self._ran = False
         self._seq_ids = list(seq_ids)
         self._cu_seqlens = [0]
         for n in num_tokens:
             self._cu_seqlens.append(self._cu_seqlens[-1] + n)
+        self._pending = dict(zip(self._seq_ids, num_tokens))
 
     def num_cached(self, seq_id: Hashable) -> int:
-        keys = self._keys.get((seq_id, 0))
-        return 0 if keys is None else keys.shape[0]
+        """Tokens of the sequence computed so far (the current batch's included once it ran)."""
+        return self._positions.get(seq_id, 0) + (self._pending.get(seq_id, 0) if self._ran else 0)
+
+    # ---- RecurrentStateContext ---------------------------------------------------
+
+    def sequence_starts(self) -> list[int]:
+        return list(self._cu_seqlens)
+
+    def read_state(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = self._state_spec(layer_id)
+        dtype = getattr(torch, spec.dtype)
+        convs, recurrents = [], []
+        for seq_id in self._seq_ids:
+            stored = self._states.get((seq_id, layer_id))
+            if stored is None:
+                stored = (torch.zeros(spec.conv_channels, spec.conv_window, dtype=dtype, device=self.device),
+                          torch.zeros(spec.recurrent_shape, dtype=dtype, device=self.device))
+            convs.append(stored[0].clone())
+            recurrents.append(stored[1].clone())
+        return torch.stack(convs), torch.stack(recurrents)
+
+    def write_state(self, layer_id: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        spec = self._state_spec(layer_id)
+        expected = ((len(self._seq_ids), spec.conv_channels, spec.conv_window),
+                    (len(self._seq_ids), *spec.recurrent_shape))
+        if (tuple(conv.shape), tuple(recurrent.shape)) != expected:
+            raise ValueError(f"layer {layer_id}: state shapes {tuple(conv.shape)}, {tuple(recurrent.shape)} "
+                             f"are not {expected}")
+        for index, seq_id in enumerate(self._seq_ids):
+            self._states[(seq_id, layer_id)] = (conv[index].clone(), recurrent[index].clone())
+        self._ran = True
+
+    def _state_spec(self, layer_id: int) -> RecurrentStateSpec:
+        spec = self.layer_specs[layer_id]
+        if not isinstance(spec, RecurrentStateSpec):
+            raise ValueError(f"layer {layer_id} holds no recurrent state ({spec})")
+        return spec
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if q.shape[0] != self._cu_seqlens[-1]:
             raise ValueError(f"batch has {q.shape[0]} tokens, set_batch declared {self._cu_seqlens[-1]}")
+        self._ran = True
         out = torch.empty_like(q)
         for i, seq_id in enumerate(self._seq_ids):
             start, end = self._cu_seqlens[i], self._cu_seqlens[i + 1]
@@ -88,7 +135,7 @@ def greedy_generate(
     model: CausalLM, prompt_ids: Sequence[int], max_new_tokens: int, chunk_tokens: int | None = None
 ) -> list[int]:
     """Greedy decode with a fresh reference context; the prompt goes in chunks of `chunk_tokens`."""
-    attention = ContiguousAttention(model.spec.layer_specs)
+    attention = ContiguousAttention(model.spec.layer_specs, next(model.parameters()).device)
     chunk = chunk_tokens or len(prompt_ids)
     for start in range(0, len(prompt_ids), chunk):
         logits = forward_chunk(model, attention, "seq", prompt_ids[start : start + chunk])
