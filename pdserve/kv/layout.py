@@ -98,7 +98,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kv.shared_memory import shared_zeros
-from pdserve.kv.specs import KVGroup, RecurrentStateSpec
+from pdserve.kv.specs import KVGroup, KVGroupPlan, RecurrentStateSpec
 
 
 def huge_page_zeros(num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -119,6 +119,16 @@ def huge_page_zeros(num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
 def page_bytes_for(group_size: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes of one block page (see the module diagram)."""
     return group_size * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def attention_layer_bytes(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """One attention layer's K and V of one block: what `plan_groups` needs to size state pages."""
+    return page_bytes_for(1, block_size, num_kv_heads, head_dim, dtype)
+
+
+def plan_page_bytes(plan: KVGroupPlan, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of every page of a pool for `plan`, padding included: what `num_blocks_for_budget` takes."""
+    return plan.padded_page_bytes or page_bytes_for(plan.group_size, block_size, num_kv_heads, head_dim, dtype)
 
 
 def num_blocks_for_budget(kv_memory_bytes: int, page_bytes: int) -> int:
@@ -161,6 +171,12 @@ class KVPoolLayout:
                                        or self.padded_page_bytes % self.element_bytes):
             raise ValueError(f"padded_page_bytes {self.padded_page_bytes} must be 0 or a multiple of "
                              f"{self.element_bytes} of at least the attention page's {self.kv_page_bytes}")
+
+    @classmethod
+    def for_plan(cls, plan: KVGroupPlan, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> "KVPoolLayout":
+        """The layout of a pool for `plan`, its pages padded when the plan's state needs them larger."""
+        return cls(num_blocks, plan.group_size, block_size, num_kv_heads, head_dim, dtype, plan.padded_page_bytes)
 
     @property
     def element_bytes(self) -> int:

@@ -330,6 +330,17 @@ class KVCacheManager:
         self._loads[request_id] = loads
 
 
+    def next_snapshot_tokens(self, num_computed_tokens: int, num_prompt_tokens: int) -> Optional[int]:
+        """Where a chunk should end for its commit to take the next state snapshot (an interval boundary
+        or `prompt_boundary_tokens`); None without state groups or prefix caching."""
+        if not self.enable_prefix_caching:
+            return None
+        return self.state.next_snapshot_tokens(num_computed_tokens, num_prompt_tokens)
+
+    def prompt_boundary_tokens(self, num_prompt_tokens: int) -> int:
+        """The computed-token count at which to pass `commit(..., prompt_boundary=True)`."""
+        return self.state.prompt_boundary_tokens(num_prompt_tokens)
+
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The (source page, destination page) copies of state snapshots and restores recorded since the
         last call, in order: the runner performs them, in order, before the next forward pass. Call it

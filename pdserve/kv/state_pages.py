@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from pdserve.kv.block_pool import NULL_BLOCK_ID, BlockPool, KVInvariantError
-from pdserve.kv.prefix import PrefixHit
+from pdserve.kv.prefix import PrefixHit, max_hit_blocks
 from pdserve.kv.specs import KVGroupPlan
 
 logger = logging.getLogger(__name__)
@@ -126,6 +126,25 @@ class StatePages:
         self._record(block_id, tables[group_id][0], group_id, source_pinned=True)
 
     # ---- snapshots -------------------------------------------------------------------
+
+    def prompt_boundary_tokens(self, num_prompt_tokens: int) -> int:
+        """The prompt's last full block a repeat of it can hit (0: none): where the caller passes
+        `prompt_boundary=True` to commit."""
+        return max_hit_blocks(num_prompt_tokens, self.block_size) * self.block_size
+
+    def next_snapshot_tokens(self, num_computed_tokens: int, num_prompt_tokens: int) -> Optional[int]:
+        """The first token count after `num_computed_tokens` at which a commit takes a snapshot: a chunk
+        that should leave one ends there. None when no boundary is due (or there are no state groups)."""
+        if not self.group_ids:
+            return None
+        candidates = []
+        prompt_tokens = self.prompt_boundary_tokens(num_prompt_tokens)
+        if prompt_tokens > num_computed_tokens:
+            candidates.append(prompt_tokens)
+        if self.snapshot_interval_blocks:
+            step = self.snapshot_interval_blocks * self.block_size
+            candidates.append((num_computed_tokens // step + 1) * step)
+        return min(candidates, default=None)
 
     def is_due(self, num_blocks: int, prompt_boundary: bool) -> bool:
         interval = self.snapshot_interval_blocks

@@ -7,7 +7,8 @@ import struct
 import pytest
 import torch
 
-from pdserve.kv.layout import KVPoolLayout, num_blocks_for_budget, page_bytes_for
+from pdserve.kv.layout import (KVPoolLayout, attention_layer_bytes, num_blocks_for_budget, page_bytes_for,
+                               plan_page_bytes)
 from pdserve.kv.specs import FullAttentionSpec, RecurrentStateSpec, plan_groups
 
 
@@ -224,3 +225,16 @@ def test_a_padded_layout_rejects_a_page_smaller_than_the_attention_page():
     with pytest.raises(ValueError):
         KVPoolLayout(num_blocks=4, group_size=2, block_size=2, num_kv_heads=2, head_dim=2, dtype=torch.bfloat16,
                      padded_page_bytes=32)
+
+
+def test_the_plan_helpers_give_the_padded_page_to_sizing_and_to_the_layout():
+    layer_bytes = attention_layer_bytes(block_size=2, num_kv_heads=2, head_dim=2, dtype=torch.bfloat16)
+    assert layer_bytes == 32
+    plan = state_plan(layer_bytes)
+    assert plan_page_bytes(plan, 2, 2, 2, torch.bfloat16) == 256
+    layout = KVPoolLayout.for_plan(plan, 10, 2, 2, 2, torch.bfloat16)
+    assert layout.page_bytes == 256 and layout.kv_page_bytes == 64
+    assert num_blocks_for_budget(10 * 256, plan_page_bytes(plan, 2, 2, 2, torch.bfloat16)) == 10
+    unpadded = plan_groups([FullAttentionSpec()] * 2)
+    assert plan_page_bytes(unpadded, 2, 2, 2, torch.bfloat16) == page_bytes_for(2, 2, 2, 2, torch.bfloat16)
+    assert KVPoolLayout.for_plan(unpadded, 10, 2, 2, 2, torch.bfloat16) == KVPoolLayout(10, 2, 2, 2, 2, torch.bfloat16)

@@ -359,3 +359,15 @@ def test_a_snapshot_evicted_to_the_tier_loads_into_a_fresh_page_then_restores_in
     manager.free("c")
     settle(manager, runner)
     tier.check_invariants()
+
+
+def test_next_snapshot_tokens_names_where_a_chunk_should_end_for_the_next_snapshot():
+    manager = manager_for(num_blocks=8, interval=2)  # every 8 tokens
+    assert manager.prompt_boundary_tokens(19) == 16 and manager.prompt_boundary_tokens(17) == 16
+    assert manager.prompt_boundary_tokens(16) == 12  # a repeat hits at most 15 tokens: 3 blocks
+    assert manager.next_snapshot_tokens(0, 19) == 8
+    assert manager.next_snapshot_tokens(8, 14) == 12  # the prompt boundary comes first
+    assert manager.next_snapshot_tokens(12, 14) == 16
+    assert manager_for(num_blocks=8, interval=0).next_snapshot_tokens(12, 14) is None
+    assert KVCacheManager(plan_groups([FullAttentionSpec()]), 8, BS).next_snapshot_tokens(0, 30) is None
+    assert manager_for(num_blocks=8, enable_prefix_caching=False).next_snapshot_tokens(0, 30) is None
