@@ -3,9 +3,10 @@
 Invariant: every non-null table entry is a block in use by that table's group,
 a sliding-window table holds null (0) for every block wholly outside the
 window of the request's next token, and a state group's table is the request's
-one live state page (kv/state_pages.py: snapshots and page copies). Torch-free. With an offload tier, prefix
-blocks found only in the tier get fresh pool blocks at admission and are
-cached again once their load lands (`poll_offload`).
+one live state page (kv/state_pages.py: its snapshots and page copies).
+Torch-free. With an offload tier, prefix blocks found only in the tier get
+fresh pool blocks at admission and are cached again once their load lands
+(`poll_offload`).
 
 One request of 70 tokens, block_size 16, window 32, after computing 64 tokens
 (the token at 64 reads keys 33..64, so blocks 0 and 1 are released):
@@ -329,6 +330,7 @@ class KVCacheManager:
             loads.append(PageLoad(block_id, hashes[index], group_id, hashes[index - 1] if index else None))
         self._loads[request_id] = loads
 
+    # ---- state groups -----------------------------------------------------------------
 
     def next_snapshot_tokens(self, num_computed_tokens: int, num_prompt_tokens: int) -> Optional[int]:
         """Where a chunk should end for its commit to take the next state snapshot (an interval boundary
@@ -346,6 +348,8 @@ class KVCacheManager:
         last call, in order: the runner performs them, in order, before the next forward pass. Call it
         at the end of every schedule() (kv/state_pages.py: why their pages stay pinned until the next call)."""
         return self.state.take_copies()
+
+    # ---- tables and counters -----------------------------------------------------------
 
     def block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """A copy of the request's tables, one list per group (0 = null block)."""
@@ -499,9 +503,10 @@ class KVCacheManager:
         refs: Counter[int] = Counter()
         for request_id, state in self._requests.items():
             for group, table in zip(self.plan.groups, state.tables):
-                if group.is_state:
+                if group.is_state:  # its live page, and the snapshot pages it holds (tier loads)
                     refs.update(table)
-                    refs.update(ref.block_id for ref in state.snapshots.refs if ref.held and ref.group_id == group.group_id)
+                    refs.update(ref.block_id for ref in state.snapshots.refs
+                                if ref.held and ref.group_id == group.group_id)
                     continue
                 first_live = first_live_block(group, state.num_computed_tokens, self.block_size)
                 for index, block_id in enumerate(table):

@@ -112,7 +112,8 @@ class StatePages:
         snapshots.num_snapshot_blocks = index + 1
         for group_id, page in sources:
             self._record(page, tables[group_id][0], group_id, source_pinned=True)
-            snapshots.refs.append(SnapshotRef(page, group_id, index, prefix.block_hashes[index], held=False))
+            if prefix.block_hashes:  # known by its key: refreshed in the LRU when the request ends
+                snapshots.refs.append(SnapshotRef(page, group_id, index, prefix.block_hashes[index], held=False))
 
     def hold_loaded(self, snapshots: RequestSnapshots, block_id: int, group_id: int, index: int,
                     block_hash: bytes) -> None:
@@ -159,16 +160,17 @@ class StatePages:
                 or num_blocks > len(block_hashes) or not self.is_due(num_blocks, prompt_boundary)):
             return False
         block_hash = block_hashes[num_blocks - 1]
-        missing = [g for g in self.group_ids if self.pool.lookup(block_hash, g) is None]
+        cached = {g: self.pool.lookup(block_hash, g) for g in self.group_ids}
+        missing = [g for g, page in cached.items() if page is None]
         if len(missing) > self.pool.num_free_blocks:
             logger.debug("no free page for a state snapshot at block %d: skipped", num_blocks)
             return False
         parent = block_hashes[num_blocks - 2] if num_blocks > 1 else None
-        for group_id in missing:
-            page = self.pool.allocate(1, group_id)[0]  # its reference is the destination's pin
+        for group_id in missing:  # another request's snapshot of the same tokens serves the others
+            page = cached[group_id] = self.pool.allocate(1, group_id)[0]  # its reference is the destination's pin
             self._record(tables[group_id][0], page, group_id, source_pinned=False, destination_pinned=True)
             self.pool.cache(page, block_hash, group_id, parent)
-            snapshots.refs.append(SnapshotRef(page, group_id, num_blocks - 1, block_hash, held=False))
+        snapshots.refs += [SnapshotRef(page, g, num_blocks - 1, block_hash, held=False) for g, page in cached.items()]
         snapshots.num_snapshot_blocks = num_blocks
         return True
 
@@ -227,7 +229,8 @@ class StatePages:
                     raise KVInvariantError(f"live page {page} is shared by {live[page]} and {request_id}")
                 live[page] = request_id
             for ref in snapshots_by_request[request_id].refs:
-                if ref.held and (self.pool.ref_count(ref.block_id) == 0 or self.pool.owner(ref.block_id) != ref.group_id):
+                held_in_use = self.pool.ref_count(ref.block_id) > 0 and self.pool.owner(ref.block_id) == ref.group_id
+                if ref.held and not held_in_use:
                     raise KVInvariantError(f"request {request_id}: held snapshot page {ref.block_id} not in use")
         for page, group_id in self._pins + self._taken_pins:
             if self.pool.ref_count(page) == 0 or self.pool.owner(page) != group_id:

@@ -200,6 +200,24 @@ def test_pages_of_a_pending_copy_stay_in_use_until_the_copies_after_them_are_tak
     manager.check_invariants()
 
 
+def test_a_writer_that_fills_pages_as_soon_as_they_are_allocated_cannot_spoil_a_pending_snapshot():
+    """A tier read or a pull writes its pages before the runner's next copies: the pages those copies
+    read must not be among them."""
+    manager = manager_for(num_blocks=12, interval=2)
+    runner = Runner(manager)
+    hashes = prefill(manager, runner, "a", prompt(8), chunk=8)  # the snapshot copy is pending
+    manager.free("a")  # finished in the same update
+    grabbed = manager.pool.allocate(manager.pool.num_uncached_free, FULL)  # the next schedule's loads...
+    for block_id in grabbed:
+        runner.pages[block_id] = ("pulled",)  # ...land at once
+    runner.step([])  # the runner: copies, then the forward pass
+    manager.pool.free(grabbed)
+    settle(manager, runner)
+    hit = manager.find_prefix(hash_full_blocks(prompt(9), BS, []), 9)
+    assert hit.num_tokens == 8
+    assert [runner.pages[hit.block_ids[g][1]] for g in STATE_GROUPS] == [tuple(range(8))] * 2
+
+
 # ---- prefix hits ------------------------------------------------------------------------
 
 
@@ -217,6 +235,38 @@ def test_a_prefix_hit_is_cut_to_the_latest_snapshot_and_admission_records_the_re
     assert manager.num_blocks_needed("b", 8, 11, hit) == 3 + 2
     prefill(manager, runner, "b", shared, chunk=6, prefix=hit)
     assert runner.read("b") == [tuple(shared)] * 2  # the restored state, then the new tokens
+
+
+@pytest.mark.parametrize("num_usable, fits", [(7, True), (6, False)])
+def test_a_hits_own_snapshot_pages_are_never_evicted_to_feed_its_live_pages(num_usable: int, fits: bool):
+    manager = manager_for(num_blocks=num_usable + 1, interval=2)
+    runner = Runner(manager)
+    hashes = prefill(manager, runner, "a", prompt(8), chunk=4)  # 2 blocks, 2 live pages, 2 snapshot pages
+    manager.free("a")
+    settle(manager, runner)
+    hit = manager.find_prefix(hash_full_blocks(prompt(9), BS, []), 9)
+    assert hit.num_tokens == 8  # its 2 blocks and 2 snapshots are all free and cached
+    assert manager.can_allocate_slots("b", 8, 1, hit) is fits
+    assert manager.allocate_slots("b", 8, 1, hit) is fits
+    manager.check_invariants()
+    if fits:
+        runner.step([("b", 8, [8])])
+        assert runner.read("b") == [tuple(range(9))] * 2
+        assert snapshot_pages(manager, hashes[1]) == [hit.block_ids[g][1] for g in STATE_GROUPS]
+
+
+def test_a_second_request_over_the_same_tokens_reuses_the_snapshot_instead_of_copying_again():
+    manager = manager_for(num_blocks=40, interval=2)
+    runner = Runner(manager)
+    hashes = prefill(manager, runner, "a", prompt(8), chunk=8)
+    pages = snapshot_pages(manager, hashes[1])
+    prefill(manager, runner, "b", prompt(8), chunk=8)  # computed alongside, no hit asked for
+    assert snapshot_pages(manager, hashes[1]) == pages
+    assert manager.take_state_copies() == []  # b's commit copied nothing (a's copies were taken by b's step)
+    manager.free("a")
+    manager.free("b")
+    settle(manager, runner)
+    assert manager.num_free_blocks == manager.num_usable_blocks
 
 
 def test_without_a_snapshot_a_state_model_gets_no_hit():
