@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import pytest
 
 from pdserve.kv.block_pool import NULL_BLOCK_ID, KVInvariantError
+from pdserve.kv.events import KVEventKind, KVEventRecorder
 from pdserve.kv.hashing import hash_full_blocks
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.offload import OffloadTier
@@ -336,6 +337,23 @@ def test_freeing_a_request_refreshes_its_snapshots_beside_its_blocks_tail_first(
     late, early = snapshot_pages(manager, hashes[3]), snapshot_pages(manager, hashes[1])
     assert max(position[p] for p in late) < position[full[2]]  # block 3's snapshot goes with block 3
     assert position[full[2]] < min(position[p] for p in early) < position[full[0]]
+
+
+def test_snapshots_enter_and_leave_the_event_stream_like_blocks_under_their_state_group():
+    recorder = KVEventRecorder()
+    recorder.enabled = True
+    manager = manager_for(num_blocks=40, interval=2, events=recorder)
+    runner = Runner(manager)
+    hashes = prefill(manager, runner, "a", prompt(8), chunk=8)
+    manager.free("a")
+    settle(manager, runner)
+    stored = [(e.block_hash, e.parent_hash, e.group_id) for e in recorder.drain() if e.kind is KVEventKind.STORED]
+    assert [(hashes[1], hashes[0], g) for g in STATE_GROUPS] == [s for s in stored if s[2] in STATE_GROUPS]
+    pool = manager.pool
+    pool.free(pool.allocate(pool.num_free_blocks, FULL))  # evicts everything cached
+    removed = {(e.block_hash, e.group_id) for e in recorder.drain() if e.kind is KVEventKind.REMOVED}
+    assert {(hashes[1], g) for g in STATE_GROUPS} <= removed
+    assert manager.find_prefix(hashes, 9).num_tokens == 0
 
 
 def test_withheld_state_is_never_snapshotted():
