@@ -1,10 +1,12 @@
 """Per-request block tables over the shared pool: the only KV API the scheduler uses.
 
 Invariant: every non-null table entry is a block in use by that table's group,
-and a sliding-window table holds null (0) for every block wholly outside the
-window of the request's next token. Torch-free. With an offload tier, prefix
-blocks found only in the tier get fresh pool blocks at admission and are
-cached again once their load lands (`poll_offload`).
+a sliding-window table holds null (0) for every block wholly outside the
+window of the request's next token, and a state group's table is the request's
+one live state page (kv/state_pages.py: its snapshots and page copies).
+Torch-free. With an offload tier, prefix blocks found only in the tier get
+fresh pool blocks at admission and are cached again once their load lands
+(`poll_offload`).
 
 One request of 70 tokens, block_size 16, window 32, after computing 64 tokens
 (the token at 64 reads keys 33..64, so blocks 0 and 1 are released):
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from pdserve.kv.block_pool import NULL_BLOCK_ID, BlockPool, KVInvariantError
@@ -26,6 +28,7 @@ from pdserve.kv.events import KVEventRecorder, KVSnapshot
 from pdserve.kv.offload import LoadResults, OffloadTier, PageLoad
 from pdserve.kv.prefix import PrefixCacheStats, PrefixHit, first_live_block, match_prefix, max_hit_blocks
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan
+from pdserve.kv.state_pages import RequestSnapshots, StatePages
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +44,17 @@ class _RequestBlocks:
     num_committed: list[int]  # per group: blocks already offered to the prefix cache
     num_released: list[int]  # per group: blocks before this index are null
     num_computed_tokens: int
+    snapshots: RequestSnapshots = field(default_factory=RequestSnapshots)  # state groups' snapshots
 
 
 class KVCacheManager:
     """Hybrid group allocator: one block table per (request, group), one pool."""
 
     def __init__(self, plan: KVGroupPlan, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: Optional[KVEventRecorder] = None, offload: Optional[OffloadTier] = None):
+                 events: Optional[KVEventRecorder] = None, offload: Optional[OffloadTier] = None,
+                 snapshot_interval_blocks: Optional[int] = None):
+        """`snapshot_interval_blocks`: state snapshots every that many blocks besides prompt boundaries
+        (0: prompt boundaries only; None: kv/state_pages.default_snapshot_interval_blocks)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if [g.group_id for g in plan.groups] != list(range(len(plan.groups))):
@@ -60,6 +67,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, events, self.offload.offer if self.offload is not None else None)
         if self.offload is not None:
             self.offload.attach(self.pool.lookup)
+        self.state = StatePages(plan, self.pool, block_size, snapshot_interval_blocks)
         self._requests: dict[str, _RequestBlocks] = {}
         self._loads: dict[str, list[PageLoad]] = {}  # admitted, pages still to load from the tier
         self._loading: dict[str, tuple[str, list[PageLoad]]] = {}  # load id -> (request id, pages), not yet polled
@@ -102,14 +110,21 @@ class KVCacheManager:
         self._stats.num_offload_hit_tokens += hit.num_tokens - hit.num_device_tokens(self.block_size)
         return hit
 
-    def commit(self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int) -> None:
-        """Offer every newly full, computed block to the prefix cache (all groups,
-        null entries skipped). Unknown request ids are ignored."""
+    def commit(self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int, *,
+               prompt_boundary: bool = False) -> None:
+        """Offer every newly full, computed block to the prefix cache (attention groups, null
+        entries skipped); with state groups, snapshot the state when `num_computed_tokens` is a
+        block boundary due by the interval, or the prompt's last full block (`prompt_boundary`),
+        skipped when the pool has no free page. Unknown request ids are ignored."""
         state = self._requests.get(request_id)
         if state is None or not self.enable_prefix_caching:
             return
+        if self.state.group_ids:
+            self.state.snapshot(state.tables, state.snapshots, block_hashes, num_computed_tokens, prompt_boundary)
         num_full = min(num_computed_tokens // self.block_size, len(block_hashes))
         for group_id, table in enumerate(state.tables):
+            if self.plan.is_state_group(group_id):
+                continue  # a live page is never cached: its snapshots are
             end = min(num_full, len(table))
             for index in range(state.num_committed[group_id], end):
                 if table[index] != NULL_BLOCK_ID:
@@ -125,6 +140,8 @@ class KVCacheManager:
             return
         for group_id, count in enumerate(num_blocks):
             state.num_committed[group_id] = max(state.num_committed[group_id], count)
+            if count and self.plan.is_state_group(group_id):
+                state.snapshots.enabled = False  # its live state is not this prompt's: never cache it
 
     def clear_prefix_cache(self) -> int:
         """Forget every cached prefix (blocks in use stay with their requests), in the tier too;
@@ -153,11 +170,16 @@ class KVCacheManager:
         from a remote worker) may pass more, and sliding groups then get blocks
         for the window of that position only. Returns False, changing nothing
         else, when the pool cannot supply every new block of every group.
+
+        A new request gets one live page per state group; with a prefix hit and
+        `num_computed_tokens == prefix.num_tokens` the hit's snapshots are copied into
+        them (`take_state_copies`); a caller passing more fills the state itself.
         """
         self._check_token_counts(num_computed_tokens, num_new_tokens)
         if prefix is not None and prefix.num_tokens == 0:
             prefix = None
         state = self._requests.get(request_id)
+        restore = prefix is not None and num_computed_tokens == prefix.num_tokens
         if state is not None:
             self._advance(request_id, state, num_computed_tokens, prefix)
             tables, num_reserved = state.tables, 0
@@ -165,16 +187,19 @@ class KVCacheManager:
             if prefix is not None:
                 self._check_prefix(prefix, num_computed_tokens)
             tables = self._initial_tables(prefix, num_computed_tokens)
-            num_reserved = self._num_evictable(tables)
+            num_reserved = self._num_evictable(tables) + (self.state.num_reserved(prefix) if restore else 0)
         growth = self._growth(tables, num_computed_tokens, num_new_tokens)
         offloaded = self._offloaded(prefix, num_computed_tokens) if state is None else []
-        num_needed = sum(num_new for _, num_new in growth) + len(offloaded)
+        num_live = len(self.state.group_ids) if state is None else 0
+        num_needed = sum(num_new for _, num_new in growth) + len(offloaded) + num_live
         if num_needed > self.pool.num_free_blocks - num_reserved:
             logger.debug("request %s: needs %d blocks, %d free", request_id, num_needed,
                          self.pool.num_free_blocks - num_reserved)
             return False
         if state is None:
             state = self._admit(request_id, tables)
+            if num_live:
+                self.state.admit(state.tables, state.snapshots, prefix, restore)
             if offloaded:
                 self._allocate_offloaded(request_id, state, offloaded, prefix)
         for group_id, (num_null, num_new) in enumerate(growth):
@@ -190,7 +215,9 @@ class KVCacheManager:
         state = self._requests.get(request_id)
         tables = state.tables if state is not None else self._initial_tables(prefix, num_computed_tokens)
         num_loaded = len(self._offloaded(prefix, num_computed_tokens)) if state is None else 0
-        return sum(num_new for _, num_new in self._growth(tables, num_computed_tokens, num_new_tokens)) + num_loaded
+        num_live = len(self.state.group_ids) if state is None else 0
+        return (sum(num_new for _, num_new in self._growth(tables, num_computed_tokens, num_new_tokens)) + num_loaded
+                + num_live)
 
     def can_allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
                      prefix: Optional[PrefixHit] = None) -> bool:
@@ -199,7 +226,9 @@ class KVCacheManager:
         state = self._requests.get(request_id)
         if state is None:
             tables = self._initial_tables(prefix, num_computed_tokens)
-            return num_needed <= self.pool.num_free_blocks - self._num_evictable(tables)
+            restore = prefix is not None and num_computed_tokens == prefix.num_tokens
+            num_reserved = self._num_evictable(tables) + (self.state.num_reserved(prefix) if restore else 0)
+            return num_needed <= self.pool.num_free_blocks - num_reserved
         # Blocks the window release would drop to zero refs become free first.
         num_released = sum(1 for block_id in self._window_blocks(state, num_computed_tokens)
                            if self.pool.ref_count(block_id) == 1)
@@ -221,9 +250,13 @@ class KVCacheManager:
         self._release_blocks(state)
 
     def _release_blocks(self, state: _RequestBlocks) -> None:
-        num_slots = max((len(table) for table in state.tables), default=0)
-        tail_first = [table[index] for index in reversed(range(num_slots)) for table in state.tables
-                      if index < len(table) and table[index] != NULL_BLOCK_ID]
+        state_pages = self.state.release_order(state.tables, state.snapshots) if self.state.group_ids else {}
+        attention = [table for group_id, table in enumerate(state.tables) if not self.plan.is_state_group(group_id)]
+        num_slots = max([len(table) for table in attention] + [index + 1 for index in state_pages])
+        tail_first = []
+        for index in reversed(range(num_slots)):
+            tail_first += [table[index] for table in attention if index < len(table) and table[index] != NULL_BLOCK_ID]
+            tail_first += state_pages.get(index, [])
         self.pool.free(tail_first)
 
     # ---- offload tier loads ----------------------------------------------------------
@@ -262,15 +295,21 @@ class KVCacheManager:
                 continue
             for load in loads:
                 self.pool.cache(load.block_id, load.block_hash, load.group_id, load.parent_hash)
+                if self.plan.is_state_group(load.group_id):  # a snapshot: now copy it into the live page
+                    self.state.restore_loaded(self._requests[request_id].tables, load.block_id, load.group_id)
             results.landed.append(request_id)
         return results
 
     def _offloaded(self, prefix: Optional[PrefixHit], num_computed_tokens: int) -> list[tuple[int, int]]:
-        """(group, block index) of the prefix blocks to load from the tier, in-window ones only."""
+        """(group, block index) of the prefix blocks to load from the tier, in-window ones only (state
+        snapshots only when the hit's state is restored)."""
         if prefix is None or not prefix.offloaded or self.offload is None:
             return []
         wanted = []
         for group, indexes in zip(self.plan.groups, prefix.offloaded):
+            if group.is_state:
+                wanted += [(group.group_id, index) for index in indexes if num_computed_tokens == prefix.num_tokens]
+                continue
             first_live = first_live_block(group, num_computed_tokens, self.block_size)
             wanted += [(group.group_id, index) for index in indexes if index >= first_live]
         return wanted
@@ -284,10 +323,33 @@ class KVCacheManager:
         self.offload.pin(keys)  # type: ignore[union-attr] - _offloaded is empty without a tier
         for group_id, index in offloaded:
             block_id = self.pool.allocate(1, group_id)[0]  # may evict (and store) other pages
-            state.tables[group_id][index] = block_id
+            if self.plan.is_state_group(group_id):  # the table is the live page: hold the snapshot beside it
+                self.state.hold_loaded(state.snapshots, block_id, group_id, index, hashes[index])
+            else:
+                state.tables[group_id][index] = block_id
             loads.append(PageLoad(block_id, hashes[index], group_id, hashes[index - 1] if index else None))
         self._loads[request_id] = loads
 
+    # ---- state groups -----------------------------------------------------------------
+
+    def next_snapshot_tokens(self, num_computed_tokens: int, num_prompt_tokens: int) -> Optional[int]:
+        """Where a chunk should end for its commit to take the next state snapshot (an interval boundary
+        or `prompt_boundary_tokens`); None without state groups or prefix caching."""
+        if not self.enable_prefix_caching:
+            return None
+        return self.state.next_snapshot_tokens(num_computed_tokens, num_prompt_tokens)
+
+    def prompt_boundary_tokens(self, num_prompt_tokens: int) -> int:
+        """The computed-token count at which to pass `commit(..., prompt_boundary=True)`."""
+        return self.state.prompt_boundary_tokens(num_prompt_tokens)
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The (source page, destination page) copies of state snapshots and restores recorded since the
+        last call, in order: the runner performs them, in order, before the next forward pass. Call it
+        at the end of every schedule() (kv/state_pages.py: why their pages stay pinned until the next call)."""
+        return self.state.take_copies()
+
+    # ---- tables and counters -----------------------------------------------------------
 
     def block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """A copy of the request's tables, one list per group (0 = null block)."""
@@ -302,6 +364,8 @@ class KVCacheManager:
         that computes the token at `position` itself."""
         tables = self.block_ids(request_id)
         for group, table in zip(self.plan.groups, tables):
+            if group.is_state:
+                continue
             first_live = min(first_live_block(group, position, self.block_size), len(table))
             table[:first_live] = [NULL_BLOCK_ID] * first_live
         return tables
@@ -338,6 +402,9 @@ class KVCacheManager:
             return [[] for _ in self.plan.groups]
         tables = []
         for group, ids in zip(self.plan.groups, prefix.block_ids):
+            if group.is_state:
+                tables.append([])  # the live page comes at admission; the snapshot is restored into it
+                continue
             first_live = min(first_live_block(group, num_computed_tokens, self.block_size), len(ids))
             tables.append([NULL_BLOCK_ID] * first_live + list(ids[first_live:]))
         return tables
@@ -384,6 +451,9 @@ class KVCacheManager:
         target = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
         growth = []
         for group, table in zip(self.plan.groups, tables):
+            if group.is_state:
+                growth.append((0, 0))  # one live page, whatever the length
+                continue
             first_live = first_live_block(group, num_computed_tokens, self.block_size)
             num_null = max(0, min(target, first_live) - len(table))
             num_new = max(0, target - max(len(table), first_live))
@@ -406,6 +476,8 @@ class KVCacheManager:
         """Non-null blocks of sliding groups that slid out of the window, oldest first."""
         block_ids = []
         for group, table in zip(self.plan.groups, state.tables):
+            if group.is_state:
+                continue
             end = min(first_live_block(group, num_computed_tokens, self.block_size), len(table))
             block_ids += [b for b in table[state.num_released[group.group_id]:end] if b != NULL_BLOCK_ID]
         return block_ids
@@ -413,6 +485,8 @@ class KVCacheManager:
     def _release_window(self, state: _RequestBlocks, num_computed_tokens: int) -> None:
         released = self._window_blocks(state, num_computed_tokens)
         for group, table in zip(self.plan.groups, state.tables):
+            if group.is_state:
+                continue
             end = min(first_live_block(group, num_computed_tokens, self.block_size), len(table))
             start = state.num_released[group.group_id]
             if end > start:
@@ -423,12 +497,17 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Pool invariants plus: every table entry is null or a block in use by
-        that group, with enough references, and no sliding table keeps a block
-        that has left its window."""
+        that group, with enough references, no sliding table keeps a block
+        that has left its window, and the state groups' pages are sound."""
         self.pool.check_invariants()
         refs: Counter[int] = Counter()
         for request_id, state in self._requests.items():
             for group, table in zip(self.plan.groups, state.tables):
+                if group.is_state:  # its live page, and the snapshot pages it holds (tier loads)
+                    refs.update(table)
+                    refs.update(ref.block_id for ref in state.snapshots.refs
+                                if ref.held and ref.group_id == group.group_id)
+                    continue
                 first_live = first_live_block(group, state.num_computed_tokens, self.block_size)
                 for index, block_id in enumerate(table):
                     if block_id == NULL_BLOCK_ID:
@@ -444,3 +523,6 @@ class KVCacheManager:
             if self.pool.ref_count(block_id) < count:
                 raise KVInvariantError(f"block {block_id} is in {count} tables with "
                                        f"{self.pool.ref_count(block_id)} refs")
+        if self.state.group_ids:
+            self.state.check_invariants({rid: state.tables for rid, state in self._requests.items()},
+                                        {rid: state.snapshots for rid, state in self._requests.items()})

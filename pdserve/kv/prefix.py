@@ -2,8 +2,10 @@
 
 Invariant: a hit of L tokens is usable by every group at once: each full-
 attention group holds blocks [0, L/bs), each sliding group holds the blocks
-covering every key position the token at L attends to, from the device pool
-or, with an offload tier, from the tier (device first). Takes no references.
+covering every key position the token at L attends to, and each state group
+holds a snapshot of the state after token L (cached under the hash of block
+L/bs - 1), from the device pool or, with an offload tier, from the tier (device
+first). Takes no references.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
 from pdserve.kv.block_pool import NULL_BLOCK_ID, KVInvariantError
-from pdserve.kv.specs import FullAttentionSpec, KVGroup, KVGroupPlan
+from pdserve.kv.specs import FullAttentionSpec, KVGroup, KVGroupPlan, RecurrentStateSpec, SlidingWindowSpec
 
 
 class BlockLookup(Protocol):
@@ -26,7 +28,8 @@ class BlockLookup(Protocol):
 class PrefixHit:
     """`num_tokens` prompt tokens whose KV is cached; `block_ids[g]` holds
     num_tokens // block_size ids for group g (0 where a sliding group needs none,
-    and where the block is in the offload tier). `offloaded[g]` lists the block
+    where the block is in the offload tier, and in a state group everywhere but
+    the last index, which holds the snapshot page). `offloaded[g]` lists the block
     indexes of group g to load from the tier (empty without one).
     `block_hashes` lets the manager check the hit is still valid when used."""
 
@@ -88,13 +91,36 @@ class TieredLookup:
 def match_prefix(pool: BlockLookup, plan: KVGroupPlan, block_hashes: Sequence[bytes], max_blocks: int,
                  block_size: int, tier: Optional[BlockLookup] = None) -> PrefixHit:
     """The longest prefix of at most `max_blocks` blocks every group can serve, from the pool
-    or the tier (the same rule: a sliding group needs only the blocks in its window at the hit)."""
+    or the tier (the same rule: a sliding group needs only the blocks in its window at the hit,
+    a state group only its snapshot at the hit)."""
     if tier is not None:
         return _split_offloaded(match_prefix(TieredLookup(pool, tier), plan, block_hashes, max_blocks, block_size))
     limit = max(0, min(max_blocks, len(block_hashes)))
+    state_groups = [g for g in plan.groups if isinstance(g.spec, RecurrentStateSpec)]
+    while True:
+        num_blocks, found = _attention_hit(pool, plan, block_hashes, limit, block_size)
+        # The latest boundary at or before the attention hit where every state group has a snapshot;
+        # a shorter limit can change a sliding group's answer, so match again until both agree.
+        num_state_blocks = _latest_snapshot(pool, state_groups, block_hashes, num_blocks)
+        if num_state_blocks == num_blocks:
+            break
+        limit = num_state_blocks
+    block_ids = []
+    for group in plan.groups:
+        if isinstance(group.spec, RecurrentStateSpec):
+            snapshot = (pool.lookup(block_hashes[num_blocks - 1], group.group_id),) if num_blocks else ()
+            block_ids.append((NULL_BLOCK_ID,) * (num_blocks - len(snapshot)) + snapshot)
+        else:
+            block_ids.append(_hit_ids(group, found[group.group_id], num_blocks, block_size))
+    return PrefixHit(num_blocks * block_size, tuple(block_ids), tuple(block_hashes[:num_blocks]))
+
+
+def _attention_hit(pool: BlockLookup, plan: KVGroupPlan, block_hashes: Sequence[bytes], limit: int,
+                   block_size: int) -> tuple[int, dict[int, list[Optional[int]]]]:
+    """The longest hit of at most `limit` blocks the attention groups can serve, and what each found."""
     full_groups = [g for g in plan.groups if isinstance(g.spec, FullAttentionSpec)]
-    sliding_groups = [g for g in plan.groups if not isinstance(g.spec, FullAttentionSpec)]
-    found: dict[int, list[int | None]] = {}
+    sliding_groups = [g for g in plan.groups if isinstance(g.spec, SlidingWindowSpec)]
+    found: dict[int, list[Optional[int]]] = {}
     # Full attention reads every earlier key: the hit can be no longer than the
     # left-to-right run of each full group, so those bound the search first.
     for group in full_groups:
@@ -102,9 +128,18 @@ def match_prefix(pool: BlockLookup, plan: KVGroupPlan, block_hashes: Sequence[by
         limit = len(ids)
     for group in sliding_groups:
         found[group.group_id] = [pool.lookup(h, group.group_id) for h in block_hashes[:limit]]
-    num_blocks = _longest_sliding_hit(sliding_groups, found, limit, block_size)
-    block_ids = tuple(_hit_ids(group, found[group.group_id], num_blocks, block_size) for group in plan.groups)
-    return PrefixHit(num_blocks * block_size, block_ids, tuple(block_hashes[:num_blocks]))
+    return _longest_sliding_hit(sliding_groups, found, limit, block_size), found
+
+
+def _latest_snapshot(pool: BlockLookup, state_groups: list[KVGroup], block_hashes: Sequence[bytes],
+                     num_blocks: int) -> int:
+    """Largest k <= num_blocks with a snapshot of every state group under block_hashes[k - 1]."""
+    if not state_groups:
+        return num_blocks
+    for k in range(num_blocks, 0, -1):
+        if all(pool.lookup(block_hashes[k - 1], g.group_id) is not None for g in state_groups):
+            return k
+    return 0
 
 
 def _split_offloaded(hit: PrefixHit) -> PrefixHit:

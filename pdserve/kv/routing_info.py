@@ -13,7 +13,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from pdserve.kv.specs import FullAttentionSpec, KVGroup, KVGroupPlan, SlidingWindowSpec
+from pdserve.kv.specs import FullAttentionSpec, KVGroup, KVGroupPlan, LayerSpec, RecurrentStateSpec, SlidingWindowSpec
 
 ROUTING_INFO_PATH = "/internal/kv/routing_info"
 EVENTS_PATH = "/internal/kv/events"
@@ -22,8 +22,20 @@ RESET_PREFIX_CACHE_PATH = "/internal/kv/reset_prefix_cache"
 
 class GroupInfo(BaseModel):
     model_config = ConfigDict(frozen=True)
-    kind: Literal["full", "sliding"]
+    kind: Literal["full", "sliding", "state"]  # "state": recurrent state, hit only at its snapshots
     window_tokens: Optional[int] = None
+
+
+# What a router's matcher needs of a state group: that it is one (its shapes play no part in matching).
+_MATCHED_STATE = RecurrentStateSpec("any", conv_channels=1, conv_window=0, recurrent_shape=(1,))
+
+
+def _matched_spec(group: GroupInfo) -> LayerSpec:
+    if group.kind == "full":
+        return FullAttentionSpec()
+    if group.kind == "state":
+        return _MATCHED_STATE
+    return SlidingWindowSpec(group.window_tokens or 0)
 
 
 class RoutingInfo(BaseModel):
@@ -41,12 +53,11 @@ class RoutingInfo(BaseModel):
 
     def group_plan(self) -> KVGroupPlan:
         """The groups as the prefix matcher needs them (layer ids play no part in matching)."""
-        groups = tuple(
-            KVGroup(group_id, FullAttentionSpec() if g.kind == "full" else SlidingWindowSpec(g.window_tokens or 0), ())
-            for group_id, g in enumerate(self.groups))
+        groups = tuple(KVGroup(group_id, _matched_spec(g), ()) for group_id, g in enumerate(self.groups))
         return KVGroupPlan(groups, group_size=1, num_layers=0)
 
 
 def describe_groups(plan: KVGroupPlan) -> list[GroupInfo]:
     return [GroupInfo(kind="full") if isinstance(g.spec, FullAttentionSpec)
+            else GroupInfo(kind="state") if isinstance(g.spec, RecurrentStateSpec)
             else GroupInfo(kind="sliding", window_tokens=g.spec.window_tokens) for g in plan.groups]

@@ -1,15 +1,18 @@
-"""Attention specs per layer and their grouping into equal-size KV groups.
+"""Layer specs (attention, recurrent state) and their grouping into KV groups of one page each.
 
-Invariant: every attention layer lands in exactly one group, every group holds
-layers of one spec only, and all groups have the same slot count `group_size`
-(a group with fewer layers leaves its trailing slots unused), so one block id
-names one page of identical shape whichever group owns it. Torch-free.
+Invariant: every cache-holding layer lands in exactly one group, every group holds
+layers of one spec only, all attention groups have the same slot count `group_size`
+(a group with fewer layers leaves its trailing slots unused), and every page has the
+same size (kv/page_geometry.py: state groups hold as many layers as a page fits), so
+one block id names one page of identical size whichever group owns it. Torch-free.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
+
+from pdserve.kv.page_geometry import PageGeometry, plan_page
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,10 @@ class RecurrentStateSpec:
         """Bytes of one request's state of this layer (conv window then recurrent tensor)."""
         return (self.conv_elements + self.recurrent_elements) * STATE_DTYPE_BYTES[self.dtype]
 
+    def max_blocks_held(self, num_tokens: int, block_size: int) -> int:
+        """A sequence holds one live state page in a state group, whatever its length."""
+        return 1 if num_tokens > 0 else 0
+
 
 LayerSpec = Union[FullAttentionSpec, SlidingWindowSpec, RecurrentStateSpec]
 
@@ -93,46 +100,84 @@ LayerSpec = Union[FullAttentionSpec, SlidingWindowSpec, RecurrentStateSpec]
 @dataclass(frozen=True, slots=True)
 class KVGroup:
     group_id: int
-    spec: AttentionSpec
-    layer_ids: tuple[int, ...]  # model layer indices, at most group_size of them
+    spec: LayerSpec
+    layer_ids: tuple[int, ...]  # model layer ids: at most group_size (a state group: as many as a page holds)
+
+    @property
+    def is_state(self) -> bool:
+        return isinstance(self.spec, RecurrentStateSpec)
 
 
 @dataclass(frozen=True, slots=True)
 class KVGroupPlan:
-    """Which layer lives in which (group, slot) of a block page."""
+    """Which layer lives in which (group, slot) of a block page. Attention groups come first
+    (full attention before sliding), state groups last; `geometry` is None without state layers
+    (the page is then the attention page)."""
 
     groups: tuple[KVGroup, ...]
     group_size: int
     num_layers: int
+    geometry: Optional[PageGeometry] = None
 
     def locate(self, layer_id: int) -> tuple[int, int]:
-        """(group_id, slot) of a model layer."""
+        """(group_id, slot) of a model layer (attention or state)."""
         for group in self.groups:
             if layer_id in group.layer_ids:
                 return group.group_id, group.layer_ids.index(layer_id)
-        raise KeyError(f"layer {layer_id} is not an attention layer of this plan")
+        raise KeyError(f"layer {layer_id} is not a cache-holding layer of this plan")
+
+    @property
+    def state_group_ids(self) -> tuple[int, ...]:
+        return tuple(group.group_id for group in self.groups if group.is_state)
+
+    def is_state_group(self, group_id: int) -> bool:
+        return self.groups[group_id].is_state
+
+    @property
+    def padded_page_bytes(self) -> int:
+        """The page size when state made it larger than the attention page, else 0 (what
+        `KVPoolLayout(padded_page_bytes=...)` takes)."""
+        if self.geometry is None or not self.geometry.is_padded:
+            return 0
+        return self.geometry.page_bytes
 
 
-def plan_groups(layer_specs: Sequence[AttentionSpec]) -> KVGroupPlan:
-    """Bucket layers by spec and cut each bucket into groups of `group_size`.
+def plan_groups(layer_specs: Sequence[LayerSpec], attention_layer_bytes: int = 0) -> KVGroupPlan:
+    """Bucket layers by spec and cut each bucket into groups.
 
-    group_size is the size of the smallest bucket, so a model with only full
-    attention gets one group of all layers, and Gemma 3 (5 sliding : 1 full)
-    gets one full group of its full layers plus ~5 sliding groups. Layers are
+    Attention: group_size is the size of the smallest attention bucket, so a
+    model with only full attention gets one group of all layers, and Gemma 3
+    (5 sliding : 1 full) gets one full group of its full layers plus ~5 sliding
+    groups. Recurrent state: each bucket is cut into groups of as many layers as
+    one page holds (kv/page_geometry.py), which needs `attention_layer_bytes`, the
+    bytes one attention layer's K and V of one block take in a page. Layers are
     assigned strided (group j of a bucket takes layers j, j+n, j+2n, ...) so
     groups interleave through the depth of the model.
     """
-    if not layer_specs:
+    if not any(not isinstance(spec, RecurrentStateSpec) for spec in layer_specs):
         raise ValueError("a model needs at least one attention layer")
-    buckets: dict[AttentionSpec, list[int]] = {}
+    buckets: dict[LayerSpec, list[int]] = {}
     for layer_id, spec in enumerate(layer_specs):
         buckets.setdefault(spec, []).append(layer_id)
-    group_size = min(len(ids) for ids in buckets.values())
+    attention = {spec: ids for spec, ids in buckets.items() if not isinstance(spec, RecurrentStateSpec)}
+    state = [(spec, ids) for spec, ids in buckets.items() if isinstance(spec, RecurrentStateSpec)]
+    group_size = min(len(ids) for ids in attention.values())
     groups: list[KVGroup] = []
     # Full attention first so group 0 is the full-attention group when there is one.
-    ordered = sorted(buckets.items(), key=lambda item: (not isinstance(item[0], FullAttentionSpec), item[1][0]))
+    ordered = sorted(attention.items(), key=lambda item: (not isinstance(item[0], FullAttentionSpec), item[1][0]))
     for spec, layer_ids in ordered:
-        num_groups = -(-len(layer_ids) // group_size)
-        for j in range(num_groups):
-            groups.append(KVGroup(len(groups), spec, tuple(layer_ids[j::num_groups])))
-    return KVGroupPlan(tuple(groups), group_size, len(layer_specs))
+        _cut_bucket(groups, spec, layer_ids, group_size)
+    if not state:
+        return KVGroupPlan(tuple(groups), group_size, len(layer_specs))
+    if attention_layer_bytes < 1:
+        raise ValueError("a model with recurrent-state layers needs attention_layer_bytes to size its pages")
+    geometry = plan_page(group_size * attention_layer_bytes, [(spec.state_bytes, len(ids)) for spec, ids in state])
+    for (spec, layer_ids), per_group in zip(state, geometry.layers_per_group):
+        _cut_bucket(groups, spec, layer_ids, per_group)
+    return KVGroupPlan(tuple(groups), group_size, len(layer_specs), geometry)
+
+
+def _cut_bucket(groups: list[KVGroup], spec: LayerSpec, layer_ids: list[int], per_group: int) -> None:
+    num_groups = -(-len(layer_ids) // per_group)
+    for j in range(num_groups):
+        groups.append(KVGroup(len(groups), spec, tuple(layer_ids[j::num_groups])))
