@@ -17,6 +17,7 @@ from pdserve.app.kv_cache_side import num_offload_slots, num_offload_staging_row
 from pdserve.kv.layout import KVPoolLayout, page_bytes_for
 from pdserve.kv.specs import KVGroupPlan, plan_groups
 from pdserve.models.base import ModelSpec
+from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.loader import LoadedModel, load_model, resolve_quantization
 from pdserve.models.registry import TensorParallelRank
 from pdserve.parallel.channel import LeaderChannel, RankSetup
@@ -118,6 +119,16 @@ def _rank_setup(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout) -
                      num_offload_staging_rows=num_offload_staging_rows(config, plan, layout) if offload_dir is not None else 0)
 
 
+def _check_state_support(config: WorkerConfig, spec: ModelSpec) -> None:
+    """Refuse at start-up what a recurrent-state model cannot do yet, instead of computing wrong tokens."""
+    if not spec.has_recurrent_state:
+        return
+    if config.role != "colocated":
+        raise UnsupportedModelFeature(
+            f"{spec.architecture} keeps recurrent state (Gated DeltaNet / Mamba2 layers): prefill/decode "
+            "disaggregation does not move that state yet; serve it with `pdserve serve` (issue 37)")
+
+
 def build_model_side(config: WorkerConfig, loaded: Optional[LoadedModel] = None,
                      rendezvous_fd: Optional[int] = None) -> ModelSide:
     """Meet the other ranks, load the weights (unless `loaded`, made for the same device and dtype),
@@ -131,6 +142,7 @@ def build_model_side(config: WorkerConfig, loaded: Optional[LoadedModel] = None,
     shard = TensorParallelRank(0, ranks.size, ranks.all_reduce, ranks.all_gather) if ranks is not None else None
     loaded = loaded or load_model(config.model.path, dtype, device, quantization, parallel=shard)
     spec = loaded.model.spec
+    _check_state_support(config, spec)
     plan = plan_groups(spec.layer_specs)
     layout = _pool_layout(config, loaded, plan, dtype, device, free_before_load)
     grammar_tokenizer = GrammarTokenizer(loaded.tokenizer, spec.vocab_size)

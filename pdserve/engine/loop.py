@@ -265,7 +265,7 @@ class EngineLoop:
             raise
         except Exception:
             self._settle_device()
-            if len(scheduled.chunks) <= 1:
+            if len(scheduled.chunks) <= 1 or not self.runner.replays_failed_steps:
                 self._fail_chunks(scheduled, "while running the model")
                 return StepResult()
         # Find the culprit: run each chunk alone, fail those that fail alone.

@@ -65,6 +65,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # runner drops per-request state
+    # Recurrent-state page copies (source, destination) the runner makes, in order, before the
+    # forward pass: prefix-cache snapshots of live state pages and restores from them.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -28,11 +28,13 @@ from pdserve.api.sampling import FinishReason
 from pdserve.engine.pending_load import PendingLoad
 from pdserve.engine.schedule_types import PromptLogprobs, SampledToken, ScheduledChunk, SchedulerOutput
 from pdserve.engine.scheduler_invariants import check_scheduler
+from pdserve.engine.state_chunks import is_snapshot_point, snapshot_chunk_tokens
 from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.stop_rules import check_stop
 from pdserve.kv.hashing import hash_full_blocks
 from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.prefix import PrefixHit
+from pdserve.kv.specs import RecurrentStateSpec
 from pdserve.pd.connector import FREE_NOW, AdmissionKind, KVConnector, KVEvents, NoConnector
 from pdserve.request import Request, RequestStatus
 
@@ -68,6 +70,9 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._ended: list[Request] = []  # ended here with an error, for the engine loop to report
         self._released_ids: list[str] = []  # requests whose blocks are all back in the pool
+        # Hybrid models with prefix caching end prefill chunks where their state can be snapshotted.
+        self._snapshots_state = kv_manager.enable_prefix_caching and any(
+            isinstance(group.spec, RecurrentStateSpec) for group in kv_manager.plan.groups)
 
     # ---- queue management -------------------------------------------------
 
@@ -236,6 +241,7 @@ class Scheduler:
             self._admit_waiting(output, budget)
         self._step_started = (output, self.clock()) if output.chunks else None
         self.last_step = (output, step_budget)
+        output.state_copies = self.kv.take_state_copies()
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
@@ -263,12 +269,14 @@ class Scheduler:
     def _fit_running(self, request: Request, output: SchedulerOutput, budget: int,
                      scheduled_ids: set[str]) -> tuple[int, bool]:
         """Allocate for the request's next chunk, preempting later arrivals while the pool is full."""
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_new = self._chunk_tokens(request, request.num_computed_tokens,
+                                     min(request.num_tokens - request.num_computed_tokens, budget))
         preempted = False
         if num_new <= 0:
             return 0, preempted
         while not (num_new := self._allocate_fitting(request, request.num_computed_tokens, num_new)):
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk_tokens(request, request.num_computed_tokens,
+                                         min(request.num_tokens - request.num_computed_tokens, budget))
             victim = self._pick_victim(scheduled_ids)
             self._preempt(victim, output)
             preempted = True
@@ -287,6 +295,11 @@ class Scheduler:
                 return 0
             num_new //= 2
         return 0
+
+    def _chunk_tokens(self, request: Request, num_computed: int, num_new: int) -> int:
+        if not self._snapshots_state:
+            return num_new
+        return snapshot_chunk_tokens(num_computed, num_new, request.num_prompt_tokens, self.block_size)
 
     def _pick_victim(self, scheduled_ids: set[str]) -> Request:
         # Latest arrival loses; never a request already given work this step
@@ -332,7 +345,8 @@ class Scheduler:
             request.remote = None  # given up: the prompt is computed here
             request.pd_recomputed = True
         prefix = self._prefix_for(request)
-        num_new = self._allocate_fitting(request, prefix.num_tokens, min(request.num_tokens - prefix.num_tokens, budget), prefix)
+        num_new = self._chunk_tokens(request, prefix.num_tokens, min(request.num_tokens - prefix.num_tokens, budget))
+        num_new = self._allocate_fitting(request, prefix.num_tokens, num_new, prefix)
         if not num_new:
             return None
         self.waiting.popleft()
@@ -428,7 +442,9 @@ class Scheduler:
     def _advance(self, request: Request, chunk: ScheduledChunk, token: Optional[SampledToken]) -> bool:
         request.num_computed_tokens = chunk.end_position
         # Commit before a possible finish frees the blocks, so they stay cached.
-        self.kv.commit(request.request_id, request.block_hashes, request.num_computed_tokens)
+        self.kv.commit(request.request_id, request.block_hashes, request.num_computed_tokens,
+                       prompt_boundary=self._snapshots_state and is_snapshot_point(
+                           request.num_computed_tokens, request.num_prompt_tokens, self.block_size))
         if token is None:
             return False
         request.output_token_ids.append(token.token_id)

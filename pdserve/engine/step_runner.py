@@ -26,6 +26,10 @@ class StepRunner(Protocol):
     # Set by the loop for the step about to run (cancellable runners only): True once its requests are
     # all aborted. None: nothing to check.
     stop_check: Optional[Callable[[], bool]]
+    # Whether a failed step's chunks may be run again one by one: False where a step advances state
+    # in place (recurrent-state layers), so a step that failed half-way left some of it advanced and a
+    # replay would compute from the wrong state; the loop then fails the whole step.
+    replays_failed_steps: bool
 
     def bind_thread(self) -> None:
         """Called once on the engine thread before its first step (a CUDA runner makes its device current)."""

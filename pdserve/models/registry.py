@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from pdserve.kv.specs import RecurrentStateSpec
 from pdserve.models.base import CausalLM
 from pdserve.models.gemma3 import Gemma3ForCausalLM, gemma3_args
 from pdserve.models.gpt_oss import GptOssForCausalLM, gpt_oss_args, gpt_oss_sharded_args
@@ -97,6 +98,11 @@ def build_model(
         )
     args = entry.parse_config(config)
     model_kv_heads = args.num_kv_heads
+    if parallel is not None and parallel.size > 1 and any(
+            isinstance(spec, RecurrentStateSpec) for spec in args.layer_specs):
+        raise UnsupportedModelFeature(
+            f"{architecture} keeps recurrent state (Gated DeltaNet / Mamba2 layers): tensor parallelism does not "
+            "split that state yet; serve it on one rank (--tensor-parallel-size 1) (issue 37)")
     if parallel is not None and parallel.size > 1:
         shard = shard_for(args, parallel.rank, parallel.size)
         args, weights = entry.shard_args(args, shard), ShardedWeights(weights, shard)

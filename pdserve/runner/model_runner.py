@@ -24,12 +24,13 @@ from pdserve.runner import prompt_logprobs
 from pdserve.runner.decode_step import DecodeStep
 from pdserve.runner.grammar_matchers import GrammarMatchers, bitmask_to_allowed
 from pdserve.runner.paged_attention import PagedAttention
+from pdserve.runner.paged_state import AttentionAndState, PagedState, copy_state_pages, state_views_of
 from pdserve.runner.sampler import Sampler, unpack_sampled
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
 from pdserve.engine.step_runner import StepCancelled
 from pdserve.kernels.native import cpu_kernels_available
 from pdserve.kv.layout import KVPoolLayout
-from pdserve.kv.specs import KVGroupPlan
+from pdserve.kv.specs import KVGroupPlan, RecurrentStateSpec
 from pdserve.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class ModelRunner:
     # Whether a step may be abandoned between layers (rank 0 of tensor-parallel ranks may not:
     # the other ranks would wait in the next layer's collective).
     cancellable = True
+    replays_failed_steps = True  # False for hybrid models: see `StepRunner`
 
     def __init__(self, model: CausalLM, plan: KVGroupPlan, layout: KVPoolLayout, device: torch.device, seed: int = 0,
                  compile_decode: bool = False, grammar: Optional[GrammarMatchers] = None, shared_pool: bool = False):
@@ -51,9 +53,13 @@ class ModelRunner:
         self.device = device
         self.pool = layout.allocate(device, shared=shared_pool)  # shared: an agent process registers it
         self.layer_caches = self._layer_caches()
+        # Recurrent-state layers (Gated DeltaNet, Mamba2): their views into the pool; such models
+        # run every step eagerly (the decode step knows attention layers only).
+        self.state_views = state_views_of(plan, layout, self.pool) if model.spec.has_recurrent_state else None
+        self.replays_failed_steps = self.state_views is None
         self.sampler = Sampler(device, seed, native_greedy=device.type == "cpu" and cpu_kernels_available())
-        self.decode_step = DecodeStep(model, plan, self.pool, self.layer_caches, layout.block_size, device,
-                                      compile_step=compile_decode)
+        self.decode_step = None if self.state_views is not None else DecodeStep(
+            model, plan, self.pool, self.layer_caches, layout.block_size, device, compile_step=compile_decode)
         self.synchronize()  # the pool's zeros land before NIXL registers it or a peer reads it
 
     def bind_thread(self) -> None:
@@ -87,20 +93,37 @@ class ModelRunner:
 
     def warm_up(self, max_rows: int) -> Optional[float]:
         """Compile what runs per step before serving; seconds spent, None when nothing is compiled."""
-        return self.decode_step.warm_up(max_rows)
+        return self.decode_step.warm_up(max_rows) if self.decode_step is not None else None
 
-    def _layer_caches(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        caches = []
+    def _layer_caches(self) -> list[Optional[tuple[int, torch.Tensor, torch.Tensor]]]:
+        """Per layer id: (group id, k_cache, v_cache), None for a recurrent-state layer."""
+        caches: list[Optional[tuple[int, torch.Tensor, torch.Tensor]]] = []
         for layer_id in range(self.plan.num_layers):
             group_id, slot = self.plan.locate(layer_id)
+            if isinstance(self.plan.groups[group_id].spec, RecurrentStateSpec):
+                caches.append(None)
+                continue
             k_cache, v_cache = self.layout.layer_view(self.pool, slot)
             caches.append((group_id, k_cache, v_cache))
         return caches
+
+    def copy_state_pages(self, step: SchedulerOutput) -> None:
+        """The step's state page copies (snapshots, restores), before anything reads the pages."""
+        if step.state_copies:
+            copy_state_pages(self.layout.canonical_view(self.pool), step.state_copies)
+
+    def _context(self, chunks: Sequence[ScheduledChunk]):
+        """The one object every layer gets: paged attention, plus paged state for hybrid models."""
+        attention = PagedAttention(self.plan, self.layer_caches, chunks, self.layout.block_size, self.device)
+        if self.state_views is None:
+            return attention
+        return AttentionAndState(attention, PagedState(self.state_views, chunks, self.device))
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepResult:
         if self.grammar is not None:
             self.grammar.forget(step.finished_request_ids)
+        self.copy_state_pages(step)
         if step.is_empty:
             return StepResult()
         # Single-token chunks first: they share one decode attention call per layer.
@@ -147,8 +170,7 @@ class ModelRunner:
             # One token per chunk: the sampling rows index the logits directly.
             return (logits if num_sampling == len(chunks) else logits[sample_rows]), None
         input_ids, positions = self._inputs(chunks)
-        attention = PagedAttention(self.plan, self.layer_caches, chunks, self.layout.block_size, self.device)
-        hidden = self.model(input_ids, positions, attention,
+        hidden = self.model(input_ids, positions, self._context(chunks),
                             between_layers=self._stop_if_cancelled if self.stop_check is not None else None)
         return (self.model.compute_logits(hidden[sample_rows]) if num_sampling else None), hidden
 
@@ -159,7 +181,7 @@ class ModelRunner:
     def takes_decode_step(self, chunks: Sequence[ScheduledChunk], wants_prompt_logprobs: bool) -> bool:
         """Whether a step (chunks sorted as `execute` sorts them) runs through `DecodeStep`."""
         decode_only = chunks[-1].num_tokens == 1 and not wants_prompt_logprobs
-        return decode_only and (self.decode_step.native or self.decode_step.compiled)
+        return decode_only and self.decode_step is not None and (self.decode_step.native or self.decode_step.compiled)
 
     @torch.inference_mode()
     def run_shard(self, step: SchedulerOutput, decode_step: bool, logit_rows: Sequence[Sequence[int]]) -> None:
@@ -169,12 +191,12 @@ class ModelRunner:
         line up with rank 0's because the chunks arrive in the order rank 0 runs them, and the
         hidden states are the same on every rank after the last all-reduce."""
         chunks = step.chunks
+        self.copy_state_pages(step)
         if decode_step:
             self.decode_step.run(chunks)
             return
         input_ids, positions = self._inputs(chunks)
-        hidden = self.model(input_ids, positions, PagedAttention(self.plan, self.layer_caches, chunks,
-                                                                 self.layout.block_size, self.device))
+        hidden = self.model(input_ids, positions, self._context(chunks))
         for rows in logit_rows:
             self.model.compute_logits(hidden[torch.tensor(list(rows), dtype=torch.int64, device=self.device)])
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from pdserve.runner.decode_attention import DecodeRows, attend_decode, build_decode_rows, uses_native_kernel
 from pdserve.engine.schedule_types import ScheduledChunk
-from pdserve.kv.specs import AttentionSpec, FullAttentionSpec, KVGroupPlan
+from pdserve.kv.specs import AttentionSpec, FullAttentionSpec, KVGroupPlan, RecurrentStateSpec
 
 
 @dataclass(slots=True)
@@ -124,9 +124,12 @@ class PagedAttention:
         self.layer_caches = layer_caches
         self.num_decode = sum(1 for chunk in chunks if chunk.num_tokens == 1)
         self.prefill_chunks = list(chunks[self.num_decode :])
-        dtype = layer_caches[0][1].dtype if layer_caches else torch.float32
+        attention_caches = [cache for cache in layer_caches if cache is not None]  # None: a recurrent-state layer
+        dtype = attention_caches[0][1].dtype if attention_caches else torch.float32
         self.in_place_decode = uses_native_kernel(device, dtype)
-        self.groups = [self._build_group(group.group_id, group.spec, chunks, block_size, device) for group in plan.groups]
+        self.groups = [None if isinstance(group.spec, RecurrentStateSpec)
+                       else self._build_group(group.group_id, group.spec, chunks, block_size, device)
+                       for group in plan.groups]
 
     def _build_group(self, group_id, spec, chunks, block_size, device) -> _GroupStepData:
         write_blocks, write_offsets = [], []

@@ -42,6 +42,7 @@ class RecordingRunner:
 
     cancellable = False  # its steps are never abandoned between layers
     stop_check = None
+    replays_failed_steps = True
 
     def __init__(self, events: list[str], fail_execute: bool = False, fail_sync: bool = False):
         self.events = events

@@ -1,0 +1,92 @@
+"""Hybrid models with recurrent state (tiny random Qwen3.5: Gated DeltaNet + full attention, and
+Nemotron-H: Mamba2 + attention + MLP blocks) on the real engine: paged pool with state groups,
+scheduler, chunked prefill, batching and preemption, prefix caching through state snapshots,
+greedy, token for token against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kv.specs import RecurrentStateSpec
+from pdserve.models.loader import load_model
+from tests.engine.harness import generate, generate_one_by_one, greedy, make_engine
+from tests.models.hf_oracle import hf_greedy_generate
+from tests.tiny_models import make_tiny_nemotron_h, make_tiny_qwen3_5, random_prompt
+
+NUM_TOKENS = 16
+BLOCK = 4
+FAMILIES = ("qwen3_5", "nemotron_h")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp(request.param))
+    make = make_tiny_qwen3_5 if request.param == "qwen3_5" else make_tiny_nemotron_h
+    hf_model = make(directory)
+    return hf_model, load_model(directory, torch.float32, torch.device("cpu"))
+
+
+def _vocab(hf_model) -> int:
+    return hf_model.config.vocab_size
+
+
+def test_batched_chunked_prompts_match_transformers(family):
+    hf_model, loaded = family
+    assert loaded.model.spec.has_recurrent_state
+    # Prompts longer than a prefill chunk (budget 24), batched with each other and with decodes.
+    prompts = [random_prompt(n, _vocab(hf_model), seed) for seed, n in enumerate((9, 50, 83))]
+    engine = make_engine(loaded=loaded, block_size=BLOCK, budget=24)
+    results = generate(engine, prompts, greedy(NUM_TOKENS, ignore_eos=True))
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == hf_greedy_generate(hf_model, prompt, NUM_TOKENS)
+
+
+def test_preempted_and_resumed_requests_give_the_tokens_of_one_alone(family):
+    hf_model, loaded = family
+    prompts = [random_prompt(n, _vocab(hf_model), 20 + n) for n in (30, 45, 60)]
+    sampling = greedy(NUM_TOKENS, ignore_eos=True)
+    alone = generate_one_by_one(make_engine(loaded=loaded, block_size=BLOCK, prefix_caching=False), prompts, sampling)
+    tiny = make_engine(loaded=loaded, block_size=BLOCK, num_blocks=52, prefix_caching=False)
+    preempted = generate(tiny, prompts, sampling)
+    assert tiny.engine.engine_loop.stats.metrics.scheduler.preemptions._value.get() > 0
+    assert [r.token_ids for r in preempted] == [r.token_ids for r in alone]
+
+
+def test_a_shared_prefix_recomputes_only_the_tokens_after_the_latest_snapshot(family):
+    hf_model, loaded = family
+    engine = make_engine(loaded=loaded, block_size=BLOCK, budget=16)
+    vocab = _vocab(hf_model)
+    shared = random_prompt(42, vocab, 7)
+    first, second = shared + random_prompt(5, vocab, 8), shared + random_prompt(9, vocab, 9)
+    sampling = greedy(NUM_TOKENS, ignore_eos=True)
+    generate(engine, [first], sampling, prefix="first")
+    stats = engine.engine.engine_loop.stats
+    computed_before = stats.num_computed_prompt_tokens
+    [result] = generate(engine, [second], sampling, prefix="second")
+    assert result.token_ids == hf_greedy_generate(hf_model, second, NUM_TOKENS)
+    # The first prompt's chunks ended at 16, 32 and at its last full block (44 of 47 tokens): the
+    # second (51 tokens) shares 42 tokens, so its latest usable snapshot is at 40 (10 blocks: the
+    # attention groups hit there too) and it computes the 11 tokens after it.
+    assert result.num_cached_tokens == 40
+    assert stats.num_computed_prompt_tokens - computed_before == len(second) - 40
+
+
+def test_state_groups_hold_one_live_page_per_request_and_free_it_at_the_end(family):
+    _, loaded = family
+    engine = make_engine(loaded=loaded, block_size=BLOCK, prefix_caching=False)
+    plan = engine.plan
+    state_groups = [g.group_id for g in plan.groups if isinstance(g.spec, RecurrentStateSpec)]
+    assert state_groups
+    loop = engine.engine.engine_loop
+    from pdserve.request import GenerationRequest
+
+    loop.submit(GenerationRequest("one", tuple(random_prompt(30, 200, 1)), greedy(4, ignore_eos=True)), lambda o: None)
+    loop._drain_inbox(block=False)
+    held = []
+    while loop.scheduler.has_work():
+        loop.step()
+        if loop.scheduler.requests.get("one") is not None:
+            held.append([engine.kv_manager.num_blocks_held("one", g) for g in state_groups])
+    assert held and all(counts == [1] * len(state_groups) for counts in held)
+    assert engine.kv_manager.num_blocks_in_use_by_group() == (0,) * len(plan.groups)
