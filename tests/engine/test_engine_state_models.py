@@ -57,19 +57,26 @@ def test_a_shared_prefix_recomputes_only_the_tokens_after_the_latest_snapshot(fa
     hf_model, loaded = family
     engine = make_engine(loaded=loaded, block_size=BLOCK, budget=16)
     vocab = _vocab(hf_model)
-    shared = random_prompt(42, vocab, 7)
-    first, second = shared + random_prompt(5, vocab, 8), shared + random_prompt(9, vocab, 9)
+    shared = random_prompt(44, vocab, 7)
     sampling = greedy(NUM_TOKENS, ignore_eos=True)
-    generate(engine, [first], sampling, prefix="first")
+    # The first prompt (47 tokens) runs in chunks ending at 16, 32 and 44 (its last full block): a
+    # snapshot at each.
+    generate(engine, [shared + random_prompt(3, vocab, 8)], sampling, prefix="first")
     stats = engine.engine.engine_loop.stats
-    computed_before = stats.num_computed_prompt_tokens
-    [result] = generate(engine, [second], sampling, prefix="second")
-    assert result.token_ids == hf_greedy_generate(hf_model, second, NUM_TOKENS)
-    # The first prompt's chunks ended at 16, 32 and at its last full block (44 of 47 tokens): the
-    # second (51 tokens) shares 42 tokens, so its latest usable snapshot is at 40 (10 blocks: the
-    # attention groups hit there too) and it computes the 11 tokens after it.
-    assert result.num_cached_tokens == 40
-    assert stats.num_computed_prompt_tokens - computed_before == len(second) - 40
+
+    def run(prompt, name):
+        computed_before = stats.num_computed_prompt_tokens
+        [result] = generate(engine, [prompt], sampling, prefix=name)
+        assert result.token_ids == hf_greedy_generate(hf_model, prompt, NUM_TOKENS)
+        assert stats.num_computed_prompt_tokens - computed_before == len(prompt) - result.num_cached_tokens
+        return result.num_cached_tokens
+
+    # A next turn sharing all 44 tokens restores the snapshot at 44 and computes only its own 9.
+    assert run(shared + random_prompt(9, vocab, 9), "turn") == 44
+    # A prompt sharing 42 tokens hits 10 blocks (40 tokens) of attention KV, but the state is known only
+    # at snapshots: the latest at or before 40 (32 from the chunk ends, 40 if a decode-time interval
+    # snapshot landed there), and everything after it is computed.
+    assert run(shared[:42] + random_prompt(11, vocab, 10), "diverging") in (32, 36, 40)
 
 
 def test_state_groups_hold_one_live_page_per_request_and_free_it_at_the_end(family):
