@@ -14,8 +14,8 @@ import torch
 
 from pdserve.api.config import WorkerConfig
 from pdserve.app.kv_cache_side import num_offload_slots, num_offload_staging_rows
-from pdserve.kv.layout import KVPoolLayout, page_bytes_for
-from pdserve.kv.specs import KVGroupPlan, plan_groups
+from pdserve.kv.layout import KVPoolLayout, plan_for_model, plan_page_bytes
+from pdserve.kv.specs import KVGroupPlan
 from pdserve.models.base import ModelSpec
 from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.loader import LoadedModel, load_model, resolve_quantization
@@ -104,10 +104,11 @@ def _pool_layout(config: WorkerConfig, loaded: LoadedModel, plan: KVGroupPlan, d
                  device: torch.device, free_before_load: Optional[int]) -> KVPoolLayout:
     spec, cache = loaded.model.spec, config.cache
     limits = StepLimits(_configured_context(config, spec), config.scheduler.max_num_batched_tokens,
-                        config.scheduler.max_num_running, cache.block_size, len(plan.groups))
-    page_bytes = page_bytes_for(plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+                        config.scheduler.max_num_running, cache.block_size, len(plan.groups),
+                        tuple(plan.state_group_ids))
+    page_bytes = plan_page_bytes(plan, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
     num_blocks = pool_num_blocks(config, loaded.model, plan, page_bytes, limits, dtype, device, free_before_load)
-    return KVPoolLayout(num_blocks, plan.group_size, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+    return KVPoolLayout.for_plan(plan, num_blocks, cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
 
 
 def _rank_setup(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout) -> RankSetup:
@@ -143,7 +144,9 @@ def build_model_side(config: WorkerConfig, loaded: Optional[LoadedModel] = None,
     loaded = loaded or load_model(config.model.path, dtype, device, quantization, parallel=shard)
     spec = loaded.model.spec
     _check_state_support(config, spec)
-    plan = plan_groups(spec.layer_specs)
+    plan = plan_for_model(spec.layer_specs, config.cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+    if plan.geometry is not None:
+        logger.info("recurrent-state pages: %s", plan.geometry.describe())
     layout = _pool_layout(config, loaded, plan, dtype, device, free_before_load)
     grammar_tokenizer = GrammarTokenizer(loaded.tokenizer, spec.vocab_size)
     grammar = GrammarMatchers(grammar_tokenizer)

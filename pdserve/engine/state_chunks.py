@@ -14,10 +14,13 @@ those ends is a snapshot point (`KVCacheManager.commit(..., prompt_boundary=True
 
 from __future__ import annotations
 
+from pdserve.kv.prefix import max_hit_blocks
+
 
 def last_full_block_end(num_prompt_tokens: int, block_size: int) -> int:
-    """Tokens in the prompt's full blocks before its last token (the last token is always computed)."""
-    return max(0, num_prompt_tokens - 1) // block_size * block_size
+    """Tokens in the prompt's full blocks before its last token (the last token is always computed):
+    the most a later prompt can take from the cache (`max_hit_blocks`, the one rule)."""
+    return max_hit_blocks(num_prompt_tokens, block_size) * block_size
 
 
 def snapshot_chunk_tokens(num_computed: int, num_new: int, num_prompt_tokens: int, block_size: int) -> int:

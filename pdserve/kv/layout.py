@@ -94,11 +94,12 @@ from __future__ import annotations
 
 import mmap
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from pdserve.kv.shared_memory import shared_zeros
-from pdserve.kv.specs import KVGroup, KVGroupPlan, RecurrentStateSpec
+from pdserve.kv.specs import KVGroup, KVGroupPlan, LayerSpec, RecurrentStateSpec, plan_groups
 
 
 def huge_page_zeros(num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -124,6 +125,13 @@ def page_bytes_for(group_size: int, block_size: int, num_kv_heads: int, head_dim
 def attention_layer_bytes(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """One attention layer's K and V of one block: what `plan_groups` needs to size state pages."""
     return page_bytes_for(1, block_size, num_kv_heads, head_dim, dtype)
+
+
+def plan_for_model(layer_specs: Sequence[LayerSpec], block_size: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> KVGroupPlan:
+    """The group plan of a model's layers: attention grouped as always, recurrent-state layers in
+    state groups sized against the attention page (`plan_groups`). One rule for every rank."""
+    return plan_groups(layer_specs, attention_layer_bytes(block_size, num_kv_heads, head_dim, dtype))
 
 
 def plan_page_bytes(plan: KVGroupPlan, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -41,6 +41,7 @@ class StepLimits:
     max_num_running: int
     block_size: int
     num_groups: int
+    state_group_ids: tuple[int, ...] = ()  # groups whose table is one live state page
 
 
 def worst_case_steps(limits: StepLimits) -> list[SchedulerOutput]:
@@ -49,7 +50,8 @@ def worst_case_steps(limits: StepLimits) -> list[SchedulerOutput]:
     run, each at the last position of the longest context)."""
     context = limits.max_model_len
     table = [_SCRATCH_BLOCK] * -(-context // limits.block_size)
-    tables = tuple(list(table) for _ in range(limits.num_groups))
+    tables = tuple([_SCRATCH_BLOCK] if group_id in limits.state_group_ids else list(table)
+                   for group_id in range(limits.num_groups))
 
     def chunk(name: str, start: int, num_tokens: int) -> ScheduledChunk:
         # Token 1, not 0: 0 is often padding, whose zero embedding would write zero K/V.
@@ -67,7 +69,7 @@ def run_worst_case_steps(model: CausalLM, plan: KVGroupPlan, limits: StepLimits,
                          device: torch.device) -> ModelRunner:
     """Run `worst_case_steps` through a runner over a two-block scratch pool; returns the runner."""
     spec = model.spec
-    scratch = KVPoolLayout(2, plan.group_size, limits.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+    scratch = KVPoolLayout.for_plan(plan, 2, limits.block_size, spec.num_kv_heads, spec.head_dim, dtype)
     runner = ModelRunner(model, plan, scratch, device)
     for step in worst_case_steps(limits):
         runner.execute(step)

@@ -121,9 +121,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepResult:
+        self.copy_state_pages(step)  # every step, even an empty one: the manager counts on it
         if self.grammar is not None:
             self.grammar.forget(step.finished_request_ids)
-        self.copy_state_pages(step)
         if step.is_empty:
             return StepResult()
         # Single-token chunks first: they share one decode attention call per layer.

@@ -35,11 +35,10 @@ from pdserve.runner.devices import pick_device, pick_dtype, rank_device, rank_th
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
 from pdserve.runner.offload_ranks import FileTierFollower, HostTierFollower
-from pdserve.kv.layout import KVPoolLayout, page_bytes_for
+from pdserve.kv.layout import KVPoolLayout, plan_for_model, plan_page_bytes
 from pdserve.kv.offload_file import FilePageStore
 from pdserve.kv.offload_host import HostPageStore
 from pdserve.kv.offload_writes import SerialExecutor
-from pdserve.kv.specs import plan_groups
 from pdserve.models.loader import load_model, resolve_quantization
 from pdserve.models.registry import TensorParallelRank
 from pdserve.parallel.channel import LeaderChannel, RankMessage, RankReport, RankSetup
@@ -124,11 +123,11 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
         loaded = load_model(config.model.path, dtype, device, quantization,
                             parallel=TensorParallelRank(rank, size, group.all_reduce, group.all_gather))
         spec = loaded.model.spec
-        plan = plan_groups(spec.layer_specs)
+        plan = plan_for_model(spec.layer_specs, config.cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
         setup: RankSetup = group.broadcast()
-        page_bytes = page_bytes_for(plan.group_size, config.cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
-        layout = KVPoolLayout(setup.num_blocks, plan.group_size, config.cache.block_size, spec.num_kv_heads,
-                              spec.head_dim, dtype)
+        page_bytes = plan_page_bytes(plan, config.cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+        layout = KVPoolLayout.for_plan(plan, setup.num_blocks, config.cache.block_size, spec.num_kv_heads,
+                                       spec.head_dim, dtype)
         runner = ModelRunner(loaded.model, plan, layout, device)
         runner.bind_thread()
         logger.info("rank %d/%d ready: %d blocks of %d bytes, %d heads and %d KV heads here", rank, size,
