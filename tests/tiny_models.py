@@ -177,3 +177,36 @@ def make_tiny_nemotron_h(directory: str, seed: int = 0, **overrides):
     randomize_mamba2_constants(model, seed)
     save_tiny_checkpoint(model, directory)
     return model
+
+
+# Nemotron-H with mixture-of-experts blocks: 8 experts in 4 groups, 2 groups kept, top-2, a shared expert.
+NEMOTRON_H_MOE_BLOCK_TYPES = ["linear_attention", "moe", "full_attention", "linear_attention", "moe", "mlp"]
+NEMOTRON_H_MOE_SETTINGS = dict(
+    layers_block_type=NEMOTRON_H_MOE_BLOCK_TYPES, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+)
+
+
+def randomize_nemotron_h_router(model, seed: int = 0) -> None:
+    """transformers starts the correction bias at zero and the router weights small; make the bias
+    move choices and the scores differ enough that routing matters."""
+    generator = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.1)
+            elif name.endswith("mixer.gate.weight"):
+                tensor.mul_(10)
+
+
+def make_tiny_nemotron_h_moe(directory: str, seed: int = 0, **overrides):
+    """Returns the HF model (the oracle) after saving it to `directory`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.NemotronHForCausalLM(tiny_nemotron_h_config(**{**NEMOTRON_H_MOE_SETTINGS, **overrides})).eval()
+    randomize_norms(model, seed=seed)
+    randomize_mamba2_constants(model, seed)
+    randomize_nemotron_h_router(model, seed)
+    save_tiny_checkpoint(model, directory)
+    return model

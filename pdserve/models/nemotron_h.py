@@ -4,9 +4,9 @@ MLP blocks.
 Every block is `h + mixer(RMSNorm(h))` with one mixer, named per block by `layers_block_type`
 ("linear_attention" = Mamba2, "full_attention", "mlp", "moe"; older configs spell them "mamba" /
 "attention", or give a `hybrid_override_pattern` of M / * / - / E). Attention has no positional
-encoding at all (the Mamba2 blocks carry order) and no biases; the MLP is up -> relu^2 -> down.
-Layer ids count only the blocks that hold a cache (Mamba2 state or K/V), in order, so the MLP
-blocks take none. Mixture-of-experts blocks are refused (`UnsupportedModelFeature`).
+encoding at all (the Mamba2 blocks carry order) and no biases; the MLP is up -> relu^2 -> down and
+the mixture of experts is built from such MLPs (`nemotron_h_ffn`). Layer ids count only the blocks
+that hold a cache (Mamba2 state or K/V), in order, so the MLP and MoE blocks take none.
 
 Weights load from the layout transformers saves (`backbone.` prefix) or its in-memory one (`model.`).
 """
@@ -14,27 +14,28 @@ Weights load from the layout transformers saves (`backbone.` prefix) or its in-m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.kv.specs import FullAttentionSpec, LayerSpec
 from pdserve.models.base import QKV, CausalLM, DecoderLayer, ModelSpec, RecurrentStateContext
 from pdserve.models.hf_config import ModelLoadError, UnsupportedModelFeature, require
 from pdserve.models.layers import activation_named, rms_norm_fp32_scale
 from pdserve.models.mamba2 import Mamba2Geometry, Mamba2Mixer
+from pdserve.models.nemotron_h_ffn import DenseMLP, MoEGeometry, NemotronHMoE, ffn_activation
 from pdserve.models.weight_loader import WeightLoader
 from pdserve.models.weight_targets import Embedding, copy_rows, empty_linear, empty_param
 
-MAMBA, ATTENTION, MLP = "mamba", "attention", "mlp"
-# Every spelling of a block type found in configs -> ours ("moe" is known but refused).
+MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
+# Every spelling of a block type found in configs -> ours.
 BLOCK_TYPES: Mapping[str, str] = {
     "linear_attention": MAMBA, "mamba": MAMBA, "M": MAMBA,
     "full_attention": ATTENTION, "attention": ATTENTION, "*": ATTENTION,
     "mlp": MLP, "-": MLP,
+    "moe": MOE, "E": MOE,
 }
-MOE_BLOCK_TYPES = ("moe", "E")
+CACHE_HOLDING = (MAMBA, ATTENTION)
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -43,7 +44,7 @@ class NemotronHArgs:
     vocab_size: int
     hidden_size: int
     intermediate_size: int  # the MLP blocks' width
-    block_types: tuple[str, ...]  # MAMBA, ATTENTION or MLP, one per block
+    block_types: tuple[str, ...]  # MAMBA, ATTENTION, MLP or MOE, one per block
     num_heads: int  # attention blocks'
     num_kv_heads: int
     head_dim: int
@@ -54,12 +55,14 @@ class NemotronHArgs:
     mlp_bias: bool
     mamba_activation: str
     mamba: Mamba2Geometry
+    moe: Optional[MoEGeometry]  # None when no block is a mixture of experts
 
     @property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         """One per cache-holding block, in order: its layer id is its index here."""
         state = self.mamba.state_spec()
-        return tuple(state if kind == MAMBA else FullAttentionSpec() for kind in self.block_types if kind != MLP)
+        return tuple(state if kind == MAMBA else FullAttentionSpec()
+                     for kind in self.block_types if kind in CACHE_HOLDING)
 
     @property
     def num_layers(self) -> int:
@@ -82,16 +85,13 @@ def _first(config: Mapping[str, Any], names: tuple[str, ...], default: Any) -> A
 
 
 def nemotron_h_block_types(config: Mapping[str, Any]) -> tuple[str, ...]:
-    """Each block's mixer (MAMBA, ATTENTION or MLP); UnsupportedModelFeature naming a block type we
-    do not serve."""
+    """Each block's mixer (MAMBA, ATTENTION, MLP or MOE); UnsupportedModelFeature naming a block type
+    we do not serve."""
     raw = config.get("layers_block_type") or config.get("layer_types") or config.get("hybrid_override_pattern")
     if not raw:
         raise ModelLoadError("Nemotron-H config has neither layers_block_type nor hybrid_override_pattern")
     kinds = []
     for index, name in enumerate(raw):  # a pattern string iterates as its letters
-        if name in MOE_BLOCK_TYPES:
-            raise UnsupportedModelFeature(f"Nemotron-H block {index} is a mixture-of-experts block ({name!r}), "
-                                          "which is not supported")
         if name not in BLOCK_TYPES:
             raise UnsupportedModelFeature(f"Nemotron-H block {index} has unsupported block type {name!r}")
         kinds.append(BLOCK_TYPES[name])
@@ -120,17 +120,36 @@ def _mamba_geometry(config: Mapping[str, Any], norm_eps: float) -> Mamba2Geometr
     return geometry
 
 
+def _moe_geometry(config: Mapping[str, Any]) -> MoEGeometry:
+    geometry = MoEGeometry(
+        num_experts=int(_first(config, ("n_routed_experts", "num_local_experts"), None) or
+                        require(config, "n_routed_experts")),
+        experts_per_token=int(require(config, "num_experts_per_tok")),
+        intermediate_size=int(require(config, "moe_intermediate_size")),
+        shared_intermediate_size=int(require(config, "moe_shared_expert_intermediate_size")),
+        latent_size=int(config.get("moe_latent_size") or 0),
+        num_groups=int(config.get("n_group") or 1),
+        top_groups=int(config.get("topk_group") or 1),
+        renormalize=bool(config.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+    )
+    if geometry.num_experts % geometry.num_groups or geometry.num_experts // geometry.num_groups < 2:
+        raise ModelLoadError(f"{geometry.num_experts} experts do not make {geometry.num_groups} groups of two or more")
+    return geometry
+
+
 def nemotron_h_args(config: Mapping[str, Any]) -> NemotronHArgs:
     if config.get("sliding_window"):
         raise UnsupportedModelFeature("Nemotron-H with a sliding window is not supported")
     num_heads = int(require(config, "num_attention_heads"))
     hidden_size = int(require(config, "hidden_size"))
     norm_eps = float(_first(config, ("layer_norm_epsilon", "rms_norm_eps"), 1e-5))
+    block_types = nemotron_h_block_types(config)
     return NemotronHArgs(
         vocab_size=int(require(config, "vocab_size")),
         hidden_size=hidden_size,
         intermediate_size=int(require(config, "intermediate_size")),
-        block_types=nemotron_h_block_types(config),
+        block_types=block_types,
         num_heads=num_heads,
         num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
         head_dim=int(_first(config, ("head_dim", "attention_head_dim"), hidden_size // num_heads)),
@@ -141,19 +160,12 @@ def nemotron_h_args(config: Mapping[str, Any]) -> NemotronHArgs:
         mlp_bias=bool(config.get("mlp_bias", False)),
         mamba_activation=str(config.get("mamba_hidden_act", "silu")),
         mamba=_mamba_geometry(config, norm_eps),
+        moe=_moe_geometry(config) if MOE in block_types else None,
     )
 
 
 def nemotron_h_sharded_args(args: NemotronHArgs, shard: Any) -> NemotronHArgs:
     raise UnsupportedModelFeature("tensor parallelism is not supported for Nemotron-H")
-
-
-def relu_squared(x: torch.Tensor) -> torch.Tensor:
-    return torch.square(F.relu(x))
-
-
-def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    return relu_squared if name == "relu2" else activation_named(name)
 
 
 class _PreNormBlock(torch.nn.Module):
@@ -185,26 +197,24 @@ class MambaBlock(_PreNormBlock):
         self.mixer.load(weights, prefix + "mixer.")
 
 
-class MLPBlock(_PreNormBlock):
-    """up -> activation -> down; holds no cache and takes no layer id."""
+class FeedForwardBlock(_PreNormBlock):
+    """A dense MLP or a mixture of experts; holds no cache and takes no layer id."""
 
-    def __init__(self, args: NemotronHArgs, dtype: torch.dtype, device: torch.device):
+    def __init__(self, args: NemotronHArgs, kind: str, dtype: torch.dtype, device: torch.device):
         super().__init__(args, device)
-        self.activation = _activation(args.mlp_activation)
-        self.up_proj = empty_linear(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype)
-        self.down_proj = empty_linear(args.intermediate_size, args.hidden_size, args.mlp_bias, dtype)
+        activation = ffn_activation(args.mlp_activation)
+        self.mixer: torch.nn.Module
+        if kind == MOE and args.moe is not None:
+            self.mixer = NemotronHMoE(args.hidden_size, args.moe, activation, args.mlp_bias, dtype, device)
+        else:
+            self.mixer = DenseMLP(args.hidden_size, args.intermediate_size, activation, args.mlp_bias, dtype)
 
     def forward(self, h: torch.Tensor, rope: Any, context: Any) -> torch.Tensor:  # type: ignore[override]
-        return h + self.down_proj(self.activation(self.up_proj(self.normed(h))))
+        return h + self.mixer(self.normed(h))
 
     def load(self, weights: WeightLoader, prefix: str) -> None:
         self.load_norm(weights, prefix)
-        for name in ("up_proj", "down_proj"):
-            label = f"{prefix}mixer.{name}"
-            layer = weights.linear(getattr(self, name), [label + ".weight"], label)
-            if layer.bias is not None:
-                copy_rows(layer.bias, [weights.get(label + ".bias")], label + " bias")
-            setattr(self, name, layer)
+        self.mixer.load(weights, prefix + "mixer.")
 
 
 class AttentionBlock(DecoderLayer):
@@ -253,8 +263,8 @@ class NemotronHForCausalLM(CausalLM):
         blocks: list[torch.nn.Module] = []
         layer_id = 0
         for kind in args.block_types:
-            if kind == MLP:
-                blocks.append(MLPBlock(args, dtype, device))
+            if kind not in CACHE_HOLDING:
+                blocks.append(FeedForwardBlock(args, kind, dtype, device))
                 continue
             block = MambaBlock if kind == MAMBA else AttentionBlock
             blocks.append(block(args, layer_id, dtype, device))

@@ -1,7 +1,9 @@
 """Tiny random Nemotron-H (three Mamba2 blocks, two MLP blocks, one attention block; random norms, A_log,
 dt_bias and D) saved by transformers and loaded by our loader: prompt logits across more than one scan
 chunk, greedy tokens with the prompt whole and in chunks, two sequences batched in one flat pass, and
-the config's block types read and refused as they should be."""
+the config's block types read and refused as they should be. A second one swaps MLP blocks for mixtures
+of experts (grouped sigmoid routing with a correction bias, a shared expert, with and without a latent
+projection)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ from pdserve.kv.specs import FullAttentionSpec, RecurrentStateSpec
 from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.loader import load_model
 from pdserve.models.nemotron_h import ATTENTION, MAMBA, MLP, nemotron_h_args
+from pdserve.models.nemotron_h_ffn import MoEGeometry, sigmoid_group_top_k
 from tests.models.contiguous_attention import ContiguousAttention, forward_chunk, greedy_generate
 from tests.models.hf_oracle import hf_greedy_generate, hf_prompt_logits
-from tests.tiny_models import NEMOTRON_H_VOCAB, make_tiny_nemotron_h, random_prompt, tiny_nemotron_h_config
+from tests.tiny_models import (
+    NEMOTRON_H_VOCAB, make_tiny_nemotron_h, make_tiny_nemotron_h_moe, random_prompt, tiny_nemotron_h_config,
+)
 
 pytest.importorskip("transformers")
 CPU = torch.device("cpu")
@@ -26,6 +31,13 @@ CPU = torch.device("cpu")
 def nemotron(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("nemotron_h"))
     hf_model = make_tiny_nemotron_h(directory)
+    return hf_model, load_model(directory, torch.float32, CPU).model
+
+
+@pytest.fixture(scope="module", params=[None, 32], ids=["moe", "moe_latent"])
+def nemotron_moe(tmp_path_factory, request):
+    directory = str(tmp_path_factory.mktemp("nemotron_h_moe"))
+    hf_model = make_tiny_nemotron_h_moe(directory, moe_latent_size=request.param)
     return hf_model, load_model(directory, torch.float32, CPU).model
 
 
@@ -100,14 +112,35 @@ def test_legacy_spellings_of_the_block_types_read_alike():
     assert current.block_types == (MAMBA, MLP, ATTENTION, MAMBA, MLP, MAMBA)
 
 
-@pytest.mark.parametrize("block_type, named", [("cross_attention", "'cross_attention'"), ("moe", "mixture-of-experts")])
-def test_a_block_type_we_do_not_serve_is_refused_by_name(block_type, named):
+def test_a_block_type_we_do_not_serve_is_refused_by_name():
     config = _config()
-    config["layers_block_type"] = ["linear_attention", block_type, "full_attention"]
-    with pytest.raises(UnsupportedModelFeature, match=f"block 1 .*{named}"):
+    config["layers_block_type"] = ["linear_attention", "cross_attention", "full_attention"]
+    with pytest.raises(UnsupportedModelFeature, match="block 1 .*'cross_attention'"):
         nemotron_h_args(config)
 
 
 def test_a_state_dtype_we_cannot_keep_is_refused():
     with pytest.raises(UnsupportedModelFeature, match="mamba_ssm_cache_dtype"):
         nemotron_h_args({**_config(), "mamba_ssm_cache_dtype": "float8_e4m3fn"})
+
+
+def test_mixture_of_experts_blocks_give_transformers_logits_and_tokens(nemotron_moe):
+    hf_model, ours = nemotron_moe
+    assert ours.spec.num_layers == 3  # two Mamba2 blocks and one attention block; MoE and MLP hold no cache
+    prompt = random_prompt(150, NEMOTRON_H_VOCAB, 1)
+    logits = forward_chunk(ours, ContiguousAttention(ours.spec.layer_specs), "s", prompt)
+    torch.testing.assert_close(logits, hf_prompt_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
+    assert greedy_generate(ours, prompt, 20, chunk_tokens=37) == hf_greedy_generate(hf_model, prompt, 20)
+
+
+def test_routing_keeps_the_best_groups_and_weighs_by_the_unshifted_scores():
+    """Experts 0-1 | 2-3 | 4-5; one group kept. The correction bias lifts group 2 (experts 4, 5) over
+    group 0, whose expert 0 scores highest alone; the weights are the sigmoid scores, renormalised."""
+    geometry = MoEGeometry(num_experts=6, experts_per_token=2, intermediate_size=4, shared_intermediate_size=4,
+                           latent_size=0, num_groups=3, top_groups=1, renormalize=True, routed_scaling_factor=2.0)
+    logits = torch.tensor([[3.0, -3.0, 0.0, 0.0, 0.5, 0.4]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5, 0.5])
+    weights, ids = sigmoid_group_top_k(logits, bias, geometry)
+    assert sorted(ids[0].tolist()) == [4, 5]
+    scores = torch.sigmoid(logits[0, ids[0]])
+    torch.testing.assert_close(weights[0], 2.0 * scores / scores.sum())
