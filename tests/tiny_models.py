@@ -183,7 +183,7 @@ def make_tiny_nemotron_h(directory: str, seed: int = 0, **overrides):
 NEMOTRON_H_MOE_BLOCK_TYPES = ["linear_attention", "moe", "full_attention", "linear_attention", "moe", "mlp"]
 NEMOTRON_H_MOE_SETTINGS = dict(
     layers_block_type=NEMOTRON_H_MOE_BLOCK_TYPES, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-    moe_shared_expert_intermediate_size=48, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+    moe_shared_expert_intermediate_size=64, n_group=4, topk_group=2, routed_scaling_factor=2.5,
 )
 
 

@@ -1,5 +1,5 @@
-"""Nemotron-H (`NemotronHForCausalLM`, model_type `nemotron_h`): a hybrid stack of Mamba2, attention and
-MLP blocks.
+"""Nemotron-H (`NemotronHForCausalLM`, model_type `nemotron_h`): a hybrid stack of Mamba2, attention,
+MLP and mixture-of-experts blocks.
 
 Every block is `h + mixer(RMSNorm(h))` with one mixer, named per block by `layers_block_type`
 ("linear_attention" = Mamba2, "full_attention", "mlp", "moe"; older configs spell them "mamba" /
@@ -8,7 +8,8 @@ encoding at all (the Mamba2 blocks carry order) and no biases; the MLP is up -> 
 the mixture of experts is built from such MLPs (`nemotron_h_ffn`). Layer ids count only the blocks
 that hold a cache (Mamba2 state or K/V), in order, so the MLP and MoE blocks take none.
 
-Weights load from the layout transformers saves (`backbone.` prefix) or its in-memory one (`model.`).
+Weights load from the layout transformers saves (`backbone.` prefix) or its in-memory one (`model.`);
+multi-token-prediction layers (`mtp.*`) are not loaded.
 """
 
 from __future__ import annotations

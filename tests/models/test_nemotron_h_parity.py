@@ -7,10 +7,13 @@ projection)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Sequence
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from pdserve.kv.specs import FullAttentionSpec, RecurrentStateSpec
 from pdserve.models.hf_config import UnsupportedModelFeature
@@ -28,9 +31,14 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def nemotron(tmp_path_factory):
+def nemotron_dir(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("nemotron_h"))
-    hf_model = make_tiny_nemotron_h(directory)
+    return make_tiny_nemotron_h(directory), directory
+
+
+@pytest.fixture(scope="module")
+def nemotron(nemotron_dir):
+    hf_model, directory = nemotron_dir
     return hf_model, load_model(directory, torch.float32, CPU).model
 
 
@@ -66,6 +74,21 @@ def test_greedy_decoding_matches_transformers(nemotron, chunk_tokens):
     hf_model, ours = nemotron
     prompt = random_prompt(150, NEMOTRON_H_VOCAB, 3)
     assert greedy_generate(ours, prompt, 20, chunk_tokens=chunk_tokens) == hf_greedy_generate(hf_model, prompt, 20)
+
+
+def test_weights_named_model_dot_load_like_backbone_dot(nemotron_dir, nemotron, tmp_path):
+    """transformers saves the trunk as `backbone.`; its in-memory names (`model.`) load the same."""
+    _, directory = nemotron_dir
+    tensors = load_file(os.path.join(directory, "model.safetensors"))
+    assert any(name.startswith("backbone.") for name in tensors)
+    save_file({name.replace("backbone.", "model.", 1): t for name, t in tensors.items()},
+              str(tmp_path / "model.safetensors"))
+    shutil.copy(os.path.join(directory, "config.json"), tmp_path / "config.json")
+    shutil.copy(os.path.join(directory, "tokenizer.json"), tmp_path / "tokenizer.json")
+    renamed = load_model(str(tmp_path), torch.float32, CPU).model
+    prompt = random_prompt(20, NEMOTRON_H_VOCAB, 2)
+    expected = forward_chunk(nemotron[1], ContiguousAttention(nemotron[1].spec.layer_specs), "s", prompt)
+    assert torch.equal(forward_chunk(renamed, ContiguousAttention(renamed.spec.layer_specs), "s", prompt), expected)
 
 
 def _flat_pass(model, attention: ContiguousAttention, rows: dict[str, Sequence[int]]) -> dict[str, torch.Tensor]:
