@@ -7,7 +7,7 @@ batched with other sequences (up to float32 rounding): every pass starts from th
 reads and writes back the state after the sequence's last row.
 
     in_proj row: | z (gate) : inner | x : inner | B : groups*N | C : groups*N | dt : heads |
-                               \\________ conv channels ________/
+                                    |<------- conv channels -------------->|
     state:       conv window [conv_channels, kernel - 1], ssm state [heads, head_dim, N]
 """
 
