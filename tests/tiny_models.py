@@ -131,3 +131,82 @@ def make_tiny_qwen3(directory: str, seed: int = 0):
 
 def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# Nemotron-H: Mamba2, MLP and attention blocks (three Mamba2 blocks, two MLP, one attention).
+NEMOTRON_H_VOCAB = 300
+NEMOTRON_H_BLOCK_TYPES = ["linear_attention", "mlp", "full_attention", "linear_attention", "mlp", "linear_attention"]
+
+
+def tiny_nemotron_h_config(**overrides):
+    import transformers
+
+    settings = dict(
+        vocab_size=NEMOTRON_H_VOCAB, hidden_size=64, intermediate_size=96, layers_block_type=NEMOTRON_H_BLOCK_TYPES,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=64,
+        use_mamba_kernels=False, initializer_range=0.08, tie_word_embeddings=False,
+    )
+    settings.update(overrides)
+    return transformers.NemotronHConfig(**settings)
+
+
+def randomize_mamba2_constants(model, seed: int = 0) -> None:
+    """transformers starts A_log at log(1..heads), D at one and dt_bias in a narrow band; spread them
+    (decays from slow to fast, time steps from 0.05 to about 1) so a mis-applied one shows."""
+    generator = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(-0.7, 2.0, generator=generator))
+            elif name.endswith("dt_bias"):
+                param.copy_(torch.empty(param.shape).uniform_(-3.0, 0.5, generator=generator))
+            elif name.endswith(".D"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5 + 1.0)
+            elif name.endswith("conv1d.bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+
+
+def make_tiny_nemotron_h(directory: str, seed: int = 0, **overrides):
+    """Returns the HF model (the oracle) after saving it to `directory`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.NemotronHForCausalLM(tiny_nemotron_h_config(**overrides)).eval()
+    randomize_norms(model, seed=seed)
+    randomize_mamba2_constants(model, seed)
+    save_tiny_checkpoint(model, directory)
+    return model
+
+
+# Nemotron-H with mixture-of-experts blocks: 8 experts in 4 groups, 2 groups kept, top-2, a shared expert.
+NEMOTRON_H_MOE_BLOCK_TYPES = ["linear_attention", "moe", "full_attention", "linear_attention", "moe", "mlp"]
+NEMOTRON_H_MOE_SETTINGS = dict(
+    layers_block_type=NEMOTRON_H_MOE_BLOCK_TYPES, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=64, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+)
+
+
+def randomize_nemotron_h_router(model, seed: int = 0) -> None:
+    """transformers starts the correction bias at zero and the router weights small; make the bias
+    move choices and the scores differ enough that routing matters."""
+    generator = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.1)
+            elif name.endswith("mixer.gate.weight"):
+                tensor.mul_(10)
+
+
+def make_tiny_nemotron_h_moe(directory: str, seed: int = 0, **overrides):
+    """Returns the HF model (the oracle) after saving it to `directory`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.NemotronHForCausalLM(tiny_nemotron_h_config(**{**NEMOTRON_H_MOE_SETTINGS, **overrides})).eval()
+    randomize_norms(model, seed=seed)
+    randomize_mamba2_constants(model, seed)
+    randomize_nemotron_h_router(model, seed)
+    save_tiny_checkpoint(model, directory)
+    return model

@@ -65,6 +65,29 @@ def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
     return activation
 
 
+def run_by_expert(x: torch.Tensor, routing: Routing, num_experts: int,
+                  expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [n, hidden] and each token's (weights, expert ids) [n, k] -> [n, out]: `expert(e, rows)` runs
+    once per active expert over the rows routed to it (see the module docstring)."""
+    weights, ids = routing
+    k = ids.shape[1]
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, tokens in order within
+    token_of_pair = order // k
+    pair_weights = weights.reshape(-1)[order].unsqueeze(1)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # one host sync a layer
+    out = torch.zeros_like(x)
+    start = 0
+    for index, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of_pair[start : start + count]
+        y = expert(index, x[rows]) * pair_weights[start : start + count]
+        out.index_add_(0, rows, y.to(out.dtype))
+        start += count
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertWeights:
     """One expert's float weights in the checkpoint's orientation (rows = outputs)."""
@@ -94,24 +117,11 @@ class Experts(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [n, hidden] and each token's (weights, expert ids) [n, k] -> [n, hidden]."""
-        weights, ids = routing
-        k = ids.shape[1]
-        flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, tokens in order within
-        token_of_pair = order // k
-        pair_weights = weights.reshape(-1)[order].unsqueeze(1)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync a layer
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_of_pair[start : start + count]
-            gate, up = self.gate_up[expert](x[rows]).split(self.intermediate_size, dim=-1)
-            y = self.down[expert](self.activation(gate, up)) * pair_weights[start : start + count]
-            out.index_add_(0, rows, y.to(out.dtype))
-            start += count
-        return out
+        return run_by_expert(x, routing, self.num_experts, self._expert)
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up[expert](x).split(self.intermediate_size, dim=-1)
+        return self.down[expert](self.activation(gate, up))
 
     def load(self, weights: "WeightLoader", expert_weights: Callable[[int], ExpertWeights], prefix: str) -> None:
         """Fill every expert from `expert_weights(e)` (float tensors), float or quantized as the

@@ -21,6 +21,7 @@ from pdserve.models.gemma3 import Gemma3ForCausalLM, gemma3_args
 from pdserve.models.gpt_oss import GptOssForCausalLM, gpt_oss_args, gpt_oss_sharded_args
 from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.llama import LlamaForCausalLM, llama_args, mistral_args, qwen2_args, qwen3_args
+from pdserve.models.nemotron_h import NemotronHForCausalLM, nemotron_h_args, nemotron_h_sharded_args
 from pdserve.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_args, qwen3_moe_sharded_args
 from pdserve.models.tensor_parallel import (
     AllGather, AllReduce, ShardedWeights, TensorParallelShard, shard_for, shard_output_head, sharded_args,
@@ -59,6 +60,7 @@ MODEL_TYPES: Mapping[str, str] = MappingProxyType({
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 })
 
 
@@ -72,6 +74,7 @@ def model_registry() -> dict[str, ModelEntry]:
         "Gemma3ForCausalLM": ModelEntry(gemma3_args, Gemma3ForCausalLM),
         "GptOssForCausalLM": ModelEntry(gpt_oss_args, GptOssForCausalLM, gpt_oss_sharded_args),
         "Qwen3MoeForCausalLM": ModelEntry(qwen3_moe_args, Qwen3MoeForCausalLM, qwen3_moe_sharded_args),
+        "NemotronHForCausalLM": ModelEntry(nemotron_h_args, NemotronHForCausalLM, nemotron_h_sharded_args),
     }
 
 
