@@ -233,10 +233,22 @@ def _check_version(parsed: RemotePrefillParams) -> None:
 
 # ---- the handshake's answer: GET /internal/kv/agent_info on P (pd/handshake.py) ----------------
 
+class StateWire(BaseModel):
+    """A state group's per-layer state (pdserve.kv.specs.RecurrentStateSpec) on the wire."""
+
+    model_config = ConfigDict(frozen=True)
+    mixer: str  # "gated_delta_net" or "mamba2"
+    conv_channels: int
+    conv_window: int
+    recurrent_shape: list[int]
+    dtype: str
+
+
 class GroupWire(BaseModel):
     model_config = ConfigDict(frozen=True)
-    kind: Literal["full", "sliding"]
+    kind: Literal["full", "sliding", "state"]
     window_tokens: Optional[int] = None
+    state: Optional[StateWire] = None  # kind "state" only
     layer_ids: list[int]
 
 

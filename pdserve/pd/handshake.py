@@ -21,8 +21,8 @@ from typing import Any, Callable, Optional
 import httpx
 
 from pdserve.api.kv_transfer import (PROTOCOL_VERSION, AgentInfo, GroupWire, KVParamsInvalid, KVParamsStale,
-                                     KVPullFailed, RemotePrefillParams, url_host)
-from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan
+                                     KVPullFailed, RemotePrefillParams, StateWire, url_host)
+from pdserve.kv.specs import FullAttentionSpec, KVGroup, KVGroupPlan, RecurrentStateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +33,18 @@ DEFAULT_MAX_CACHED_PEERS = 256  # prefill addresses whose answers are kept (leas
 
 
 def groups_to_wire(plan: KVGroupPlan) -> list[GroupWire]:
-    return [
-        GroupWire(kind="full", layer_ids=list(g.layer_ids))
-        if isinstance(g.spec, FullAttentionSpec)
-        else GroupWire(kind="sliding", window_tokens=g.spec.window_tokens, layer_ids=list(g.layer_ids))
-        for g in plan.groups
-    ]
+    return [_group_to_wire(group) for group in plan.groups]
+
+
+def _group_to_wire(group: KVGroup) -> GroupWire:
+    spec, layer_ids = group.spec, list(group.layer_ids)
+    if isinstance(spec, FullAttentionSpec):
+        return GroupWire(kind="full", layer_ids=layer_ids)
+    if isinstance(spec, RecurrentStateSpec):
+        state = StateWire(mixer=spec.kind, conv_channels=spec.conv_channels, conv_window=spec.conv_window,
+                          recurrent_shape=list(spec.recurrent_shape), dtype=spec.dtype)
+        return GroupWire(kind="state", state=state, layer_ids=layer_ids)
+    return GroupWire(kind="sliding", window_tokens=spec.window_tokens, layer_ids=layer_ids)
 
 
 def compatibility_document(model_fingerprint: str, dtype: str, num_kv_heads: int, head_dim: int,

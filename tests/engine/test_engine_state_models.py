@@ -12,7 +12,8 @@ from pdserve.kv.specs import RecurrentStateSpec
 from pdserve.models.loader import load_model
 from tests.engine.harness import generate, generate_one_by_one, greedy, make_engine
 from tests.models.hf_oracle import hf_greedy_generate
-from tests.tiny_models import make_tiny_nemotron_h, make_tiny_qwen3_5, random_prompt
+from tests import tiny_models
+from tests.tiny_models import random_prompt
 
 NUM_TOKENS = 16
 BLOCK = 4
@@ -22,8 +23,7 @@ FAMILIES = ("qwen3_5", "nemotron_h")
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     directory = str(tmp_path_factory.mktemp(request.param))
-    make = make_tiny_qwen3_5 if request.param == "qwen3_5" else make_tiny_nemotron_h
-    hf_model = make(directory)
+    hf_model = getattr(tiny_models, f"make_tiny_{request.param}")(directory)
     return hf_model, load_model(directory, torch.float32, torch.device("cpu"))
 
 
@@ -68,8 +68,8 @@ def test_a_shared_prefix_recomputes_only_the_tokens_after_the_latest_snapshot(fa
         computed_before = stats.num_computed_prompt_tokens
         [result] = generate(engine, [prompt], sampling, prefix=name)
         assert result.token_ids == hf_greedy_generate(hf_model, prompt, NUM_TOKENS)
-        assert stats.num_computed_prompt_tokens - computed_before == len(prompt) - result.num_cached_tokens
-        return result.num_cached_tokens
+        assert stats.num_computed_prompt_tokens - computed_before == len(prompt) - result.final.num_cached_tokens
+        return result.final.num_cached_tokens
 
     # A next turn sharing all 44 tokens restores the snapshot at 44 and computes only its own 9.
     assert run(shared + random_prompt(9, vocab, 9), "turn") == 44
