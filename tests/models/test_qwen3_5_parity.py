@@ -18,6 +18,7 @@ from pdserve.models.loader import load_model
 from pdserve.models.moe import SparseMoE
 from pdserve.models.qwen3_5 import GatedAttentionLayer, GatedDeltaNetLayer, SharedExpertMoE, qwen3_5_args
 from pdserve.models.rope import apply_rotary
+from tests.devices import cuda_available
 from tests.models.contiguous_attention import ContiguousAttention, forward_chunk, greedy_generate
 from tests.models.hf_oracle import hf_greedy_generate, hf_prompt_logits
 from tests.tiny_models import (
@@ -35,18 +36,18 @@ FAMILIES = ["qwen3_5", "qwen3_next"]
 def qwen3_5(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("qwen3_5"))
     hf_model = make_tiny_qwen3_5(directory)
-    return hf_model, load_model(directory, torch.float32, CPU).model
+    return hf_model, load_model(directory, torch.float32, CPU).model, directory
 
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("qwen3_next"))
     hf_model = make_tiny_qwen3_next(directory)
-    return hf_model, load_model(directory, torch.float32, CPU).model
+    return hf_model, load_model(directory, torch.float32, CPU).model, directory
 
 
 def test_linear_layers_hold_a_delta_net_state_and_the_last_layer_attends(qwen3_5):
-    _, ours = qwen3_5
+    _, ours, _ = qwen3_5
     state = RecurrentStateSpec(kind="gated_delta_net", conv_channels=2 * 2 * 16 + 4 * 16, conv_window=3,
                                recurrent_shape=(4, 16, 16), dtype="float32")
     assert ours.spec.layer_specs == (state, state, state, FullAttentionSpec())
@@ -57,7 +58,7 @@ def test_linear_layers_hold_a_delta_net_state_and_the_last_layer_attends(qwen3_5
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prompt_longer_than_a_scan_chunk_gives_transformers_logits(family, request):
-    hf_model, ours = request.getfixturevalue(family)
+    hf_model, ours, _ = request.getfixturevalue(family)
     prompt = random_prompt(PROMPT_TOKENS, QWEN3_5_VOCAB, 1)
     ours_logits = forward_chunk(ours, ContiguousAttention(ours.spec.layer_specs), "s", prompt)
     torch.testing.assert_close(ours_logits, hf_prompt_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
@@ -66,7 +67,7 @@ def test_prompt_longer_than_a_scan_chunk_gives_transformers_logits(family, reque
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("chunk_tokens", [None, 37])
 def test_greedy_decoding_matches_transformers(family, chunk_tokens, request):
-    hf_model, ours = request.getfixturevalue(family)
+    hf_model, ours, _ = request.getfixturevalue(family)
     prompt = random_prompt(PROMPT_TOKENS, QWEN3_5_VOCAB, 3)
     expected = hf_greedy_generate(hf_model, prompt, 20)
     assert greedy_generate(ours, prompt, 20, chunk_tokens=chunk_tokens) == expected
@@ -81,19 +82,19 @@ def _flat_pass(model, context: ContiguousAttention, rows: Sequence[tuple[str, li
         positions += range(start, start + len(tokens))
         ends.append(len(ids) - 1)
     context.set_batch([seq_id for seq_id, _ in rows], [len(tokens) for _, tokens in rows])
+    device = next(model.parameters()).device
     with torch.inference_mode():
-        logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(positions), context))
+        logits = model.compute_logits(model(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                                            context))
     return {seq_id: int(logits[end].argmax()) for (seq_id, _), end in zip(rows, ends)}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_two_sequences_in_one_flat_pass_decode_as_each_alone(family, request):
+def _assert_flat_batches_decode_as_each_alone(ours) -> None:
     """Two prompts prefilled together, then one decoding while the other finishes its prompt (a mixed
     pass), then both decoding a row each in every pass."""
-    _, ours = request.getfixturevalue(family)
     prompt_a, prompt_b = random_prompt(70, QWEN3_5_VOCAB, 5), random_prompt(45, QWEN3_5_VOCAB, 6)
     num_new = 12
-    context = ContiguousAttention(ours.spec.layer_specs)
+    context = ContiguousAttention(ours.spec.layer_specs, next(ours.parameters()).device)
     got = {"a": [], "b": []}
     first = _flat_pass(ours, context, [("a", prompt_a), ("b", prompt_b[:20])])
     got["a"].append(first["a"])
@@ -108,8 +109,27 @@ def test_two_sequences_in_one_flat_pass_decode_as_each_alone(family, request):
     assert got["b"] == greedy_generate(ours, prompt_b, num_new)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_sequences_in_one_flat_pass_decode_as_each_alone(family, request):
+    _assert_flat_batches_decode_as_each_alone(request.getfixturevalue(family)[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_on_cuda_greedy_tokens_and_flat_batches_match(family, request):
+    """The scans and the conv in plain torch ops on the GPU, float32: transformers' tokens (on the CPU)."""
+    hf_model, _, directory = request.getfixturevalue(family)
+    ours = load_model(directory, torch.float32, torch.device("cuda")).model
+    prompt = random_prompt(PROMPT_TOKENS, QWEN3_5_VOCAB, 3)
+    expected = hf_greedy_generate(hf_model, prompt, 20)
+    assert greedy_generate(ours, prompt, 20) == expected
+    assert greedy_generate(ours, prompt, 20, chunk_tokens=37) == expected
+    _assert_flat_batches_decode_as_each_alone(ours)
+
+
 def test_qwen3_next_sparse_layers_carry_routed_and_shared_experts(qwen3_next):
-    _, ours = qwen3_next
+    _, ours, _ = qwen3_next
     kinds = [type(layer.block.mlp) for layer in ours.layers]
     assert kinds == [type(ours.layers[1].block.mlp) if i in QWEN3_NEXT_DENSE_LAYERS else SharedExpertMoE
                      for i in range(4)]
