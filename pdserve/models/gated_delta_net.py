@@ -205,6 +205,8 @@ class GatedDeltaNet(torch.nn.Module):
         self.out_proj = weights.linear(self.out_proj, [prefix + "out_proj.weight"], prefix + "out_proj")
         conv = weights.get(prefix + "conv1d.weight")  # [channels, 1, kernel]
         copy_rows(self.conv_weight, [conv.reshape(conv.shape[0], -1)], prefix + "conv1d")
+        # A_log and dt_bias keep the checkpoint's precision in float32 (transformers rounds them to the model
+        # dtype first: the same values in a float32 run, a last-bit difference at most in bf16).
         copy_rows(self.neg_decay_rate, [-weights.get(prefix + "A_log").float().exp()], prefix + "A_log")
         copy_rows(self.dt_bias, [weights.get(prefix + "dt_bias").float()], prefix + "dt_bias")
         copy_rows(self.norm_weight, [weights.get(prefix + "norm.weight")], prefix + "norm")

@@ -17,6 +17,7 @@ Multi-token-prediction weights (`mtp.*`) in a checkpoint are ignored. Tensor par
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
@@ -131,8 +132,7 @@ def qwen3_next_args(config: Mapping[str, Any]) -> Qwen3_5Args:
         norm_topk_prob=bool(config.get("norm_topk_prob", True)),
         sparse_layers=sparse,
     )
-    fields = {name: getattr(args, name) for name in Qwen3_5Args.__dataclass_fields__}
-    return Qwen3_5Args(**{**fields, "moe": moe})
+    return dataclasses.replace(args, moe=moe)
 
 
 def refuse_tensor_parallel(args: Qwen3_5Args, shard: TensorParallelShard) -> Qwen3_5Args:
@@ -154,8 +154,8 @@ class SharedExpertMoE(torch.nn.Module):
         k, renormalize = moe.experts_per_token, moe.norm_topk_prob
         experts = Experts(moe.num_experts, args.hidden_size, moe.moe_intermediate_size,
                           lambda gate, up: act(gate) * up, False, dtype)
-        self.routed = SparseMoE(args.hidden_size, moe.num_experts,
-                                lambda logits: softmax_then_top_k(logits, k, renormalize), experts, False, dtype, device)
+        route = lambda logits: softmax_then_top_k(logits, k, renormalize)  # noqa: E731
+        self.routed = SparseMoE(args.hidden_size, moe.num_experts, route, experts, False, dtype, device)
         self.shared = GatedMLP(args.hidden_size, moe.shared_expert_intermediate_size, act, False, dtype)
         self.shared_gate = empty_param((1, args.hidden_size), dtype, device)  # one logit per token, kept float
 
