@@ -162,7 +162,7 @@ def tiny_qwen3_next_config(**overrides):
     import transformers
 
     settings = _qwen3_5_settings(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-                                 shared_expert_intermediate_size=48, norm_topk_prob=True,
+                                 shared_expert_intermediate_size=64, norm_topk_prob=True,
                                  mlp_only_layers=QWEN3_NEXT_DENSE_LAYERS)
     settings.update(overrides)
     return transformers.Qwen3NextConfig(**settings)
