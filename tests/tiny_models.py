@@ -210,3 +210,75 @@ def make_tiny_nemotron_h_moe(directory: str, seed: int = 0, **overrides):
     randomize_nemotron_h_router(model, seed)
     save_tiny_checkpoint(model, directory)
     return model
+
+QWEN3_5_VOCAB = 300
+QWEN3_5_LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
+QWEN3_NEXT_DENSE_LAYERS = [1]
+
+
+def _qwen3_5_settings(**overrides):
+    """Shared by Qwen3.5 and Qwen3-Next: three Gated DeltaNet layers (2 key heads shared by 4 value heads)
+    and one gated full-attention layer (partial RoPE over 8 of 32 head dims)."""
+    settings = dict(
+        vocab_size=QWEN3_5_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.08,
+        layer_types=QWEN3_5_LAYER_TYPES, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    )
+    settings.update(overrides)
+    return settings
+
+
+def tiny_qwen3_5_config(**overrides):
+    import transformers
+
+    return transformers.Qwen3_5TextConfig(**_qwen3_5_settings(**overrides))
+
+
+def tiny_qwen3_next_config(**overrides):
+    import transformers
+
+    settings = _qwen3_5_settings(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=64, norm_topk_prob=True,
+                                 mlp_only_layers=QWEN3_NEXT_DENSE_LAYERS)
+    settings.update(overrides)
+    return transformers.Qwen3NextConfig(**settings)
+
+
+def randomize_qwen3_5_extras(model, seed: int = 0) -> None:
+    """Norms: the zero-centred ones (1 + w) around 0, the DeltaNet's gated norm (plain w) around 1. The
+    decay rates A = exp(A_log) are drawn small (0.005-0.1 a token) so the state remembers across chunks,
+    and dt_bias (initialised to ones) is drawn too."""
+    generator = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3 + 1.0)
+            elif "norm" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+            elif name.endswith("A_log"):
+                param.copy_((torch.rand(param.shape, generator=generator) * 0.095 + 0.005).log())
+            elif name.endswith("dt_bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+
+def make_tiny_qwen3_5(directory: str, seed: int = 0, **overrides):
+    """Returns the HF model (the oracle) after saving it to `directory`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForCausalLM(tiny_qwen3_5_config(**overrides)).eval()
+    randomize_qwen3_5_extras(model, seed)
+    save_tiny_checkpoint(model, directory)
+    return model
+
+
+def make_tiny_qwen3_next(directory: str, seed: int = 0, **overrides):
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen3NextForCausalLM(tiny_qwen3_next_config(**overrides)).eval()
+    randomize_qwen3_5_extras(model, seed)
+    save_tiny_checkpoint(model, directory)
+    return model

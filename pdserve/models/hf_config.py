@@ -41,12 +41,15 @@ def head_dim_of(config: Mapping[str, Any]) -> int:
     return int(require(config, "hidden_size")) // int(require(config, "num_attention_heads"))
 
 
-def standard_rope(params: Mapping[str, Any] | None, *, default_theta: float, max_positions: int) -> dict[str, Any]:
+def standard_rope(params: Mapping[str, Any] | None, *, default_theta: float, max_positions: int,
+                  partial_rotary: bool = False) -> dict[str, Any]:
     """One flat rope dict with `rope_type` and `rope_theta` always present.
 
     Accepts both spellings found on the Hub: the legacy `rope_scaling` dict
     (`type` or `rope_type`, theta kept outside) and transformers 5's
-    `rope_parameters` (theta inside).
+    `rope_parameters` (theta inside). A `partial_rotary_factor` below 1 is
+    refused unless the caller rotates part of each head (`partial_rotary`,
+    `rotary_dim_of`).
     """
     rope = dict(params or {})
     rope["rope_type"] = rope.get("rope_type") or rope.get("type") or "default"
@@ -55,9 +58,17 @@ def standard_rope(params: Mapping[str, Any] | None, *, default_theta: float, max
     if rope["rope_type"] in ("llama3", "yarn", "longrope"):
         rope.setdefault("original_max_position_embeddings", max_positions)
     factor = rope.get("partial_rotary_factor", 1.0)
-    if factor not in (None, 1, 1.0):
+    if factor not in (None, 1, 1.0) and not partial_rotary:
         raise UnsupportedModelFeature(f"partial rotary embeddings (partial_rotary_factor={factor}) are not supported")
     return rope
+
+
+def rotary_dim_of(rope: Mapping[str, Any], head_dim: int) -> int:
+    """How many leading dims of each head rotate: head_dim * `partial_rotary_factor` (all by default)."""
+    rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor") or 1.0))
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ModelLoadError(f"partial rotary embeddings over {rotary_dim} of {head_dim} head dims: need an even count")
+    return rotary_dim
 
 
 def flat_rope(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from pdserve.models.gpt_oss import GptOssForCausalLM, gpt_oss_args, gpt_oss_shar
 from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.llama import LlamaForCausalLM, llama_args, mistral_args, qwen2_args, qwen3_args
 from pdserve.models.nemotron_h import NemotronHForCausalLM, nemotron_h_args, nemotron_h_sharded_args
+from pdserve.models.qwen3_5 import (
+    Qwen3_5ForCausalLM, Qwen3NextForCausalLM, qwen3_5_args, qwen3_next_args, refuse_tensor_parallel)
 from pdserve.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_args, qwen3_moe_sharded_args
 from pdserve.models.tensor_parallel import (
     AllGather, AllReduce, ShardedWeights, TensorParallelShard, shard_for, shard_output_head, sharded_args,
@@ -61,6 +63,8 @@ MODEL_TYPES: Mapping[str, str] = MappingProxyType({
     "gpt_oss": "GptOssForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 })
 
 
@@ -75,6 +79,8 @@ def model_registry() -> dict[str, ModelEntry]:
         "GptOssForCausalLM": ModelEntry(gpt_oss_args, GptOssForCausalLM, gpt_oss_sharded_args),
         "Qwen3MoeForCausalLM": ModelEntry(qwen3_moe_args, Qwen3MoeForCausalLM, qwen3_moe_sharded_args),
         "NemotronHForCausalLM": ModelEntry(nemotron_h_args, NemotronHForCausalLM, nemotron_h_sharded_args),
+        "Qwen3_5ForCausalLM": ModelEntry(qwen3_5_args, Qwen3_5ForCausalLM, refuse_tensor_parallel),
+        "Qwen3NextForCausalLM": ModelEntry(qwen3_next_args, Qwen3NextForCausalLM, refuse_tensor_parallel),
     }
 
 

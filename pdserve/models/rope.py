@@ -114,6 +114,11 @@ class RotaryTable(torch.nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [num_tokens, num_heads, head_dim] by per-token angles."""
+    """Rotate x [num_tokens, num_heads, head_dim] by per-token angles. With partial rotary embeddings
+    (a table built for rotary_dim < head_dim: Qwen3.5, Qwen3-Next) only the first rotary_dim dims
+    rotate and the rest pass unchanged."""
+    rotary_dim = 2 * cos.shape[-1]
+    if rotary_dim != x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

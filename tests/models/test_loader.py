@@ -30,6 +30,7 @@ def test_registry_names_every_supported_architecture():
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
         "GptOssForCausalLM", "Qwen3MoeForCausalLM",
         "NemotronHForCausalLM",
+        "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM",
     }
     assert architecture_of({"model_type": "gemma3_text"}) == "Gemma3ForCausalLM"
     assert architecture_of({"model_type": "gpt_oss"}) == "GptOssForCausalLM"
