@@ -1,6 +1,7 @@
 """Tiny random-weight checkpoints made with transformers at test time (no hub access):
 Gemma 3 text with a sliding window shorter than the test prompts, Qwen3, gpt-oss (sinks, alternating
-windows shorter than the prompts, 6 experts top-2) and Qwen3-MoE (one dense layer)."""
+windows shorter than the prompts, 6 experts top-2), Qwen3-MoE (one dense layer), and the hybrids with
+recurrent state: Qwen3.5 and Qwen3-Next (Gated DeltaNet) and Nemotron-H (Mamba2, with or without MoE)."""
 
 from __future__ import annotations
 
