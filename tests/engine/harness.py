@@ -69,3 +69,25 @@ def generate(built: BuiltEngine, prompts: Sequence[Sequence[int]], sampling: Sam
 
 def generate_one_by_one(built: BuiltEngine, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Collected]:
     return [generate(built, [prompt], sampling, prefix=f"seq{index}")[0] for index, prompt in enumerate(prompts)]
+
+
+def engine_with_tier(loaded, num_blocks: int, offload_bytes: Optional[int], offload_dir: Optional[str] = None,
+                     block_size: int = 4) -> BuiltEngine:
+    """A CPU engine with a small pool and, given `offload_bytes`, an offload tier (in `offload_dir`: on disk)."""
+    config = WorkerConfig(
+        model=ModelConfig(device="cpu", dtype="float32"),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_offload_bytes=offload_bytes,
+                          kv_offload_dir=offload_dir),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_running=4),
+    )
+    return build_engine(config, Metrics(), loaded)
+
+
+def two_passes(built: BuiltEngine, prompts):
+    """Every prompt once, then every prompt again: (answers of both passes, prompt tokens computed in the second)."""
+    sampling = greedy(8, ignore_eos=True)
+    first = generate_one_by_one(built, prompts, sampling)
+    computed_before = built.engine.engine_loop.stats.num_computed_prompt_tokens
+    second = generate_one_by_one(built, prompts, sampling)
+    computed = built.engine.engine_loop.stats.num_computed_prompt_tokens - computed_before
+    return [r.token_ids for r in first], [r.token_ids for r in second], computed

@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Optional
 
 import pytest
 import torch
 
-from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
-from pdserve.app.engine_factory import BuiltEngine, build_engine
 from pdserve.kv.prefix import first_live_block, max_hit_blocks
-from pdserve.metrics import Metrics
 from pdserve.models.loader import load_model
-from tests.engine.harness import generate_one_by_one, greedy
+from tests.engine.harness import engine_with_tier, generate_one_by_one, greedy, two_passes
 from tests.tiny_models import GEMMA_VOCAB, QWEN_VOCAB, make_tiny_gemma3, make_tiny_qwen3, random_prompt
 
 BLOCK = 4
@@ -34,26 +30,6 @@ def gemma(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("gemma3"))
     make_tiny_gemma3(directory)
     return load_model(directory, torch.float32, torch.device("cpu"))
-
-
-def engine_with_tier(loaded, num_blocks: int, offload_bytes: Optional[int], offload_dir: Optional[str] = None) -> BuiltEngine:
-    config = WorkerConfig(
-        model=ModelConfig(device="cpu", dtype="float32"),
-        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, kv_offload_bytes=offload_bytes,
-                          kv_offload_dir=offload_dir),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_running=4),
-    )
-    return build_engine(config, Metrics(), loaded)
-
-
-def two_passes(built: BuiltEngine, prompts):
-    """Every prompt once, then every prompt again: (answers of both passes, prompt tokens computed in the second)."""
-    sampling = greedy(8, ignore_eos=True)
-    first = generate_one_by_one(built, prompts, sampling)
-    computed_before = built.engine.engine_loop.stats.num_computed_prompt_tokens
-    second = generate_one_by_one(built, prompts, sampling)
-    computed = built.engine.engine_loop.stats.num_computed_prompt_tokens - computed_before
-    return [r.token_ids for r in first], [r.token_ids for r in second], computed
 
 
 def test_prompts_evicted_from_the_pool_come_back_from_the_tier_with_the_same_tokens(qwen):

@@ -10,7 +10,7 @@ import torch
 
 from pdserve.kv.specs import RecurrentStateSpec
 from pdserve.models.loader import load_model
-from tests.engine.harness import generate, generate_one_by_one, greedy, make_engine
+from tests.engine.harness import engine_with_tier, generate, generate_one_by_one, greedy, make_engine, two_passes
 from tests.models.hf_oracle import hf_greedy_generate
 from tests import tiny_models
 from tests.tiny_models import random_prompt
@@ -97,3 +97,21 @@ def test_state_groups_hold_one_live_page_per_request_and_free_it_at_the_end(fami
             held.append([engine.kv_manager.num_blocks_held("one", g) for g in state_groups])
     assert held and all(counts == [1] * len(state_groups) for counts in held)
     assert engine.kv_manager.num_blocks_in_use_by_group() == (0,) * len(plan.groups)
+
+
+def test_with_the_offload_tier_a_second_pass_over_more_prompts_than_the_pool_holds_recomputes_little(family):
+    """Ten 40-token prompts through a pool that holds about four: their attention blocks and state
+    snapshots go to the tier on eviction and come back on the second pass, with the same answers."""
+    hf_model, loaded = family
+    prompts = [random_prompt(40, _vocab(hf_model), 300 + seed) for seed in range(10)]
+    total = sum(len(p) for p in prompts)
+    plain = engine_with_tier(loaded, num_blocks=61, offload_bytes=None)
+    first_plain, second_plain, recomputed_plain = two_passes(plain, prompts)
+    tiered = engine_with_tier(loaded, num_blocks=61, offload_bytes=400 * plain.layout.page_bytes)
+    first_tier, second_tier, recomputed_tier = two_passes(tiered, prompts)
+    assert recomputed_plain >= 0.9 * total
+    assert recomputed_tier <= 0.25 * total
+    assert first_tier == second_tier == first_plain == second_plain
+    assert first_plain[0] == hf_greedy_generate(hf_model, prompts[0], 8)
+    metrics = tiered.engine.engine_loop.stats.metrics
+    assert metrics.kv.prefix_cache_hits_by_medium_tokens.labels("offload")._value.get() > 0
