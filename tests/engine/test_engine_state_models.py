@@ -95,6 +95,9 @@ def test_state_groups_hold_one_live_page_per_request_and_free_it_at_the_end(fami
         loop.step()
         if loop.scheduler.requests.get("one") is not None:
             held.append([engine.kv_manager.num_blocks_held("one", g) for g in state_groups])
+            # What /metrics' pdserve_kv_usage_ratio{group} and the GIE usage gauge are computed from.
+            in_use = engine.kv_manager.num_blocks_in_use_by_group()
+            assert all(in_use[g] >= 1 for g in state_groups)
     assert held and all(counts == [1] * len(state_groups) for counts in held)
     assert engine.kv_manager.num_blocks_in_use_by_group() == (0,) * len(plan.groups)
 
