@@ -5,6 +5,7 @@
     python -m bench.kernels fused-layer [--dtype float32] [--concurrency 16]
     python -m bench.kernels step [--variant NAME] [--concurrency N]
     python -m bench.kernels moe [--experts 32 --top-k 4]
+    python -m bench.kernels state [--layers 16 --hidden 512] [--block-sizes 16 64]
 
 Every mode prints one markdown table and writes the figures behind it as JSON (`--out`, default
 bench/results/kernels_<mode>.json). Variants of one mode run in one process, rounds interleaved,
@@ -18,7 +19,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from bench.kernels import attention, moe, products, step
+from bench.kernels import attention, moe, products, state, step
 from bench.lib.report import write_document
 
 MODES = {  # mode -> (module adding its flags, function measuring: args -> (table, JSON record))
@@ -27,6 +28,7 @@ MODES = {  # mode -> (module adding its flags, function measuring: args -> (tabl
     "fused-layer": (step, step.run_fused),
     "step": (step, step.run_variants),
     "moe": (moe, moe.run),
+    "state": (state, state.run),
 }
 
 

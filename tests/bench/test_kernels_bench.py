@@ -30,3 +30,16 @@ def test_a_missing_value_prints_as_a_dash_never_as_zero():
 def test_markdown_table_aligns_every_column_but_the_first_right():
     assert markdown_table(["a", "b", "c"], [("x", 1, 2.5)]).splitlines() == [
         "| a | b | c |", "|---|---:|---:|", "| x | 1 | 2.5 |"]
+
+
+def test_state_mode_pulls_state_pages_that_do_not_grow_with_the_prompt():
+    from bench.kernels.state import pull_bytes_rows
+
+    rows = {(r["model"], r["prompt_tokens"]): r for r in pull_bytes_rows([4096, 16384], 16, "float32")}
+    hybrid_4k, hybrid_16k = rows[("Qwen3.5-27B shape", 4096)], rows[("Qwen3.5-27B shape", 16384)]
+    full_4k = rows[("same, every layer full attention", 4096)]
+    assert hybrid_4k["state_pages"] == hybrid_16k["state_pages"] == 48  # one page per DeltaNet layer
+    assert full_4k["state_pages"] == 0 and full_4k["data_gib"] == 1.0  # 64 layers x 4 KV heads x 256 x bf16 x 4095
+    # A quarter of the layers keep K/V: the attention data is a quarter of the all-attention model's.
+    growth = hybrid_16k["data_gib"] - hybrid_4k["data_gib"]
+    assert abs(growth - 0.75) < 0.01

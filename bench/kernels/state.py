@@ -1,0 +1,140 @@
+"""Recurrent-state models: decode speed against a dense model of the same size, and P->D bytes.
+
+Two tables, one run:
+(1) engine decode tokens/s at batch 1 and 16 of a random-weight Qwen3.5 shape (Gated DeltaNet layers,
+    one full-attention layer in four) and of a dense Qwen3 with the same attention, hidden size and
+    depth whose MLP is widened until it has the same parameter count;
+(2) the bytes a decode worker pulls for a prompt of P tokens (the attention blocks of its first P-1
+    tokens plus one page per state group, as `pdserve.kv` plans the pool), for a Qwen3.5-27B-shaped
+    pool against the same model with every layer full attention, at several prompt lengths. Pages are
+    moved whole, padding included; the "data" column is what the pages hold.
+Weight names and shapes come from transformers' own classes built on the meta device (no memory,
+no download); values are random, seeded per tensor name.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.kernels.moe import RandomWeights, decode_tokens_per_s
+from bench.lib.report import markdown_table
+from pdserve.kv.layout import plan_for_model, plan_page_bytes
+from pdserve.kv.specs import FullAttentionSpec, LayerSpec, RecurrentStateSpec
+
+# Qwen3.5-27B as its published config reads (to our knowledge): 64 layers, one full-attention layer in
+# four (24 query / 4 KV heads of 256), Gated DeltaNet with 16 key heads and 48 value heads of 128, kernel 4.
+QWEN3_5_27B = {"layers": 64, "full_every": 4, "kv_heads": 4, "head_dim": 256, "key_heads": 16, "value_heads": 48,
+               "key_dim": 128, "value_dim": 128, "conv_kernel": 4}
+
+
+def _shapes_of(model_class_name: str, config: dict) -> dict[str, tuple[int, ...]]:
+    import transformers
+
+    config_class = getattr(transformers, model_class_name.replace("ForCausalLM", "Config").replace("Qwen3_5Config",
+                                                                                                   "Qwen3_5TextConfig"))
+    with torch.device("meta"):
+        model = getattr(transformers, model_class_name)(config_class(**config))
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def _qwen3_5_config(args: argparse.Namespace) -> dict:
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.layers)]
+    return {"vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": args.intermediate,
+            "num_hidden_layers": args.layers, "num_attention_heads": args.hidden // 64, "num_key_value_heads": 2,
+            "head_dim": 64, "linear_num_key_heads": args.hidden // 128, "linear_num_value_heads": args.hidden // 64,
+            "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
+            "layer_types": layer_types, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+
+def _dense_config(args: argparse.Namespace, intermediate: int) -> dict:
+    return {"vocab_size": args.vocab, "hidden_size": args.hidden, "intermediate_size": intermediate,
+            "num_hidden_layers": args.layers, "num_attention_heads": args.hidden // 64, "num_key_value_heads": 2,
+            "head_dim": 64, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+
+def _num_params(shapes: dict[str, tuple[int, ...]]) -> int:
+    total = 0
+    for shape in shapes.values():
+        count = 1
+        for size in shape:
+            count *= size
+        total += count
+    return total
+
+
+def matched_models(args: argparse.Namespace) -> dict[str, tuple[dict, RandomWeights, int]]:
+    """{name: (config, weights, parameters)}: the state model and the dense one of the same size."""
+    state_config = _qwen3_5_config(args)
+    state_shapes = _shapes_of("Qwen3_5ForCausalLM", state_config)
+    target = _num_params(state_shapes)
+    base = _num_params(_shapes_of("Qwen3ForCausalLM", _dense_config(args, 64)))
+    per_width = (_num_params(_shapes_of("Qwen3ForCausalLM", _dense_config(args, 128))) - base) / 64
+    intermediate = max(64, round((64 + (target - base) / per_width) / 32) * 32)
+    dense_config = _dense_config(args, intermediate)
+    dense_shapes = _shapes_of("Qwen3ForCausalLM", dense_config)
+    return {
+        "Qwen3.5 shape (3 DeltaNet : 1 attention)": (
+            {**state_config, "architectures": ["Qwen3_5ForCausalLM"]}, RandomWeights(state_shapes), target),
+        f"dense Qwen3, same size (MLP {intermediate})": (
+            {**dense_config, "architectures": ["Qwen3ForCausalLM"]}, RandomWeights(dense_shapes),
+            _num_params(dense_shapes)),
+    }
+
+
+def layer_specs_27b(all_full: bool, state_dtype: str) -> list[LayerSpec]:
+    shape = QWEN3_5_27B
+    state = RecurrentStateSpec(
+        "gated_delta_net", 2 * shape["key_heads"] * shape["key_dim"] + shape["value_heads"] * shape["value_dim"],
+        shape["conv_kernel"] - 1, (shape["value_heads"], shape["key_dim"], shape["value_dim"]), state_dtype)
+    return [FullAttentionSpec() if all_full or (i + 1) % shape["full_every"] == 0 else state
+            for i in range(shape["layers"])]
+
+
+def pull_bytes_rows(prompt_lengths: list[int], block_size: int, state_dtype: str) -> list[dict]:
+    """Bytes pulled P->D per prompt length for the 27B shape, hybrid against all-full-attention (bf16 KV)."""
+    rows = []
+    for name, all_full in (("Qwen3.5-27B shape", False), ("same, every layer full attention", True)):
+        specs = layer_specs_27b(all_full, state_dtype)
+        plan = plan_for_model(specs, block_size, QWEN3_5_27B["kv_heads"], QWEN3_5_27B["head_dim"], torch.bfloat16)
+        page_bytes = plan_page_bytes(plan, block_size, QWEN3_5_27B["kv_heads"], QWEN3_5_27B["head_dim"],
+                                     torch.bfloat16)
+        kv_page_bytes = plan.geometry.kv_page_bytes if plan.geometry is not None else page_bytes
+        state_data = sum(g.spec.state_bytes * len(g.layer_ids) for g in plan.groups if g.is_state)
+        num_attention = sum(1 for g in plan.groups if not g.is_state)
+        num_state = len(plan.groups) - num_attention
+        for length in prompt_lengths:
+            blocks = -(-(length - 1) // block_size)
+            rows.append({"model": name, "block_size": block_size, "prompt_tokens": length,
+                         "attention_pages": blocks * num_attention, "state_pages": num_state,
+                         "page_bytes": page_bytes,
+                         "pulled_gib": round((blocks * num_attention + num_state) * page_bytes / 2**30, 3),
+                         "data_gib": round((blocks * num_attention * kv_page_bytes + state_data) / 2**30, 3)})
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
+    for flag, default in (("--layers", 16), ("--hidden", 512), ("--intermediate", 1024), ("--vocab", 8192),
+                          ("--prompt-tokens", 64), ("--new-tokens", 32), ("--threads", torch.get_num_threads())):
+        parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
+
+
+def run(args: argparse.Namespace) -> tuple[str, dict]:
+    torch.set_num_threads(args.threads)
+    engine_rows = []
+    for name, (config, weights, num_params) in matched_models(args).items():
+        for batch in (1, 16):
+            tokens_per_s = decode_tokens_per_s(config, weights, batch, args.prompt_tokens, args.new_tokens)
+            engine_rows.append({"model": name, "params_m": round(num_params / 1e6, 1), "batch": batch,
+                                "decode_tokens_per_s": round(tokens_per_s, 1)})
+    pull_rows = [row for block_size in args.block_sizes
+                 for row in pull_bytes_rows(args.prompt_lengths, block_size, args.state_dtype)]
+    table = markdown_table(["model", "Mparams", "batch", "decode tok/s"], [r.values() for r in engine_rows])
+    table += "\n\n" + markdown_table(
+        ["model", "block", "prompt", "attention pages", "state pages", "page bytes", "pulled GiB", "data GiB"],
+        [r.values() for r in pull_rows])
+    return table, {"engine": engine_rows, "pull_bytes": pull_rows, "qwen3_5_27b_shape": QWEN3_5_27B}
