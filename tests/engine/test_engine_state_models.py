@@ -13,6 +13,7 @@ from pdserve.models.loader import load_model
 from tests.engine.harness import engine_with_tier, generate, generate_one_by_one, greedy, make_engine, two_passes
 from tests.models.hf_oracle import hf_greedy_generate
 from tests import tiny_models
+from tests.devices import cuda_available
 from tests.tiny_models import random_prompt
 
 NUM_TOKENS = 16
@@ -24,7 +25,7 @@ FAMILIES = ("qwen3_5", "nemotron_h")
 def family(request, tmp_path_factory):
     directory = str(tmp_path_factory.mktemp(request.param))
     hf_model = getattr(tiny_models, f"make_tiny_{request.param}")(directory)
-    return hf_model, load_model(directory, torch.float32, torch.device("cpu"))
+    return hf_model, load_model(directory, torch.float32, torch.device("cpu")), directory
 
 
 def _vocab(hf_model) -> int:
@@ -32,7 +33,7 @@ def _vocab(hf_model) -> int:
 
 
 def test_batched_chunked_prompts_match_transformers(family):
-    hf_model, loaded = family
+    hf_model, loaded, _ = family
     assert loaded.model.spec.has_recurrent_state
     # Prompts longer than a prefill chunk (budget 24), batched with each other and with decodes.
     prompts = [random_prompt(n, _vocab(hf_model), seed) for seed, n in enumerate((9, 50, 83))]
@@ -43,7 +44,7 @@ def test_batched_chunked_prompts_match_transformers(family):
 
 
 def test_preempted_and_resumed_requests_give_the_tokens_of_one_alone(family):
-    hf_model, loaded = family
+    hf_model, loaded, _ = family
     prompts = [random_prompt(n, _vocab(hf_model), 20 + n) for n in (30, 45, 60)]
     sampling = greedy(NUM_TOKENS, ignore_eos=True)
     alone = generate_one_by_one(make_engine(loaded=loaded, block_size=BLOCK, prefix_caching=False), prompts, sampling)
@@ -54,7 +55,7 @@ def test_preempted_and_resumed_requests_give_the_tokens_of_one_alone(family):
 
 
 def test_a_shared_prefix_recomputes_only_the_tokens_after_the_latest_snapshot(family):
-    hf_model, loaded = family
+    hf_model, loaded, _ = family
     engine = make_engine(loaded=loaded, block_size=BLOCK, budget=16)
     vocab = _vocab(hf_model)
     shared = random_prompt(44, vocab, 7)
@@ -80,7 +81,7 @@ def test_a_shared_prefix_recomputes_only_the_tokens_after_the_latest_snapshot(fa
 
 
 def test_state_groups_hold_one_live_page_per_request_and_free_it_at_the_end(family):
-    _, loaded = family
+    _, loaded, _ = family
     engine = make_engine(loaded=loaded, block_size=BLOCK, prefix_caching=False)
     plan = engine.plan
     state_groups = [g.group_id for g in plan.groups if isinstance(g.spec, RecurrentStateSpec)]
@@ -105,7 +106,7 @@ def test_state_groups_hold_one_live_page_per_request_and_free_it_at_the_end(fami
 def test_with_the_offload_tier_a_second_pass_over_more_prompts_than_the_pool_holds_recomputes_little(family):
     """Ten 40-token prompts through a pool that holds about four: their attention blocks and state
     snapshots go to the tier on eviction and come back on the second pass, with the same answers."""
-    hf_model, loaded = family
+    hf_model, loaded, _ = family
     prompts = [random_prompt(40, _vocab(hf_model), 300 + seed) for seed in range(10)]
     total = sum(len(p) for p in prompts)
     plain = engine_with_tier(loaded, num_blocks=61, offload_bytes=None)
@@ -118,3 +119,25 @@ def test_with_the_offload_tier_a_second_pass_over_more_prompts_than_the_pool_hol
     assert first_plain[0] == hf_greedy_generate(hf_model, prompts[0], 8)
     metrics = tiered.engine.engine_loop.stats.metrics
     assert metrics.kv.prefix_cache_hits_by_medium_tokens.labels("offload")._value.get() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+def test_on_cuda_batched_chunked_prompts_and_a_snapshot_hit_match_transformers(family):
+    """The paged state path (page gathers and scatters, page copies) on the GPU, float32."""
+    import copy
+
+    hf_cpu, _, directory = family
+    hf_model = copy.deepcopy(hf_cpu).to("cuda")
+    loaded = load_model(directory, torch.float32, torch.device("cuda"))
+    engine = make_engine(loaded=loaded, block_size=BLOCK, budget=16, device="cuda")
+    vocab = _vocab(hf_model)
+    prompts = [random_prompt(n, vocab, 40 + n) for n in (9, 50, 83)]
+    for prompt, result in zip(prompts, generate(engine, prompts, greedy(NUM_TOKENS, ignore_eos=True))):
+        assert result.token_ids == hf_greedy_generate(hf_model, prompt, NUM_TOKENS)
+    shared = random_prompt(44, vocab, 7)
+    generate(engine, [shared + random_prompt(3, vocab, 8)], greedy(4, ignore_eos=True), prefix="first")
+    turn = shared + random_prompt(9, vocab, 9)
+    [result] = generate(engine, [turn], greedy(NUM_TOKENS, ignore_eos=True), prefix="turn")
+    assert result.final.num_cached_tokens == 44
+    assert result.token_ids == hf_greedy_generate(hf_model, turn, NUM_TOKENS)
