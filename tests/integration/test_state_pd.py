@@ -107,7 +107,11 @@ def test_a_decode_worker_of_another_block_size_is_refused_naming_the_state_pages
     assert first.status_code == 200, first.text
     response = decode_leg(decode, "/v1/completions", body, first.json()["kv_transfer_params"], "refused-32")
     assert response.status_code == 400, response.text
-    assert "recurrent-state" in response.text
+    message = response.json()["error"]["message"]
+    # The state groups follow the block size (one DeltaNet layer a page at 16, two at 32): named in the refusal.
+    assert "recurrent-state layers paged [[0, 2], [1]] here, [[0], [1], [2]] there" in message, message
+    assert "groups:" not in message  # the attention groups agree
+    assert "--block-size" in message
     httpx.post(prefill.internal_url + "/internal/kv/release", json={
         "remote_request_id": "refused-32", "remote_pin_nonce": first.json()["kv_transfer_params"]["remote_pin_nonce"],
         "remote_engine_id": first.json()["kv_transfer_params"]["remote_engine_id"],
