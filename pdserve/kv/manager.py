@@ -3,7 +3,8 @@
 Invariant: every non-null table entry is a block in use by that table's group,
 a sliding-window table holds null (0) for every block wholly outside the
 window of the request's next token, and a state group's table is the request's
-one live state page (kv/state_pages.py: its snapshots and page copies).
+one live state page (kv/state_pages.py: its snapshots, page copies and the
+handoff pages a prefill-role request keeps for a decode worker).
 Torch-free. With an offload tier, prefix blocks found only in the tier get
 fresh pool blocks at admission and are cached again once their load lands
 (`poll_offload`).

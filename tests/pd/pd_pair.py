@@ -45,9 +45,9 @@ class FakeClock:
 
 class PrefillSide:
     def __init__(self, fabric: FakeFabric, clock: FakeClock, name: str = "P", lease_s: float = 30.0,
-                 plan: KVGroupPlan = PLAN, max_pinned_blocks: Optional[int] = None):
+                 plan: KVGroupPlan = PLAN, max_pinned_blocks: Optional[int] = None, prefix_caching: bool = True):
         self.plan = plan
-        self.kv = KVCacheManager(plan, NUM_BLOCKS, BLOCK)
+        self.kv = KVCacheManager(plan, NUM_BLOCKS, BLOCK, enable_prefix_caching=prefix_caching)
         self.pool = torch.zeros(NUM_BLOCKS, PAGE_BYTES, dtype=torch.int8)
         self.transport = FakeTransport(self.pool, name, fabric)
         self.metrics = Metrics()

@@ -99,6 +99,28 @@ def test_prefill_ends_a_chunk_before_the_last_token_and_pins_one_handoff_page_pe
     p.kv.check_invariants()
 
 
+def test_without_prefix_caching_the_prefill_still_ends_a_chunk_before_the_last_token(fabric, clock):
+    p = PrefillSide(fabric, clock, plan=STATE_PLAN, prefix_caching=False)
+    params, chunks = prefill(p, "r1", 10)
+    assert chunks == [(0, 9), (9, 10)]
+    assert all(int(p.pool[params.remote_block_ids[g][0]][0]) == 9 for g in STATE_PLAN.state_group_ids)
+    p.kv.check_invariants()
+
+
+def test_a_preempted_prefill_gives_its_handoff_pages_back_and_keeps_new_ones_when_it_runs_again(p):
+    request = make_request("r1", 10, remote_decode=True, sampling=SamplingParams(max_tokens=1, temperature=0))
+    p.scheduler.add_request(request)
+    run_steps(p, request, lambda: request.num_computed_tokens == 9)
+    step = p.scheduler.schedule()  # the chunk at 9: its handoff pages are taken now
+    assert p.kv.block_ids("r1", handoff=True)[STATE_PLAN.state_group_ids[0]] != []
+    p.scheduler._preempt(request, step)
+    p.kv.check_invariants()
+    run_steps(p, request, lambda: request.finish_reason is not None)
+    params = request.kv_transfer_params
+    assert all(int(p.pool[params.remote_block_ids[g][0]][0]) == 9 for g in STATE_PLAN.state_group_ids)
+    p.kv.check_invariants()
+
+
 def test_the_ticket_names_the_handoff_pages_once(p):
     params, _ = prefill(p, "r1", 10)
     claim = p.connector.claim_ticket("r1", params.remote_pin_nonce)
