@@ -27,8 +27,10 @@ from pdserve.api.errors import InvalidRequest, PdserveError
 # (pdserve/kv/layout.py), so a version-2 peer's pages would be read wrongly; 4: the block size is
 # negotiated, not hashed (P and D may page in different block sizes, one dividing the other); 5: params are
 # tickets: D claims the pin's record from P (POST /internal/kv/pin) and reads only the block ids P names there,
-# after checking its prompt against P's digest; remote_block_ids on the wire is accepted and ignored.
-PROTOCOL_VERSION = 5
+# after checking its prompt against P's digest; remote_block_ids on the wire is accepted and ignored; 6: models
+# with recurrent state: the handshake's groups describe state groups, and a state group's block list is one
+# page, P's handoff page (the state after all but the last prompt token), which D pulls into its live page.
+PROTOCOL_VERSION = 6
 # D's answer to a P/D leg whose prompt it computed itself (pull failed, stale ticket, prompt mismatch): the
 # proxy counts such legs (pdserve_proxy_pd_legs_recomputed_total). Absent when D pulled the KV.
 KV_RECOMPUTED_HEADER = "X-Pdserve-KV-Recomputed"

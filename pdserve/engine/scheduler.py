@@ -73,6 +73,8 @@ class Scheduler:
         # Hybrid models with prefix caching end prefill chunks where their state can be snapshotted.
         self._snapshots_state = kv_manager.enable_prefix_caching and any(
             isinstance(group.spec, RecurrentStateSpec) for group in kv_manager.plan.groups)
+        # P/D with state: a prefill-role request keeps its state after all but the last prompt token.
+        self._hands_off_state = bool(kv_manager.plan.state_group_ids)
 
     # ---- queue management -------------------------------------------------
 
@@ -135,7 +137,8 @@ class Scheduler:
 
     def _release(self, request: Request, reason: FinishReason) -> None:
         try:
-            action = self.connector.request_finished(request, reason, self.kv.block_ids(request.request_id))
+            action = self.connector.request_finished(
+                request, reason, self.kv.block_ids(request.request_id, handoff=request.remote_decode))
         except Exception:
             logger.exception("request %s: the P/D finish hook failed", request.request_id)
             action = FREE_NOW
@@ -297,6 +300,10 @@ class Scheduler:
         return 0
 
     def _chunk_tokens(self, request: Request, num_computed: int, num_new: int) -> int:
+        if self._hands_off_state and request.remote_decode:  # a chunk ends where D takes over (`_chunk`)
+            handoff = request.num_prompt_tokens - 1
+            if num_computed < handoff < num_computed + num_new:
+                num_new = handoff - num_computed
         if not self._snapshots_state:
             return num_new
         return snapshot_chunk_tokens(num_computed, num_new, request.num_prompt_tokens, self.block_size)
@@ -394,6 +401,10 @@ class Scheduler:
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_new
+        if self._hands_off_state and request.remote_decode and start == request.num_prompt_tokens - 1 > 0:
+            # The copy runs before this chunk's forward pass: the state D needs to compute the last token.
+            if not self.kv.keep_state_handoff(request.request_id):
+                logger.warning("request %s: no free page for its state handoff", request.request_id)
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end],

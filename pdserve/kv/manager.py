@@ -3,7 +3,8 @@
 Invariant: every non-null table entry is a block in use by that table's group,
 a sliding-window table holds null (0) for every block wholly outside the
 window of the request's next token, and a state group's table is the request's
-one live state page (kv/state_pages.py: its snapshots and page copies).
+one live state page (kv/state_pages.py: its snapshots, page copies and the
+handoff pages a prefill-role request keeps for a decode worker).
 Torch-free. With an offload tier, prefix blocks found only in the tier get
 fresh pool blocks at admission and are cached again once their load lands
 (`poll_offload`).
@@ -343,6 +344,16 @@ class KVCacheManager:
         """The computed-token count at which to pass `commit(..., prompt_boundary=True)`."""
         return self.state.prompt_boundary_tokens(num_prompt_tokens)
 
+    def keep_state_handoff(self, request_id: str) -> bool:
+        """P/D, prefill side: keep a copy of the request's state as it is now (all but the last prompt
+        token computed) in one handoff page per state group, held with its blocks until it is freed;
+        `block_ids(..., handoff=True)` names them. False when the pool has no room (or no state groups,
+        or an unknown id)."""
+        state = self._requests.get(request_id)
+        if state is None or not self.state.group_ids:
+            return False
+        return self.state.keep_handoff(state.tables, state.snapshots)
+
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The (source page, destination page) copies of state snapshots and restores recorded since the
         last call, in order: the runner performs them, in order, before the next forward pass. Call it
@@ -351,12 +362,18 @@ class KVCacheManager:
 
     # ---- tables and counters -----------------------------------------------------------
 
-    def block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """A copy of the request's tables, one list per group (0 = null block)."""
+    def block_ids(self, request_id: str, handoff: bool = False) -> tuple[list[int], ...]:
+        """A copy of the request's tables, one list per group (0 = null block). With `handoff`, a state
+        group's list is its handoff page (`keep_state_handoff`; empty when it has none), not its live page."""
         state = self._requests.get(request_id)
         if state is None:
             return tuple([] for _ in self.plan.groups)
-        return tuple(list(table) for table in state.tables)
+        tables = tuple(list(table) for table in state.tables)
+        if handoff:
+            pages = iter(state.snapshots.handoff)
+            for group_id in self.state.group_ids:
+                tables[group_id][:] = [next(pages)] if state.snapshots.handoff else []
+        return tables
 
     def live_block_ids(self, request_id: str, position: int) -> tuple[list[int], ...]:
         """The tables clipped to what a query at `position` reads: sliding groups
@@ -505,6 +522,8 @@ class KVCacheManager:
             for group, table in zip(self.plan.groups, state.tables):
                 if group.is_state:  # its live page, and the snapshot pages it holds (tier loads)
                     refs.update(table)
+                    refs.update(page for group_id, page in zip(self.state.group_ids, state.snapshots.handoff)
+                                if group_id == group.group_id)
                     refs.update(ref.block_id for ref in state.snapshots.refs
                                 if ref.held and ref.group_id == group.group_id)
                     continue

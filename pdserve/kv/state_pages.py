@@ -6,7 +6,10 @@ A snapshot is a page cached under (hash of block k-1, group) that holds the stat
 k*block_size; it is filled and read only by recorded page copies, which the runner performs in
 order before the next forward pass. Every page a pending copy reads or writes holds an extra
 reference until the copies after the ones it belongs to are taken, so nothing can hand it out
-and write it (a tier read, a pull, another request's forward) before its copy ran. Torch-free.
+and write it (a tier read, a pull, another request's forward) before its copy ran. A prefill-role
+request may also hold one handoff page per state group (`keep_handoff`): a copy of its live page
+taken when it had computed all but the last prompt token, what a decode worker pulls (it computes
+that token itself); held like the live page, freed with the request's blocks. Torch-free.
 
     request r, state group g, block_size 4, snapshots every 2 blocks:
 
@@ -65,6 +68,7 @@ class RequestSnapshots:
     refs: list[SnapshotRef] = field(default_factory=list)
     num_snapshot_blocks: int = 0  # the latest boundary (in blocks) this request snapshotted or restored
     enabled: bool = True  # False once the caller said the live state holds tokens nothing computed
+    handoff: tuple[int, ...] = ()  # per state group (in group order): the page a decode worker pulls
 
 
 class StatePages:
@@ -174,6 +178,24 @@ class StatePages:
         snapshots.num_snapshot_blocks = num_blocks
         return True
 
+    # ---- P/D handoff ------------------------------------------------------------------
+
+    def keep_handoff(self, tables: list[list[int]], snapshots: RequestSnapshots) -> bool:
+        """Give the request one handoff page per state group and record the copy of its live page into
+        it (it runs before the next forward pass, so the page holds the state the request has now).
+        Idempotent; False (nothing changed) when the pool cannot give every page."""
+        if snapshots.handoff:
+            return True
+        if len(self.group_ids) > self.pool.num_free_blocks:
+            return False
+        pages = []
+        for group_id in self.group_ids:
+            page = self.pool.allocate(1, group_id)[0]  # the request's reference; the copy pins it once more
+            self._record(tables[group_id][0], page, group_id, source_pinned=False)
+            pages.append(page)
+        snapshots.handoff = tuple(pages)
+        return True
+
     # ---- copies ---------------------------------------------------------------------
 
     def take_copies(self) -> list[tuple[int, int]]:
@@ -207,6 +229,7 @@ class StatePages:
                 self.pool.touch([ref.block_id], ref.group_id)
             order.setdefault(ref.index, []).append(ref.block_id)
         order.setdefault(0, []).extend(tables[g][0] for g in self.group_ids if tables[g])
+        order[0].extend(snapshots.handoff)
         return order
 
     def check_invariants(self, tables_by_request: dict[str, list[list[int]]],
@@ -228,7 +251,17 @@ class StatePages:
                 if page in live:
                     raise KVInvariantError(f"live page {page} is shared by {live[page]} and {request_id}")
                 live[page] = request_id
-            for ref in snapshots_by_request[request_id].refs:
+            snapshots = snapshots_by_request[request_id]
+            if snapshots.handoff and len(snapshots.handoff) != len(self.group_ids):
+                raise KVInvariantError(f"request {request_id}: handoff pages {snapshots.handoff} are not one per "
+                                       f"state group {self.group_ids}")
+            for group_id, page in zip(self.group_ids, snapshots.handoff):
+                if self.pool.ref_count(page) == 0 or self.pool.owner(page) != group_id or self.pool.is_cached(page):
+                    raise KVInvariantError(f"request {request_id}: handoff page {page} not held uncached by "
+                                           f"group {group_id}")
+                if page in live:
+                    raise KVInvariantError(f"handoff page {page} of {request_id} is also a live page")
+            for ref in snapshots.refs:
                 held_in_use = self.pool.ref_count(ref.block_id) > 0 and self.pool.owner(ref.block_id) == ref.group_id
                 if ref.held and not held_in_use:
                     raise KVInvariantError(f"request {request_id}: held snapshot page {ref.block_id} not in use")

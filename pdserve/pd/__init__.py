@@ -31,6 +31,10 @@ Block lifetime on both sides (one request; time flows down):
     released -> scheduler frees <---- "done" --------  READ landed -> landed -> RUNNING
                                                        (computes the last prompt token)
 
+    A model with recurrent state: P ends a prefill chunk before the last prompt token and copies its
+    live state page into a handoff page per state group, pinned with the blocks; D reads it into its
+    live page (one page a group, whatever the prompt's length) and computes the last token from it.
+
     D ends the request before reading:  "free" -> P releases at once
     D aborts during the READ:           D keeps its blocks until the READ ends, then frees them
     D never answers:                    P's lease runs out -> released -> freed

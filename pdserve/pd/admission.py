@@ -171,6 +171,11 @@ class DecodeAdmission:
         if problem is not None:
             raise KVParamsInvalid(f"prefill worker {params.remote_engine_id} cannot hand its KV to this worker: "
                                   f"{problem}", param="kv_transfer_params")
+        if self.plan.state_group_ids and agent.geometry.block_size != self.block_size:
+            raise KVParamsInvalid(
+                f"prefill worker {params.remote_engine_id} pages in blocks of {agent.geometry.block_size} tokens, "
+                f"this worker in {self.block_size}: recurrent-state pages move only between equal block sizes "
+                f"(their layers per page follow the block size)", param="kv_transfer_params")
         check_block_ids(params, agent, self.plan)
         try:
             peer = PeerInfo.from_dict(agent.transport, via=via)

@@ -8,7 +8,9 @@ those of P's own pin record (pd/tickets.py put them in the params: the
 client's never get here); a failed pull never yields
 tokens from partial KV (policy `recompute` prefills locally, `fail` ends the
 request with `KVPullFailed`, and every prompt token so recomputed is counted
-by reason); P hears "free" whenever D will not read.
+by reason); P hears "free" whenever D will not read. A state group's page
+(P's handoff page) lands in the request's live page: D then computes the
+last prompt token from the state after the ones before it.
 Leases are renewed for queued requests and for those whose READ is in flight.
 Torch-free.
 """
@@ -115,8 +117,9 @@ class DecodeConnector:
         num_tokens = request.num_prompt_tokens
         theirs = remote.source.agent.geometry.block_size  # may differ from ours: the pull cuts both into units
         ours = handoff_ranges(self.plan, num_tokens, self.block_size)
-        pull = plan_pull(handoff_sides(params.remote_block_ids, handoff_ranges(self.plan, num_tokens, theirs), theirs),
-                         handoff_sides(handoff_slices(block_tables, ours), ours, self.block_size),
+        pull = plan_pull(handoff_sides(params.remote_block_ids, handoff_ranges(self.plan, num_tokens, theirs), theirs,
+                                       self.plan),
+                         handoff_sides(handoff_slices(block_tables, ours), ours, self.block_size, self.plan),
                          num_tokens, num_cached_tokens)
         remote.uncached_blocks = pull.uncached_blocks
         if not pull.local_ids:  # D's prefix cache holds everything it needs

@@ -71,10 +71,46 @@ def compatibility_hash(document: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
 
 
+def state_layer_difference(own_groups: Any, their_groups: Any) -> str:
+    """Why a peer cannot hold this worker's recurrent state, named ("" when both hold the same state
+    layers in the same pages): the state layers it lacks, or how it pages them otherwise."""
+    here, there = _state_pages(own_groups), _state_pages(their_groups)
+    if here == there:
+        return ""
+    missing = sorted({layer for page in here for layer in page} - {layer for page in there for layer in page})
+    extra = sorted({layer for page in there for layer in page} - {layer for page in here for layer in page})
+    if missing or extra:
+        return (f"recurrent-state layers {missing or 'none'} here are not state layers there, "
+                f"{extra or 'none'} there are not here")
+    return (f"recurrent-state layers paged {here} here, {there} there (a state page holds as many layers as "
+            f"the attention page's size allows: workers of different --block-size page them differently, and "
+            f"state moves only between workers that page it alike)")
+
+
+def _state_pages(groups: Any) -> list[list[int]]:
+    """The layer ids of each state group of a compatibility document's groups."""
+    if not isinstance(groups, list):
+        return []
+    return [list(group.get("layer_ids") or []) for group in groups
+            if isinstance(group, dict) and group.get("kind") == "state"]
+
+
+def _attention_groups(groups: Any) -> list[Any]:
+    """The groups of a compatibility document that are not state groups."""
+    if not isinstance(groups, list):
+        return []
+    return [group for group in groups if not (isinstance(group, dict) and group.get("kind") == "state")]
+
+
 def incompatibilities(own: dict[str, Any], theirs: dict[str, Any], limit: int = 120) -> str:
     """What differs between two compatibility documents, named: "dtype: \"float32\" here, \"bfloat16\" there"."""
     differences = []
+    state = state_layer_difference(own.get("groups"), theirs.get("groups"))
+    if state:
+        differences.append(state)
     for name in sorted(set(own) | set(theirs)):
+        if name == "groups" and state and _attention_groups(own.get(name)) == _attention_groups(theirs.get(name)):
+            continue  # only the state groups differ: said above
         if own.get(name) != theirs.get(name):
             here, there = (json.dumps(side.get(name))[:limit] for side in (own, theirs))
             differences.append(f"{name}: {here} here, {there} there")

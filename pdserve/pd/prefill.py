@@ -5,7 +5,10 @@ under a remote READ) until exactly one of: the reader's completion
 notification, an early-release message (D's "free", or the proxy's release
 call once the decode leg failed, both carrying the pin's nonce), or lease
 expiry; only then are they
-reported `released` for the scheduler to free. Pinned blocks never exceed
+reported `released` for the scheduler to free. A state model's pin holds, per
+state group, the request's handoff page (the state after all but the last
+prompt token, kv/state_pages.py) beside its attention blocks: the scheduler
+passes the tables with those pages in place of the live ones. Pinned blocks never exceed
 `max_pinned_blocks` (but for one request larger than that, pinned alone): a
 prefill that would pass it ends with 503 instead of pinning. The block ids a
 reader may use come only from the pin's ticket (`claim_ticket`, handed out
@@ -95,6 +98,11 @@ class PrefillConnector:
         block_ids = handoff_slices(block_tables, ranges)
         if any(NULL_BLOCK_ID in ids for ids in block_ids):
             raise KVInvariantError(f"request {request.request_id}: a block the decode worker needs was released")
+        if any(len(ids) != len(r) for ids, r in zip(block_ids, ranges)):  # a state group without its handoff page
+            self.metrics.pinned_refusals.inc()
+            return FinishAction(error=KVPinnedFull(
+                "this prefill worker had no free page to keep the prompt's recurrent state for a decode worker: "
+                "retry later"))
         num_blocks = sum(len(ids) for ids in block_ids)
         if not self.has_room_to_pin(num_blocks):
             self.metrics.pinned_refusals.inc()

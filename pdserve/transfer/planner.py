@@ -23,6 +23,13 @@ on P's block boundary: with larger D blocks the first D block of the window may
 begin before P's first token. Its head then holds nothing P sent; the attention
 mask never reads it for this prompt, but the block must not enter D's prefix
 cache (`PullPlan.uncached_blocks`).
+
+A recurrent-state group's side is one whole page (`HandoffSide.is_state`): P's handoff page, the
+state after all but the last prompt token, into D's live page. It moves as one unit, so only
+between equal block sizes (a state page is no grid of token rows), and only when D does not hold
+that state itself (its prefix cache restored it: `num_held_tokens` is all but the last token):
+
+    state group   remote (P) [ 37 ] handoff page  ->  local (D) [ 8 ] live page   (one unit each)
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class HandoffSide:
     block_size: int
     first_block: int
     block_ids: Sequence[int]
+    is_state: bool = False  # a recurrent-state group's one page, not a run of token blocks
 
     @property
     def first_token(self) -> int:
@@ -101,6 +109,13 @@ def plan_pull(remote: Sequence[HandoffSide], local: Sequence[HandoffSide], num_t
     counts: list[int] = []
     uncached: list[int] = []
     for theirs, ours in zip(remote, local):
+        if theirs.is_state or ours.is_state:
+            pairs = _state_pairs(theirs, ours, unit, num_tokens, num_held_tokens)
+            local_ids += [page for page, _ in pairs]
+            remote_ids += [page for _, page in pairs]
+            counts.append(len(pairs))
+            uncached.append(0)
+            continue
         start = max(theirs.first_token, ours.first_token, num_held_tokens)
         end = min(-(-num_tokens // unit) * unit, theirs.end_token, ours.end_token)
         num_before = len(local_ids)
@@ -113,6 +128,23 @@ def plan_pull(remote: Sequence[HandoffSide], local: Sequence[HandoffSide], num_t
         starts_mid_block = start < end and start % ours.block_size != 0
         uncached.append(start // ours.block_size + 1 if starts_mid_block else 0)
     return PullPlan(tuple(local_ids), tuple(remote_ids), unit, tuple(counts), tuple(uncached))
+
+
+def _state_pairs(theirs: HandoffSide, ours: HandoffSide, unit_tokens: int, num_tokens: int,
+                 num_held_tokens: int) -> list[tuple[int, int]]:
+    """(local page, remote page) of a state group: its one page, unless D holds the state itself."""
+    if not (theirs.is_state and ours.is_state):
+        raise InvalidRemoteBlockIds("a recurrent-state group on one side is an attention group on the other")
+    if theirs.block_size != unit_tokens or ours.block_size != unit_tokens:
+        raise ValueError(f"state pages move whole, between equal block sizes only (here {ours.block_size}, "
+                         f"there {theirs.block_size}, unit {unit_tokens})")
+    if len(theirs.block_ids) != len(ours.block_ids) or len(ours.block_ids) > 1:
+        raise InvalidRemoteBlockIds(f"a state group hands over at most one page; got {list(theirs.block_ids)} "
+                                    f"for {list(ours.block_ids)}")
+    if num_held_tokens >= num_tokens - 1:
+        return []  # D's own snapshot holds the state after all but the last token
+    return [(local_page, remote_page) for local_page, remote_page in zip(ours.block_ids, theirs.block_ids)
+            if local_page != NULL_BLOCK_ID and remote_page != NULL_BLOCK_ID]
 
 
 def validate_remote_block_ids(remote_block_ids: Any, num_groups: int, num_remote_blocks: int,

@@ -13,7 +13,7 @@ from pdserve.api.kv_transfer import PROTOCOL_VERSION, AgentInfo, PoolGeometry, R
 from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.schedule_types import SampledToken
 from pdserve.kv.manager import KVCacheManager
-from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
+from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan, SlidingWindowSpec, plan_groups
 from pdserve.metrics import Metrics
 from pdserve.pd.decode import DecodeConnector
 from pdserve.pd.handshake import groups_to_wire
@@ -44,15 +44,17 @@ class FakeClock:
 
 
 class PrefillSide:
-    def __init__(self, fabric: FakeFabric, clock: FakeClock, name: str = "P", lease_s: float = 30.0):
-        self.kv = KVCacheManager(PLAN, NUM_BLOCKS, BLOCK)
+    def __init__(self, fabric: FakeFabric, clock: FakeClock, name: str = "P", lease_s: float = 30.0,
+                 plan: KVGroupPlan = PLAN, max_pinned_blocks: Optional[int] = None, prefix_caching: bool = True):
+        self.plan = plan
+        self.kv = KVCacheManager(plan, NUM_BLOCKS, BLOCK, enable_prefix_caching=prefix_caching)
         self.pool = torch.zeros(NUM_BLOCKS, PAGE_BYTES, dtype=torch.int8)
         self.transport = FakeTransport(self.pool, name, fabric)
         self.metrics = Metrics()
         self.name = name
         self.connector = PrefillConnector(self.transport, LeaseTable(lease_s, clock=clock),
-                                          PrefillIdentity(name, "epoch-1", "127.0.0.1", 1), PLAN, BLOCK,
-                                          self.metrics.transfer)
+                                          PrefillIdentity(name, "epoch-1", "127.0.0.1", 1), plan, BLOCK,
+                                          self.metrics.transfer, max_pinned_blocks)
         self.scheduler = CheckedScheduler(SchedulerConfig(), self.kv, BLOCK, 10_000, connector=self.connector)
 
     def prefill(self, request_id: str, num_prompt: int) -> RemotePrefillParams:
@@ -77,7 +79,7 @@ class PrefillSide:
         return AgentInfo(
             protocol_version=PROTOCOL_VERSION, compat_hash="h", engine_id=self.name, epoch="epoch-1",
             geometry=PoolGeometry(num_blocks=NUM_BLOCKS, page_bytes=PAGE_BYTES, block_size=BLOCK,
-                                  group_size=PLAN.group_size, groups=groups_to_wire(PLAN)),
+                                  group_size=self.plan.group_size, groups=groups_to_wire(self.plan)),
             transport=ranked.to_dict(),
         )
 
@@ -87,8 +89,10 @@ class DecodeSide:
     (one rank) in units of the smaller block, as every worker's does; otherwise page by page."""
 
     def __init__(self, fabric: FakeFabric, clock: FakeClock, policy: str = "recompute", max_running: int = 64,
-                 pull_timeout_s: float = 60.0, heartbeat_s: float = 5.0, block_size: int = BLOCK):
-        self.kv = KVCacheManager(PLAN, NUM_BLOCKS, block_size)
+                 pull_timeout_s: float = 60.0, heartbeat_s: float = 5.0, block_size: int = BLOCK,
+                 plan: KVGroupPlan = PLAN):
+        self.plan = plan
+        self.kv = KVCacheManager(plan, NUM_BLOCKS, block_size)
         self.pool = torch.zeros(NUM_BLOCKS, PAGE_BYTES * block_size // BLOCK, dtype=torch.int8)
         self.transport = FakeTransport(self.pool, "D", fabric)
         self.metrics = Metrics()
@@ -96,7 +100,7 @@ class DecodeSide:
         if block_size != BLOCK:
             reader = RankedTransport(self.transport, None, [], num_kv_heads=1, num_layer_slots=PLAN.group_size)
         self.peers = PeerConnections(reader, connect_timeout_s=5.0, clock=clock)
-        self.connector = DecodeConnector(reader, self.peers, PLAN, block_size, self.metrics.transfer, policy,
+        self.connector = DecodeConnector(reader, self.peers, plan, block_size, self.metrics.transfer, policy,
                                          pull_timeout_s=pull_timeout_s, heartbeat_s=heartbeat_s, clock=clock)
         self.scheduler = CheckedScheduler(SchedulerConfig(max_num_running=max_running), self.kv, block_size, 10_000,
                                    connector=self.connector)

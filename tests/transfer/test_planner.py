@@ -153,3 +153,29 @@ def test_runs_merge_pairs_consecutive_on_both_sides_only():
     assert contiguous_runs([], []) == []
     pairs = list(zip(range(3, 11), range(100, 108)))
     assert contiguous_runs([p[0] for p in pairs], [p[1] for p in pairs]) == [Run(3, 100, 8)]
+
+
+def test_a_state_group_moves_its_one_page_whole_whatever_the_prompt_length():
+    remote = [HandoffSide(4, 0, [7, 3, 9]), HandoffSide(4, 0, [40], is_state=True)]
+    local = [HandoffSide(4, 0, [1, 2, 5]), HandoffSide(4, 0, [12], is_state=True)]
+    plan = plan_pull(remote, local, num_tokens=12, num_held_tokens=8)
+    assert plan.local_ids == (5, 12) and plan.remote_ids == (9, 40)
+    assert plan.num_units_per_group == (1, 1) and plan.uncached_blocks == (0, 0)
+
+
+def test_no_state_page_moves_when_decode_holds_the_state_before_the_last_token():
+    remote = [HandoffSide(4, 0, [7, 3, 9]), HandoffSide(4, 0, [40], is_state=True)]
+    local = [HandoffSide(4, 0, [1, 2, 5]), HandoffSide(4, 0, [12], is_state=True)]
+    plan = plan_pull(remote, local, num_tokens=9, num_held_tokens=8)
+    assert plan.local_ids == (5,) and plan.num_units_per_group == (1, 0)
+
+
+def test_state_pages_refuse_other_block_sizes_and_other_group_kinds():
+    with pytest.raises(ValueError, match="equal block sizes only"):
+        plan_pull([HandoffSide(4, 0, [7, 3]), HandoffSide(4, 0, [40], is_state=True)],
+                  [HandoffSide(8, 0, [1]), HandoffSide(8, 0, [12], is_state=True)], num_tokens=8)
+    with pytest.raises(InvalidRemoteBlockIds, match="attention group on the other"):
+        plan_pull([HandoffSide(4, 0, [40], is_state=True)], [HandoffSide(4, 0, [12])], num_tokens=8)
+    with pytest.raises(InvalidRemoteBlockIds, match="at most one page"):
+        plan_pull([HandoffSide(4, 0, [40, 41], is_state=True)], [HandoffSide(4, 0, [12, 13], is_state=True)],
+                  num_tokens=8)
