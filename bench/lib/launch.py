@@ -40,6 +40,11 @@ class Worker:
     # port of its own, picked once, so a restarted worker keeps it.
     internal_port: int = field(default_factory=free_port)
 
+    def __post_init__(self) -> None:
+        # free_port() closes its socket, so two calls may name the same port: never both of a worker's.
+        while self.internal_port == self.port:
+            self.internal_port = free_port()
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
