@@ -9,11 +9,14 @@ the mixture of experts is built from such MLPs (`nemotron_h_ffn`). Layer ids cou
 that hold a cache (Mamba2 state or K/V), in order, so the MLP and MoE blocks take none.
 
 Weights load from the layout transformers saves (`backbone.` prefix) or its in-memory one (`model.`);
-multi-token-prediction layers (`mtp.*`) are not loaded.
+multi-token-prediction layers (`mtp.*`) are not loaded. Tensor parallelism splits the attention
+heads and the dense MLPs as other families do and the Mamba2 heads and groups by `state_sharding`;
+mixture-of-experts blocks are not split yet (refused).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -23,8 +26,10 @@ from pdserve.kv.specs import FullAttentionSpec, LayerSpec
 from pdserve.models.base import QKV, CausalLM, DecoderLayer, ModelSpec, RecurrentStateContext
 from pdserve.models.hf_config import ModelLoadError, UnsupportedModelFeature, require
 from pdserve.models.layers import activation_named, rms_norm_fp32_scale
-from pdserve.models.mamba2 import Mamba2Geometry, Mamba2Mixer
+from pdserve.models.mamba2 import Mamba2Geometry, Mamba2Mixer, mamba2_rank_geometry
 from pdserve.models.nemotron_h_ffn import DenseMLP, MoEGeometry, NemotronHMoE, ffn_activation
+from pdserve.models.state_sharding import StateShard
+from pdserve.models.tensor_parallel import TensorParallelShard, sharded_args
 from pdserve.models.weight_loader import WeightLoader
 from pdserve.models.weight_targets import Embedding, copy_rows, empty_linear, empty_param
 
@@ -57,6 +62,7 @@ class NemotronHArgs:
     mamba_activation: str
     mamba: Mamba2Geometry
     moe: Optional[MoEGeometry]  # None when no block is a mixture of experts
+    state_shard: Optional[StateShard] = None  # under tensor parallelism: `mamba` is this rank's share
 
     @property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -165,8 +171,15 @@ def nemotron_h_args(config: Mapping[str, Any]) -> NemotronHArgs:
     )
 
 
-def nemotron_h_sharded_args(args: NemotronHArgs, shard: Any) -> NemotronHArgs:
-    raise UnsupportedModelFeature("tensor parallelism is not supported for Nemotron-H")
+def nemotron_h_sharded_args(args: NemotronHArgs, shard: TensorParallelShard) -> NemotronHArgs:
+    """A rank's args: its attention heads and MLP rows (`sharded_args`) and its share of every Mamba2
+    mixer's heads and groups, whose state specs then declare the rank's share; UnsupportedModelFeature
+    naming the counts when the size does not divide them, or for mixture-of-experts blocks."""
+    if args.moe is not None:
+        raise UnsupportedModelFeature("tensor parallelism is not supported for Nemotron-H's mixture-of-experts "
+                                      "blocks yet (Nemotron-H with dense MLP blocks is); serve it on one rank")
+    return dataclasses.replace(sharded_args(args, shard), mamba=mamba2_rank_geometry(args.mamba, shard.size),
+                               state_shard=StateShard(shard.rank, shard.size))
 
 
 class _PreNormBlock(torch.nn.Module):
@@ -188,7 +201,8 @@ class MambaBlock(_PreNormBlock):
     def __init__(self, args: NemotronHArgs, layer_id: int, dtype: torch.dtype, device: torch.device):
         super().__init__(args, device)
         self.layer_id = layer_id
-        self.mixer = Mamba2Mixer(args.mamba, layer_id, activation_named(args.mamba_activation), dtype, device)
+        self.mixer = Mamba2Mixer(args.mamba, layer_id, activation_named(args.mamba_activation), dtype, device,
+                                 args.state_shard)
 
     def forward(self, h: torch.Tensor, rope: Any, context: RecurrentStateContext) -> torch.Tensor:  # type: ignore[override]
         return h + self.mixer(self.normed(h), context)
@@ -274,6 +288,20 @@ class NemotronHForCausalLM(CausalLM):
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
         return self.embed_tokens(input_ids), None  # no positional encoding anywhere
+
+    def row_parallel_slots(self) -> list[tuple[torch.nn.Module, str]]:
+        """(module, attribute) of every row-parallel projection: attention o_proj, Mamba2 out_proj, MLP down."""
+        slots: list[tuple[torch.nn.Module, str]] = []
+        for block in self.layers:
+            if isinstance(block, AttentionBlock):
+                slots.append((block, "o_proj"))
+            elif isinstance(block, MambaBlock):
+                slots.append((block.mixer, "out_proj"))
+            elif isinstance(block.mixer, DenseMLP):
+                slots.append((block.mixer, "down_proj"))
+            else:  # refused by nemotron_h_sharded_args
+                raise UnsupportedModelFeature("Nemotron-H experts are not split across tensor-parallel ranks")
+        return slots
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return rms_norm_fp32_scale(h, self.norm, self.args.norm_eps)

@@ -12,7 +12,9 @@ DeltaNet's gated one is zero-centred (scale 1 + w, in float32). Both kinds hold 
 
 Qwen3.5's text positions are one stream, so its multimodal RoPE sections all see the same position
 and reduce to plain RoPE; the vision tower (`Qwen3_5ForConditionalGeneration`) is not served.
-Multi-token-prediction weights (`mtp.*`) in a checkpoint are ignored. Tensor parallelism is refused.
+Multi-token-prediction weights (`mtp.*`) in a checkpoint are ignored. Tensor parallelism splits the
+attention heads as other families do (q_proj's per-head [query | gate] rows move together), the
+DeltaNet heads by `state_sharding`, and the dense MLPs; Qwen3-Next's experts are not split yet (refused).
 """
 
 from __future__ import annotations
@@ -24,17 +26,18 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from pdserve.kv.specs import FullAttentionSpec, LayerSpec
+from pdserve.kv.specs import FullAttentionSpec, LayerSpec, RecurrentStateSpec
 from pdserve.models.base import QKV, CausalLM, DecoderLayer, RecurrentStateContext
 from pdserve.models.decoder_args import DecoderArgs, decoder_fields
-from pdserve.models.gated_delta_net import GatedDeltaNet, GatedDeltaNetShape
+from pdserve.models.gated_delta_net import GatedDeltaNet, GatedDeltaNetShape, delta_net_rank_shape
 from pdserve.models.hf_config import (
     FULL_LAYER, ModelLoadError, UnsupportedModelFeature, require, rotary_dim_of, standard_rope)
 from pdserve.models.layers import GatedMLP, activation_named, rms_norm_fp32_scale
 from pdserve.models.moe import Experts, SparseMoE, softmax_then_top_k
 from pdserve.models.qwen3_moe import qwen3_moe_expert_weights
 from pdserve.models.rope import RotaryTable, apply_rotary
-from pdserve.models.tensor_parallel import TensorParallelShard
+from pdserve.models.state_sharding import StateShard
+from pdserve.models.tensor_parallel import ShardedWeights, TensorParallelShard, sharded_args
 from pdserve.models.weight_loader import WeightLoader
 from pdserve.models.weight_targets import Embedding, copy_rows, empty_linear, empty_param
 
@@ -62,6 +65,7 @@ class Qwen3_5Args(DecoderArgs):
     rotary_dim: int
     delta_net: GatedDeltaNetShape
     moe: Optional[SharedExpertMoEArgs] = None  # Qwen3-Next's experts; None: dense MLPs everywhere
+    state_shard: Optional[StateShard] = None  # under tensor parallelism: `delta_net` is this rank's share
 
 
 def _layer_specs(config: Mapping[str, Any], num_layers: int, delta_net: GatedDeltaNetShape) -> tuple[LayerSpec, ...]:
@@ -135,9 +139,29 @@ def qwen3_next_args(config: Mapping[str, Any]) -> Qwen3_5Args:
     return dataclasses.replace(args, moe=moe)
 
 
-def refuse_tensor_parallel(args: Qwen3_5Args, shard: TensorParallelShard) -> Qwen3_5Args:
-    raise UnsupportedModelFeature(f"tensor parallelism is not supported for {args.architecture} "
-                                  "(its Gated DeltaNet layers are not split across ranks)")
+def qwen3_5_sharded_args(args: Qwen3_5Args, shard: TensorParallelShard) -> Qwen3_5Args:
+    """A rank's args: its attention heads and MLP rows (`sharded_args`), its share of every DeltaNet's
+    heads, whose state specs then declare the rank's share; UnsupportedModelFeature naming the counts
+    when the size does not divide them, or for Qwen3-Next's experts (not split yet)."""
+    if args.moe is not None and args.moe.sparse_layers:
+        raise UnsupportedModelFeature(f"tensor parallelism is not supported for {args.architecture}'s mixture-of-"
+                                      "experts layers yet (Qwen3.5 with dense MLPs is); serve it on one rank")
+    delta_net = delta_net_rank_shape(args.delta_net, shard.size)
+    specs = tuple(delta_net.state_spec() if isinstance(spec, RecurrentStateSpec) else spec
+                  for spec in args.layer_specs)
+    return dataclasses.replace(sharded_args(args, shard), delta_net=delta_net, layer_specs=specs,
+                               state_shard=StateShard(shard.rank, shard.size))
+
+
+class GatedQueryShardedWeights(ShardedWeights):
+    """`ShardedWeights` for q_proj rows laid out [query | gate] per head: a rank's heads are twice as
+    many rows as their queries alone."""
+
+    def _rule(self, name: str) -> tuple[Optional[str], Optional[slice]]:
+        kind, span = super()._rule(name)
+        if name.rsplit(".", 2)[-2:-1] == ["q_proj"] and span is not None:
+            return kind, slice(2 * span.start, 2 * span.stop)
+        return kind, span
 
 
 def zero_centred_scale(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -259,7 +283,9 @@ def delta_net_projection_parts(weights: WeightLoader, prefix: str, shape: GatedD
     (`in_proj_qkvz`: [q | k | v | z] of each key head's group, `in_proj_ba`: [b | a] likewise)."""
     get = weights.get
     if not weights.source.has(prefix + "in_proj_qkvz.weight"):
-        return [get(prefix + name + ".weight") for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
+        qkv = get(prefix + "in_proj_qkv.weight").split(
+            [shape.key_dim_total, shape.key_dim_total, shape.value_dim_total])
+        return [*qkv, *(get(prefix + name + ".weight") for name in ("in_proj_z", "in_proj_b", "in_proj_a"))]
     group = shape.num_value_heads // shape.num_key_heads
     fused = get(prefix + "in_proj_qkvz.weight")
     qkvz = fused.reshape(shape.num_key_heads, -1, fused.shape[-1])
@@ -277,7 +303,7 @@ class GatedDeltaNetLayer(torch.nn.Module):
         self.layer_id = layer_id
         self.block = _NormsAndMlp(args, layer_id, dtype, device)
         self.mixer = GatedDeltaNet(args.delta_net, layer_id, args.hidden_size, activation_named(args.hidden_act),
-                                   args.rms_norm_eps, dtype, device)
+                                   args.rms_norm_eps, dtype, device, args.state_shard)
 
     def forward(self, h: torch.Tensor, rope: Any, context: RecurrentStateContext) -> torch.Tensor:
         return self.block.mlp_half(h + self.mixer(self.block.input_norm(h), context))
@@ -285,7 +311,7 @@ class GatedDeltaNetLayer(torch.nn.Module):
     def load(self, weights: WeightLoader, prefix: str) -> None:
         self.block.load(weights, prefix)
         mixer = prefix + "linear_attn."
-        self.mixer.load(weights, mixer, delta_net_projection_parts(weights, mixer, self.mixer.shape))
+        self.mixer.load(weights, mixer, delta_net_projection_parts(weights, mixer, self.mixer.whole_shape()))
 
 
 class Qwen3_5ForCausalLM(CausalLM):
@@ -311,6 +337,17 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def row_parallel_slots(self) -> list[tuple[torch.nn.Module, str]]:
+        """(module, attribute) of every row-parallel projection: attention o_proj, DeltaNet out_proj, MLP down."""
+        slots: list[tuple[torch.nn.Module, str]] = []
+        for layer in self.layers:
+            mixer = (layer, "o_proj") if isinstance(layer, GatedAttentionLayer) else (layer.mixer, "out_proj")
+            mlp = layer.block.mlp
+            if isinstance(mlp, SharedExpertMoE):  # refused by qwen3_5_sharded_args; kept whole if ever reached
+                raise UnsupportedModelFeature("Qwen3-Next experts are not split across tensor-parallel ranks")
+            slots += [mixer, (mlp, "down_proj")]
+        return slots
 
     @torch.no_grad()
     def load_weights(self, weights: WeightLoader) -> None:

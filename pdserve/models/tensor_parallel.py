@@ -202,7 +202,14 @@ class RowParallel(torch.nn.Module):
 
 def wrap_row_parallel(model: torch.nn.Module, all_reduce: AllReduce) -> None:
     """Sum each layer's attention output projection and MLP down projection over the ranks; in a
-    mixture-of-experts layer, the experts' combined output (one all-reduce, however many experts ran)."""
+    mixture-of-experts layer, the experts' combined output (one all-reduce, however many experts ran).
+    A model whose blocks differ (the hybrids) names its own row-parallel projections by
+    `row_parallel_slots()`: (module, attribute) pairs."""
+    slots = getattr(model, "row_parallel_slots", None)
+    if slots is not None:
+        for owner, name in slots():
+            setattr(owner, name, RowParallel(getattr(owner, name), all_reduce))
+        return
     for layer in model.layers:  # type: ignore[union-attr]
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, all_reduce)
         if isinstance(layer.mlp, SparseMoE):
