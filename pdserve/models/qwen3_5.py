@@ -14,7 +14,8 @@ Qwen3.5's text positions are one stream, so its multimodal RoPE sections all see
 and reduce to plain RoPE; the vision tower (`Qwen3_5ForConditionalGeneration`) is not served.
 Multi-token-prediction weights (`mtp.*`) in a checkpoint are ignored. Tensor parallelism splits the
 attention heads as other families do (q_proj's per-head [query | gate] rows move together), the
-DeltaNet heads by `state_sharding`, and the dense MLPs; Qwen3-Next's experts are not split yet (refused).
+DeltaNet heads by `state_sharding`, and the MLPs: dense ones as other families do, Qwen3-Next's
+routed and shared experts each sliced (`moe_sharding`), the mixture's whole output all-reduced once.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from pdserve.models.gated_delta_net import GatedDeltaNet, GatedDeltaNetShape, de
 from pdserve.models.hf_config import (
     FULL_LAYER, ModelLoadError, UnsupportedModelFeature, require, rotary_dim_of, standard_rope)
 from pdserve.models.layers import GatedMLP, activation_named, rms_norm_fp32_scale
-from pdserve.models.moe import Experts, SparseMoE, softmax_then_top_k
+from pdserve.models.moe import Experts, ExpertWeights, SparseMoE, softmax_then_top_k
+from pdserve.models.moe_sharding import ExpertShard, expert_split_problem, sharded_experts
 from pdserve.models.qwen3_moe import qwen3_moe_expert_weights
 from pdserve.models.rope import RotaryTable, apply_rotary
 from pdserve.models.state_sharding import StateShard
@@ -65,7 +67,7 @@ class Qwen3_5Args(DecoderArgs):
     rotary_dim: int
     delta_net: GatedDeltaNetShape
     moe: Optional[SharedExpertMoEArgs] = None  # Qwen3-Next's experts; None: dense MLPs everywhere
-    state_shard: Optional[StateShard] = None  # under tensor parallelism: `delta_net` is this rank's share
+    rank_shard: Optional[StateShard] = None  # under tensor parallelism: `delta_net` and experts are its share
 
 
 def _layer_specs(config: Mapping[str, Any], num_layers: int, delta_net: GatedDeltaNetShape) -> tuple[LayerSpec, ...]:
@@ -141,23 +143,30 @@ def qwen3_next_args(config: Mapping[str, Any]) -> Qwen3_5Args:
 
 def qwen3_5_sharded_args(args: Qwen3_5Args, shard: TensorParallelShard) -> Qwen3_5Args:
     """A rank's args: its attention heads and MLP rows (`sharded_args`), its share of every DeltaNet's
-    heads, whose state specs then declare the rank's share; UnsupportedModelFeature naming the counts
-    when the size does not divide them, or for Qwen3-Next's experts (not split yet)."""
-    if args.moe is not None and args.moe.sparse_layers:
-        raise UnsupportedModelFeature(f"tensor parallelism is not supported for {args.architecture}'s mixture-of-"
-                                      "experts layers yet (Qwen3.5 with dense MLPs is); serve it on one rank")
+    heads, whose state specs then declare the rank's share, and of every expert's units;
+    UnsupportedModelFeature / ModelLoadError naming the counts when the size does not divide them."""
     delta_net = delta_net_rank_shape(args.delta_net, shard.size)
     specs = tuple(delta_net.state_spec() if isinstance(spec, RecurrentStateSpec) else spec
                   for spec in args.layer_specs)
-    return dataclasses.replace(sharded_args(args, shard), delta_net=delta_net, layer_specs=specs,
-                               state_shard=StateShard(shard.rank, shard.size))
+    moe = args.moe
+    if moe is not None and moe.sparse_layers:
+        for width in (moe.moe_intermediate_size, moe.shared_expert_intermediate_size):
+            problem = expert_split_problem(width, shard.size)
+            if problem is not None:
+                raise ModelLoadError(problem)
+        moe = dataclasses.replace(moe, moe_intermediate_size=moe.moe_intermediate_size // shard.size,
+                                  shared_expert_intermediate_size=moe.shared_expert_intermediate_size // shard.size)
+    return dataclasses.replace(sharded_args(args, shard), delta_net=delta_net, layer_specs=specs, moe=moe,
+                               rank_shard=StateShard(shard.rank, shard.size))
 
 
 class GatedQueryShardedWeights(ShardedWeights):
-    """`ShardedWeights` for q_proj rows laid out [query | gate] per head: a rank's heads are twice as
-    many rows as their queries alone."""
+    """`ShardedWeights` for q_proj rows laid out [query | gate] per head (a rank's heads are twice as
+    many rows as their queries alone); the shared expert passes whole (`SharedExpertMoE` cuts it)."""
 
     def _rule(self, name: str) -> tuple[Optional[str], Optional[slice]]:
+        if ".shared_expert." in name:
+            return None, None
         kind, span = super()._rule(name)
         if name.rsplit(".", 2)[-2:-1] == ["q_proj"] and span is not None:
             return kind, slice(2 * span.start, 2 * span.stop)
@@ -182,15 +191,29 @@ class SharedExpertMoE(torch.nn.Module):
         self.routed = SparseMoE(args.hidden_size, moe.num_experts, route, experts, False, dtype, device)
         self.shared = GatedMLP(args.hidden_size, moe.shared_expert_intermediate_size, act, False, dtype)
         self.shared_gate = empty_param((1, args.hidden_size), dtype, device)  # one logit per token, kept float
+        shard = args.rank_shard  # a rank holds a slice of every expert; its output is a partial sum
+        self.expert_shard = None if shard is None else ExpertShard(shard.rank, shard.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.routed(x) + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
 
     def load(self, weights: WeightLoader, prefix: str) -> None:
         self.routed.load_router(weights.get(prefix + "gate.weight"), None, prefix)
-        self.routed.experts.load(weights, qwen3_moe_expert_weights(weights, prefix + "experts."), prefix)
-        self.shared.load(weights, prefix + "shared_expert.")
+        experts = qwen3_moe_expert_weights(weights, prefix + "experts.")
+        self.routed.experts.load(weights, sharded_experts(experts, self.expert_shard), prefix)
+        self._load_shared(weights, prefix + "shared_expert.")
         copy_rows(self.shared_gate, [weights.get(prefix + "shared_expert_gate.weight")], prefix + "shared_expert_gate")
+
+
+    def _load_shared(self, weights: WeightLoader, prefix: str) -> None:
+        if self.expert_shard is None:
+            self.shared.load(weights, prefix)
+            return
+        whole = ExpertWeights(*(weights.get(f"{prefix}{name}_proj.weight") for name in ("gate", "up", "down")))
+        part = self.expert_shard.cut(whole)
+        self.shared.gate_up_proj = weights.linear_from_tensors(self.shared.gate_up_proj, [part.gate, part.up],
+                                                               prefix + "gate_up")
+        self.shared.down_proj = weights.linear_from_tensors(self.shared.down_proj, [part.down], prefix + "down")
 
 
 Mlp = Union[GatedMLP, SharedExpertMoE]
@@ -303,7 +326,7 @@ class GatedDeltaNetLayer(torch.nn.Module):
         self.layer_id = layer_id
         self.block = _NormsAndMlp(args, layer_id, dtype, device)
         self.mixer = GatedDeltaNet(args.delta_net, layer_id, args.hidden_size, activation_named(args.hidden_act),
-                                   args.rms_norm_eps, dtype, device, args.state_shard)
+                                   args.rms_norm_eps, dtype, device, args.rank_shard)
 
     def forward(self, h: torch.Tensor, rope: Any, context: RecurrentStateContext) -> torch.Tensor:
         return self.block.mlp_half(h + self.mixer(self.block.input_norm(h), context))
@@ -343,10 +366,9 @@ class Qwen3_5ForCausalLM(CausalLM):
         slots: list[tuple[torch.nn.Module, str]] = []
         for layer in self.layers:
             mixer = (layer, "o_proj") if isinstance(layer, GatedAttentionLayer) else (layer.mixer, "out_proj")
+            # A mixture of experts sums its routed and shared partials first: one all-reduce for both.
             mlp = layer.block.mlp
-            if isinstance(mlp, SharedExpertMoE):  # refused by qwen3_5_sharded_args; kept whole if ever reached
-                raise UnsupportedModelFeature("Qwen3-Next experts are not split across tensor-parallel ranks")
-            slots += [mixer, (mlp, "down_proj")]
+            slots += [mixer, (layer.block, "mlp") if isinstance(mlp, SharedExpertMoE) else (mlp, "down_proj")]
         return slots
 
     @torch.no_grad()

@@ -20,7 +20,8 @@ from pdserve.models.gemma3 import Gemma3ForCausalLM, gemma3_args
 from pdserve.models.gpt_oss import GptOssForCausalLM, gpt_oss_args, gpt_oss_sharded_args
 from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.llama import LlamaForCausalLM, llama_args, mistral_args, qwen2_args, qwen3_args
-from pdserve.models.nemotron_h import NemotronHForCausalLM, nemotron_h_args, nemotron_h_sharded_args
+from pdserve.models.nemotron_h import (
+    NemotronHForCausalLM, NemotronHShardedWeights, nemotron_h_args, nemotron_h_sharded_args)
 from pdserve.models.qwen3_5 import (
     GatedQueryShardedWeights, Qwen3_5ForCausalLM, Qwen3NextForCausalLM, qwen3_5_args, qwen3_5_sharded_args,
     qwen3_next_args)
@@ -80,7 +81,8 @@ def model_registry() -> dict[str, ModelEntry]:
         "Gemma3ForCausalLM": ModelEntry(gemma3_args, Gemma3ForCausalLM),
         "GptOssForCausalLM": ModelEntry(gpt_oss_args, GptOssForCausalLM, gpt_oss_sharded_args),
         "Qwen3MoeForCausalLM": ModelEntry(qwen3_moe_args, Qwen3MoeForCausalLM, qwen3_moe_sharded_args),
-        "NemotronHForCausalLM": ModelEntry(nemotron_h_args, NemotronHForCausalLM, nemotron_h_sharded_args),
+        "NemotronHForCausalLM": ModelEntry(nemotron_h_args, NemotronHForCausalLM, nemotron_h_sharded_args,
+                                           NemotronHShardedWeights),
         "Qwen3_5ForCausalLM": ModelEntry(qwen3_5_args, Qwen3_5ForCausalLM, qwen3_5_sharded_args,
                                          GatedQueryShardedWeights),
         "Qwen3NextForCausalLM": ModelEntry(qwen3_next_args, Qwen3NextForCausalLM, qwen3_5_sharded_args,

@@ -1,8 +1,10 @@
 """Tensor parallelism for the recurrent-state families, in one process: two ranks (threads over
 in-process collectives, as tests/models/test_moe_tensor_parallel.py runs them) of a tiny Qwen3.5
-(Gated DeltaNet) and a tiny Nemotron-H (Mamba2) declare their share of the state, give the one-rank
-model's and transformers' logits with the prompt in chunks, and generate transformers' greedy tokens;
-sizes that do not divide the state heads or groups, and the MoE variants, are refused naming why."""
+(Gated DeltaNet) and a tiny Nemotron-H (Mamba2), and their mixture-of-experts variants Qwen3-Next and
+Nemotron-H with MoE blocks (latent experts, biases), declare their share of the state, give the
+one-rank model's and transformers' logits with the prompt in chunks, and generate transformers'
+greedy tokens; sizes that do not divide the state heads, groups or expert widths are refused naming
+the counts. Real processes over gloo: tests/integration/test_state_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -14,30 +16,57 @@ import pytest
 import torch
 
 from pdserve.kv.specs import RecurrentStateSpec
-from pdserve.models.hf_config import UnsupportedModelFeature
+from pdserve.models.hf_config import ModelLoadError, UnsupportedModelFeature
 from pdserve.models.loader import load_model
 from pdserve.models.registry import TensorParallelRank, build_model
 from pdserve.models.weights import SafetensorsSource
 from tests.models.contiguous_attention import ContiguousAttention, forward_chunk, greedy_generate
-from tests.models.hf_oracle import hf_greedy_generate, hf_prompt_logits
+from tests.models.hf_oracle import hf_greedy_generate, hf_prompt_logits, save_tiny_checkpoint
 from tests.models.test_moe_tensor_parallel import ThreadCollectives, load_ranks
 from tests.tiny_models import (
-    NEMOTRON_H_MOE_SETTINGS, NEMOTRON_H_VOCAB, QWEN3_5_VOCAB, make_tiny_nemotron_h, make_tiny_qwen3_5,
-    random_prompt, tiny_qwen3_next_config)
+    NEMOTRON_H_VOCAB, QWEN3_5_VOCAB, make_tiny_nemotron_h, make_tiny_nemotron_h_moe, make_tiny_qwen3_5,
+    make_tiny_qwen3_next, random_prompt)
 
 pytest.importorskip("transformers")
 CPU = torch.device("cpu")
 CHUNK_TOKENS = 24  # prompts of 70 tokens go in three chunks: the state crosses chunk boundaries
-VOCABS = {"qwen3_5": QWEN3_5_VOCAB, "nemotron_h": NEMOTRON_H_VOCAB}
+VOCABS = {"qwen3_5": QWEN3_5_VOCAB, "nemotron_h": NEMOTRON_H_VOCAB, "qwen3_next": QWEN3_5_VOCAB,
+          "nemotron_h_moe": NEMOTRON_H_VOCAB}
+
+
+def with_random_biases(model, directory: str):
+    """transformers starts biases at zero, where a bias added by every rank (not once) would not show."""
+    generator = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    save_tiny_checkpoint(model, directory)
+    return model
+
+
+MAKERS = {  # Qwen3.5 / Qwen3-Next: 2 key heads, 4 value heads; Nemotron-H: 4 Mamba2 heads in 2 groups
+    "qwen3_5": make_tiny_qwen3_5,
+    # Mamba2 in/out projection biases (rank 0 adds out_proj's)
+    "nemotron_h": lambda directory: with_random_biases(make_tiny_nemotron_h(directory, use_bias=True), directory),
+    # 6 experts of 32 units, a shared expert of 64; attention biases ([query | gate] rows of q_proj's too)
+    "qwen3_next": lambda directory: with_random_biases(make_tiny_qwen3_next(directory, attention_bias=True),
+                                                       directory),
+    # 8 experts of 32 units in a 16-wide latent space, a shared expert of 64, MLP and latent biases
+    "nemotron_h_moe": lambda directory: with_random_biases(
+        make_tiny_nemotron_h_moe(directory, moe_latent_size=16, mlp_bias=True), directory),
+}
+FAMILIES = sorted(MAKERS)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """{family: (transformers oracle, directory)}. Qwen3.5: 2 key heads, 4 value heads; Nemotron-H:
-    4 Mamba2 heads in 2 groups, with in/out projection biases (rank 0 adds out_proj's)."""
-    qwen_dir, nemotron_dir = (str(tmp_path_factory.mktemp(n)) for n in ("qwen3_5", "nemotron_h"))
-    return {"qwen3_5": (make_tiny_qwen3_5(qwen_dir), qwen_dir),
-            "nemotron_h": (make_tiny_nemotron_h(nemotron_dir, use_bias=True), nemotron_dir)}
+    """{family: (transformers oracle, directory)}."""
+    found = {}
+    for family, make in MAKERS.items():
+        directory = str(tmp_path_factory.mktemp(family))
+        found[family] = (make(directory), directory)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -68,23 +97,23 @@ def chunked_prompt_logits(model, prompt: list[int]) -> torch.Tensor:
 
 
 def test_each_rank_declares_its_share_of_every_state_layer(checkpoints, rank_models):
+    delta_net = (2 * 1 * 16 + 2 * 16, (2, 16, 16))  # 1 key head (q, k) + 2 value heads; state per value head
+    mamba2 = (2 * 16 + 2 * 1 * 16, (2, 16, 16))  # 2 heads' x + 1 group's B and C
     expected = {  # (conv channels, recurrent shape) of one rank at TP=2
-        "qwen3_5": (2 * 1 * 16 + 2 * 16, (2, 16, 16)),  # 1 key head (q, k) + 2 value heads; state per value head
-        "nemotron_h": (2 * 16 + 2 * 1 * 16, (2, 16, 16)),  # 2 heads' x + 1 group's B and C
-    }
+        "qwen3_5": delta_net, "qwen3_next": delta_net, "nemotron_h": mamba2, "nemotron_h_moe": mamba2}
     for family, models in rank_models.items():
         whole = load_model(checkpoints[family][1], torch.float32, CPU).model
         for model in models:
             states = [spec for spec in model.spec.layer_specs if isinstance(spec, RecurrentStateSpec)]
             whole_states = [spec for spec in whole.spec.layer_specs if isinstance(spec, RecurrentStateSpec)]
-            assert len(states) == len(whole_states) == 3
+            assert len(states) == len(whole_states) >= 2
             assert all((s.conv_channels, s.recurrent_shape) == expected[family] for s in states)
             assert all(s.conv_window == w.conv_window and s.dtype == w.dtype for s, w in zip(states, whole_states))
             assert whole_states[0].conv_channels == 2 * expected[family][0]
             assert model.spec.tensor_parallel_size == 2
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_two_ranks_give_the_one_rank_and_transformers_logits_with_the_prompt_in_chunks(
         checkpoints, rank_models, family):
     oracle, directory = checkpoints[family]
@@ -96,7 +125,7 @@ def test_two_ranks_give_the_one_rank_and_transformers_logits_with_the_prompt_in_
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_two_ranks_generate_transformers_greedy_tokens(checkpoints, rank_models, family):
     oracle, _ = checkpoints[family]
     prompt = random_prompt(50, VOCABS[family], 5)
@@ -127,13 +156,10 @@ def test_a_size_that_does_not_divide_the_state_heads_or_groups_is_refused_naming
         _build_rank(config, directory, 2)
 
 
-def test_the_mixture_of_experts_variants_are_refused_under_tensor_parallelism(checkpoints):
-    directory = checkpoints["nemotron_h"][1]
-    config = {**json.load(open(os.path.join(directory, "config.json"))), **NEMOTRON_H_MOE_SETTINGS}
-    with pytest.raises(UnsupportedModelFeature, match="Nemotron-H's mixture-of-experts blocks"):
-        _build_rank(config, directory, 2)
-    directory = checkpoints["qwen3_5"][1]
-    config = tiny_qwen3_next_config().to_dict()
-    config["architectures"] = ["Qwen3NextForCausalLM"]
-    with pytest.raises(UnsupportedModelFeature, match="qwen3_next's mixture-of-experts layers"):
-        _build_rank(config, directory, 2)
+def test_an_expert_width_the_ranks_do_not_divide_is_refused_naming_it(checkpoints):
+    for family, key in (("nemotron_h_moe", "moe_intermediate_size"), ("qwen3_next", "shared_expert_intermediate_size")):
+        directory = checkpoints[family][1]
+        config = json.load(open(os.path.join(directory, "config.json")))
+        config[key] = 33
+        with pytest.raises(ModelLoadError, match="does not divide the model's expert width 33"):
+            _build_rank(config, directory, 2)
