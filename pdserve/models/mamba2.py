@@ -125,14 +125,15 @@ class Mamba2Mixer(torch.nn.Module):
     def load(self, weights: WeightLoader, prefix: str) -> None:
         """`{prefix}` is the block's mixer (`...layers.<i>.mixer.`), names as transformers saves them; a
         rank keeps its heads' and groups' rows."""
-        spans = None if self.shard is None else _rank_spans(self.geometry, self.shard)
+        shard = self.shard
+        spans = None if shard is None else _rank_spans(self.geometry, shard)
 
         def get(name: str, kind: str = "") -> torch.Tensor:
             """The whole tensor, or this rank's rows of it by the `kind` of its row blocks."""
             whole = weights.get(prefix + name)
-            if spans is None or not kind:
+            if shard is None or spans is None or not kind:
                 return whole
-            return _cut(whole, spans[kind], self.shard.size)  # type: ignore[union-attr]
+            return _cut(whole, spans[kind], shard.size)
 
         if spans is None:
             self.in_proj = weights.linear(self.in_proj, [prefix + "in_proj.weight"], prefix + "in_proj")
@@ -146,7 +147,7 @@ class Mamba2Mixer(torch.nn.Module):
             copy_rows(self.in_proj.bias, [get("in_proj.bias", "in_proj")], prefix + "in_proj bias")
         if self.out_proj.bias is not None:
             bias = get("out_proj.bias")
-            copy_rows(self.out_proj.bias, [bias if self.shard is None else self.shard.added_once(bias)],
+            copy_rows(self.out_proj.bias, [bias if shard is None else shard.added_once(bias)],
                       prefix + "out_proj bias")
         conv = get("conv1d.weight", "conv")  # [channels, 1, kernel]
         copy_rows(self.conv_weight, [conv.reshape(conv.shape[0], -1)], prefix + "conv1d")

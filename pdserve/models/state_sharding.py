@@ -22,6 +22,13 @@ cut them here:
       grouped norm   the rank's groups' channels (a group never spans ranks, so it stays local)
       out_proj       input columns of the rank's heads; its bias added once (rank 0)
 
+A rank's state is its heads' state, laid out like the whole layer's: its recurrent state is one
+contiguous range of the whole one's heads (heads outermost), but its conv window's channels are its
+share of each conv part in turn, so the whole window is the ranks' windows interleaved by part:
+
+    whole conv window   [ q0 q1 | k0 k1 | v0 v1 ]      (Mamba2: [ x0 x1 | B0 B1 | C0 C1 ])
+    rank 0 / rank 1     [ q0 | k0 | v0 ]  /  [ q1 | k1 | v1 ]
+
 Invariant: summed over the ranks, the mixers' row-parallel outputs equal the whole mixer's output.
 A size that does not divide the key heads or the Mamba2 groups is refused (UnsupportedModelFeature
 naming the counts): Mamba2 groups are not replicated because the grouped norm would then span ranks.

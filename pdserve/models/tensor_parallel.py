@@ -10,6 +10,8 @@ slice of each weight through `ShardedWeights` (a `WeightSource` over the full ch
                                        dequantization (`moe_sharding`); one all-reduce after them
     LM head         (vocab parallel)   vocabulary rows split; the logits are all-gathered
     embedding, norms, MoE router       replicated
+    state mixers (Gated DeltaNet,      heads (and Mamba2 groups) split, never replicated: the model
+      Mamba2)                          file cuts their tensors (`state_sharding`); out_proj row parallel
 
     q heads  0 1 2 3 | 4 5 6 7      N=2, 8 q heads, 2 KV heads: rank 0 owns q 0-3 and KV head 0
     kv heads 0       | 1
