@@ -45,10 +45,12 @@ def with_random_biases(model, directory: str):
     return model
 
 
-MAKERS = {  # Qwen3.5 / Qwen3-Next: 2 key heads, 4 value heads; Nemotron-H: 4 Mamba2 heads in 2 groups
-    "qwen3_5": make_tiny_qwen3_5,
-    # Mamba2 in/out projection biases (rank 0 adds out_proj's)
-    "nemotron_h": lambda directory: with_random_biases(make_tiny_nemotron_h(directory, use_bias=True), directory),
+MAKERS = {  # Qwen3-Next: 2 key heads, 4 value heads; Nemotron-H with MoE: 4 Mamba2 heads in 2 groups
+    # 4 key heads, 8 value heads: two key heads a rank
+    "qwen3_5": lambda directory: make_tiny_qwen3_5(directory, linear_num_key_heads=4, linear_num_value_heads=8),
+    # 8 Mamba2 heads in 4 groups: two groups a rank; in/out projection biases (rank 0 adds out_proj's)
+    "nemotron_h": lambda directory: with_random_biases(
+        make_tiny_nemotron_h(directory, mamba_num_heads=8, n_groups=4, use_bias=True), directory),
     # 6 experts of 32 units, a shared expert of 64; attention biases ([query | gate] rows of q_proj's too)
     "qwen3_next": lambda directory: with_random_biases(make_tiny_qwen3_next(directory, attention_bias=True),
                                                        directory),
@@ -97,10 +99,12 @@ def chunked_prompt_logits(model, prompt: list[int]) -> torch.Tensor:
 
 
 def test_each_rank_declares_its_share_of_every_state_layer(checkpoints, rank_models):
-    delta_net = (2 * 1 * 16 + 2 * 16, (2, 16, 16))  # 1 key head (q, k) + 2 value heads; state per value head
-    mamba2 = (2 * 16 + 2 * 1 * 16, (2, 16, 16))  # 2 heads' x + 1 group's B and C
     expected = {  # (conv channels, recurrent shape) of one rank at TP=2
-        "qwen3_5": delta_net, "qwen3_next": delta_net, "nemotron_h": mamba2, "nemotron_h_moe": mamba2}
+        "qwen3_5": (2 * 2 * 16 + 4 * 16, (4, 16, 16)),  # 2 key heads (q, k) + 4 value heads; state per value head
+        "qwen3_next": (2 * 1 * 16 + 2 * 16, (2, 16, 16)),
+        "nemotron_h": (4 * 16 + 2 * 2 * 16, (4, 16, 16)),  # 4 heads' x + 2 groups' B and C
+        "nemotron_h_moe": (2 * 16 + 2 * 1 * 16, (2, 16, 16)),
+    }
     for family, models in rank_models.items():
         whole = load_model(checkpoints[family][1], torch.float32, CPU).model
         for model in models:
@@ -141,13 +145,13 @@ def _build_rank(config: dict, directory: str, size: int):
 
 
 def test_a_size_that_does_not_divide_the_state_heads_or_groups_is_refused_naming_the_counts(checkpoints):
-    # TP=4 divides the attention heads (4), replicates the 2 KV heads and divides the MLPs, but not
-    # the 2 DeltaNet key heads or the 2 Mamba2 groups.
-    directory = checkpoints["qwen3_5"][1]
+    # TP=4 divides the attention heads (4), replicates the 2 KV heads and divides the MLPs and the
+    # experts, but not Qwen3-Next's 2 DeltaNet key heads or this Nemotron-H's 2 Mamba2 groups.
+    directory = checkpoints["qwen3_next"][1]
     config = json.load(open(os.path.join(directory, "config.json")))
     with pytest.raises(UnsupportedModelFeature, match="4 does not divide the model's 2 Gated DeltaNet key heads"):
         _build_rank(config, directory, 4)
-    directory = checkpoints["nemotron_h"][1]
+    directory = checkpoints["nemotron_h_moe"][1]
     config = json.load(open(os.path.join(directory, "config.json")))
     with pytest.raises(UnsupportedModelFeature, match="4 does not divide the model's 2 Mamba2 groups"):
         _build_rank(config, directory, 4)
