@@ -1,17 +1,10 @@
-"""Proxy overhead benchmark: latency added by `pdserve proxy` and its request rate, side by side
-with sending the same requests straight to the backend, against stub workers that answer at once.
+"""Proxy overhead benchmark: the latency `pdserve proxy` adds and its request rate, against the same
+requests sent straight to the backend, over stub workers that answer at once. Four paths over HTTP/1.1
+keep-alive on 127.0.0.1: direct; proxy (1 leg); proxy (P/D, the two-leg protocol); proxy (P/D,
+kv_aware: each request templated, tokenized and matched against the stubs' KV event snapshots).
 
-    python -m bench.proxy [--requests 2000] [--duration-s 8] [--concurrency 32] [--out bench/results/proxy.json]
-
-Four paths, all over real HTTP/1.1 keep-alive connections on 127.0.0.1:
-  direct                  client -> stub decode
-  proxy (1 leg)           client -> proxy -> stub decode                (no prefill tier: pure forwarding)
-  proxy (P/D)             client -> proxy -> stub prefill, -> stub decode (the two-leg protocol)
-  proxy (P/D, kv_aware)   the same two legs chosen by --policy kv_aware: each request is templated,
-                          tokenized (SmolLM2's tokenizer, served by the stubs) and hashed, and its blocks
-                          are matched against the stubs' KV event snapshots, which hold every prompt
-Invariant: every path gets the same request bodies from the same minimal client, and the stubs
-(a raw ASGI app in its own process) do no work, so the differences are the proxy's alone.
+Invariant: every path gets the same bodies from the same minimal client, and the stubs (a raw ASGI
+app in its own process) do no work, so the differences are the proxy's alone.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-"""Serving benchmark: open-loop streaming load with synthetic prompts against an OpenAI-compatible
-server, or P/D (`pdserve up`) against one colocated `pdserve serve` given the same cores.
+"""Serving benchmark: open-loop streaming load with synthetic prompts against any OpenAI-compatible
+server (`run`), P/D (`pdserve up`) against one colocated `pdserve serve` on the same cores
+(`compare`), or each system at each Poisson rate (`sweep`: SLO attainment and the goodput rate, the
+highest rate at which 90% of requests meet the SLO, as in DistServe). Every run prints throughput,
+latency (TTFT, TPOT, ITL, E2E) and SLO tables and writes JSON (`--out`) and plots (`--plot-dir`).
 
-    python -m bench.serve run --base-url http://127.0.0.1:8000 --request-rate 0.5 --num-prompts 40 \\
-        --mix "long:2000:32:0.2,short:128:128:0.8" --out run.json --plot-dir plots/
-    python -m bench.serve compare --wait-for-idle-s 600   # the P/D vs colocated run of docs/benchmarks.md
-    python -m bench.serve sweep --rates 0.1,0.2,0.3,0.4 --systems colocated,pd,pd-adaptive  # goodput
-
-Every run is also judged against an SLO (--slo-ttft-ms + --slo-ttft-ms-per-token x prompt
-tokens, --slo-tpot-ms; issue 27's 1 s + 2 ms/token and 20 ms by default): attainment is the
-share of requests that met it. `sweep` runs each system at each Poisson rate and reports its
-goodput rate, the highest rate at which at least 90% of requests met the SLO (DistServe).
-
-Both print a throughput and a latency table (mean, p50, p90, p99, max of TTFT,
-TPOT, ITL and end-to-end), write JSON (`--out`) and PNG plots (`--plot-dir`).
-Invariant: every system sees the same requests (prompts, output lengths and
-arrival times come from the seed), one system at a time, never two at once.
+Invariant: every system sees the same requests (prompts, lengths and arrivals come from the seed),
+one system at a time, never two at once.
 """
 
 from __future__ import annotations

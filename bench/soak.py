@@ -1,14 +1,8 @@
-"""Soak: thousands of requests through `pdserve up` with hostile ones mixed in; nothing may fail, leak or grow.
-
-    python -m bench.soak --num-requests 2000 --concurrency 32 --hostile-fraction 0.1 \\
-        --out bench/results/soak.json
-
-Starts `pdserve up` (prefill + decode + proxy, embedded SmolLM2), asks each good request
-once alone for its baseline answer, then sends the whole mix at the
-given concurrency (the requests: below). Prints success counts, latency percentiles, peak and final pinned blocks
-and KV usage, and each process's RSS at the start, after the first half of the requests and
-at the end; writes it all as JSON. Exits 1 when a good request failed or changed its answer,
-a hostile one got no 4xx, any answer was a 5xx, or blocks stayed pinned or in use.
+"""Soak (`python -m bench.soak`): thousands of requests through `pdserve up` with hostile ones mixed in.
+Good requests are judged against their answer asked once alone; prints success counts, latency
+percentiles, pinned blocks, KV usage and each process's RSS at the start, middle and end. Exits 1
+when a good request failed or changed its answer, a hostile one got no 4xx, any answer was a 5xx,
+or blocks stayed pinned or in use: nothing may fail, leak or grow.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Routing benchmark: a multi-turn chat workload through `pdserve proxy` with each routing policy in
-turn, two prefill and two decode workers on this machine.
-
-    python -m bench.routing [--policies round_robin,least_loaded,prefix,kv_aware] [--num-conversations 12]
-        [--out bench/results/routing.json] [--plot-dir docs/figures/routing]
-
-Reports per policy: prompt tokens, prompt tokens the models computed (prefill and decode workers), the
-prefix-cache hit rate in tokens, TTFT p50/p99 (all turns, and later turns), KV bytes pulled per turn,
-turns served without a prefill leg; plus the KV events the workers published under the kv_aware run and
-what recording one costs the engine thread. Invariant: every policy runs the same conversations on the
-same warm workers, each starting from empty prefix caches, one policy at a time.
+"""Routing benchmark (`python -m bench.routing`): a multi-turn chat workload through `pdserve proxy`
+with each routing policy in turn over two prefill and two decode workers: prompt tokens computed,
+prefix-cache hits, TTFT, KV bytes pulled, turns without a prefill leg; plus the KV events published
+under kv_aware and what recording one costs. Invariant: every policy runs the same conversations
+on the same warm workers, each from empty prefix caches, one policy at a time.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
-"""KV pulls between block sizes: a decode worker whose pages hold D tokens pulls one prompt's KV from a
-prefill worker whose pages hold P tokens (16->16, 16->32, 32->16), over NIXL between two processes,
+"""KV pulls between block sizes (`--mode block-size`): a decode pool of D-token pages pulls one
+prompt from a prefill pool of P-token pages (16->16, 16->32, 32->16) over NIXL between two processes,
 direct (one descriptor per (unit, row): pdserve/transfer/token_units.py) or staged (one descriptor
-per remote run into a staging buffer, then one local copy), over 4 KiB pages or transparent huge
-pages; against the 16->16 pull (one descriptor per page) and a memcpy of the same bytes.
+per remote run into a staging buffer, then a local copy), against 16->16 and a memcpy. `--sweep K`
+cuts each page into K chunks in reversed local order (nothing merges) and `--sweep-runs R` reads
+runs of R chunks: the figures behind `NixlTransport`'s choice between direct and staged reads.
 
-    python -m bench.transfer.kv_pull --mode block-size [--shape smollm2|llama3-8b|tiny] [--pairs 16:16 16:32 32:16]
-        [--memory 4k-pages|huge-pages|both] [--prompt-tokens 2048 8192] [--reps 5]
-        [--sweep 1 2 4 8 16 32 64 128] [--sweep-runs 0 2 4 8] [--out bench/results/kv_transfer_block_size.json]
-
-`--sweep K ...` adds the measurements behind `NixlTransport`'s choice between direct and staged
-reads, at equal block sizes and the smallest prompt size: each page cut into K chunks whose
-local order is reversed (so nothing merges directly: one descriptor a chunk), read direct or
-staged. With `--sweep-runs R ...` the read takes groups of R consecutive chunks of each page
-and skips the next R (so a staged read takes one descriptor per R chunks: the descriptor factor
-is R); R = 0 reads every chunk (about one staged descriptor a page).
-
-The prefill side is one child process holding one pool per prefill block size (each its own
-agent); this process holds one pool per decode block size and, per case, its own NixlTransport
-on it (read_mode "direct" or "staged"). Block ids are scattered on both sides.
-
-Invariant: every case of a prompt moves the very same bytes (every token of every row once)
-between the same two processes; only the block sizes, and so the descriptors, differ. A case's
-landed bytes are checked token by token after the timing.
+Invariant: every case of a prompt moves the same bytes (every token of every row once) between the
+same two processes, scattered block ids on both sides; landed bytes are checked token by token.
 """
 
 from __future__ import annotations
