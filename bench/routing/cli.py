@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 from typing import Optional, Sequence
 
-from bench.lib.launch import REPO_ROOT, LaunchError
+from bench.lib.launch import REPO_ROOT, LaunchError, metric_sum
 from bench.lib.load import run_conversations
 from bench.lib.machine import CpuMeter, wait_for_idle
 from bench.routing.cluster import ClusterSpec, RoutingCluster, scrape
@@ -92,7 +92,7 @@ def measure_policy(cluster: RoutingCluster, policy: str, spec: WorkloadSpec, wai
         cluster.wait_idle()
         after = cluster.counters()
         proxy_counts = scrape(proxy.base_url, PROXY_COUNTERS)
-        decode_only = scrape_mode(proxy.base_url, "decode_only")
+        decode_only = metric_sum(proxy.base_url, "pdserve_proxy_requests_total", mode="decode_only")
     finally:
         cluster.stop_proxy()
     summary = summarize(policy, result)
@@ -109,14 +109,6 @@ def measure_policy(cluster: RoutingCluster, policy: str, spec: WorkloadSpec, wai
         decode_only_turns=decode_only,
         prediction_error_tokens=proxy_counts[PROXY_COUNTERS[0]] if policy == "kv_aware" else None,
     )
-
-
-def scrape_mode(proxy_url: str, mode: str) -> float:
-    import httpx
-
-    text = httpx.get(proxy_url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdserve_proxy_requests_total{") and f'mode="{mode}"' in line)
 
 
 def run(args: argparse.Namespace, command: str) -> int:
