@@ -26,7 +26,7 @@ from bench.lib.machine import CpuMeter
 from bench.lib.launch import REPO_ROOT, LaunchError, ServerProcess, free_port, pdserve_argv
 from bench.lib.load import run_open_loop
 from bench.lib.machine import wait_for_idle
-from bench.lib.report import format_report, write_json
+from bench.lib.report import cell, format_report, markdown_table, write_json
 from bench.lib.stats import DEFAULT_SLO, RunSummary, attainment, goodput_rate, summarize_run
 from bench.lib.stream import RequestRecord
 from bench.lib.workloads import (
@@ -198,16 +198,15 @@ def slo_of(args: argparse.Namespace) -> Slo:
 
 
 def format_slo_table(runs: Sequence[tuple[RunSummary, Sequence[RequestRecord]]], slo: Slo) -> str:
-    lines = [f"SLO: TTFT <= {slo.ttft_ms:g} ms + {slo.ttft_ms_per_token:g} ms/prompt token, TPOT <= {slo.tpot_ms:g} ms",
-             "| system | met | TTFT missed | TPOT missed | failed | attainment | goodput (req/s met) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for summary, records in runs:
         result = attainment(records, slo)
-        ratio = "-" if result.ratio is None else f"{result.ratio:.0%}"
         goodput = result.num_met / summary.duration_s if summary.duration_s > 0 else 0.0
-        lines.append(f"| {summary.label} | {result.num_met} | {result.num_ttft_missed} | {result.num_tpot_missed} "
-                     f"| {result.num_failed} | {ratio} | {goodput:.3f} |")
-    return "\n".join(lines)
+        rows.append((summary.label, result.num_met, result.num_ttft_missed, result.num_tpot_missed, result.num_failed,
+                     cell(result.ratio, ".0%"), f"{goodput:.3f}"))
+    return (f"SLO: TTFT <= {slo.ttft_ms:g} ms + {slo.ttft_ms_per_token:g} ms/prompt token, TPOT <= {slo.tpot_ms:g} ms\n"
+            + markdown_table(["system", "met", "TTFT missed", "TPOT missed", "failed", "attainment",
+                              "goodput (req/s met)"], rows))
 
 
 def emit(args: argparse.Namespace, runs: list[tuple[RunSummary, list[RequestRecord]]], command: str,
@@ -375,14 +374,9 @@ def run_sweep(args: argparse.Namespace, command: str) -> int:
 
 
 def format_goodput_table(table: dict[str, list[tuple[float, float]]], rates: Sequence[float]) -> str:
-    header = " | ".join(f"{rate:g}/s" for rate in rates)
-    lines = [f"| system | {header} | goodput rate (>= 90% met) |", "|---|" + "---:|" * (len(rates) + 1)]
-    for name, points in table.items():
-        by_rate = dict(points)
-        cells = " | ".join("-" if rate not in by_rate else f"{by_rate[rate]:.0%}" for rate in rates)
-        best = goodput_rate(points)
-        lines.append(f"| {name} | {cells} | {'none' if best is None else f'{best:g}/s'} |")
-    return "\n".join(lines)
+    rows = [(name, *(cell(dict(points).get(rate), ".0%") for rate in rates),
+             "none" if goodput_rate(points) is None else f"{goodput_rate(points):g}/s") for name, points in table.items()]
+    return markdown_table(["system", *(f"{rate:g}/s" for rate in rates), "goodput rate (>= 90% met)"], rows)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from bench.lib.report import cell
+from bench.lib.report import cell, markdown_table
 from bench.transfer import pools
 from bench.transfer.pools import (
     MEMORY_MODES, SHAPES, TIMEOUT_S, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record,
@@ -124,25 +124,22 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| memory | tokens | P->D | read | descriptors | MB | pull ms | GB/s | vs 16->16 | vs memcpy "
-             "| memcpy GB/s | auto picks | other CPU |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
-    for r in rows:
-        lines.append(f"| {r['memory']} | {r['prompt_tokens']} | {r['prefill_block']}->{r['decode_block']} | "
-                     f"{r['read']} | {r['descriptors']} | {r['num_bytes'] / 1e6:.1f} | {r['pull_s'] * 1e3:.1f} | "
-                     f"{r['pull_gbps']:.2f} | {cell(r.get('vs_pages'))} | {cell(r.get('vs_memcpy'))} | "
-                     f"{r['memcpy_gbps']:.2f} | {r['auto_picks']} | {cell(r.get('foreign_cpu_fraction'), '.0%', missing='?')} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["memory", "tokens", "P->D", "read", "descriptors", "MB", "pull ms", "GB/s", "vs 16->16", "vs memcpy",
+         "memcpy GB/s", "auto picks", "other CPU"],
+        [(r["memory"], r["prompt_tokens"], f"{r['prefill_block']}->{r['decode_block']}", r["read"], r["descriptors"],
+          f"{r['num_bytes'] / 1e6:.1f}", f"{r['pull_s'] * 1e3:.1f}", f"{r['pull_gbps']:.2f}", cell(r.get("vs_pages")),
+          cell(r.get("vs_memcpy")), f"{r['memcpy_gbps']:.2f}", r["auto_picks"],
+          cell(r.get("foreign_cpu_fraction"), ".0%", missing="?")) for r in rows])
 
 
 def format_sweep(rows: list[dict]) -> str:
-    lines = ["| memory | tokens | chunks a page | chunk KiB | run chunks | direct descriptors | staged descriptors "
-             "| direct GB/s | staged GB/s | staged / direct |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['memory']} | {r['prompt_tokens']} | {r['chunks_per_page']} | {r['chunk_bytes'] / 1024:.1f} "
-                     f"| {r['run_chunks'] or 'page'} | {r['direct_descriptors']} | {r['staged_descriptors']} | "
-                     f"{r['direct_gbps']:.2f} | {r['staged_gbps']:.2f} | {r['staged_over_direct']:.2f} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["memory", "tokens", "chunks a page", "chunk KiB", "run chunks", "direct descriptors", "staged descriptors",
+         "direct GB/s", "staged GB/s", "staged / direct"],
+        [(r["memory"], r["prompt_tokens"], r["chunks_per_page"], f"{r['chunk_bytes'] / 1024:.1f}",
+          r["run_chunks"] or "page", r["direct_descriptors"], r["staged_descriptors"], f"{r['direct_gbps']:.2f}",
+          f"{r['staged_gbps']:.2f}", f"{r['staged_over_direct']:.2f}") for r in rows])
 
 
 # ---- pools ------------------------------------------------------------------------------------------

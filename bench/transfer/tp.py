@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from bench.lib.report import cell
+from bench.lib.report import cell, markdown_table
 from bench.transfer import pools
 from bench.transfer.pools import (
     MEMORY_MODES, SHAPES, TIMEOUT_S, PoolShape, allocate_bytes, huge_page_kib, machine_record, medians_with_memcpy,
@@ -156,16 +156,13 @@ def coalescing_gains(rows: list[dict]) -> dict[tuple[str, int, str], float]:
 
 def format_table(rows: list[dict]) -> str:
     """A markdown table, one line per (memory, prompt, pair, allocation)."""
-    lines = ["| memory | tokens | P->D | blocks | descriptors | MB | pull ms | GB/s | vs 1->1 | vs memcpy "
-             "| memcpy GB/s | other CPU |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['memory']} | {r['prompt_tokens']} | {r['prefill_tp']}->{r['decode_tp']} | "
-                     f"{r['allocation']} | {r['descriptors']} | {r['num_bytes'] / 1e6:.1f} | "
-                     f"{r['pull_s'] * 1e3:.1f} | {r['pull_gbps']:.2f} | {cell(r.get('vs_1to1'))} | "
-                     f"{cell(r.get('vs_memcpy'))} | {r['memcpy_gbps']:.2f} | "
-                     f"{cell(r.get('foreign_cpu_fraction'), '.0%', missing='?')} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["memory", "tokens", "P->D", "blocks", "descriptors", "MB", "pull ms", "GB/s", "vs 1->1", "vs memcpy",
+         "memcpy GB/s", "other CPU"],
+        [(r["memory"], r["prompt_tokens"], f"{r['prefill_tp']}->{r['decode_tp']}", r["allocation"], r["descriptors"],
+          f"{r['num_bytes'] / 1e6:.1f}", f"{r['pull_s'] * 1e3:.1f}", f"{r['pull_gbps']:.2f}", cell(r.get("vs_1to1")),
+          cell(r.get("vs_memcpy")), f"{r['memcpy_gbps']:.2f}", cell(r.get("foreign_cpu_fraction"), ".0%", missing="?"))
+         for r in rows])
 
 
 # ---- the prefill child ---------------------------------------------------------------------------
