@@ -20,7 +20,7 @@ import time
 from typing import Optional
 
 from bench.lib.launch import REPO_ROOT, ServerProcess, free_port
-from bench.lib.machine import machine_info
+from bench.lib.machine import machine_info, process_cpu_s
 from bench.lib.report import write_document
 from bench.lib.stats import percentile
 
@@ -167,13 +167,6 @@ class RawClient:
             self._writer.close()
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def measure_latency(targets: dict[str, tuple[int, Optional[int]]], path: str, body: bytes, num_requests: int,
                           num_warmup: int, num_rounds: int) -> dict[str, dict]:
     """Sequential requests, the paths interleaved in rounds so that load drifting on the machine
@@ -188,7 +181,7 @@ async def measure_latency(targets: dict[str, tuple[int, Optional[int]]], path: s
                 await client.post(path, body)
         for _ in range(num_rounds):
             for name, (port, pid) in targets.items():
-                cpu_before_s = cpu_seconds(pid) if pid is not None else 0.0
+                cpu_before_s = process_cpu_s(pid) if pid is not None else 0.0
                 for _ in range(per_round):
                     started = time.perf_counter()
                     status, _ = await clients[name].post(path, body)
@@ -196,7 +189,7 @@ async def measure_latency(targets: dict[str, tuple[int, Optional[int]]], path: s
                         raise RuntimeError(f"HTTP {status} from {name}")
                     samples[name].append(time.perf_counter() - started)
                 if pid is not None:
-                    cpu_s[name] += cpu_seconds(pid) - cpu_before_s
+                    cpu_s[name] += process_cpu_s(pid) - cpu_before_s
     finally:
         for client in clients.values():
             client.close()

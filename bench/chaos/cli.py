@@ -21,11 +21,11 @@ from typing import Optional
 import httpx
 
 from bench.chaos.cluster import AUTH, ChaosCluster
-from bench.chaos.load import MixedLoad, baselines
+from bench.chaos.load import HANG_S, MixedLoad
 from bench.chaos.phases import PHASES, PREFILL_CALL, READ_PHASES, STREAM_CALL, Kill, Stage, run_kill
 from bench.chaos.report import charge, failures, format_table, rows
 from bench.lib.report import write_document
-from bench.lib.workloads import good_calls
+from bench.lib.workloads import baselines, good_calls
 
 
 def schedule(args: argparse.Namespace, rng: random.Random) -> list[tuple[str, str]]:
@@ -55,7 +55,7 @@ def schedule(args: argparse.Namespace, rng: random.Random) -> list[tuple[str, st
 def expected_answers(cluster: ChaosCluster) -> dict[str, str]:
     """Greedy baselines through the proxy; the long prompt's from a decode worker computing it alone
     (what serves it once the prefill worker is dead)."""
-    expected = baselines(cluster.proxy.url, [*good_calls(), STREAM_CALL])
+    expected = baselines(cluster.proxy.url, [*good_calls(), STREAM_CALL], HANG_S)
     direct = httpx.post(cluster.workers[cluster.decode_names[0]].url + PREFILL_CALL.path, json=PREFILL_CALL.body,
                         headers=AUTH, timeout=120)
     direct.raise_for_status()
