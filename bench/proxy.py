@@ -1,17 +1,10 @@
-"""Proxy overhead benchmark: latency added by `pdserve proxy` and its request rate, side by side
-with sending the same requests straight to the backend, against stub workers that answer at once.
+"""Proxy overhead benchmark: the latency `pdserve proxy` adds and its request rate, against the same
+requests sent straight to the backend, over stub workers that answer at once. Four paths over HTTP/1.1
+keep-alive on 127.0.0.1: direct; proxy (1 leg); proxy (P/D, the two-leg protocol); proxy (P/D,
+kv_aware: each request templated, tokenized and matched against the stubs' KV event snapshots).
 
-    python -m bench.proxy [--requests 2000] [--duration-s 8] [--concurrency 32] [--out bench/results/proxy.json]
-
-Four paths, all over real HTTP/1.1 keep-alive connections on 127.0.0.1:
-  direct                  client -> stub decode
-  proxy (1 leg)           client -> proxy -> stub decode                (no prefill tier: pure forwarding)
-  proxy (P/D)             client -> proxy -> stub prefill, -> stub decode (the two-leg protocol)
-  proxy (P/D, kv_aware)   the same two legs chosen by --policy kv_aware: each request is templated,
-                          tokenized (SmolLM2's tokenizer, served by the stubs) and hashed, and its blocks
-                          are matched against the stubs' KV event snapshots, which hold every prompt
-Invariant: every path gets the same request bodies from the same minimal client, and the stubs
-(a raw ASGI app in its own process) do no work, so the differences are the proxy's alone.
+Invariant: every path gets the same bodies from the same minimal client, and the stubs (a raw ASGI
+app in its own process) do no work, so the differences are the proxy's alone.
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ import time
 from typing import Optional
 
 from bench.lib.launch import REPO_ROOT, ServerProcess, free_port
-from bench.lib.machine import machine_info
+from bench.lib.machine import machine_info, process_cpu_s
 from bench.lib.report import write_document
 from bench.lib.stats import percentile
 
@@ -174,13 +167,6 @@ class RawClient:
             self._writer.close()
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def measure_latency(targets: dict[str, tuple[int, Optional[int]]], path: str, body: bytes, num_requests: int,
                           num_warmup: int, num_rounds: int) -> dict[str, dict]:
     """Sequential requests, the paths interleaved in rounds so that load drifting on the machine
@@ -195,7 +181,7 @@ async def measure_latency(targets: dict[str, tuple[int, Optional[int]]], path: s
                 await client.post(path, body)
         for _ in range(num_rounds):
             for name, (port, pid) in targets.items():
-                cpu_before_s = cpu_seconds(pid) if pid is not None else 0.0
+                cpu_before_s = process_cpu_s(pid) if pid is not None else 0.0
                 for _ in range(per_round):
                     started = time.perf_counter()
                     status, _ = await clients[name].post(path, body)
@@ -203,7 +189,7 @@ async def measure_latency(targets: dict[str, tuple[int, Optional[int]]], path: s
                         raise RuntimeError(f"HTTP {status} from {name}")
                     samples[name].append(time.perf_counter() - started)
                 if pid is not None:
-                    cpu_s[name] += cpu_seconds(pid) - cpu_before_s
+                    cpu_s[name] += process_cpu_s(pid) - cpu_before_s
     finally:
         for client in clients.values():
             client.close()

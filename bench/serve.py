@@ -1,20 +1,11 @@
-"""Serving benchmark: open-loop streaming load with synthetic prompts against an OpenAI-compatible
-server, or P/D (`pdserve up`) against one colocated `pdserve serve` given the same cores.
+"""Serving benchmark: open-loop streaming load with synthetic prompts against any OpenAI-compatible
+server (`run`), P/D (`pdserve up`) against one colocated `pdserve serve` on the same cores
+(`compare`), or each system at each Poisson rate (`sweep`: SLO attainment and the goodput rate, the
+highest rate at which 90% of requests meet the SLO, as in DistServe). Every run prints throughput,
+latency (TTFT, TPOT, ITL, E2E) and SLO tables and writes JSON (`--out`) and plots (`--plot-dir`).
 
-    python -m bench.serve run --base-url http://127.0.0.1:8000 --request-rate 0.5 --num-prompts 40 \\
-        --mix "long:2000:32:0.2,short:128:128:0.8" --out run.json --plot-dir plots/
-    python -m bench.serve compare --wait-for-idle-s 600   # the P/D vs colocated run of docs/benchmarks.md
-    python -m bench.serve sweep --rates 0.1,0.2,0.3,0.4 --systems colocated,pd,pd-adaptive  # goodput
-
-Every run is also judged against an SLO (--slo-ttft-ms + --slo-ttft-ms-per-token x prompt
-tokens, --slo-tpot-ms; issue 27's 1 s + 2 ms/token and 20 ms by default): attainment is the
-share of requests that met it. `sweep` runs each system at each Poisson rate and reports its
-goodput rate, the highest rate at which at least 90% of requests met the SLO (DistServe).
-
-Both print a throughput and a latency table (mean, p50, p90, p99, max of TTFT,
-TPOT, ITL and end-to-end), write JSON (`--out`) and PNG plots (`--plot-dir`).
-Invariant: every system sees the same requests (prompts, output lengths and
-arrival times come from the seed), one system at a time, never two at once.
+Invariant: every system sees the same requests (prompts, lengths and arrivals come from the seed),
+one system at a time, never two at once.
 """
 
 from __future__ import annotations
@@ -35,7 +26,7 @@ from bench.lib.machine import CpuMeter
 from bench.lib.launch import REPO_ROOT, LaunchError, ServerProcess, free_port, pdserve_argv
 from bench.lib.load import run_open_loop
 from bench.lib.machine import wait_for_idle
-from bench.lib.report import format_report, write_json
+from bench.lib.report import cell, format_report, markdown_table, write_json
 from bench.lib.stats import DEFAULT_SLO, RunSummary, attainment, goodput_rate, summarize_run
 from bench.lib.stream import RequestRecord
 from bench.lib.workloads import (
@@ -207,16 +198,15 @@ def slo_of(args: argparse.Namespace) -> Slo:
 
 
 def format_slo_table(runs: Sequence[tuple[RunSummary, Sequence[RequestRecord]]], slo: Slo) -> str:
-    lines = [f"SLO: TTFT <= {slo.ttft_ms:g} ms + {slo.ttft_ms_per_token:g} ms/prompt token, TPOT <= {slo.tpot_ms:g} ms",
-             "| system | met | TTFT missed | TPOT missed | failed | attainment | goodput (req/s met) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for summary, records in runs:
         result = attainment(records, slo)
-        ratio = "-" if result.ratio is None else f"{result.ratio:.0%}"
         goodput = result.num_met / summary.duration_s if summary.duration_s > 0 else 0.0
-        lines.append(f"| {summary.label} | {result.num_met} | {result.num_ttft_missed} | {result.num_tpot_missed} "
-                     f"| {result.num_failed} | {ratio} | {goodput:.3f} |")
-    return "\n".join(lines)
+        rows.append((summary.label, result.num_met, result.num_ttft_missed, result.num_tpot_missed, result.num_failed,
+                     cell(result.ratio, ".0%"), f"{goodput:.3f}"))
+    return (f"SLO: TTFT <= {slo.ttft_ms:g} ms + {slo.ttft_ms_per_token:g} ms/prompt token, TPOT <= {slo.tpot_ms:g} ms\n"
+            + markdown_table(["system", "met", "TTFT missed", "TPOT missed", "failed", "attainment",
+                              "goodput (req/s met)"], rows))
 
 
 def emit(args: argparse.Namespace, runs: list[tuple[RunSummary, list[RequestRecord]]], command: str,
@@ -384,14 +374,9 @@ def run_sweep(args: argparse.Namespace, command: str) -> int:
 
 
 def format_goodput_table(table: dict[str, list[tuple[float, float]]], rates: Sequence[float]) -> str:
-    header = " | ".join(f"{rate:g}/s" for rate in rates)
-    lines = [f"| system | {header} | goodput rate (>= 90% met) |", "|---|" + "---:|" * (len(rates) + 1)]
-    for name, points in table.items():
-        by_rate = dict(points)
-        cells = " | ".join("-" if rate not in by_rate else f"{by_rate[rate]:.0%}" for rate in rates)
-        best = goodput_rate(points)
-        lines.append(f"| {name} | {cells} | {'none' if best is None else f'{best:g}/s'} |")
-    return "\n".join(lines)
+    rows = [(name, *(cell(dict(points).get(rate), ".0%") for rate in rates),
+             "none" if goodput_rate(points) is None else f"{goodput_rate(points):g}/s") for name, points in table.items()]
+    return markdown_table(["system", *(f"{rate:g}/s" for rate in rates), "goodput rate (>= 90% met)"], rows)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

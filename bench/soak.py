@@ -1,20 +1,13 @@
-"""Soak: thousands of requests through `pdserve up` with hostile ones mixed in; nothing may fail, leak or grow.
-
-    python -m bench.soak --num-requests 2000 --concurrency 32 --hostile-fraction 0.1 \\
-        --out bench/results/soak.json
-
-Starts `pdserve up` (prefill + decode + proxy, embedded SmolLM2), asks each good request
-once alone for its baseline answer, then sends the whole mix at the
-given concurrency (the requests: below). Prints success counts, latency percentiles, peak and final pinned blocks
-and KV usage, and each process's RSS at the start, after the first half of the requests and
-at the end; writes it all as JSON. Exits 1 when a good request failed or changed its answer,
-a hostile one got no 4xx, any answer was a 5xx, or blocks stayed pinned or in use.
+"""Soak (`python -m bench.soak`): thousands of requests through `pdserve up` with hostile ones mixed in.
+Good requests are judged against their answer asked once alone; prints success counts, latency
+percentiles, pinned blocks, KV usage and each process's RSS at the start, middle and end. Exits 1
+when a good request failed or changed its answer, a hostile one got no 4xx, any answer was a 5xx,
+or blocks stayed pinned or in use: nothing may fail, leak or grow.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import random
 import sys
@@ -31,7 +24,7 @@ from bench.lib.load import Call, read_call, run_open_loop
 from bench.lib.report import write_document
 from bench.lib.stats import describe
 from bench.lib.stream import RequestRecord
-from bench.lib.workloads import COMPLETIONS, MODEL, good_calls
+from bench.lib.workloads import COMPLETIONS, MODEL, baselines, good_calls
 
 _PROCESS_ROLES = ("proxy", "prefill", "decode")
 
@@ -93,17 +86,6 @@ def start_cluster(num_blocks: int, log_dir: str) -> tuple[ServerProcess, dict[st
     up.start()
     up.wait_ready(600)
     return up, {role: f"http://127.0.0.1:{ports[role]}" for role in ("prefill", "decode")}
-
-
-async def baselines(base_url: str) -> dict[str, str]:
-    async with httpx.AsyncClient(timeout=300) as client:
-        answers = {}
-        for call in good_calls():
-            record = await read_call(client, base_url, call, time.monotonic)
-            if record.status != 200:
-                raise RuntimeError(f"baseline {call.name} failed: {record.status} {record.error}")
-            answers[call.name] = record.text
-        return answers
 
 
 def hostile_calls() -> list[Call]:
@@ -194,7 +176,7 @@ def wait_idle(urls: dict[str, str], timeout_s: float) -> dict[str, dict]:
 def soak(args: argparse.Namespace, log_dir: str) -> dict:
     up, urls = start_cluster(args.num_blocks, log_dir)
     try:
-        expected = asyncio.run(baselines(up.base_url))
+        expected = baselines(up.base_url, good_calls(), timeout_s=300)
         pids = process_pids(up)
         seen = Watch()
         seen.rss_mib["start"] = {role: rss_mib(pid) for role, pid in pids.items()}

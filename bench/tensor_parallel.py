@@ -1,20 +1,11 @@
-"""Tensor-parallel decode benchmark: one random-weight Llama checkpoint served by
-`pdserve serve -tp N` for each N in --sizes, side by side in one run, with each size's
-decode tokens/s as a ratio of TP=1's (the ratio is the figure to read: machines are noisy).
+"""Tensor-parallel decode benchmark: one random-weight Llama checkpoint served by `pdserve serve -tp
+N` for each N in --sizes, decode tokens/s at batch 1 (median over --repeats streamed requests,
+tokens after the first chunk over the time from first to last chunk) and over --streams at once,
+each as a ratio of TP=1's (the figure to read: machines are noisy). Every size gets the same
+--num-threads, shared out over its ranks.
 
-    python -m bench.tensor_parallel [--sizes 1,2,3] [--num-layers 12] [--num-threads 2] \\
-        [--max-tokens 96] [--repeats 3] [--streams 4] [--wait-for-idle-s 0] [--out bench-tensor-parallel.json]
-
-Per size: start the worker (every size gets the same --num-threads, shared out over its
-ranks), wait until it answers a completion, send one warm-up request, then measure
-(a) batch 1: one streamed request at a time, decode tokens/s = tokens after the first chunk /
-(last chunk - first chunk), the median over --repeats requests; (b) --streams streams sent at
-once: tokens after each stream's first chunk, summed, over the span from the earliest first
-chunk to the latest last chunk. Prints a table and writes JSON (--out).
-
-Invariant: one worker at a time, stopped (all its ranks) before the next starts, also on
-Ctrl-C or an error; every size sees the same prompts and output lengths; a size that failed
-shows up as a row with its reason, never as zero.
+Invariant: one worker at a time, all its ranks stopped before the next starts (also on Ctrl-C or an
+error); every size sees the same prompts; a size that failed is a row with its reason, never zero.
 """
 
 from __future__ import annotations

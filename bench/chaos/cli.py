@@ -1,17 +1,8 @@
-"""Chaos: SIGKILL the prefill worker, a decode worker or the proxy at forced phases under mixed load,
-restart it, and count what each kill cost.
-
-    python -m bench.chaos --kills 30 --out bench/results/chaos.json          # random victim and phase
-    python -m bench.chaos --victim decode --phase read --kills 51            # issue 22 part 5's loop
-    python -m bench.chaos --plan prefill/in-prefill,decode/mid-read --kills 10  # the prefill crash
-
-Starts a prefill worker, two decode workers and a proxy as real processes (UCX over TCP, the
-embedded SmolLM2), asks each good request once for its greedy baseline, then runs `--load-threads`
-clients through the proxy while it kills. Phases and how each is forced: bench/chaos/phases.py;
-`--phase read` cycles a decode worker's READ phases (before, in flight, landed). Prints a table per
-victim and phase (kills, requests ok / cut / lost / wrong / hung, kills that leaked blocks past the
-lease, failed survivors, prefill worker deaths, recovery time) and writes it as JSON. Exits 1 on
-any cascade, wrong token, hang, leak, missing recovery, or request lost to a prefill worker's death.
+"""Chaos (`python -m bench.chaos`): SIGKILL the prefill worker, a decode worker or the proxy at forced
+phases (bench/chaos/phases.py) under mixed load through the proxy, restart it, and count what each
+kill cost per victim and phase (requests ok / cut / lost / wrong / hung, leaked blocks, failed
+survivors, recovery time). Good requests are judged against their greedy baseline, asked once alone.
+Exits 1 on any cascade, wrong token, hang, leak, missing recovery or request lost to a prefill death.
 """
 
 from __future__ import annotations
@@ -30,11 +21,11 @@ from typing import Optional
 import httpx
 
 from bench.chaos.cluster import AUTH, ChaosCluster
-from bench.chaos.load import MixedLoad, baselines
+from bench.chaos.load import HANG_S, MixedLoad
 from bench.chaos.phases import PHASES, PREFILL_CALL, READ_PHASES, STREAM_CALL, Kill, Stage, run_kill
 from bench.chaos.report import charge, failures, format_table, rows
 from bench.lib.report import write_document
-from bench.lib.workloads import good_calls
+from bench.lib.workloads import baselines, good_calls
 
 
 def schedule(args: argparse.Namespace, rng: random.Random) -> list[tuple[str, str]]:
@@ -64,7 +55,7 @@ def schedule(args: argparse.Namespace, rng: random.Random) -> list[tuple[str, st
 def expected_answers(cluster: ChaosCluster) -> dict[str, str]:
     """Greedy baselines through the proxy; the long prompt's from a decode worker computing it alone
     (what serves it once the prefill worker is dead)."""
-    expected = baselines(cluster.proxy.url, [*good_calls(), STREAM_CALL])
+    expected = baselines(cluster.proxy.url, [*good_calls(), STREAM_CALL], HANG_S)
     direct = httpx.post(cluster.workers[cluster.decode_names[0]].url + PREFILL_CALL.path, json=PREFILL_CALL.body,
                         headers=AUTH, timeout=120)
     direct.raise_for_status()

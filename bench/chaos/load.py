@@ -103,13 +103,3 @@ class MixedLoad:
                     self.results.append(result)
 
 
-def baselines(base_url: str, calls: list[Call]) -> dict[str, str]:
-    """Each call's greedy answer, asked once at a time."""
-    answers = {}
-    with httpx.Client(timeout=HANG_S) as client:
-        for call in calls:
-            result = send(client, base_url, call)
-            if result.status != 200 or result.error or not result.finished:
-                raise RuntimeError(f"baseline {call.name} failed: {result.status} {result.error}")
-            answers[call.name] = result.text
-    return answers

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from bench.chaos.load import HANG_S, LOST, OUTCOMES, Result, classify
 from bench.chaos.phases import Kill
-from bench.lib.report import cell
+from bench.lib.report import cell, markdown_table
 
 BETWEEN = ("-", "between kills")
 
@@ -81,13 +81,10 @@ def failures(kills: Sequence[Kill], table: Sequence[dict]) -> list[str]:
 
 
 def format_table(table: Sequence[dict]) -> str:
-    lines = ["| victim | phase | kills | forced | ok | cut | lost | wrong | hang | leaking | survivors failed "
-             "| P deaths | agent restarts | recovery s (median / max) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for row in table:
-        lines.append(
-            f"| {row['victim']} | {row['phase']} | {row['kills']} | {row['forced']} | {row['ok']} | {row['cut']} "
-            f"| {row['lost']} | {row['wrong']} | {row['hang']} | {row['kills_leaking']} | {row['survivors_failed']} "
-            f"| {row['prefill_deaths']} | {row.get('agent_restarts', 0)} "
-            f"| {cell(row['recovery_s_median'], '.1f')} / {cell(row['recovery_s_max'], '.1f')} |")
-    return "\n".join(lines)
+    keys = ("victim", "phase", "kills", "forced", "ok", "cut", "lost", "wrong", "hang", "kills_leaking",
+            "survivors_failed", "prefill_deaths")
+    return markdown_table(
+        ["victim", "phase", "kills", "forced", "ok", "cut", "lost", "wrong", "hang", "leaking", "survivors failed",
+         "P deaths", "agent restarts", "recovery s (median / max)"],
+        [(*(row[key] for key in keys), row.get("agent_restarts", 0),
+          f"{cell(row['recovery_s_median'], '.1f')} / {cell(row['recovery_s_max'], '.1f')}") for row in table])

@@ -1,12 +1,7 @@
-"""Engine benchmark: pdserve (quantized and fp32) against llama.cpp's `llama-server`,
-`transformers` generate and `transformers serve`, side by side, plus the roofline and the
-time to first token of a 1,024-token prompt.
-
-    python -m bench.engine [--quick] [--device cpu|cuda] [--out bench/results/engine.json]
-
-Invariant: all systems run the same weights, prompts and output lengths, one at a time,
-interleaved per concurrency level (every system at c=1, then every system at c=4, ...) so a
-burst of outside load hits one level, not one system.
+"""Engine benchmark (`python -m bench.engine`): pdserve (quantized and fp32) against llama.cpp's
+`llama-server`, `transformers` generate and `transformers serve`, plus the roofline and the TTFT of a
+1,024-token prompt. Invariant: all systems run the same weights, prompts and output lengths, one at
+a time, interleaved per concurrency level so outside load hits one level, not one system.
 """
 
 from __future__ import annotations

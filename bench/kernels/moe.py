@@ -12,12 +12,12 @@ against a loop over tokens, the layout it replaces. Weights are random, seeded p
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import zlib
 
 import torch
 
-from bench.kernels.timing import median_ms
 from bench.lib.report import markdown_table
 from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from pdserve.api.sampling import SamplingParams
@@ -49,6 +49,19 @@ class RandomWeights:
 
     def get_packed(self, name: str) -> None:
         return None  # plain float tensors only
+
+
+def median_ms(work, repeats: int, rounds: int) -> float:
+    """Milliseconds per call of `work`: the median over `rounds` of `repeats` calls in a row, after one
+    untimed call (lazy set-up, caches)."""
+    work()
+    times_ms = []
+    for _ in range(rounds):
+        started_s = time.perf_counter()
+        for _ in range(repeats):
+            work()
+        times_ms.append((time.perf_counter() - started_s) / repeats * 1000)
+    return statistics.median(times_ms)
 
 
 def _attention_shapes(prefix: str, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool) -> dict:

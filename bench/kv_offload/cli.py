@@ -1,37 +1,13 @@
-"""KV offload benchmark: a multi-turn workload whose working set is several times the pool, run with
-no tier, the host-memory tier and the file tier, side by side, in one process (real engines, the embedded
-SmolLM2 by default, CPU).
+"""KV offload benchmark (`python -m bench.kv_offload`): a multi-turn chat workload whose working set
+is several times the pool, run with no tier, the memory tier and the file tier in one process (real
+engines, the embedded SmolLM2, CPU); prompt tokens computed, TTFT, the tier's hit rate and load
+bandwidth per tier. `--repeats N` rotates the three N times so a slow moment hits one of each.
+Conversations turn round-robin, one request at a time, so a prefix is evicted before it returns;
+answers are twice the user message by default, as in chat logs. Then, or alone with its flag, the
+micro-benchmarks of stores.py (--stores-only), loads.py (--loads-only) and wake.py (--wake-only).
 
-    python -m bench.kv_offload [--model PATH] [--conversations 8] [--turns 4] [--pool-share 0.25]
-                                [--user-tokens 96] [--answer-tokens 192] [--repeats 1]
-                                [--out bench/results/kv_offload.json] [--plot bench/results/kv_offload.png]
-    python -m bench.kv_offload --stores-only [--page-bytes 737280] [--store-rounds 40]
-                                [--store-out bench/results/kv_offload_store.json]
-    python -m bench.kv_offload --loads-only [--page-bytes 737280] [--load-rounds 200] [--load-pages 16]
-                                [--load-out bench/results/kv_offload_load.json]
-    python -m bench.kv_offload --wake-only [--wake-rounds 6] [--wake-out bench/results/kv_offload_wake.json]
-
-Each conversation grows turn by turn (its history, a new user message of random token ids, the
-answer), with answers twice as long as questions by default, as in real chat logs (LMSYS-Chat-1M
-averages about 70 prompt and 215 response tokens a turn; `--answer-tokens 16`, the default until
-2026-11-26, made histories grow by little more than the new message), turns round-robin over the
-conversations, one request at a time, so a conversation's prefix has been pushed out of the pool
-by the others by the time it comes back. Prints, per configuration: prompt tokens computed, TTFT
-p50/p99 (submit to first token, in-process), TTFT p50 of the turns after the first (the requests a
-cache can help at all), the tier's hit rate (tokens loaded / tokens asked for) and its load
-bandwidth (a fresh file in --dir for the file tier: mostly the page cache). `--repeats N` runs the
-three configurations N times in rotation (none, memory, file, none, ...), so a slow moment of the
-machine hits one repeat of each rather than one configuration; TTFTs are pooled over the repeats
-and each repeat's p50 ratio to the no-tier run is printed too.
-
-Then, or alone with its flag, the tier's micro-benchmarks, each described in its module: the
-engine-thread cost of a file-tier store (`stores.py`, --stores-only), each tier's load bandwidth
-against a raw copy of the same bytes (`loads.py`, --loads-only), and how long an ended file-tier
-load waits for an idle engine thread with and without the tier's wake-up (`wake.py`, --wake-only,
-alone only).
-
-Invariant: all configurations see the very same requests in the same order with greedy sampling,
-so they must answer the same tokens (checked).
+Invariant: every configuration sees the same requests in the same order, greedy, so all must
+answer the same tokens (checked).
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """Load bandwidth of the offload tier's page stores against a raw copy of the same bytes
-(bench.kv_offload --loads-only): the issue's target is loads at 80% or more of the raw copy.
+(`--loads-only`). Each round loads one request's prefix in every mode, modes interleaved:
 
-Each round loads the same pages (one request's prefix: `pages_per_load` pages from slots into
-pool rows) in every mode, the modes interleaved round by round so a noisy machine hits all alike:
+    raw memcpy / memory tier              numpy.copyto from a host buffer / HostPageStore.read
+    raw preadv / file tier, XXH3 / CRC32  pages as written (page cache); the tier with each checksum
+    raw preadv, re-read / file tier, re-read   pages dropped once and read back from the device
+    raw preadv, disk / file tier, disk    pages dropped before every load (fdatasync + FADV_DONTNEED)
 
-    raw memcpy            numpy.copyto of each page from a host buffer into its pool row
-    memory tier           HostPageStore.read of those pages
-    raw preadv            os.preadv of each page from a file into its pool row (page cache, as written)
-    file tier, XXH3       FilePageStore.read: preadv and the page's XXH3 check (what the tier runs)
-    file tier, CRC32      the same with zlib.crc32, the checksum it used before
-    raw preadv, re-read   raw preadv from a file whose pages were dropped once and read back from the device
-    file tier, re-read    FilePageStore.read (XXH3) from a file in that same state
-    raw preadv, disk      raw preadv with the file's pages dropped from the page cache first
-    file tier, disk       FilePageStore.read (XXH3) with its file's pages dropped first
-
-All on the calling thread, as the tier's I/O thread runs them. Every file state has files of its
-own (a raw one and a tier's), so dropping one state's pages never changes another's. The page
-cache holds a file's pages as they were written, or as a read from the device brought them back,
-and the kernel copies the first kind about twice as fast here (16-19 against 7-8 GB/s; as
-written, a check at XXH3's 35 GB/s costs relatively more): a tier the size of free RAM reads
-pages as written, a tier larger than RAM reads pages re-read from the device, or the device
-itself. The "disk" modes drop the file's cached pages before each load (fdatasync, then
-POSIX_FADV_DONTNEED; no root needed); the "re-read" ones once, before the first round.
+Invariant: each file state has files of its own, so dropping one state's pages never changes
+another's; everything runs on the calling thread, as the tier's I/O thread runs it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Engine-thread cost of one file-tier store (bench.kv_offload --stores-only): the write done on the
-calling thread (pwrite and CRC32 in `offer`, before issue 21 point 3) against the staged store (a copy
-into a staging row in `offer`, the write on the tier's I/O thread).
-
-Each round evicts one burst of pages (one step's evictions) through `OffloadTier.offer` in each mode,
-the modes interleaved round by round so a noisy machine hits both alike. "staged" then waits for the
-I/O thread to drain, as a step's forward pass would give it time to (the wait is not counted);
-"staged, 2x burst" evicts twice as many pages per round as it has staging rows, so the disk falls
-behind within the burst and stores are skipped rather than waited for.
+"""Engine-thread cost of one file-tier store (`--stores-only`): the write on the calling thread
+("sync pwrite", before issue 21) against the staged store (a copy into a staging row, the write on
+the I/O thread), and "staged, 2x burst", which outruns the disk so stores are skipped, not waited
+for. Each round evicts one step's burst of pages in every mode, modes interleaved.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""How long a file-tier load that has ended waits for the engine thread to notice it
-(bench.kv_offload --wake-only), with the tier waking the engine thread and without.
-
-A real engine (the embedded SmolLM2 by default, its own engine thread, as a worker runs it) with a
-pool smaller than its prompts and a file tier behind it: each round fills the pool with other
-prompts, then sends prompts whose prefixes must come back from the tier, one at a time, in both
-modes (interleaved round by round, so a noisy machine hits both alike):
-
-    wake      the tier's result wakes the engine thread (what a worker does)
-    no wake   the engine thread finds it at its next poll, after up to its poll interval
-
-Measured per load: from the end of the store's read (on the I/O thread) to the poll that lands it
-(on the engine thread), and each request's TTFT (submit to first token).
+"""How long an ended file-tier load waits for the engine thread to land it (`--wake-only`), with
+the tier waking the engine thread ("wake", what a worker does) and without ("no wake": the next
+poll). A real engine thread, a pool smaller than its prompts, prefixes coming back from the tier;
+modes interleaved round by round. Measured per load: read end (I/O thread) to landing, and TTFT.
 """
 
 from __future__ import annotations

@@ -27,8 +27,47 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def spawn(command: list[str], log_path: str, env: Optional[dict[str, str]] = None, **popen: object) -> subprocess.Popen:
+    """A child on this interpreter's repository root (importable through PYTHONPATH), output appended to its log."""
+    python_path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                env=dict(os.environ, PYTHONPATH=python_path, **(env or {})), **popen)
+
+
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of metric `name` at `url`/metrics whose labels include `labels` (all by default)."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if (line.startswith(name + " ") or line.startswith(name + "{")) and all(
+                f'{key}="{value}"' in line for key, value in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class _Child:
+    """kill and stop (SIGTERM, then SIGKILL after `stop_wait_s`) of a launched process in `self.process`."""
+
+    stop_wait_s = 10.0
+    process: Optional[subprocess.Popen]
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(self.stop_wait_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
 @dataclass
-class Worker:
+class Worker(_Child):
+    stop_wait_s = 15.0  # not a field: a worker drains and stops its NIXL agent before it exits
     role: str
     port: int
     log_path: str
@@ -58,9 +97,7 @@ class Worker:
         command = [sys.executable, "-m", "pdserve.app.cli", self.role, "--host", "127.0.0.1", "--port", str(self.port),
                    "--internal-port", str(self.internal_port), "--log-level", "info", "--num-threads", "1",
                    "--device", self.device, *self.extra_args]
-        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **self.env)
-        log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        self.process = spawn(command, self.log_path, self.env)
         return self
 
     def wait_ready(self, timeout_s: float = 120.0) -> "Worker":
@@ -76,33 +113,15 @@ class Worker:
             time.sleep(0.3)
         raise TimeoutError(f"{self.role} worker not ready in {timeout_s}s:\n{self.log_tail()}")
 
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(10)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
     def log_tail(self, num_chars: int = 4000) -> str:
         with open(self.log_path, "rb") as f:
             return f.read().decode(errors="replace")[-num_chars:]
 
     def metric(self, name: str) -> float:
-        """Sum of every sample of a metric (all label sets) from /metrics."""
-        total = 0.0
-        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric_sum(self.url, name)
 
 
-class ProxyProcess:
+class ProxyProcess(_Child):
     """`pdserve proxy` as a real process, its output in a log file."""
 
     def __init__(self, port: int, log_path: str, args: list[str]):
@@ -114,10 +133,8 @@ class ProxyProcess:
         self.start()
 
     def start(self) -> "ProxyProcess":
-        command = [sys.executable, "-m", "pdserve.app.cli", "proxy", "--port", str(self.port), *self.args]
-        env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        self.process = spawn([sys.executable, "-m", "pdserve.app.cli", "proxy", "--port", str(self.port), *self.args],
+                             self.log_path)
         return self
 
     def health(self, token: Optional[str] = None) -> dict:
@@ -130,28 +147,8 @@ class ProxyProcess:
         except httpx.HTTPError:
             return False
 
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels`."""
-        total = 0.0
-        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
-            if not (line.startswith(name + " ") or line.startswith(name + "{")):
-                continue
-            if all(f'{key}="{value}"' in line for key, value in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric_sum(self.url, name, **labels)
 
 
 def start_workers(*workers: Worker) -> list[Worker]:
@@ -224,12 +221,8 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "ServerProcess":
-        python_path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
-        env = dict(os.environ, PYTHONPATH=python_path, **self.env)
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(list(self.argv), stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=env, cwd=REPO_ROOT,
-                                            start_new_session=self.own_session)
+        self.process = spawn(list(self.argv), self.log_path, self.env, stdin=subprocess.DEVNULL,
+                             start_new_session=self.own_session)
         return self
 
     def _answers(self) -> bool:

@@ -22,14 +22,19 @@ logger = logging.getLogger(__name__)
 _IDLE_FIELDS = (3, 4)  # idle and iowait, after the "cpu" label
 
 
-def _cpu_ticks() -> Optional[tuple[int, int]]:
-    """(total, idle) jiffies of all CPUs since boot; None without /proc."""
+def _cpu_fields() -> Optional[list[int]]:
+    """The all-CPU jiffy counters of /proc/stat since boot; None without /proc."""
     try:
         with open("/proc/stat", encoding="ascii") as f:
-            values = [int(v) for v in f.readline().split()[1:]]
+            return [int(v) for v in f.readline().split()[1:]]
     except (OSError, ValueError):
         return None
-    return sum(values), sum(values[i] for i in _IDLE_FIELDS if i < len(values))
+
+
+def _cpu_ticks() -> Optional[tuple[int, int]]:
+    """(total, idle) jiffies of all CPUs since boot; None without /proc."""
+    values = _cpu_fields()
+    return None if values is None else (sum(values), sum(values[i] for i in _IDLE_FIELDS if i < len(values)))
 
 
 def busy_fraction(interval_s: float) -> Optional[float]:
@@ -64,12 +69,13 @@ _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal; idle an
 
 
 def _machine_busy_ticks() -> Optional[int]:
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = f.readline().split()[1:]
-    except OSError:
-        return None
-    return sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields))
+    values = _cpu_fields()
+    return None if values is None else sum(values[i] for i in _BUSY_FIELDS if i < len(values))
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far, all its threads; 0 once it is gone."""
+    return _process_ticks(pid) / os.sysconf("SC_CLK_TCK")
 
 
 def _process_ticks(pid: int) -> int:

@@ -31,15 +31,11 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> s
 
 
 def format_throughput_table(summaries: Sequence[RunSummary]) -> str:
-    lines = ["| system | requests ok / failed | duration (s) | requests/s | output tok/s | total tok/s | other CPU |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for s in summaries:
-        lines.append(
-            f"| {s.label} | {s.num_requests - s.num_failed} / {s.num_failed} | {s.duration_s:.1f} "
-            f"| {s.request_throughput:.3f} | {s.output_throughput:.1f} | {s.total_token_throughput:.1f} "
-            f"| {cell(s.foreign_cpu_fraction, '.0%')} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(
+        ["system", "requests ok / failed", "duration (s)", "requests/s", "output tok/s", "total tok/s", "other CPU"],
+        [(s.label, f"{s.num_requests - s.num_failed} / {s.num_failed}", f"{s.duration_s:.1f}",
+          f"{s.request_throughput:.3f}", f"{s.output_throughput:.1f}", f"{s.total_token_throughput:.1f}",
+          cell(s.foreign_cpu_fraction, ".0%")) for s in summaries])
 
 
 def latency_rows(summary: RunSummary) -> list[tuple[str, Optional[Distribution]]]:

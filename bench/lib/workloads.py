@@ -14,7 +14,10 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import httpx
+
 from bench.lib.load import Call
+from bench.lib.stream import RequestRecord, read_sync
 
 # Ids far from SmolLM2's special tokens (0-16) and inside every Llama-family
 # vocabulary we serve (>= 32000): any model under test accepts them.
@@ -214,3 +217,15 @@ def good_calls() -> list[Call]:
             "model": MODEL, "messages": [{"role": "user", "content": f"Tell me about {topic}."}],
             "max_tokens": 8 + index % 5, "temperature": 0, "stream": not stream}, name=f"chat-{index}"))
     return calls
+
+
+def baselines(base_url: str, calls: Sequence[Call], timeout_s: float) -> dict[str, str]:
+    """Each call's answer asked alone, one at a time: what a loaded run must answer again."""
+    answers = {}
+    with httpx.Client(timeout=timeout_s) as client:
+        for call in calls:
+            record = read_sync(client, base_url + call.path, call.body, record=RequestRecord(class_name=call.name))
+            if record.status != 200 or record.error or not record.finished:
+                raise RuntimeError(f"baseline {call.name} failed: {record.status} {record.error}")
+            answers[call.name] = record.text
+    return answers

@@ -1,14 +1,8 @@
-"""Routing benchmark: a multi-turn chat workload through `pdserve proxy` with each routing policy in
-turn, two prefill and two decode workers on this machine.
-
-    python -m bench.routing [--policies round_robin,least_loaded,prefix,kv_aware] [--num-conversations 12]
-        [--out bench/results/routing.json] [--plot-dir docs/figures/routing]
-
-Reports per policy: prompt tokens, prompt tokens the models computed (prefill and decode workers), the
-prefix-cache hit rate in tokens, TTFT p50/p99 (all turns, and later turns), KV bytes pulled per turn,
-turns served without a prefill leg; plus the KV events the workers published under the kv_aware run and
-what recording one costs the engine thread. Invariant: every policy runs the same conversations on the
-same warm workers, each starting from empty prefix caches, one policy at a time.
+"""Routing benchmark (`python -m bench.routing`): a multi-turn chat workload through `pdserve proxy`
+with each routing policy in turn over two prefill and two decode workers: prompt tokens computed,
+prefix-cache hits, TTFT, KV bytes pulled, turns without a prefill leg; plus the KV events published
+under kv_aware and what recording one costs. Invariant: every policy runs the same conversations
+on the same warm workers, each from empty prefix caches, one policy at a time.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ import time
 from dataclasses import asdict
 from typing import Optional, Sequence
 
-from bench.lib.launch import REPO_ROOT, LaunchError
+from bench.lib.launch import REPO_ROOT, LaunchError, metric_sum
 from bench.lib.load import run_conversations
 from bench.lib.machine import CpuMeter, wait_for_idle
 from bench.routing.cluster import ClusterSpec, RoutingCluster, scrape
@@ -98,7 +92,7 @@ def measure_policy(cluster: RoutingCluster, policy: str, spec: WorkloadSpec, wai
         cluster.wait_idle()
         after = cluster.counters()
         proxy_counts = scrape(proxy.base_url, PROXY_COUNTERS)
-        decode_only = scrape_mode(proxy.base_url, "decode_only")
+        decode_only = metric_sum(proxy.base_url, "pdserve_proxy_requests_total", mode="decode_only")
     finally:
         cluster.stop_proxy()
     summary = summarize(policy, result)
@@ -115,14 +109,6 @@ def measure_policy(cluster: RoutingCluster, policy: str, spec: WorkloadSpec, wai
         decode_only_turns=decode_only,
         prediction_error_tokens=proxy_counts[PROXY_COUNTERS[0]] if policy == "kv_aware" else None,
     )
-
-
-def scrape_mode(proxy_url: str, mode: str) -> float:
-    import httpx
-
-    text = httpx.get(proxy_url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdserve_proxy_requests_total{") and f'mode="{mode}"' in line)
 
 
 def run(args: argparse.Namespace, command: str) -> int:

@@ -18,7 +18,7 @@ from typing import Optional
 
 import httpx
 
-from bench.lib.launch import LaunchError, ServerProcess, free_port, internal_url_of
+from bench.lib.launch import LaunchError, ServerProcess, free_port, internal_url_of, metric_sum
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +46,7 @@ class ClusterSpec:
 
 def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
     """Sum of all samples of each counter (every label set)."""
-    totals = dict.fromkeys(names, 0.0)
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals
+    return {name: metric_sum(url, name) for name in names}
 
 
 class RoutingCluster:

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from bench.lib.load import FIRST_TURN, LATER_TURN, LoadResult
 from bench.lib.machine import machine_info
-from bench.lib.report import cell, write_document
+from bench.lib.report import cell, markdown_table, write_document
 from bench.lib.stats import RunSummary, summarize_run
 
 BASELINE = "round_robin"
@@ -59,19 +59,17 @@ def _ttft(summary: RunSummary, class_name: Optional[str], attribute: str) -> Opt
 
 def format_table(results: Sequence[PolicyResult]) -> str:
     baseline = next((r for r in results if r.policy == BASELINE), None)
-    lines = ["| policy | turns ok / failed | prompt tokens | prefill tokens computed | vs round_robin "
-             "| cache hit (tokens) | TTFT p50 ms | TTFT p99 ms | TTFT p50 later turns ms | KV MB pulled / turn "
-             "| turns without prefill leg | other CPU |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for r in results:
         ratio = f"{r.computed_tokens / baseline.computed_tokens:.2f}" if baseline and baseline.computed_tokens else "-"
         pulled = r.kv_bytes_pulled / r.num_ok / 1e6 if r.num_ok else None
         ttfts = [_ttft(r.summary, None, "p50"), _ttft(r.summary, None, "p99"), _ttft(r.summary, LATER_TURN, "p50")]
-        lines.append(
-            f"| {r.policy} | {r.num_ok} / {r.summary.num_failed} | {r.prompt_tokens:,} | {r.computed_tokens:,.0f} "
-            f"| {ratio} | {cell(r.cache_hit_rate, '.0%')} | {' | '.join(cell(t, '.0f', 1000) for t in ttfts)} "
-            f"| {cell(pulled, '.1f')} | {r.decode_only_turns:.0f} | {cell(r.summary.foreign_cpu_fraction, '.0%')} |")
-    return "\n".join(lines)
+        rows.append((r.policy, f"{r.num_ok} / {r.summary.num_failed}", f"{r.prompt_tokens:,}", f"{r.computed_tokens:,.0f}",
+                     ratio, cell(r.cache_hit_rate, ".0%"), *(cell(t, ".0f", 1000) for t in ttfts), cell(pulled, ".1f"),
+                     f"{r.decode_only_turns:.0f}", cell(r.summary.foreign_cpu_fraction, ".0%")))
+    return markdown_table(["policy", "turns ok / failed", "prompt tokens", "prefill tokens computed", "vs round_robin",
+                           "cache hit (tokens)", "TTFT p50 ms", "TTFT p99 ms", "TTFT p50 later turns ms",
+                           "KV MB pulled / turn", "turns without prefill leg", "other CPU"], rows)
 
 
 def verdict(results: Sequence[PolicyResult]) -> list[str]:

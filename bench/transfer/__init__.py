@@ -1,1 +1,1 @@
-"""KV transfer benchmarks: `python -m bench.transfer.kv_pull --mode ...` and `python -m bench.transfer.agent_isolation`."""
+"""KV transfer benchmarks: `python -m bench.transfer.kv_pull --mode layout|tp|block-size`."""

@@ -1,27 +1,12 @@
-"""KV pulls between block sizes: a decode worker whose pages hold D tokens pulls one prompt's KV from a
-prefill worker whose pages hold P tokens (16->16, 16->32, 32->16), over NIXL between two processes,
+"""KV pulls between block sizes (`--mode block-size`): a decode pool of D-token pages pulls one
+prompt from a prefill pool of P-token pages (16->16, 16->32, 32->16) over NIXL between two processes,
 direct (one descriptor per (unit, row): pdserve/transfer/token_units.py) or staged (one descriptor
-per remote run into a staging buffer, then one local copy), over 4 KiB pages or transparent huge
-pages; against the 16->16 pull (one descriptor per page) and a memcpy of the same bytes.
+per remote run into a staging buffer, then a local copy), against 16->16 and a memcpy. `--sweep K`
+cuts each page into K chunks in reversed local order (nothing merges) and `--sweep-runs R` reads
+runs of R chunks: the figures behind `NixlTransport`'s choice between direct and staged reads.
 
-    python -m bench.transfer.kv_pull --mode block-size [--shape smollm2|llama3-8b|tiny] [--pairs 16:16 16:32 32:16]
-        [--memory 4k-pages|huge-pages|both] [--prompt-tokens 2048 8192] [--reps 5]
-        [--sweep 1 2 4 8 16 32 64 128] [--sweep-runs 0 2 4 8] [--out bench/results/kv_transfer_block_size.json]
-
-`--sweep K ...` adds the measurements behind `NixlTransport`'s choice between direct and staged
-reads, at equal block sizes and the smallest prompt size: each page cut into K chunks whose
-local order is reversed (so nothing merges directly: one descriptor a chunk), read direct or
-staged. With `--sweep-runs R ...` the read takes groups of R consecutive chunks of each page
-and skips the next R (so a staged read takes one descriptor per R chunks: the descriptor factor
-is R); R = 0 reads every chunk (about one staged descriptor a page).
-
-The prefill side is one child process holding one pool per prefill block size (each its own
-agent); this process holds one pool per decode block size and, per case, its own NixlTransport
-on it (read_mode "direct" or "staged"). Block ids are scattered on both sides.
-
-Invariant: every case of a prompt moves the very same bytes (every token of every row once)
-between the same two processes; only the block sizes, and so the descriptors, differ. A case's
-landed bytes are checked token by token after the timing.
+Invariant: every case of a prompt moves the same bytes (every token of every row once) between the
+same two processes, scattered block ids on both sides; landed bytes are checked token by token.
 """
 
 from __future__ import annotations
@@ -37,7 +22,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from bench.lib.report import cell
+from bench.lib.report import cell, markdown_table
 from bench.transfer import pools
 from bench.transfer.pools import (
     MEMORY_MODES, SHAPES, TIMEOUT_S, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record,
@@ -139,25 +124,22 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| memory | tokens | P->D | read | descriptors | MB | pull ms | GB/s | vs 16->16 | vs memcpy "
-             "| memcpy GB/s | auto picks | other CPU |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
-    for r in rows:
-        lines.append(f"| {r['memory']} | {r['prompt_tokens']} | {r['prefill_block']}->{r['decode_block']} | "
-                     f"{r['read']} | {r['descriptors']} | {r['num_bytes'] / 1e6:.1f} | {r['pull_s'] * 1e3:.1f} | "
-                     f"{r['pull_gbps']:.2f} | {cell(r.get('vs_pages'))} | {cell(r.get('vs_memcpy'))} | "
-                     f"{r['memcpy_gbps']:.2f} | {r['auto_picks']} | {cell(r.get('foreign_cpu_fraction'), '.0%', missing='?')} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["memory", "tokens", "P->D", "read", "descriptors", "MB", "pull ms", "GB/s", "vs 16->16", "vs memcpy",
+         "memcpy GB/s", "auto picks", "other CPU"],
+        [(r["memory"], r["prompt_tokens"], f"{r['prefill_block']}->{r['decode_block']}", r["read"], r["descriptors"],
+          f"{r['num_bytes'] / 1e6:.1f}", f"{r['pull_s'] * 1e3:.1f}", f"{r['pull_gbps']:.2f}", cell(r.get("vs_pages")),
+          cell(r.get("vs_memcpy")), f"{r['memcpy_gbps']:.2f}", r["auto_picks"],
+          cell(r.get("foreign_cpu_fraction"), ".0%", missing="?")) for r in rows])
 
 
 def format_sweep(rows: list[dict]) -> str:
-    lines = ["| memory | tokens | chunks a page | chunk KiB | run chunks | direct descriptors | staged descriptors "
-             "| direct GB/s | staged GB/s | staged / direct |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['memory']} | {r['prompt_tokens']} | {r['chunks_per_page']} | {r['chunk_bytes'] / 1024:.1f} "
-                     f"| {r['run_chunks'] or 'page'} | {r['direct_descriptors']} | {r['staged_descriptors']} | "
-                     f"{r['direct_gbps']:.2f} | {r['staged_gbps']:.2f} | {r['staged_over_direct']:.2f} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["memory", "tokens", "chunks a page", "chunk KiB", "run chunks", "direct descriptors", "staged descriptors",
+         "direct GB/s", "staged GB/s", "staged / direct"],
+        [(r["memory"], r["prompt_tokens"], r["chunks_per_page"], f"{r['chunk_bytes'] / 1024:.1f}",
+          r["run_chunks"] or "page", r["direct_descriptors"], r["staged_descriptors"], f"{r['direct_gbps']:.2f}",
+          f"{r['staged_gbps']:.2f}", f"{r['staged_over_direct']:.2f}") for r in rows])
 
 
 # ---- pools ------------------------------------------------------------------------------------------

@@ -1,14 +1,8 @@
-"""The KV-pull benchmark: one prompt's KV pulled over NIXL between two processes, in one of three modes.
-
-    python -m bench.transfer.kv_pull --mode layout     [--shape smollm2|llama3-8b] [--device cpu|cuda[:N]]
-    python -m bench.transfer.kv_pull --mode tp         [--pairs 1:1 1:2 2:1 2:2 1:4 4:1] [--shape llama3-8b]
-    python -m bench.transfer.kv_pull --mode block-size [--pairs 16:16 16:32 32:16] [--sweep 1 2 4 8]
-    python -m bench.transfer.kv_pull --plot-from docs/figures/kv_pull_bytes.json --plot docs/figures/kv_pull_bytes.png
-
-Every mode times its pulls against an in-process memcpy of the same bytes, over 4 KiB pages or
-transparent huge pages (`--memory`), and writes JSON (`--out`); layout can also draw the
-bytes and time of a pull against the prompt length (`--plot`). Invariant: within a mode every case
-moves the very same bytes between the same two processes; only their description to NIXL differs.
+"""The KV-pull benchmark (`python -m bench.transfer.kv_pull --mode layout|tp|block-size`): one
+prompt's KV pulled over NIXL between two processes, timed against an in-process memcpy of the same
+bytes over 4 KiB or huge pages (`--memory`); layout also plots bytes and time against the prompt
+(`--plot`, or `--plot-from` a report). Invariant: within a mode every case moves the same bytes
+between the same two processes; only their description to NIXL differs.
 """
 
 from __future__ import annotations

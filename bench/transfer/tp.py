@@ -1,23 +1,11 @@
-"""KV pulls between tensor-parallel shapes: a decode worker of TP size D pulls a prompt's KV from a
-prefill worker of TP size P (1->1, 1->2, 2->1, 2->2, 1->4, 4->1), every decode rank through its own
-NIXL agent and `RankReader`, with block ids allocated contiguously (runs coalesce at equal TP) or
-scattered (no run merges), over 4 KiB pages or transparent huge pages; against the 1->1 pull and an
-in-process memcpy of the same bytes.
+"""KV pulls between tensor-parallel shapes (`--mode tp`): a decode worker of TP size D pulls a prompt
+from a prefill worker of TP size P, every decode rank through its own agent and `RankReader`, block
+ids contiguous (runs coalesce at equal TP) or scattered, against 1->1 and a memcpy. Each side's TP
+sizes carve their rank pools from one buffer (rank r of T at offset r * size / T), so every pair is
+timed in one run.
 
-    python -m bench.transfer.kv_pull --mode tp [--out bench/results/kv_transfer_tp.json] [--reps 5]
-                                    [--memory 4k-pages|huge-pages|both] [--prompt-tokens 2048 8192]
-                                    [--pairs 1:1 1:2 2:1 2:2 1:4 4:1] [--shape llama3-8b]
-
-The prefill side is one child process hosting every prefill TP size's ranks (each rank its own pool
-slice and agent); this process hosts every decode TP size's ranks. A TP size's rank pools are carved
-from one buffer per side (rank r of T: heads per `rank_kv_heads`, its pages at offset r * size / T),
-so all pairs can be timed turn by turn in one run without a pool per TP size; only the pair being
-timed touches the memory at a time.
-
-Invariant: every pair moves the very same bytes (each prompt block's whole page, every KV head once)
-between the same two processes; only how many ranks split them, and so how many descriptors
-describe them, differs. A pull's time runs from the first rank's `start_read` until every rank's
-reads are DONE (the ranks' reads are in flight together, progressed by one thread).
+Invariant: every pair moves the same bytes (each block's whole page, every KV head once) between the
+same two processes; a pull runs from the first rank's `start_read` until every rank's reads are DONE.
 """
 
 from __future__ import annotations
@@ -31,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from bench.lib.report import cell
+from bench.lib.report import cell, markdown_table
 from bench.transfer import pools
 from bench.transfer.pools import (
     MEMORY_MODES, SHAPES, TIMEOUT_S, PoolShape, allocate_bytes, huge_page_kib, machine_record, medians_with_memcpy,
@@ -168,16 +156,13 @@ def coalescing_gains(rows: list[dict]) -> dict[tuple[str, int, str], float]:
 
 def format_table(rows: list[dict]) -> str:
     """A markdown table, one line per (memory, prompt, pair, allocation)."""
-    lines = ["| memory | tokens | P->D | blocks | descriptors | MB | pull ms | GB/s | vs 1->1 | vs memcpy "
-             "| memcpy GB/s | other CPU |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['memory']} | {r['prompt_tokens']} | {r['prefill_tp']}->{r['decode_tp']} | "
-                     f"{r['allocation']} | {r['descriptors']} | {r['num_bytes'] / 1e6:.1f} | "
-                     f"{r['pull_s'] * 1e3:.1f} | {r['pull_gbps']:.2f} | {cell(r.get('vs_1to1'))} | "
-                     f"{cell(r.get('vs_memcpy'))} | {r['memcpy_gbps']:.2f} | "
-                     f"{cell(r.get('foreign_cpu_fraction'), '.0%', missing='?')} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["memory", "tokens", "P->D", "blocks", "descriptors", "MB", "pull ms", "GB/s", "vs 1->1", "vs memcpy",
+         "memcpy GB/s", "other CPU"],
+        [(r["memory"], r["prompt_tokens"], f"{r['prefill_tp']}->{r['decode_tp']}", r["allocation"], r["descriptors"],
+          f"{r['num_bytes'] / 1e6:.1f}", f"{r['pull_s'] * 1e3:.1f}", f"{r['pull_gbps']:.2f}", cell(r.get("vs_1to1")),
+          cell(r.get("vs_memcpy")), f"{r['memcpy_gbps']:.2f}", cell(r.get("foreign_cpu_fraction"), ".0%", missing="?"))
+         for r in rows])
 
 
 # ---- the prefill child ---------------------------------------------------------------------------
