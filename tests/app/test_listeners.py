@@ -49,3 +49,29 @@ def test_both_listeners_serve_their_own_app_and_the_internal_one_stops_after_the
     assert internal.should_exit  # stopped with the serving listener, not left behind
     with pytest.raises(OSError):  # and its port is closed
         socket.create_connection(("127.0.0.1", bound_port(internal_socket)), timeout=1).close()
+
+
+def test_a_listener_s_connections_send_without_waiting_for_acks():
+    """TCP_NODELAY on every accepted connection (asyncio sets it only on sockets that name their protocol,
+    IPPROTO_TCP): without it, a response's body waits behind its head for the client's delayed ACK,
+    40 ms on Linux, on every request and every streamed chunk."""
+    listener = bind_listener("127.0.0.1", 0)
+
+    async def accepted_nodelay() -> int:
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                sock = transport.get_extra_info("socket")
+                accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", bound_port(listener))
+            try:
+                return await asyncio.wait_for(accepted, 10)
+            finally:
+                writer.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0

@@ -13,6 +13,13 @@ from bench.lib.legs import REMOTE_DECODE, decode_leg, page_bytes, prefill_leg, t
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def reset_prefix_cache(worker: Worker, headers: Optional[dict] = None) -> None:
+    """Drops every cached prefix block of `worker` (its internal listener's route), so that a test on a worker
+    other tests shared starts from an empty prefix cache whatever ran before it."""
+    response = httpx.post(worker.internal_url + "/internal/kv/reset_prefix_cache", headers=headers, timeout=30)
+    response.raise_for_status()
+
+
 def same_path_reference(worker: Worker, path: str, body: dict, request_id: str, headers: Optional[dict] = None,
                         block_size: int = 16) -> dict:
     """What a P/D answer must equal bit for bit (tokens and logprobs), on any device and dtype.

@@ -8,11 +8,11 @@ The order is forced, not raced: the prefill worker is frozen (SIGSTOP) with the 
 flight, and the proxy polls health only at start here, so it still counts that worker available.
 The SLO is chosen so that the decisions do not depend on the machine's speed: a TTFT budget of
 5 ms per prompt token and a 1 ms TPOT. The proxy has timed three prefills, so it knows s, the
-prefill worker's seconds per token. The long prompt (about 1,500 tokens) fits its 7.5 s budget on
-the idle prefill worker for any s below 5 ms. Behind it, the short prompt (about 100 tokens)
-would wait 1,600 s there against a budget of 0.5 s: any s above 0.31 ms (3.2k tokens a second,
-beyond what one CPU core does with this model) sends it to the decode worker; with nothing ahead,
-any s below 5 ms keeps it on P."""
+prefill worker's seconds per token. The long prompt (about 1,400 tokens) fits its 7 s budget on
+the idle prefill worker for any s below 5 ms. Behind it, the short prompt (about 90 tokens) would
+wait about 1,500 s there against a budget of 0.45 s: any s above 0.3 ms (3.3k tokens a second, ten
+times what one CPU core does with this model, about 3 ms a token) sends it to the decode worker;
+with nothing ahead, any s below 5 ms keeps it on P."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_a_short_prompt_moves_to_the_decode_worker_while_prefill_is_busy_and_bac
     os.kill(prefill.process.pid, signal.SIGSTOP)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            long = completion("Long document: " + " ".join(f"line {i}" for i in range(750)))
+            long = completion("Long document: " + " ".join(f"line {i}" for i in range(300)))  # ~1,400 tokens
             pending = pool.submit(through, proxy, long)
             assert wait_for(lambda: proxy.metric("pdserve_proxy_backend_in_flight_requests", role="prefill") == 1,
                             30, interval_s=0.02)

@@ -3,14 +3,18 @@ the decode worker cuts both sides' pages into units of the smaller block and rea
 each row. Greedy parity with transformers on a tiny Llama (4 query / 2 KV heads) and a tiny Gemma 3
 whose sliding window is shorter than the prompt, for block sizes 16->32 and 32->16 and the mixed
 pair TP 2->1 with blocks 16->32; the decode workers fail rather than recompute, so an answer proves
-the KV was pulled, and the decode metrics show D computed only the prompt's last token."""
+the KV was pulled, and the decode metrics show D computed only the prompt's last token.
+
+One set of workers per tiny model serves every test here; the decode workers keep a prefix cache (the
+partial-hit tests need it), which each test empties before it sends a prompt that must be pulled whole."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from tests.integration.cluster import Worker, free_port, page_bytes, start_workers, stop_all, two_legs, wait_for
+from tests.integration.cluster import (
+    Worker, free_port, page_bytes, reset_prefix_cache, start_workers, stop_all, two_legs, wait_for)
 from tests.integration.test_tensor_parallel import NUM_NEW, VOCAB, assert_greedy_parity, tiny_llama, token_ids
 from tests.models.hf_oracle import hf_greedy_with_margins
 from tests.tiny_models import GEMMA_VOCAB, GEMMA_WINDOW, make_tiny_gemma3, random_prompt
@@ -25,15 +29,18 @@ PROMPT_LENGTHS = (11, 70)
 assert 70 - GEMMA_WINDOW == 54
 
 
-def worker(role: str, model_dir: str, logs, size: int, block_size: int, prefix_caching: bool = False) -> Worker:
+def worker(role: str, model_dir: str, logs, size: int, block_size: int) -> Worker:
     extra = ["--model", model_dir, "--dtype", "float32", "--num-blocks", "64", "--block-size", str(block_size),
              "-tp", str(size)]
     if role == "decode":
-        extra += ["--kv-failure-policy", "fail"] + ([] if prefix_caching else ["--no-prefix-caching"])
+        extra += ["--kv-failure-policy", "fail"]
     return Worker(role, free_port(), str(logs / f"{role}-tp{size}-bs{block_size}.log"), extra)
 
 
-@pytest.fixture(scope="module", params=["llama-4q-2kv", "gemma3-window"])
+LLAMA = "llama-4q-2kv"
+
+
+@pytest.fixture(scope="module", params=[LLAMA, "gemma3-window"])
 def shapes(request, tmp_path_factory):
     """Every worker the pairs need, on one tiny model, with its oracle."""
     model_dir = str(tmp_path_factory.mktemp(request.param))
@@ -84,6 +91,7 @@ def test_pd_between_block_sizes_matches_transformers_with_the_kv_pulled(shapes, 
         descriptors_before = decode.metric("pdserve_transfer_descriptors_total")
         bytes_before = decode.metric("pdserve_transfer_bytes_total")
         computed_before = decode.metric("pdserve_engine_computed_prompt_tokens_total")
+        reset_prefix_cache(decode)  # another pair sent D this prompt already: all of it must be pulled
         params, response = two_legs(prefill, decode, "/v1/completions", completion(model, prompt),
                                     f"bs-{prefill_block}-{decode_block}-tp{prefill_tp}-{seed}")
         assert response.status_code == 200, response.text
@@ -98,33 +106,31 @@ def test_pd_between_block_sizes_matches_transformers_with_the_kv_pulled(shapes, 
     assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, 30)
 
 
+@pytest.mark.parametrize("shapes", [LLAMA], indirect=True)  # the tiny Llama's workers: full attention only
 @pytest.mark.parametrize("prefill_block, decode_block", [(16, 32), (32, 16)])
 def test_a_partial_prefix_hit_on_a_decode_worker_of_another_block_size_pulls_only_the_missing_tail(
-        tmp_path, prefill_block, decode_block):
+        shapes, prefill_block, decode_block):
     """D with its prefix cache on: a second prompt sharing the first 64 tokens of an earlier one
     reads only the tokens past them, and the answer still matches transformers."""
-    model_dir = str(tmp_path / "llama")
-    oracle = tiny_llama(model_dir, 4, 2, True, seed=6)
-    prefill = worker("prefill", model_dir, tmp_path, 1, prefill_block)
-    decode = worker("decode", model_dir, tmp_path, 1, decode_block, prefix_caching=True)
-    start_workers(prefill, decode)
-    try:
-        model = httpx.get(decode.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        bytes_per_token = page_bytes(decode) // decode_block
-        shared = random_prompt(64, VOCAB, 7)
-        first, second = shared + random_prompt(21, VOCAB, 8), shared + random_prompt(21, VOCAB, 9)
-        pulled = []
-        for index, prompt in enumerate((first, second)):
-            bytes_before = decode.metric("pdserve_transfer_bytes_total")
-            _, response = two_legs(prefill, decode, "/v1/completions", completion(model, prompt), f"prefix-{index}")
-            assert response.status_code == 200, response.text
-            want, margins = hf_greedy_with_margins(oracle, prompt, NUM_NEW)
-            assert_greedy_parity(token_ids(response.json()["choices"][0]["logprobs"]["tokens"]), want, margins)
-            cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            pulled.append((cached, (decode.metric("pdserve_transfer_bytes_total") - bytes_before) // bytes_per_token))
-        unit, length = min(prefill_block, decode_block), 64 + 21
-        end = -(-length // unit) * unit  # the last unit moves whole
-        assert pulled[0] == (0, end)
-        assert pulled[1] == (64, end - 64)  # the shared tokens came from D's own cache, only the tail travelled
-    finally:
-        stop_all(prefill, decode)
+    _, oracle, _, workers = shapes
+    prefill, decode = workers["prefill", 1, prefill_block], workers["decode", 1, decode_block]
+    model = httpx.get(decode.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    bytes_per_token = page_bytes(decode) // decode_block
+    shared = random_prompt(64, VOCAB, 7)
+    first, second = shared + random_prompt(21, VOCAB, 8), shared + random_prompt(21, VOCAB, 9)
+    reset_prefix_cache(decode)  # nothing of `shared` cached on D from the other pair's run
+    pulled = []
+    for index, prompt in enumerate((first, second)):
+        bytes_before = decode.metric("pdserve_transfer_bytes_total")
+        _, response = two_legs(prefill, decode, "/v1/completions", completion(model, prompt),
+                               f"prefix-{prefill_block}-{decode_block}-{index}")
+        assert response.status_code == 200, response.text
+        want, margins = hf_greedy_with_margins(oracle, prompt, NUM_NEW)
+        assert_greedy_parity(token_ids(response.json()["choices"][0]["logprobs"]["tokens"]), want, margins)
+        cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        pulled.append((cached, (decode.metric("pdserve_transfer_bytes_total") - bytes_before) // bytes_per_token))
+    unit, length = min(prefill_block, decode_block), 64 + 21
+    end = -(-length // unit) * unit  # the last unit moves whole
+    assert pulled[0] == (0, end)
+    assert pulled[1] == (64, end - 64)  # the shared tokens came from D's own cache, only the tail travelled
+    assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, 30)

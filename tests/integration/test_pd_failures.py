@@ -51,18 +51,6 @@ def local_text(decode: Worker) -> str:
     return response.json()["choices"][0]["text"]
 
 
-def test_decode_killed_before_pulling_lets_prefill_reclaim_within_the_lease(cluster, tmp_path):
-    prefill = cluster["prefill"]
-    doomed = Worker("decode", free_port(), str(tmp_path / "doomed.log"), ["--num-blocks", "100"], prefill.device)
-    start_workers(doomed)
-    response = prefill_leg(prefill, "/v1/completions", story(), "doomed")
-    assert response.status_code == 200
-    assert prefill.metric("pdserve_transfer_pinned_blocks") > 0
-    doomed.kill()
-    assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, timeout_s=LEASE_S + 3)
-    assert httpx.get(prefill.url + "/health", timeout=5).status_code == 200
-
-
 def test_prefill_restart_is_rehandshaked_transparently(cluster, tmp_path):
     prefill, decode = cluster["prefill"], cluster["recompute"]
     expected = same_path_reference(prefill, "/v1/completions", story(), "reference")["choices"][0]["logprobs"]
@@ -113,3 +101,15 @@ def test_prefill_killed_after_returning_params_recompute_and_fail_policies(clust
                        internal_port=prefill.internal_port)
     start_workers(restarted)
     cluster["prefill"] = restarted
+
+
+def test_decode_killed_before_pulling_lets_prefill_reclaim_within_the_lease(cluster):
+    """Runs last in this module: the decode worker it kills is the module's fail-policy one (starting one
+    of its own to kill cost a worker start)."""
+    prefill, doomed = cluster["prefill"], cluster["fail"]
+    response = prefill_leg(prefill, "/v1/completions", story(), "doomed")
+    assert response.status_code == 200
+    assert prefill.metric("pdserve_transfer_pinned_blocks") > 0
+    doomed.kill()
+    assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, timeout_s=LEASE_S + 3)
+    assert httpx.get(prefill.url + "/health", timeout=5).status_code == 200
