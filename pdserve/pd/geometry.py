@@ -26,7 +26,8 @@ from typing import Any, Optional, Sequence
 
 from pdserve.kv.prefix import first_live_block
 from pdserve.kv.specs import KVGroup, KVGroupPlan, RecurrentStateSpec
-from pdserve.transfer.planner import HandoffSide, InvalidRemoteBlockIds, PullPlan, StatePage, plan_pull, plan_state_moves
+from pdserve.transfer.planner import (HandoffSide, InvalidRemoteBlockIds, PullPlan, StatePage, plan_pull,
+                                      plan_state_moves)
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:

@@ -127,6 +127,7 @@ def unit_chunk_ids(grid: UnitGrid, unit_ids: Sequence[int], first_row: int, num_
     units = np.asarray(unit_ids, dtype=np.int64).reshape(-1)
     blocks, slots = np.divmod(units, grid.units_per_row)
     rows = np.arange(first_row, first_row + num_rows, dtype=np.int64) * grid.units_per_row
-    firsts = (blocks * grid.chunks_per_page + slots * grid.chunks_per_unit)[:, None] + (rows * grid.chunks_per_unit)[None, :]
+    firsts = ((blocks * grid.chunks_per_page + slots * grid.chunks_per_unit)[:, None]
+              + (rows * grid.chunks_per_unit)[None, :])
     pieces = np.arange(grid.chunks_per_unit, dtype=np.int64)
     return (firsts[:, :, None] + pieces[None, None, :]).reshape(-1)

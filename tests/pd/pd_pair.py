@@ -80,7 +80,8 @@ class PrefillSide:
         ranked = dataclasses.replace(peer, agent_metadata=encode_ranks([rank_descriptor(peer)]))  # as workers send it
         return AgentInfo(
             protocol_version=PROTOCOL_VERSION, compat_hash="h", engine_id=self.name, epoch="epoch-1",
-            geometry=PoolGeometry(num_blocks=NUM_BLOCKS, page_bytes=self.transport.page_bytes, block_size=self.block_size,
+            geometry=PoolGeometry(num_blocks=NUM_BLOCKS, page_bytes=self.transport.page_bytes,
+                                  block_size=self.block_size,
                                   group_size=self.plan.group_size, groups=groups_to_wire(self.plan)),
             transport=ranked.to_dict(),
         )
@@ -94,7 +95,8 @@ class DecodeSide:
 
     def __init__(self, fabric: FakeFabric, clock: FakeClock, policy: str = "recompute", max_running: int = 64,
                  pull_timeout_s: float = 60.0, heartbeat_s: float = 5.0, block_size: int = BLOCK,
-                 plan: KVGroupPlan = PLAN, page_bytes: int = 0, kv_page_bytes: int = 0, prefill_block_size: int = BLOCK):
+                 plan: KVGroupPlan = PLAN, page_bytes: int = 0, kv_page_bytes: int = 0,
+                 prefill_block_size: int = BLOCK):
         self.plan = plan
         self.block_size = block_size
         self.kv = KVCacheManager(plan, NUM_BLOCKS, block_size)
