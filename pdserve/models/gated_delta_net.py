@@ -20,13 +20,16 @@ activation), are laid out as
     in_proj rows:  [ q: Hk*dk | k: Hk*dk | v: Hv*dv | z: Hv*dv | b: Hv | a: Hv ]
     conv channels: [ q | k | v ]   (the first 2*Hk*dk + Hv*dv rows)
 
-and the output, normed per head and gated by SiLU(z), goes through `out_proj`.
+and the output, normed per head and gated by SiLU(z), goes through `out_proj`. Under tensor
+parallelism the shape is one rank's share of the heads and `load` cuts the whole tensors to it
+(`state_sharding`); `out_proj` is then row parallel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +38,7 @@ from pdserve.kv.specs import RecurrentStateSpec
 from pdserve.models.base import RecurrentStateContext
 from pdserve.models.layers import rms_norm
 from pdserve.models.short_conv import causal_conv
+from pdserve.models.state_sharding import StateShard, cut_rows, refuse_state_split
 from pdserve.models.weight_loader import WeightLoader
 from pdserve.models.weight_targets import copy_rows, empty_linear, empty_param
 
@@ -70,6 +74,15 @@ class GatedDeltaNetShape:
         return RecurrentStateSpec(
             kind="gated_delta_net", conv_channels=self.conv_channels, conv_window=self.conv_kernel_tokens - 1,
             recurrent_shape=(self.num_value_heads, self.key_head_dim, self.value_head_dim), dtype="float32")
+
+
+def delta_net_rank_shape(shape: GatedDeltaNetShape, size: int) -> GatedDeltaNetShape:
+    """One rank's share of the heads (its value heads are its key heads'); UnsupportedModelFeature
+    when `size` does not divide the key heads."""
+    refuse_state_split(size, "Gated DeltaNet", [("key heads", shape.num_key_heads),
+                                                ("value heads", shape.num_value_heads)])
+    return dataclasses.replace(shape, num_key_heads=shape.num_key_heads // size,
+                               num_value_heads=shape.num_value_heads // size)
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -166,15 +179,22 @@ class GatedDeltaNet(torch.nn.Module):
 
     def __init__(self, shape: GatedDeltaNetShape, layer_id: int, hidden_size: int,
                  activation: Callable[[torch.Tensor], torch.Tensor], eps: float, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, shard: Optional[StateShard] = None):
         super().__init__()
         self.shape, self.layer_id, self.activation, self.eps = shape, layer_id, activation, eps
+        self.shard = shard  # None: the whole layer; else `shape` is this rank's share
         self.in_proj = empty_linear(hidden_size, shape.projection_rows, False, dtype)
         self.conv_weight = empty_param((shape.conv_channels, shape.conv_kernel_tokens), dtype, device)
         self.neg_decay_rate = empty_param((shape.num_value_heads,), torch.float32, device)  # -exp(A_log)
         self.dt_bias = empty_param((shape.num_value_heads,), torch.float32, device)
         self.norm_weight = empty_param((shape.value_head_dim,), dtype, device)
         self.out_proj = empty_linear(shape.value_dim_total, hidden_size, False, dtype)
+
+    def whole_shape(self) -> GatedDeltaNetShape:
+        """The whole layer's shape (this rank's share times the ranks)."""
+        size = 1 if self.shard is None else self.shard.size
+        return dataclasses.replace(self.shape, num_key_heads=self.shape.num_key_heads * size,
+                                   num_value_heads=self.shape.num_value_heads * size)
 
     def forward(self, x: torch.Tensor, context: RecurrentStateContext) -> torch.Tensor:
         """x [rows, hidden] (normed residual stream) -> [rows, hidden]; reads and writes the layer's state."""
@@ -199,14 +219,36 @@ class GatedDeltaNet(torch.nn.Module):
         return self.out_proj(normed.reshape(num_rows, -1))
 
     def load(self, weights: WeightLoader, prefix: str, projection_parts: Sequence[torch.Tensor]) -> None:
-        """`projection_parts`: float row blocks q, k, v, z, b, a of the input projection (each family
-        stores them its own way); the rest under `{prefix}` (`...linear_attn.`)."""
-        self.in_proj = weights.linear_from_tensors(self.in_proj, projection_parts, prefix + "in_proj")
-        self.out_proj = weights.linear(self.out_proj, [prefix + "out_proj.weight"], prefix + "out_proj")
+        """`projection_parts`: whole float row blocks q, k, v, z, b, a of the input projection (each family
+        stores them its own way); the rest under `{prefix}` (`...linear_attn.`). A rank keeps its heads."""
         conv = weights.get(prefix + "conv1d.weight")  # [channels, 1, kernel]
-        copy_rows(self.conv_weight, [conv.reshape(conv.shape[0], -1)], prefix + "conv1d")
+        conv = conv.reshape(conv.shape[0], -1)
+        A_log, dt_bias = weights.get(prefix + "A_log"), weights.get(prefix + "dt_bias")
+        if self.shard is None:
+            self.in_proj = weights.linear_from_tensors(self.in_proj, projection_parts, prefix + "in_proj")
+            self.out_proj = weights.linear(self.out_proj, [prefix + "out_proj.weight"], prefix + "out_proj")
+        else:
+            key_rows, value_rows, value_heads = _rank_spans(self.shape, self.shard)
+            self.in_proj = weights.linear_from_tensors(self.in_proj, cut_rows(
+                projection_parts, [key_rows, key_rows, value_rows, value_rows, value_heads, value_heads]),
+                prefix + "in_proj")
+            out = weights.get(prefix + "out_proj.weight")[:, value_rows].contiguous()
+            self.out_proj = weights.linear_from_tensors(self.out_proj, [out], prefix + "out_proj")
+            whole = self.shape.num_key_heads * self.shard.size * self.shape.key_head_dim
+            conv = torch.cat(cut_rows(conv.split([whole, whole, conv.shape[0] - 2 * whole]),
+                                      [key_rows, key_rows, value_rows]))
+            A_log, dt_bias = A_log[value_heads], dt_bias[value_heads]
+        copy_rows(self.conv_weight, [conv], prefix + "conv1d")
         # A_log and dt_bias keep the checkpoint's precision in float32 (transformers rounds them to the model
         # dtype first: the same values in a float32 run, a last-bit difference at most in bf16).
-        copy_rows(self.neg_decay_rate, [-weights.get(prefix + "A_log").float().exp()], prefix + "A_log")
-        copy_rows(self.dt_bias, [weights.get(prefix + "dt_bias").float()], prefix + "dt_bias")
+        copy_rows(self.neg_decay_rate, [-A_log.float().exp()], prefix + "A_log")
+        copy_rows(self.dt_bias, [dt_bias.float()], prefix + "dt_bias")
         copy_rows(self.norm_weight, [weights.get(prefix + "norm.weight")], prefix + "norm")
+
+
+def _rank_spans(shape: GatedDeltaNetShape, shard: StateShard) -> tuple[slice, slice, slice]:
+    """A rank's rows of a whole q (or k) block, of a whole v (or z) block, and its value heads; `shape`
+    is the rank's share."""
+    num_key_heads, num_value_heads = shape.num_key_heads * shard.size, shape.num_value_heads * shard.size
+    return (shard.rows(num_key_heads, shape.key_head_dim), shard.rows(num_value_heads, shape.value_head_dim),
+            shard.share(num_value_heads))

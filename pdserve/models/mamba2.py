@@ -9,12 +9,16 @@ reads and writes back the state after the sequence's last row.
     in_proj row: | z (gate) : inner | x : inner | B : groups*N | C : groups*N | dt : heads |
                                     |<------- conv channels -------------->|
     state:       conv window [conv_channels, kernel - 1], ssm state [heads, head_dim, N]
+
+Under tensor parallelism the geometry is one rank's share of the heads and groups and `load` cuts
+the whole tensors to it (`state_sharding`); `out_proj` is then row parallel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 from pdserve.kv.specs import RecurrentStateSpec
 from pdserve.models.base import RecurrentStateContext
 from pdserve.models.short_conv import causal_conv
+from pdserve.models.state_sharding import StateShard, cut_rows, refuse_state_split
 from pdserve.models.ssd_scan import ssd_chunked_scan, ssd_step
 from pdserve.models.weight_loader import WeightLoader
 from pdserve.models.weight_targets import copy_rows, empty_linear, empty_param
@@ -55,6 +60,14 @@ class Mamba2Geometry:
                                   dtype=self.state_dtype)
 
 
+def mamba2_rank_geometry(geometry: Mamba2Geometry, size: int) -> Mamba2Geometry:
+    """One rank's share of the heads and groups; UnsupportedModelFeature when `size` does not divide
+    them (groups are not replicated: the grouped norm would span ranks)."""
+    refuse_state_split(size, "Mamba2", [("heads", geometry.num_heads), ("groups", geometry.num_groups)])
+    return dataclasses.replace(geometry, num_heads=geometry.num_heads // size,
+                               num_groups=geometry.num_groups // size)
+
+
 def gated_group_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, num_groups: int,
                          eps: float) -> torch.Tensor:
     """RMSNorm of y * silu(gate) over each of `num_groups` equal slices of the last dim, in float32;
@@ -69,9 +82,10 @@ class Mamba2Mixer(torch.nn.Module):
     """One Mamba2 mixer; `forward` takes the normed residual stream and returns its contribution."""
 
     def __init__(self, geometry: Mamba2Geometry, layer_id: int, activation: Callable[[torch.Tensor], torch.Tensor],
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, shard: Optional[StateShard] = None):
         super().__init__()
         self.geometry = g = geometry
+        self.shard = shard  # None: the whole mixer; else `geometry` is this rank's share
         self.layer_id = layer_id
         self.activation = activation
         projection_rows = g.inner_size + g.conv_channels + g.num_heads
@@ -109,17 +123,53 @@ class Mamba2Mixer(torch.nn.Module):
         return self.out_proj(y.to(h.dtype))
 
     def load(self, weights: WeightLoader, prefix: str) -> None:
-        """`{prefix}` is the block's mixer (`...layers.<i>.mixer.`), names as transformers saves them."""
-        get = weights.get
-        self.in_proj = weights.linear(self.in_proj, [prefix + "in_proj.weight"], prefix + "in_proj")
-        self.out_proj = weights.linear(self.out_proj, [prefix + "out_proj.weight"], prefix + "out_proj")
-        for layer, name in ((self.in_proj, "in_proj"), (self.out_proj, "out_proj")):
-            if layer.bias is not None:
-                copy_rows(layer.bias, [get(f"{prefix}{name}.bias")], f"{prefix}{name} bias")
-        conv = get(prefix + "conv1d.weight")  # [channels, 1, kernel]
+        """`{prefix}` is the block's mixer (`...layers.<i>.mixer.`), names as transformers saves them; a
+        rank keeps its heads' and groups' rows."""
+        shard = self.shard
+        spans = None if shard is None else _rank_spans(self.geometry, shard)
+
+        def get(name: str, kind: str = "") -> torch.Tensor:
+            """The whole tensor, or this rank's rows of it by the `kind` of its row blocks."""
+            whole = weights.get(prefix + name)
+            if shard is None or spans is None or not kind:
+                return whole
+            return _cut(whole, spans[kind], shard.size)
+
+        if spans is None:
+            self.in_proj = weights.linear(self.in_proj, [prefix + "in_proj.weight"], prefix + "in_proj")
+            self.out_proj = weights.linear(self.out_proj, [prefix + "out_proj.weight"], prefix + "out_proj")
+        else:
+            out_proj = weights.get(prefix + "out_proj.weight")[:, spans["inner"][0]].contiguous()
+            self.in_proj = weights.linear_from_tensors(self.in_proj, [get("in_proj.weight", "in_proj")],
+                                                       prefix + "in_proj")
+            self.out_proj = weights.linear_from_tensors(self.out_proj, [out_proj], prefix + "out_proj")
+        if self.in_proj.bias is not None:
+            copy_rows(self.in_proj.bias, [get("in_proj.bias", "in_proj")], prefix + "in_proj bias")
+        if self.out_proj.bias is not None:
+            bias = get("out_proj.bias")
+            copy_rows(self.out_proj.bias, [bias if shard is None else shard.added_once(bias)],
+                      prefix + "out_proj bias")
+        conv = get("conv1d.weight", "conv")  # [channels, 1, kernel]
         copy_rows(self.conv_weight, [conv.reshape(conv.shape[0], -1)], prefix + "conv1d")
         if self.conv_bias is not None:
-            copy_rows(self.conv_bias, [get(prefix + "conv1d.bias")], prefix + "conv1d bias")
-        for param, name in ((self.A_log, "A_log"), (self.dt_bias, "dt_bias"), (self.D, "D"),
-                            (self.norm_weight, "norm.weight")):
-            copy_rows(param, [get(prefix + name)], prefix + name)
+            copy_rows(self.conv_bias, [get("conv1d.bias", "conv")], prefix + "conv1d bias")
+        for param, name, kind in ((self.A_log, "A_log", "heads"), (self.dt_bias, "dt_bias", "heads"),
+                                  (self.D, "D", "heads"), (self.norm_weight, "norm.weight", "inner")):
+            copy_rows(param, [get(name, kind)], prefix + name)
+
+
+def _rank_spans(geometry: Mamba2Geometry, shard: StateShard) -> dict[str, list[slice]]:
+    """A rank's rows of each row block of each kind of tensor (`geometry` is the rank's share):
+    in_proj [z | x | B | C | dt], conv [x | B | C], per head, per inner channel (x, z, norm)."""
+    g, size = geometry, shard.size
+    inner = shard.rows(g.num_heads * size, g.head_dim)
+    groups = shard.rows(g.num_groups * size, g.state_size)
+    heads = shard.share(g.num_heads * size)
+    return {"in_proj": [inner, inner, groups, groups, heads], "conv": [inner, groups, groups],
+            "heads": [heads], "inner": [inner]}
+
+
+def _cut(whole: torch.Tensor, spans: list[slice], size: int) -> torch.Tensor:
+    """`whole`'s row blocks (each `size` times its span's width) cut to the spans, concatenated."""
+    parts = whole.split([(span.stop - span.start) * size for span in spans])
+    return torch.cat(cut_rows(parts, spans))

@@ -9,11 +9,15 @@ the mixture of experts is built from such MLPs (`nemotron_h_ffn`). Layer ids cou
 that hold a cache (Mamba2 state or K/V), in order, so the MLP and MoE blocks take none.
 
 Weights load from the layout transformers saves (`backbone.` prefix) or its in-memory one (`model.`);
-multi-token-prediction layers (`mtp.*`) are not loaded.
+multi-token-prediction layers (`mtp.*`) are not loaded. Tensor parallelism splits the attention
+heads and the dense MLPs as other families do, the Mamba2 heads and groups by `state_sharding`, and
+every expert of a mixture-of-experts block by its units (`nemotron_h_ffn`), the block's output
+all-reduced once. The ranks' checkpoint slices by name: `NemotronHShardedWeights`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -23,8 +27,11 @@ from pdserve.kv.specs import FullAttentionSpec, LayerSpec
 from pdserve.models.base import QKV, CausalLM, DecoderLayer, ModelSpec, RecurrentStateContext
 from pdserve.models.hf_config import ModelLoadError, UnsupportedModelFeature, require
 from pdserve.models.layers import activation_named, rms_norm_fp32_scale
-from pdserve.models.mamba2 import Mamba2Geometry, Mamba2Mixer
+from pdserve.models.mamba2 import Mamba2Geometry, Mamba2Mixer, mamba2_rank_geometry
 from pdserve.models.nemotron_h_ffn import DenseMLP, MoEGeometry, NemotronHMoE, ffn_activation
+from pdserve.models.state_sharding import StateShard
+from pdserve.models.moe_sharding import ExpertShard, expert_split_problem
+from pdserve.models.tensor_parallel import ShardedWeights, TensorParallelShard, sharded_args
 from pdserve.models.weight_loader import WeightLoader
 from pdserve.models.weight_targets import Embedding, copy_rows, empty_linear, empty_param
 
@@ -57,6 +64,7 @@ class NemotronHArgs:
     mamba_activation: str
     mamba: Mamba2Geometry
     moe: Optional[MoEGeometry]  # None when no block is a mixture of experts
+    rank_shard: Optional[StateShard] = None  # under tensor parallelism: `mamba` and experts are its share
 
     @property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -165,8 +173,31 @@ def nemotron_h_args(config: Mapping[str, Any]) -> NemotronHArgs:
     )
 
 
-def nemotron_h_sharded_args(args: NemotronHArgs, shard: Any) -> NemotronHArgs:
-    raise UnsupportedModelFeature("tensor parallelism is not supported for Nemotron-H")
+def nemotron_h_sharded_args(args: NemotronHArgs, shard: TensorParallelShard) -> NemotronHArgs:
+    """A rank's args: its attention heads and MLP rows (`sharded_args`), its share of every Mamba2
+    mixer's heads and groups, whose state specs then declare the rank's share, and of every expert's
+    units; UnsupportedModelFeature / ModelLoadError naming the counts when the size does not divide them."""
+    moe = args.moe
+    if moe is not None:
+        for width in (moe.intermediate_size, moe.shared_intermediate_size):
+            problem = expert_split_problem(width, shard.size)
+            if problem is not None:
+                raise ModelLoadError(problem)
+        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // shard.size,
+                                  shared_intermediate_size=moe.shared_intermediate_size // shard.size)
+    return dataclasses.replace(sharded_args(args, shard), mamba=mamba2_rank_geometry(args.mamba, shard.size),
+                               moe=moe, rank_shard=StateShard(shard.rank, shard.size))
+
+
+class NemotronHShardedWeights(ShardedWeights):
+    """`ShardedWeights` that passes the mixture-of-experts blocks' tensors whole (the routed and the
+    shared experts' up_proj / down_proj would otherwise meet the dense MLP's rule): `NemotronHMoE`
+    cuts each expert by its own width."""
+
+    def _rule(self, name: str) -> tuple[Optional[str], Optional[slice]]:
+        if ".mixer.experts." in name or ".mixer.shared_experts." in name:
+            return None, None
+        return super()._rule(name)
 
 
 class _PreNormBlock(torch.nn.Module):
@@ -188,7 +219,8 @@ class MambaBlock(_PreNormBlock):
     def __init__(self, args: NemotronHArgs, layer_id: int, dtype: torch.dtype, device: torch.device):
         super().__init__(args, device)
         self.layer_id = layer_id
-        self.mixer = Mamba2Mixer(args.mamba, layer_id, activation_named(args.mamba_activation), dtype, device)
+        self.mixer = Mamba2Mixer(args.mamba, layer_id, activation_named(args.mamba_activation), dtype, device,
+                                 args.rank_shard)
 
     def forward(self, h: torch.Tensor, rope: Any, context: RecurrentStateContext) -> torch.Tensor:  # type: ignore[override]
         return h + self.mixer(self.normed(h), context)
@@ -206,7 +238,8 @@ class FeedForwardBlock(_PreNormBlock):
         activation = ffn_activation(args.mlp_activation)
         self.mixer: torch.nn.Module
         if kind == MOE and args.moe is not None:
-            self.mixer = NemotronHMoE(args.hidden_size, args.moe, activation, args.mlp_bias, dtype, device)
+            shard = None if args.rank_shard is None else ExpertShard(args.rank_shard.rank, args.rank_shard.size)
+            self.mixer = NemotronHMoE(args.hidden_size, args.moe, activation, args.mlp_bias, dtype, device, shard)
         else:
             self.mixer = DenseMLP(args.hidden_size, args.intermediate_size, activation, args.mlp_bias, dtype)
 
@@ -274,6 +307,20 @@ class NemotronHForCausalLM(CausalLM):
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Any]:
         return self.embed_tokens(input_ids), None  # no positional encoding anywhere
+
+    def row_parallel_slots(self) -> list[tuple[torch.nn.Module, str]]:
+        """(module, attribute) of every row-parallel projection: attention o_proj, Mamba2 out_proj, MLP down."""
+        slots: list[tuple[torch.nn.Module, str]] = []
+        for block in self.layers:
+            if isinstance(block, AttentionBlock):
+                slots.append((block, "o_proj"))
+            elif isinstance(block, MambaBlock):
+                slots.append((block.mixer, "out_proj"))
+            elif isinstance(block.mixer, DenseMLP):
+                slots.append((block.mixer, "down_proj"))
+            else:  # a mixture of experts sums its routed and shared partials first: one all-reduce for both
+                slots.append((block, "mixer"))
+        return slots
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return rms_norm_fp32_scale(h, self.norm, self.args.norm_eps)

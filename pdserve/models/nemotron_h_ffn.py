@@ -7,18 +7,23 @@ two best shifted scores sum highest stay eligible, and the k best eligible exper
 unshifted scores, optionally renormalised to sum to one, times `routed_scaling_factor`, weigh them.
 Experts may run in a narrower latent space (`latent_size`: down-project before, up-project after).
 A shared expert (one dense MLP) always runs on the block's input and is added.
+
+Under tensor parallelism (`shard`) each rank holds a slice of every expert and of the shared expert
+(`moe_sharding`: up rows and down columns of its units; a down or latent-output bias added by rank 0
+only) and a whole router, so its output is a partial sum the caller all-reduces once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.models.layers import activation_named
 from pdserve.models.moe import Routing, run_by_expert
+from pdserve.models.moe_sharding import ExpertShard
 from pdserve.models.weight_loader import WeightLoader
 from pdserve.models.weight_targets import copy_rows, empty_linear, empty_param
 
@@ -41,6 +46,29 @@ def _load_linear(weights: WeightLoader, layer: torch.nn.Module, name: str) -> to
     return layer
 
 
+def _load_part(weights: WeightLoader, layer: torch.nn.Module, name: str, shard: Optional[ExpertShard],
+               rows: bool) -> torch.nn.Module:
+    """One projection, whole or (`shard`) this rank's units of it."""
+    return _load_linear(weights, layer, name) if shard is None else _load_slice(weights, layer, name, shard, rows)
+
+
+def _load_slice(weights: WeightLoader, layer: torch.nn.Module, name: str, shard: ExpertShard,
+                rows: bool) -> torch.nn.Module:
+    """`layer` filled from this rank's units of `{name}.weight`: its rows (an up projection, its bias
+    too) or its columns (a down projection, whose bias rank 0 adds)."""
+    weight = weights.get(name + ".weight")
+    units = shard.units(weight.shape[0 if rows else 1])
+    layer = weights.linear_from_tensors(layer, [weight[units] if rows else weight[:, units].contiguous()], name)
+    if layer.bias is not None:
+        bias = weights.get(name + ".bias")
+        copy_rows(layer.bias, [bias[units] if rows else _added_once(bias, shard)], name + " bias")
+    return layer
+
+
+def _added_once(bias: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
+    return bias if shard.rank == 0 else torch.zeros_like(bias)
+
+
 class DenseMLP(torch.nn.Module):
     def __init__(self, input_size: int, intermediate_size: int, activation: Activation, bias: bool,
                  dtype: torch.dtype):
@@ -52,9 +80,10 @@ class DenseMLP(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(self.up_proj(x)))
 
-    def load(self, weights: WeightLoader, prefix: str) -> None:
-        self.up_proj = _load_linear(weights, self.up_proj, prefix + "up_proj")
-        self.down_proj = _load_linear(weights, self.down_proj, prefix + "down_proj")
+    def load(self, weights: WeightLoader, prefix: str, shard: Optional[ExpertShard] = None) -> None:
+        """Whole, or this rank's units (`shard`: then the caller sums the ranks' outputs)."""
+        self.up_proj = _load_part(weights, self.up_proj, prefix + "up_proj", shard, rows=True)
+        self.down_proj = _load_part(weights, self.down_proj, prefix + "down_proj", shard, rows=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +118,10 @@ def sigmoid_group_top_k(logits: torch.Tensor, correction_bias: torch.Tensor, geo
 
 class NemotronHMoE(torch.nn.Module):
     def __init__(self, hidden_size: int, geometry: MoEGeometry, activation: Activation, bias: bool,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, shard: Optional[ExpertShard] = None):
         super().__init__()
-        g = self.geometry = geometry
+        g = self.geometry = geometry  # under tensor parallelism: widths are this rank's share
+        self.shard = shard
         self.activation = activation
         # The router runs in float32 whatever the model dtype (its scores are compared across experts).
         self.router_weight = empty_param((g.num_experts, hidden_size), torch.float32, device)
@@ -122,9 +152,12 @@ class NemotronHMoE(torch.nn.Module):
         copy_rows(self.router_weight, [weights.get(prefix + "gate.weight")], prefix + "gate")
         copy_rows(self.correction_bias, [weights.get(prefix + "gate.e_score_correction_bias")], prefix + "gate bias")
         for e in range(self.geometry.num_experts):
-            self.up[e] = _load_linear(weights, self.up[e], f"{prefix}experts.{e}.up_proj")
-            self.down[e] = _load_linear(weights, self.down[e], f"{prefix}experts.{e}.down_proj")
+            expert = f"{prefix}experts.{e}."
+            self.up[e] = _load_part(weights, self.up[e], expert + "up_proj", self.shard, rows=True)
+            self.down[e] = _load_part(weights, self.down[e], expert + "down_proj", self.shard, rows=False)
         if self.to_latent is not None:
             self.to_latent = _load_linear(weights, self.to_latent, prefix + "fc1_latent_proj")
             self.from_latent = _load_linear(weights, self.from_latent, prefix + "fc2_latent_proj")
-        self.shared.load(weights, prefix + "shared_experts.")
+            if self.shard is not None and self.from_latent.bias is not None:  # after the routed partial sum
+                self.from_latent.bias.copy_(_added_once(self.from_latent.bias, self.shard))
+        self.shared.load(weights, prefix + "shared_experts.", self.shard)

@@ -12,7 +12,10 @@ DeltaNet's gated one is zero-centred (scale 1 + w, in float32). Both kinds hold 
 
 Qwen3.5's text positions are one stream, so its multimodal RoPE sections all see the same position
 and reduce to plain RoPE; the vision tower (`Qwen3_5ForConditionalGeneration`) is not served.
-Multi-token-prediction weights (`mtp.*`) in a checkpoint are ignored. Tensor parallelism is refused.
+Multi-token-prediction weights (`mtp.*`) in a checkpoint are ignored. Tensor parallelism splits the
+attention heads as other families do (q_proj's per-head [query | gate] rows move together), the
+DeltaNet heads by `state_sharding`, and the MLPs: dense ones as other families do, Qwen3-Next's
+routed and shared experts each sliced (`moe_sharding`), the mixture's whole output all-reduced once.
 """
 
 from __future__ import annotations
@@ -24,17 +27,19 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from pdserve.kv.specs import FullAttentionSpec, LayerSpec
+from pdserve.kv.specs import FullAttentionSpec, LayerSpec, RecurrentStateSpec
 from pdserve.models.base import QKV, CausalLM, DecoderLayer, RecurrentStateContext
 from pdserve.models.decoder_args import DecoderArgs, decoder_fields
-from pdserve.models.gated_delta_net import GatedDeltaNet, GatedDeltaNetShape
+from pdserve.models.gated_delta_net import GatedDeltaNet, GatedDeltaNetShape, delta_net_rank_shape
 from pdserve.models.hf_config import (
     FULL_LAYER, ModelLoadError, UnsupportedModelFeature, require, rotary_dim_of, standard_rope)
 from pdserve.models.layers import GatedMLP, activation_named, rms_norm_fp32_scale
-from pdserve.models.moe import Experts, SparseMoE, softmax_then_top_k
+from pdserve.models.moe import Experts, ExpertWeights, SparseMoE, softmax_then_top_k
+from pdserve.models.moe_sharding import ExpertShard, expert_split_problem, sharded_experts
 from pdserve.models.qwen3_moe import qwen3_moe_expert_weights
 from pdserve.models.rope import RotaryTable, apply_rotary
-from pdserve.models.tensor_parallel import TensorParallelShard
+from pdserve.models.state_sharding import StateShard
+from pdserve.models.tensor_parallel import ShardedWeights, TensorParallelShard, sharded_args
 from pdserve.models.weight_loader import WeightLoader
 from pdserve.models.weight_targets import Embedding, copy_rows, empty_linear, empty_param
 
@@ -62,6 +67,7 @@ class Qwen3_5Args(DecoderArgs):
     rotary_dim: int
     delta_net: GatedDeltaNetShape
     moe: Optional[SharedExpertMoEArgs] = None  # Qwen3-Next's experts; None: dense MLPs everywhere
+    rank_shard: Optional[StateShard] = None  # under tensor parallelism: `delta_net` and experts are its share
 
 
 def _layer_specs(config: Mapping[str, Any], num_layers: int, delta_net: GatedDeltaNetShape) -> tuple[LayerSpec, ...]:
@@ -135,9 +141,36 @@ def qwen3_next_args(config: Mapping[str, Any]) -> Qwen3_5Args:
     return dataclasses.replace(args, moe=moe)
 
 
-def refuse_tensor_parallel(args: Qwen3_5Args, shard: TensorParallelShard) -> Qwen3_5Args:
-    raise UnsupportedModelFeature(f"tensor parallelism is not supported for {args.architecture} "
-                                  "(its Gated DeltaNet layers are not split across ranks)")
+def qwen3_5_sharded_args(args: Qwen3_5Args, shard: TensorParallelShard) -> Qwen3_5Args:
+    """A rank's args: its attention heads and MLP rows (`sharded_args`), its share of every DeltaNet's
+    heads, whose state specs then declare the rank's share, and of every expert's units;
+    UnsupportedModelFeature / ModelLoadError naming the counts when the size does not divide them."""
+    delta_net = delta_net_rank_shape(args.delta_net, shard.size)
+    specs = tuple(delta_net.state_spec() if isinstance(spec, RecurrentStateSpec) else spec
+                  for spec in args.layer_specs)
+    moe = args.moe
+    if moe is not None and moe.sparse_layers:
+        for width in (moe.moe_intermediate_size, moe.shared_expert_intermediate_size):
+            problem = expert_split_problem(width, shard.size)
+            if problem is not None:
+                raise ModelLoadError(problem)
+        moe = dataclasses.replace(moe, moe_intermediate_size=moe.moe_intermediate_size // shard.size,
+                                  shared_expert_intermediate_size=moe.shared_expert_intermediate_size // shard.size)
+    return dataclasses.replace(sharded_args(args, shard), delta_net=delta_net, layer_specs=specs, moe=moe,
+                               rank_shard=StateShard(shard.rank, shard.size))
+
+
+class GatedQueryShardedWeights(ShardedWeights):
+    """`ShardedWeights` for q_proj rows laid out [query | gate] per head (a rank's heads are twice as
+    many rows as their queries alone); the shared expert passes whole (`SharedExpertMoE` cuts it)."""
+
+    def _rule(self, name: str) -> tuple[Optional[str], Optional[slice]]:
+        if ".shared_expert." in name:
+            return None, None
+        kind, span = super()._rule(name)
+        if name.rsplit(".", 2)[-2:-1] == ["q_proj"] and span is not None:
+            return kind, slice(2 * span.start, 2 * span.stop)
+        return kind, span
 
 
 def zero_centred_scale(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -158,15 +191,29 @@ class SharedExpertMoE(torch.nn.Module):
         self.routed = SparseMoE(args.hidden_size, moe.num_experts, route, experts, False, dtype, device)
         self.shared = GatedMLP(args.hidden_size, moe.shared_expert_intermediate_size, act, False, dtype)
         self.shared_gate = empty_param((1, args.hidden_size), dtype, device)  # one logit per token, kept float
+        shard = args.rank_shard  # a rank holds a slice of every expert; its output is a partial sum
+        self.expert_shard = None if shard is None else ExpertShard(shard.rank, shard.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.routed(x) + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
 
     def load(self, weights: WeightLoader, prefix: str) -> None:
         self.routed.load_router(weights.get(prefix + "gate.weight"), None, prefix)
-        self.routed.experts.load(weights, qwen3_moe_expert_weights(weights, prefix + "experts."), prefix)
-        self.shared.load(weights, prefix + "shared_expert.")
+        experts = qwen3_moe_expert_weights(weights, prefix + "experts.")
+        self.routed.experts.load(weights, sharded_experts(experts, self.expert_shard), prefix)
+        self._load_shared(weights, prefix + "shared_expert.")
         copy_rows(self.shared_gate, [weights.get(prefix + "shared_expert_gate.weight")], prefix + "shared_expert_gate")
+
+
+    def _load_shared(self, weights: WeightLoader, prefix: str) -> None:
+        if self.expert_shard is None:
+            self.shared.load(weights, prefix)
+            return
+        whole = ExpertWeights(*(weights.get(f"{prefix}{name}_proj.weight") for name in ("gate", "up", "down")))
+        part = self.expert_shard.cut(whole)
+        self.shared.gate_up_proj = weights.linear_from_tensors(self.shared.gate_up_proj, [part.gate, part.up],
+                                                               prefix + "gate_up")
+        self.shared.down_proj = weights.linear_from_tensors(self.shared.down_proj, [part.down], prefix + "down")
 
 
 Mlp = Union[GatedMLP, SharedExpertMoE]
@@ -259,7 +306,9 @@ def delta_net_projection_parts(weights: WeightLoader, prefix: str, shape: GatedD
     (`in_proj_qkvz`: [q | k | v | z] of each key head's group, `in_proj_ba`: [b | a] likewise)."""
     get = weights.get
     if not weights.source.has(prefix + "in_proj_qkvz.weight"):
-        return [get(prefix + name + ".weight") for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
+        qkv = get(prefix + "in_proj_qkv.weight").split(
+            [shape.key_dim_total, shape.key_dim_total, shape.value_dim_total])
+        return [*qkv, *(get(prefix + name + ".weight") for name in ("in_proj_z", "in_proj_b", "in_proj_a"))]
     group = shape.num_value_heads // shape.num_key_heads
     fused = get(prefix + "in_proj_qkvz.weight")
     qkvz = fused.reshape(shape.num_key_heads, -1, fused.shape[-1])
@@ -277,7 +326,7 @@ class GatedDeltaNetLayer(torch.nn.Module):
         self.layer_id = layer_id
         self.block = _NormsAndMlp(args, layer_id, dtype, device)
         self.mixer = GatedDeltaNet(args.delta_net, layer_id, args.hidden_size, activation_named(args.hidden_act),
-                                   args.rms_norm_eps, dtype, device)
+                                   args.rms_norm_eps, dtype, device, args.rank_shard)
 
     def forward(self, h: torch.Tensor, rope: Any, context: RecurrentStateContext) -> torch.Tensor:
         return self.block.mlp_half(h + self.mixer(self.block.input_norm(h), context))
@@ -285,7 +334,7 @@ class GatedDeltaNetLayer(torch.nn.Module):
     def load(self, weights: WeightLoader, prefix: str) -> None:
         self.block.load(weights, prefix)
         mixer = prefix + "linear_attn."
-        self.mixer.load(weights, mixer, delta_net_projection_parts(weights, mixer, self.mixer.shape))
+        self.mixer.load(weights, mixer, delta_net_projection_parts(weights, mixer, self.mixer.whole_shape()))
 
 
 class Qwen3_5ForCausalLM(CausalLM):
@@ -311,6 +360,16 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def row_parallel_slots(self) -> list[tuple[torch.nn.Module, str]]:
+        """(module, attribute) of every row-parallel projection: attention o_proj, DeltaNet out_proj, MLP down."""
+        slots: list[tuple[torch.nn.Module, str]] = []
+        for layer in self.layers:
+            mixer = (layer, "o_proj") if isinstance(layer, GatedAttentionLayer) else (layer.mixer, "out_proj")
+            # A mixture of experts sums its routed and shared partials first: one all-reduce for both.
+            mlp = layer.block.mlp
+            slots += [mixer, (layer.block, "mlp") if isinstance(mlp, SharedExpertMoE) else (mlp, "down_proj")]
+        return slots
 
     @torch.no_grad()
     def load_weights(self, weights: WeightLoader) -> None:

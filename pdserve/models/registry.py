@@ -15,15 +15,16 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from pdserve.kv.specs import RecurrentStateSpec
 from pdserve.models.base import CausalLM
 from pdserve.models.gemma3 import Gemma3ForCausalLM, gemma3_args
 from pdserve.models.gpt_oss import GptOssForCausalLM, gpt_oss_args, gpt_oss_sharded_args
 from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.llama import LlamaForCausalLM, llama_args, mistral_args, qwen2_args, qwen3_args
-from pdserve.models.nemotron_h import NemotronHForCausalLM, nemotron_h_args, nemotron_h_sharded_args
+from pdserve.models.nemotron_h import (
+    NemotronHForCausalLM, NemotronHShardedWeights, nemotron_h_args, nemotron_h_sharded_args)
 from pdserve.models.qwen3_5 import (
-    Qwen3_5ForCausalLM, Qwen3NextForCausalLM, qwen3_5_args, qwen3_next_args, refuse_tensor_parallel)
+    GatedQueryShardedWeights, Qwen3_5ForCausalLM, Qwen3NextForCausalLM, qwen3_5_args, qwen3_5_sharded_args,
+    qwen3_next_args)
 from pdserve.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_args, qwen3_moe_sharded_args
 from pdserve.models.tensor_parallel import (
     AllGather, AllReduce, ShardedWeights, TensorParallelShard, shard_for, shard_output_head, sharded_args,
@@ -51,6 +52,8 @@ class ModelEntry:
     # A rank's args from the whole model's (`pdserve.models.tensor_parallel`); MoE families also
     # slice their experts.
     shard_args: Callable[[Any, TensorParallelShard], Any] = sharded_args
+    # A rank's slices of the checkpoint's tensors, by name.
+    shard_weights: Callable[[WeightSource, TensorParallelShard], WeightSource] = ShardedWeights
 
 
 # HF model_type -> architecture class name, for configs without `architectures`.
@@ -78,9 +81,12 @@ def model_registry() -> dict[str, ModelEntry]:
         "Gemma3ForCausalLM": ModelEntry(gemma3_args, Gemma3ForCausalLM),
         "GptOssForCausalLM": ModelEntry(gpt_oss_args, GptOssForCausalLM, gpt_oss_sharded_args),
         "Qwen3MoeForCausalLM": ModelEntry(qwen3_moe_args, Qwen3MoeForCausalLM, qwen3_moe_sharded_args),
-        "NemotronHForCausalLM": ModelEntry(nemotron_h_args, NemotronHForCausalLM, nemotron_h_sharded_args),
-        "Qwen3_5ForCausalLM": ModelEntry(qwen3_5_args, Qwen3_5ForCausalLM, refuse_tensor_parallel),
-        "Qwen3NextForCausalLM": ModelEntry(qwen3_next_args, Qwen3NextForCausalLM, refuse_tensor_parallel),
+        "NemotronHForCausalLM": ModelEntry(nemotron_h_args, NemotronHForCausalLM, nemotron_h_sharded_args,
+                                           NemotronHShardedWeights),
+        "Qwen3_5ForCausalLM": ModelEntry(qwen3_5_args, Qwen3_5ForCausalLM, qwen3_5_sharded_args,
+                                         GatedQueryShardedWeights),
+        "Qwen3NextForCausalLM": ModelEntry(qwen3_next_args, Qwen3NextForCausalLM, qwen3_5_sharded_args,
+                                           GatedQueryShardedWeights),
     }
 
 
@@ -107,14 +113,9 @@ def build_model(
         )
     args = entry.parse_config(config)
     model_kv_heads = args.num_kv_heads
-    if parallel is not None and parallel.size > 1 and any(
-            isinstance(spec, RecurrentStateSpec) for spec in args.layer_specs):
-        raise UnsupportedModelFeature(
-            f"{architecture} keeps recurrent state (Gated DeltaNet / Mamba2 layers): tensor parallelism does not "
-            "split that state yet; serve it on one rank (--tensor-parallel-size 1) (issue 37)")
     if parallel is not None and parallel.size > 1:
         shard = shard_for(args, parallel.rank, parallel.size)
-        args, weights = entry.shard_args(args, shard), ShardedWeights(weights, shard)
+        args, weights = entry.shard_args(args, shard), entry.shard_weights(weights, shard)
     model = entry.model_class(args, dtype, device)
     loader = WeightLoader(weights, policy, device)
     model.load_weights(loader)  # type: ignore[attr-defined]

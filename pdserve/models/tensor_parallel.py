@@ -10,6 +10,8 @@ slice of each weight through `ShardedWeights` (a `WeightSource` over the full ch
                                        dequantization (`moe_sharding`); one all-reduce after them
     LM head         (vocab parallel)   vocabulary rows split; the logits are all-gathered
     embedding, norms, MoE router       replicated
+    state mixers (Gated DeltaNet,      heads (and Mamba2 groups) split, never replicated: the model
+      Mamba2)                          file cuts their tensors (`state_sharding`); out_proj row parallel
 
     q heads  0 1 2 3 | 4 5 6 7      N=2, 8 q heads, 2 KV heads: rank 0 owns q 0-3 and KV head 0
     kv heads 0       | 1
@@ -202,7 +204,14 @@ class RowParallel(torch.nn.Module):
 
 def wrap_row_parallel(model: torch.nn.Module, all_reduce: AllReduce) -> None:
     """Sum each layer's attention output projection and MLP down projection over the ranks; in a
-    mixture-of-experts layer, the experts' combined output (one all-reduce, however many experts ran)."""
+    mixture-of-experts layer, the experts' combined output (one all-reduce, however many experts ran).
+    A model whose blocks differ (the hybrids) names its own row-parallel projections by
+    `row_parallel_slots()`: (module, attribute) pairs."""
+    slots = getattr(model, "row_parallel_slots", None)
+    if slots is not None:
+        for owner, name in slots():
+            setattr(owner, name, RowParallel(getattr(owner, name), all_reduce))
+        return
     for layer in model.layers:  # type: ignore[union-attr]
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, all_reduce)
         if isinstance(layer.mlp, SparseMoE):
