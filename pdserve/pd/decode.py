@@ -9,8 +9,9 @@ client's never get here); a failed pull never yields
 tokens from partial KV (policy `recompute` prefills locally, `fail` ends the
 request with `KVPullFailed`, and every prompt token so recomputed is counted
 by reason); P hears "free" whenever D will not read. A state group's page
-(P's handoff page) lands in the request's live page: D then computes the
-last prompt token from the state after the ones before it.
+(P's handoff page) lands in the request's live page (between block sizes,
+each state layer's slot into that layer's slot: pd/geometry.py `plan_handoff_pull`): D then
+computes the last prompt token from the state after the ones before it.
 Leases are renewed for queued requests and for those whose READ is in flight.
 Torch-free.
 """

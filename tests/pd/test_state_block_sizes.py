@@ -148,3 +148,43 @@ def test_a_one_token_prompt_pulls_no_state_across_block_sizes():
     assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == 0
     assert d.metrics.transfer.bytes._value.get() == 2 * 4 * HEAD_BYTES  # one unit of K and V, no state
     d.kv.check_invariants()
+
+
+def test_admission_checks_p_block_lists_against_p_own_groups_and_names_p_block_size_to_the_reader():
+    import asyncio
+
+    import httpx
+
+    from pdserve.api.kv_transfer import KVParamsInvalid
+    from pdserve.pd.admission import DecodeAdmission, PeerFailureMemory
+    from pdserve.pd.handshake import HandshakeClient
+    from pdserve.request import GenerationRequest
+
+    clock, fabric = FakeClock(), FakeFabric()
+    p = PrefillSide(fabric, clock, plan=plan_for(4), block_size=4, page_bytes=page_bytes(4))
+    prefill = make_request("r1", PROMPT, remote_decode=True, sampling=SamplingParams(max_tokens=1, temperature=0))
+    p.scheduler.add_request(prefill)
+    run_steps(p, prefill, lambda: prefill.finish_reason is not None)
+    params = prefill.kv_transfer_params
+    info = p.agent_info()
+    connected = []
+
+    async def connect(peer):
+        connected.append(peer)
+
+    def gate(tp_size: int) -> DecodeAdmission:
+        handshake = HandshakeClient("h", None, http_transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, content=info.model_dump_json())))
+        return DecodeAdmission(handshake, plan_for(16), 16, "recompute", connect, PeerFailureMemory(clock=clock),
+                               tp_size=tp_size)
+
+    generation = GenerationRequest("req", tuple(range(10, 10 + PROMPT)), SamplingParams(), kv_params=params)
+    admitted = asyncio.run(gate(1).admit(generation))
+    assert admitted.remote is not None and [peer.block_size for peer in connected] == [4]
+    with pytest.raises(KVParamsInvalid, match="only when both run one rank"):
+        asyncio.run(gate(2).admit(generation))
+    # D's own partition has 2 state groups, P's 3: P's lists are checked against P's, a state page each.
+    bad = params.model_copy(update={"remote_block_ids": [*params.remote_block_ids[:3], [7, 8]]})
+    with pytest.raises(KVParamsInvalid, match="remote_block_ids\\[3\\] must name 1 non-null blocks"):
+        asyncio.run(gate(1).admit(GenerationRequest("req", generation.prompt_token_ids, SamplingParams(),
+                                                    kv_params=bad)))
