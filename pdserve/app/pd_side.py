@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import httpx
 
 from pdserve.api.config import WorkerConfig
+from pdserve.kv.specs import RecurrentStateSpec
 from pdserve.metrics import Metrics
 from pdserve.models.base import ModelSpec
 from pdserve.app.model_side import ModelSide
@@ -46,11 +47,19 @@ def _pool_description(model_name: str, model: ModelSide) -> PoolDescription:
 
 
 def _ranked(factory: TransportFactory, channel: Optional[LeaderChannel], followers: list,
-            num_kv_heads: int, num_layer_slots: int) -> TransportFactory:
+            num_kv_heads: int, num_layer_slots: int, model: Optional[ModelSide] = None) -> TransportFactory:
     """Rank 0's transport (every P/D worker's, TP=1 included): its own slice's, reading each head
-    from the peer rank that holds it, and commanding the other ranks' agents too."""
+    from the peer rank that holds it, and commanding the other ranks' agents too. The pool's block
+    size, attention page and state slots let it read peers of another block size (padded pages, state)."""
+    geometry: dict = {}
+    if model is not None:
+        geometry = dict(block_size=model.layout.block_size, kv_page_bytes=model.layout.kv_page_bytes,
+                        state_slot_bytes=[group.spec.state_bytes for group in model.plan.groups
+                                          if isinstance(group.spec, RecurrentStateSpec)])
+
     def make(pool_view, agent_name: str):  # type: ignore[no-untyped-def]
-        return RankedTransport(factory(pool_view, agent_name), channel, followers, num_kv_heads, num_layer_slots)
+        return RankedTransport(factory(pool_view, agent_name), channel, followers, num_kv_heads, num_layer_slots,
+                               **geometry)
 
     return make
 
@@ -63,7 +72,7 @@ def build_pd_side(config: WorkerConfig, metrics: Metrics, model: ModelSide, mode
     replace NIXL and the network."""
     factory = configured_transport(transport_factory, model.shared_pool, metrics)
     factory = _ranked(factory, model.channel, model.follower_transports, model.spec.total_kv_heads,
-                      model.plan.group_size)
+                      model.plan.group_size, model)
     pool = _pool_description(model_name, model)
     kv_side = build_kv_side(config, metrics, pool, model.layout.canonical_view(model.runner.pool), factory)
     admission = build_admission(config, metrics, pool, kv_side, call_soon, http_transport)

@@ -26,7 +26,7 @@ from pdserve.api.kv_transfer import (AgentInfo, KVParamsInvalid, KVPinnedFull, K
                                      RemotePrefillParams)
 from pdserve.kv.block_pool import NULL_BLOCK_ID
 from pdserve.kv.specs import KVGroupPlan
-from pdserve.pd.geometry import handoff_ranges
+from pdserve.pd.geometry import handoff_ranges, peer_plan
 from pdserve.pd.handshake import HandshakeClient
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.request import GenerationRequest, RemoteSource
@@ -115,8 +115,9 @@ class PeerFailureMemory:
 
 def check_block_ids(params: RemotePrefillParams, agent: AgentInfo, plan: KVGroupPlan) -> None:
     """Shape and range of the block lists against the peer's pool and this prompt, in the peer's
-    own block size. Our prefill workers never send null entries, so none is accepted."""
-    expected = [len(r) for r in handoff_ranges(plan, params.num_prompt_tokens, agent.geometry.block_size)]
+    own block size and state partition. Our prefill workers never send null entries, so none is accepted."""
+    their_plan = peer_plan(plan, agent.geometry.groups) if plan.state_group_ids else plan
+    expected = [len(r) for r in handoff_ranges(their_plan, params.num_prompt_tokens, agent.geometry.block_size)]
     lists = validate_remote_block_ids(params.remote_block_ids, len(expected), agent.geometry.num_blocks, max(expected))
     for group_id, (ids, count) in enumerate(zip(lists, expected)):
         if len(ids) != count or NULL_BLOCK_ID in ids:
@@ -132,7 +133,8 @@ class DecodeAdmission:
     def __init__(self, handshake: HandshakeClient, plan: KVGroupPlan, block_size: int,
                  policy: Literal["recompute", "fail"], connect_peer: ConnectPeer,
                  failures: Optional[PeerFailureMemory] = None, count_failure: Callable[[], None] = lambda: None,
-                 allowed_peers: Optional[PeerAllowList] = None):
+                 allowed_peers: Optional[PeerAllowList] = None, tp_size: int = 1):
+        self.tp_size = tp_size  # this worker's tensor-parallel ranks
         self.count_failure = count_failure
         self.allowed_peers = allowed_peers
         self.handshake = handshake
@@ -171,14 +173,18 @@ class DecodeAdmission:
         if problem is not None:
             raise KVParamsInvalid(f"prefill worker {params.remote_engine_id} cannot hand its KV to this worker: "
                                   f"{problem}", param="kv_transfer_params")
-        if self.plan.state_group_ids and agent.geometry.block_size != self.block_size:
+        if self.plan.state_group_ids and agent.geometry.block_size != self.block_size and (
+                agent.tp_size != 1 or self.tp_size != 1):
             raise KVParamsInvalid(
-                f"prefill worker {params.remote_engine_id} pages in blocks of {agent.geometry.block_size} tokens, "
-                f"this worker in {self.block_size}: recurrent-state pages move only between equal block sizes "
-                f"(their layers per page follow the block size)", param="kv_transfer_params")
+                f"prefill worker {params.remote_engine_id} pages in blocks of {agent.geometry.block_size} tokens "
+                f"on {agent.tp_size} tensor-parallel rank(s), this worker in {self.block_size} on {self.tp_size}: "
+                f"recurrent state moves between different block sizes only when both run one rank",
+                param="kv_transfer_params")
         check_block_ids(params, agent, self.plan)
         try:
-            peer = PeerInfo.from_dict(agent.transport, via=via)
+            # The peer's block size rides along (never on the wire): reads between block sizes are cut by it.
+            peer = dataclasses.replace(PeerInfo.from_dict(agent.transport, via=via),
+                                       block_size=agent.geometry.block_size)
             if (peer.engine_id, peer.epoch) != (agent.engine_id, agent.epoch):  # the handshake checks it too
                 raise TransferError(f"the transport record of {via} names engine {peer.engine_id!r} epoch "
                                     f"{peer.epoch!r}, its agent info {agent.engine_id!r} {agent.epoch!r}")

@@ -9,8 +9,9 @@ client's never get here); a failed pull never yields
 tokens from partial KV (policy `recompute` prefills locally, `fail` ends the
 request with `KVPullFailed`, and every prompt token so recomputed is counted
 by reason); P hears "free" whenever D will not read. A state group's page
-(P's handoff page) lands in the request's live page: D then computes the
-last prompt token from the state after the ones before it.
+(P's handoff page) lands in the request's live page (between block sizes,
+each state layer's slot into that layer's slot: pd/geometry.py `plan_handoff_pull`): D then
+computes the last prompt token from the state after the ones before it.
 Leases are renewed for queued requests and for those whose READ is in flight.
 Torch-free.
 """
@@ -28,11 +29,10 @@ from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import TransferMetrics
 from pdserve.pd.connector import (ADMIT_LOCAL, ADMIT_REMOTE, FREE_NOW, Admission, AdmissionKind, FinishAction,
                                   KVEvents, LoadFailure)
-from pdserve.pd.geometry import handoff_ranges, handoff_sides, handoff_slices
+from pdserve.pd.geometry import peer_plan, plan_handoff_pull
 from pdserve.pd.messages import KVMessage, MessageKind
 from pdserve.pd.peers import PeerConnections
 from pdserve.request import RemoteSource, Request
-from pdserve.transfer.planner import plan_pull
 from pdserve.transfer.transport import (KVTransport, TransferError, TransferHandle, TransferState, handshake_address,
                                        peer_key)
 
@@ -115,21 +115,22 @@ class DecodeConnector:
         remote = self._remotes[request.request_id]
         params = remote.source.params
         num_tokens = request.num_prompt_tokens
-        theirs = remote.source.agent.geometry.block_size  # may differ from ours: the pull cuts both into units
-        ours = handoff_ranges(self.plan, num_tokens, self.block_size)
-        pull = plan_pull(handoff_sides(params.remote_block_ids, handoff_ranges(self.plan, num_tokens, theirs), theirs,
-                                       self.plan),
-                         handoff_sides(handoff_slices(block_tables, ours), ours, self.block_size, self.plan),
-                         num_tokens, num_cached_tokens)
+        geometry = remote.source.agent.geometry  # its block size may differ from ours: the pull cuts both into units
+        their_plan = peer_plan(self.plan, geometry.groups) if self.plan.state_group_ids else self.plan
+        pull = plan_handoff_pull(self.plan, self.block_size, block_tables, their_plan, geometry.block_size,
+                                 params.remote_block_ids, num_tokens, num_cached_tokens)
         remote.uncached_blocks = pull.uncached_blocks
-        if not pull.local_ids:  # D's prefix cache holds everything it needs
+        if pull.is_empty:  # D's prefix cache holds everything it needs
             del self._remotes[request.request_id]
             self._send(remote, MessageKind.FREE)
             return False
         try:
             remote.read_started_s = self.clock()
             done = KVMessage(MessageKind.DONE, params.remote_request_id, _nonce(params))
-            remote.handle = self.transport.start_read(remote.peer_key, pull.local_ids, pull.remote_ids, done.encode())
+            # State as byte ranges (between block sizes) only a RankedTransport reads; P/D wiring makes one.
+            extra = {"state_moves": pull.state_moves} if pull.state_moves else {}
+            remote.handle = self.transport.start_read(remote.peer_key, pull.local_ids, pull.remote_ids, done.encode(),
+                                                      **extra)
         except TransferError as error:
             del self._remotes[request.request_id]
             self._failed_to_start.append(self._failure(request.request_id, f"KV read could not start: {error.message}",

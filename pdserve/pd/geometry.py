@@ -7,7 +7,9 @@ at the first block the last prompt token still reads (sliding-window groups
 drop what slid out; full groups start at 0). A recurrent-state group hands over one page,
 whatever the prompt's length: P's handoff page (the state after all but the last prompt token,
 kv/state_pages.py), written into D's live page; none for a one-token prompt (D computes it from
-zeros). Torch-free.
+zeros). Between different block sizes P and D may cut their state layers into pages differently
+(`peer_plan` rebuilds P's plan from its handshake); state then moves layer by layer as byte
+ranges (`plan_handoff_pull`, transfer/planner.py `plan_state_moves`). Torch-free.
 
     prompt of 30 tokens, block_size 4 (8 blocks), window 8; the last prompt
     token (position 29) reads keys 22..29, i.e. blocks 5..7:
@@ -19,11 +21,13 @@ zeros). Torch-free.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import dataclasses
+from typing import Any, Optional, Sequence
 
 from pdserve.kv.prefix import first_live_block
-from pdserve.kv.specs import KVGroup, KVGroupPlan
-from pdserve.transfer.planner import HandoffSide
+from pdserve.kv.specs import KVGroup, KVGroupPlan, RecurrentStateSpec
+from pdserve.transfer.planner import (HandoffSide, InvalidRemoteBlockIds, PullPlan, StatePage, plan_pull,
+                                      plan_state_moves)
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -56,3 +60,51 @@ def handoff_sides(slices: Sequence[Sequence[int]], ranges: Sequence[range], bloc
     state = set(plan.state_group_ids) if plan is not None else set()
     return [HandoffSide(block_size, r.start, list(ids), is_state=group_id in state)
             for group_id, (ids, r) in enumerate(zip(slices, ranges))]
+
+
+def peer_plan(plan: KVGroupPlan, wire_groups: Sequence[Any]) -> KVGroupPlan:
+    """The peer's group plan as this worker sees it: this plan's attention groups (the compatibility
+    hash made them equal) and the peer's state groups, cut as its handshake's `groups` say (each a
+    `GroupWire`: kind, layer_ids). InvalidRemoteBlockIds when its state layers are not this plan's."""
+    attention = [group for group in plan.groups if not group.is_state]
+    state_specs = {layer_id: group.spec for group in plan.groups if group.is_state for layer_id in group.layer_ids}
+    theirs = [tuple(int(layer) for layer in group.layer_ids) for group in wire_groups if group.kind == "state"]
+    if len(wire_groups) - len(theirs) != len(attention) or sorted(sum(theirs, ())) != sorted(state_specs):
+        raise InvalidRemoteBlockIds(f"the peer's groups {[list(ids) for ids in theirs]} do not page this worker's "
+                                    f"state layers {sorted(state_specs)}")
+    groups = list(attention)
+    for layer_ids in theirs:
+        specs = {state_specs[layer] for layer in layer_ids}
+        if len(specs) != 1:
+            raise InvalidRemoteBlockIds(f"the peer's state group {list(layer_ids)} mixes layers of different state")
+        groups.append(KVGroup(len(groups), specs.pop(), layer_ids))
+    return dataclasses.replace(plan, groups=tuple(groups), geometry=None)
+
+
+def state_pages(plan: KVGroupPlan, sides: Sequence[HandoffSide]) -> list[StatePage]:
+    """The handoff pages of `plan`'s state groups (one page each, none for a one-token prompt)."""
+    pages = []
+    for group, side in zip(plan.groups, sides):
+        if isinstance(group.spec, RecurrentStateSpec):
+            pages += [StatePage(page, group.layer_ids, group.spec.state_bytes) for page in side.block_ids]
+    return pages
+
+
+def plan_handoff_pull(own_plan: KVGroupPlan, own_block_size: int, own_tables: Sequence[Sequence[int]],
+                      their_plan: KVGroupPlan, their_block_size: int, their_block_ids: Sequence[Sequence[int]],
+                      num_tokens: int, num_held_tokens: int) -> PullPlan:
+    """What D reads of a prompt P handed over: with equal block sizes whole pages (state pages too);
+    otherwise attention in token units and state as byte ranges, layer by layer."""
+    ours = handoff_ranges(own_plan, num_tokens, own_block_size)
+    local = handoff_sides(handoff_slices(own_tables, ours), ours, own_block_size, own_plan)
+    remote = handoff_sides(their_block_ids, handoff_ranges(their_plan, num_tokens, their_block_size),
+                           their_block_size, their_plan)
+    if their_block_size == own_block_size or not own_plan.state_group_ids:
+        return plan_pull(remote, local, num_tokens, num_held_tokens)
+    pull = plan_pull([side for side in remote if not side.is_state], [side for side in local if not side.is_state],
+                     num_tokens, num_held_tokens)
+    moves = plan_state_moves(state_pages(their_plan, remote), state_pages(own_plan, local), num_tokens,
+                             num_held_tokens)
+    state = own_plan.state_group_ids
+    return dataclasses.replace(pull, num_units_per_group=pull.num_units_per_group + (0,) * len(state),
+                               uncached_blocks=pull.uncached_blocks + (0,) * len(state), state_moves=moves)

@@ -62,8 +62,21 @@ def compatibility_document(model_fingerprint: str, dtype: str, num_kv_heads: int
         "head_dim": head_dim,
         "layout": "block,head,group_slot,kv,token,dim",
         "group_size": plan.group_size,
-        "groups": [g.model_dump() for g in groups_to_wire(plan)],
+        "groups": [g.model_dump() for g in _compatibility_groups(plan)],
     }
+
+
+def _compatibility_groups(plan: KVGroupPlan) -> list[GroupWire]:
+    """The attention groups as they are, and the state layers one entry per kind of state, whatever
+    pages they share: how many state layers a page holds follows the block size, and state moves
+    layer by layer between workers that cut them differently (pd/geometry.py `plan_handoff_pull`)."""
+    wire = [_group_to_wire(group) for group in plan.groups if not group.is_state]
+    merged: dict[RecurrentStateSpec, list[int]] = {}
+    for group in plan.groups:
+        if isinstance(group.spec, RecurrentStateSpec):
+            merged.setdefault(group.spec, []).extend(group.layer_ids)
+    return wire + [_group_to_wire(KVGroup(len(wire) + index, spec, tuple(sorted(layer_ids))))
+                   for index, (spec, layer_ids) in enumerate(merged.items())]
 
 
 def compatibility_hash(document: dict[str, Any]) -> str:
@@ -82,9 +95,8 @@ def state_layer_difference(own_groups: Any, their_groups: Any) -> str:
     if missing or extra:
         return (f"recurrent-state layers {missing or 'none'} here are not state layers there, "
                 f"{extra or 'none'} there are not here")
-    return (f"recurrent-state layers paged {here} here, {there} there (a state page holds as many layers as "
-            f"the attention page's size allows: workers of different --block-size page them differently, and "
-            f"state moves only between workers that page it alike)")
+    return (f"recurrent-state layers listed {here} here, {there} there (a worker from before state moved "
+            f"between block sizes lists them page by page, and its pages follow its --block-size: upgrade it)")
 
 
 def _state_pages(groups: Any) -> list[list[int]]:

@@ -150,7 +150,8 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
     failures = metrics.transfer.failures.labels(policy=transfer.failure_policy)
     allowed_peers = PeerAllowList.parse(transfer.allowed_peers)
     inner = DecodeAdmission(handshake, pool.plan, pool.block_size, transfer.failure_policy, connect,
-                            count_failure=failures.inc, allowed_peers=allowed_peers)
+                            count_failure=failures.inc, allowed_peers=allowed_peers,
+                            tp_size=config.parallel.tensor_parallel_size)
     tickets = TicketClient(config.server.internal_token, transfer.handshake_timeout_s, http_transport)
     recomputed = metrics.transfer.recomputed_prompt_tokens
     return TicketAdmission(inner, tickets, transfer.failure_policy, allowed_peers=allowed_peers, failures=inner.failures,

@@ -30,6 +30,16 @@ between equal block sizes (a state page is no grid of token rows), and only when
 that state itself (its prefix cache restored it: `num_held_tokens` is all but the last token):
 
     state group   remote (P) [ 37 ] handoff page  ->  local (D) [ 8 ] live page   (one unit each)
+
+Between different block sizes the two sides may cut their state layers into groups differently
+(a state page holds as many layers as the attention page allows, kv/page_geometry.py), and a
+token unit is no measure of a state slot. State then moves as byte ranges (`plan_state_moves`):
+each layer's slot of P's handoff page into that layer's slot of D's live page, slots adjacent on
+both sides merged into one range; a page's padding never moves:
+
+    P (block 16)  page 37: [ layer 0 ][ pad ]   page 38: [ layer 1 ][ pad ]   page 39: [ layer 2 ][ pad ]
+    D (block 32)  page 8:  [ layer 0 ][ layer 2 ][ pad ]                      page 9:  [ layer 1 ][ pad ]
+    moves         (8, 0) <- (37, 0) | (8, s) <- (39, 0) | (9, 0) <- (38, 0)   each s = state_bytes long
 """
 
 from __future__ import annotations
@@ -78,18 +88,45 @@ class HandoffSide:
 
 
 @dataclass(frozen=True, slots=True)
+class StatePage:
+    """One worker's handoff page of one state group: its page id and the layer in each slot."""
+
+    page_id: int
+    layer_ids: tuple[int, ...]
+    state_bytes: int  # one layer's slot
+
+
+@dataclass(frozen=True, slots=True)
+class StateMove:
+    """`num_bytes` of state from byte `remote_offset_bytes` of remote page `remote_page` into byte
+    `local_offset_bytes` of local page `local_page` (offsets inside the page)."""
+
+    local_page: int
+    local_offset_bytes: int
+    remote_page: int
+    remote_offset_bytes: int
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class PullPlan:
-    """Unit-id lists of one READ: local unit local_ids[i] <- remote unit remote_ids[i]."""
+    """Unit-id lists of one READ: local unit local_ids[i] <- remote unit remote_ids[i]; and the
+    byte ranges of state it moves besides (`state_moves`: between different block sizes only)."""
 
     local_ids: tuple[int, ...]
     remote_ids: tuple[int, ...]
     unit_tokens: int
     num_units_per_group: tuple[int, ...]
     uncached_blocks: tuple[int, ...]  # per group: D's table entries [0, n) must not enter its prefix cache
+    state_moves: tuple[StateMove, ...] = ()
 
     @property
     def num_units(self) -> int:
         return len(self.local_ids)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.local_ids and not self.state_moves
 
 
 def plan_pull(remote: Sequence[HandoffSide], local: Sequence[HandoffSide], num_tokens: int,
@@ -145,6 +182,48 @@ def _state_pairs(theirs: HandoffSide, ours: HandoffSide, unit_tokens: int, num_t
         return []  # D's own snapshot holds the state after all but the last token
     return [(local_page, remote_page) for local_page, remote_page in zip(ours.block_ids, theirs.block_ids)
             if local_page != NULL_BLOCK_ID and remote_page != NULL_BLOCK_ID]
+
+
+def plan_state_moves(remote: Sequence[StatePage], local: Sequence[StatePage], num_tokens: int,
+                     num_held_tokens: int = 0) -> tuple[StateMove, ...]:
+    """Each state layer's slot of P's handoff pages (`remote`) into its slot of D's live pages
+    (`local`), in D's page and slot order, adjacent slots merged; none when D holds the state
+    itself (`num_held_tokens` is all but the last token) or the prompt has one token (no pages)."""
+    if num_held_tokens >= num_tokens - 1 or not remote or not local:
+        if bool(remote) != bool(local) and num_tokens >= 2:
+            raise InvalidRemoteBlockIds(f"{len(remote)} state pages there, {len(local)} here")
+        return ()
+    theirs = _state_slots(remote, "remote")
+    ours = _state_slots(local, "local")
+    if set(theirs) != set(ours):
+        raise InvalidRemoteBlockIds(f"state layers {sorted(theirs)} there, {sorted(ours)} here")
+    moves: list[StateMove] = []
+    for layer_id, (local_page, local_offset, size) in sorted(ours.items(), key=lambda item: item[1][:2]):
+        remote_page, remote_offset, remote_size = theirs[layer_id]
+        if remote_size != size:
+            raise InvalidRemoteBlockIds(f"layer {layer_id} keeps {remote_size} bytes of state there, {size} here")
+        last = moves[-1] if moves else None
+        if (last is not None and (last.local_page, last.remote_page) == (local_page, remote_page)
+                and last.local_offset_bytes + last.num_bytes == local_offset
+                and last.remote_offset_bytes + last.num_bytes == remote_offset):
+            moves[-1] = StateMove(local_page, last.local_offset_bytes, remote_page, last.remote_offset_bytes,
+                                  last.num_bytes + size)
+        else:
+            moves.append(StateMove(local_page, local_offset, remote_page, remote_offset, size))
+    return tuple(moves)
+
+
+def _state_slots(pages: Sequence[StatePage], side: str) -> dict[int, tuple[int, int, int]]:
+    """layer id -> (page, byte offset of its slot, slot bytes); a layer in two slots or a null page is refused."""
+    slots: dict[int, tuple[int, int, int]] = {}
+    for page in pages:
+        if page.page_id == NULL_BLOCK_ID:
+            raise InvalidRemoteBlockIds(f"a {side} state group hands over the null page")
+        for slot, layer_id in enumerate(page.layer_ids):
+            if layer_id in slots:
+                raise InvalidRemoteBlockIds(f"state layer {layer_id} appears twice on the {side} side")
+            slots[layer_id] = (page.page_id, slot * page.state_bytes, page.state_bytes)
+    return slots
 
 
 def validate_remote_block_ids(remote_block_ids: Any, num_groups: int, num_remote_blocks: int,

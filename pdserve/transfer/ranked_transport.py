@@ -36,8 +36,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
+import numpy as np
+
 from pdserve.kv.head_split import HeadSource, chunk_heads, head_sources, rank_kv_heads
-from pdserve.transfer.token_units import UnitGeometry, unit_chunk_ids, unit_geometry
+from pdserve.transfer.planner import StateMove
+from pdserve.transfer.token_units import (UnitGeometry, byte_chunk_ids, padded_unit_geometry, unit_chunk_ids,
+                                          unit_geometry)
 from pdserve.transfer.transport import (
     KVTransport, PeerInfo, TransferError, TransferHandle, TransferState, wait_connected)
 
@@ -150,14 +154,23 @@ class RankReader:
     With a peer of the same block size a read names blocks and moves one head range per (block,
     source). With a peer of another block size it names units (pdserve/transfer/token_units.py)
     and moves one row of one unit per descriptor: the rows of a head slab, (layer slot, K|V) each,
-    are `2 * num_layer_slots` to a head on both sides."""
+    are `2 * num_layer_slots` to a head on both sides.
 
-    def __init__(self, local: KVTransport, rank: int, size: int, num_kv_heads: int, num_layer_slots: int):
+    Knowing its `block_size`, attention page (`kv_page_bytes`) and state slots (`state_slot_bytes`),
+    it reads a peer whose `PeerInfo.block_size` is known in chunks that also cut padded pages and
+    state slots (token_units.padded_unit_geometry): recurrent state then moves as byte ranges
+    (`StateMove`) beside the units, on one rank (state split over ranks is not read this way)."""
+
+    def __init__(self, local: KVTransport, rank: int, size: int, num_kv_heads: int, num_layer_slots: int,
+                 block_size: int = 0, kv_page_bytes: int = 0, state_slot_bytes: Sequence[int] = ()):
         self.local = local
         self.rank = rank
         self.size = size
         self.num_kv_heads = num_kv_heads
         self.rows_per_head = 2 * num_layer_slots
+        self.block_size = block_size
+        self.kv_page_bytes = kv_page_bytes or local.page_bytes
+        self.state_slot_bytes = tuple(state_slot_bytes)
         self.num_local_heads = rank_kv_heads(num_kv_heads, size, rank)[1]
         if local.page_bytes % self.num_local_heads:
             raise ValueError(f"pages of {local.page_bytes} bytes do not hold {self.num_local_heads} equal head slabs")
@@ -181,14 +194,13 @@ class RankReader:
                      self.num_local_heads // heads, remote_heads // heads, heads)
         self._links[peer_key] = link
         chunk_bytes = heads * self.slab_bytes
-        if ranks[0].page_bytes * self.num_local_heads != self.local.page_bytes * remote_heads:  # another block size
+        if self._block_size_differs(ranks[0], remote_heads):
             try:
-                link.units = unit_geometry(self.local.page_bytes, self.num_local_heads * self.rows_per_head,
-                                           ranks[0].page_bytes, remote_heads * self.rows_per_head)
+                link.units = self._units(ranks[0], remote_heads)
             except ValueError as error:
                 link.failure = f"rank {self.rank} cannot read pages of {ranks[0].page_bytes} bytes: {error}"
                 return
-            chunk_bytes = link.units.unit_bytes
+            chunk_bytes = link.units.chunk_bytes
         for source in link.sources:
             remote = ranks[source.remote_rank]
             sub_peer = dataclasses.replace(remote, engine_id=f"{remote.engine_id}/rank{source.remote_rank}")
@@ -197,6 +209,25 @@ class RankReader:
             except TransferError as error:
                 link.failure = f"rank {self.rank} -> peer rank {source.remote_rank}: {error.message}"
                 return
+
+    def _block_size_differs(self, remote: PeerInfo, remote_heads: int) -> bool:
+        if self.block_size and remote.block_size:
+            return remote.block_size != self.block_size
+        return remote.page_bytes * self.num_local_heads != self.local.page_bytes * remote_heads  # unpadded pages
+
+    def _units(self, remote: PeerInfo, remote_heads: int) -> UnitGeometry:
+        local_rows, remote_rows = self.num_local_heads * self.rows_per_head, remote_heads * self.rows_per_head
+        if not (self.block_size and remote.block_size):
+            return unit_geometry(self.local.page_bytes, local_rows, remote.page_bytes, remote_rows)
+        if self.kv_page_bytes % local_rows:
+            raise ValueError(f"attention pages of {self.kv_page_bytes} bytes do not hold {local_rows} equal rows")
+        local_row = self.kv_page_bytes // local_rows
+        if (local_row * remote.block_size) % self.block_size:
+            raise ValueError(f"rows of {local_row} bytes for {self.block_size} tokens do not scale to "
+                             f"{remote.block_size} tokens")
+        return padded_unit_geometry(local_row, local_rows, self.local.page_bytes,
+                                    local_row * remote.block_size // self.block_size, remote_rows,
+                                    remote.page_bytes, self.state_slot_bytes)
 
     def connect_state(self, peer_key: str) -> tuple[TransferState, Optional[str]]:
         link = self._links.get(peer_key)
@@ -223,14 +254,18 @@ class RankReader:
         return link.sub_keys[0]
 
     def start_read(self, handle_id: int, peer_key: str, local_block_ids: Sequence[int],
-                   remote_block_ids: Sequence[int]) -> list[TransferHandle]:
+                   remote_block_ids: Sequence[int], state_moves: Sequence[StateMove] = ()) -> list[TransferHandle]:
         link = self._links.get(peer_key)
         if link is None or link.failure is not None or len(link.sub_keys) != len(link.sources):
             raise TransferError(f"unknown peer {peer_key!r}: connect first")
         handles = []
         try:
-            for source, sub_key in zip(link.sources, link.sub_keys):
+            for index, (source, sub_key) in enumerate(zip(link.sources, link.sub_keys)):
                 local_ids, remote_ids = self._chunk_ids(link, source, local_block_ids, remote_block_ids)
+                if index == 0 and state_moves:
+                    local_state, remote_state = self._state_chunk_ids(link, state_moves)
+                    local_ids = np.concatenate([np.asarray(local_ids, dtype=np.int64), local_state])
+                    remote_ids = np.concatenate([np.asarray(remote_ids, dtype=np.int64), remote_state])
                 handles.append(self.local.start_read(sub_key, local_ids, remote_ids, b""))
         except (TransferError, ValueError) as error:
             self._read_errors[handle_id] = str(error)
@@ -246,6 +281,18 @@ class RankReader:
         num_rows = source.num_heads * self.rows_per_head
         return (unit_chunk_ids(link.units.local, local_ids, source.local_offset * self.rows_per_head, num_rows),
                 unit_chunk_ids(link.units.remote, remote_ids, source.remote_offset * self.rows_per_head, num_rows))
+
+    def _state_chunk_ids(self, link: _Link, moves: Sequence[StateMove]) -> tuple[np.ndarray, np.ndarray]:
+        """The chunks of every state move on both sides, move by move (each a run on both sides)."""
+        if link.units is None or self.size != 1 or len(link.sources) != 1:
+            raise ValueError("state moves as byte ranges only between one-rank workers of different block sizes "
+                             "(equal block sizes move whole state pages)")
+        chunk = link.units.chunk_bytes
+        local = [byte_chunk_ids(link.units.local, chunk, move.local_page, move.local_offset_bytes, move.num_bytes)
+                 for move in moves]
+        remote = [byte_chunk_ids(link.units.remote, chunk, move.remote_page, move.remote_offset_bytes, move.num_bytes)
+                  for move in moves]
+        return np.concatenate(local), np.concatenate(remote)
 
     def read_state(self, handle_id: int) -> tuple[TransferState, Optional[str]]:
         if handle_id in self._read_errors:
@@ -287,11 +334,13 @@ class RankedTransport:
     (TP=1) it is rank 0's reader alone."""
 
     def __init__(self, local: KVTransport, link: Optional[FollowerLink], follower_descriptors: Sequence[dict],
-                 num_kv_heads: int, num_layer_slots: int, clock: Callable[[], float] = time.monotonic):
+                 num_kv_heads: int, num_layer_slots: int, clock: Callable[[], float] = time.monotonic,
+                 block_size: int = 0, kv_page_bytes: int = 0, state_slot_bytes: Sequence[int] = ()):
         self.local = local
         self.link = link
         self.num_ranks = 1 + len(follower_descriptors)
-        self.reader = RankReader(local, 0, self.num_ranks, num_kv_heads, num_layer_slots)
+        self.reader = RankReader(local, 0, self.num_ranks, num_kv_heads, num_layer_slots, block_size, kv_page_bytes,
+                                 state_slot_bytes)
         self._followers = list(follower_descriptors)
         self._clock = clock
         self._reports: list[FollowerReport] = []
@@ -371,11 +420,12 @@ class RankedTransport:
     # ---- reads -----------------------------------------------------------------------------
 
     def start_read(self, peer_key: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-                   notification: bytes) -> TransferHandle:
+                   notification: bytes, state_moves: Sequence[StateMove] = ()) -> TransferHandle:
+        """`state_moves`: byte ranges of state besides the units (RankReader), read by rank 0 alone."""
         if len(local_block_ids) != len(remote_block_ids):
             raise ValueError(f"{len(local_block_ids)} local block ids for {len(remote_block_ids)} remote ones")
         handle_id = next(self._ids)
-        local = self.reader.start_read(handle_id, peer_key, local_block_ids, remote_block_ids)
+        local = self.reader.start_read(handle_id, peer_key, local_block_ids, remote_block_ids, state_moves)
         if local_block_ids:
             self._queue(StartRead(handle_id, peer_key, tuple(local_block_ids), tuple(remote_block_ids)))
         read = _RankedRead(peer_key, notification)
@@ -385,7 +435,7 @@ class RankedTransport:
         num_descriptors = sum(handle.num_blocks for handle in local) * self.num_ranks
         started_s = min((handle.started_at_s for handle in local), default=time.monotonic())
         handle = TransferHandle(handle_id, peer_key, num_descriptors, num_bytes, started_s)
-        if not local_block_ids:
+        if not local_block_ids and not state_moves:
             self._notify(read)
             handle.state = TransferState.DONE
         return handle

@@ -45,6 +45,8 @@ class PeerInfo:
     `via` is the handshake address ("host:port") the reader learnt this record
     through, set by the reader, never sent: the key includes it, so a record
     obtained through one address never stands in for one obtained through another.
+    `block_size` is the peer's tokens per page as its handshake geometry says, set by the reader,
+    never sent (0: unknown): a reader of another block size cuts its reads by it.
     """
 
     engine_id: str
@@ -57,6 +59,7 @@ class PeerInfo:
     num_blocks: int
     page_bytes: int
     via: str = ""
+    block_size: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form: every value is a str or an int (metadata in base64)."""

@@ -4,14 +4,16 @@ decode worker each. The decode workers fail rather than recompute, so an answer 
 the state were pulled; greedy tokens equal transformers', D computes only the last prompt token,
 and the bytes pulled are the attention blocks plus one page per state group, counted here from the
 handshake's groups. A second prompt sharing a prefix recomputes on P only the tokens after its
-latest snapshot. A decode worker of another block size is refused, naming what differs."""
+latest snapshot. A decode worker of block 32 (another state paging: two DeltaNet layers a page, not
+one) serves a prefill worker of block 16, pulling each layer's state into its own slot, equal to
+transformers too."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from tests.integration.cluster import (Worker, decode_leg, free_port, page_bytes, prefill_leg, start_workers, stop_all,
+from tests.integration.cluster import (Worker, free_port, page_bytes, start_workers, stop_all,
                                        two_legs, wait_for)
 from tests.integration.test_tensor_parallel import token_ids
 from tests.models.hf_oracle import hf_greedy_generate
@@ -98,22 +100,50 @@ def test_pd_of_a_state_model_matches_transformers_with_the_state_pulled(cluster,
     assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, 30)
 
 
-def test_a_decode_worker_of_another_block_size_is_refused_naming_the_state_pages(cluster):
+def state_pages(groups: list[dict]) -> list[list[int]]:
+    return [group["layer_ids"] for group in groups if group["kind"] == "state"]
+
+
+def expected_cross_block_pull_bytes(prefill_info: dict, decode_info: dict, length: int) -> int:
+    """From both handshakes: every full-attention group's units of the smaller block covering the prompt
+    (K and V rows of every KV head and layer slot; float32), and each state layer's state once, however
+    either side pages it (no padding travels)."""
+    unit_tokens = min(prefill_info["geometry"]["block_size"], decode_info["geometry"]["block_size"])
+    document = decode_info["compatibility"]
+    rows = document["num_kv_heads"] * document["group_size"] * 2
+    groups = decode_info["geometry"]["groups"]
+    num_full = sum(group["kind"] == "full" for group in groups)
+    attention = num_full * -(-length // unit_tokens) * rows * unit_tokens * document["head_dim"] * 4
+    state = 0
+    for group in groups:
+        if group["kind"] == "state":
+            shape = group["state"]
+            elements = shape["conv_channels"] * shape["conv_window"]
+            recurrent = 1
+            for size in shape["recurrent_shape"]:
+                recurrent *= size
+            state += len(group["layer_ids"]) * (elements + recurrent) * 4
+    return attention + state
+
+
+def test_qwen3_5_through_pd_from_block_16_to_block_32_matches_transformers(cluster):
     oracles, workers = cluster
-    prefill, decode = workers["qwen3_5", "prefill"], workers["qwen3_5", "decode32"]
+    (oracle, vocab), prefill, decode = oracles["qwen3_5"], workers["qwen3_5", "prefill"], workers["qwen3_5", "decode32"]
+    prefill_info, decode_info = (httpx.get(worker.internal_url + "/internal/kv/agent_info", timeout=10).json()
+                                 for worker in (prefill, decode))
+    # The state groups follow the block size (one DeltaNet layer a page at 16, two at 32): D pulls layer by layer.
+    assert state_pages(prefill_info["geometry"]["groups"]) == [[0], [1], [2]]
+    assert state_pages(decode_info["geometry"]["groups"]) == [[0, 2], [1]]
     model = httpx.get(decode.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    body = completion(model, random_prompt(20, QWEN3_5_VOCAB, 4))
-    first = prefill_leg(prefill, "/v1/completions", body, "refused-32")
-    assert first.status_code == 200, first.text
-    response = decode_leg(decode, "/v1/completions", body, first.json()["kv_transfer_params"], "refused-32")
-    assert response.status_code == 400, response.text
-    message = response.json()["error"]["message"]
-    # The state groups follow the block size (one DeltaNet layer a page at 16, two at 32): named in the refusal.
-    assert "recurrent-state layers paged [[0, 2], [1]] here, [[0], [1], [2]] there" in message, message
-    assert "groups:" not in message  # the attention groups agree
-    assert "--block-size" in message
-    httpx.post(prefill.internal_url + "/internal/kv/release", json={
-        "remote_request_id": "refused-32", "remote_pin_nonce": first.json()["kv_transfer_params"]["remote_pin_nonce"],
-        "remote_engine_id": first.json()["kv_transfer_params"]["remote_engine_id"],
-        "remote_epoch": first.json()["kv_transfer_params"]["remote_epoch"]}, timeout=10)
+    prompt = random_prompt(SHARED_TOKENS + TAIL_TOKENS, vocab, 4)
+    bytes_before = decode.metric("pdserve_transfer_bytes_total")
+    computed_before = decode.metric("pdserve_engine_computed_prompt_tokens_total")
+    params, response = two_legs(prefill, decode, "/v1/completions", completion(model, prompt), "qwen3_5-16-32")
+    assert response.status_code == 200, response.text
+    assert token_ids(response.json()["choices"][0]["logprobs"]["tokens"]) == hf_greedy_generate(oracle, prompt, NUM_NEW)
+    assert len(params["remote_block_ids"]) == len(prefill_info["geometry"]["groups"])  # P's own groups
+    assert decode.metric("pdserve_engine_computed_prompt_tokens_total") - computed_before == 1
+    assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    moved = decode.metric("pdserve_transfer_bytes_total") - bytes_before
+    assert moved == expected_cross_block_pull_bytes(prefill_info, decode_info, len(prompt))
     assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, 30)

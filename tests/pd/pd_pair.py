@@ -45,17 +45,19 @@ class FakeClock:
 
 class PrefillSide:
     def __init__(self, fabric: FakeFabric, clock: FakeClock, name: str = "P", lease_s: float = 30.0,
-                 plan: KVGroupPlan = PLAN, max_pinned_blocks: Optional[int] = None, prefix_caching: bool = True):
+                 plan: KVGroupPlan = PLAN, max_pinned_blocks: Optional[int] = None, prefix_caching: bool = True,
+                 block_size: int = BLOCK, page_bytes: int = PAGE_BYTES):
         self.plan = plan
-        self.kv = KVCacheManager(plan, NUM_BLOCKS, BLOCK, enable_prefix_caching=prefix_caching)
-        self.pool = torch.zeros(NUM_BLOCKS, PAGE_BYTES, dtype=torch.int8)
+        self.block_size = block_size
+        self.kv = KVCacheManager(plan, NUM_BLOCKS, block_size, enable_prefix_caching=prefix_caching)
+        self.pool = torch.zeros(NUM_BLOCKS, page_bytes, dtype=torch.int8)
         self.transport = FakeTransport(self.pool, name, fabric)
         self.metrics = Metrics()
         self.name = name
         self.connector = PrefillConnector(self.transport, LeaseTable(lease_s, clock=clock),
-                                          PrefillIdentity(name, "epoch-1", "127.0.0.1", 1), plan, BLOCK,
+                                          PrefillIdentity(name, "epoch-1", "127.0.0.1", 1), plan, block_size,
                                           self.metrics.transfer, max_pinned_blocks)
-        self.scheduler = CheckedScheduler(SchedulerConfig(), self.kv, BLOCK, 10_000, connector=self.connector)
+        self.scheduler = CheckedScheduler(SchedulerConfig(), self.kv, block_size, 10_000, connector=self.connector)
 
     def prefill(self, request_id: str, num_prompt: int) -> RemotePrefillParams:
         """Run a remote-decode prefill (no model: the test writes a recognisable pattern per page)."""
@@ -78,7 +80,8 @@ class PrefillSide:
         ranked = dataclasses.replace(peer, agent_metadata=encode_ranks([rank_descriptor(peer)]))  # as workers send it
         return AgentInfo(
             protocol_version=PROTOCOL_VERSION, compat_hash="h", engine_id=self.name, epoch="epoch-1",
-            geometry=PoolGeometry(num_blocks=NUM_BLOCKS, page_bytes=PAGE_BYTES, block_size=BLOCK,
+            geometry=PoolGeometry(num_blocks=NUM_BLOCKS, page_bytes=self.transport.page_bytes,
+                                  block_size=self.block_size,
                                   group_size=self.plan.group_size, groups=groups_to_wire(self.plan)),
             transport=ranked.to_dict(),
         )
@@ -86,18 +89,26 @@ class PrefillSide:
 
 class DecodeSide:
     """With `block_size` other than the prefill side's, the connector reads through the rank reader
-    (one rank) in units of the smaller block, as every worker's does; otherwise page by page."""
+    (one rank) in units of the smaller block, as every worker's does; otherwise page by page.
+    `kv_page_bytes` (the attention page, when pages are padded for state) makes the reader cut its
+    chunks by the pool's geometry, state slots included, as workers' readers do."""
 
     def __init__(self, fabric: FakeFabric, clock: FakeClock, policy: str = "recompute", max_running: int = 64,
                  pull_timeout_s: float = 60.0, heartbeat_s: float = 5.0, block_size: int = BLOCK,
-                 plan: KVGroupPlan = PLAN):
+                 plan: KVGroupPlan = PLAN, page_bytes: int = 0, kv_page_bytes: int = 0,
+                 prefill_block_size: int = BLOCK):
         self.plan = plan
+        self.block_size = block_size
         self.kv = KVCacheManager(plan, NUM_BLOCKS, block_size)
-        self.pool = torch.zeros(NUM_BLOCKS, PAGE_BYTES * block_size // BLOCK, dtype=torch.int8)
+        self.pool = torch.zeros(NUM_BLOCKS, page_bytes or PAGE_BYTES * block_size // BLOCK, dtype=torch.int8)
         self.transport = FakeTransport(self.pool, "D", fabric)
         self.metrics = Metrics()
         reader: KVTransport = self.transport
-        if block_size != BLOCK:
+        if kv_page_bytes:
+            reader = RankedTransport(self.transport, None, [], num_kv_heads=1, num_layer_slots=plan.group_size,
+                                     block_size=block_size, kv_page_bytes=kv_page_bytes,
+                                     state_slot_bytes=[g.spec.state_bytes for g in plan.groups if g.is_state])
+        elif block_size != prefill_block_size:
             reader = RankedTransport(self.transport, None, [], num_kv_heads=1, num_layer_slots=PLAN.group_size)
         self.peers = PeerConnections(reader, connect_timeout_s=5.0, clock=clock)
         self.connector = DecodeConnector(reader, self.peers, plan, block_size, self.metrics.transfer, policy,
@@ -110,7 +121,8 @@ class DecodeSide:
         from pdserve.transfer.transport import PeerInfo
 
         via = "127.0.0.1:1"  # P's handshake address, as admission names it
-        self.peers.ensure(PeerInfo.from_dict(p.agent_info().transport, via=via), outcome.append)
+        peer = dataclasses.replace(PeerInfo.from_dict(p.agent_info().transport, via=via), block_size=p.block_size)
+        self.peers.ensure(peer, outcome.append)
         self.peers.poll()
         return outcome[0]
 

@@ -218,7 +218,7 @@ def test_decode_with_its_own_snapshot_at_the_handoff_point_pulls_no_state(p, fab
     d.kv.check_invariants()
 
 
-def test_decode_refuses_a_prefill_worker_of_another_block_size_for_a_state_model(p, clock):
+def test_decode_of_two_ranks_refuses_a_prefill_worker_of_another_block_size_for_a_state_model(p, clock):
     import asyncio
 
     import httpx
@@ -238,10 +238,12 @@ def test_decode_refuses_a_prefill_worker_of_another_block_size_for_a_state_model
     async def connect(peer):
         connected.append(peer)
 
-    gate = DecodeAdmission(handshake, STATE_PLAN, BLOCK, "recompute", connect, PeerFailureMemory(clock=clock))
+    gate = DecodeAdmission(handshake, STATE_PLAN, BLOCK, "recompute", connect, PeerFailureMemory(clock=clock),
+                           tp_size=2)
     generation = GenerationRequest("req", tuple(range(10, 20)), SamplingParams(), kv_params=params)
-    with pytest.raises(KVParamsInvalid, match=f"blocks of {BLOCK * 2} tokens, this worker in {BLOCK}: "
-                                              "recurrent-state pages move only between equal block sizes"):
+    with pytest.raises(KVParamsInvalid, match=f"blocks of {BLOCK * 2} tokens on 1 tensor-parallel rank\\(s\\), this "
+                                              f"worker in {BLOCK} on 2: recurrent state moves between different "
+                                              "block sizes only when both run one rank"):
         asyncio.run(gate.admit(generation))
     assert connected == []
 
@@ -257,4 +259,7 @@ def test_the_handshake_names_the_state_layers_a_peer_lacks():
     assert "protocol_version: 6 here, 5 there" in incompatibilities(own, older)
     repaged = compatibility_document("m", "float32", 1, 8, plan_groups([STATE, STATE, STATE, FullAttentionSpec()],
                                                                         attention_layer_bytes=256))
-    assert "recurrent-state layers paged [[0, 2], [1]] here, [[0, 1, 2]] there" in incompatibilities(own, repaged)
+    assert repaged == own  # state layers are listed whatever pages they share: block sizes may differ
+    paged = dict(own, groups=[*own["groups"][:1], *(dict(own["groups"][1], layer_ids=ids) for ids in ([0, 2], [1]))])
+    assert ("recurrent-state layers listed [[0, 1, 2]] here, [[0, 2], [1]] there (a worker from before state moved "
+            "between block sizes") in incompatibilities(own, paged)

@@ -210,3 +210,15 @@ def test_pages_of_another_block_size_land_token_for_token_in_every_rank(prefill_
                 assert local[offset, kv, position % decode_block] == expected, (rank, position, offset, kv)
         untouched = [b for b in range(NUM_BLOCKS) if b not in decode_table]
         assert torch.count_nonzero(view[untouched]) == 0
+
+
+def test_state_moves_are_refused_between_equal_block_sizes_where_state_pages_move_whole():
+    from pdserve.transfer.planner import StateMove
+
+    fabric = FakeFabric()
+    move = StateMove(local_page=3, local_offset_bytes=0, remote_page=6, remote_offset_bytes=0, num_bytes=SLAB_BYTES)
+    prefill = worker(fabric, "prefill", 2, 1, fill=True)
+    decode = worker(fabric, "decode", 2, 1, fill=False)  # the same block size: state pages move whole there
+    handle = decode.transport.start_read(connect(decode, prefill), [], [], b"", state_moves=[move])
+    assert decode.transport.poll(handle) is TransferState.FAILED and "state moves as byte ranges" in handle.error
+    assert torch.count_nonzero(decode.views[0]) == 0
