@@ -17,6 +17,7 @@ from pdserve.app.kv_cache_side import num_offload_slots, num_offload_staging_row
 from pdserve.kv.layout import KVPoolLayout, plan_for_model, plan_page_bytes
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.models.base import ModelSpec
+from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.loader import LoadedModel, load_model, resolve_quantization
 from pdserve.models.registry import TensorParallelRank
 from pdserve.parallel.channel import LeaderChannel, RankSetup
@@ -123,8 +124,12 @@ def _check_state_support(config: WorkerConfig, spec: ModelSpec) -> None:
     """Refuse at start-up what a recurrent-state model cannot do yet, instead of computing wrong tokens."""
     if not spec.has_recurrent_state:
         return
-    # Every role serves it: P/D moves one state page per state group (pd/geometry.py), and D refuses a
-    # peer of another block size for it (pd/admission.py), so nothing is left to refuse here.
+    # P/D moves one state page per state group between one-rank workers (pd/geometry.py); a pull that
+    # re-splits state heads over tensor-parallel ranks is not built (pd/admission.py refuses it too).
+    if config.role != "colocated" and config.parallel.tensor_parallel_size > 1:
+        raise UnsupportedModelFeature(
+            f"{spec.architecture} keeps recurrent state (Gated DeltaNet / Mamba2 layers): a {config.role} worker "
+            "of it runs one tensor-parallel rank (--tensor-parallel-size 1); `pdserve serve` runs it on several")
 
 
 def build_model_side(config: WorkerConfig, loaded: Optional[LoadedModel] = None,

@@ -173,12 +173,13 @@ class DecodeAdmission:
         if problem is not None:
             raise KVParamsInvalid(f"prefill worker {params.remote_engine_id} cannot hand its KV to this worker: "
                                   f"{problem}", param="kv_transfer_params")
-        if self.plan.state_group_ids and agent.geometry.block_size != self.block_size and (
-                agent.tp_size != 1 or self.tp_size != 1):
+        if self.plan.state_group_ids and (agent.tp_size != 1 or self.tp_size != 1):
+            # Each rank holds its share of every state head, with conv windows interleaved part by part
+            # (models/state_sharding.py): a pull that re-splits them is not built, so never guess.
             raise KVParamsInvalid(
                 f"prefill worker {params.remote_engine_id} pages in blocks of {agent.geometry.block_size} tokens "
                 f"on {agent.tp_size} tensor-parallel rank(s), this worker in {self.block_size} on {self.tp_size}: "
-                f"recurrent state moves between different block sizes only when both run one rank",
+                f"recurrent state moves only between workers of one tensor-parallel rank each",
                 param="kv_transfer_params")
         check_block_ids(params, agent, self.plan)
         try:

@@ -218,7 +218,8 @@ def test_decode_with_its_own_snapshot_at_the_handoff_point_pulls_no_state(p, fab
     d.kv.check_invariants()
 
 
-def test_decode_of_two_ranks_refuses_a_prefill_worker_of_another_block_size_for_a_state_model(p, clock):
+@pytest.mark.parametrize("block_factor", [1, 2])
+def test_decode_of_two_ranks_refuses_a_prefill_worker_for_a_state_model(p, clock, block_factor):
     import asyncio
 
     import httpx
@@ -230,7 +231,8 @@ def test_decode_of_two_ranks_refuses_a_prefill_worker_of_another_block_size_for_
 
     params, _ = prefill(p, "r1", 10)
     info = p.agent_info()
-    doubled = info.model_copy(update={"geometry": info.geometry.model_copy(update={"block_size": BLOCK * 2})})
+    doubled = info.model_copy(update={"geometry": info.geometry.model_copy(
+        update={"block_size": BLOCK * block_factor})})
     handshake = HandshakeClient("h", None, http_transport=httpx.MockTransport(
         lambda request: httpx.Response(200, content=doubled.model_dump_json())))
     connected = []
@@ -241,9 +243,9 @@ def test_decode_of_two_ranks_refuses_a_prefill_worker_of_another_block_size_for_
     gate = DecodeAdmission(handshake, STATE_PLAN, BLOCK, "recompute", connect, PeerFailureMemory(clock=clock),
                            tp_size=2)
     generation = GenerationRequest("req", tuple(range(10, 20)), SamplingParams(), kv_params=params)
-    with pytest.raises(KVParamsInvalid, match=f"blocks of {BLOCK * 2} tokens on 1 tensor-parallel rank\\(s\\), this "
-                                              f"worker in {BLOCK} on 2: recurrent state moves between different "
-                                              "block sizes only when both run one rank"):
+    with pytest.raises(KVParamsInvalid, match=f"blocks of {BLOCK * block_factor} tokens on 1 tensor-parallel "
+                                              f"rank\\(s\\), this worker in {BLOCK} on 2: recurrent state moves "
+                                              "only between workers of one tensor-parallel rank each"):
         asyncio.run(gate.admit(generation))
     assert connected == []
 
