@@ -51,6 +51,11 @@ class AgentCallFailed(Exception):
     """NIXL raised inside the agent process; the message is its repr."""
 
 
+class AddressTaken(AgentCallFailed):
+    """The agent process's own (random) address space already uses the range a memfd must be mapped at:
+    a fresh agent process, with another layout, can map it."""
+
+
 @dataclass(slots=True)
 class _Descriptors:
     """get_xfer_descs' result: kept here until a transfer sends it to the agent."""
@@ -219,7 +224,12 @@ class IsolatedAgent:
             self._unmap(region.start)
             mapping = None
         if mapping is None:
-            self.call("map", region.start, region.length, fd=region.fd, timeout_s=REGISTER_TIMEOUT_S)
+            try:
+                self.call("map", region.start, region.length, fd=region.fd, timeout_s=REGISTER_TIMEOUT_S)
+            except AgentCallFailed as exc:  # the agent answers an exception's repr: parsed here, once
+                if str(exc).startswith("FileExistsError("):
+                    raise AddressTaken(str(exc)) from exc
+                raise
             mapping = self._mapped[region.start] = _Mapping(region.length, inode)
         object_id = self.call("register", address, length, "DRAM", 0, timeout_s=REGISTER_TIMEOUT_S)
         mapping.num_registrations += 1

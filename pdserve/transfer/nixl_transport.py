@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
-from pdserve.transfer.agent_client import DEFAULT_CALL_TIMEOUT_S, IsolatedAgent
+from pdserve.transfer.agent_client import DEFAULT_CALL_TIMEOUT_S, AddressTaken, IsolatedAgent
 from pdserve.transfer.agent_restart import AgentRestart
 from pdserve.transfer.descriptor_runs import (
     DEFAULT_STAGED_DESCRIPTOR_FACTOR, DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES, DirectRuns, StagedRuns, check_ids,
@@ -76,6 +76,7 @@ logger = logging.getLogger(__name__)
 
 _LOCAL_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for "the local side of a prepared list"
 _WARM_UP_BYTES = 64
+_ADDRESS_ATTEMPTS = 4  # agent processes tried at start-up when one's layout took the pool's addresses
 _AGENT_START_TIMEOUT_S = 60.0  # the first agent process, at worker start-up (importing nixl included)
 MAX_PREPPED_CHUNKS_PER_PAGE = 64  # head-range chunks of the TP path; never a pool of (unit, row) chunks
 DEFAULT_STAGING_IDLE_BYTES = 1 << 30  # staging buffers kept for reuse between reads
@@ -137,16 +138,28 @@ class NixlTransport:
         if view.is_cuda:
             allow_cuda_ipc_reads()
         try:
-            agent = self._new_agent(agent_name)
-            if isinstance(agent, IsolatedAgent):
-                agent.wait_ready(_AGENT_START_TIMEOUT_S)
-            self._install(agent, self._register_with(agent))
+            self._install(*self._first_agent(agent_name))
         except TransferError:
             raise
         except Exception as exc:  # NIXL binding errors share no base class
             raise TransferError(f"cannot set up NIXL agent {agent_name!r}: {exc!r}") from exc
         logger.info("NIXL agent %s registered %d pages of %d bytes (%s%s)", agent_name, self.num_blocks,
                     self.page_bytes, self._mem_type, ", own process" if isolated else "")
+
+    def _first_agent(self, agent_name: str) -> tuple[Any, AgentRegistration]:  # type: ignore[return]
+        """A started agent with the pool registered. An agent process whose own random layout took the
+        pool's addresses cannot map it there; a fresh process (another layout) tries again."""
+        for attempt in range(1, _ADDRESS_ATTEMPTS + 1):
+            agent = self._new_agent(agent_name)
+            try:
+                if isinstance(agent, IsolatedAgent):
+                    agent.wait_ready(_AGENT_START_TIMEOUT_S)
+                return agent, self._register_with(agent)
+            except AddressTaken as exc:
+                agent.close()
+                if attempt == _ADDRESS_ATTEMPTS:
+                    raise
+                logger.warning("NIXL agent %s (try %d): %s; starting another process", agent_name, attempt, exc)
 
     def _register_with(self, agent: Any) -> AgentRegistration:
         """Register the pool and the scratch buffer with `agent` and prepare the page list. Touches

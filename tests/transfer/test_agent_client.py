@@ -166,3 +166,23 @@ def test_the_last_deregistration_of_a_memfd_unmaps_it_in_the_agent():
     end.send(("ok", 3))
     agent.register_memory(memory)  # mapped afresh: the agent holds nothing there any more
     assert requests_seen(end, 2) == ["map", "register"]
+
+
+def test_an_address_the_agent_process_already_uses_is_told_apart_from_other_failures():
+    """The map fails with the agent's FileExistsError when its own random layout took the range: that
+    one failure is `AddressTaken` (a fresh agent process can map it; nixl_transport starts one)."""
+    import torch
+
+    from pdserve.kv.shared_memory import shared_zeros
+    from pdserve.transfer.agent_client import AddressTaken
+
+    agent, end = started_agent()
+    memory = torch.frombuffer(shared_zeros(1 << 16), dtype=torch.int8)
+    end.send(("err", "FileExistsError(17, 'cannot map shared memory at 0x7fa64d6af000: File exists')"))
+    with pytest.raises(AddressTaken, match="cannot map shared memory"):
+        agent.register_memory(memory)
+    end.send(("err", "OSError(12, 'Cannot allocate memory')"))
+    with pytest.raises(AgentCallFailed) as failed:
+        agent.register_memory(memory)
+    assert not isinstance(failed.value, AddressTaken)
+    assert requests_seen(end, 2) == ["map", "map"]  # nothing was mapped: each try maps again
