@@ -18,7 +18,7 @@ from pdserve.kv.events import KVEventRecorder, KVSnapshot
 from pdserve.kv.events_wire import decode_line, encode_snapshot
 from proxy.backends import BackendPool, Role
 from proxy.client_request import ClientRequest
-from proxy.config import RoutingConfig
+from proxy.config import HealthConfig, RoutingConfig
 from proxy.routing.kv_prompt import PromptHasher
 from proxy.routing.candidates import Candidate, RoleTurns, RouteRequest
 from proxy.routing.kv_routing import KVRouting
@@ -62,7 +62,11 @@ def prompt():
 
 def kv_config(prefill_urls, decode_urls, **routing):
     settings = dict(prefill_policy="kv_aware", decode_policy="kv_aware", **routing)
-    return fast_config(prefill_urls, decode_urls, routing=RoutingConfig(**settings))
+    # No test here takes a worker down: a health poll answered late (up to 5 s: four stub servers, the
+    # proxy and the client share one interpreter on a busy CI machine) must not take a live worker
+    # out of the pool and turn a request into a 503 (CI saw it once with fast_config's 0.5 s).
+    health = HealthConfig(interval_s=0.05, timeout_s=5.0, breaker_cooldown_s=0.5)
+    return fast_config(prefill_urls, decode_urls, routing=RoutingConfig(**settings), health=health)
 
 
 def wait_until(predicate, timeout_s: float = 5.0) -> None:
