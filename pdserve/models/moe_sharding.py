@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
+from pdserve.models.hf_config import ModelLoadError
 from pdserve.models.moe import ExpertWeights
 
 ExpertSource = Callable[[int], ExpertWeights]  # expert index -> that expert's whole float weights
@@ -64,6 +65,14 @@ def expert_split_problem(intermediate_size: int, size: int) -> Optional[str]:
     if intermediate_size % size:
         return f"--tensor-parallel-size {size} does not divide the model's expert width {intermediate_size}"
     return None
+
+
+def expert_width_per_rank(intermediate_size: int, size: int) -> int:
+    """A rank's share of experts `intermediate_size` wide; ModelLoadError when `size` does not divide it."""
+    problem = expert_split_problem(intermediate_size, size)
+    if problem is not None:
+        raise ModelLoadError(problem)
+    return intermediate_size // size
 
 
 def sharded_experts(source: ExpertSource, shard: Optional[ExpertShard]) -> ExpertSource:

@@ -30,7 +30,7 @@ from pdserve.models.layers import activation_named, rms_norm_fp32_scale
 from pdserve.models.mamba2 import Mamba2Geometry, Mamba2Mixer, mamba2_rank_geometry
 from pdserve.models.nemotron_h_ffn import DenseMLP, MoEGeometry, NemotronHMoE, ffn_activation
 from pdserve.models.state_sharding import StateShard
-from pdserve.models.moe_sharding import ExpertShard, expert_split_problem
+from pdserve.models.moe_sharding import ExpertShard, expert_width_per_rank
 from pdserve.models.tensor_parallel import ShardedWeights, TensorParallelShard, sharded_args
 from pdserve.models.weight_loader import WeightLoader
 from pdserve.models.weight_targets import Embedding, copy_rows, empty_linear, empty_param
@@ -179,12 +179,9 @@ def nemotron_h_sharded_args(args: NemotronHArgs, shard: TensorParallelShard) -> 
     units; UnsupportedModelFeature / ModelLoadError naming the counts when the size does not divide them."""
     moe = args.moe
     if moe is not None:
-        for width in (moe.intermediate_size, moe.shared_intermediate_size):
-            problem = expert_split_problem(width, shard.size)
-            if problem is not None:
-                raise ModelLoadError(problem)
-        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // shard.size,
-                                  shared_intermediate_size=moe.shared_intermediate_size // shard.size)
+        moe = dataclasses.replace(moe, intermediate_size=expert_width_per_rank(moe.intermediate_size, shard.size),
+                                  shared_intermediate_size=expert_width_per_rank(moe.shared_intermediate_size,
+                                                                                 shard.size))
     return dataclasses.replace(sharded_args(args, shard), mamba=mamba2_rank_geometry(args.mamba, shard.size),
                                moe=moe, rank_shard=StateShard(shard.rank, shard.size))
 

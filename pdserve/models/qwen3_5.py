@@ -35,7 +35,7 @@ from pdserve.models.hf_config import (
     FULL_LAYER, ModelLoadError, UnsupportedModelFeature, require, rotary_dim_of, standard_rope)
 from pdserve.models.layers import GatedMLP, activation_named, rms_norm_fp32_scale
 from pdserve.models.moe import Experts, ExpertWeights, SparseMoE, softmax_then_top_k
-from pdserve.models.moe_sharding import ExpertShard, expert_split_problem, sharded_experts
+from pdserve.models.moe_sharding import ExpertShard, expert_width_per_rank, sharded_experts
 from pdserve.models.qwen3_moe import qwen3_moe_expert_weights
 from pdserve.models.rope import RotaryTable, apply_rotary
 from pdserve.models.state_sharding import StateShard
@@ -150,12 +150,9 @@ def qwen3_5_sharded_args(args: Qwen3_5Args, shard: TensorParallelShard) -> Qwen3
                   for spec in args.layer_specs)
     moe = args.moe
     if moe is not None and moe.sparse_layers:
-        for width in (moe.moe_intermediate_size, moe.shared_expert_intermediate_size):
-            problem = expert_split_problem(width, shard.size)
-            if problem is not None:
-                raise ModelLoadError(problem)
-        moe = dataclasses.replace(moe, moe_intermediate_size=moe.moe_intermediate_size // shard.size,
-                                  shared_expert_intermediate_size=moe.shared_expert_intermediate_size // shard.size)
+        moe = dataclasses.replace(
+            moe, moe_intermediate_size=expert_width_per_rank(moe.moe_intermediate_size, shard.size),
+            shared_expert_intermediate_size=expert_width_per_rank(moe.shared_expert_intermediate_size, shard.size))
     return dataclasses.replace(sharded_args(args, shard), delta_net=delta_net, layer_specs=specs, moe=moe,
                                rank_shard=StateShard(shard.rank, shard.size))
 

@@ -19,10 +19,10 @@ from typing import Any, Mapping, Optional
 import torch
 
 from pdserve.models.decoder_args import fields_of
-from pdserve.models.hf_config import ModelLoadError, require
+from pdserve.models.hf_config import require
 from pdserve.models.llama import LlamaArgs, LlamaDecoderLayer, LlamaForCausalLM, qwen3_args
 from pdserve.models.moe import Experts, ExpertWeights, SparseMoE, silu_and_mul, softmax_then_top_k
-from pdserve.models.moe_sharding import ExpertShard, expert_split_problem, sharded_experts
+from pdserve.models.moe_sharding import ExpertShard, expert_width_per_rank, sharded_experts
 from pdserve.models.tensor_parallel import TensorParallelShard, sharded_args
 from pdserve.models.weight_loader import WeightLoader
 from pdserve.models.weight_targets import copy_rows
@@ -60,11 +60,8 @@ def qwen3_moe_args(config: Mapping[str, Any]) -> Qwen3MoeArgs:
 def qwen3_moe_sharded_args(args: Qwen3MoeArgs, shard: TensorParallelShard) -> Qwen3MoeArgs:
     """A rank's args: Qwen3's split of attention and dense MLP, and `moe_intermediate_size / size`
     units of every expert; ModelLoadError when the ranks do not divide the expert width."""
-    problem = expert_split_problem(args.moe_intermediate_size, shard.size)
-    if problem is not None:
-        raise ModelLoadError(problem)
     return dataclasses.replace(sharded_args(args, shard),
-                               moe_intermediate_size=args.moe_intermediate_size // shard.size,
+                               moe_intermediate_size=expert_width_per_rank(args.moe_intermediate_size, shard.size),
                                expert_shard=ExpertShard(shard.rank, shard.size))
 
 
