@@ -6,6 +6,7 @@ Invariant: the legs are spelled exactly as the proxy spells them (docs/protocol.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import httpx
@@ -42,7 +43,16 @@ def two_legs(prefill: Worker, decode: Worker, path: str, body: dict, request_id:
     return params, decode_leg(decode, path, body, params, request_id, headers)
 
 
-def page_bytes(worker: Worker, headers: Optional[dict] = None) -> int:
-    """Bytes of one page of a P or D worker's pool (one rank's, for a tensor-parallel worker)."""
-    info = httpx.get(worker.internal_url + "/internal/kv/agent_info", headers=headers or {}, timeout=10).json()
-    return int(info["geometry"]["page_bytes"])
+def page_bytes(worker: Worker, headers: Optional[dict] = None, restart_wait_s: float = 60.0) -> int:
+    """Bytes of one page of a P or D worker's pool (one rank's, for a tensor-parallel worker).
+
+    The handshake answers 503 while the worker's NIXL agent process restarts (one that died is
+    replaced; pdserve/transfer/nixl_transport.py): the pool's geometry does not change, so this
+    waits up to `restart_wait_s` for the new agent."""
+    deadline = time.monotonic() + restart_wait_s
+    while True:
+        answer = httpx.get(worker.internal_url + "/internal/kv/agent_info", headers=headers or {}, timeout=10)
+        if answer.status_code != 503 or time.monotonic() > deadline:
+            answer.raise_for_status()
+            return int(answer.json()["geometry"]["page_bytes"])
+        time.sleep(0.2)
