@@ -45,6 +45,7 @@ from pdserve.parallel.channel import LeaderChannel, RankMessage, RankReport, Ran
 from pdserve.parallel.ranks import RankGroup, RanksLost
 from pdserve.pd.wiring import TransportFactory, nixl_transport
 from pdserve.transfer.ranked_transport import FollowerTransport, RankReader
+from pdserve.transfer.state_ranges import state_splits
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,9 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
         if setup.with_transport:
             agent = f"{config.transfer.engine_id or config.role}-rank{rank}-{uuid.uuid4().hex[:12]}"
             local = transport_factory(layout.canonical_view(runner.pool), agent)
-            transport = FollowerTransport(RankReader(local, rank, size, spec.total_kv_heads, plan.group_size))
+            transport = FollowerTransport(RankReader(local, rank, size, spec.total_kv_heads, plan.group_size,
+                                                     layout.block_size, layout.kv_page_bytes,
+                                                     state_splits(plan, size)))
         group.gather(transport.descriptor() if transport is not None else None)  # rank 0 builds its transport
         return _follow(group, runner, transport, tier)
     except RanksLost as error:
