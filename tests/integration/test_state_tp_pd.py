@@ -5,7 +5,8 @@ decode rank pulls its KV heads and, of every DeltaNet layer, the byte ranges of 
 window parts and recurrent state from the prefill rank(s) holding them. The decode workers fail
 rather than recompute, so an answer proves the KV and the state were pulled; greedy tokens equal
 transformers', D computes only the last prompt token, and the bytes pulled are counted here from the
-model's shape alone."""
+model's shape alone. A prefill worker of two ranks resumes a shared prefix from its snapshot, every
+rank restoring its share (rank 0 sends the step's page copies to the others)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,23 @@ def test_qwen3_5_through_pd_between_tp_sizes_matches_transformers_with_the_state
     else:
         assert moved == expected_pull_bytes(oracle.config, len(prompt))
     assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, 30)
+
+
+def test_a_prefill_worker_of_two_ranks_resumes_a_shared_prefix_from_its_snapshot_on_every_rank(cluster):
+    """Every rank restores its share of the snapshot (rank 0 sends the page copies along with the step)."""
+    oracle, workers = cluster
+    prefill, decode = workers["prefill", 2], workers["decode", 1]
+    model = httpx.get(decode.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    shared = random_prompt(2 * BLOCK, QWEN3_5_VOCAB, 40)  # P keeps a snapshot at its last full block
+    computed = []
+    for seed in (41, 42):
+        prompt = shared + random_prompt(PROMPT_TOKENS - 2 * BLOCK, QWEN3_5_VOCAB, seed)
+        want, margins = hf_greedy_with_margins(oracle, prompt, NUM_NEW)
+        body = {"model": model, "prompt": prompt, "max_tokens": NUM_NEW, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0}
+        before = prefill.metric("pdserve_engine_computed_prompt_tokens_total")
+        _, response = two_legs(prefill, decode, "/v1/completions", body, f"state-tp-prefix-{seed}")
+        assert response.status_code == 200, response.text
+        assert_greedy_parity(token_ids(response.json()["choices"][0]["logprobs"]["tokens"]), want, margins)
+        computed.append(prefill.metric("pdserve_engine_computed_prompt_tokens_total") - before)
+    assert computed == [PROMPT_TOKENS, PROMPT_TOKENS - 2 * BLOCK]
