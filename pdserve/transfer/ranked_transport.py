@@ -273,9 +273,10 @@ class RankReader:
         handles = []
         try:
             by_rank = rank_state_moves(state_moves, self.rank, self.size, link.remote_size) if state_moves else {}
+            kv_keys, state_keys = link.sub_keys[:len(link.sources)], link.sub_keys[len(link.sources):]
             reads = [(sub_key, *self._chunk_ids(link, source, local_block_ids, remote_block_ids), source.remote_rank)
-                     for source, sub_key in zip(link.sources, link.sub_keys)]
-            reads += [(sub_key, (), (), rank) for rank, sub_key in zip(link.state_ranks, link.sub_keys[len(reads):])
+                     for source, sub_key in zip(link.sources, kv_keys)]
+            reads += [(sub_key, (), (), rank) for rank, sub_key in zip(link.state_ranks, state_keys)
                       if rank in by_rank]  # a rank read for state alone: only when it holds some of it
             for sub_key, local_ids, remote_ids, remote_rank in reads:
                 moves = by_rank.pop(remote_rank, [])
