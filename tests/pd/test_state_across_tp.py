@@ -159,6 +159,7 @@ def test_a_rank_holds_its_share_of_every_conv_part_and_of_the_heads():
     (2, 4, 1, 4, 1),  # one KV head (replicated): D reads P rank 1 for its state alone
     (1, 4, 2, 16, 2),  # TP and block size both differ; D pages two state layers a page, P one
     (2, 16, 1, 4, 2),
+    (2, 4, 2, 16, 2),  # equal TP, other block sizes: every rank reads its own slots, rank to rank
     (2, 4, 2, 4, 2),  # equal sizes: each rank's pages move whole, rank to rank
 ])
 def test_each_decode_rank_pulls_its_heads_state_bytes_and_kv_from_the_prefill_ranks_holding_them(
