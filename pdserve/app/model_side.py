@@ -1,4 +1,6 @@
-"""The model side of a worker's engine: device, ranks, weights, pool geometry and the runner.
+"""The model side of a worker's engine: device, ranks, weights, pool geometry and the runner. A
+recurrent-state model runs any role at any TP size its heads divide (the model refuses the others at
+load); P/D between TP sizes moves each rank's heads' share of the state (transfer/state_ranges.py).
 
 Invariant: the context limit served never exceeds what the pool can hold for one request, so a
 lone request can always run to completion (`max_tokens_in_pool`).
@@ -17,7 +19,6 @@ from pdserve.app.kv_cache_side import num_offload_slots, num_offload_staging_row
 from pdserve.kv.layout import KVPoolLayout, plan_for_model, plan_page_bytes
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.models.base import ModelSpec
-from pdserve.models.hf_config import UnsupportedModelFeature
 from pdserve.models.loader import LoadedModel, load_model, resolve_quantization
 from pdserve.models.registry import TensorParallelRank
 from pdserve.parallel.channel import LeaderChannel, RankSetup
@@ -120,18 +121,6 @@ def _rank_setup(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout) -
                      num_offload_staging_rows=num_offload_staging_rows(config, plan, layout) if offload_dir is not None else 0)
 
 
-def _check_state_support(config: WorkerConfig, spec: ModelSpec) -> None:
-    """Refuse at start-up what a recurrent-state model cannot do yet, instead of computing wrong tokens."""
-    if not spec.has_recurrent_state:
-        return
-    # P/D moves one state page per state group between one-rank workers (pd/geometry.py); a pull that
-    # re-splits state heads over tensor-parallel ranks is not built (pd/admission.py refuses it too).
-    if config.role != "colocated" and config.parallel.tensor_parallel_size > 1:
-        raise UnsupportedModelFeature(
-            f"{spec.architecture} keeps recurrent state (Gated DeltaNet / Mamba2 layers): a {config.role} worker "
-            "of it runs one tensor-parallel rank (--tensor-parallel-size 1); `pdserve serve` runs it on several")
-
-
 def build_model_side(config: WorkerConfig, loaded: Optional[LoadedModel] = None,
                      rendezvous_fd: Optional[int] = None) -> ModelSide:
     """Meet the other ranks, load the weights (unless `loaded`, made for the same device and dtype),
@@ -145,7 +134,6 @@ def build_model_side(config: WorkerConfig, loaded: Optional[LoadedModel] = None,
     shard = TensorParallelRank(0, ranks.size, ranks.all_reduce, ranks.all_gather) if ranks is not None else None
     loaded = loaded or load_model(config.model.path, dtype, device, quantization, parallel=shard)
     spec = loaded.model.spec
-    _check_state_support(config, spec)
     plan = plan_for_model(spec.layer_specs, config.cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
     if plan.geometry is not None:
         logger.info("recurrent-state pages: %s", plan.geometry.describe())

@@ -2,7 +2,8 @@
 every rank's slice), the connector the scheduler calls and the async-side admission.
 
 Invariant: two workers share KV only when their compatibility hashes are equal: the model, its KV
-heads (the model's, not a rank's share), dtype and group plan, whatever their TP sizes.
+heads and recurrent state (the model's, not a rank's share), dtype and group plan, whatever their
+TP sizes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Callable, Optional
 import httpx
 
 from pdserve.api.config import WorkerConfig
-from pdserve.kv.specs import RecurrentStateSpec
 from pdserve.metrics import Metrics
 from pdserve.models.base import ModelSpec
 from pdserve.app.model_side import ModelSide
@@ -23,6 +23,7 @@ from pdserve.pd.wiring import (
     KVSide, PoolDescription, TransportFactory, build_admission, build_kv_side, configured_transport)
 from pdserve.parallel.channel import LeaderChannel
 from pdserve.transfer.ranked_transport import RankedTransport
+from pdserve.transfer.state_ranges import state_splits
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def _pool_description(model_name: str, model: ModelSide) -> PoolDescription:
     # The model's KV heads, not this rank's share: workers of any TP sizes may pair.
     spec, layout = model.spec, model.layout
     document = compatibility_document(_fingerprint(model_name, spec), str(model.dtype), spec.total_kv_heads,
-                                      spec.head_dim, model.plan)
+                                      spec.head_dim, model.plan, 1 + len(model.follower_transports))
     return PoolDescription(model.plan, layout.num_blocks, layout.block_size, layout.page_bytes,
                            compatibility_hash(document), document)
 
@@ -50,12 +51,12 @@ def _ranked(factory: TransportFactory, channel: Optional[LeaderChannel], followe
             num_kv_heads: int, num_layer_slots: int, model: Optional[ModelSide] = None) -> TransportFactory:
     """Rank 0's transport (every P/D worker's, TP=1 included): its own slice's, reading each head
     from the peer rank that holds it, and commanding the other ranks' agents too. The pool's block
-    size, attention page and state slots let it read peers of another block size (padded pages, state)."""
+    size, attention page and state splits let it read peers of another block size (padded pages, state)
+    or, with state, of another TP size (each rank its heads' bytes of every state slot)."""
     geometry: dict = {}
     if model is not None:
         geometry = dict(block_size=model.layout.block_size, kv_page_bytes=model.layout.kv_page_bytes,
-                        state_slot_bytes=[group.spec.state_bytes for group in model.plan.groups
-                                          if isinstance(group.spec, RecurrentStateSpec)])
+                        state_splits=state_splits(model.plan, 1 + len(followers)))
 
     def make(pool_view, agent_name: str):  # type: ignore[no-untyped-def]
         return RankedTransport(factory(pool_view, agent_name), channel, followers, num_kv_heads, num_layer_slots,

@@ -69,14 +69,13 @@ descriptor per (block, remote rank) even when P and D split the heads
 differently. Within a slab a head's keys for the block's tokens are contiguous,
 which is how the attention kernels walk them.
 
-A state page under tensor parallelism (not built yet; today a rank's pool holds its own
-share and P and D must split alike): a state spec already describes one rank's share, and
-the rule would be the attention one, heads outermost. The unit is a head group (one key
-head with its value heads for Gated DeltaNet, one head for Mamba2, with the conv channels
-that feed it): the page would hold, per head group, that group's conv channels and
-recurrent rows of every layer slot, so any range of head groups is one contiguous range of
-the page and a rank pulls its share as one descriptor. The slot-outermost page above is
-that layout with one head group per rank.
+A state page under tensor parallelism: a rank's pool holds its own share, slot-outermost as
+above, its spec describing that share (models/state_sharding.py): per slot, its rows of each conv
+part, then its heads of the recurrent state. A pull between different splits moves each rank's
+share part by part, a few byte ranges per slot (transfer/state_ranges.py). A head-group-outermost
+page (each head group's conv channels and recurrent rows of every slot together) would make any
+range of head groups one range of the page; it is not used: every split would then need the
+layout cut for the largest one, for a saving of a few descriptors per state layer.
 
 Why one page per block: the pool is registered with NIXL once, as the int8
 canonical view [num_blocks, page_bytes] (one memory region), and moving a block

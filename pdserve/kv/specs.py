@@ -59,6 +59,10 @@ class RecurrentStateSpec:
 
         conv window:     [conv_channels, conv_window]   (oldest input first)
         recurrent state: recurrent_shape                 (e.g. [heads, key_dim, value_dim])
+
+    `conv_parts` names the channels of each part of the conv window in order (Gated DeltaNet:
+    q, k, v; Mamba2: x, B, C), each part split by rank on its own (models/state_sharding.py);
+    empty: one part. The recurrent state splits by its first dimension (heads).
     """
 
     kind: str  # "gated_delta_net" or "mamba2": which mixer reads it (a peer must agree)
@@ -66,8 +70,11 @@ class RecurrentStateSpec:
     conv_window: int  # kernel size - 1
     recurrent_shape: tuple[int, ...]
     dtype: str = "float32"  # a key of STATE_DTYPE_BYTES
+    conv_parts: tuple[int, ...] = ()  # channels of each conv part, in order (empty: one part)
 
     def __post_init__(self) -> None:
+        if self.conv_parts and (sum(self.conv_parts) != self.conv_channels or min(self.conv_parts) < 1):
+            raise ValueError(f"conv parts {self.conv_parts} do not make up {self.conv_channels} channels")
         if self.dtype not in STATE_DTYPE_BYTES:
             raise ValueError(f"recurrent state dtype {self.dtype!r} is not one of {sorted(STATE_DTYPE_BYTES)}")
         if self.conv_channels < 1 or self.conv_window < 0 or not self.recurrent_shape or min(self.recurrent_shape) < 1:

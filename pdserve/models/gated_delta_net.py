@@ -73,7 +73,8 @@ class GatedDeltaNetShape:
     def state_spec(self) -> RecurrentStateSpec:
         return RecurrentStateSpec(
             kind="gated_delta_net", conv_channels=self.conv_channels, conv_window=self.conv_kernel_tokens - 1,
-            recurrent_shape=(self.num_value_heads, self.key_head_dim, self.value_head_dim), dtype="float32")
+            recurrent_shape=(self.num_value_heads, self.key_head_dim, self.value_head_dim), dtype="float32",
+            conv_parts=(self.key_dim_total, self.key_dim_total, self.value_dim_total))
 
 
 def delta_net_rank_shape(shape: GatedDeltaNetShape, size: int) -> GatedDeltaNetShape:

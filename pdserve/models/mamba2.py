@@ -57,7 +57,9 @@ class Mamba2Geometry:
     def state_spec(self) -> RecurrentStateSpec:
         return RecurrentStateSpec(kind="mamba2", conv_channels=self.conv_channels, conv_window=self.conv_kernel - 1,
                                   recurrent_shape=(self.num_heads, self.head_dim, self.state_size),
-                                  dtype=self.state_dtype)
+                                  dtype=self.state_dtype,
+                                  conv_parts=(self.inner_size, self.num_groups * self.state_size,
+                                              self.num_groups * self.state_size))
 
 
 def mamba2_rank_geometry(geometry: Mamba2Geometry, size: int) -> Mamba2Geometry:

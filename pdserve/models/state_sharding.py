@@ -29,6 +29,9 @@ share of each conv part in turn, so the whole window is the ranks' windows inter
     whole conv window   [ q0 q1 | k0 k1 | v0 v1 ]      (Mamba2: [ x0 x1 | B0 B1 | C0 C1 ])
     rank 0 / rank 1     [ q0 | k0 | v0 ]  /  [ q1 | k1 | v1 ]
 
+A P/D pull between workers of different TP sizes moves each rank's share part by part, as byte
+ranges of the peer ranks' slots (`conv_parts` in the spec names the parts; transfer/state_ranges.py).
+
 Invariant: summed over the ranks, the mixers' row-parallel outputs equal the whole mixer's output.
 A size that does not divide the key heads or the Mamba2 groups is refused (UnsupportedModelFeature
 naming the counts): Mamba2 groups are not replicated because the grouped norm would then span ranks.

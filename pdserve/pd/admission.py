@@ -31,6 +31,7 @@ from pdserve.pd.handshake import HandshakeClient
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.request import GenerationRequest, RemoteSource
 from pdserve.transfer.planner import validate_remote_block_ids
+from pdserve.transfer.state_ranges import state_splits
 from pdserve.transfer.token_units import block_size_problem
 from pdserve.transfer.transport import PeerInfo, TransferError, handshake_address, peer_key
 
@@ -113,10 +114,20 @@ class PeerFailureMemory:
         self._failures.pop(peer_key, None)
 
 
-def check_block_ids(params: RemotePrefillParams, agent: AgentInfo, plan: KVGroupPlan) -> None:
+def state_split_problem(plan: KVGroupPlan, num_ranks: int, their_num_ranks: int) -> Optional[str]:
+    """Why the recurrent state of `plan` (one rank's of `num_ranks`) cannot move to or from a worker
+    of `their_num_ranks` ranks, naming the counts (None: each rank reads its heads' byte ranges)."""
+    for split in state_splits(plan, num_ranks):
+        problem = split.problem(their_num_ranks)
+        if problem is not None:
+            return problem
+    return None
+
+
+def check_block_ids(params: RemotePrefillParams, agent: AgentInfo, plan: KVGroupPlan, num_ranks: int = 1) -> None:
     """Shape and range of the block lists against the peer's pool and this prompt, in the peer's
     own block size and state partition. Our prefill workers never send null entries, so none is accepted."""
-    their_plan = peer_plan(plan, agent.geometry.groups) if plan.state_group_ids else plan
+    their_plan = peer_plan(plan, agent.geometry.groups, num_ranks, agent.tp_size) if plan.state_group_ids else plan
     expected = [len(r) for r in handoff_ranges(their_plan, params.num_prompt_tokens, agent.geometry.block_size)]
     lists = validate_remote_block_ids(params.remote_block_ids, len(expected), agent.geometry.num_blocks, max(expected))
     for group_id, (ids, count) in enumerate(zip(lists, expected)):
@@ -173,15 +184,12 @@ class DecodeAdmission:
         if problem is not None:
             raise KVParamsInvalid(f"prefill worker {params.remote_engine_id} cannot hand its KV to this worker: "
                                   f"{problem}", param="kv_transfer_params")
-        if self.plan.state_group_ids and (agent.tp_size != 1 or self.tp_size != 1):
-            # Each rank holds its share of every state head, with conv windows interleaved part by part
-            # (models/state_sharding.py): a pull that re-splits them is not built, so never guess.
-            raise KVParamsInvalid(
-                f"prefill worker {params.remote_engine_id} pages in blocks of {agent.geometry.block_size} tokens "
-                f"on {agent.tp_size} tensor-parallel rank(s), this worker in {self.block_size} on {self.tp_size}: "
-                f"recurrent state moves only between workers of one tensor-parallel rank each",
-                param="kv_transfer_params")
-        check_block_ids(params, agent, self.plan)
+        if self.plan.state_group_ids and agent.tp_size != self.tp_size:
+            problem = state_split_problem(self.plan, self.tp_size, agent.tp_size)
+            if problem is not None:
+                raise KVParamsInvalid(f"prefill worker {params.remote_engine_id} runs {agent.tp_size} tensor-parallel "
+                                      f"rank(s), this worker {self.tp_size}: {problem}", param="kv_transfer_params")
+        check_block_ids(params, agent, self.plan, self.tp_size)
         try:
             # The peer's block size rides along (never on the wire): reads between block sizes are cut by it.
             peer = dataclasses.replace(PeerInfo.from_dict(agent.transport, via=via),

@@ -9,8 +9,9 @@ client's never get here); a failed pull never yields
 tokens from partial KV (policy `recompute` prefills locally, `fail` ends the
 request with `KVPullFailed`, and every prompt token so recomputed is counted
 by reason); P hears "free" whenever D will not read. A state group's page
-(P's handoff page) lands in the request's live page (between block sizes,
-each state layer's slot into that layer's slot: pd/geometry.py `plan_handoff_pull`): D then
+(P's handoff page) lands in the request's live page (between block or TP sizes,
+each state layer's slot into that layer's slot, each rank its heads' bytes: pd/geometry.py
+`plan_handoff_pull`): D then
 computes the last prompt token from the state after the ones before it.
 Leases are renewed for queued requests and for those whose READ is in flight.
 Torch-free.
@@ -73,8 +74,10 @@ class DecodeConnector:
 
     def __init__(self, transport: KVTransport, peers: PeerConnections, plan: KVGroupPlan, block_size: int,
                  metrics: TransferMetrics, policy: FailurePolicy = "recompute", pull_timeout_s: float = 10.0,
-                 heartbeat_s: float = 5.0, clock: Callable[[], float] = time.monotonic, lease_s: float = 30.0):
+                 heartbeat_s: float = 5.0, clock: Callable[[], float] = time.monotonic, lease_s: float = 30.0,
+                 tp_size: int = 1):
         self.transport = transport
+        self.tp_size = tp_size  # this worker's ranks: a rank's state slot is its heads' share
         self.peers = peers
         self.plan = plan
         self.block_size = block_size
@@ -116,9 +119,11 @@ class DecodeConnector:
         params = remote.source.params
         num_tokens = request.num_prompt_tokens
         geometry = remote.source.agent.geometry  # its block size may differ from ours: the pull cuts both into units
-        their_plan = peer_plan(self.plan, geometry.groups) if self.plan.state_group_ids else self.plan
+        their_ranks = remote.source.agent.tp_size
+        their_plan = (peer_plan(self.plan, geometry.groups, self.tp_size, their_ranks) if self.plan.state_group_ids
+                      else self.plan)
         pull = plan_handoff_pull(self.plan, self.block_size, block_tables, their_plan, geometry.block_size,
-                                 params.remote_block_ids, num_tokens, num_cached_tokens)
+                                 params.remote_block_ids, num_tokens, num_cached_tokens, self.tp_size, their_ranks)
         remote.uncached_blocks = pull.uncached_blocks
         if pull.is_empty:  # D's prefix cache holds everything it needs
             del self._remotes[request.request_id]
@@ -127,7 +132,7 @@ class DecodeConnector:
         try:
             remote.read_started_s = self.clock()
             done = KVMessage(MessageKind.DONE, params.remote_request_id, _nonce(params))
-            # State as byte ranges (between block sizes) only a RankedTransport reads; P/D wiring makes one.
+            # State slot by slot (between block or TP sizes) only a RankedTransport reads; P/D wiring makes one.
             extra = {"state_moves": pull.state_moves} if pull.state_moves else {}
             remote.handle = self.transport.start_read(remote.peer_key, pull.local_ids, pull.remote_ids, done.encode(),
                                                       **extra)

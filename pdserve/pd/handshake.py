@@ -23,6 +23,7 @@ import httpx
 from pdserve.api.kv_transfer import (PROTOCOL_VERSION, AgentInfo, GroupWire, KVParamsInvalid, KVParamsStale,
                                      KVPullFailed, RemotePrefillParams, StateWire, url_host)
 from pdserve.kv.specs import FullAttentionSpec, KVGroup, KVGroupPlan, RecurrentStateSpec
+from pdserve.transfer.state_ranges import rank_state_spec
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,10 @@ def _group_to_wire(group: KVGroup) -> GroupWire:
 
 
 def compatibility_document(model_fingerprint: str, dtype: str, num_kv_heads: int, head_dim: int,
-                           plan: KVGroupPlan) -> dict[str, Any]:
+                           plan: KVGroupPlan, num_ranks: int = 1) -> dict[str, Any]:
     """What two workers must agree on to share KV. The model fingerprint covers weights identity
-    (architecture, layer count, vocabulary, name); `num_kv_heads` is the whole model's (workers of
-    any TP sizes pair). The block size is not here: workers whose block sizes divide one another
+    (architecture, layer count, vocabulary, name); `num_kv_heads` and the recurrent state are the
+    whole model's (`plan` is one rank's of `num_ranks`: workers of any TP sizes pair). The block size is not here: workers whose block sizes divide one another
     pair, reading in units of the smaller one (the admission checks it, from the peer's geometry).
     Each side sends its own, so a refusal can name what differs."""
     return {
@@ -62,19 +63,20 @@ def compatibility_document(model_fingerprint: str, dtype: str, num_kv_heads: int
         "head_dim": head_dim,
         "layout": "block,head,group_slot,kv,token,dim",
         "group_size": plan.group_size,
-        "groups": [g.model_dump() for g in _compatibility_groups(plan)],
+        "groups": [g.model_dump() for g in _compatibility_groups(plan, num_ranks)],
     }
 
 
-def _compatibility_groups(plan: KVGroupPlan) -> list[GroupWire]:
+def _compatibility_groups(plan: KVGroupPlan, num_ranks: int = 1) -> list[GroupWire]:
     """The attention groups as they are, and the state layers one entry per kind of state, whatever
-    pages they share: how many state layers a page holds follows the block size, and state moves
-    layer by layer between workers that cut them differently (pd/geometry.py `plan_handoff_pull`)."""
+    pages they share, its shape the whole model's: how many state layers a page holds follows the
+    block size and the TP size, and state moves layer by layer between workers that cut them
+    differently (pd/geometry.py `plan_handoff_pull`)."""
     wire = [_group_to_wire(group) for group in plan.groups if not group.is_state]
     merged: dict[RecurrentStateSpec, list[int]] = {}
     for group in plan.groups:
         if isinstance(group.spec, RecurrentStateSpec):
-            merged.setdefault(group.spec, []).extend(group.layer_ids)
+            merged.setdefault(rank_state_spec(group.spec, num_ranks, 1), []).extend(group.layer_ids)
     return wire + [_group_to_wire(KVGroup(len(wire) + index, spec, tuple(sorted(layer_ids))))
                    for index, (spec, layer_ids) in enumerate(merged.items())]
 

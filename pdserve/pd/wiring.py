@@ -116,7 +116,7 @@ def build_kv_side(config: WorkerConfig, metrics: Metrics, pool: PoolDescription,
     peers = PeerConnections(transport, transfer.connect_timeout_s)
     connector = DecodeConnector(transport, peers, pool.plan, pool.block_size, metrics.transfer,
                                 transfer.failure_policy, transfer.pull_timeout_s, transfer.heartbeat_s,
-                                lease_s=transfer.lease_s)
+                                lease_s=transfer.lease_s, tp_size=config.parallel.tensor_parallel_size)
     return KVSide(connector, transport, describe, peers, base_epoch=epoch)
 
 

@@ -192,6 +192,8 @@ class ModelRunner:
         hidden states are the same on every rank after the last all-reduce."""
         chunks = step.chunks
         self.copy_state_pages(step)
+        if not chunks:  # rank 0's step had state page copies and nothing to compute
+            return
         if decode_step:
             self.decode_step.run(chunks)
             return

@@ -45,6 +45,7 @@ from pdserve.parallel.channel import LeaderChannel, RankMessage, RankReport, Ran
 from pdserve.parallel.ranks import RankGroup, RanksLost
 from pdserve.pd.wiring import TransportFactory, nixl_transport
 from pdserve.transfer.ranked_transport import FollowerTransport, RankReader
+from pdserve.transfer.state_ranges import state_splits
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,19 @@ class LeaderRunner(ModelRunner):
     cancellable = False  # the other ranks run every layer of a step they were sent
 
     def __init__(self, *args, channel: LeaderChannel, **kwargs):  # type: ignore[no-untyped-def]
+        self._state_copies: list[tuple[int, int]] = []  # this step's, for the other ranks' pages
         super().__init__(*args, **kwargs)
         self.channel = channel
+
+    def copy_state_pages(self, step: SchedulerOutput) -> None:
+        """Every rank's pages hold its share of the state: each makes the step's copies (snapshots,
+        restores, P's handoff page) in its own pool, before its forward pass. A step with copies and
+        no chunks sends them alone."""
+        super().copy_state_pages(step)
+        self._state_copies = list(step.state_copies)
+        if self._state_copies and step.is_empty:
+            self.channel.send(SchedulerOutput(chunks=[], state_copies=self._state_copies))
+            self._state_copies = []
 
     def _share_step(self, chunks: Sequence[ScheduledChunk], sample_rows: Sequence[int],
                     prompt_rows: Sequence[prompt_logprobs.WantedRows]) -> None:
@@ -74,7 +86,9 @@ class LeaderRunner(ModelRunner):
         # The eager path's logits computations, in execute's order (the head is split over the ranks).
         logit_rows = () if path else tuple(rows for rows in (
             tuple(sample_rows), tuple(prompt_logprobs.row_indices(prompt_rows))) if rows)
-        self.channel.send(SchedulerOutput(chunks=[_slim(chunk) for chunk in chunks]), path, logit_rows)
+        self.channel.send(SchedulerOutput(chunks=[_slim(chunk) for chunk in chunks], state_copies=self._state_copies),
+                          path, logit_rows)
+        self._state_copies = []
 
     def execute(self, step: SchedulerOutput) -> StepResult:
         try:
@@ -137,7 +151,9 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
         if setup.with_transport:
             agent = f"{config.transfer.engine_id or config.role}-rank{rank}-{uuid.uuid4().hex[:12]}"
             local = transport_factory(layout.canonical_view(runner.pool), agent)
-            transport = FollowerTransport(RankReader(local, rank, size, spec.total_kv_heads, plan.group_size))
+            transport = FollowerTransport(RankReader(local, rank, size, spec.total_kv_heads, plan.group_size,
+                                                     layout.block_size, layout.kv_page_bytes,
+                                                     state_splits(plan, size)))
         group.gather(transport.descriptor() if transport is not None else None)  # rank 0 builds its transport
         return _follow(group, runner, transport, tier)
     except RanksLost as error:

@@ -26,20 +26,22 @@ cache (`PullPlan.uncached_blocks`).
 
 A recurrent-state group's side is one whole page (`HandoffSide.is_state`): P's handoff page, the
 state after all but the last prompt token, into D's live page. It moves as one unit, so only
-between equal block sizes (a state page is no grid of token rows), and only when D does not hold
-that state itself (its prefix cache restored it: `num_held_tokens` is all but the last token):
+between equal block sizes and equal TP sizes (a state page is no grid of token rows, and a rank's
+page holds its heads' share), and only when D does not hold that state itself (its prefix cache
+restored it: `num_held_tokens` is all but the last token):
 
     state group   remote (P) [ 37 ] handoff page  ->  local (D) [ 8 ] live page   (one unit each)
 
-Between different block sizes the two sides may cut their state layers into groups differently
-(a state page holds as many layers as the attention page allows, kv/page_geometry.py), and a
-token unit is no measure of a state slot. State then moves as byte ranges (`plan_state_moves`):
-each layer's slot of P's handoff page into that layer's slot of D's live page, slots adjacent on
-both sides merged into one range; a page's padding never moves:
+Between different block sizes or TP sizes the two sides may cut their state layers into groups
+differently (a state page holds as many layers as the attention page allows, kv/page_geometry.py),
+and a token unit is no measure of a state slot. State then moves slot by slot
+(`plan_state_moves`): each layer's slot of P's handoff page into that layer's slot of D's live
+page; each D rank cuts from it the byte ranges of its heads on the P rank(s) holding them, ranges
+adjacent on both sides merged (transfer/state_ranges.py); a page's padding never moves:
 
     P (block 16)  page 37: [ layer 0 ][ pad ]   page 38: [ layer 1 ][ pad ]   page 39: [ layer 2 ][ pad ]
     D (block 32)  page 8:  [ layer 0 ][ layer 2 ][ pad ]                      page 9:  [ layer 1 ][ pad ]
-    moves         (8, 0) <- (37, 0) | (8, s) <- (39, 0) | (9, 0) <- (38, 0)   each s = state_bytes long
+    slot moves    (8, 0) <- (37, 0) | (8, s) <- (39, 0) | (9, 0) <- (38, 0)   s = D's slot bytes
 """
 
 from __future__ import annotations
@@ -49,7 +51,11 @@ from typing import Any, Sequence
 
 from pdserve.api.errors import InvalidRequest
 from pdserve.kv.block_pool import NULL_BLOCK_ID
+from pdserve.transfer.state_ranges import StateMove, StateSlotMove, StateSplit
 from pdserve.transfer.token_units import block_size_problem
+
+__all__ = ["HandoffSide", "InvalidRemoteBlockIds", "PullPlan", "Run", "StateMove", "StatePage", "StateSlotMove",
+           "contiguous_runs", "plan_pull", "plan_state_moves", "validate_remote_block_ids"]
 
 _PARAM = "kv_transfer_params.remote_block_ids"
 
@@ -89,36 +95,27 @@ class HandoffSide:
 
 @dataclass(frozen=True, slots=True)
 class StatePage:
-    """One worker's handoff page of one state group: its page id and the layer in each slot."""
+    """One worker's handoff page of one state group: its page id, the layer in each slot, one
+    slot's bytes on one rank, and how a layer's state splits over ranks."""
 
     page_id: int
     layer_ids: tuple[int, ...]
-    state_bytes: int  # one layer's slot
-
-
-@dataclass(frozen=True, slots=True)
-class StateMove:
-    """`num_bytes` of state from byte `remote_offset_bytes` of remote page `remote_page` into byte
-    `local_offset_bytes` of local page `local_page` (offsets inside the page)."""
-
-    local_page: int
-    local_offset_bytes: int
-    remote_page: int
-    remote_offset_bytes: int
-    num_bytes: int
+    state_bytes: int  # one layer's slot on one rank
+    split: StateSplit
 
 
 @dataclass(frozen=True, slots=True)
 class PullPlan:
     """Unit-id lists of one READ: local unit local_ids[i] <- remote unit remote_ids[i]; and the
-    byte ranges of state it moves besides (`state_moves`: between different block sizes only)."""
+    state layers' slots it moves besides (`state_moves`: between different block sizes or TP
+    sizes; each rank cuts its byte ranges from them, transfer/state_ranges.py)."""
 
     local_ids: tuple[int, ...]
     remote_ids: tuple[int, ...]
     unit_tokens: int
     num_units_per_group: tuple[int, ...]
     uncached_blocks: tuple[int, ...]  # per group: D's table entries [0, n) must not enter its prefix cache
-    state_moves: tuple[StateMove, ...] = ()
+    state_moves: tuple[StateSlotMove, ...] = ()
 
     @property
     def num_units(self) -> int:
@@ -185,10 +182,10 @@ def _state_pairs(theirs: HandoffSide, ours: HandoffSide, unit_tokens: int, num_t
 
 
 def plan_state_moves(remote: Sequence[StatePage], local: Sequence[StatePage], num_tokens: int,
-                     num_held_tokens: int = 0) -> tuple[StateMove, ...]:
+                     num_held_tokens: int = 0) -> tuple[StateSlotMove, ...]:
     """Each state layer's slot of P's handoff pages (`remote`) into its slot of D's live pages
-    (`local`), in D's page and slot order, adjacent slots merged; none when D holds the state
-    itself (`num_held_tokens` is all but the last token) or the prompt has one token (no pages)."""
+    (`local`), in D's page and slot order; none when D holds the state itself (`num_held_tokens`
+    is all but the last token) or the prompt has one token (no pages)."""
     if num_held_tokens >= num_tokens - 1 or not remote or not local:
         if bool(remote) != bool(local) and num_tokens >= 2:
             raise InvalidRemoteBlockIds(f"{len(remote)} state pages there, {len(local)} here")
@@ -197,32 +194,25 @@ def plan_state_moves(remote: Sequence[StatePage], local: Sequence[StatePage], nu
     ours = _state_slots(local, "local")
     if set(theirs) != set(ours):
         raise InvalidRemoteBlockIds(f"state layers {sorted(theirs)} there, {sorted(ours)} here")
-    moves: list[StateMove] = []
-    for layer_id, (local_page, local_offset, size) in sorted(ours.items(), key=lambda item: item[1][:2]):
-        remote_page, remote_offset, remote_size = theirs[layer_id]
-        if remote_size != size:
-            raise InvalidRemoteBlockIds(f"layer {layer_id} keeps {remote_size} bytes of state there, {size} here")
-        last = moves[-1] if moves else None
-        if (last is not None and (last.local_page, last.remote_page) == (local_page, remote_page)
-                and last.local_offset_bytes + last.num_bytes == local_offset
-                and last.remote_offset_bytes + last.num_bytes == remote_offset):
-            moves[-1] = StateMove(local_page, last.local_offset_bytes, remote_page, last.remote_offset_bytes,
-                                  last.num_bytes + size)
-        else:
-            moves.append(StateMove(local_page, local_offset, remote_page, remote_offset, size))
+    moves: list[StateSlotMove] = []
+    for layer_id, (local_page, local_offset, split) in sorted(ours.items(), key=lambda item: item[1][:2]):
+        remote_page, remote_offset, remote_split = theirs[layer_id]
+        if remote_split != split:
+            raise InvalidRemoteBlockIds(f"layer {layer_id} keeps its state as {remote_split} there, {split} here")
+        moves.append(StateSlotMove(local_page, local_offset, remote_page, remote_offset, split))
     return tuple(moves)
 
 
-def _state_slots(pages: Sequence[StatePage], side: str) -> dict[int, tuple[int, int, int]]:
-    """layer id -> (page, byte offset of its slot, slot bytes); a layer in two slots or a null page is refused."""
-    slots: dict[int, tuple[int, int, int]] = {}
+def _state_slots(pages: Sequence[StatePage], side: str) -> dict[int, tuple[int, int, StateSplit]]:
+    """layer id -> (page, byte offset of its slot, split); a layer in two slots or a null page is refused."""
+    slots: dict[int, tuple[int, int, StateSplit]] = {}
     for page in pages:
         if page.page_id == NULL_BLOCK_ID:
             raise InvalidRemoteBlockIds(f"a {side} state group hands over the null page")
         for slot, layer_id in enumerate(page.layer_ids):
             if layer_id in slots:
                 raise InvalidRemoteBlockIds(f"state layer {layer_id} appears twice on the {side} side")
-            slots[layer_id] = (page.page_id, slot * page.state_bytes, page.state_bytes)
+            slots[layer_id] = (page.page_id, slot * page.state_bytes, page.split)
     return slots
 
 

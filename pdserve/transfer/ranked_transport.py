@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import numpy as np
 
 from pdserve.kv.head_split import HeadSource, chunk_heads, head_sources, rank_kv_heads
-from pdserve.transfer.planner import StateMove
+from pdserve.transfer.state_ranges import StateMove, StateSlotMove, StateSplit, rank_state_moves
 from pdserve.transfer.token_units import (UnitGeometry, byte_chunk_ids, padded_unit_geometry, unit_chunk_ids,
                                           unit_geometry)
 from pdserve.transfer.transport import (
@@ -87,6 +87,7 @@ class StartRead:
     peer_key: str
     local_block_ids: tuple[int, ...]
     remote_block_ids: tuple[int, ...]
+    state_moves: tuple[StateSlotMove, ...] = ()  # each rank cuts its heads' byte ranges from them
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +147,8 @@ class _Link:
     chunk_heads: int
     units: Optional[UnitGeometry] = None  # set when the peer's block size differs: reads move row units
     failure: Optional[str] = None  # set when a sub-connection could not even start
+    remote_size: int = 1  # the peer's ranks
+    state_ranks: list[int] = field(default_factory=list)  # ranks read for state alone (no KV heads), after sources
 
 
 class RankReader:
@@ -156,13 +159,15 @@ class RankReader:
     and moves one row of one unit per descriptor: the rows of a head slab, (layer slot, K|V) each,
     are `2 * num_layer_slots` to a head on both sides.
 
-    Knowing its `block_size`, attention page (`kv_page_bytes`) and state slots (`state_slot_bytes`),
-    it reads a peer whose `PeerInfo.block_size` is known in chunks that also cut padded pages and
-    state slots (token_units.padded_unit_geometry): recurrent state then moves as byte ranges
-    (`StateMove`) beside the units, on one rank (state split over ranks is not read this way)."""
+    Knowing its `block_size`, attention page (`kv_page_bytes`) and how its state layers split
+    (`state_splits`), it reads a peer whose `PeerInfo.block_size` is known, or (with state) one of
+    another TP size, in chunks that also cut padded pages and every state byte range
+    (token_units.padded_unit_geometry): recurrent state then moves as byte ranges beside the units,
+    each rank its heads' share of every slot from the peer ranks holding it (transfer/state_ranges.py),
+    connecting to a peer rank for state alone where its KV heads come from elsewhere."""
 
     def __init__(self, local: KVTransport, rank: int, size: int, num_kv_heads: int, num_layer_slots: int,
-                 block_size: int = 0, kv_page_bytes: int = 0, state_slot_bytes: Sequence[int] = ()):
+                 block_size: int = 0, kv_page_bytes: int = 0, state_splits: Sequence[StateSplit] = ()):
         self.local = local
         self.rank = rank
         self.size = size
@@ -170,7 +175,7 @@ class RankReader:
         self.rows_per_head = 2 * num_layer_slots
         self.block_size = block_size
         self.kv_page_bytes = kv_page_bytes or local.page_bytes
-        self.state_slot_bytes = tuple(state_slot_bytes)
+        self.state_splits = tuple(state_splits)
         self.num_local_heads = rank_kv_heads(num_kv_heads, size, rank)[1]
         if local.page_bytes % self.num_local_heads:
             raise ValueError(f"pages of {local.page_bytes} bytes do not hold {self.num_local_heads} equal head slabs")
@@ -191,23 +196,28 @@ class RankReader:
         heads = chunk_heads(self.num_kv_heads, self.size, remote_size)
         remote_heads = rank_kv_heads(self.num_kv_heads, remote_size, 0)[1]
         link = _Link(head_sources(self.num_kv_heads, self.size, self.rank, remote_size), [],
-                     self.num_local_heads // heads, remote_heads // heads, heads)
+                     self.num_local_heads // heads, remote_heads // heads, heads, remote_size=remote_size)
         self._links[peer_key] = link
         chunk_bytes = heads * self.slab_bytes
-        if self._block_size_differs(ranks[0], remote_heads):
+        splits_state = bool(self.state_splits) and remote_size != self.size
+        if splits_state or self._block_size_differs(ranks[0], remote_heads):
             try:
-                link.units = self._units(ranks[0], remote_heads)
+                link.units = self._units(ranks[0], remote_heads, remote_size)
             except ValueError as error:
                 link.failure = f"rank {self.rank} cannot read pages of {ranks[0].page_bytes} bytes: {error}"
                 return
             chunk_bytes = link.units.chunk_bytes
-        for source in link.sources:
-            remote = ranks[source.remote_rank]
-            sub_peer = dataclasses.replace(remote, engine_id=f"{remote.engine_id}/rank{source.remote_rank}")
+        if splits_state:
+            kv_ranks = {source.remote_rank for source in link.sources}
+            link.state_ranks = sorted({piece.remote_rank for split in self.state_splits
+                                       for piece in split.pieces(self.rank, self.size, remote_size)} - kv_ranks)
+        for remote_rank in [source.remote_rank for source in link.sources] + link.state_ranks:
+            remote = ranks[remote_rank]
+            sub_peer = dataclasses.replace(remote, engine_id=f"{remote.engine_id}/rank{remote_rank}")
             try:
                 link.sub_keys.append(self.local.begin_connect(sub_peer, chunk_bytes=chunk_bytes))
             except TransferError as error:
-                link.failure = f"rank {self.rank} -> peer rank {source.remote_rank}: {error.message}"
+                link.failure = f"rank {self.rank} -> peer rank {remote_rank}: {error.message}"
                 return
 
     def _block_size_differs(self, remote: PeerInfo, remote_heads: int) -> bool:
@@ -215,7 +225,7 @@ class RankReader:
             return remote.block_size != self.block_size
         return remote.page_bytes * self.num_local_heads != self.local.page_bytes * remote_heads  # unpadded pages
 
-    def _units(self, remote: PeerInfo, remote_heads: int) -> UnitGeometry:
+    def _units(self, remote: PeerInfo, remote_heads: int, remote_size: int) -> UnitGeometry:
         local_rows, remote_rows = self.num_local_heads * self.rows_per_head, remote_heads * self.rows_per_head
         if not (self.block_size and remote.block_size):
             return unit_geometry(self.local.page_bytes, local_rows, remote.page_bytes, remote_rows)
@@ -225,9 +235,10 @@ class RankReader:
         if (local_row * remote.block_size) % self.block_size:
             raise ValueError(f"rows of {local_row} bytes for {self.block_size} tokens do not scale to "
                              f"{remote.block_size} tokens")
+        cuts = [size for split in self.state_splits for size in split.boundary_bytes(self.size, remote_size)]
         return padded_unit_geometry(local_row, local_rows, self.local.page_bytes,
                                     local_row * remote.block_size // self.block_size, remote_rows,
-                                    remote.page_bytes, self.state_slot_bytes)
+                                    remote.page_bytes, cuts)
 
     def connect_state(self, peer_key: str) -> tuple[TransferState, Optional[str]]:
         link = self._links.get(peer_key)
@@ -254,19 +265,28 @@ class RankReader:
         return link.sub_keys[0]
 
     def start_read(self, handle_id: int, peer_key: str, local_block_ids: Sequence[int],
-                   remote_block_ids: Sequence[int], state_moves: Sequence[StateMove] = ()) -> list[TransferHandle]:
+                   remote_block_ids: Sequence[int],
+                   state_moves: Sequence[StateSlotMove] = ()) -> list[TransferHandle]:
         link = self._links.get(peer_key)
-        if link is None or link.failure is not None or len(link.sub_keys) != len(link.sources):
+        if link is None or link.failure is not None or len(link.sub_keys) != len(link.sources) + len(link.state_ranks):
             raise TransferError(f"unknown peer {peer_key!r}: connect first")
         handles = []
         try:
-            for index, (source, sub_key) in enumerate(zip(link.sources, link.sub_keys)):
-                local_ids, remote_ids = self._chunk_ids(link, source, local_block_ids, remote_block_ids)
-                if index == 0 and state_moves:
-                    local_state, remote_state = self._state_chunk_ids(link, state_moves)
+            by_rank = rank_state_moves(state_moves, self.rank, self.size, link.remote_size) if state_moves else {}
+            kv_keys, state_keys = link.sub_keys[:len(link.sources)], link.sub_keys[len(link.sources):]
+            reads = [(sub_key, *self._chunk_ids(link, source, local_block_ids, remote_block_ids), source.remote_rank)
+                     for source, sub_key in zip(link.sources, kv_keys)]
+            reads += [(sub_key, (), (), rank) for rank, sub_key in zip(link.state_ranks, state_keys)
+                      if rank in by_rank]  # a rank read for state alone: only when it holds some of it
+            for sub_key, local_ids, remote_ids, remote_rank in reads:
+                moves = by_rank.pop(remote_rank, [])
+                if moves:
+                    local_state, remote_state = self._state_chunk_ids(link, moves)
                     local_ids = np.concatenate([np.asarray(local_ids, dtype=np.int64), local_state])
                     remote_ids = np.concatenate([np.asarray(remote_ids, dtype=np.int64), remote_state])
                 handles.append(self.local.start_read(sub_key, local_ids, remote_ids, b""))
+            if by_rank:
+                raise ValueError(f"state of peer ranks {sorted(by_rank)} but no connection to them")
         except (TransferError, ValueError) as error:
             self._read_errors[handle_id] = str(error)
         self._reads[handle_id] = handles
@@ -284,9 +304,9 @@ class RankReader:
 
     def _state_chunk_ids(self, link: _Link, moves: Sequence[StateMove]) -> tuple[np.ndarray, np.ndarray]:
         """The chunks of every state move on both sides, move by move (each a run on both sides)."""
-        if link.units is None or self.size != 1 or len(link.sources) != 1:
-            raise ValueError("state moves as byte ranges only between one-rank workers of different block sizes "
-                             "(equal block sizes move whole state pages)")
+        if link.units is None:
+            raise ValueError("state moves as byte ranges only between workers of different block or TP sizes "
+                             "(equal ones move whole state pages)")
         chunk = link.units.chunk_bytes
         local = [byte_chunk_ids(link.units.local, chunk, move.local_page, move.local_offset_bytes, move.num_bytes)
                  for move in moves]
@@ -335,12 +355,12 @@ class RankedTransport:
 
     def __init__(self, local: KVTransport, link: Optional[FollowerLink], follower_descriptors: Sequence[dict],
                  num_kv_heads: int, num_layer_slots: int, clock: Callable[[], float] = time.monotonic,
-                 block_size: int = 0, kv_page_bytes: int = 0, state_slot_bytes: Sequence[int] = ()):
+                 block_size: int = 0, kv_page_bytes: int = 0, state_splits: Sequence[StateSplit] = ()):
         self.local = local
         self.link = link
         self.num_ranks = 1 + len(follower_descriptors)
         self.reader = RankReader(local, 0, self.num_ranks, num_kv_heads, num_layer_slots, block_size, kv_page_bytes,
-                                 state_slot_bytes)
+                                 state_splits)
         self._followers = list(follower_descriptors)
         self._clock = clock
         self._reports: list[FollowerReport] = []
@@ -388,7 +408,9 @@ class RankedTransport:
         """Connect every rank to the peer's ranks it reads from (`chunk_bytes` is decided here)."""
         ranks = decode_ranks(peer)
         self.reader.connect(peer.key, ranks)
-        self._queue(Connect(peer.key, tuple({**rank.to_dict(), "via": rank.via} for rank in ranks)))
+        # The block size never rides on the wire; the other ranks cut their reads by it too.
+        self._queue(Connect(peer.key, tuple({**rank.to_dict(), "via": rank.via, "block_size": rank.block_size}
+                                            for rank in ranks)))
         self._reported_s = float("-inf")  # the next poll must see the followers' answer to this
         return peer.key
 
@@ -420,14 +442,15 @@ class RankedTransport:
     # ---- reads -----------------------------------------------------------------------------
 
     def start_read(self, peer_key: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-                   notification: bytes, state_moves: Sequence[StateMove] = ()) -> TransferHandle:
-        """`state_moves`: byte ranges of state besides the units (RankReader), read by rank 0 alone."""
+                   notification: bytes, state_moves: Sequence[StateSlotMove] = ()) -> TransferHandle:
+        """`state_moves`: state layers' slots besides the units; every rank reads its heads' bytes of them."""
         if len(local_block_ids) != len(remote_block_ids):
             raise ValueError(f"{len(local_block_ids)} local block ids for {len(remote_block_ids)} remote ones")
         handle_id = next(self._ids)
         local = self.reader.start_read(handle_id, peer_key, local_block_ids, remote_block_ids, state_moves)
-        if local_block_ids:
-            self._queue(StartRead(handle_id, peer_key, tuple(local_block_ids), tuple(remote_block_ids)))
+        if len(local_block_ids) or state_moves:
+            self._queue(StartRead(handle_id, peer_key, tuple(local_block_ids), tuple(remote_block_ids),
+                                  tuple(state_moves)))
         read = _RankedRead(peer_key, notification)
         self._reads[handle_id] = read
         # The ranks of a worker split evenly: each moves rank 0's bytes in as many descriptors.
@@ -517,15 +540,16 @@ class FollowerTransport:
         for command in commands:
             if isinstance(command, Connect):
                 try:
-                    self.reader.connect(command.peer_key, [PeerInfo.from_dict(peer, via=str(peer.get("via", "")))
-                                                           for peer in command.peers])
+                    self.reader.connect(command.peer_key, [
+                        dataclasses.replace(PeerInfo.from_dict(peer, via=str(peer.get("via", ""))),
+                                            block_size=int(peer.get("block_size", 0))) for peer in command.peers])
                 except TransferError as error:
                     logger.warning("rank %d: cannot connect to %s: %s", self.reader.rank, command.peer_key, error)
             elif isinstance(command, Disconnect):
                 self.reader.disconnect(command.peer_key)
             elif isinstance(command, StartRead):
                 self.reader.start_read(command.handle_id, command.peer_key, command.local_block_ids,
-                                       command.remote_block_ids)
+                                       command.remote_block_ids, command.state_moves)
             elif isinstance(command, Release):
                 self._releasing.add(command.handle_id)
         self.local.poll_notifications()  # progress; messages go to rank 0 only, so none arrive here

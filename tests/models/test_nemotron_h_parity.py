@@ -56,7 +56,7 @@ def _config(**overrides) -> dict:
 def test_layer_ids_count_only_the_mamba_and_attention_blocks(nemotron):
     _, ours = nemotron
     state = RecurrentStateSpec(kind="mamba2", conv_channels=64 + 2 * 2 * 16, conv_window=3,
-                               recurrent_shape=(4, 16, 16), dtype="float32")
+                               recurrent_shape=(4, 16, 16), dtype="float32", conv_parts=(64, 32, 32))  # x, B, C
     assert ours.spec.layer_specs == (state, FullAttentionSpec(), state, state)
     assert ours.spec.architecture == "nemotron_h" and ours.spec.num_layers == 4
     assert [getattr(block, "layer_id", None) for block in ours.layers] == [0, None, 1, 2, None, 3]

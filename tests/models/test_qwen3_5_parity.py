@@ -50,7 +50,7 @@ def qwen3_next(tmp_path_factory):
 def test_linear_layers_hold_a_delta_net_state_and_the_last_layer_attends(qwen3_5):
     _, ours, _ = qwen3_5
     state = RecurrentStateSpec(kind="gated_delta_net", conv_channels=2 * 2 * 16 + 4 * 16, conv_window=3,
-                               recurrent_shape=(4, 16, 16), dtype="float32")
+                               recurrent_shape=(4, 16, 16), dtype="float32", conv_parts=(32, 32, 64))  # q, k, v
     assert ours.spec.layer_specs == (state, state, state, FullAttentionSpec())
     assert (ours.spec.num_kv_heads, ours.spec.head_dim, ours.spec.architecture) == (2, 32, "qwen3_5")
     assert [type(layer) for layer in ours.layers] == [GatedDeltaNetLayer] * 3 + [GatedAttentionLayer]

@@ -23,6 +23,7 @@ from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
 from pdserve.request import RemoteSource, Request
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
 from pdserve.transfer.ranked_transport import RankedTransport, encode_ranks, rank_descriptor
+from pdserve.transfer.state_ranges import state_splits
 from pdserve.transfer.transport import KVTransport
 from tests.engine.checked_scheduler import CheckedScheduler
 
@@ -107,7 +108,7 @@ class DecodeSide:
         if kv_page_bytes:
             reader = RankedTransport(self.transport, None, [], num_kv_heads=1, num_layer_slots=plan.group_size,
                                      block_size=block_size, kv_page_bytes=kv_page_bytes,
-                                     state_slot_bytes=[g.spec.state_bytes for g in plan.groups if g.is_state])
+                                     state_splits=state_splits(plan, 1))
         elif block_size != prefill_block_size:
             reader = RankedTransport(self.transport, None, [], num_kv_heads=1, num_layer_slots=PLAN.group_size)
         self.peers = PeerConnections(reader, connect_timeout_s=5.0, clock=clock)

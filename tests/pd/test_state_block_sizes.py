@@ -181,8 +181,7 @@ def test_admission_checks_p_block_lists_against_p_own_groups_and_names_p_block_s
     generation = GenerationRequest("req", tuple(range(10, 10 + PROMPT)), SamplingParams(), kv_params=params)
     admitted = asyncio.run(gate(1).admit(generation))
     assert admitted.remote is not None and [peer.block_size for peer in connected] == [4]
-    with pytest.raises(KVParamsInvalid, match="only between workers of one tensor-parallel rank each"):
-        asyncio.run(gate(2).admit(generation))
+    assert asyncio.run(gate(2).admit(generation)).remote is not None  # two ranks each read their heads' share
     # D's own partition has 2 state groups, P's 3: P's lists are checked against P's, a state page each.
     bad = params.model_copy(update={"remote_block_ids": [*params.remote_block_ids[:3], [7, 8]]})
     with pytest.raises(KVParamsInvalid, match="remote_block_ids\\[3\\] must name 1 non-null blocks"):

@@ -218,8 +218,9 @@ def test_decode_with_its_own_snapshot_at_the_handoff_point_pulls_no_state(p, fab
     d.kv.check_invariants()
 
 
-@pytest.mark.parametrize("block_factor", [1, 2])
-def test_decode_of_two_ranks_refuses_a_prefill_worker_for_a_state_model(p, clock, block_factor):
+@pytest.mark.parametrize("prefill_ranks", [1, 3])
+def test_decode_of_two_ranks_takes_state_from_prefill_ranks_that_split_it_and_names_the_counts_otherwise(
+        p, clock, prefill_ranks):
     import asyncio
 
     import httpx
@@ -230,11 +231,11 @@ def test_decode_of_two_ranks_refuses_a_prefill_worker_for_a_state_model(p, clock
     from pdserve.request import GenerationRequest
 
     params, _ = prefill(p, "r1", 10)
+    params = params.model_copy(update={"tp_size": prefill_ranks})
     info = p.agent_info()
-    doubled = info.model_copy(update={"geometry": info.geometry.model_copy(
-        update={"block_size": BLOCK * block_factor})})
+    claimed = info.model_copy(update={"tp_size": prefill_ranks})
     handshake = HandshakeClient("h", None, http_transport=httpx.MockTransport(
-        lambda request: httpx.Response(200, content=doubled.model_dump_json())))
+        lambda request: httpx.Response(200, content=claimed.model_dump_json())))
     connected = []
 
     async def connect(peer):
@@ -243,9 +244,13 @@ def test_decode_of_two_ranks_refuses_a_prefill_worker_for_a_state_model(p, clock
     gate = DecodeAdmission(handshake, STATE_PLAN, BLOCK, "recompute", connect, PeerFailureMemory(clock=clock),
                            tp_size=2)
     generation = GenerationRequest("req", tuple(range(10, 20)), SamplingParams(), kv_params=params)
-    with pytest.raises(KVParamsInvalid, match=f"blocks of {BLOCK * block_factor} tokens on 1 tensor-parallel "
-                                              f"rank\\(s\\), this worker in {BLOCK} on 2: recurrent state moves "
-                                              "only between workers of one tensor-parallel rank each"):
+    if prefill_ranks == 1:  # D's two ranks each read their heads' bytes of P's one rank
+        assert asyncio.run(gate.admit(generation)).remote is not None
+        assert [peer.block_size for peer in connected] == [BLOCK]
+        return
+    # This worker's ranks hold 2 conv channels and 2 heads of each layer: 4 of each in all, not a multiple of 3.
+    with pytest.raises(KVParamsInvalid, match="prefill worker .* runs 3 tensor-parallel rank\\(s\\), this worker 2: "
+                                              "3 ranks do not divide part 0 of a state layer \\(4 rows"):
         asyncio.run(gate.admit(generation))
     assert connected == []
 

@@ -10,6 +10,7 @@ from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from pdserve.transfer.planner import (
     HandoffSide, InvalidRemoteBlockIds, PullPlan, Run, StateMove, StatePage, contiguous_runs, plan_pull,
     plan_state_moves, validate_remote_block_ids)
+from pdserve.transfer.state_ranges import StateSlotMove, StateSplit, rank_state_moves
 
 
 def sides(tables, block_size=4, first_blocks=None):
@@ -182,29 +183,37 @@ def test_state_pages_refuse_other_block_sizes_and_other_group_kinds():
                   num_tokens=8)
 
 
-def test_state_moves_each_layer_into_its_own_slot_merging_slots_adjacent_on_both_sides():
+ONE = StateSplit(part_rows=(1,), row_bytes=(100,))  # a state layer of 100 bytes, one part
+
+
+def page(page_id: int, layer_ids: tuple, split: StateSplit = ONE, num_ranks: int = 1) -> StatePage:
+    return StatePage(page_id, layer_ids, split.rank_bytes(num_ranks), split)
+
+
+def test_state_moves_each_layer_into_its_own_slot():
     # P pages one layer a page, D two: layers 0 and 2 share D's page 8, layer 1 has page 9.
-    remote = [StatePage(37, (0,), 100), StatePage(38, (1,), 100), StatePage(39, (2,), 100)]
-    local = [StatePage(8, (0, 2), 100), StatePage(9, (1,), 100)]
+    remote = [page(37, (0,)), page(38, (1,)), page(39, (2,))]
+    local = [page(8, (0, 2)), page(9, (1,))]
     assert plan_state_moves(remote, local, num_tokens=10) == (
-        StateMove(8, 0, 37, 0, 100), StateMove(8, 100, 39, 0, 100), StateMove(9, 0, 38, 0, 100))
-    # The other way round; and equal partitions move one range per page, its data only.
-    assert plan_state_moves(local, remote, num_tokens=10)[0] == StateMove(37, 0, 8, 0, 100)
-    assert plan_state_moves(local, local, num_tokens=10) == (StateMove(8, 0, 8, 0, 200), StateMove(9, 0, 9, 0, 100))
+        StateSlotMove(8, 0, 37, 0, ONE), StateSlotMove(8, 100, 39, 0, ONE), StateSlotMove(9, 0, 38, 0, ONE))
+    assert plan_state_moves(local, remote, num_tokens=10)[0] == StateSlotMove(37, 0, 8, 0, ONE)
+    # Between one-rank workers the slots adjacent on both sides become one range, a page's data only.
+    assert rank_state_moves(plan_state_moves(local, local, num_tokens=10), 0, 1, 1) == {
+        0: [StateMove(8, 0, 8, 0, 200), StateMove(9, 0, 9, 0, 100)]}
 
 
 def test_state_moves_none_when_d_holds_the_state_or_the_prompt_has_one_token():
-    pages = [StatePage(8, (0,), 100)]
+    pages = [page(8, (0,))]
     assert plan_state_moves(pages, pages, num_tokens=10, num_held_tokens=9) == ()
     assert plan_state_moves([], [], num_tokens=1) == ()
 
 
 @pytest.mark.parametrize("remote, message", [
-    ([StatePage(37, (0,), 100)], "state layers \\[0\\] there, \\[0, 1\\] here"),
-    ([StatePage(37, (0, 1), 64)], "layer 0 keeps 64 bytes of state there, 100 here"),
-    ([StatePage(37, (0,), 100), StatePage(38, (0, 1), 100)], "state layer 0 appears twice on the remote side"),
-    ([StatePage(0, (0, 1), 100)], "the null page"),
+    ([page(37, (0,))], "state layers \\[0\\] there, \\[0, 1\\] here"),
+    ([page(37, (0, 1), StateSplit((1,), (64,)))], "layer 0 keeps its state as .*64.* there"),
+    ([page(37, (0,)), page(38, (0, 1))], "state layer 0 appears twice on the remote side"),
+    ([page(0, (0, 1))], "the null page"),
 ])
 def test_state_moves_refuse_pages_that_do_not_hold_the_same_layers(remote, message):
     with pytest.raises(InvalidRemoteBlockIds, match=message):
-        plan_state_moves(remote, [StatePage(8, (0, 1), 100)], num_tokens=10)
+        plan_state_moves(remote, [page(8, (0, 1))], num_tokens=10)

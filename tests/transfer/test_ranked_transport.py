@@ -212,11 +212,12 @@ def test_pages_of_another_block_size_land_token_for_token_in_every_rank(prefill_
         assert torch.count_nonzero(view[untouched]) == 0
 
 
-def test_state_moves_are_refused_between_equal_block_sizes_where_state_pages_move_whole():
-    from pdserve.transfer.planner import StateMove
+def test_state_moves_are_refused_between_equal_block_and_tp_sizes_where_state_pages_move_whole():
+    from pdserve.transfer.state_ranges import StateSlotMove, StateSplit
 
     fabric = FakeFabric()
-    move = StateMove(local_page=3, local_offset_bytes=0, remote_page=6, remote_offset_bytes=0, num_bytes=SLAB_BYTES)
+    move = StateSlotMove(local_page=3, local_offset_bytes=0, remote_page=6, remote_offset_bytes=0,
+                         split=StateSplit((1,), (SLAB_BYTES,)))
     prefill = worker(fabric, "prefill", 2, 1, fill=True)
     decode = worker(fabric, "decode", 2, 1, fill=False)  # the same block size: state pages move whole there
     handle = decode.transport.start_read(connect(decode, prefill), [], [], b"", state_moves=[move])
