@@ -1,13 +1,17 @@
 """Recurrent-state models: decode speed against a dense model of the same size, and P->D bytes.
 
-Two tables, one run:
+Three tables, one run:
 (1) engine decode tokens/s at batch 1 and 16 of a random-weight Qwen3.5 shape (Gated DeltaNet layers,
     one full-attention layer in four) and of a dense Qwen3 with the same attention, hidden size and
     depth whose MLP is widened until it has the same parameter count;
 (2) the bytes a decode worker pulls for a prompt of P tokens (the attention blocks of its first P-1
     tokens plus one page per state group, as `pdserve.kv` plans the pool), for a Qwen3.5-27B-shaped
     pool against the same model with every layer full attention, at several prompt lengths. Pages are
-    moved whole, padding included; the "data" column is what the pages hold.
+    moved whole, padding included; the "data" column is what the pages hold;
+(3) the prefix cache's state snapshots against `--state-snapshot-interval`: pages the snapshots of
+    eight cached 256-token prompts hold, prompt tokens a second pass recomputes when each prompt
+    shares a random prefix with one of them (against what the KV alone would allow), and both passes'
+    time.
 Weight names and shapes come from transformers' own classes built on the meta device (no memory,
 no download); values are random, seeded per tensor name.
 """
@@ -15,13 +19,23 @@ no download); values are random, seeded per tensor name.
 from __future__ import annotations
 
 import argparse
+import random
+import time
+from typing import Optional
 
 import torch
 
-from bench.kernels.moe import RandomWeights, decode_tokens_per_s
+from bench.kernels.moe import RandomWeights, decode_tokens_per_s, word_tokenizer
 from bench.lib.report import markdown_table
+from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from pdserve.api.sampling import SamplingParams
+from pdserve.app.engine_factory import build_engine
 from pdserve.kv.layout import plan_for_model, plan_page_bytes
 from pdserve.kv.specs import FullAttentionSpec, LayerSpec, RecurrentStateSpec
+from pdserve.metrics import Metrics
+from pdserve.models.loader import LoadedModel
+from pdserve.models.registry import build_model
+from pdserve.request import GenerationRequest
 
 # Qwen3.5-27B as its published config reads (to our knowledge): 64 layers, one full-attention layer in
 # four (24 query / 4 KV heads of 256), Gated DeltaNet with 16 key heads and 48 value heads of 128, kernel 4.
@@ -114,6 +128,47 @@ def pull_bytes_rows(prompt_lengths: list[int], block_size: int, state_dtype: str
     return rows
 
 
+SNAPSHOT_PROMPTS, SNAPSHOT_PROMPT_TOKENS, SNAPSHOT_TAIL_TOKENS, SNAPSHOT_BLOCK = 8, 256, 32, 16
+
+
+def snapshot_row(config: dict, weights: RandomWeights, interval: Optional[int]) -> dict:
+    """Two passes through one engine with the prefix cache on: eight prompts, then eight that each share a
+    random prefix (seeded) with one of them. The second pass's recomputed tokens beyond what the KV hit
+    would allow are the price of snapshotting less often; the snapshot pages the first pass left, its memory."""
+    loaded = LoadedModel(model=build_model(config, weights, torch.float32, torch.device("cpu")),
+                         tokenizer=word_tokenizer(config["vocab_size"]), name="bench")
+    worker = WorkerConfig(model=ModelConfig(device="cpu", dtype="float32"),
+                          cache=CacheConfig(block_size=SNAPSHOT_BLOCK, num_blocks=2048,
+                                            state_snapshot_interval_blocks=interval),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=4096))
+    built = build_engine(worker, Metrics(), loaded)
+    loop, manager = built.engine.engine_loop, built.kv_manager
+    draw = random.Random(7)
+    firsts = [[draw.randrange(3, config["vocab_size"]) for _ in range(SNAPSHOT_PROMPT_TOKENS)]
+              for _ in range(SNAPSHOT_PROMPTS)]
+    shared = [draw.randrange(SNAPSHOT_BLOCK, SNAPSHOT_PROMPT_TOKENS) for _ in firsts]
+    seconds = [first[:n] + [draw.randrange(3, config["vocab_size"]) for _ in range(SNAPSHOT_TAIL_TOKENS)]
+               for first, n in zip(firsts, shared)]
+
+    def run(prompts: list[list[int]], tag: str) -> tuple[float, int]:
+        computed_before = loop.stats.num_computed_prompt_tokens
+        started = time.perf_counter()
+        for i, prompt in enumerate(prompts):  # one at a time: each second prompt finds its first's snapshots
+            loop.submit(GenerationRequest(f"{tag}-{i}", tuple(prompt), SamplingParams(max_tokens=1)), lambda out: None)
+            loop.run_until_idle()
+        return time.perf_counter() - started, loop.stats.num_computed_prompt_tokens - computed_before
+
+    first_s, _ = run(firsts, "first")
+    state_groups = set(built.plan.state_group_ids)
+    snapshot_pages = sum(1 for block in manager.pool.cached_blocks() if block.group_id in state_groups)
+    kv_pages = sum(1 for block in manager.pool.cached_blocks() if block.group_id not in state_groups)
+    second_s, recomputed = run(seconds, "second")
+    kv_only = sum(len(p) - n // SNAPSHOT_BLOCK * SNAPSHOT_BLOCK for p, n in zip(seconds, shared))
+    return {"interval_blocks": manager.state.snapshot_interval_blocks, "default": interval is None,
+            "snapshot_pages": snapshot_pages, "kv_pages": kv_pages, "recomputed_tokens": recomputed,
+            "recomputed_kv_bound": kv_only, "first_pass_s": round(first_s, 3), "second_pass_s": round(second_s, 3)}
+
+
 def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
     for flag, default in (("--layers", 16), ("--hidden", 512), ("--intermediate", 1024), ("--vocab", 8192),
                           ("--prompt-tokens", 64), ("--new-tokens", 32), ("--threads", torch.get_num_threads())):
@@ -121,6 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--snapshot-intervals", type=int, nargs="*", default=[0, 1, 2, 4],
+                        help="snapshot intervals (blocks) measured besides the default one")
 
 
 def run(args: argparse.Namespace) -> tuple[str, dict]:
@@ -133,8 +190,15 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
                                 "decode_tokens_per_s": round(tokens_per_s, 1)})
     pull_rows = [row for block_size in args.block_sizes
                  for row in pull_bytes_rows(args.prompt_lengths, block_size, args.state_dtype)]
+    state_config, state_weights, _ = next(iter(matched_models(args).values()))
+    snapshot_rows = [snapshot_row(state_config, state_weights, interval)
+                     for interval in (None, *args.snapshot_intervals)]
     table = markdown_table(["model", "Mparams", "batch", "decode tok/s"], [r.values() for r in engine_rows])
     table += "\n\n" + markdown_table(
         ["model", "block", "prompt", "attention pages", "state pages", "page bytes", "pulled GiB", "data GiB"],
         [r.values() for r in pull_rows])
-    return table, {"engine": engine_rows, "pull_bytes": pull_rows, "qwen3_5_27b_shape": QWEN3_5_27B}
+    table += "\n\n" + markdown_table(
+        ["snapshot every (blocks)", "default", "snapshot pages", "KV pages", "recomputed tokens",
+         "recomputed with KV alone", "first pass s", "second pass s"], [r.values() for r in snapshot_rows])
+    return table, {"engine": engine_rows, "pull_bytes": pull_rows, "snapshots": snapshot_rows,
+                   "qwen3_5_27b_shape": QWEN3_5_27B}

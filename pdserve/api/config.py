@@ -83,6 +83,11 @@ class CacheConfig(_Frozen):
     kv_offload_dir: Optional[str] = setting(
         None, "keep the offload tier (--kv-offload-bytes) in a file under this directory (local NVMe) instead of "
               "host memory; wiped at start-up, locked against a second worker", flag="--kv-offload-dir")
+    state_snapshot_interval_blocks: Optional[int] = setting(
+        None, "recurrent-state models: snapshot the state for the prefix cache every this many blocks besides "
+              "each prompt's last full block (0: there only; default: ceil(state groups / attention "
+              "groups) blocks, so a cached prefix's snapshots take at most as many pages as its KV)",
+        flag="--state-snapshot-interval", ge=0)
 
 
 class SchedulerConfig(_Frozen):

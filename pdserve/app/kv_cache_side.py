@@ -87,5 +87,6 @@ def build_kv_cache_side(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolL
     events = KVEventRecorder()
     offload = _offload_tier(config, plan, layout, pool, events, channel, wake)
     cache = config.cache
-    manager = KVCacheManager(plan, layout.num_blocks, cache.block_size, cache.enable_prefix_caching, events, offload)
+    manager = KVCacheManager(plan, layout.num_blocks, cache.block_size, cache.enable_prefix_caching, events, offload,
+                             snapshot_interval_blocks=cache.state_snapshot_interval_blocks)
     return KVCacheSide(manager, events, offload)

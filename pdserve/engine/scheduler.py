@@ -306,7 +306,14 @@ class Scheduler:
                 num_new = handoff - num_computed
         if not self._snapshots_state:
             return num_new
-        return snapshot_chunk_tokens(num_computed, num_new, request.num_prompt_tokens, self.block_size)
+        num_new = snapshot_chunk_tokens(num_computed, num_new, request.num_prompt_tokens, self.block_size)
+        # Also end a prompt's chunk at the next periodic snapshot (--state-snapshot-interval): the state
+        # exists only where a step ended, so a snapshot inside one long chunk could never be taken.
+        if num_computed + num_new < request.num_prompt_tokens:
+            due = self.kv.next_snapshot_tokens(num_computed, request.num_prompt_tokens)
+            if due is not None and num_computed < due < num_computed + num_new:
+                num_new = due - num_computed
+        return num_new
 
     def _pick_victim(self, scheduled_ids: set[str]) -> Request:
         # Latest arrival loses; never a request already given work this step

@@ -43,8 +43,9 @@ logger = logging.getLogger(__name__)
 def default_snapshot_interval_blocks(plan: KVGroupPlan) -> int:
     """Blocks between periodic snapshots when the caller names none: one snapshot costs one page per
     state group, so snapshotting every ceil(state groups / attention groups) blocks keeps a cached
-    prefix's snapshots at most as large as its attention pages (the prefix's memory at most doubles),
-    while a hit loses at most that many blocks to recompute. Qwen3.5-like (48 state groups, one
+    prefix's periodic snapshots at most as large as its attention pages (plus the one at the prompt's
+    last full block), while a hit loses at most that many blocks to recompute. The scheduler ends a
+    prefill chunk at each of these boundaries (a step per interval); docs/benchmarks.md measures it. Qwen3.5-like (48 state groups, one
     attention group): every 48 blocks; a model whose state packs into few pages: nearly every block."""
     num_state = len(plan.state_group_ids)
     num_attention = len(plan.groups) - num_state

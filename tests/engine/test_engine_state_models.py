@@ -43,6 +43,23 @@ def test_batched_chunked_prompts_match_transformers(family):
         assert result.token_ids == hf_greedy_generate(hf_model, prompt, NUM_TOKENS)
 
 
+
+@pytest.mark.parametrize("interval", [0, 2])
+def test_one_long_prefill_chunk_still_leaves_the_periodic_snapshots(family, interval):
+    """With a budget larger than the prompt, the chunk ends at every `--state-snapshot-interval` boundary
+    (the state exists only where a step ended), so a prompt diverging mid-way restores the latest one."""
+    hf_model, loaded, _ = family
+    engine = make_engine(loaded=loaded, block_size=BLOCK, budget=512, snapshot_interval=interval)
+    vocab = _vocab(hf_model)
+    shared = random_prompt(37, vocab, 40)
+    sampling = greedy(4, ignore_eos=True)
+    generate(engine, [shared + random_prompt(20, vocab, 41)], sampling, prefix="long")
+    [result] = generate(engine, [shared + random_prompt(6, vocab, 42)], sampling, prefix="diverging")
+    assert result.token_ids == hf_greedy_generate(hf_model, shared + random_prompt(6, vocab, 42), 4)
+    # KV alone would allow 36 (9 blocks); snapshots every 2 blocks of 4 tokens leave one at 32. Without
+    # periodic ones the only snapshot is at the first prompt's last full block (56): nothing to restore.
+    assert result.final.num_cached_tokens == (32 if interval == 2 else 0)
+
 def test_preempted_and_resumed_requests_give_the_tokens_of_one_alone(family):
     hf_model, loaded, _ = family
     prompts = [random_prompt(n, _vocab(hf_model), 20 + n) for n in (30, 45, 60)]
