@@ -34,10 +34,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, argpa
                         help="pool geometry: smollm2 (fp32), llama3-8b (32 layers, 8x128, bf16), tiny (tp, block-size)")
     parser.add_argument("--pairs", nargs="+", default=None,
                         help="tp: prefill:decode TP sizes; block-size: prefill:decode block sizes")
-    parser.add_argument("--sweep", type=int, nargs="*", default=[],
-                        help="block-size: chunks per page to sweep direct vs staged at equal block sizes")
-    parser.add_argument("--sweep-runs", type=int, nargs="+", default=[0],
-                        help="block-size: the sweep reads groups of R chunks a page, skipping R (0: every chunk)")
     parser.add_argument("--memcpy-threads", type=int, default=1,
                         help="torch threads for the memcpy baseline and staged copies (UCX copies on one core)")
     parser.add_argument("--plot", default=None, help="layout: draw bytes and time against prompt length here")
