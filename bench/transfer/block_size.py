@@ -22,8 +22,8 @@ import torch
 from bench.lib.report import cell, markdown_table
 from bench.transfer import pools
 from bench.transfer.pools import (
-    MEMORY_MODES, SHAPES, TIMEOUT_S, PoolShape, allocate_bytes, huge_page_kib, machine_record,
-    medians_with_memcpy, prefill_child, serve_until_stopped, time_read, write_report)
+    SHAPES, TIMEOUT_S, PoolShape, allocate_bytes, huge_page_kib, medians_with_memcpy, memory_modes, prefill_child,
+    serve_until_stopped, time_read)
 from pdserve.transfer.descriptor_runs import choose_runs
 from pdserve.transfer.token_units import UnitGeometry, unit_chunk_ids, unit_geometry
 from pdserve.transfer.transport import PeerInfo, TransferState
@@ -96,13 +96,9 @@ def chunk_pairs(geometry: UnitGeometry, prefill_ids: Sequence[int], decode_ids: 
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """Adds vs_pages (GB/s over the 16->16 page pull of the same memory and prompt) and vs_memcpy, in place."""
-    reference = {(r["memory"], r["prompt_tokens"]): r["pull_gbps"] for r in rows if r["read"] == "pages"}
-    for r in rows:
-        base = reference.get((r["memory"], r["prompt_tokens"]))
-        r["vs_pages"] = r["pull_gbps"] / base if base else None
-        r["vs_memcpy"] = r["pull_gbps"] / r["memcpy_gbps"] if r.get("memcpy_gbps") else None
-    return rows
+    """vs_pages: GB/s over the 16->16 page pull of the same memory and prompt; and vs_memcpy."""
+    return pools.add_ratios(rows, "vs_pages", lambda r: (r["memory"], r["prompt_tokens"]),
+                            lambda r: r["read"] == "pages")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -289,31 +285,15 @@ def measure_prompt(shape: PoolShape, mode: str, num_tokens: int, max_tokens: int
     return rows
 
 
-def run(args, parser, argv: Optional[Sequence[str]]) -> int:
+def run(args, parser) -> tuple[PoolShape, dict]:  # noqa: ANN001 - kv_pull's namespace and parser
     """`--mode block-size`: every block-size pair asked for, in every memory mode."""
-    started_s = time.perf_counter()
-    try:
-        pairs = [parse_pair(text) for text in args.pairs]
-    except ValueError as error:
-        parser.error(str(error))
-    bs_cases = cases(pairs)
+    bs_cases = cases(args.pairs)
     largest = max(size for case in bs_cases for size in (case.prefill_block, case.decode_block))
     if any(tokens < 1 or tokens % largest for tokens in args.prompt_tokens):
         parser.error(f"--prompt-tokens must be multiples of the largest block size, {largest}")
     shape = BS_SHAPES[args.shape]
-    modes = MEMORY_MODES if args.memory == "both" else (args.memory,)
-    rows = add_ratios([row for mode in modes for row in measure_mode(shape, mode, args.prompt_tokens, bs_cases,
-                                                                      args.reps)])
+    rows = add_ratios([row for mode in memory_modes(args)
+                       for row in measure_mode(shape, mode, args.prompt_tokens, bs_cases, args.reps)])
     print(f"{shape.label}: {rows_of(shape)} rows a page, median of {args.reps} reps, scattered block ids")
     print(format_table(rows))
-    write_report(args.out, argv, started_s,
-                 machine=machine_record(args.memcpy_threads), reps=args.reps,
-                 shape=dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}, pulls=rows)
-    return 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m bench.transfer.kv_pull --mode block-size ...`"""
-    from bench.transfer.kv_pull import main as kv_pull
-
-    return kv_pull(["--mode", "block-size", *(argv or [])])
+    return shape, {"pulls": rows}

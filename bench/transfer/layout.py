@@ -12,19 +12,16 @@ described to NIXL differs.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import multiprocessing
-import time
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
 from bench.transfer.pools import (
-    GPU_MODE, MEMORY_MODES, SHAPES, PoolShape, allocate_bytes, huge_page_kib, machine_record, medians_with_memcpy,
-    prefill_child, serve_until_stopped, synchronize, time_read, write_report,
-)
+    SHAPES, PoolShape, allocate_bytes, huge_page_kib, medians_with_memcpy, memory_modes, prefill_child,
+    serve_until_stopped, synchronize, time_read)
 from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from pdserve.transfer.nixl_transport import NixlTransport
 from pdserve.transfer.transport import PeerInfo
@@ -189,19 +186,13 @@ def format_tables(shape: PoolShape, pulls: list[dict], clipping: list[dict]) -> 
     return "\n".join(lines)
 
 
-def run(args, parser, argv: Optional[Sequence[str]]) -> int:
+def run(args, parser) -> tuple[PoolShape, dict]:  # noqa: ANN001 - kv_pull's namespace and parser
     """`--mode layout`: page and per-piece descriptors, in every memory mode asked for."""
-    modes = (GPU_MODE,) if args.device.startswith("cuda") else MEMORY_MODES if args.memory == "both" else (args.memory,)
     shape = SHAPES[args.shape]
     if max(args.prompt_tokens) > (shape.num_pool_blocks - 1) * shape.block_size:
         parser.error(f"--prompt-tokens must fit the bench pool: at most {(shape.num_pool_blocks - 1) * shape.block_size}")
-    started_s = time.perf_counter()
-    pulls = [row for mode in modes
+    pulls = [row for mode in memory_modes(args)
              for row in measure_pulls(args.shape, mode, args.device, args.prompt_tokens, args.reps)]
     clipping = clipping_rows()
     print(format_tables(shape, pulls, clipping))
-    device = args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device)
-    write_report(args.out, argv, started_s, machine={**machine_record(args.memcpy_threads), "device": device},
-                 reps=args.reps, shape=dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}, pulls=pulls,
-                 clipping=clipping)
-    return 0
+    return shape, {"pulls": pulls, "clipping": clipping}

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from bench.transfer.block_size import (
-    BS_SHAPES, Case, add_ratios, cases, chunk_pairs, format_table, main, parse_pair, pool_blocks,
-    rows_of, token_bytes)
+    BS_SHAPES, Case, add_ratios, cases, chunk_pairs, format_table, parse_pair, pool_blocks, rows_of, token_bytes)
+from bench.transfer.kv_pull import main
 from pdserve.transfer.token_units import unit_geometry
 
 
@@ -81,7 +81,7 @@ def test_ratios_are_against_the_page_pull_of_the_same_memory_and_prompt():
 def test_tiny_run_pulls_verifies_and_reports_every_case(tmp_path):
     pytest.importorskip("nixl")
     out = tmp_path / "block_size.json"
-    assert main(["--shape", "tiny", "--prompt-tokens", "128", "--reps", "1", "--memory", "huge-pages",
+    assert main(["--mode", "block-size", "--shape", "tiny", "--prompt-tokens", "128", "--reps", "1", "--memory", "huge-pages",
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     pulls = report["pulls"]
