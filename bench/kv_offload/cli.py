@@ -28,7 +28,7 @@ from pdserve.models.loader import load_model
 from pdserve.request import GenerationRequest
 
 from bench.kv_offload.loads import load_bandwidth, print_load_table
-from bench.lib.report import write_document
+from bench.lib.report import cell, markdown_table, write_document
 from bench.lib.stats import percentile
 
 BLOCK = 16
@@ -163,14 +163,13 @@ def run_workload(args: argparse.Namespace) -> None:
     rows = [pooled([rows[index] for rows in repeats]) for index in range(3)]
     print(f"pool {num_blocks - 1} blocks, working set {working_set_blocks} blocks, "
           f"{args.conversations} conversations x {args.turns} turns")
-    print(f"{'tier':8} {'computed':>9} {'of':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'p50 turns 2+':>13} "
-          f"{'p50 / none':>11} {'tier hit':>9} {'load GB/s':>10} {'skipped stores':>15}")
-    for row in rows:
-        bandwidth = f"{row['load_gb_per_s']:.2f}" if row["load_gb_per_s"] else "-"
-        print(f"{row['tier']:8} {row['computed_prompt_tokens']:9d} {row['prompt_tokens']:7d} "
-              f"{row['ttft_p50_s'] * 1000:7.1f}ms {row['ttft_p99_s'] * 1000:7.1f}ms "
-              f"{row['later_turn_ttft_p50_s'] * 1000:11.1f}ms {row['ttft_p50_s'] / rows[0]['ttft_p50_s']:11.2f} "
-              f"{row['tier_hit_rate']:9.2f} {bandwidth:>10} {row['stores_skipped']:15d}")
+    print(markdown_table(
+        ["tier", "computed", "of", "TTFT p50 ms", "TTFT p99 ms", "p50 turns 2+ ms", "p50 / none", "tier hit",
+         "load GB/s", "skipped stores"],
+        [(row["tier"], row["computed_prompt_tokens"], row["prompt_tokens"], cell(row["ttft_p50_s"], ".1f", 1000),
+          cell(row["ttft_p99_s"], ".1f", 1000), cell(row["later_turn_ttft_p50_s"], ".1f", 1000),
+          f"{row['ttft_p50_s'] / rows[0]['ttft_p50_s']:.2f}", f"{row['tier_hit_rate']:.2f}",
+          cell(row["load_gb_per_s"]), row["stores_skipped"]) for row in rows]))
     if args.repeats > 1:
         for tier in (1, 2):
             ratios = [statistics.median(rows[tier]["ttfts_s"]) / statistics.median(rows[0]["ttfts_s"])

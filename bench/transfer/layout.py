@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from bench.lib.report import markdown_table
 from bench.transfer.pools import (
     SHAPES, PoolShape, allocate_bytes, huge_page_kib, medians_with_memcpy, memory_modes, prefill_child,
     serve_until_stopped, synchronize, time_read)
@@ -168,22 +169,18 @@ def _clipping_rows(model: str, g: dict) -> list[dict]:
 
 
 def format_tables(shape: PoolShape, pulls: list[dict], clipping: list[dict]) -> str:
-    lines = [f"{shape.label} pool (page {shape.layout().page_bytes:,} B), scattered block ids, median of reps",
-             f"{'memory':>10} {'tokens':>6} {'blocks':>6} {'MB':>6} | {'page GB/s':>9} {'descs':>5} | "
-             f"{'layer GB/s':>10} {'descs':>7} | {'memcpy GB/s':>11} | {'page/memcpy':>11} {'layer/memcpy':>12}"]
-    for r in pulls:
-        lines.append(f"{r['memory']:>10} {r['prompt_tokens']:>6} {r['num_blocks']:>6} {r['num_bytes'] / 1e6:>6.1f} | "
-                     f"{r['page_pull_gbps']:>9.2f} {r['page_descriptors']:>6} | {r['piece_pull_gbps']:>10.2f} "
-                     f"{r['piece_descriptors']:>7} | {r['memcpy_gbps']:>11.2f} | {r['page_vs_memcpy']:>11.2f} "
-                     f"{r['piece_vs_memcpy']:>12.2f}")
-    lines += ["", "Sliding-window clipping (bytes D pulls; unclipped = every layer full)",
-              f"{'model':>12} {'tokens':>7} {'groups':>6} | {'blocks clipped':>14} {'MB clipped':>10} | "
-              f"{'blocks unclipped':>16} {'MB unclipped':>12} | {'saved':>6}"]
-    for r in clipping:
-        lines.append(f"{r['model']:>12} {r['prompt_tokens']:>7} {r['num_groups']:>6} | {r['blocks_clipped']:>14} "
-                     f"{r['bytes_clipped'] / 1e6:>10.1f} | {r['blocks_unclipped']:>16} "
-                     f"{r['bytes_unclipped'] / 1e6:>12.1f} | {r['saved_fraction']:>6.1%}")
-    return "\n".join(lines)
+    pull_table = markdown_table(
+        ["memory", "tokens", "blocks", "MB", "page GB/s", "descs", "layer GB/s", "descs", "memcpy GB/s",
+         "page/memcpy", "layer/memcpy"],
+        [(r["memory"], r["prompt_tokens"], r["num_blocks"], f"{r['num_bytes'] / 1e6:.1f}", f"{r['page_pull_gbps']:.2f}",
+          r["page_descriptors"], f"{r['piece_pull_gbps']:.2f}", r["piece_descriptors"], f"{r['memcpy_gbps']:.2f}",
+          f"{r['page_vs_memcpy']:.2f}", f"{r['piece_vs_memcpy']:.2f}") for r in pulls])
+    clipping_table = markdown_table(
+        ["model", "tokens", "groups", "blocks clipped", "MB clipped", "blocks unclipped", "MB unclipped", "saved"],
+        [(r["model"], r["prompt_tokens"], r["num_groups"], r["blocks_clipped"], f"{r['bytes_clipped'] / 1e6:.1f}",
+          r["blocks_unclipped"], f"{r['bytes_unclipped'] / 1e6:.1f}", f"{r['saved_fraction']:.1%}") for r in clipping])
+    return (f"{shape.label} pool (page {shape.layout().page_bytes:,} B), scattered block ids, median of reps\n"
+            f"{pull_table}\n\nSliding-window clipping (bytes D pulls; unclipped = every layer full)\n{clipping_table}")
 
 
 def run(args, parser) -> tuple[PoolShape, dict]:  # noqa: ANN001 - kv_pull's namespace and parser
