@@ -24,7 +24,7 @@ from bench.engine import peers
 from bench.lib.machine import CpuMeter, wait_for_quiet
 from bench.lib.machine import machine_info as lib_machine_info
 from bench.engine.llama_server import LlamaServerSystem
-from bench.engine.systems import BenchError, HttpSystem, HttpTarget, Messages
+from bench.engine.systems import IGNORE_EOS_BODY, BenchError, HttpSystem, HttpTarget, Messages, model_id
 from bench.lib.launch import REPO_ROOT, ServerProcess, free_port
 from bench.engine.report import (
     SUBJECT, SUBJECT_COMPILED, SUBJECT_FP32, SYSTEM_ORDER, BenchReport, LongPromptResult, PhaseResult, check_targets,
@@ -98,12 +98,7 @@ def pdserve_system(name: str, extra_args: Sequence[str], device: str, log_dir: s
     log_path = os.path.join(log_dir, name.replace(" ", "_") + ".log")
     server = ServerProcess(name, argv, port, log_path, ready="health", own_session=True)
 
-    def target(started: ServerProcess) -> HttpTarget:
-        models = httpx.get(f"{started.base_url}/v1/models", timeout=10.0).json()["data"]
-        return HttpTarget(started.base_url, models[0]["id"],
-                          {"ignore_eos": True, "stream_options": {"include_usage": True}})
-
-    return HttpSystem(server, target)
+    return HttpSystem(server, lambda started: HttpTarget(started.base_url, model_id(started), IGNORE_EOS_BODY))
 
 
 def serve_system(hf_dir: str, device: str, log_dir: str) -> HttpSystem:

@@ -34,6 +34,15 @@ class HttpTarget:
     extra_body: dict
 
 
+# Exactly `max_tokens` outputs (EOS ignored) and the usage chunk that counts them: pdserve, llama-server.
+IGNORE_EOS_BODY = {"ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+def model_id(server: ServerProcess) -> str:
+    """The (first) model a running server lists."""
+    return httpx.get(f"{server.base_url}/v1/models", timeout=10.0).json()["data"][0]["id"]
+
+
 def _call(target: HttpTarget, index: int, max_tokens: int, messages: Messages) -> Call:
     body = {"model": target.model, "messages": messages(index), "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True} | target.extra_body
@@ -84,15 +93,15 @@ def check_exact_lengths(samples: Sequence[RequestSample], max_tokens: int, syste
 class HttpSystem:
     """A server under test: started once, warmed up, then measured phase by phase."""
 
-    def __init__(self, server: ServerProcess, make_target: Callable[[ServerProcess], HttpTarget]):
-        self.name = server.name
+    def __init__(self, server: Optional[ServerProcess], make_target: Callable[[ServerProcess], HttpTarget]):
+        self.name = server.name if server is not None else self.name
         self._server = server
         self._make_target = make_target
         self._target: Optional[HttpTarget] = None
 
     @property
     def pids(self) -> list[int]:
-        process = self._server.process
+        process = self._server.process if self._server is not None else None
         return [process.pid] if process is not None else []
 
     def start(self, ready_timeout_s: float) -> None:
@@ -118,9 +127,10 @@ class HttpSystem:
     def run(self, indices: Sequence[int], concurrency: int, max_tokens: int) -> PhaseResult:
         # A new connection per request, for every server alike: llama-server closes kept-alive
         # connections between requests (see `first_token_times`), which failed its c=1 phase once.
-        samples, wall_s = run_phase(self._target, indices, concurrency, max_tokens, keep_alive=False)
+        samples, wall_s = run_phase(self.target(), indices, concurrency, max_tokens, keep_alive=False)
         check_exact_lengths(samples, max_tokens, self.name)
         return summarize(self.name, concurrency, samples, wall_s)
 
     def close(self) -> None:
-        self._server.stop()
+        if self._server is not None:
+            self._server.stop()
