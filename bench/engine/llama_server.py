@@ -157,7 +157,7 @@ class LlamaServerSystem(HttpSystem):
         super().start(self._ready_timeout_s)
         self._num_slots = concurrency
         if self._warmup:
-            run_phase(self._target, self._warmup[:concurrency], concurrency, self._warmup_tokens, keep_alive=False)
+            run_phase(self._target, self._warmup[:concurrency], concurrency, self._warmup_tokens)
 
     def first_token_times(self, indices: Sequence[int], messages: Messages) -> list[float]:
         self.prepare(1)
