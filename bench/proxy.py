@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Optional
 
-from bench.lib.launch import REPO_ROOT, ServerProcess, free_port
+from bench.lib.launch import REPO_ROOT, ServerProcess, free_port, metric_sum
 from bench.lib.machine import machine_info, process_cpu_s
 from bench.lib.report import cell, markdown_table, write_document
 from bench.lib.stats import percentile
@@ -222,16 +222,12 @@ async def measure_rate(port: int, concurrency: int, duration_s: float) -> float:
 
 def overhead_from_metrics(port: int) -> dict:
     """The proxy's own view: the share of requests whose overhead fell in the <= 0.5, 1, 2.5 ms buckets."""
-    import urllib.request
+    def count(le: str) -> float:
+        url = f"http://127.0.0.1:{port}"
+        return metric_sum(url, "pdserve_proxy_overhead_seconds_bucket", mode="disaggregated", le=le)
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    buckets = {}
-    for line in text.splitlines():
-        if line.startswith("pdserve_proxy_overhead_seconds_bucket") and 'mode="disaggregated"' in line:
-            le = line.split('le="')[1].split('"')[0]
-            buckets[le] = float(line.rsplit(" ", 1)[1])
-    total = buckets.get("+Inf", 0.0)
-    return {f"share_le_{le}s": buckets[le] / total for le in ("0.0005", "0.001", "0.0025") if total and le in buckets}
+    total = count("+Inf")
+    return {f"share_le_{le}s": count(le) / total for le in ("0.0005", "0.001", "0.0025")} if total else {}
 
 
 async def wait_kv_ready(port: int, timeout_s: float = 60.0) -> None:

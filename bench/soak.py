@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import httpx
 
-from bench.lib.launch import ServerProcess, descendant_pids, free_port, pdserve_argv
+from bench.lib.launch import ServerProcess, descendant_pids, free_port, pdserve_argv, wait_workers_idle
 from bench.lib.load import Call, read_call, run_open_loop
 from bench.lib.report import markdown_table, write_document
 from bench.lib.stats import describe
@@ -163,16 +163,6 @@ def summarize(plan: list[Call], results: list[RequestRecord], expected: dict[str
     }
 
 
-def wait_idle(urls: dict[str, str], timeout_s: float) -> dict[str, dict]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        loads = {role: load(url) for role, url in urls.items()}
-        settled = loads["prefill"]["num_pinned_blocks"] == 0 and all(r["kv_usage"] == 0 for r in loads.values())
-        if settled or time.monotonic() > deadline:
-            return loads
-        time.sleep(0.5)
-
-
 def soak(args: argparse.Namespace, log_dir: str) -> dict:
     up, urls = start_cluster(args.num_blocks, log_dir)
     try:
@@ -197,7 +187,8 @@ def soak(args: argparse.Namespace, log_dir: str) -> dict:
         plan = build_plan(args.num_requests, args.hostile_fraction, args.seed)
         results = run_open_loop(up.base_url, plan, args.concurrency, send, on_done).records
         duration_s = time.monotonic() - started
-        final = wait_idle(urls, args.settle_timeout_s)
+        wait_workers_idle(urls, args.settle_timeout_s)
+        final = {role: load(url) for role, url in urls.items()}
         stop.set()
         watcher.join()
         seen.rss_mib["end"] = {role: rss_mib(pid) for role, pid in pids.items()}
