@@ -150,16 +150,10 @@ def ratio_vs_best_peer(results: Sequence[PhaseResult], result: PhaseResult) -> O
     return result.output_tokens_per_s / best.output_tokens_per_s
 
 
-def _throughput(results: Sequence[PhaseResult], system: str, concurrency: int) -> Optional[float]:
-    for result in results:
-        if result.system == system and result.concurrency == concurrency:
-            return result.output_tokens_per_s
-    return None
-
-
 def ratio(results: Sequence[PhaseResult], system: str, baseline: str, concurrency: int) -> Optional[float]:
     """Output tokens/s of `system` over `baseline` at one concurrency; None when either did not run."""
-    measured, base = _throughput(results, system, concurrency), _throughput(results, baseline, concurrency)
+    rates = {r.system: r.output_tokens_per_s for r in results if r.concurrency == concurrency}
+    measured, base = rates.get(system), rates.get(baseline)
     return measured / base if measured and base else None
 
 

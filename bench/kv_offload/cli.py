@@ -127,12 +127,8 @@ def main() -> None:
     bandwidth = load_bandwidth(args.page_bytes, args.dir or tempfile.mkdtemp(prefix="pdserve-kv-offload-"),
                                args.load_rounds, args.load_pages)
     print_load_table(bandwidth)
-    _write_json(args.load_out, {"args": vars(args), **bandwidth})
-
-
-def _write_json(path: Optional[str], document: dict) -> None:
-    if path:
-        write_document(path, document, indent=2)
+    if args.load_out:
+        write_document(args.load_out, {"args": vars(args), **bandwidth}, indent=2)
 
 
 def pooled(runs: list[dict]) -> dict:
@@ -182,7 +178,8 @@ def run_workload(args: argparse.Namespace) -> None:
         print(f"wrote {plot_offload_ttft(rows, args.plot)}")
     document = {"args": vars(args), "rows": [{k: v for k, v in row.items() if k != "answers"} for row in rows],
                 "repeats": [[{k: v for k, v in row.items() if k != "answers"} for row in rows] for rows in repeats]}
-    _write_json(args.out, document)
+    if args.out:
+        write_document(args.out, document, indent=2)
 
 
 if __name__ == "__main__":
