@@ -1,6 +1,5 @@
 """KV pull bandwidth between two processes over NIXL against an in-process memcpy of the same bytes
-(`--mode layout`): one descriptor per page and one per (layer, K|V) piece side by side; plus the
-bytes sliding-window clipping saves (Gemma 3 1B, gpt-oss-20b).
+(`--mode layout`): one descriptor per page and one per (layer, K|V) piece side by side.
 
 On CUDA both pools (and the memcpy baseline's buffers) are GPU memory on that device, so the pull
 goes over whatever UCX picks between two processes on one GPU (cuda_ipc unless UCX_TLS says otherwise).
@@ -23,22 +22,11 @@ from bench.lib.report import markdown_table
 from bench.transfer.pools import (
     SHAPES, PoolShape, allocate_bytes, huge_page_kib, medians_with_memcpy, memory_modes, prefill_child,
     serve_until_stopped, synchronize, time_read)
-from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
 from pdserve.transfer.nixl_transport import NixlTransport
 from pdserve.transfer.transport import PeerInfo
 
 PROMPT_TOKENS = (512, 2048, 4096, 8192)
 SEED = 1234
-
-# Gemma 3 1B: 26 layers, every 6th full attention, window 512, 1 KV head x 256, bf16.
-GEMMA = dict(num_layers=26, full_every=6, window_tokens=512, num_kv_heads=1, head_dim=256, element_bytes=2,
-             block_size=16)
-GEMMA_PROMPT_TOKENS = (4096, 16384)
-# gpt-oss-20b: 24 layers alternating a 128-token window with full attention, 8 KV heads x 64, bf16.
-GPT_OSS_20B = dict(num_layers=24, full_every=2, window_tokens=128, num_kv_heads=8, head_dim=64, element_bytes=2,
-                   block_size=16)
-CLIPPING_SHAPES = {"Gemma 3 1B": GEMMA, "gpt-oss-20b": GPT_OSS_20B}
-
 
 def allocate_views(shape: PoolShape, mode: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(pages, pieces): two row views of one pool, [blocks, page_bytes] and [blocks*pieces, piece_bytes]."""
@@ -135,52 +123,17 @@ def pull_row(shape: PoolShape, num_tokens: int, num_blocks: int, num_bytes: int,
     }
 
 
-# ---- sliding-window clipping (no transfer) -------------------------------------------------
-
-
-def clipping_rows() -> list[dict]:
-    """Bytes a pull moves with and without clipping sliding groups to the live window, for each
-    model of `CLIPPING_SHAPES` (all layers full is the unclipped row)."""
-    return [row for model, shape in CLIPPING_SHAPES.items() for row in _clipping_rows(model, shape)]
-
-
-def _clipping_rows(model: str, g: dict) -> list[dict]:
-    specs = [FullAttentionSpec() if (i + 1) % g["full_every"] == 0 else SlidingWindowSpec(g["window_tokens"])
-             for i in range(g["num_layers"])]
-    plan = plan_groups(specs)
-    page_bytes = plan.group_size * 2 * g["block_size"] * g["num_kv_heads"] * g["head_dim"] * g["element_bytes"]
-    live_blocks = math.ceil(g["window_tokens"] / g["block_size"]) + 1
-    rows = []
-    for num_tokens in GEMMA_PROMPT_TOKENS:
-        num_blocks = math.ceil(num_tokens / g["block_size"])
-        per_group = [num_blocks if isinstance(group.spec, FullAttentionSpec) else min(num_blocks, live_blocks)
-                     for group in plan.groups]
-        clipped, unclipped = sum(per_group), num_blocks * len(plan.groups)
-        rows.append({
-            "model": model, "prompt_tokens": num_tokens, "num_groups": len(plan.groups), "group_size": plan.group_size,
-            "page_bytes": page_bytes, "blocks_clipped": clipped, "blocks_unclipped": unclipped,
-            "bytes_clipped": clipped * page_bytes, "bytes_unclipped": unclipped * page_bytes,
-            "saved_fraction": 1 - clipped / unclipped,
-        })
-    return rows
-
-
 # ---- report --------------------------------------------------------------------------------
 
 
-def format_tables(shape: PoolShape, pulls: list[dict], clipping: list[dict]) -> str:
-    pull_table = markdown_table(
+def format_table(shape: PoolShape, pulls: list[dict]) -> str:
+    title = f"{shape.label} pool (page {shape.layout().page_bytes:,} B), scattered block ids, median of reps\n"
+    return title + markdown_table(
         ["memory", "tokens", "blocks", "MB", "page GB/s", "descs", "layer GB/s", "descs", "memcpy GB/s",
          "page/memcpy", "layer/memcpy"],
         [(r["memory"], r["prompt_tokens"], r["num_blocks"], f"{r['num_bytes'] / 1e6:.1f}", f"{r['page_pull_gbps']:.2f}",
           r["page_descriptors"], f"{r['piece_pull_gbps']:.2f}", r["piece_descriptors"], f"{r['memcpy_gbps']:.2f}",
           f"{r['page_vs_memcpy']:.2f}", f"{r['piece_vs_memcpy']:.2f}") for r in pulls])
-    clipping_table = markdown_table(
-        ["model", "tokens", "groups", "blocks clipped", "MB clipped", "blocks unclipped", "MB unclipped", "saved"],
-        [(r["model"], r["prompt_tokens"], r["num_groups"], r["blocks_clipped"], f"{r['bytes_clipped'] / 1e6:.1f}",
-          r["blocks_unclipped"], f"{r['bytes_unclipped'] / 1e6:.1f}", f"{r['saved_fraction']:.1%}") for r in clipping])
-    return (f"{shape.label} pool (page {shape.layout().page_bytes:,} B), scattered block ids, median of reps\n"
-            f"{pull_table}\n\nSliding-window clipping (bytes D pulls; unclipped = every layer full)\n{clipping_table}")
 
 
 def run(args, parser) -> tuple[PoolShape, dict]:  # noqa: ANN001 - kv_pull's namespace and parser
@@ -190,6 +143,5 @@ def run(args, parser) -> tuple[PoolShape, dict]:  # noqa: ANN001 - kv_pull's nam
         parser.error(f"--prompt-tokens must fit the bench pool: at most {(shape.num_pool_blocks - 1) * shape.block_size}")
     pulls = [row for mode in memory_modes(args)
              for row in measure_pulls(args.shape, mode, args.device, args.prompt_tokens, args.reps)]
-    clipping = clipping_rows()
-    print(format_tables(shape, pulls, clipping))
-    return shape, {"pulls": pulls, "clipping": clipping}
+    print(format_table(shape, pulls))
+    return shape, {"pulls": pulls}
