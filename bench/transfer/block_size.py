@@ -164,11 +164,13 @@ class Reader:
         return elapsed_s
 
 
-def open_reader(case: Case, view: torch.Tensor, peer: PeerInfo, name: str, chunk_bytes: Optional[int],
-                geometry: Optional[UnitGeometry] = None) -> Reader:
-    """A transport on `view` reading in the case's mode, connected to `peer` in chunks of `chunk_bytes`."""
+def open_reader(case: Case, view: torch.Tensor, peer: PeerInfo, rows: int, name: str) -> Reader:
+    """A transport on `view` reading in the case's mode, connected to `peer`: whole pages at equal block
+    sizes, else in chunks of one unit of one row."""
     from pdserve.transfer.nixl_transport import NixlTransport
 
+    geometry = None if case.read == "pages" else unit_geometry(view.shape[1], rows, peer.page_bytes, rows)
+    chunk_bytes = geometry.unit_bytes if geometry is not None else None
     transport = NixlTransport(view, name, read_mode="staged" if case.read == "staged" else "direct")
     key = transport.begin_connect(peer, chunk_bytes=chunk_bytes)
     deadline_s = time.monotonic() + TIMEOUT_S
@@ -178,14 +180,6 @@ def open_reader(case: Case, view: torch.Tensor, peer: PeerInfo, name: str, chunk
         transport.close()
         raise RuntimeError(f"{case}: cannot connect in chunks of {chunk_bytes}: {transport.connect_failure(key)}")
     return Reader(case, transport, key, view, geometry)
-
-
-def open_case_reader(case: Case, view: torch.Tensor, peer: PeerInfo, rows: int, name: str) -> Reader:
-    """Whole pages at equal block sizes, else chunks of one unit of one row."""
-    if case.read == "pages":
-        return open_reader(case, view, peer, name, None)
-    geometry = unit_geometry(view.shape[1], rows, peer.page_bytes, rows)
-    return open_reader(case, view, peer, name, geometry.unit_bytes, geometry)
 
 
 # ---- measurements -----------------------------------------------------------------------------------
@@ -234,8 +228,8 @@ def measure_mode(shape: PoolShape, mode: str, prompt_tokens: Sequence[int], bs_c
         try:
             published = {int(size): PeerInfo.from_dict(info) for size, info in infos.items()}
             for index, case in enumerate(bs_cases):
-                readers.append(open_case_reader(case, views[case.decode_block], published[case.prefill_block],
-                                                rows_of(shape), f"bench-bs-decode-{index}-{mode}"))
+                readers.append(open_reader(case, views[case.decode_block], published[case.prefill_block],
+                                           rows_of(shape), f"bench-bs-decode-{index}-{mode}"))
             pages = {size: info.page_bytes for size, info in published.items()}
             return [row for num_tokens in prompt_tokens
                     for row in measure_prompt(shape, mode, num_tokens, max_tokens, readers, pages, reps, child_pid)]
