@@ -19,9 +19,9 @@ import tempfile
 import time
 from typing import Optional
 
-from bench.lib.launch import REPO_ROOT, ServerProcess, free_port
+from bench.lib.launch import REPO_ROOT, ServerProcess, free_port, metric_sum
 from bench.lib.machine import machine_info, process_cpu_s
-from bench.lib.report import write_document
+from bench.lib.report import cell, markdown_table, write_document
 from bench.lib.stats import percentile
 
 KV_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "stub-p",
@@ -222,16 +222,12 @@ async def measure_rate(port: int, concurrency: int, duration_s: float) -> float:
 
 def overhead_from_metrics(port: int) -> dict:
     """The proxy's own view: the share of requests whose overhead fell in the <= 0.5, 1, 2.5 ms buckets."""
-    import urllib.request
+    def count(le: str) -> float:
+        url = f"http://127.0.0.1:{port}"
+        return metric_sum(url, "pdserve_proxy_overhead_seconds_bucket", mode="disaggregated", le=le)
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    buckets = {}
-    for line in text.splitlines():
-        if line.startswith("pdserve_proxy_overhead_seconds_bucket") and 'mode="disaggregated"' in line:
-            le = line.split('le="')[1].split('"')[0]
-            buckets[le] = float(line.rsplit(" ", 1)[1])
-    total = buckets.get("+Inf", 0.0)
-    return {f"share_le_{le}s": buckets[le] / total for le in ("0.0005", "0.001", "0.0025") if total and le in buckets}
+    total = count("+Inf")
+    return {f"share_le_{le}s": count(le) / total for le in ("0.0005", "0.001", "0.0025")} if total else {}
 
 
 async def wait_kv_ready(port: int, timeout_s: float = 60.0) -> None:
@@ -294,17 +290,16 @@ async def run(args: argparse.Namespace, kv_file: str, log_dir: str) -> dict:
 def report(results: dict, args: argparse.Namespace) -> dict:
     direct = results["direct"]
     rows = []
-    print(f"{'path':22s} {'kind':15s} {'p50 ms':>8s} {'p99 ms':>8s} {'+p50 ms':>8s} {'+p99 ms':>8s} "
-          f"{'proxy CPU ms/req':>16s} {'max req/s':>10s}")
     for name in PATHS:
         for kind, _, _ in KINDS:
             r, d = results[name][kind], direct[kind]
-            added = {"added_p50_ms": r["p50_ms"] - d["p50_ms"], "added_p99_ms": r["p99_ms"] - d["p99_ms"]}
             rate = results[name]["max_requests_per_s"] if kind == "completion" else None
-            rows.append({"path": name, "kind": kind, **r, **added, "max_requests_per_s": rate})
-            cpu = r.get("proxy_cpu_ms_per_request", float("nan"))
-            print(f"{name:22s} {kind:15s} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {added['added_p50_ms']:8.3f} "
-                  f"{added['added_p99_ms']:8.3f} {cpu:16.3f} {rate if rate is not None else float('nan'):10.0f}")
+            rows.append({"path": name, "kind": kind, **r, "added_p50_ms": r["p50_ms"] - d["p50_ms"],
+                         "added_p99_ms": r["p99_ms"] - d["p99_ms"], "max_requests_per_s": rate})
+    print(markdown_table(["path", "kind", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "proxy CPU ms/req", "max req/s"], [
+        (r["path"], r["kind"], *(cell(r.get(k), ".3f") for k in ("p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms",
+                                                                 "proxy_cpu_ms_per_request")),
+         cell(r["max_requests_per_s"], ".0f")) for r in rows]))
     overhead = {name: results[name].get("proxy_overhead_histogram", {}) for name in ("proxy (P/D)", KV_PATH)}
     one_leg_added = results["proxy (1 leg)"]["completion"]["p50_ms"] - direct["completion"]["p50_ms"]
     kv_share = overhead[KV_PATH].get("share_le_0.001s", 0.0)

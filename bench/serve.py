@@ -18,7 +18,7 @@ import shlex
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
@@ -72,16 +72,13 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     slo.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO.tpot_ms)
 
 
-SYSTEMS = ("pd", "pd-adaptive", "pd-adaptive-shared", "pd-adaptive-handover", "up", "colocated")
+SYSTEMS = ("pd", "up", "colocated")
 
 
 def _add_system_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default="pd,colocated",
-                        help=f"comma-separated, from {', '.join(SYSTEMS)} (pd-adaptive: pdserve up with "
-                             "--disaggregation adaptive and --max-step-ms at the TPOT objective; pd-adaptive-shared: "
-                             "the same with both workers unpinned, each running a thread per core; "
-                             "pd-adaptive-handover: the same with --core-handover; up: pdserve up with its "
-                             "defaults; pd and pd-adaptive pin the workers to halves of the machine)")
+                        help=f"comma-separated, from {', '.join(SYSTEMS)} (pd: pdserve up, static disaggregation, "
+                             "P and D pinned to halves of the machine; up: pdserve up with its defaults)")
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
     parser.add_argument("--num-blocks", type=int, default=_NUM_BLOCKS, help="KV pool of each worker, in blocks")
     parser.add_argument("--colocated-threads", type=int, default=None,
@@ -124,11 +121,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def _apply_workload_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The comparison's defaults are its reference workload; a single run defaults to a plain burst."""
     if args.command in ("compare", "sweep"):
-        try:
-            args.system_names = [name.strip() for name in args.systems.split(",") if name.strip()]
-            if not args.system_names or any(name not in SYSTEMS for name in args.system_names):
-                raise ValueError(args.systems)
-        except ValueError:
+        args.system_names = [name.strip() for name in args.systems.split(",") if name.strip()]
+        if not args.system_names or any(name not in SYSTEMS for name in args.system_names):
             parser.error(f"--systems takes names from {', '.join(SYSTEMS)}")
     if args.command == "sweep":
         try:
@@ -210,14 +204,15 @@ def format_slo_table(runs: Sequence[tuple[RunSummary, Sequence[RequestRecord]]],
 
 
 def emit(args: argparse.Namespace, runs: list[tuple[RunSummary, list[RequestRecord]]], command: str,
-         extra: Optional[dict] = None) -> None:
-    print(format_report([summary for summary, _ in runs]))
-    print()
-    print(format_slo_table(runs, slo_of(args)))
+         extra: Optional[dict] = None, table: str = "", workload: Optional[dict] = None) -> None:
+    """The tables (and `table` after them), the JSON report; run and compare also their plots."""
+    print(format_report([summary for summary, _ in runs]) + "\n\n" + format_slo_table(runs, slo_of(args)))
+    if table:
+        print("\n" + table)
     if args.out:
-        write_json(args.out, command, workload_dict(args), runs, extra)
+        write_json(args.out, command, workload or workload_dict(args), runs, extra)
         logger.info("wrote %s", args.out)
-    if args.plot_dir:
+    if args.plot_dir and args.command != "sweep":
         from bench.lib.plots import plot_all  # matplotlib only when plots are asked for
 
         for path in plot_all(runs, args.plot_dir):
@@ -242,33 +237,14 @@ def colocated_argv(port: int, num_blocks: int, num_threads: int) -> list[str]:
                         "--log-level", "warning")
 
 
-def _usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def _servers(args: argparse.Namespace, log_dir: str) -> list[ServerProcess]:
     """The systems asked for, each on the whole machine (`pdserve up` splits it between P and D)."""
-    num_cores = _usable_cores()
+    num_cores = len(os.sched_getaffinity(0))
     threads = args.colocated_threads or num_cores
-    adaptive = ["--disaggregation", "adaptive", "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-ttft-ms-per-token",
-                str(args.slo_ttft_ms_per_token), "--slo-tpot-ms", str(args.slo_tpot_ms),
-                "--max-step-ms", str(args.slo_tpot_ms)]
     pd_name = f"P/D: pdserve up (cores: P {num_cores // 2}, D {num_cores - num_cores // 2})"
-    pinned = ["--no-core-handover"]
     options = {
-        "pd": (pd_name, "up.log",
-               lambda port: pd_cluster_argv(port, args.num_blocks) + ["--disaggregation", "static"] + pinned),
-        "pd-adaptive": (pd_name.replace("P/D", "P/D adaptive"), "up-adaptive.log",
-                        lambda port: pd_cluster_argv(port, args.num_blocks) + adaptive + pinned),
-        # Cores shared, not split: each worker may use every core when the other idles (oversubscribed).
-        "pd-adaptive-shared": (f"P/D adaptive, cores shared: pdserve up --no-pin ({num_cores} threads each)",
-                               "up-adaptive-shared.log",
-                               lambda port: pd_cluster_argv(port, args.num_blocks) + adaptive
-                               + ["--no-pin", "--num-threads", str(num_cores)]),
-        # Cores handed over: each worker runs its share while the other has work, every core while it idles.
-        "pd-adaptive-handover": (f"P/D adaptive, cores handed over: pdserve up --core-handover "
-                                 f"({num_cores // 2}-{num_cores} threads each)", "up-adaptive-handover.log",
-                                 lambda port: pd_cluster_argv(port, args.num_blocks) + adaptive + ["--core-handover"]),
+        "pd": (pd_name, "up.log", lambda port: pd_cluster_argv(port, args.num_blocks)
+               + ["--disaggregation", "static", "--no-core-handover"]),
         # What a user gets: adaptive disaggregation at the default SLO, cores handed over.
         "up": ("P/D: pdserve up (defaults)", "up-defaults.log", lambda port: pd_cluster_argv(port, args.num_blocks)),
         "colocated": (f"colocated: pdserve serve ({threads} threads, unpinned)", "serve.log",
@@ -284,26 +260,31 @@ def _servers(args: argparse.Namespace, log_dir: str) -> list[ServerProcess]:
     return servers
 
 
-def run_compare(args: argparse.Namespace, command: str) -> int:
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-serve-bench-")
-    os.makedirs(log_dir, exist_ok=True)
-    systems = _servers(args, log_dir)
-    runs, idle_before = [], []
-    for server in systems:  # one at a time: a system never shares the cores with the other
+def each_system(args: argparse.Namespace) -> Iterator[tuple[ServerProcess, Endpoint]]:
+    """Each system asked for, started and ready, then stopped before the next starts: a system never
+    shares the cores with another. Its logs go to --log-dir (default: a temporary directory)."""
+    args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-serve-bench-")
+    os.makedirs(args.log_dir, exist_ok=True)
+    for server in _servers(args, args.log_dir):
         try:
             server.start()
             server.wait_ready(_READY_TIMEOUT_S)
-            idle_before.append(wait_for_idle(args.wait_for_idle_s) if args.wait_for_idle_s > 0 else None)
-            endpoint = Endpoint(server.base_url, args.model, with_logprobs=not args.no_logprobs)
-            runs.append(measure(server.name, endpoint, args, server.pids()))
-        except LaunchError as exc:
-            logger.error("%s could not be benchmarked: %s", server.name, exc)
-            return 2
+            yield server, Endpoint(server.base_url, args.model, with_logprobs=not args.no_logprobs)
         finally:
             server.stop()
-    extra = {"systems": [{"name": s.name, "argv": list(s.argv[1:]), "machine_idle_before_run": idle}
-                         for s, idle in zip(systems, idle_before)], "log_dir": log_dir}
-    emit(args, runs, command, extra)
+
+
+def run_compare(args: argparse.Namespace, command: str) -> int:
+    runs, systems = [], []
+    try:
+        for server, endpoint in each_system(args):
+            idle = wait_for_idle(args.wait_for_idle_s) if args.wait_for_idle_s > 0 else None
+            runs.append(measure(server.name, endpoint, args, server.pids()))
+            systems.append({"name": server.name, "argv": list(server.argv[1:]), "machine_idle_before_run": idle})
+    except LaunchError as exc:
+        logger.error("could not benchmark: %s", exc)
+        return 2
+    emit(args, runs, command, {"systems": systems, "log_dir": args.log_dir})
     return 0 if all(summary.num_failed == 0 for summary, _ in runs) else 1
 
 
@@ -324,17 +305,12 @@ def run_sweep(args: argparse.Namespace, command: str) -> int:
     if args.plot_from:
         logger.info("wrote %s", plot_sweep_report(args.plot_from, args.plot_dir or os.path.dirname(args.plot_from)))
         return 0
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-goodput-bench-")
-    os.makedirs(log_dir, exist_ok=True)
     slo = slo_of(args)
     table: dict[str, list[tuple[float, float]]] = {}
     runs = []
     base_seed = args.seed
-    for server in _servers(args, log_dir):
-        try:
-            server.start()
-            server.wait_ready(_READY_TIMEOUT_S)
-            endpoint = Endpoint(server.base_url, args.model, with_logprobs=not args.no_logprobs)
+    try:
+        for server, endpoint in each_system(args):
             # One request of every class first: a system's first long prompt pays one-time costs.
             first = build_requests(args.classes, len(args.classes), math.inf, args.seed ^ 0xC1A55)
             run_open_loop(endpoint.base_url, endpoint.calls(first))
@@ -346,26 +322,16 @@ def run_sweep(args: argparse.Namespace, command: str) -> int:
                 args.request_rate, args.seed = rate, base_seed + index
                 summary, records = measure(f"{server.name} @ {rate:g}/s", endpoint, args, server.pids())
                 runs.append((summary, records))
-                ratio = attainment(records, slo).ratio or 0.0
-                table.setdefault(server.name, []).append((rate, ratio))
-        except LaunchError as exc:
-            logger.error("%s could not be benchmarked: %s", server.name, exc)
-            return 2
-        finally:
-            server.stop()
+                table.setdefault(server.name, []).append((rate, attainment(records, slo).ratio or 0.0))
+    except LaunchError as exc:
+        logger.error("could not benchmark: %s", exc)
+        return 2
     args.seed = base_seed
-    print(format_report([summary for summary, _ in runs]))
-    print()
-    print(format_slo_table(runs, slo))
-    print()
-    print(format_goodput_table(table, args.rate_list))
-    if args.out:
-        goodput = {name: {"attainment_by_rate": points, "goodput_rate_per_s": goodput_rate(points)}
-                   for name, points in table.items()}
-        write_json(args.out, command, workload_dict(args) | {"rates_per_s": args.rate_list}, runs,
-                   {"slo": {"ttft_ms": slo.ttft_ms, "ttft_ms_per_token": slo.ttft_ms_per_token, "tpot_ms": slo.tpot_ms},
-                    "goodput": goodput, "log_dir": log_dir})
-        logger.info("wrote %s", args.out)
+    goodput = {name: {"attainment_by_rate": points, "goodput_rate_per_s": goodput_rate(points)}
+               for name, points in table.items()}
+    emit(args, runs, command, {"slo": {"ttft_ms": slo.ttft_ms, "ttft_ms_per_token": slo.ttft_ms_per_token,
+                                       "tpot_ms": slo.tpot_ms}, "goodput": goodput, "log_dir": args.log_dir},
+         format_goodput_table(table, args.rate_list), workload_dict(args) | {"rates_per_s": args.rate_list})
     if args.plot_dir:
         from bench.lib.plots import plot_attainment  # matplotlib only when plots are asked for
 

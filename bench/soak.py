@@ -19,9 +19,9 @@ from typing import Any, Optional
 
 import httpx
 
-from bench.lib.launch import ServerProcess, descendant_pids, free_port, pdserve_argv
+from bench.lib.launch import ServerProcess, descendant_pids, free_port, pdserve_argv, wait_workers_idle
 from bench.lib.load import Call, read_call, run_open_loop
-from bench.lib.report import write_document
+from bench.lib.report import markdown_table, write_document
 from bench.lib.stats import describe
 from bench.lib.stream import RequestRecord
 from bench.lib.workloads import COMPLETIONS, MODEL, baselines, good_calls
@@ -163,16 +163,6 @@ def summarize(plan: list[Call], results: list[RequestRecord], expected: dict[str
     }
 
 
-def wait_idle(urls: dict[str, str], timeout_s: float) -> dict[str, dict]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        loads = {role: load(url) for role, url in urls.items()}
-        settled = loads["prefill"]["num_pinned_blocks"] == 0 and all(r["kv_usage"] == 0 for r in loads.values())
-        if settled or time.monotonic() > deadline:
-            return loads
-        time.sleep(0.5)
-
-
 def soak(args: argparse.Namespace, log_dir: str) -> dict:
     up, urls = start_cluster(args.num_blocks, log_dir)
     try:
@@ -197,7 +187,8 @@ def soak(args: argparse.Namespace, log_dir: str) -> dict:
         plan = build_plan(args.num_requests, args.hostile_fraction, args.seed)
         results = run_open_loop(up.base_url, plan, args.concurrency, send, on_done).records
         duration_s = time.monotonic() - started
-        final = wait_idle(urls, args.settle_timeout_s)
+        wait_workers_idle(urls, args.settle_timeout_s)
+        final = {role: load(url) for role, url in urls.items()}
         stop.set()
         watcher.join()
         seen.rss_mib["end"] = {role: rss_mib(pid) for role, pid in pids.items()}
@@ -218,27 +209,23 @@ def report(run: dict) -> str:
         f"good: {good['ok']} ok, {len(good['failed'])} failed, {len(good['wrong_answer'])} wrong answers",
         f"hostile: {hostile['4xx']} got a 4xx, {len(hostile['not_4xx'])} did not; "
         f"{run['left_mid_stream']} clients left mid-stream; 5xx answers: {run['num_5xx']}",
-        "", "| latency (s) | mean | p50 | p90 | p99 | max |", "|---|---:|---:|---:|---:|---:|",
+        "", markdown_table(["latency (s)", "mean", "p50", "p90", "p99", "max"], [
+            (name, *(f"{run[name]['latency_s'][k]:.3f}" for k in ("mean", "p50", "p90", "p99", "max")))
+            for name in ("good", "hostile") if run[name]["latency_s"]]),
+        "", f"pinned blocks: peak {run['peak_pinned_blocks']}, final {run['final_pinned_blocks']}",
+        "KV usage: peak " + ", ".join(f"{r} {v:.1%}" for r, v in run["peak_kv_usage"].items())
+        + "; final " + ", ".join(f"{r} {v:.1%}" for r, v in run["final_kv_usage"].items()),
     ]
-    for name in ("good", "hostile"):
-        stats = run[name]["latency_s"]
-        if stats:
-            lines.append(f"| {name} | " + " | ".join(f"{stats[k]:.3f}" for k in ("mean", "p50", "p90", "p99", "max"))
-                         + " |")
-    lines += ["", f"pinned blocks: peak {run['peak_pinned_blocks']}, final {run['final_pinned_blocks']}",
-              "KV usage: peak " + ", ".join(f"{r} {v:.1%}" for r, v in run["peak_kv_usage"].items())
-              + "; final " + ", ".join(f"{r} {v:.1%}" for r, v in run["final_kv_usage"].items()),
-              "", "| RSS (MiB) | start | after half | end | growth in the second half |", "|---|---:|---:|---:|---:|"]
     rss = run["rss_mib"]
     processes = list(rss["start"])  # the roles, then the workers' agent processes
-    for role in processes:
-        half, end = rss.get("half", {}).get(role, 0.0), rss["end"].get(role, 0.0)
-        lines.append(f"| {role} | {rss['start'].get(role, 0.0):.1f} | {half:.1f} | {end:.1f} | {end - half:+.1f} |")
+    half, end = rss.get("half", {}), rss["end"]
     marks = [key for key in rss if key.isdigit()]
-    lines += ["", "RSS (MiB) after every tenth of the requests:", "| process | " + " | ".join(marks) + " |",
-              "|---|" + "---:|" * len(marks)]
-    for role in processes:
-        lines.append(f"| {role} | " + " | ".join(f"{rss[mark].get(role, 0.0):.0f}" for mark in marks) + " |")
+    lines += ["", markdown_table(["RSS (MiB)", "start", "after half", "end", "growth in the second half"], [
+        (role, f"{rss['start'][role]:.1f}", f"{half.get(role, 0.0):.1f}", f"{end.get(role, 0.0):.1f}",
+         f"{end.get(role, 0.0) - half.get(role, 0.0):+.1f}") for role in processes]),
+        "", "RSS (MiB) after every tenth of the requests:",
+        markdown_table(["process", *marks], [(role, *(f"{rss[mark].get(role, 0.0):.0f}" for mark in marks))
+                                             for role in processes])]
     return "\n".join(lines)
 
 

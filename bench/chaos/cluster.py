@@ -18,7 +18,8 @@ from typing import Optional
 
 import httpx
 
-from bench.lib.launch import ProxyProcess, Worker, descendant_pids, free_port, start_workers, wait_for
+from bench.lib.launch import (
+    ProxyProcess, Worker, descendant_pids, free_port, start_workers, wait_for, wait_workers_idle)
 from bench.lib.legs import two_legs
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -75,13 +76,14 @@ class ChaosCluster:
 
     # ---- processes -------------------------------------------------------------------
 
+    def process(self, name: str) -> Optional[subprocess.Popen]:
+        return self.proxy.process if name == PROXY else self.workers[name].process
+
     def pid(self, name: str) -> int:
-        process = self.proxy.process if name == PROXY else self.workers[name].process
-        return process.pid
+        return self.process(name).pid
 
     def is_running(self, name: str) -> bool:
-        process = self.proxy.process if name == PROXY else self.workers[name].process
-        return process is not None and process.poll() is None
+        return self.process(name) is not None and self.process(name).poll() is None
 
     def pids(self, name: str) -> list[int]:
         """The process and its descendants (a worker's NIXL agent process)."""
@@ -105,8 +107,7 @@ class ChaosCluster:
         self.workers[name].kill()
 
     def exit_code(self, name: str) -> Optional[int]:
-        process = self.proxy.process if name == PROXY else self.workers[name].process
-        return process.poll()
+        return self.process(name).poll()
 
     def restart(self, name: str, timeout_s: float = 90.0, wait: bool = True) -> None:
         if name == PROXY:
@@ -157,27 +158,9 @@ class ChaosCluster:
             failed.append(PROXY)
         return failed
 
-    # ---- blocks ----------------------------------------------------------------------
-
-    def loads(self) -> dict[str, dict]:
-        return {name: httpx.get(worker.url + "/load", timeout=5).json() for name, worker in self.workers.items()}
-
-    def held_blocks(self) -> dict[str, float]:
-        """Per worker: pinned blocks plus the share of its pool in use (0 everywhere when idle)."""
-        held = {}
-        for name, report in self.loads().items():
-            busy = report["num_running"] + report["num_waiting"] + report["num_waiting_for_kv"]
-            held[name] = report["num_pinned_blocks"] + report["kv_usage"] + busy
-        return held
-
     def wait_idle(self, timeout_s: float) -> dict[str, float]:
         """Waits for nothing pinned, used or running anywhere; returns what is still held (empty: idle)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            held = {name: value for name, value in self.held_blocks().items() if value}
-            if not held or time.monotonic() > deadline:
-                return held
-            time.sleep(0.2)
+        return wait_workers_idle({name: worker.url for name, worker in self.workers.items()}, timeout_s)
 
     def log_tail(self, name: str, num_chars: int = 6000) -> str:
         with open(self._log(name), "rb") as f:

@@ -24,8 +24,8 @@ from bench.engine import peers
 from bench.lib.machine import CpuMeter, wait_for_quiet
 from bench.lib.machine import machine_info as lib_machine_info
 from bench.engine.llama_server import LlamaServerSystem
-from bench.engine.systems import BenchError, HttpSystem, HttpTarget, Messages
-from bench.lib.launch import REPO_ROOT, ServerProcess, free_port
+from bench.engine.systems import IGNORE_EOS_BODY, BenchError, HttpSystem, HttpTarget, Messages, model_id
+from bench.lib.launch import REPO_ROOT, ServerProcess, free_port, pdserve_argv
 from bench.engine.report import (
     SUBJECT, SUBJECT_COMPILED, SUBJECT_FP32, SYSTEM_ORDER, BenchReport, LongPromptResult, PhaseResult, check_targets,
     format_long_prompts, format_roofline, format_table, format_targets, write_json,
@@ -92,18 +92,13 @@ def machine_info(device: str) -> dict:
 
 def pdserve_system(name: str, extra_args: Sequence[str], device: str, log_dir: str) -> HttpSystem:
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve.app.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--device", device, "--num-blocks", str(_PDSERVE_NUM_BLOCKS),
-            "--block-size", str(_PDSERVE_BLOCK_TOKENS), "--log-level", "warning", *extra_args]
+    argv = pdserve_argv("serve", port, "--host", "127.0.0.1", "--device", device, "--num-blocks",
+                        str(_PDSERVE_NUM_BLOCKS), "--block-size", str(_PDSERVE_BLOCK_TOKENS), "--log-level", "warning",
+                        *extra_args)
     log_path = os.path.join(log_dir, name.replace(" ", "_") + ".log")
     server = ServerProcess(name, argv, port, log_path, ready="health", own_session=True)
 
-    def target(started: ServerProcess) -> HttpTarget:
-        models = httpx.get(f"{started.base_url}/v1/models", timeout=10.0).json()["data"]
-        return HttpTarget(started.base_url, models[0]["id"],
-                          {"ignore_eos": True, "stream_options": {"include_usage": True}})
-
-    return HttpSystem(server, target)
+    return HttpSystem(server, lambda started: HttpTarget(started.base_url, model_id(started), IGNORE_EOS_BODY))
 
 
 def serve_system(hf_dir: str, device: str, log_dir: str) -> HttpSystem:

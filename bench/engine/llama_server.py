@@ -22,8 +22,8 @@ from typing import Optional, Sequence
 
 import httpx
 
-from bench.engine.systems import BenchError, HttpTarget, Messages, check_exact_lengths, first_token_times, run_phase
-from bench.engine.report import PhaseResult, summarize
+from bench.engine.report import PhaseResult
+from bench.engine.systems import IGNORE_EOS_BODY, BenchError, HttpSystem, HttpTarget, Messages, model_id, run_phase
 from bench.lib.launch import ServerProcess, free_port
 
 logger = logging.getLogger(__name__)
@@ -123,32 +123,19 @@ def llama_server_argv(binary: str, gguf_path: str, port: int, num_slots: int, nu
     ]
 
 
-def llama_server_extra_body() -> dict:
-    """Exactly `max_tokens` outputs (EOS ignored) and the usage chunk that counts them."""
-    return {"ignore_eos": True, "stream_options": {"include_usage": True}}
-
-
-class LlamaServerSystem:
+class LlamaServerSystem(HttpSystem):
     """`llama-server`, restarted with `--parallel c` before the phase at concurrency c."""
 
     name = LLAMA_SERVER_SYSTEM
 
     def __init__(self, gguf_path: str, log_dir: str, num_kv_tokens: int, binary: Optional[str] = None):
-        self._gguf_path = gguf_path
-        self._log_dir = log_dir
-        self._num_kv_tokens = num_kv_tokens
+        super().__init__(None, lambda server: HttpTarget(server.base_url, model_id(server), IGNORE_EOS_BODY))
+        self._gguf_path, self._log_dir, self._num_kv_tokens = gguf_path, log_dir, num_kv_tokens
         self._explicit_binary = binary
         self._binary: Optional[str] = None
-        self._server: Optional[ServerProcess] = None
         self._num_slots = 0
-        self._target: Optional[HttpTarget] = None
         self._warmup: list[int] = []
         self._warmup_tokens = 8
-
-    @property
-    def pids(self) -> list[int]:
-        process = self._server.process if self._server is not None else None
-        return [process.pid] if process is not None else []
 
     def start(self, ready_timeout_s: float) -> None:
         self._binary = ensure_llama_server(self._explicit_binary)
@@ -167,22 +154,15 @@ class LlamaServerSystem:
                                  os.cpu_count() or 1)
         log_path = os.path.join(self._log_dir, f"llama-server-np{concurrency}.log")
         self._server = ServerProcess(self.name, argv, port, log_path, ready="health", own_session=True)
-        self._server.start().wait_ready(self._ready_timeout_s)
+        super().start(self._ready_timeout_s)
         self._num_slots = concurrency
-        models = httpx.get(f"{self._server.base_url}/v1/models", timeout=10.0).json()["data"]
-        self._target = HttpTarget(self._server.base_url, models[0]["id"], llama_server_extra_body())
         if self._warmup:
             run_phase(self._target, self._warmup[:concurrency], concurrency, self._warmup_tokens)
-
-    def target(self) -> HttpTarget:
-        if self._target is None:
-            raise BenchError("llama-server is not running")
-        return self._target
 
     def first_token_times(self, indices: Sequence[int], messages: Messages) -> list[float]:
         self.prepare(1)
         try:
-            return first_token_times(self.target(), indices, messages)
+            return super().first_token_times(indices, messages)
         except (httpx.HTTPError, BenchError) as exc:
             # This phase once failed in two runs of three with a bare "Server disconnected";
             # the server's own last words say more than the client's.
@@ -192,11 +172,9 @@ class LlamaServerSystem:
 
     def run(self, indices: Sequence[int], concurrency: int, max_tokens: int) -> PhaseResult:
         self.prepare(concurrency)
-        samples, wall_s = run_phase(self.target(), indices, concurrency, max_tokens)
-        check_exact_lengths(samples, max_tokens, self.name)
-        return summarize(self.name, concurrency, samples, wall_s)
+        return super().run(indices, concurrency, max_tokens)
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.stop()
+        super().close()
         self._server, self._num_slots, self._target = None, 0, None
+

@@ -13,14 +13,13 @@ import os
 import shutil
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from bench.engine.report import PhaseResult, RequestSample, summarize
+from bench.engine.systems import Messages
 from bench.engine.workload import chat_messages
-
-Messages = Callable[[int], list[dict[str, str]]]
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional, Sequence
 
-from bench.lib.report import cell, write_document
+from bench.lib.report import cell, markdown_table, write_document
 from bench.lib.stats import percentile
 
 SUBJECT = "pdserve"  # quantized weights: its default for a quantized GGUF
@@ -150,16 +150,10 @@ def ratio_vs_best_peer(results: Sequence[PhaseResult], result: PhaseResult) -> O
     return result.output_tokens_per_s / best.output_tokens_per_s
 
 
-def _throughput(results: Sequence[PhaseResult], system: str, concurrency: int) -> Optional[float]:
-    for result in results:
-        if result.system == system and result.concurrency == concurrency:
-            return result.output_tokens_per_s
-    return None
-
-
 def ratio(results: Sequence[PhaseResult], system: str, baseline: str, concurrency: int) -> Optional[float]:
     """Output tokens/s of `system` over `baseline` at one concurrency; None when either did not run."""
-    measured, base = _throughput(results, system, concurrency), _throughput(results, baseline, concurrency)
+    rates = {r.system: r.output_tokens_per_s for r in results if r.concurrency == concurrency}
+    measured, base = rates.get(system), rates.get(baseline)
     return measured / base if measured and base else None
 
 
@@ -170,24 +164,24 @@ def check_targets(results: Sequence[PhaseResult]) -> list[TargetCheck]:
 
 def format_table(results: Sequence[PhaseResult], roofline: Optional[Roofline] = None) -> str:
     """Markdown table, rows grouped by concurrency; also fine on a terminal."""
-    header = "| concurrency | system | output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | vs best peer | other CPU |"
-    lines = [header, "|---:|---|---:|---:|---:|---:|---:|"]
+    rows = []
     for concurrency in sorted({r.concurrency for r in results}):
         for result in (r for r in results if r.concurrency == concurrency):
             if result.error is not None:
-                lines.append(f"| {concurrency} | {result.system} | not run: {result.error} | - | - | - | - |")
+                rows.append((concurrency, result.system, f"not run: {result.error}", *["-"] * 4))
                 continue
             vs_best = ratio_vs_best_peer(results, result)
-            lines.append(
-                f"| {concurrency} | {result.system} | {result.output_tokens_per_s:.1f} | {cell(result.ttft_p50_s, '.0f', 1000)} "
-                f"| {cell(result.tpot_p50_s, '.0f', 1000)} | {cell(vs_best, '.2f')}{'' if vs_best is None else 'x'} "
-                f"| {cell(result.foreign_cpu_fraction, '.0%')} |"
-            )
-        lines += _ceiling_rows(roofline, concurrency)
-    return "\n".join(lines)
+            rows.append((concurrency, result.system, f"{result.output_tokens_per_s:.1f}",
+                         cell(result.ttft_p50_s, ".0f", 1000), cell(result.tpot_p50_s, ".0f", 1000),
+                         cell(vs_best, ".2f") + ("" if vs_best is None else "x"),
+                         cell(result.foreign_cpu_fraction, ".0%")))
+        rows += [(concurrency, name, f"{tokens_per_s:.1f}", *["-"] * 4)
+                 for name, tokens_per_s in _ceilings(roofline, concurrency)]
+    return markdown_table(["concurrency", "system", "output tok/s", "TTFT p50 (ms)", "TPOT p50 (ms)", "vs best peer",
+                           "other CPU"], rows)
 
 
-def _ceiling_rows(roofline: Optional[Roofline], concurrency: int) -> list[str]:
+def _ceilings(roofline: Optional[Roofline], concurrency: int) -> list[tuple[str, float]]:
     if roofline is None:
         return []
     rows = []
@@ -198,21 +192,21 @@ def _ceiling_rows(roofline: Optional[Roofline], concurrency: int) -> list[str]:
         rows.append(("ceiling: measured matmul FLOP/s at M=1", roofline.matvec_tokens_per_s))
     if concurrency == roofline.matmul_concurrency:
         rows.append((f"ceiling: measured matmul FLOP/s at M={concurrency}", roofline.matmul_tokens_per_s))
-    return [f"| {concurrency} | {name} | {tokens_per_s:.1f} | - | - | - | - |" for name, tokens_per_s in rows]
+    return rows
 
 
 def format_long_prompts(results: Sequence[LongPromptResult]) -> str:
     """Markdown table of time to first token on long prompts, with the ratio to llama-server."""
-    lines = ["| system | prompt tokens | TTFT median (ms) | runs (ms) | vs llama-server |", "|---|---:|---:|---|---:|"]
     llama = next((r.ttft_median_s for r in results if r.system == LLAMA_SERVER), None)
+    rows = []
     for result in sorted(results, key=lambda r: SYSTEM_ORDER.index(r.system) if r.system in SYSTEM_ORDER else 99):
         if result.error is not None or result.ttft_median_s is None:
-            lines.append(f"| {result.system} | {result.prompt_tokens} | not run: {result.error} | - | - |")
+            rows.append((result.system, result.prompt_tokens, f"not run: {result.error}", "-", "-"))
             continue
-        runs = ", ".join(f"{t * 1000:.0f}" for t in result.ttft_s)
-        speedup = "-" if llama is None else f"{llama / result.ttft_median_s:.2f}x"
-        lines.append(f"| {result.system} | {result.prompt_tokens} | {cell(result.ttft_median_s, '.0f', 1000)} | {runs} | {speedup} |")
-    return "\n".join(lines)
+        rows.append((result.system, result.prompt_tokens, cell(result.ttft_median_s, ".0f", 1000),
+                     ", ".join(f"{t * 1000:.0f}" for t in result.ttft_s),
+                     "-" if llama is None else f"{llama / result.ttft_median_s:.2f}x"))
+    return markdown_table(["system", "prompt tokens", "TTFT median (ms)", "runs (ms)", "vs llama-server"], rows)
 
 
 def format_roofline(roofline: Roofline) -> str:

@@ -16,7 +16,7 @@ import httpx
 from bench.engine.report import PhaseResult, RequestSample, summarize
 from bench.engine.workload import chat_messages
 from bench.lib.launch import LaunchError, ServerProcess
-from bench.lib.load import Call, run_closed_loop
+from bench.lib.load import Call, run_open_loop
 from bench.lib.stream import RequestRecord, read_async
 
 Messages = Callable[[int], list[dict[str, str]]]  # request index -> chat messages
@@ -32,6 +32,15 @@ class HttpTarget:
     base_url: str
     model: str
     extra_body: dict
+
+
+# Exactly `max_tokens` outputs (EOS ignored) and the usage chunk that counts them: pdserve, llama-server.
+IGNORE_EOS_BODY = {"ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+def model_id(server: ServerProcess) -> str:
+    """The (first) model a running server lists."""
+    return httpx.get(f"{server.base_url}/v1/models", timeout=10.0).json()["data"][0]["id"]
 
 
 def _call(target: HttpTarget, index: int, max_tokens: int, messages: Messages) -> Call:
@@ -58,10 +67,12 @@ async def stream_one(client: httpx.AsyncClient, target: HttpTarget, index: int, 
 
 
 def run_phase(target: HttpTarget, indices: Sequence[int], concurrency: int, max_tokens: int,
-              messages: Messages = chat_messages, keep_alive: bool = True) -> tuple[list[RequestSample], float]:
-    """Requests `indices`, `concurrency` at a time; returns the samples and the phase's wall time."""
+              messages: Messages = chat_messages) -> tuple[list[RequestSample], float]:
+    """Requests `indices`, `concurrency` at a time, each on a new connection, for every server alike:
+    llama-server closed kept-alive connections between requests (see `first_token_times`), which
+    failed its c=1 phase once. Returns the samples and the phase's wall time."""
     calls = [_call(target, index, max_tokens, messages) for index in indices]
-    result = run_closed_loop(target.base_url, calls, concurrency, keep_alive)
+    result = run_open_loop(target.base_url, calls, concurrency, keep_alive=False)
     return [_sample(record) for record in result.records], result.duration_s
 
 
@@ -70,7 +81,7 @@ def first_token_times(target: HttpTarget, indices: Sequence[int], messages: Mess
     new connection: llama-server closed a kept-alive connection between two of these requests
     ("Server disconnected without sending a response" on the next POST, which httpx does not
     retry); a local connect costs microseconds against seconds of prefill."""
-    samples, _ = run_phase(target, indices, 1, 2, messages, keep_alive=False)
+    samples, _ = run_phase(target, indices, 1, 2, messages)
     return [sample.ttft_s for sample in samples]
 
 
@@ -84,15 +95,15 @@ def check_exact_lengths(samples: Sequence[RequestSample], max_tokens: int, syste
 class HttpSystem:
     """A server under test: started once, warmed up, then measured phase by phase."""
 
-    def __init__(self, server: ServerProcess, make_target: Callable[[ServerProcess], HttpTarget]):
-        self.name = server.name
+    def __init__(self, server: Optional[ServerProcess], make_target: Callable[[ServerProcess], HttpTarget]):
+        self.name = server.name if server is not None else self.name
         self._server = server
         self._make_target = make_target
         self._target: Optional[HttpTarget] = None
 
     @property
     def pids(self) -> list[int]:
-        process = self._server.process
+        process = self._server.process if self._server is not None else None
         return [process.pid] if process is not None else []
 
     def start(self, ready_timeout_s: float) -> None:
@@ -110,17 +121,16 @@ class HttpSystem:
     def warm_up(self, indices: Sequence[int], concurrencies: Sequence[int], max_tokens: int) -> None:
         """At the highest concurrency only: lazy set-up (batchers, allocator pools) happens on first use."""
         top = max(concurrencies)
-        run_phase(self._target, indices[:top], top, max_tokens, keep_alive=False)
+        run_phase(self._target, indices[:top], top, max_tokens)
 
     def first_token_times(self, indices: Sequence[int], messages: Messages) -> list[float]:
         return first_token_times(self.target(), indices, messages)
 
     def run(self, indices: Sequence[int], concurrency: int, max_tokens: int) -> PhaseResult:
-        # A new connection per request, for every server alike: llama-server closes kept-alive
-        # connections between requests (see `first_token_times`), which failed its c=1 phase once.
-        samples, wall_s = run_phase(self._target, indices, concurrency, max_tokens, keep_alive=False)
+        samples, wall_s = run_phase(self.target(), indices, concurrency, max_tokens)
         check_exact_lengths(samples, max_tokens, self.name)
         return summarize(self.name, concurrency, samples, wall_s)
 
     def close(self) -> None:
-        self._server.stop()
+        if self._server is not None:
+            self._server.stop()

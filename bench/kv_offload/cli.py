@@ -2,9 +2,7 @@
 is several times the pool, run with no tier, the memory tier and the file tier in one process (real
 engines, the embedded SmolLM2, CPU); prompt tokens computed, TTFT, the tier's hit rate and load
 bandwidth per tier. `--repeats N` rotates the three N times so a slow moment hits one of each.
-Conversations turn round-robin, one request at a time, so a prefix is evicted before it returns;
-answers are twice the user message by default, as in chat logs. Then, or alone with its flag, the
-micro-benchmarks of stores.py (--stores-only), loads.py (--loads-only) and wake.py (--wake-only).
+Then, or alone with `--loads-only`, loads.py's load bandwidth against raw copies.
 
 Invariant: every configuration sees the same requests in the same order, greedy, so all must
 answer the same tokens (checked).
@@ -30,9 +28,8 @@ from pdserve.models.loader import load_model
 from pdserve.request import GenerationRequest
 
 from bench.kv_offload.loads import load_bandwidth, print_load_table
-from bench.lib.report import write_document
+from bench.lib.report import cell, markdown_table, write_document
 from bench.lib.stats import percentile
-from bench.kv_offload.stores import print_store_table, store_costs
 
 BLOCK = 16
 
@@ -111,20 +108,12 @@ def main() -> None:
     parser.add_argument("--plot", default=None, help="draw computed tokens, TTFT and hit rate per tier (PNG)")
     parser.add_argument("--plot-from", default=None, help="draw --plot from this --out report instead of measuring")
     parser.add_argument("--dir", default=None, help="where the file tier goes (default: a temporary directory)")
-    parser.add_argument("--stores-only", action="store_true", help="only the engine-thread cost of file stores")
-    parser.add_argument("--page-bytes", type=int, default=737_280, help="page size of the store benchmark "
+    parser.add_argument("--page-bytes", type=int, default=737_280, help="page size of the load benchmark "
                         "(default: the embedded SmolLM2's, 16 tokens)")
-    parser.add_argument("--store-rounds", type=int, default=40, help="bursts of evictions per store mode")
-    parser.add_argument("--store-burst", type=int, default=32, help="evictions per burst (one step's, 512 tokens)")
-    parser.add_argument("--store-out", default=None, help="write the store figures as JSON here")
     parser.add_argument("--loads-only", action="store_true", help="only the tiers' load bandwidth against raw copies")
     parser.add_argument("--load-rounds", type=int, default=200, help="loads per mode")
     parser.add_argument("--load-pages", type=int, default=16, help="pages per load (one request's prefix)")
     parser.add_argument("--load-out", default=None, help="write the load figures as JSON here")
-    parser.add_argument("--wake-only", action="store_true", help="only how long an ended file-tier load waits for "
-                        "an idle engine thread, with and without the tier's wake-up")
-    parser.add_argument("--wake-rounds", type=int, default=6, help="rounds of 4 tier hits per wake mode")
-    parser.add_argument("--wake-out", default=None, help="write the wake figures as JSON here")
     args = parser.parse_args()
     if args.plot_from:
         from bench.lib.plots import plot_offload_ttft
@@ -133,30 +122,13 @@ def main() -> None:
             print(f"wrote {plot_offload_ttft(json.load(f)['rows'], args.plot or args.plot_from[:-5] + '.png')}")
         return
     torch.set_num_threads(args.threads)
-    if args.wake_only:
-        from bench.kv_offload.wake import print_wake_table, wake_latency
-
-        loaded = load_model(args.model, torch.float32, torch.device("cpu"))
-        wake = wake_latency(loaded, args.dir or tempfile.mkdtemp(prefix="pdserve-kv-offload-"), args.wake_rounds)
-        print_wake_table(wake)
-        _write_json(args.wake_out, {"args": vars(args), **wake})
-        return
-    if not args.stores_only and not args.loads_only:
-        run_workload(args)
-    directory = args.dir or tempfile.mkdtemp(prefix="pdserve-kv-offload-")
     if not args.loads_only:
-        costs = store_costs(args.page_bytes, directory, args.store_rounds, args.store_burst)
-        print_store_table(costs)
-        _write_json(args.store_out, {"args": vars(args), **costs})
-    if not args.stores_only:
-        bandwidth = load_bandwidth(args.page_bytes, directory, args.load_rounds, args.load_pages)
-        print_load_table(bandwidth)
-        _write_json(args.load_out, {"args": vars(args), **bandwidth})
-
-
-def _write_json(path: Optional[str], document: dict) -> None:
-    if path:
-        write_document(path, document, indent=2)
+        run_workload(args)
+    bandwidth = load_bandwidth(args.page_bytes, args.dir or tempfile.mkdtemp(prefix="pdserve-kv-offload-"),
+                               args.load_rounds, args.load_pages)
+    print_load_table(bandwidth)
+    if args.load_out:
+        write_document(args.load_out, {"args": vars(args), **bandwidth}, indent=2)
 
 
 def pooled(runs: list[dict]) -> dict:
@@ -187,14 +159,13 @@ def run_workload(args: argparse.Namespace) -> None:
     rows = [pooled([rows[index] for rows in repeats]) for index in range(3)]
     print(f"pool {num_blocks - 1} blocks, working set {working_set_blocks} blocks, "
           f"{args.conversations} conversations x {args.turns} turns")
-    print(f"{'tier':8} {'computed':>9} {'of':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'p50 turns 2+':>13} "
-          f"{'p50 / none':>11} {'tier hit':>9} {'load GB/s':>10} {'skipped stores':>15}")
-    for row in rows:
-        bandwidth = f"{row['load_gb_per_s']:.2f}" if row["load_gb_per_s"] else "-"
-        print(f"{row['tier']:8} {row['computed_prompt_tokens']:9d} {row['prompt_tokens']:7d} "
-              f"{row['ttft_p50_s'] * 1000:7.1f}ms {row['ttft_p99_s'] * 1000:7.1f}ms "
-              f"{row['later_turn_ttft_p50_s'] * 1000:11.1f}ms {row['ttft_p50_s'] / rows[0]['ttft_p50_s']:11.2f} "
-              f"{row['tier_hit_rate']:9.2f} {bandwidth:>10} {row['stores_skipped']:15d}")
+    print(markdown_table(
+        ["tier", "computed", "of", "TTFT p50 ms", "TTFT p99 ms", "p50 turns 2+ ms", "p50 / none", "tier hit",
+         "load GB/s", "skipped stores"],
+        [(row["tier"], row["computed_prompt_tokens"], row["prompt_tokens"], cell(row["ttft_p50_s"], ".1f", 1000),
+          cell(row["ttft_p99_s"], ".1f", 1000), cell(row["later_turn_ttft_p50_s"], ".1f", 1000),
+          f"{row['ttft_p50_s'] / rows[0]['ttft_p50_s']:.2f}", f"{row['tier_hit_rate']:.2f}",
+          cell(row["load_gb_per_s"]), row["stores_skipped"]) for row in rows]))
     if args.repeats > 1:
         for tier in (1, 2):
             ratios = [statistics.median(rows[tier]["ttfts_s"]) / statistics.median(rows[0]["ttfts_s"])
@@ -207,7 +178,8 @@ def run_workload(args: argparse.Namespace) -> None:
         print(f"wrote {plot_offload_ttft(rows, args.plot)}")
     document = {"args": vars(args), "rows": [{k: v for k, v in row.items() if k != "answers"} for row in rows],
                 "repeats": [[{k: v for k, v in row.items() if k != "answers"} for row in rows] for rows in repeats]}
-    _write_json(args.out, document)
+    if args.out:
+        write_document(args.out, document, indent=2)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import numpy
 import torch
 import xxhash
 
+from bench.lib.report import cell, markdown_table
 from pdserve.kv.offload_file import FilePageStore
 from pdserve.kv.offload_host import HostPageStore
 
@@ -116,8 +117,6 @@ def load_bandwidth(page_bytes: int, directory: str, rounds: int, pages_per_load:
 def print_load_table(bandwidth: dict) -> None:
     print(f"\ntier loads, {bandwidth['pages_per_load']} pages of {bandwidth['page_bytes']:,} bytes per load, "
           f"{bandwidth['rounds']} rounds per mode, interleaved")
-    print(f"{'mode':18} {'GB/s p50':>9} {'GB/s all':>9} {'of raw p50':>11} {'of raw all':>11}")
-    for mode, row in bandwidth["modes"].items():
-        shares = (f"{row['share_of_raw_p50']:10.0%} {row['share_of_raw_total']:11.0%}" if "share_of_raw_p50" in row
-                  else f"{'-':>10} {'-':>11}")
-        print(f"{mode:18} {row['gb_per_s_p50']:9.2f} {row['gb_per_s_total']:9.2f} {shares}")
+    print(markdown_table(["mode", "GB/s p50", "GB/s all", "of raw p50", "of raw all"], [
+        (mode, f"{row['gb_per_s_p50']:.2f}", f"{row['gb_per_s_total']:.2f}", cell(row.get("share_of_raw_p50"), ".0%"),
+         cell(row.get("share_of_raw_total"), ".0%")) for mode, row in bandwidth["modes"].items()]))

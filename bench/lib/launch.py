@@ -191,6 +191,22 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
     return predicate()
 
 
+_HELD = ("num_running", "num_waiting", "num_waiting_for_kv", "num_pinned_blocks", "kv_usage")  # fields of GET /load
+
+
+def wait_workers_idle(urls: dict[str, str], timeout_s: float) -> dict[str, float]:
+    """Waits (at most `timeout_s`) until no worker runs, queues, pins or uses anything; returns what each
+    worker by name still holds (the sum of its /load's counts and KV usage), empty once all are idle."""
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        held = {name: sum(httpx.get(url + "/load", timeout=5).json()[key] for key in _HELD)
+                for name, url in urls.items()}
+        held = {name: value for name, value in held.items() if value}
+        if not held or time.monotonic() > deadline_s:
+            return held
+        time.sleep(0.2)
+
+
 class LaunchError(RuntimeError):
     """A system under test exited early or never became ready."""
 

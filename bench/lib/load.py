@@ -1,6 +1,6 @@
 """The load drivers over the one stream reader: open loop (each call at its arrival time, optionally
-at most N in flight), closed loop (N in flight until the queue drains), and conversations (each
-answer joins the history of the next turn).
+at most N in flight: with every arrival at 0, a closed loop of N), and conversations (each answer
+joins the history of the next turn).
 
 Invariant: every call yields exactly one record (a failure is recorded, it never stops the run or
 the other calls), and all times of one run are read from one clock started with the run.
@@ -67,7 +67,7 @@ def _duration(records: Sequence[RequestRecord]) -> float:
 
 
 async def _open_loop(base_url: str, calls: Sequence[Call], max_concurrency: Optional[int], send: Send,
-                     on_done: Callable[[T], None]) -> LoadResult:
+                     on_done: Callable[[T], None], keep_alive: bool) -> LoadResult:
     started_s = time.perf_counter()
 
     def clock() -> float:
@@ -85,40 +85,17 @@ async def _open_loop(base_url: str, calls: Sequence[Call], max_concurrency: Opti
         on_done(record)
         return record
 
-    async with _client(max_concurrency or max(1, len(calls))) as client:
+    async with _client(max_concurrency or max(1, len(calls)), keep_alive) as client:
         records = list(await asyncio.gather(*(one(client, call) for call in calls)))
     return LoadResult(records, _duration(records))
 
 
 def run_open_loop(base_url: str, calls: Sequence[Call], max_concurrency: Optional[int] = None,
-                  send: Send = read_call, on_done: Callable[[T], None] = lambda record: None) -> LoadResult:
-    """Sends every call at its `at_s` (at most `max_concurrency` in flight, if given)."""
-    return asyncio.run(_open_loop(base_url, calls, max_concurrency, send, on_done))
-
-
-async def _closed_loop(base_url: str, calls: Sequence[Call], concurrency: int, keep_alive: bool,
-                       send: Send) -> LoadResult:
-    queue: asyncio.Queue[Call] = asyncio.Queue()
-    for call in calls:
-        queue.put_nowait(call)
-    records: list = []
-    clock = time.perf_counter
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        while not queue.empty():
-            records.append(await send(client, base_url, queue.get_nowait(), clock))
-
-    async with _client(concurrency + 4, keep_alive) as client:
-        started_s = clock()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        wall_s = clock() - started_s
-    return LoadResult(records, wall_s)
-
-
-def run_closed_loop(base_url: str, calls: Sequence[Call], concurrency: int, keep_alive: bool = True,
-                    send: Send = read_call) -> LoadResult:
-    """Keeps exactly `concurrency` calls in flight until the queue drains; duration is the wall time."""
-    return asyncio.run(_closed_loop(base_url, calls, concurrency, keep_alive, send))
+                  send: Send = read_call, on_done: Callable[[T], None] = lambda record: None,
+                  keep_alive: bool = True) -> LoadResult:
+    """Sends every call at its `at_s` (at most `max_concurrency` in flight, if given; they start in
+    order as earlier ones end); `keep_alive=False` opens a connection per call."""
+    return asyncio.run(_open_loop(base_url, calls, max_concurrency, send, on_done, keep_alive))
 
 
 async def _conversation(client: httpx.AsyncClient, url: str, conversation, body: dict,

@@ -19,32 +19,25 @@ from bench.lib.launch import REPO_ROOT
 
 logger = logging.getLogger(__name__)
 
-_IDLE_FIELDS = (3, 4)  # idle and iowait, after the "cpu" label
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal; idle and iowait are not busy
 
 
-def _cpu_fields() -> Optional[list[int]]:
-    """The all-CPU jiffy counters of /proc/stat since boot; None without /proc."""
+def _machine_busy_ticks() -> Optional[int]:
+    """Busy jiffies of all CPUs since boot, from /proc/stat; None without /proc."""
     try:
         with open("/proc/stat", encoding="ascii") as f:
-            return [int(v) for v in f.readline().split()[1:]]
+            values = [int(v) for v in f.readline().split()[1:]]
     except (OSError, ValueError):
         return None
+    return sum(values[i] for i in _BUSY_FIELDS if i < len(values))
 
 
-def _cpu_ticks() -> Optional[tuple[int, int]]:
-    """(total, idle) jiffies of all CPUs since boot; None without /proc."""
-    values = _cpu_fields()
-    return None if values is None else (sum(values), sum(values[i] for i in _IDLE_FIELDS if i < len(values)))
-
-
-def busy_fraction(interval_s: float) -> Optional[float]:
-    """Share of all CPUs busy over the next `interval_s` seconds."""
-    before = _cpu_ticks()
+def busy_fraction(interval_s: float, pids: Iterable[int] = ()) -> Optional[float]:
+    """Share of all CPUs that processes other than this one and `pids` keep busy over the next `interval_s`."""
+    meter = CpuMeter(pids)
+    meter.start()
     time.sleep(interval_s)
-    after = _cpu_ticks()
-    if before is None or after is None or after[0] <= before[0]:
-        return None
-    return 1.0 - (after[1] - before[1]) / (after[0] - before[0])
+    return meter.foreign_fraction()
 
 
 def wait_for_idle(max_wait_s: float, max_busy_fraction: float = 0.1, quiet_s: float = 30.0,
@@ -63,14 +56,6 @@ def wait_for_idle(max_wait_s: float, max_busy_fraction: float = 0.1, quiet_s: fl
             return True
     logger.warning("the machine did not go idle within %.0f s; measuring anyway", max_wait_s)
     return False
-
-
-_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal; idle and iowait are not busy
-
-
-def _machine_busy_ticks() -> Optional[int]:
-    values = _cpu_fields()
-    return None if values is None else sum(values[i] for i in _BUSY_FIELDS if i < len(values))
 
 
 def process_cpu_s(pid: int) -> float:
@@ -130,10 +115,7 @@ def wait_for_quiet(pids: Iterable[int], max_foreign_fraction: float, max_wait_s:
     pids = list(pids)
     deadline_s = time.monotonic() + max_wait_s
     while True:
-        meter = CpuMeter(pids)
-        meter.start()
-        time.sleep(window_s)
-        fraction = meter.foreign_fraction()
+        fraction = busy_fraction(window_s, pids)
         if fraction is None or fraction < max_foreign_fraction or time.monotonic() >= deadline_s:
             return fraction
 

@@ -162,8 +162,7 @@ def plot_attainment(table: dict[str, list[tuple[float, float]]], slo, out_dir: s
     axis.set_ylim(0, 105)
     axis.legend(fontsize=8)
     path = os.path.join(out_dir, file_name)
-    figure.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(figure)
+    _save(figure, path)
     return path
 
 

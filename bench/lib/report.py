@@ -16,10 +16,8 @@ from bench.lib.machine import machine_info
 from bench.lib.stats import Distribution, RunSummary
 from bench.lib.stream import RequestRecord
 
-_DASH = "-"
 
-
-def cell(value: Optional[float], spec: str = ".2f", scale: float = 1.0, missing: str = _DASH) -> str:
+def cell(value: Optional[float], spec: str = ".2f", scale: float = 1.0, missing: str = "-") -> str:
     """A table cell: `value * scale` formatted by `spec` (".0%", ".1f", ...); `missing` when there is none."""
     return missing if value is None else format(value * scale, spec)
 
@@ -58,19 +56,13 @@ def latency_rows(summary: RunSummary) -> list[tuple[str, Optional[Distribution]]
 
 def format_latency_table(summaries: Sequence[RunSummary]) -> str:
     """Rows grouped by metric, one row per system, so systems compare line by line."""
-    lines = ["| latency (ms) | system | mean | p50 | p90 | p99 | max | samples |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
     per_system = [dict(latency_rows(s)) for s in summaries]
     metric_names = list(dict.fromkeys(name for s in summaries for name, _ in latency_rows(s)))
-    for name in metric_names:
-        for summary, rows in zip(summaries, per_system):
-            dist = rows.get(name)
-            if dist is None:
-                lines.append(f"| {name} | {summary.label} | {' | '.join([_DASH] * 5)} | 0 |")
-                continue
-            cells = " | ".join(cell(v, ".1f", 1000) for v in (dist.mean, dist.p50, dist.p90, dist.p99, dist.max))
-            lines.append(f"| {name} | {summary.label} | {cells} | {dist.count} |")
-    return "\n".join(lines)
+    return markdown_table(["latency (ms)", "system", "mean", "p50", "p90", "p99", "max", "samples"], [
+        (name, summary.label, *(cell(getattr(rows.get(name), k, None), ".1f", 1000)
+                                for k in ("mean", "p50", "p90", "p99", "max")),
+         rows[name].count if rows.get(name) is not None else 0)
+        for name in metric_names for summary, rows in zip(summaries, per_system)])
 
 
 def format_report(summaries: Sequence[RunSummary]) -> str:

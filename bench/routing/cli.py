@@ -1,7 +1,7 @@
 """Routing benchmark (`python -m bench.routing`): a multi-turn chat workload through `pdserve proxy`
 with each routing policy in turn over two prefill and two decode workers: prompt tokens computed,
-prefix-cache hits, TTFT, KV bytes pulled, turns without a prefill leg; plus the KV events published
-under kv_aware and what recording one costs. Invariant: every policy runs the same conversations
+prefix-cache hits, TTFT, KV bytes pulled, turns without a prefill leg, KV events published.
+Invariant: every policy runs the same conversations
 on the same warm workers, each from empty prefix caches, one policy at a time.
 """
 
@@ -21,7 +21,6 @@ from bench.lib.launch import REPO_ROOT, LaunchError, metric_sum
 from bench.lib.load import run_conversations
 from bench.lib.machine import CpuMeter, wait_for_idle
 from bench.routing.cluster import ClusterSpec, RoutingCluster, scrape
-from bench.routing.events import event_rate_under_load, recording_cost_us
 from bench.routing.report import PolicyResult, format_table, plot, summarize, verdict, write_json
 from bench.routing.workload import WorkloadSpec, build_conversations
 
@@ -123,27 +122,16 @@ def run(args: argparse.Namespace, command: str) -> int:
         for policy in args.policy_list:
             logger.info("policy %s", policy)
             results.append(measure_policy(cluster, policy, spec, args.wait_for_idle_s))
-        cluster.reset()
-        logger.info("KV events under a saturating load on %s", cluster.prefills[0].name)
-        events = {"saturated_prefill_worker": event_rate_under_load(cluster.prefills[0].base_url, cluster.spec.token)}
     except LaunchError as exc:
         logger.error("benchmark aborted: %s", exc)
         return 2
     finally:
         cluster.stop()
-    events.update(recording_cost_us())
-    events["engine_thread_share_saturated"] = (events["saturated_prefill_worker"]["events_per_s"]
-                                               * events["engine_thread_us_per_event"] / 1e6)
-    kv_run = next((r for r in results if r.policy == "kv_aware"), None)
-    if kv_run is not None and kv_run.summary.duration_s:
-        num_workers = len(cluster.workers)
-        events["kv_aware_run_events_per_s_per_worker"] = kv_run.kv_events / num_workers / kv_run.summary.duration_s
     print(format_table(results))
     for line in verdict(results):
         print(line)
-    print(f"KV events: {events}")
     print(f"load average before: {load_before}, after: {os.getloadavg()}")
-    extra = {"kv_events": events, "load_average_before": load_before, "load_average_after": os.getloadavg(),
+    extra = {"load_average_before": load_before, "load_average_after": os.getloadavg(),
              "log_dir": log_dir}
     write_json(args.out, command, spec.describe(), asdict(cluster.spec), results, extra)
     logger.info("wrote %s", args.out)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import httpx
 
-from bench.lib.launch import LaunchError, ServerProcess, free_port, internal_url_of, metric_sum
+from bench.lib.launch import (
+    LaunchError, ServerProcess, free_port, internal_url_of, metric_sum, pdserve_argv, wait_workers_idle)
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +62,9 @@ class RoutingCluster:
 
     def _worker(self, role: str, index: int) -> ServerProcess:
         port = free_port()
-        argv = [sys.executable, "-m", "pdserve.app.cli", role, "--port", str(port), "--internal-port",
-                str(free_port()), "--num-blocks",
-                str(self.spec.num_blocks), "--num-threads", str(self.spec.num_threads), "--log-level", "warning",
-                "--internal-token", self.spec.token, *PATIENT_PD]
+        argv = pdserve_argv(role, port, "--num-blocks", str(self.spec.num_blocks), "--num-threads",
+                            str(self.spec.num_threads), "--log-level", "warning", "--internal-token", self.spec.token,
+                            *PATIENT_PD)
         return ServerProcess(f"{role}{index}", argv, port, os.path.join(self.spec.log_dir, f"{role}{index}.log"))
 
     def start(self) -> None:
@@ -89,10 +88,10 @@ class RoutingCluster:
 
     def start_proxy(self, policy: str, prefills: Optional[list[ServerProcess]] = None) -> ServerProcess:
         port = free_port()
-        argv = [sys.executable, "-m", "pdserve.app.cli", "proxy", "--port", str(port), "--policy", policy,
-                "--prefill", *(w.base_url for w in prefills or self.prefills),
-                "--decode", *(w.base_url for w in self.decodes),
-                "--internal-token", self.spec.token, "--log-level", "warning"]
+        prefill_urls = [w.base_url for w in prefills or self.prefills]
+        argv = pdserve_argv("proxy", port, "--policy", policy, "--prefill", *prefill_urls,
+                            "--decode", *(w.base_url for w in self.decodes), "--internal-token", self.spec.token,
+                            "--log-level", "warning")
         self.proxy = ServerProcess(f"proxy-{policy}", argv, port, os.path.join(self.spec.log_dir, f"proxy-{policy}.log"))
         self.proxy.start()
         self.proxy.wait_ready(60.0)
@@ -124,14 +123,9 @@ class RoutingCluster:
             response.raise_for_status()
 
     def wait_idle(self, timeout_s: float = 120.0) -> None:
-        deadline_s = time.monotonic() + timeout_s
-        while time.monotonic() < deadline_s:
-            loads = [httpx.get(w.base_url + "/load", timeout=10).json() for w in self.workers]
-            if all(not (l["num_running"] or l["num_waiting"] or l["num_waiting_for_kv"] or l["num_pinned_blocks"])
-                   for l in loads):
-                return
-            time.sleep(0.5)
-        raise LaunchError("the workers did not go idle")
+        held = wait_workers_idle({w.name: w.base_url for w in self.workers}, timeout_s)
+        if held:
+            raise LaunchError(f"the workers did not go idle: {held}")
 
     def counters(self) -> dict[str, dict[str, float]]:
         return {w.name: scrape(w.base_url, WORKER_COUNTERS) for w in self.workers}

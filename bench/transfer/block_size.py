@@ -1,9 +1,7 @@
 """KV pulls between block sizes (`--mode block-size`): a decode pool of D-token pages pulls one
 prompt from a prefill pool of P-token pages (16->16, 16->32, 32->16) over NIXL between two processes,
 direct (one descriptor per (unit, row): pdserve/transfer/token_units.py) or staged (one descriptor
-per remote run into a staging buffer, then a local copy), against 16->16 and a memcpy. `--sweep K`
-cuts each page into K chunks in reversed local order (nothing merges) and `--sweep-runs R` reads
-runs of R chunks: the figures behind `NixlTransport`'s choice between direct and staged reads.
+per remote run into a staging buffer, then a local copy), against 16->16 and a memcpy.
 
 Invariant: every case of a prompt moves the same bytes (every token of every row once) between the
 same two processes, scattered block ids on both sides; landed bytes are checked token by token.
@@ -13,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import multiprocessing
 import time
@@ -25,13 +22,11 @@ import torch
 from bench.lib.report import cell, markdown_table
 from bench.transfer import pools
 from bench.transfer.pools import (
-    MEMORY_MODES, SHAPES, TIMEOUT_S, PoolShape, allocate_bytes, huge_page_kib, interleaved_medians, machine_record,
-    medians_with_memcpy, prefill_child, serve_until_stopped, time_read, write_report)
+    SHAPES, TIMEOUT_S, PoolShape, allocate_bytes, huge_page_kib, medians_with_memcpy, memory_modes, prefill_child,
+    serve_until_stopped, time_read)
 from pdserve.transfer.descriptor_runs import choose_runs
 from pdserve.transfer.token_units import UnitGeometry, unit_chunk_ids, unit_geometry
 from pdserve.transfer.transport import PeerInfo, TransferState
-
-logger = logging.getLogger("bench.transfer.block_size")
 
 PAIRS = ((16, 16), (16, 32), (32, 16))  # (prefill block size, decode block size)
 PROMPT_TOKENS = (2048, 8192)
@@ -100,27 +95,10 @@ def chunk_pairs(geometry: UnitGeometry, prefill_ids: Sequence[int], decode_ids: 
     return unit_chunk_ids(geometry.local, local_units, 0, rows), unit_chunk_ids(geometry.remote, remote_units, 0, rows)
 
 
-def reversed_chunk_pairs(prefill_ids: Sequence[int], decode_ids: Sequence[int], chunks_per_page: int,
-                         run_chunks: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """The sweep's pairs: chunk i of remote page prefill_ids[j] -> chunk K-1-i of local page decode_ids[j],
-    for every i (run_chunks 0 or >= K), or for the i in every other group of `run_chunks` (0.., 2R..)."""
-    k = chunks_per_page
-    within = np.arange(k)
-    if 0 < run_chunks < k:
-        within = within[(within // run_chunks) % 2 == 0]
-    remote = (np.asarray(prefill_ids)[:, None] * k + within[None, :]).reshape(-1)
-    local = (np.asarray(decode_ids)[:, None] * k + (k - 1 - within)[None, :]).reshape(-1)
-    return local, remote
-
-
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """Adds vs_pages (GB/s over the 16->16 page pull of the same memory and prompt) and vs_memcpy, in place."""
-    reference = {(r["memory"], r["prompt_tokens"]): r["pull_gbps"] for r in rows if r["read"] == "pages"}
-    for r in rows:
-        base = reference.get((r["memory"], r["prompt_tokens"]))
-        r["vs_pages"] = r["pull_gbps"] / base if base else None
-        r["vs_memcpy"] = r["pull_gbps"] / r["memcpy_gbps"] if r.get("memcpy_gbps") else None
-    return rows
+    """vs_pages: GB/s over the 16->16 page pull of the same memory and prompt; and vs_memcpy."""
+    return pools.add_ratios(rows, "vs_pages", lambda r: (r["memory"], r["prompt_tokens"]),
+                            lambda r: r["read"] == "pages")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -131,15 +109,6 @@ def format_table(rows: list[dict]) -> str:
           f"{r['num_bytes'] / 1e6:.1f}", f"{r['pull_s'] * 1e3:.1f}", f"{r['pull_gbps']:.2f}", cell(r.get("vs_pages")),
           cell(r.get("vs_memcpy")), f"{r['memcpy_gbps']:.2f}", r["auto_picks"],
           cell(r.get("foreign_cpu_fraction"), ".0%", missing="?")) for r in rows])
-
-
-def format_sweep(rows: list[dict]) -> str:
-    return markdown_table(
-        ["memory", "tokens", "chunks a page", "chunk KiB", "run chunks", "direct descriptors", "staged descriptors",
-         "direct GB/s", "staged GB/s", "staged / direct"],
-        [(r["memory"], r["prompt_tokens"], r["chunks_per_page"], f"{r['chunk_bytes'] / 1024:.1f}",
-          r["run_chunks"] or "page", r["direct_descriptors"], r["staged_descriptors"], f"{r['direct_gbps']:.2f}",
-          f"{r['staged_gbps']:.2f}", f"{r['staged_over_direct']:.2f}") for r in rows])
 
 
 # ---- pools ------------------------------------------------------------------------------------------
@@ -195,11 +164,13 @@ class Reader:
         return elapsed_s
 
 
-def open_reader(case: Case, view: torch.Tensor, peer: PeerInfo, name: str, chunk_bytes: Optional[int],
-                geometry: Optional[UnitGeometry] = None) -> Reader:
-    """A transport on `view` reading in the case's mode, connected to `peer` in chunks of `chunk_bytes`."""
+def open_reader(case: Case, view: torch.Tensor, peer: PeerInfo, rows: int, name: str) -> Reader:
+    """A transport on `view` reading in the case's mode, connected to `peer`: whole pages at equal block
+    sizes, else in chunks of one unit of one row."""
     from pdserve.transfer.nixl_transport import NixlTransport
 
+    geometry = None if case.read == "pages" else unit_geometry(view.shape[1], rows, peer.page_bytes, rows)
+    chunk_bytes = geometry.unit_bytes if geometry is not None else None
     transport = NixlTransport(view, name, read_mode="staged" if case.read == "staged" else "direct")
     key = transport.begin_connect(peer, chunk_bytes=chunk_bytes)
     deadline_s = time.monotonic() + TIMEOUT_S
@@ -209,14 +180,6 @@ def open_reader(case: Case, view: torch.Tensor, peer: PeerInfo, name: str, chunk
         transport.close()
         raise RuntimeError(f"{case}: cannot connect in chunks of {chunk_bytes}: {transport.connect_failure(key)}")
     return Reader(case, transport, key, view, geometry)
-
-
-def open_case_reader(case: Case, view: torch.Tensor, peer: PeerInfo, rows: int, name: str) -> Reader:
-    """Whole pages at equal block sizes, else chunks of one unit of one row."""
-    if case.read == "pages":
-        return open_reader(case, view, peer, name, None)
-    geometry = unit_geometry(view.shape[1], rows, peer.page_bytes, rows)
-    return open_reader(case, view, peer, name, geometry.unit_bytes, geometry)
 
 
 # ---- measurements -----------------------------------------------------------------------------------
@@ -251,42 +214,28 @@ def check_landed(shape: PoolShape, reader: Reader, prefill_pages: dict[int, int]
     return len(samples)
 
 
-def measure_mode(shape: PoolShape, mode: str, prompt_tokens: Sequence[int], bs_cases: list[Case], reps: int,
-                 sweep: Sequence[int], sweep_runs: Sequence[int]) -> tuple[list[dict], list[dict]]:
-    """Every prompt and case in one memory mode, against a fresh prefill child; then the sweep."""
-    prefill_sizes = sorted({c.prefill_block for c in bs_cases})
+def measure_mode(shape: PoolShape, mode: str, prompt_tokens: Sequence[int], bs_cases: list[Case],
+                 reps: int) -> list[dict]:
+    """Every prompt and case in one memory mode, against a fresh prefill child."""
+    max_tokens = max(prompt_tokens)
+    views = {}
+    for size in sorted({c.decode_block for c in bs_cases}):
+        layout = block_shape(shape, size, max_tokens).layout()
+        views[size] = allocate_bytes(layout.pool_bytes, mode).view(layout.num_blocks, layout.page_bytes)
     readers: list[Reader] = []
-    with prefill_child(serve_pools, shape, mode, prefill_sizes, max(prompt_tokens)) as (infos, child_pid):
+    with prefill_child(serve_pools, shape, mode, sorted({c.prefill_block for c in bs_cases}), max_tokens) as (
+            infos, child_pid):
         try:
-            return _measure_readers(shape, mode, prompt_tokens, bs_cases, reps, sweep, sweep_runs, infos, child_pid,
-                                    readers)
+            published = {int(size): PeerInfo.from_dict(info) for size, info in infos.items()}
+            for index, case in enumerate(bs_cases):
+                readers.append(open_reader(case, views[case.decode_block], published[case.prefill_block],
+                                           rows_of(shape), f"bench-bs-decode-{index}-{mode}"))
+            pages = {size: info.page_bytes for size, info in published.items()}
+            return [row for num_tokens in prompt_tokens
+                    for row in measure_prompt(shape, mode, num_tokens, max_tokens, readers, pages, reps, child_pid)]
         finally:
             for reader in readers:
                 reader.transport.close()
-
-
-def _measure_readers(shape: PoolShape, mode: str, prompt_tokens: Sequence[int], bs_cases: list[Case], reps: int,
-                     sweep: Sequence[int], sweep_runs: Sequence[int], infos: dict, child_pid: int,
-                     readers: list) -> tuple[list[dict], list[dict]]:
-    """`measure_mode` against a started child; opens its readers into `readers` (the caller closes them)."""
-    max_tokens = max(prompt_tokens)
-    decode_sizes = sorted({c.decode_block for c in bs_cases})
-    published = {int(size): PeerInfo.from_dict(info) for size, info in infos.items()}
-    views = {}
-    for size in decode_sizes:
-        layout = block_shape(shape, size, max_tokens).layout()
-        views[size] = allocate_bytes(layout.pool_bytes, mode).view(layout.num_blocks, layout.page_bytes)
-    for index, case in enumerate(bs_cases):
-        readers.append(open_case_reader(case, views[case.decode_block], published[case.prefill_block],
-                                        rows_of(shape), f"bench-bs-decode-{index}-{mode}"))
-    pages = {size: info.page_bytes for size, info in published.items()}
-    rows = [row for num_tokens in prompt_tokens
-            for row in measure_prompt(shape, mode, num_tokens, max_tokens, readers, pages, reps, child_pid)]
-    sweep_rows = []
-    if sweep:
-        sweep_rows = measure_sweep(mode, min(prompt_tokens), views.get(16), published.get(16), sweep, sweep_runs,
-                                   reps)
-    return rows, sweep_rows
 
 
 def measure_prompt(shape: PoolShape, mode: str, num_tokens: int, max_tokens: int, readers: list[Reader],
@@ -330,71 +279,15 @@ def measure_prompt(shape: PoolShape, mode: str, num_tokens: int, max_tokens: int
     return rows
 
 
-def measure_sweep(mode: str, num_tokens: int, view: Optional[torch.Tensor], peer: Optional[PeerInfo],
-                  chunks_per_page: Sequence[int], run_chunks: Sequence[int], reps: int) -> list[dict]:
-    """Equal block sizes (16), each page as K chunks reversed locally, every chunk or groups of R:
-    direct (one descriptor a chunk) vs staged (one per run of R, or about one a page)."""
-    if view is None or peer is None:
-        raise ValueError("the sweep needs the 16->16 pair")
-    generator = torch.Generator().manual_seed(SEED - num_tokens)
-    count = math.ceil(num_tokens / 16)
-    prefill_ids, decode_ids = (scattered_ids(count, peer.num_blocks, generator) for _ in range(2))
-    rows = []
-    for k in chunks_per_page:
-        if peer.page_bytes % k:
-            logger.warning("pages of %d bytes do not split into %d chunks: skipped", peer.page_bytes, k)
-            continue
-        readers = [open_reader(Case(16, 16, read), view, peer, f"bench-bs-sweep-{read}-{k}-{mode}",
-                               peer.page_bytes // k) for read in ("direct", "staged")]
-        try:
-            for run in [r for r in run_chunks if r == 0 or r < k]:
-                local, remote = reversed_chunk_pairs(prefill_ids, decode_ids, k, run)
-                num_bytes = len(local) * peer.page_bytes // k
-                direct_s, staged_s = interleaved_medians([lambda r=r: r.pull(local, remote) for r in readers], reps)
-                rows.append({"memory": mode, "prompt_tokens": num_tokens, "chunks_per_page": k,
-                             "chunk_bytes": peer.page_bytes // k, "run_chunks": run, "num_bytes": num_bytes,
-                             "direct_descriptors": readers[0].descriptors, "staged_descriptors": readers[1].descriptors,
-                             "direct_gbps": num_bytes / direct_s / 1e9, "staged_gbps": num_bytes / staged_s / 1e9,
-                             "staged_over_direct": direct_s / staged_s})
-        finally:
-            for reader in readers:
-                reader.transport.close()
-    return rows
-
-
-def run(args, parser, argv: Optional[Sequence[str]]) -> int:
+def run(args, parser) -> tuple[PoolShape, dict]:  # noqa: ANN001 - kv_pull's namespace and parser
     """`--mode block-size`: every block-size pair asked for, in every memory mode."""
-    started_s = time.perf_counter()
-    try:
-        pairs = [parse_pair(text) for text in args.pairs]
-    except ValueError as error:
-        parser.error(str(error))
-    bs_cases = cases(pairs)
+    bs_cases = cases(args.pairs)
     largest = max(size for case in bs_cases for size in (case.prefill_block, case.decode_block))
     if any(tokens < 1 or tokens % largest for tokens in args.prompt_tokens):
         parser.error(f"--prompt-tokens must be multiples of the largest block size, {largest}")
     shape = BS_SHAPES[args.shape]
-    modes = MEMORY_MODES if args.memory == "both" else (args.memory,)
-    rows, sweep = [], []
-    for mode in modes:
-        mode_rows, mode_sweep = measure_mode(shape, mode, args.prompt_tokens, bs_cases, args.reps, args.sweep,
-                                             args.sweep_runs)
-        rows += mode_rows
-        sweep += mode_sweep
-    add_ratios(rows)
+    rows = add_ratios([row for mode in memory_modes(args)
+                       for row in measure_mode(shape, mode, args.prompt_tokens, bs_cases, args.reps)])
     print(f"{shape.label}: {rows_of(shape)} rows a page, median of {args.reps} reps, scattered block ids")
     print(format_table(rows))
-    if sweep:
-        print("\nequal block sizes, each page as K chunks reversed locally (runs of R of them): direct vs staged")
-        print(format_sweep(sweep))
-    write_report(args.out, argv, started_s,
-                 machine=machine_record(args.memcpy_threads), reps=args.reps,
-                 shape=dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}, pulls=rows, sweep=sweep)
-    return 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m bench.transfer.kv_pull --mode block-size ...`"""
-    from bench.transfer.kv_pull import main as kv_pull
-
-    return kv_pull(["--mode", "block-size", *(argv or [])])
+    return shape, {"pulls": rows}

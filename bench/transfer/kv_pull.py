@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from typing import Optional, Sequence
 
 MODES = ("layout", "tp", "block-size")
@@ -34,10 +35,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, argpa
                         help="pool geometry: smollm2 (fp32), llama3-8b (32 layers, 8x128, bf16), tiny (tp, block-size)")
     parser.add_argument("--pairs", nargs="+", default=None,
                         help="tp: prefill:decode TP sizes; block-size: prefill:decode block sizes")
-    parser.add_argument("--sweep", type=int, nargs="*", default=[],
-                        help="block-size: chunks per page to sweep direct vs staged at equal block sizes")
-    parser.add_argument("--sweep-runs", type=int, nargs="+", default=[0],
-                        help="block-size: the sweep reads groups of R chunks a page, skipping R (0: every chunk)")
     parser.add_argument("--memcpy-threads", type=int, default=1,
                         help="torch threads for the memcpy baseline and staged copies (UCX copies on one core)")
     parser.add_argument("--plot", default=None, help="layout: draw bytes and time against prompt length here")
@@ -60,21 +57,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     from bench.transfer import block_size, layout, tp
+    from bench.transfer.pools import write_report
 
     torch.set_num_threads(args.memcpy_threads)
     module = {"layout": layout, "tp": tp, "block-size": block_size}[args.mode]
     shapes = {"layout": layout.SHAPES, "tp": tp.TP_SHAPES, "block-size": block_size.BS_SHAPES}
     if args.shape not in shapes[args.mode]:
         parser.error(f"--mode {args.mode} takes --shape {' or '.join(sorted(shapes[args.mode]))}")
+    if args.device != "cpu" and args.mode != "layout":
+        parser.error("only --mode layout runs on a GPU")
     args.prompt_tokens = args.prompt_tokens or list(module.PROMPT_TOKENS)
-    args.pairs = args.pairs or [f"{p}:{d}" for p, d in getattr(module, "PAIRS", ())]
-    status = module.run(args, parser, argv)
+    if args.mode != "layout":
+        try:
+            args.pairs = [module.parse_pair(text) for text in args.pairs] if args.pairs else list(module.PAIRS)
+        except ValueError as error:
+            parser.error(str(error))
+    started_s = time.perf_counter()
+    shape, fields = module.run(args, parser)
+    write_report(args, argv, started_s, shape, **fields)
     if args.plot and args.mode == "layout":
         from bench.lib.plots import plot_kv_pull
 
         with open(args.out, encoding="utf-8") as f:
             print(plot_kv_pull(json.load(f), args.plot))
-    return status
+    return 0
 
 
 if __name__ == "__main__":

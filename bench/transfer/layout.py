@@ -1,6 +1,5 @@
 """KV pull bandwidth between two processes over NIXL against an in-process memcpy of the same bytes
-(`--mode layout`): one descriptor per page and one per (layer, K|V) piece side by side; plus the
-bytes sliding-window clipping saves (Gemma 3 1B, gpt-oss-20b).
+(`--mode layout`): one descriptor per page and one per (layer, K|V) piece side by side.
 
 On CUDA both pools (and the memcpy baseline's buffers) are GPU memory on that device, so the pull
 goes over whatever UCX picks between two processes on one GPU (cuda_ipc unless UCX_TLS says otherwise).
@@ -12,35 +11,22 @@ described to NIXL differs.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import multiprocessing
-import time
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
+from bench.lib.report import markdown_table
 from bench.transfer.pools import (
-    GPU_MODE, MEMORY_MODES, SHAPES, PoolShape, allocate_bytes, huge_page_kib, machine_record, medians_with_memcpy,
-    prefill_child, serve_until_stopped, synchronize, time_read, write_report,
-)
-from pdserve.kv.specs import FullAttentionSpec, SlidingWindowSpec, plan_groups
+    SHAPES, PoolShape, allocate_bytes, huge_page_kib, medians_with_memcpy, memory_modes, prefill_child,
+    serve_until_stopped, synchronize, time_read)
 from pdserve.transfer.nixl_transport import NixlTransport
 from pdserve.transfer.transport import PeerInfo
 
 PROMPT_TOKENS = (512, 2048, 4096, 8192)
 SEED = 1234
-
-# Gemma 3 1B: 26 layers, every 6th full attention, window 512, 1 KV head x 256, bf16.
-GEMMA = dict(num_layers=26, full_every=6, window_tokens=512, num_kv_heads=1, head_dim=256, element_bytes=2,
-             block_size=16)
-GEMMA_PROMPT_TOKENS = (4096, 16384)
-# gpt-oss-20b: 24 layers alternating a 128-token window with full attention, 8 KV heads x 64, bf16.
-GPT_OSS_20B = dict(num_layers=24, full_every=2, window_tokens=128, num_kv_heads=8, head_dim=64, element_bytes=2,
-                   block_size=16)
-CLIPPING_SHAPES = {"Gemma 3 1B": GEMMA, "gpt-oss-20b": GPT_OSS_20B}
-
 
 def allocate_views(shape: PoolShape, mode: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(pages, pieces): two row views of one pool, [blocks, page_bytes] and [blocks*pieces, piece_bytes]."""
@@ -137,71 +123,25 @@ def pull_row(shape: PoolShape, num_tokens: int, num_blocks: int, num_bytes: int,
     }
 
 
-# ---- sliding-window clipping (no transfer) -------------------------------------------------
-
-
-def clipping_rows() -> list[dict]:
-    """Bytes a pull moves with and without clipping sliding groups to the live window, for each
-    model of `CLIPPING_SHAPES` (all layers full is the unclipped row)."""
-    return [row for model, shape in CLIPPING_SHAPES.items() for row in _clipping_rows(model, shape)]
-
-
-def _clipping_rows(model: str, g: dict) -> list[dict]:
-    specs = [FullAttentionSpec() if (i + 1) % g["full_every"] == 0 else SlidingWindowSpec(g["window_tokens"])
-             for i in range(g["num_layers"])]
-    plan = plan_groups(specs)
-    page_bytes = plan.group_size * 2 * g["block_size"] * g["num_kv_heads"] * g["head_dim"] * g["element_bytes"]
-    live_blocks = math.ceil(g["window_tokens"] / g["block_size"]) + 1
-    rows = []
-    for num_tokens in GEMMA_PROMPT_TOKENS:
-        num_blocks = math.ceil(num_tokens / g["block_size"])
-        per_group = [num_blocks if isinstance(group.spec, FullAttentionSpec) else min(num_blocks, live_blocks)
-                     for group in plan.groups]
-        clipped, unclipped = sum(per_group), num_blocks * len(plan.groups)
-        rows.append({
-            "model": model, "prompt_tokens": num_tokens, "num_groups": len(plan.groups), "group_size": plan.group_size,
-            "page_bytes": page_bytes, "blocks_clipped": clipped, "blocks_unclipped": unclipped,
-            "bytes_clipped": clipped * page_bytes, "bytes_unclipped": unclipped * page_bytes,
-            "saved_fraction": 1 - clipped / unclipped,
-        })
-    return rows
-
-
 # ---- report --------------------------------------------------------------------------------
 
 
-def format_tables(shape: PoolShape, pulls: list[dict], clipping: list[dict]) -> str:
-    lines = [f"{shape.label} pool (page {shape.layout().page_bytes:,} B), scattered block ids, median of reps",
-             f"{'memory':>10} {'tokens':>6} {'blocks':>6} {'MB':>6} | {'page GB/s':>9} {'descs':>5} | "
-             f"{'layer GB/s':>10} {'descs':>7} | {'memcpy GB/s':>11} | {'page/memcpy':>11} {'layer/memcpy':>12}"]
-    for r in pulls:
-        lines.append(f"{r['memory']:>10} {r['prompt_tokens']:>6} {r['num_blocks']:>6} {r['num_bytes'] / 1e6:>6.1f} | "
-                     f"{r['page_pull_gbps']:>9.2f} {r['page_descriptors']:>6} | {r['piece_pull_gbps']:>10.2f} "
-                     f"{r['piece_descriptors']:>7} | {r['memcpy_gbps']:>11.2f} | {r['page_vs_memcpy']:>11.2f} "
-                     f"{r['piece_vs_memcpy']:>12.2f}")
-    lines += ["", "Sliding-window clipping (bytes D pulls; unclipped = every layer full)",
-              f"{'model':>12} {'tokens':>7} {'groups':>6} | {'blocks clipped':>14} {'MB clipped':>10} | "
-              f"{'blocks unclipped':>16} {'MB unclipped':>12} | {'saved':>6}"]
-    for r in clipping:
-        lines.append(f"{r['model']:>12} {r['prompt_tokens']:>7} {r['num_groups']:>6} | {r['blocks_clipped']:>14} "
-                     f"{r['bytes_clipped'] / 1e6:>10.1f} | {r['blocks_unclipped']:>16} "
-                     f"{r['bytes_unclipped'] / 1e6:>12.1f} | {r['saved_fraction']:>6.1%}")
-    return "\n".join(lines)
+def format_table(shape: PoolShape, pulls: list[dict]) -> str:
+    title = f"{shape.label} pool (page {shape.layout().page_bytes:,} B), scattered block ids, median of reps\n"
+    return title + markdown_table(
+        ["memory", "tokens", "blocks", "MB", "page GB/s", "descs", "layer GB/s", "descs", "memcpy GB/s",
+         "page/memcpy", "layer/memcpy"],
+        [(r["memory"], r["prompt_tokens"], r["num_blocks"], f"{r['num_bytes'] / 1e6:.1f}", f"{r['page_pull_gbps']:.2f}",
+          r["page_descriptors"], f"{r['piece_pull_gbps']:.2f}", r["piece_descriptors"], f"{r['memcpy_gbps']:.2f}",
+          f"{r['page_vs_memcpy']:.2f}", f"{r['piece_vs_memcpy']:.2f}") for r in pulls])
 
 
-def run(args, parser, argv: Optional[Sequence[str]]) -> int:
+def run(args, parser) -> tuple[PoolShape, dict]:  # noqa: ANN001 - kv_pull's namespace and parser
     """`--mode layout`: page and per-piece descriptors, in every memory mode asked for."""
-    modes = (GPU_MODE,) if args.device.startswith("cuda") else MEMORY_MODES if args.memory == "both" else (args.memory,)
     shape = SHAPES[args.shape]
     if max(args.prompt_tokens) > (shape.num_pool_blocks - 1) * shape.block_size:
         parser.error(f"--prompt-tokens must fit the bench pool: at most {(shape.num_pool_blocks - 1) * shape.block_size}")
-    started_s = time.perf_counter()
-    pulls = [row for mode in modes
+    pulls = [row for mode in memory_modes(args)
              for row in measure_pulls(args.shape, mode, args.device, args.prompt_tokens, args.reps)]
-    clipping = clipping_rows()
-    print(format_tables(shape, pulls, clipping))
-    device = args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device)
-    write_report(args.out, argv, started_s, machine={**machine_record(args.memcpy_threads), "device": device},
-                 reps=args.reps, shape=dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}, pulls=pulls,
-                 clipping=clipping)
-    return 0
+    print(format_table(shape, pulls))
+    return shape, {"pulls": pulls}

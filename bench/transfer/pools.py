@@ -158,17 +158,36 @@ def medians_with_memcpy(runs: Sequence[Callable[[], float]], num_bytes: int, mod
     return medians[:-1], medians[-1], foreign
 
 
-def machine_record(memcpy_threads: int) -> dict:
-    """What a KV transfer report says of the machine it ran on."""
-    return machine_info() | {"torch": torch.__version__, "memcpy_threads": memcpy_threads}
+def memory_modes(args) -> tuple[str, ...]:  # noqa: ANN001 - kv_pull's namespace
+    """GPU memory on CUDA; else `--memory` (both: 4 KiB pages, then huge pages)."""
+    if args.device.startswith("cuda"):
+        return (GPU_MODE,)
+    return MEMORY_MODES if args.memory == "both" else (args.memory,)
 
 
-def write_report(out: str, argv: Optional[Sequence[str]], started_s: float, **fields: object) -> None:
-    """Write a report as JSON: the command that made it, `fields`, and the run's wall time."""
+def add_ratios(rows: list[dict], name: str, key: Callable[[dict], tuple],
+               is_reference: Callable[[dict], bool]) -> list[dict]:
+    """Adds `name` (GB/s over the reference row of the same `key`, None without one) and vs_memcpy to
+    every row, in place; returns the rows."""
+    reference = {key(r): r["pull_gbps"] for r in rows if is_reference(r)}
+    for r in rows:
+        base = reference.get(key(r))
+        r[name] = r["pull_gbps"] / base if base else None
+        r["vs_memcpy"] = r["pull_gbps"] / r["memcpy_gbps"] if r.get("memcpy_gbps") else None
+    return rows
+
+
+def write_report(args, argv: Optional[Sequence[str]], started_s: float, shape: PoolShape,  # noqa: ANN001
+                 **fields: object) -> None:
+    """Write a mode's report as JSON: the command that made it, the machine, `fields`, the wall time."""
     command = ["python", "-m", "bench.transfer.kv_pull", *(argv if argv is not None else sys.argv[1:])]
-    report = {"command": " ".join(command), **fields, "wall_s": time.perf_counter() - started_s}
-    write_document(out, report, indent=2)
-    print(f"\nwrote {out} in {report['wall_s']:.1f} s")
+    device = args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device)
+    machine = machine_info() | {"torch": torch.__version__, "memcpy_threads": args.memcpy_threads, "device": device}
+    report = {"command": " ".join(command), "machine": machine, "reps": args.reps,
+              "shape": dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}, **fields,
+              "wall_s": time.perf_counter() - started_s}
+    write_document(args.out, report, indent=2)
+    print(f"\nwrote {args.out} in {report['wall_s']:.1f} s")
 
 
 @contextlib.contextmanager

@@ -22,8 +22,8 @@ import torch
 from bench.lib.report import cell, markdown_table
 from bench.transfer import pools
 from bench.transfer.pools import (
-    MEMORY_MODES, SHAPES, TIMEOUT_S, PoolShape, allocate_bytes, huge_page_kib, machine_record, medians_with_memcpy,
-    prefill_child, serve_until_stopped, write_report)
+    SHAPES, TIMEOUT_S, PoolShape, allocate_bytes, huge_page_kib, medians_with_memcpy, memory_modes, prefill_child,
+    serve_until_stopped)
 from pdserve.kv.head_split import heads_split_problem, rank_kv_heads
 from pdserve.kv.layout import KVPoolLayout
 from pdserve.transfer.transport import PeerInfo, TransferState
@@ -135,15 +135,9 @@ def rank_layouts(shape: PoolShape, tp: int) -> list[tuple[int, KVPoolLayout]]:
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """Adds vs_1to1 (GB/s over the 1->1 pull of the same memory, prompt and allocation) and
-    vs_memcpy (over the memcpy of the same bytes) to every row, in place; returns the rows."""
-    reference = {(r["memory"], r["prompt_tokens"], r["allocation"]): r["pull_gbps"]
-                 for r in rows if (r["prefill_tp"], r["decode_tp"]) == (1, 1)}
-    for r in rows:
-        base = reference.get((r["memory"], r["prompt_tokens"], r["allocation"]))
-        r["vs_1to1"] = r["pull_gbps"] / base if base else None
-        r["vs_memcpy"] = r["pull_gbps"] / r["memcpy_gbps"] if r.get("memcpy_gbps") else None
-    return rows
+    """vs_1to1: GB/s over the 1->1 pull of the same memory, prompt and allocation; and vs_memcpy."""
+    return pools.add_ratios(rows, "vs_1to1", lambda r: (r["memory"], r["prompt_tokens"], r["allocation"]),
+                            lambda r: (r["prefill_tp"], r["decode_tp"]) == (1, 1))
 
 
 def coalescing_gains(rows: list[dict]) -> dict[tuple[str, int, str], float]:
@@ -363,37 +357,22 @@ def measure_prompt(shape: PoolShape, mode: str, num_tokens: int, tp_cases: list[
     return rows
 
 
-def run(args, parser, argv: Optional[Sequence[str]]) -> int:
+def run(args, parser) -> tuple[PoolShape, dict]:  # noqa: ANN001 - kv_pull's namespace and parser
     """`--mode tp`: every tensor-parallel pair asked for, in every memory mode."""
-    started_s = time.perf_counter()
-    try:
-        pairs = [parse_pair(text) for text in args.pairs]
-    except ValueError as error:
-        parser.error(str(error))
     max_blocks = math.ceil(max(args.prompt_tokens) / TP_SHAPES[args.shape].block_size)
     # Room to scatter: twice the largest prompt's blocks, plus the null block.
     shape = dataclasses.replace(TP_SHAPES[args.shape], num_pool_blocks=2 * max_blocks + 1)
-    problem = split_problem(shape.num_kv_heads, pairs)
+    problem = split_problem(shape.num_kv_heads, args.pairs)
     if problem is not None:
         parser.error(problem)
-    tp_cases = cases(pairs)
-    modes = MEMORY_MODES if args.memory == "both" else (args.memory,)
-    rows = add_ratios([row for mode in modes for row in measure_mode(shape, mode, args.prompt_tokens, tp_cases,
-                                                                      args.reps)])
+    tp_cases = cases(args.pairs)
+    rows = add_ratios([row for mode in memory_modes(args)
+                       for row in measure_mode(shape, mode, args.prompt_tokens, tp_cases, args.reps)])
     print(f"{shape.label} pool (page {shape.layout().page_bytes:,} B, {shape.num_pool_blocks} blocks a side), "
           f"median of {args.reps} reps")
     print(format_table(rows))
     gains = coalescing_gains(rows)
     print("\ncontiguous / scattered GB/s: " + ", ".join(f"{m} {t} {pair}: {g:.2f}" for (m, t, pair), g in gains.items()))
-    write_report(args.out, argv, started_s, machine=machine_record(args.memcpy_threads),
-                 reps=args.reps, shape=dataclasses.asdict(shape) | {"dtype": str(shape.dtype)}, pulls=rows,
-                 coalescing_gain=[{"memory": m, "prompt_tokens": t, "pair": pair, "contiguous_over_scattered": g}
-                                  for (m, t, pair), g in gains.items()])
-    return 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m bench.transfer.kv_pull --mode tp ...`"""
-    from bench.transfer.kv_pull import main as kv_pull
-
-    return kv_pull(["--mode", "tp", *(argv or [])])
+    return shape, {"pulls": rows, "coalescing_gain": [
+        {"memory": m, "prompt_tokens": t, "pair": pair, "contiguous_over_scattered": g}
+        for (m, t, pair), g in gains.items()]}

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from bench.engine.peers import transformers_serve_argv, transformers_serve_extra_body
-from bench.engine.llama_server import llama_server_argv, llama_server_extra_body
-from bench.engine.systems import BenchError, HttpTarget, stream_one
+from bench.engine.llama_server import llama_server_argv
+from bench.engine.systems import IGNORE_EOS_BODY, BenchError, HttpTarget, stream_one
 from bench.engine.report import (
     GENERATE, LLAMA_SERVER, SERVE, SUBJECT_FP32, BenchReport, LongPromptResult, PhaseResult, RequestSample, Roofline,
     check_targets, format_long_prompts, format_table, ratio_vs_best_peer, summarize, write_json,
@@ -141,7 +141,7 @@ def test_llama_server_gets_one_slot_per_request_and_pdserve_kv_capacity():
     argv = llama_server_argv("/opt/llama-server", "/m.gguf", 8123, num_slots=16, num_kv_tokens=16384, num_threads=2)
     assert argv[argv.index("--parallel") + 1] == "16" and argv[argv.index("--ctx-size") + 1] == "16384"
     assert "--kv-unified" in argv and argv[argv.index("-m") + 1] == "/m.gguf"
-    assert llama_server_extra_body()["ignore_eos"] is True
+    assert IGNORE_EOS_BODY["ignore_eos"] is True
 
 
 def test_json_holds_rows_ratios_roofline_and_targets(tmp_path):

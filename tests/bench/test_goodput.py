@@ -35,8 +35,8 @@ def test_sweep_flags_parse_systems_and_rates_and_refuse_unknown_ones(capsys):
 
     from bench.serve import parse_args
 
-    args = parse_args(["sweep", "--rates", "0.3,0.1", "--systems", "colocated,pd-adaptive", "--quick"])
-    assert args.rate_list == [0.1, 0.3] and args.system_names == ["colocated", "pd-adaptive"]
+    args = parse_args(["sweep", "--rates", "0.3,0.1", "--systems", "colocated,up", "--quick"])
+    assert args.rate_list == [0.1, 0.3] and args.system_names == ["colocated", "up"]
     for bad in (["sweep", "--systems", "pd,magic"], ["sweep", "--rates", "0.1,x"], ["sweep", "--rates", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)

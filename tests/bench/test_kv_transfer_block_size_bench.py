@@ -1,5 +1,5 @@
 """The block-size KV-transfer benchmark's pure parts: pairs, cases, the unit pairs of a prompt (token
-for token), the sweep's pairs, ratios and tables; plus one tiny end-to-end run over NIXL (slow)."""
+for token), ratios and tables; plus one tiny end-to-end run over NIXL (slow)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from bench.transfer.block_size import (
-    BS_SHAPES, Case, add_ratios, cases, chunk_pairs, format_sweep, format_table, main, parse_pair, pool_blocks,
-    reversed_chunk_pairs, rows_of, token_bytes)
-from pdserve.transfer.descriptor_runs import direct_runs, staged_runs
+    BS_SHAPES, Case, add_ratios, cases, chunk_pairs, format_table, parse_pair, pool_blocks, rows_of, token_bytes)
+from bench.transfer.kv_pull import main
 from pdserve.transfer.token_units import unit_geometry
 
 
@@ -59,16 +58,6 @@ def test_chunk_pairs_move_each_token_of_each_row_to_its_place(prefill_block, dec
         assert (decode[decode_ids[t // decode_block], :, t % decode_block] == expected).all(), t
 
 
-def test_sweep_pairs_reverse_each_page_and_take_every_other_run():
-    local, remote = reversed_chunk_pairs([3, 9], [1, 4], 4)
-    assert remote.tolist() == [12, 13, 14, 15, 36, 37, 38, 39]
-    assert local.tolist() == [7, 6, 5, 4, 19, 18, 17, 16]
-    assert len(direct_runs(local, remote)) == 8 and len(staged_runs(local, remote)) == 2
-    local, remote = reversed_chunk_pairs([3, 9], [1, 4], 8, run_chunks=2)
-    assert remote.tolist() == [24, 25, 28, 29, 72, 73, 76, 77]
-    assert len(direct_runs(local, remote)) == 8 and len(staged_runs(local, remote)) == 4
-
-
 def _row(memory, tokens, p, d, read, gbps, descriptors=1):
     return {"memory": memory, "prompt_tokens": tokens, "prefill_block": p, "decode_block": d, "read": read,
             "pull_gbps": gbps, "pull_s": 1.0 / gbps, "num_bytes": 1e9, "descriptors": descriptors,
@@ -87,22 +76,13 @@ def test_ratios_are_against_the_page_pull_of_the_same_memory_and_prompt():
     assert lines[5].endswith("| 3.00 | - | 0.30 | 10.00 | staged | 10% |")
 
 
-def test_sweep_table_names_whole_pages_and_runs():
-    rows = [{"memory": "4k-pages", "prompt_tokens": 2048, "chunks_per_page": 512, "chunk_bytes": 4096,
-             "run_chunks": run, "direct_descriptors": 100, "staged_descriptors": 10, "direct_gbps": 2.0,
-             "staged_gbps": 5.0, "staged_over_direct": 2.5} for run in (0, 4)]
-    lines = format_sweep(rows).splitlines()
-    assert "| 512 | 4.0 | page | 100 | 10 | 2.00 | 5.00 | 2.50 |" in lines[2]
-    assert "| 512 | 4.0 | 4 |" in lines[3]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tiny_run_pulls_verifies_and_reports_every_case(tmp_path):
     pytest.importorskip("nixl")
     out = tmp_path / "block_size.json"
-    assert main(["--shape", "tiny", "--prompt-tokens", "128", "--reps", "1", "--memory", "huge-pages",
-                 "--sweep", "1", "4", "--sweep-runs", "0", "2", "--out", str(out)]) == 0
+    assert main(["--mode", "block-size", "--shape", "tiny", "--prompt-tokens", "128", "--reps", "1", "--memory", "huge-pages",
+                 "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     pulls = report["pulls"]
     assert [(r["prefill_block"], r["decode_block"], r["read"]) for r in pulls] == [
@@ -117,5 +97,4 @@ def test_tiny_run_pulls_verifies_and_reports_every_case(tmp_path):
     assert by_case[(16, 32, "direct")]["descriptors"] == by_case[(32, 16, "direct")]["descriptors"] == 8 * rows
     assert by_case[(16, 32, "staged")]["descriptors"] <= 8 and by_case[(32, 16, "staged")]["descriptors"] <= 4
     assert by_case[(16, 32, "staged")]["staging_bytes"] > 0 and by_case[(16, 32, "direct")]["staging_bytes"] == 0
-    assert {(r["chunks_per_page"], r["run_chunks"]) for r in report["sweep"]} == {(1, 0), (4, 0), (4, 2)}
     assert not multiprocessing.active_children()

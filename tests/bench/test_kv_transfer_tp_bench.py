@@ -10,8 +10,9 @@ import multiprocessing
 import pytest
 import torch
 
+from bench.transfer.kv_pull import main
 from bench.transfer.tp import (
-    TP_SHAPES, TpCase, add_ratios, block_ids, cases, coalescing_gains, expected_descriptors, format_table, main,
+    TP_SHAPES, add_ratios, block_ids, cases, coalescing_gains, expected_descriptors, format_table,
     parse_pair, rank_layouts, rank_views, sample_blocks, sources_per_rank, split_problem,
 )
 from pdserve.kv.head_split import chunk_heads, head_sources, rank_kv_heads
@@ -164,7 +165,7 @@ def test_table_has_one_line_per_row_with_the_ratios():
 def test_tiny_run_pulls_and_verifies_every_pair(tmp_path):
     pytest.importorskip("nixl")
     out = tmp_path / "tp.json"
-    assert main(["--shape", "tiny", "--prompt-tokens", "64", "--reps", "1", "--memory", "huge-pages",
+    assert main(["--mode", "tp", "--shape", "tiny", "--prompt-tokens", "64", "--reps", "1", "--memory", "huge-pages",
                  "--pairs", "1:2", "2:1", "2:2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     pulls = report["pulls"]
