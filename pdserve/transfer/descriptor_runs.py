@@ -29,7 +29,8 @@ import numpy as np
 
 # "auto" stages a read when that at least halves its descriptors and its direct ones average at most
 # 8 KiB: on the CPU staging then gained 1.2-2.9x, and at 16 KiB or more never more than 1.05x, whatever
-# the factor (bench/kv_transfer_block_size.py --sweep, docs/benchmarks.md "KV pulls between block sizes").
+# the factor (a retired probe: `git checkout 3ac08e1 && python -m bench.transfer.kv_pull --mode block-size
+# --sweep 4 16`; docs/benchmarks.md "KV pulls between block sizes").
 DEFAULT_STAGED_DESCRIPTOR_FACTOR = 2.0
 DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES = 8 << 10
 
