@@ -1,7 +1,9 @@
 """`python -m bench.kernels <mode>`: every mode parses its flags and names its own JSON report; the
-table and cell formatters every benchmark prints through. Nothing here measures."""
+table and cell formatters every benchmark prints through; the state snapshot table's counts on a tiny model."""
 
 from __future__ import annotations
+
+import argparse
 
 import pytest
 
@@ -40,3 +42,16 @@ def test_state_mode_pulls_state_pages_that_do_not_grow_with_the_prompt():
     # A quarter of the layers keep K/V: the attention data is a quarter of the all-attention model's.
     growth = hybrid_16k["data_gib"] - hybrid_4k["data_gib"]
     assert abs(growth - 0.75) < 0.01
+
+
+def test_snapshotting_every_block_recomputes_only_what_the_kv_allows_and_holds_the_most_pages():
+    from bench.kernels.state import add_arguments, snapshot_row, state_model
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, "state")
+    args = parser.parse_args(["--layers", "4", "--hidden", "128", "--intermediate", "128", "--vocab", "512"])
+    config, weights, _ = state_model(args)
+    every_block, prompt_ends_only = (snapshot_row(config, weights, interval, num_prompts=2) for interval in (1, 0))
+    assert every_block["recomputed_tokens"] == every_block["recomputed_kv_bound"]
+    assert prompt_ends_only["recomputed_tokens"] > prompt_ends_only["recomputed_kv_bound"]
+    assert every_block["snapshot_pages"] > prompt_ends_only["snapshot_pages"] > 0
