@@ -1,0 +1,189 @@
+"""The shared-memory segment that the ranks of one worker on one host exchange tensors through.
+
+    offset 0          64        64*(1+r)                 PAGE             PAGE + size*slot_bytes
+    +-----------------+---------+--------+-- ... --+------+-------------------------+---------------------+
+    | magic | nonce   | flag r0 | flag r1|         | pad  | buffer 0:               | buffer 1:           |
+    | (16 B)| (16 B)  | int64   | int64  |         |      | slot r0 | slot r1 | ... | slot r0 | slot r1 ..|
+    +-----------------+---------+--------+-- ... --+------+-------------------------+---------------------+
+    one 64-byte line each: no two ranks write the same cache line    slots: slot_bytes of float32 each
+
+A rank's flag is the number of the last exchange it published (0: none yet). Exchange `s` uses buffer
+s % 2. Invariant: a rank writes its slot of exchange s only after every rank published s - 1, and
+every rank has finished reading exchange s - 2 (the buffer's previous contents) before it publishes
+s - 1; so one flag per rank and two buffers keep writers and readers apart without a second barrier.
+
+Rank 0 creates the segment as a file under /dev/shm (mode 0600, a random name, its pages reserved
+up front so a full tmpfs fails here and not as SIGBUS later), writes a random nonce, and sends the
+name and nonce over the control channel; a rank that opens that file and reads the same nonce
+shares memory with rank 0. Rank 0 unlinks the file once every rank answered; the mappings live on.
+Torch-free (numpy views of the flags; the collectives build tensors over the slots).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+_MAGIC = b"pdserve-tp-shm-1"  # 16 bytes: the layout's version
+_LINE_BYTES = 64
+_PAGE_BYTES = 4096
+_NONCE_BYTES = 16
+
+
+class SegmentUnavailable(Exception):
+    """The segment cannot be created or is not the one rank 0 created: these ranks keep gloo."""
+
+
+class PeerSilent(Exception):
+    """A rank did not publish an exchange within the wait's bound."""
+
+    def __init__(self, missing_ranks: list[int], waited_s: float):
+        super().__init__(f"no word from rank(s) {missing_ranks} within {waited_s:g} s")
+        self.missing_ranks = missing_ranks
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentInvite:
+    """What rank 0 tells the other ranks (a control record, HMAC-sealed like every other)."""
+
+    path: str
+    nonce: bytes
+    num_ranks: int
+    slot_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitPolicy:
+    """How a rank waits for the others' flags: a busy loop first (the other rank is usually microseconds
+    behind), then sched_yield (gives the core and the GIL away where something else can run), then sleeps."""
+
+    spin_s: float = 50e-6
+    yield_s: float = 2e-3
+    sleep_s: float = 100e-6
+
+
+def segment_bytes(num_ranks: int, slot_bytes: int) -> int:
+    return data_offset(num_ranks) + 2 * num_ranks * slot_bytes
+
+
+def data_offset(num_ranks: int) -> int:
+    header_bytes = _LINE_BYTES * (1 + num_ranks)
+    return -(-header_bytes // _PAGE_BYTES) * _PAGE_BYTES
+
+
+def slot_offset(num_ranks: int, slot_bytes: int, buffer: int, rank: int) -> int:
+    return data_offset(num_ranks) + (buffer * num_ranks + rank) * slot_bytes
+
+
+class HostSegment:
+    """This process's mapping of the segment, and its flags."""
+
+    def __init__(self, backing: mmap.mmap, rank: int, num_ranks: int, slot_bytes: int):
+        self.backing = backing
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.slot_bytes = slot_bytes
+        # int64 flags, one per 64-byte line (stride 64): aligned 8-byte stores and loads are atomic.
+        self._flags = np.ndarray((num_ranks,), dtype=np.int64, buffer=backing, offset=_LINE_BYTES,
+                                 strides=(_LINE_BYTES,))
+        self._peers = [peer for peer in range(num_ranks) if peer != rank]
+
+    def publish(self, sequence: int) -> None:
+        """Tell the others this rank's part of exchange `sequence` is in its slot (or, for a reader, that
+        it is done with every exchange before it). x86-64 keeps stores in order, so the slot's bytes are
+        visible before the flag (the only architecture `shared_memory_check` lets through)."""
+        self._flags[self.rank] = sequence
+
+    def wait_for(self, sequence: int, timeout_s: float, policy: WaitPolicy,
+                 clock=time.monotonic) -> None:  # noqa: ANN001 - a monotonic clock in seconds
+        """Return once every rank published `sequence`; PeerSilent after `timeout_s`."""
+        flags, peers = self._flags, self._peers
+        if all(flags[peer] >= sequence for peer in peers):
+            return
+        started_s = clock()
+        spin_until_s = started_s + policy.spin_s
+        yield_until_s = started_s + policy.yield_s
+        deadline_s = started_s + timeout_s
+        while True:
+            for peer in peers:
+                if flags[peer] < sequence:
+                    break
+            else:
+                return
+            now_s = clock()
+            if now_s >= deadline_s:
+                raise PeerSilent([p for p in peers if flags[p] < sequence], timeout_s)
+            if now_s < spin_until_s:
+                continue
+            if now_s < yield_until_s:
+                os.sched_yield()  # releases the GIL: rank 0's HTTP thread may run meanwhile
+            else:
+                time.sleep(policy.sleep_s)
+
+    def close(self) -> None:
+        try:
+            self.backing.close()
+        except BufferError:  # tensors over the slots are still alive: the mapping goes with them
+            pass
+
+
+def create_segment(num_ranks: int, slot_bytes: int, directory: str = SHM_DIR) -> tuple[HostSegment, SegmentInvite]:
+    """Rank 0's side: a fresh segment file, its pages reserved, the nonce written."""
+    if slot_bytes % _LINE_BYTES:
+        raise ValueError(f"slot_bytes must be a multiple of {_LINE_BYTES}, got {slot_bytes}")
+    path = os.path.join(directory, f"pdserve-tp-{os.getpid()}-{secrets.token_hex(8)}")
+    length = segment_bytes(num_ranks, slot_bytes)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as error:
+        raise SegmentUnavailable(f"cannot create {path}: {error}") from error
+    try:
+        os.posix_fallocate(fd, 0, length)  # ENOSPC now rather than SIGBUS on a later write
+        backing = mmap.mmap(fd, length, flags=mmap.MAP_SHARED)
+    except OSError as error:
+        unlink_segment(path)
+        raise SegmentUnavailable(f"cannot reserve {length} bytes in {directory}: {error}") from error
+    finally:
+        os.close(fd)
+    nonce = secrets.token_bytes(_NONCE_BYTES)
+    backing[:len(_MAGIC) + _NONCE_BYTES] = _MAGIC + nonce
+    return HostSegment(backing, 0, num_ranks, slot_bytes), SegmentInvite(path, nonce, num_ranks, slot_bytes)
+
+
+def open_segment(invite: SegmentInvite, rank: int) -> HostSegment:
+    """A follower's side: the file rank 0 named, checked to hold rank 0's nonce (so it is the same memory,
+    not a same-named file on another host)."""
+    length = segment_bytes(invite.num_ranks, invite.slot_bytes)
+    try:
+        fd = os.open(invite.path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as error:
+        raise SegmentUnavailable(f"cannot open {invite.path}: {error}") from error
+    try:
+        if os.fstat(fd).st_size != length:
+            raise SegmentUnavailable(f"{invite.path} is not {length} bytes long")
+        backing = mmap.mmap(fd, length, flags=mmap.MAP_SHARED)
+    except OSError as error:
+        raise SegmentUnavailable(f"cannot map {invite.path}: {error}") from error
+    finally:
+        os.close(fd)
+    if backing[:len(_MAGIC) + _NONCE_BYTES] != _MAGIC + invite.nonce:
+        backing.close()
+        raise SegmentUnavailable(f"{invite.path} holds another nonce: not rank 0's memory")
+    return HostSegment(backing, rank, invite.num_ranks, invite.slot_bytes)
+
+
+def unlink_segment(path: Optional[str]) -> None:
+    """Remove the segment's name (the mappings stay); best effort."""
+    if path is None:
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
