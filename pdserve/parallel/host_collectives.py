@@ -1,9 +1,12 @@
-"""All-reduce and all-gather between the ranks of one worker on one host, through a shared segment.
+"""All-reduce, all-gather and control bytes between the ranks of one worker on one host, through a
+shared segment.
 
     rank r, exchange s (buffer s % 2):  write its part into slot r  ->  publish flag r = s
                                         wait until every flag >= s  ->  read every slot, in rank order
 
-A tensor larger than a slot goes through in pieces, one exchange each. Invariant: every rank sums
+A tensor larger than a slot goes through in pieces, one exchange each; so do control records, each
+slot then holding [int64 total length | bytes], so every rank learns from the first exchange how
+many more follow. Invariant: every rank sums
 the slots in the same order (rank 0 first) in float32, so every rank ends with the same bits, as
 gloo's all-reduce gives them; every wait is bounded by the group's timeout and a rank that does not
 arrive raises `RanksLost`, as the gloo path does.
@@ -12,15 +15,18 @@ arrive raises `RanksLost`, as the gloo path does.
 from __future__ import annotations
 
 import platform
+import struct
 from typing import Optional
 
 import torch
 
+from pdserve.parallel.control import ControlRecordRejected
 from pdserve.parallel.errors import RanksLost
 from pdserve.parallel.host_segment import HostSegment, PeerSilent, WaitPolicy, slot_offset
 
 DEFAULT_SLOT_BYTES = 2 << 20  # per rank and buffer: 512 Ki float32, a decode batch of 64 at hidden 8192
 _FLOAT_BYTES = 4
+_LENGTH = struct.Struct("<q")  # a control record's total length, at the start of its sender's slot
 
 
 def shared_memory_check(device: torch.device) -> Optional[str]:
@@ -48,6 +54,9 @@ class HostCollectives:
         self._slots = [[torch.frombuffer(segment.backing, dtype=torch.float32, count=self.slot_elems,
                                          offset=slot_offset(self.num_ranks, segment.slot_bytes, buffer, rank))
                         for rank in range(self.num_ranks)] for buffer in (0, 1)]
+        self._bytes = [[memoryview(segment.backing)[
+            slot_offset(self.num_ranks, segment.slot_bytes, buffer, rank):][:segment.slot_bytes]
+            for rank in range(self.num_ranks)] for buffer in (0, 1)]
         self._sum = torch.empty(self.slot_elems, dtype=torch.float32)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -80,19 +89,48 @@ class HostCollectives:
         parts = gathered.view(self.num_ranks, *tensor.shape).movedim(0, -2)
         return parts.reshape(*tensor.shape[:-1], self.num_ranks * tensor.shape[-1])
 
+    def exchange_bytes(self, data: bytes, max_bytes: int, what: str) -> list[bytes]:
+        """Every rank's `data` (b"": nothing to send), in rank order; a length over `max_bytes` in any
+        slot raises ControlRecordRejected (no rank of ours sent it)."""
+        chunk_bytes = self.segment.slot_bytes - _LENGTH.size
+        slots = self._exchange_bytes(data, 0, chunk_bytes, what)
+        lengths = [_LENGTH.unpack_from(slot)[0] for slot in slots]
+        if any(not 0 <= length <= max_bytes for length in lengths):
+            raise ControlRecordRejected(f"a control record of {max(lengths)} bytes: no rank of this worker sent it")
+        received = [bytearray(slot[_LENGTH.size:_LENGTH.size + min(length, chunk_bytes)])
+                    for slot, length in zip(slots, lengths)]
+        for start in range(chunk_bytes, max(lengths), chunk_bytes):
+            slots = self._exchange_bytes(data, start, chunk_bytes, what)
+            for rank, slot in enumerate(slots):
+                if lengths[rank] > start:
+                    received[rank] += slot[_LENGTH.size:_LENGTH.size + min(lengths[rank] - start, chunk_bytes)]
+        return [bytes(part) for part in received]
+
+    def _exchange_bytes(self, data: bytes, start: int, chunk_bytes: int, what: str) -> list[memoryview]:
+        self._sequence += 1
+        slot = self._bytes[self._sequence % 2][self.rank]
+        piece = data[start:start + chunk_bytes]
+        _LENGTH.pack_into(slot, 0, len(data))
+        slot[_LENGTH.size:_LENGTH.size + len(piece)] = piece
+        self._arrive(what)
+        return self._bytes[self._sequence % 2]
+
     def _exchange(self, piece: torch.Tensor, what: str) -> list[torch.Tensor]:
         """Put this rank's piece in its slot and wait for every rank's; the slots of this exchange."""
         self._sequence += 1
         slots = self._slots[self._sequence % 2]
         slots[self.rank][:piece.numel()].copy_(piece)
+        self._arrive(what)
+        return slots
+
+    def _arrive(self, what: str) -> None:
         self.segment.publish(self._sequence)
         try:
             self.segment.wait_for(self._sequence, self.timeout_s, self.policy)
         except PeerSilent as error:
             raise RanksLost(f"rank {self.rank}: {what} failed: {error}") from error
-        return slots
 
     def close(self) -> None:
-        self._slots = []
+        self._slots, self._bytes = [], []
         self.segment.close()
 

@@ -66,7 +66,8 @@ class WaitPolicy:
 
     spin_s: float = 50e-6
     yield_s: float = 2e-3
-    sleep_s: float = 100e-6
+    first_sleep_s: float = 50e-6  # doubling up to max_sleep_s: an idle follower waits for the next step here
+    max_sleep_s: float = 1e-3
 
 
 def segment_bytes(num_ranks: int, slot_bytes: int) -> int:
@@ -111,6 +112,7 @@ class HostSegment:
         spin_until_s = started_s + policy.spin_s
         yield_until_s = started_s + policy.yield_s
         deadline_s = started_s + timeout_s
+        sleep_s = policy.first_sleep_s
         while True:
             for peer in peers:
                 if flags[peer] < sequence:
@@ -125,7 +127,8 @@ class HostSegment:
             if now_s < yield_until_s:
                 os.sched_yield()  # releases the GIL: rank 0's HTTP thread may run meanwhile
             else:
-                time.sleep(policy.sleep_s)
+                time.sleep(sleep_s)
+                sleep_s = min(2 * sleep_s, policy.max_sleep_s)
 
     def close(self) -> None:
         try:

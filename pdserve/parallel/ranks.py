@@ -7,10 +7,12 @@
     gather(report)     <--- control ----- gather(report)
     all_reduce(partial sums) <-- tensors --> all_reduce(partial sums)
 
-Control records go over gloo, pickled and sealed with an HMAC keyed by the internal token
-(`pdserve.parallel.control`: a rank unpickles nothing whose tag fails); tensors go over NCCL on
-CUDA, and on the CPU through a shared-memory segment where every rank proved at start-up that it
-maps rank 0's (`share_host_memory`, pdserve.parallel.host_collectives), else over gloo. Rank 0's store listens on --tp-master-addr only (a socket bound
+Control records are pickled and sealed with an HMAC keyed by the internal token
+(`pdserve.parallel.control`: a rank unpickles nothing whose tag fails). Where every rank proved at
+start-up that it maps rank 0's shared-memory segment (`share_host_memory`: the CPU, one host),
+records and tensors both go through it (pdserve.parallel.host_collectives; a step's record is on
+the hot path too: a gloo broadcast costs milliseconds); else records go over gloo and tensors over
+gloo on the CPU and NCCL on CUDA. Rank 0's store listens on --tp-master-addr only (a socket bound
 before the store takes it over), never on every interface. Every
 collective is bounded by the group's timeout: a rank that dies or hangs makes
 the others' next collective raise `RanksLost` instead of blocking forever.
@@ -114,11 +116,11 @@ class RankGroup:
             verdict = self.broadcast()
         if verdict is None and segment is not None:
             self._host = HostCollectives(segment, self.timeout_s)
-            logger.info("rank %d/%d: tensors go through shared memory", self.rank, self.size)
+            logger.info("rank %d/%d: control records and tensors go through shared memory", self.rank, self.size)
             return True
         if segment is not None:
             segment.close()
-        logger.info("rank %d/%d: tensors go over %s (no shared memory: %s)", self.rank, self.size,
+        logger.info("rank %d/%d: control records and tensors go over %s (no shared memory: %s)", self.rank, self.size,
                     dist.get_backend(), verdict)
         return False
 
@@ -147,6 +149,9 @@ class RankGroup:
         """Rank 0 sends `record`; every rank returns it (the followers once its tag checked out)."""
         sequence = self._next_sequence()
         sealed = seal(self._key, record, sequence, 0) if self.is_leader else b""
+        if self._host is not None:
+            received = self._host.exchange_bytes(sealed, MAX_CONTROL_RECORD_BYTES, "a broadcast")[0]
+            return record if self.is_leader else unseal(self._key, received, sequence, 0)
         try:
             size = torch.tensor([len(sealed)], dtype=torch.int64)
             dist.broadcast(size, src=0, group=self._control)
@@ -163,6 +168,12 @@ class RankGroup:
         """Every rank sends `record`; rank 0 gets them all in rank order (each checked), the others None."""
         sequence = self._next_sequence()
         sealed = seal(self._key, record, sequence, self.rank)
+        if self._host is not None:
+            received = self._host.exchange_bytes(sealed, MAX_CONTROL_RECORD_BYTES, "a gather")
+            if not self.is_leader:
+                return None
+            return [record if sender == 0 else unseal(self._key, received[sender], sequence, sender)
+                    for sender in range(self.size)]
         try:
             sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
             dist.all_gather(sizes, torch.tensor([len(sealed)], dtype=torch.int64), group=self._control)

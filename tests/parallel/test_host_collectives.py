@@ -1,7 +1,8 @@
 """The shared-memory all-reduce and all-gather between ranks on one host (issue 40, part 2): two real
 processes over one segment give exact sums and the same bits on both sides, in pieces when a tensor
 outgrows a slot; a peer that never arrives or dies raises RanksLost within the timeout, as gloo's
-path does; a segment that is not rank 0's is refused; and two RankGroups agree on the path."""
+path does; a segment that is not rank 0's is refused; and two RankGroups agree on the path and carry
+tensors and sealed control records over it as over gloo."""
 
 from __future__ import annotations
 
@@ -146,7 +147,10 @@ def group_rank(rank: int, port: int, enabled: bool, answers) -> None:  # noqa: A
         shared = group.share_host_memory(enabled, torch.device("cpu"), slot_bytes=SMALL_SLOT_BYTES)
         reduced = group.all_reduce(torch.arange(200, dtype=torch.float32) * (rank + 1))
         gathered = group.all_gather(torch.full((2, 2), float(rank)))
-        answers.put(as_bytes((rank, shared, group.tensor_path, reduced, gathered)))
+        # control records too, several slots long: rank 0's broadcast, every rank's report to rank 0
+        record = group.broadcast({"step": list(range(500))} if rank == 0 else None)
+        reports = group.gather(("report", rank, "x" * 300 * rank))
+        answers.put(as_bytes((rank, shared, group.tensor_path, reduced, gathered, record, reports)))
     finally:
         group.close()
 
@@ -165,9 +169,11 @@ def test_two_rank_groups_agree_on_the_path_and_compute_the_same(enabled):
     for process in ranks:
         process.join(30)
     expected_path = "shared memory" if enabled else "gloo"
-    for rank, shared, path, reduced, gathered in results:
+    for rank, shared, path, reduced, gathered, record, reports in results:
         assert (shared, path) == (enabled, expected_path), rank
         assert torch.equal(reduced, torch.arange(200, dtype=torch.float32) * 3)
         assert torch.equal(gathered, torch.tensor([[0.0, 0.0, 1.0, 1.0]] * 2))
+        assert record == {"step": list(range(500))}
+        assert reports == ([("report", 0, ""), ("report", 1, "x" * 300)] if rank == 0 else None)
     assert [process.exitcode for process in ranks] == [0, 0]
     assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"pdserve-tp-{ranks[0].pid}-")]
