@@ -2,10 +2,11 @@
 
     offset 0          64        64*(1+r)                 PAGE             PAGE + size*slot_bytes
     +-----------------+---------+--------+-- ... --+------+-------------------------+---------------------+
-    | magic | nonce   | flag r0 | flag r1|         | pad  | buffer 0:               | buffer 1:           |
-    | (16 B)| (16 B)  | int64   | int64  |         |      | slot r0 | slot r1 | ... | slot r0 | slot r1 ..|
+    | magic | nonce   | rank 0  | rank 1 |         | pad  | buffer 0:               | buffer 1:           |
+    | (16 B)| (16 B)  | line    | line   |         |      | slot r0 | slot r1 | ... | slot r0 | slot r1 ..|
     +-----------------+---------+--------+-- ... --+------+-------------------------+---------------------+
-    one 64-byte line each: no two ranks write the same cache line    slots: slot_bytes of float32 each
+    a rank's 64-byte line: [flag int64 | pid int64 | pid namespace inode int64 | unused]; no two ranks
+    write the same cache line                                           slots: slot_bytes each
 
 A rank's flag is the number of the last exchange it published (0: none yet). Exchange `s` uses buffer
 s % 2. Invariant: a rank writes its slot of exchange s only after every rank published s - 1, and
@@ -16,6 +17,8 @@ Rank 0 creates the segment as a file under /dev/shm (mode 0600, a random name, i
 up front so a full tmpfs fails here and not as SIGBUS later), writes a random nonce, and sends the
 name and nonce over the control channel; a rank that opens that file and reads the same nonce
 shares memory with rank 0. Rank 0 unlinks the file once every rank answered; the mappings live on.
+A rank whose process ends is noticed within a few milliseconds, not only at the timeout: each rank
+writes its pid, and the others watch it through a pidfd (where they share its pid namespace).
 Torch-free (numpy views of the flags; the collectives build tensors over the slots).
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import secrets
 import time
 from dataclasses import dataclass
@@ -42,10 +46,11 @@ class SegmentUnavailable(Exception):
 
 
 class PeerSilent(Exception):
-    """A rank did not publish an exchange within the wait's bound."""
+    """A rank did not publish an exchange within the wait's bound, or its process ended."""
 
-    def __init__(self, missing_ranks: list[int], waited_s: float):
-        super().__init__(f"no word from rank(s) {missing_ranks} within {waited_s:g} s")
+    def __init__(self, missing_ranks: list[int], waited_s: float, exited: bool = False):
+        super().__init__(f"rank(s) {missing_ranks} exited" if exited else
+                         f"no word from rank(s) {missing_ranks} within {waited_s:g} s")
         self.missing_ranks = missing_ranks
 
 
@@ -94,7 +99,35 @@ class HostSegment:
         # int64 flags, one per 64-byte line (stride 64): aligned 8-byte stores and loads are atomic.
         self._flags = np.ndarray((num_ranks,), dtype=np.int64, buffer=backing, offset=_LINE_BYTES,
                                  strides=(_LINE_BYTES,))
+        lines = np.ndarray((num_ranks, 3), dtype=np.int64, buffer=backing, offset=_LINE_BYTES,
+                           strides=(_LINE_BYTES, 8))
+        self._identities = lines[:, 1:]  # [pid, pid namespace inode] of each rank
+        self._identities[rank] = (os.getpid(), _pid_namespace())
         self._peers = [peer for peer in range(num_ranks) if peer != rank]
+        self._watch: Optional[select.poll] = None
+        self._pidfds: dict[int, int] = {}  # fd -> the rank it watches
+
+    def watch_peers(self) -> list[int]:
+        """Watch the other ranks' processes (call once every rank has mapped the segment); the ranks
+        watched: those in this pid namespace whose pidfd opened (the others only by the timeout)."""
+        self._watch = select.poll()
+        for peer in self._peers:
+            pid, namespace = (int(value) for value in self._identities[peer])
+            if pid <= 0 or namespace != _pid_namespace():
+                continue
+            try:
+                fd = os.pidfd_open(pid)
+            except (OSError, AttributeError):  # gone already, or a kernel before 5.3
+                continue
+            self._pidfds[fd] = peer
+            self._watch.register(fd, select.POLLIN)
+        return sorted(self._pidfds.values())
+
+    def exited_peers(self) -> list[int]:
+        """The watched ranks whose process has ended (a pidfd turns readable at exit)."""
+        if not self._pidfds:
+            return []
+        return sorted(self._pidfds[fd] for fd, _ in self._watch.poll(0))
 
     def publish(self, sequence: int) -> None:
         """Tell the others this rank's part of exchange `sequence` is in its slot (or, for a reader, that
@@ -127,10 +160,16 @@ class HostSegment:
             if now_s < yield_until_s:
                 os.sched_yield()  # releases the GIL: rank 0's HTTP thread may run meanwhile
             else:
+                exited = self.exited_peers()
+                if exited:
+                    raise PeerSilent(exited, clock() - started_s, exited=True)
                 time.sleep(sleep_s)
                 sleep_s = min(2 * sleep_s, policy.max_sleep_s)
 
     def close(self) -> None:
+        for fd in self._pidfds:
+            os.close(fd)
+        self._pidfds = {}
         try:
             self.backing.close()
         except BufferError:  # tensors over the slots are still alive: the mapping goes with them
@@ -180,6 +219,14 @@ def open_segment(invite: SegmentInvite, rank: int) -> HostSegment:
         backing.close()
         raise SegmentUnavailable(f"{invite.path} holds another nonce: not rank 0's memory")
     return HostSegment(backing, rank, invite.num_ranks, invite.slot_bytes)
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (its inode): pids mean the same process only inside one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return -1
 
 
 def unlink_segment(path: Optional[str]) -> None:

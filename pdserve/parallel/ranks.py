@@ -115,6 +115,7 @@ class RankGroup:
             self.gather(reason)
             verdict = self.broadcast()
         if verdict is None and segment is not None:
+            segment.watch_peers()  # every rank wrote its pid before the verdict
             self._host = HostCollectives(segment, self.timeout_s)
             logger.info("rank %d/%d: control records and tensors go through shared memory", self.rank, self.size)
             return True
