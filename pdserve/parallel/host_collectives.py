@@ -40,7 +40,8 @@ def shared_memory_check(device: torch.device) -> Optional[str]:
 
 
 class HostCollectives:
-    """One rank's all-reduce and all-gather over `segment`, each wait bounded by `timeout_s`."""
+    """One rank's all-reduce, all-gather (floating tensors) and byte exchange over `segment`, each wait
+    bounded by `timeout_s`."""
 
     def __init__(self, segment: HostSegment, timeout_s: float, policy: WaitPolicy = WaitPolicy()):
         self.segment = segment

@@ -17,7 +17,9 @@ Rank 0 creates the segment as a file under /dev/shm (mode 0600, a random name, i
 up front so a full tmpfs fails here and not as SIGBUS later), writes a random nonce, and sends the
 name and nonce over the control channel; a rank that opens that file and reads the same nonce
 shares memory with rank 0. Rank 0 unlinks the file once every rank answered; the mappings live on.
-A rank whose process ends is noticed within a few milliseconds, not only at the timeout: each rank
+A waiting rank spins for microseconds, then sleeps on the flag it waits for (a futex, woken by the
+publisher: pdserve.parallel.futex), so a rank still computing keeps its core. A rank whose process
+ends is noticed within a few milliseconds, not only at the timeout: each rank
 writes its pid, and the others watch it through a pidfd (where they share its pid namespace).
 Torch-free (numpy views of the flags; the collectives build tensors over the slots).
 """
@@ -33,6 +35,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+
+from pdserve.parallel.futex import Futex, futex_check
 
 SHM_DIR = "/dev/shm"
 _MAGIC = b"pdserve-tp-shm-1"  # 16 bytes: the layout's version
@@ -66,13 +70,13 @@ class SegmentInvite:
 
 @dataclass(frozen=True, slots=True)
 class WaitPolicy:
-    """How a rank waits for the others' flags: a busy loop first (the other rank is usually microseconds
-    behind), then sched_yield (gives the core and the GIL away where something else can run), then sleeps."""
+    """How a rank waits for the others' flags: a busy loop first (on idle cores the other rank is
+    usually microseconds behind), then asleep on the peer's flag (a futex: no CPU taken from a rank
+    still computing, woken the moment it publishes), looking every `check_s` whether a peer exited."""
 
-    spin_s: float = 50e-6
-    yield_s: float = 2e-3
-    first_sleep_s: float = 50e-6  # doubling up to max_sleep_s: an idle follower waits for the next step here
-    max_sleep_s: float = 1e-3
+    spin_s: float = 20e-6
+    check_s: float = 10e-3
+    fallback_sleep_s: float = 100e-6  # where futex(2) is unavailable: sleep and look again
 
 
 def segment_bytes(num_ranks: int, slot_bytes: int) -> int:
@@ -104,6 +108,9 @@ class HostSegment:
         self._identities = lines[:, 1:]  # [pid, pid namespace inode] of each rank
         self._identities[rank] = (os.getpid(), _pid_namespace())
         self._peers = [peer for peer in range(num_ranks) if peer != rank]
+        flags_address = self._flags.__array_interface__["data"][0]
+        self._flag_addresses = [flags_address + _LINE_BYTES * line for line in range(num_ranks)]
+        self._futex: Optional[Futex] = Futex() if futex_check(self._flag_addresses[rank]) is None else None
         self._watch: Optional[select.poll] = None
         self._pidfds: dict[int, int] = {}  # fd -> the rank it watches
 
@@ -134,37 +141,34 @@ class HostSegment:
         it is done with every exchange before it). x86-64 keeps stores in order, so the slot's bytes are
         visible before the flag (the only architecture `shared_memory_check` lets through)."""
         self._flags[self.rank] = sequence
+        if self._futex is not None:
+            self._futex.wake(self._flag_addresses[self.rank])
 
     def wait_for(self, sequence: int, timeout_s: float, policy: WaitPolicy,
                  clock=time.monotonic) -> None:  # noqa: ANN001 - a monotonic clock in seconds
-        """Return once every rank published `sequence`; PeerSilent after `timeout_s`."""
+        """Return once every rank published `sequence`; PeerSilent after `timeout_s`, or as soon as a
+        watched peer's process ended."""
         flags, peers = self._flags, self._peers
-        if all(flags[peer] >= sequence for peer in peers):
-            return
         started_s = clock()
         spin_until_s = started_s + policy.spin_s
-        yield_until_s = started_s + policy.yield_s
         deadline_s = started_s + timeout_s
-        sleep_s = policy.first_sleep_s
         while True:
-            for peer in peers:
-                if flags[peer] < sequence:
-                    break
-            else:
+            behind = next((peer for peer in peers if flags[peer] < sequence), None)
+            if behind is None:
                 return
             now_s = clock()
-            if now_s >= deadline_s:
-                raise PeerSilent([p for p in peers if flags[p] < sequence], timeout_s)
             if now_s < spin_until_s:
                 continue
-            if now_s < yield_until_s:
-                os.sched_yield()  # releases the GIL: rank 0's HTTP thread may run meanwhile
+            if now_s >= deadline_s:
+                raise PeerSilent([p for p in peers if flags[p] < sequence], timeout_s)
+            exited = self.exited_peers()
+            if exited:
+                raise PeerSilent(exited, now_s - started_s, exited=True)
+            pause_s = min(policy.check_s, deadline_s - now_s)
+            if self._futex is not None:
+                self._futex.wait(self._flag_addresses[behind], int(flags[behind]), pause_s)
             else:
-                exited = self.exited_peers()
-                if exited:
-                    raise PeerSilent(exited, clock() - started_s, exited=True)
-                time.sleep(sleep_s)
-                sleep_s = min(2 * sleep_s, policy.max_sleep_s)
+                time.sleep(min(policy.fallback_sleep_s, pause_s))
 
     def close(self) -> None:
         for fd in self._pidfds:
