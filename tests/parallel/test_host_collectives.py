@@ -9,11 +9,13 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import threading
 import time
 
 import pytest
 import torch
 
+from pdserve.parallel.control import ControlRecordRejected
 from pdserve.parallel.errors import RanksLost
 from pdserve.parallel.host_collectives import HostCollectives, shared_memory_check
 from pdserve.parallel.host_segment import (SegmentInvite, SegmentUnavailable, create_segment, open_segment,
@@ -136,17 +138,38 @@ def test_a_segment_that_is_not_rank_zeros_is_refused(leader_segment):
         open_segment(SegmentInvite(invite.path, invite.nonce, 3, invite.slot_bytes), 1)
 
 
+def test_a_control_record_longer_than_the_bound_is_refused_before_it_is_read(leader_segment):
+    segment, invite = leader_segment
+    leader = HostCollectives(segment, TIMEOUT_S)
+    follower = HostCollectives(open_segment(invite, 1), timeout_s=0.5)
+    errors = []
+
+    def send() -> None:
+        try:
+            follower.exchange_bytes(b"x" * 600, 10_000, "a gather")  # three slots' worth
+        except RanksLost as error:
+            errors.append(error)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    with pytest.raises(ControlRecordRejected, match="600 bytes"):
+        leader.exchange_bytes(b"", 100, "a gather")
+    sender.join(TIMEOUT_S)
+    # rank 0 stopped after the first slot: the sender's next exchange finds nobody, as on a lost rank
+    assert not sender.is_alive() and "no word from rank(s) [0]" in str(errors[0])
+
+
 def test_a_directory_that_cannot_hold_the_segment_leaves_the_ranks_on_gloo(tmp_path):
     with pytest.raises(SegmentUnavailable, match="cannot create"):
         create_segment(2, SMALL_SLOT_BYTES, directory=str(tmp_path / "missing"))
 
 
-def group_rank(rank: int, port: int, enabled: bool, answers) -> None:  # noqa: ANN001
+def group_rank(rank: int, port: int, enabled: tuple[bool, bool], answers) -> None:  # noqa: ANN001
     from pdserve.parallel.ranks import RankGroup
 
     group = RankGroup(rank, 2, "127.0.0.1", port, TIMEOUT_S, torch.device("cpu"))
     try:
-        shared = group.share_host_memory(enabled, torch.device("cpu"), slot_bytes=SMALL_SLOT_BYTES)
+        shared = group.share_host_memory(enabled[rank], torch.device("cpu"), slot_bytes=SMALL_SLOT_BYTES)
         reduced = group.all_reduce(torch.arange(200, dtype=torch.float32) * (rank + 1))
         gathered = group.all_gather(torch.full((2, 2), float(rank)))
         # control records too, several slots long: rank 0's broadcast, every rank's report to rank 0
@@ -157,8 +180,9 @@ def group_rank(rank: int, port: int, enabled: bool, answers) -> None:  # noqa: A
         group.close()
 
 
-@pytest.mark.parametrize("enabled", [True, False], ids=["shared-memory", "gloo"])
+@pytest.mark.parametrize("enabled", [(True, True), (True, False)], ids=["shared-memory", "rank-1-refuses"])
 def test_two_rank_groups_agree_on_the_path_and_compute_the_same(enabled):
+    """Shared memory only where every rank takes it: one rank without it keeps both on gloo."""
     from pdserve.parallel.rendezvous import listen_on
 
     with listen_on("127.0.0.1", 0) as probe:  # a free port; rank 0's store binds it once released
@@ -170,9 +194,9 @@ def test_two_rank_groups_agree_on_the_path_and_compute_the_same(enabled):
     results = sorted(from_bytes(answers.get(timeout=120)) for _ in ranks)
     for process in ranks:
         process.join(30)
-    expected_path = "shared memory" if enabled else "gloo"
+    expected = (True, "shared memory") if all(enabled) else (False, "gloo")
     for rank, shared, path, reduced, gathered, record, reports in results:
-        assert (shared, path) == (enabled, expected_path), rank
+        assert (shared, path) == expected, rank
         assert torch.equal(reduced, torch.arange(200, dtype=torch.float32) * 3)
         assert torch.equal(gathered, torch.tensor([[0.0, 0.0, 1.0, 1.0]] * 2))
         assert record == {"step": list(range(500))}
