@@ -2,7 +2,9 @@
 N` for each N in --sizes, decode tokens/s at batch 1 (median over --repeats streamed requests,
 tokens after the first chunk over the time from first to last chunk) and over --streams at once,
 each as a ratio of TP=1's (the figure to read: machines are noisy). Every size gets the same
---num-threads, shared out over its ranks.
+--num-threads, shared out over its ranks. Ranks exchange tensors and step records through shared
+memory (the default); --compare-gloo adds, after each size above 1, the same size on gloo
+(`--no-tp-shared-memory`).
 
 Invariant: one worker at a time, all its ranks stopped before the next starts (also on Ctrl-C or an
 error); every size sees the same prompts; a size that failed is a row with its reason, never zero.
@@ -71,6 +73,7 @@ class SizeResult:
 
     tp_size: int
     threads_per_rank: int
+    tensor_path: str = "shared memory"  # or "gloo" (--no-tp-shared-memory); TP=1 exchanges nothing
     batch1_runs_tokens_per_s: list[float] = field(default_factory=list)
     streams_tokens_per_s: Optional[float] = None
     streams_output_tokens: int = 0
@@ -81,6 +84,11 @@ class SizeResult:
     @property
     def num_ranks(self) -> int:
         return self.tp_size
+
+    @property
+    def label(self) -> str:
+        """The row's name: its TP size, and the path when it is not the default."""
+        return str(self.tp_size) if self.tensor_path == "shared memory" else f"{self.tp_size} ({self.tensor_path})"
 
     @property
     def batch1_tokens_per_s(self) -> Optional[float]:
@@ -161,12 +169,12 @@ def baseline(results: Sequence[SizeResult]) -> Optional[SizeResult]:
     return next((r for r in results if r.tp_size == 1 and r.error is None), None)
 
 
-def ratios(results: Sequence[SizeResult]) -> dict[int, dict[str, Optional[float]]]:
-    """Per TP size: batch-1 and streams tokens/s as a ratio of TP=1's."""
+def ratios(results: Sequence[SizeResult]) -> dict[str, dict[str, Optional[float]]]:
+    """Per row (its label): batch-1 and streams tokens/s as a ratio of TP=1's."""
     base = baseline(results)
     base_batch1 = base.batch1_tokens_per_s if base else None
     base_streams = base.streams_tokens_per_s if base else None
-    return {r.tp_size: {"batch1": ratio(r.batch1_tokens_per_s, base_batch1),
+    return {r.label: {"batch1": ratio(r.batch1_tokens_per_s, base_batch1),
                         "streams": ratio(r.streams_tokens_per_s if r.error is None else None, base_streams)}
             for r in results}
 
@@ -191,12 +199,12 @@ def format_table(results: Sequence[SizeResult], num_streams: int) -> str:
              "| ratio vs TP=1 | other CPU |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     by_size = ratios(results)
     for r in results:
-        prefix = f"| {r.tp_size} | {r.num_ranks} | {r.threads_per_rank} "
+        prefix = f"| {r.label} | {r.num_ranks} | {r.threads_per_rank} "
         if r.error is not None:
             lines.append(prefix + f"| failed: {short_error(r.error)} | - | - | - | - |")
             continue
-        lines.append(prefix + f"| {cell(r.batch1_tokens_per_s, '.1f')} | {_times(by_size[r.tp_size]['batch1'])} "
-                              f"| {cell(r.streams_tokens_per_s, '.1f')} | {_times(by_size[r.tp_size]['streams'])} "
+        lines.append(prefix + f"| {cell(r.batch1_tokens_per_s, '.1f')} | {_times(by_size[r.label]['batch1'])} "
+                              f"| {cell(r.streams_tokens_per_s, '.1f')} | {_times(by_size[r.label]['streams'])} "
                               f"| {cell(r.foreign_cpu_fraction, '.0%')} |")
     return "\n".join(lines)
 
@@ -207,8 +215,8 @@ def report_dict(command: str, config: dict, machine: dict, results: Sequence[Siz
     for r in results:
         row = asdict(r)
         row.update(num_ranks=r.num_ranks, batch1_tokens_per_s=r.batch1_tokens_per_s,
-                   batch1_ratio_vs_tp1=by_size[r.tp_size]["batch1"],
-                   streams_ratio_vs_tp1=by_size[r.tp_size]["streams"])
+                   batch1_ratio_vs_tp1=by_size[r.label]["batch1"],
+                   streams_ratio_vs_tp1=by_size[r.label]["streams"])
         sizes.append(row)
     return {"command": command, "config": config, "machine": machine, "sizes": sizes}
 
@@ -240,10 +248,12 @@ def build_checkpoint(directory: str, shape: ModelShape, seed: int) -> str:
     return save_tiny_checkpoint(LlamaForCausalLM(config).eval(), directory)
 
 
-def worker_argv(model_dir: str, port: int, tp_size: int, num_threads: int, num_blocks: int) -> list[str]:
+def worker_argv(model_dir: str, port: int, tp_size: int, num_threads: int, num_blocks: int,
+                shared_memory: bool = True) -> list[str]:
     return pdserve_argv("serve", port, "--model", model_dir, "-tp", str(tp_size), "--host", "127.0.0.1",
                         "--device", "cpu", "--dtype", "float32", "--num-threads", str(num_threads),
-                        "--num-blocks", str(num_blocks), "--log-level", "warning")
+                        "--num-blocks", str(num_blocks), "--log-level", "warning",
+                        *(() if shared_memory else ("--no-tp-shared-memory",)))
 
 
 def served_model_id(base_url: str) -> str:
@@ -287,12 +297,14 @@ def measure_worker(endpoint: Endpoint, args: argparse.Namespace, result: SizeRes
     logger.info("TP=%d %d streams: %s decode tok/s", result.tp_size, args.streams, cell(result.streams_tokens_per_s, '.1f'))
 
 
-def run_size(model_dir: str, tp_size: int, args: argparse.Namespace) -> SizeResult:
-    result = SizeResult(tp_size, threads_per_rank(args.num_threads, tp_size))
+def run_size(model_dir: str, tp_size: int, args: argparse.Namespace, shared_memory: bool = True) -> SizeResult:
+    result = SizeResult(tp_size, threads_per_rank(args.num_threads, tp_size),
+                        "shared memory" if shared_memory else "gloo")
     port = free_port()
-    server = ServerProcess(f"pdserve serve -tp {tp_size}",
-                           worker_argv(model_dir, port, tp_size, args.num_threads, args.num_blocks), port,
-                           os.path.join(args.log_dir, f"tp{tp_size}.log"))
+    suffix = "" if shared_memory else "-gloo"
+    server = ServerProcess(f"pdserve serve -tp {tp_size}{suffix}",
+                           worker_argv(model_dir, port, tp_size, args.num_threads, args.num_blocks, shared_memory),
+                           port, os.path.join(args.log_dir, f"tp{tp_size}{suffix}.log"))
     try:
         if args.wait_for_idle_s > 0:
             result.machine_idle_before = wait_for_idle(args.wait_for_idle_s)
@@ -320,7 +332,7 @@ def config_dict(args: argparse.Namespace) -> dict:
             "repeats": args.repeats, "streams": args.streams, "prompt_tokens": _PROMPT_TOKENS,
             "warmup_tokens": _WARMUP_TOKENS, "num_blocks": args.num_blocks, "seed": args.seed, "dtype": "float32",
             "device": "cpu", "model": asdict(args.shape) | {"num_params": args.shape.num_params()},
-            "wait_for_idle_s": args.wait_for_idle_s, "log_dir": args.log_dir}
+            "wait_for_idle_s": args.wait_for_idle_s, "compare_gloo": args.compare_gloo, "log_dir": args.log_dir}
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -336,6 +348,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts")
     parser.add_argument("--wait-for-idle-s", type=float, default=0.0,
                         help="before each size, wait up to this long for the machine to go idle (0: do not wait)")
+    parser.add_argument("--compare-gloo", action="store_true",
+                        help="after each size above 1, run it again with gloo instead of shared memory")
     parser.add_argument("--log-dir", default=None, help="worker logs (default: a temporary directory, kept)")
     parser.add_argument("--out", default="bench-tensor-parallel.json", help="JSON report path")
     args = parser.parse_args(argv)
@@ -376,8 +390,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             build_checkpoint(model_dir, args.shape, args.seed)
             for tp_size in args.sizes:  # one worker at a time: run_size stops it before returning
                 results.append(run_size(model_dir, tp_size, args))
+                if args.compare_gloo and tp_size > 1:
+                    results.append(run_size(model_dir, tp_size, args, shared_memory=False))
     except KeyboardInterrupt:  # the worker is already stopped (run_size's finally); no report for half a run
-        logger.warning("interrupted after %d of %d sizes; no report written", len(results), len(args.sizes))
+        logger.warning("interrupted after %d rows; no report written", len(results))
         return 130
     print(format_table(results, args.streams))
     report = report_dict(command, config_dict(args), machine, results)

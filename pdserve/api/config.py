@@ -276,6 +276,9 @@ class ParallelConfig(_Frozen):
     tp_timeout_s: float = setting(
         30.0, "a collective that does not complete in this many seconds means a rank is lost: the worker exits "
               "non-zero (its orchestrator restarts it)", gt=0)
+    tp_shared_memory: bool = setting(
+        True, "ranks that share this host's memory (checked at start-up) all-reduce through a shared-memory "
+              "segment instead of gloo (CPU, x86-64); off: gloo for every collective")
     tp_join_timeout_s: float = setting(
         600.0, "how long ranks wait at start-up for all of them to join (ranks on other hosts may start minutes "
                "apart)", gt=0)

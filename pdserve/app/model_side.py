@@ -89,9 +89,11 @@ def _meet_ranks(config: WorkerConfig, device: torch.device, rendezvous_fd: Optio
         return None
     if parallel.tp_master_port is None:
         raise ValueError("a tensor-parallel worker needs its rendezvous port (--tp-master-port)")
-    return RankGroup(0, parallel.tensor_parallel_size, parallel.tp_master_addr, parallel.tp_master_port,
-                     parallel.tp_timeout_s, device, parallel.tp_join_timeout_s, listen_fd=rendezvous_fd,
-                     internal_token=config.server.internal_token)
+    ranks = RankGroup(0, parallel.tensor_parallel_size, parallel.tp_master_addr, parallel.tp_master_port,
+                      parallel.tp_timeout_s, device, parallel.tp_join_timeout_s, listen_fd=rendezvous_fd,
+                      internal_token=config.server.internal_token)
+    ranks.share_host_memory(parallel.tp_shared_memory, device)
+    return ranks
 
 
 def _set_threads(config: WorkerConfig, ranks: Optional[RankGroup]) -> None:

@@ -7,9 +7,12 @@
     gather(report)     <--- control ----- gather(report)
     all_reduce(partial sums) <-- tensors --> all_reduce(partial sums)
 
-Control records go over gloo, pickled and sealed with an HMAC keyed by the internal token
-(`pdserve.parallel.control`: a rank unpickles nothing whose tag fails); tensors go over gloo
-on the CPU and NCCL on CUDA. Rank 0's store listens on --tp-master-addr only (a socket bound
+Control records are pickled and sealed with an HMAC keyed by the internal token
+(`pdserve.parallel.control`: a rank unpickles nothing whose tag fails). Where every rank proved at
+start-up that it maps rank 0's shared-memory segment (`share_host_memory`: the CPU, one host),
+records and tensors both go through it (pdserve.parallel.host_collectives; a step's record is on
+the hot path too: a gloo broadcast costs milliseconds); else records go over gloo and tensors over
+gloo on the CPU and NCCL on CUDA. Rank 0's store listens on --tp-master-addr only (a socket bound
 before the store takes it over), never on every interface. Every
 collective is bounded by the group's timeout: a rank that dies or hangs makes
 the others' next collective raise `RanksLost` instead of blocking forever.
@@ -26,6 +29,8 @@ import torch.distributed as dist
 
 from pdserve.parallel.control import ControlRecordRejected, control_key, seal, unseal
 from pdserve.parallel.errors import RanksLost
+from pdserve.parallel.host_collectives import DEFAULT_SLOT_BYTES, HostCollectives, shared_memory_check
+from pdserve.parallel.host_segment import SegmentInvite, SegmentUnavailable, create_segment, open_segment, unlink_segment
 from pdserve.parallel.rendezvous import listen_on
 
 logger = logging.getLogger(__name__)
@@ -49,6 +54,7 @@ class RankGroup:
         self.timeout_s = timeout_s
         self._key = control_key(internal_token, master_addr)
         self._num_records = 0  # control collectives so far: the same count on every rank
+        self._host: Optional[HostCollectives] = None  # tensors' path once share_host_memory found one
         if rank == 0 and listen_fd is None:
             listen_fd = listen_on(master_addr, master_port).detach()
         timeout = timedelta(seconds=timeout_s)
@@ -71,8 +77,58 @@ class RankGroup:
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    @property
+    def tensor_path(self) -> str:
+        """Where tensors go: "shared memory" or the process group's backend."""
+        return "shared memory" if self._host is not None else dist.get_backend()
+
+    def share_host_memory(self, enabled: bool, device: torch.device,
+                          slot_bytes: int = DEFAULT_SLOT_BYTES) -> bool:
+        """Every rank calls this once, right after joining: rank 0 offers a shared-memory segment and
+        tensors take it if every rank could map it (checked by a nonce, not guessed from addresses);
+        otherwise they stay on the process group. True when they took it."""
+        reason = None if enabled else "--no-tp-shared-memory"
+        reason = reason or shared_memory_check(device)
+        segment, invite = None, None
+        if self.is_leader:
+            if reason is None:
+                try:
+                    segment, invite = create_segment(self.size, slot_bytes)
+                except SegmentUnavailable as error:
+                    reason = str(error)
+            try:
+                self.broadcast(invite)
+                reasons = [reason] + (self.gather(None) or [])[1:]
+            finally:
+                unlink_segment(invite.path if invite is not None else None)
+            verdict = next((f"rank {rank}: {why}" for rank, why in enumerate(reasons) if why), None)
+            self.broadcast(verdict)
+        else:
+            invite = self.broadcast()
+            if not isinstance(invite, SegmentInvite):
+                reason = reason or "rank 0 offered no segment"
+            elif reason is None:
+                try:
+                    segment = open_segment(invite, self.rank)
+                except SegmentUnavailable as error:
+                    reason = str(error)
+            self.gather(reason)
+            verdict = self.broadcast()
+        if verdict is None and segment is not None:
+            segment.watch_peers()  # every rank wrote its pid before the verdict
+            self._host = HostCollectives(segment, self.timeout_s)
+            logger.info("rank %d/%d: control records and tensors go through shared memory", self.rank, self.size)
+            return True
+        if segment is not None:
+            segment.close()
+        logger.info("rank %d/%d: control records and tensors go over %s (no shared memory: %s)", self.rank, self.size,
+                    dist.get_backend(), verdict)
+        return False
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; returns it."""
+        if self._host is not None:
+            return self._host.all_reduce(tensor)
         try:
             dist.all_reduce(tensor)
         except Exception as error:  # noqa: BLE001
@@ -81,6 +137,8 @@ class RankGroup:
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` [..., k] side by side along the last dimension, in rank order."""
+        if self._host is not None:
+            return self._host.all_gather(tensor)
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         try:
             dist.all_gather(parts, tensor)
@@ -92,6 +150,9 @@ class RankGroup:
         """Rank 0 sends `record`; every rank returns it (the followers once its tag checked out)."""
         sequence = self._next_sequence()
         sealed = seal(self._key, record, sequence, 0) if self.is_leader else b""
+        if self._host is not None:
+            received = self._host.exchange_bytes(sealed, MAX_CONTROL_RECORD_BYTES, "a broadcast")[0]
+            return record if self.is_leader else unseal(self._key, received, sequence, 0)
         try:
             size = torch.tensor([len(sealed)], dtype=torch.int64)
             dist.broadcast(size, src=0, group=self._control)
@@ -108,6 +169,12 @@ class RankGroup:
         """Every rank sends `record`; rank 0 gets them all in rank order (each checked), the others None."""
         sequence = self._next_sequence()
         sealed = seal(self._key, record, sequence, self.rank)
+        if self._host is not None:
+            received = self._host.exchange_bytes(sealed, MAX_CONTROL_RECORD_BYTES, "a gather")
+            if not self.is_leader:
+                return None
+            return [record if sender == 0 else unseal(self._key, received[sender], sequence, sender)
+                    for sender in range(self.size)]
         try:
             sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
             dist.all_gather(sizes, torch.tensor([len(sealed)], dtype=torch.int64), group=self._control)
@@ -132,6 +199,9 @@ class RankGroup:
 
     def close(self) -> None:
         """Leave the group (best effort: the others may be gone already)."""
+        if self._host is not None:
+            self._host.close()
+            self._host = None
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -6,6 +6,7 @@
       channel.send(chunks, path) -------------->  receive -> apply transport commands
       forward over its heads   <-- all-reduce -->  forward over its heads (runner.run_shard)
       logits of its vocab rows <-- all-gather -->  logits of its vocab rows (the same rows)
+      (all-reduce and all-gather: shared memory where the ranks share a host, else gloo / NCCL)
       sample                                       (no sampling)
 
 Rank 0 keeps the HTTP server, the scheduler, the KV manager and the sampler; the block ids in a
@@ -133,6 +134,7 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
     transport = None
     tier: Optional[TierFollower] = None
     try:
+        group.share_host_memory(parallel.tp_shared_memory, device)
         quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
         loaded = load_model(config.model.path, dtype, device, quantization,
                             parallel=TensorParallelRank(rank, size, group.all_reduce, group.all_gather))

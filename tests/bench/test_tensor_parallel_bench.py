@@ -127,15 +127,27 @@ def test_ratios_divide_by_tp1_and_skip_failed_sizes():
                _result(3, [], None, error="worker exited")]
     assert results[0].batch1_tokens_per_s == 20.0
     by_size = ratios(results)
-    assert by_size[1] == {"batch1": 1.0, "streams": 1.0}
-    assert by_size[2]["batch1"] == pytest.approx(0.5) and by_size[2]["streams"] == pytest.approx(0.75)
-    assert by_size[3] == {"batch1": None, "streams": None}
+    assert by_size["1"] == {"batch1": 1.0, "streams": 1.0}
+    assert by_size["2"]["batch1"] == pytest.approx(0.5) and by_size["2"]["streams"] == pytest.approx(0.75)
+    assert by_size["3"] == {"batch1": None, "streams": None}
 
 
 def test_ratios_are_none_without_a_working_tp1():
-    assert ratios([_result(2, [10.0], 20.0)]) == {2: {"batch1": None, "streams": None}}
+    assert ratios([_result(2, [10.0], 20.0)]) == {"2": {"batch1": None, "streams": None}}
     failed_base = [_result(1, [10.0], 20.0, error="boom"), _result(2, [5.0], 10.0)]
-    assert ratios(failed_base)[2] == {"batch1": None, "streams": None}
+    assert ratios(failed_base)["2"] == {"batch1": None, "streams": None}
+
+
+def test_a_gloo_row_is_its_own_row_against_the_same_tp1():
+    gloo = _result(2, [2.0], 4.0)
+    gloo.tensor_path = "gloo"
+    results = [_result(1, [20.0], 40.0), _result(2, [16.0], 36.0), gloo]
+    by_row = ratios(results)
+    assert by_row["2"]["batch1"] == pytest.approx(0.8) and by_row["2 (gloo)"]["batch1"] == pytest.approx(0.1)
+    assert format_table(results, 4).splitlines()[4] == "| 2 (gloo) | 2 | 1 | 2.0 | 0.10x | 4.0 | 0.10x | - |"
+    assert worker_argv("/m", 1234, 2, 2, 512, shared_memory=False)[-1] == "--no-tp-shared-memory"
+    assert "--no-tp-shared-memory" not in worker_argv("/m", 1234, 2, 2, 512)
+    assert parse_args(["--compare-gloo"]).compare_gloo and not parse_args([]).compare_gloo
 
 
 # --- table and report ------------------------------------------------------------------------------
