@@ -45,6 +45,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // Each row's greedy token id as float64 [rows, 1], or -1 for a row with a NaN or an infinity.
 at::Tensor greedy_tokens(const at::Tensor& logits);
 
+// ---- fused_layer.cpp -----------------------------------------------------------------------
+
+// y = x @ W.T (+ bias) for float32 x and W as float32 [out, in] (format 0) or Q4_1 / Q8_0 blocks (1, 2).
+at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format,
+                         const std::optional<at::Tensor>& bias);
+
 // (fused_layer.cpp's llama_decode_layer and LlamaDecoderStack: fused_layer.h.)
 
 }  // namespace pdserve::kernels
