@@ -9,6 +9,10 @@ dense Llama-family model with the same attention and an MLP as wide as the activ
 the experts grow at fixed top-k (time follows the active experts' weights, not the total): native,
 grouped torch (one matmul pair per active expert) and a loop over tokens. Weights are random,
 seeded per tensor name.
+
+`--clock cpu` times by the process's CPU time instead of the wall clock: on a shared machine,
+with `--threads 1`, it leaves out the time other processes held the core (with more threads it
+would add theirs up, so it is refused).
 """
 
 from __future__ import annotations
@@ -53,16 +57,19 @@ class RandomWeights:
         return None  # plain float tensors only
 
 
-def median_ms(work, repeats: int, rounds: int) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def median_ms(work, repeats: int, rounds: int, clock=time.perf_counter) -> float:
     """Milliseconds per call of `work`: the median over `rounds` of `repeats` calls in a row, after one
     untimed call (lazy set-up, caches)."""
     work()
     times_ms = []
     for _ in range(rounds):
-        started_s = time.perf_counter()
+        started_s = clock()
         for _ in range(repeats):
             work()
-        times_ms.append((time.perf_counter() - started_s) / repeats * 1000)
+        times_ms.append((clock() - started_s) / repeats * 1000)
     return statistics.median(times_ms)
 
 
@@ -126,7 +133,7 @@ def word_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def decode_tokens_per_s(config: dict, weights: RandomWeights, batch: int, prompt_tokens: int, new_tokens: int,
-                        native_experts: bool = True, rounds: int = 3) -> float:
+                        native_experts: bool = True, rounds: int = 3, clock=time.perf_counter) -> float:
     model = build_model(config, weights, torch.float32, CPU)
     for module in model.modules():
         if isinstance(module, Experts):
@@ -144,9 +151,9 @@ def decode_tokens_per_s(config: dict, weights: RandomWeights, batch: int, prompt
             prompt = tuple(torch.randint(3, config["vocab_size"], (prompt_tokens,),
                                          generator=torch.Generator().manual_seed(b)).tolist())
             loop.submit(GenerationRequest(f"{tag}-{b}", prompt, sampling), lambda output: None)
-        started = time.perf_counter()
+        started = clock()
         loop.run_until_idle()
-        return time.perf_counter() - started
+        return clock() - started
 
     run(2, "warm")
     # The fastest of a few rounds (each a prefill-only run, then the same with the decode steps
@@ -179,7 +186,8 @@ def per_token_loop(experts: Experts, x: torch.Tensor, weights: torch.Tensor, ids
     return out
 
 
-def moe_layer_rows(hidden: int, width: int, top_k: int, expert_counts: list[int], repeats: int) -> list[dict]:
+def moe_layer_rows(hidden: int, width: int, top_k: int, expert_counts: list[int], repeats: int,
+                   clock=time.perf_counter) -> list[dict]:
     rows = []
     for num_experts in expert_counts:
         experts = random_experts(num_experts, hidden, width)
@@ -191,9 +199,9 @@ def moe_layer_rows(hidden: int, width: int, top_k: int, expert_counts: list[int]
             top, ids = torch.topk(logits, top_k, dim=-1)
             routing = (torch.softmax(top, -1), ids)
             with torch.inference_mode():
-                native_ms = median_ms(lambda: experts(x, routing), repeats, 1)
-                grouped_ms = median_ms(lambda: torch_experts(x, routing), repeats, 1)
-                loop_ms = median_ms(lambda: per_token_loop(experts, x, *routing), repeats, 1)
+                native_ms = median_ms(lambda: experts(x, routing), repeats, 1, clock)
+                grouped_ms = median_ms(lambda: torch_experts(x, routing), repeats, 1, clock)
+                loop_ms = median_ms(lambda: per_token_loop(torch_experts, x, *routing), repeats, 1, clock)
             rows.append({"experts": num_experts, "top_k": top_k, "batch": batch,
                          "active_experts": int(ids.unique().numel()),
                          "total_params_m": round(num_experts * 3 * hidden * width / 1e6, 1),
@@ -207,10 +215,15 @@ def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                           ("--expert-width", 256), ("--vocab", 8192), ("--prompt-tokens", 64), ("--new-tokens", 32),
                           ("--threads", torch.get_num_threads())):
         parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="cpu: the process's CPU time (with --threads 1 only), for a shared machine")
 
 
 def run(args: argparse.Namespace) -> tuple[str, dict]:
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu adds up every thread's time: use it with --threads 1")
     torch.set_num_threads(args.threads)
+    clock = CLOCKS[args.clock]
     moe = gpt_oss_model(args.layers, args.experts, args.top_k, args.hidden, args.expert_width, args.vocab)
     models = {  # name -> (config, weights, native experts)
         f"gpt-oss shape ({args.experts} experts top-{args.top_k}), native experts": (*moe, True),
@@ -220,12 +233,12 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
     }
     engine_rows = [{"model": name, "batch": batch,
                     "decode_tokens_per_s": round(decode_tokens_per_s(config, weights, batch, args.prompt_tokens,
-                                                                     args.new_tokens, native), 1)}
+                                                                     args.new_tokens, native, clock=clock), 1)}
                    for name, (config, weights, native) in models.items() for batch in (1, 16)]
     dense = {row["batch"]: row["decode_tokens_per_s"] for row in engine_rows if row["model"].startswith("dense")}
     for row in engine_rows:
         row["vs_dense"] = round(row["decode_tokens_per_s"] / max(dense[row["batch"]], 1e-9), 2)
-    layer_rows = moe_layer_rows(args.hidden, args.expert_width, args.top_k, [8, 32, 128], repeats=20)
+    layer_rows = moe_layer_rows(args.hidden, args.expert_width, args.top_k, [8, 32, 128], repeats=20, clock=clock)
     table = markdown_table(["model", "batch", "decode tok/s", "x dense"], [r.values() for r in engine_rows]) + \
         "\n\n" + markdown_table(["experts", "batch", "active", "total Mparams", "native ms", "grouped torch ms",
                                    "per-token ms"],

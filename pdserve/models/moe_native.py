@@ -22,7 +22,11 @@ if TYPE_CHECKING:
 
 FLOAT_WEIGHT, Q4_1_WEIGHT, Q8_0_WEIGHT = 0, 1, 2  # formats as kernels/fused_layer.cpp numbers them
 _BLOCK_FORMATS = {BlockFormat.Q4_1: Q4_1_WEIGHT, BlockFormat.Q8_0: Q8_0_WEIGHT}
-_NO_TENSOR = torch.empty(0)  # "none" where a custom class argument cannot be optional
+
+
+def _no_tensor() -> torch.Tensor:
+    """An empty tensor: "none" where a custom class argument cannot be optional."""
+    return torch.empty(0)
 
 
 def native_weight(linear: torch.nn.Module) -> tuple[torch.Tensor, int, Optional[torch.Tensor]]:
@@ -45,7 +49,7 @@ def native_weight(linear: torch.nn.Module) -> tuple[torch.Tensor, int, Optional[
 
 def _stacked(biases: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     if all(bias is None for bias in biases):
-        return _NO_TENSOR
+        return _no_tensor()
     if any(bias is None for bias in biases):
         raise ValueError("some experts have biases and some do not")
     return torch.stack([bias.detach() for bias in biases])
@@ -68,8 +72,8 @@ def native_experts(experts: "Experts", router_weight: Optional[torch.Tensor] = N
     if router_weight is not None and (router_weight.dtype != torch.float32 or router_weight.device.type != "cpu"):
         raise ValueError("the router is not float32 on the CPU")
     return torch.classes.pdserve_cpu.SparseMoeMlp(
-        _NO_TENSOR if router_weight is None else router_weight.detach(),
-        _NO_TENSOR if router_bias is None else router_bias.detach(),
+        _no_tensor() if router_weight is None else router_weight.detach(),
+        _no_tensor() if router_bias is None else router_bias.detach(),
         [weight for weight, _, _ in gate_up], [weight for weight, _, _ in down], formats.pop(),
         _stacked([bias for _, _, bias in gate_up]), _stacked([bias for _, _, bias in down]),
         list(routing), [float(value) for value in activation])
