@@ -81,6 +81,17 @@ void gated_activation(const float* gate_up, int64_t m, int64_t width, int64_t ki
   }
 }
 
+// weight_linear, but float weights over a few rows (2 to 32) take the row-tiled kernel.
+constexpr int64_t kTiledMaxRows = 32;
+
+at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format,
+                         const std::optional<at::Tensor>& bias) {
+  if (format != 0 || x.size(0) <= 1 || x.size(0) > kTiledMaxRows) return weight_linear(x, weight, format, bias);
+  at::Tensor out = f32_few_rows_linear(x, weight);
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  return out;
+}
+
 }  // namespace
 
 SparseMoeMlp::SparseMoeMlp(at::Tensor router_weight_in, at::Tensor router_bias_in, std::vector<at::Tensor> gate_up_in,
@@ -178,12 +189,12 @@ at::Tensor SparseMoeMlp::run_experts(const at::Tensor& x_in, const at::Tensor& w
     }
     const std::optional<at::Tensor> gu_bias = gate_up_bias ? std::optional<at::Tensor>((*gate_up_bias)[e]) : std::nullopt;
     const std::optional<at::Tensor> d_bias = down_bias ? std::optional<at::Tensor>((*down_bias)[e]) : std::nullopt;
-    const at::Tensor gu = weight_linear(rows, gate_up[e], format, gu_bias).contiguous();
+    const at::Tensor gu = expert_linear(rows, gate_up[e], format, gu_bias).contiguous();
     TORCH_CHECK(gu.size(1) % 2 == 0, "SparseMoeMlp: expert ", e, "'s gate|up has an odd row count");
     const int64_t width = gu.size(1) / 2;
     at::Tensor hidden_rows = at::empty({m, width}, x.options());
     gated_activation(gu.data_ptr<float>(), m, width, activation, alpha, limit, hidden_rows.data_ptr<float>());
-    const at::Tensor y = weight_linear(hidden_rows, down[e], format, d_bias).contiguous();
+    const at::Tensor y = expert_linear(hidden_rows, down[e], format, d_bias).contiguous();
     TORCH_CHECK(y.size(1) == hidden, "SparseMoeMlp: expert ", e, "'s down does not give the hidden size");
     const float* ys = y.data_ptr<float>();
     for (int64_t i = 0; i < m; ++i) {
