@@ -133,8 +133,9 @@ def word_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def decode_tokens_per_s(config: dict, weights: RandomWeights, batch: int, prompt_tokens: int, new_tokens: int,
-                        native_experts: bool = True, rounds: int = 3, clock=time.perf_counter) -> float:
-    model = build_model(config, weights, torch.float32, CPU)
+                        native_experts: bool = True, rounds: int = 3, clock=time.perf_counter,
+                        quantization: str = "none") -> float:
+    model = build_model(config, weights, torch.float32, CPU, WeightPolicy.for_choice(quantization))
     for module in model.modules():
         if isinstance(module, Experts):
             module.native_enabled = native_experts
@@ -215,6 +216,8 @@ def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                           ("--expert-width", 256), ("--vocab", 8192), ("--prompt-tokens", 64), ("--new-tokens", 32),
                           ("--threads", torch.get_num_threads())):
         parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
+                        help="the engine models' linear weights (both models alike)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="cpu: the process's CPU time (with --threads 1 only), for a shared machine")
 
@@ -233,7 +236,8 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
     }
     engine_rows = [{"model": name, "batch": batch,
                     "decode_tokens_per_s": round(decode_tokens_per_s(config, weights, batch, args.prompt_tokens,
-                                                                     args.new_tokens, native, clock=clock), 1)}
+                                                                     args.new_tokens, native, clock=clock,
+                                                                     quantization=args.quantization), 1)}
                    for name, (config, weights, native) in models.items() for batch in (1, 16)]
     dense = {row["batch"]: row["decode_tokens_per_s"] for row in engine_rows if row["model"].startswith("dense")}
     for row in engine_rows:
