@@ -9,16 +9,13 @@ anything else raises ValueError, and the caller keeps the torch path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from pdserve.kernels.native import cpu_kernels_available
 from pdserve.models.quant.blocks import BlockFormat
 from pdserve.models.quant.modules import QuantizedLinear
-
-if TYPE_CHECKING:
-    from pdserve.models.moe import Experts
 
 FLOAT_WEIGHT, Q4_1_WEIGHT, Q8_0_WEIGHT = 0, 1, 2  # formats as kernels/fused_layer.cpp numbers them
 _BLOCK_FORMATS = {BlockFormat.Q4_1: Q4_1_WEIGHT, BlockFormat.Q8_0: Q8_0_WEIGHT}
@@ -55,10 +52,11 @@ def _stacked(biases: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     return torch.stack([bias.detach() for bias in biases])
 
 
-def native_experts(experts: "Experts", router_weight: Optional[torch.Tensor] = None,
+def native_experts(experts: torch.nn.Module, router_weight: Optional[torch.Tensor] = None,
                    router_bias: Optional[torch.Tensor] = None, routing: tuple[int, int] = (1, 0)) -> Any:
-    """A `SparseMoeMlp` over `experts` (with the router, for `forward`; without, for `run_experts`
-    only); routing is (top_k, rule number). ValueError when the kernel cannot compute them."""
+    """A `SparseMoeMlp` over `experts` (a `pdserve.models.moe.Experts`, not imported: moe.py imports
+    this module), with the router for `forward` or without it for `run_experts` only; routing is
+    (top_k, rule number). ValueError when the kernel cannot compute them."""
     if not cpu_kernels_available():
         raise ValueError("the native CPU kernels are unavailable")
     activation = getattr(experts.activation, "native_activation", None)
