@@ -2,11 +2,17 @@
 
 Two tables, one run: (1) engine decode tokens/s at batch 1 and 16 of a random-weight gpt-oss shape
 (24 layers, 32 experts top-4, hidden 512, 256 per expert, windows of 128 alternating with full
-layers, sinks) and of a dense Llama-family model with the same attention and an MLP as wide as the
-active experts together (its layers run the fused native kernel, as when served); (2) one MoE
-layer at batch 1 and 16 as the experts grow at fixed top-k (time follows the active experts'
-weights, not the total), grouped (one matmul per active expert, `pdserve.models.moe.Experts`)
-against a loop over tokens, the layout it replaces. Weights are random, seeded per tensor name.
+layers, sinks), with the native experts (`pdserve_cpu::SparseMoeMlp`, each layer one call in the
+fused stack) and with the torch experts they replaced (grouped matmuls, per-op layers), and of a
+dense Llama-family model with the same attention and an MLP as wide as the active experts together
+(its layers run the fused native kernel, as when served); (2) one MoE layer at batch 1 and 16 as
+the experts grow at fixed top-k (time follows the active experts' weights, not the total): native,
+grouped torch (one matmul pair per active expert) and a loop over tokens. Weights are random,
+seeded per tensor name.
+
+`--clock cpu` times by the process's CPU time instead of the wall clock: on a shared machine,
+with `--threads 1`, it leaves out the time other processes held the core (with more threads it
+would add theirs up, so it is refused).
 """
 
 from __future__ import annotations
@@ -51,16 +57,19 @@ class RandomWeights:
         return None  # plain float tensors only
 
 
-def median_ms(work, repeats: int, rounds: int) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def median_ms(work, repeats: int, rounds: int, clock=time.perf_counter) -> float:
     """Milliseconds per call of `work`: the median over `rounds` of `repeats` calls in a row, after one
     untimed call (lazy set-up, caches)."""
     work()
     times_ms = []
     for _ in range(rounds):
-        started_s = time.perf_counter()
+        started_s = clock()
         for _ in range(repeats):
             work()
-        times_ms.append((time.perf_counter() - started_s) / repeats * 1000)
+        times_ms.append((clock() - started_s) / repeats * 1000)
     return statistics.median(times_ms)
 
 
@@ -123,8 +132,13 @@ def word_tokenizer(vocab_size: int) -> Tokenizer:
                      eos_token_ids=(0,), chat_template=None)
 
 
-def decode_tokens_per_s(config: dict, weights: RandomWeights, batch: int, prompt_tokens: int, new_tokens: int) -> float:
-    model = build_model(config, weights, torch.float32, CPU)
+def decode_tokens_per_s(config: dict, weights: RandomWeights, batch: int, prompt_tokens: int, new_tokens: int,
+                        native_experts: bool = True, rounds: int = 3, clock=time.perf_counter,
+                        quantization: str = "none") -> float:
+    model = build_model(config, weights, torch.float32, CPU, WeightPolicy.for_choice(quantization))
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.native_enabled = native_experts
     loaded = LoadedModel(model=model, tokenizer=word_tokenizer(config["vocab_size"]), name="bench")
     worker = WorkerConfig(model=ModelConfig(device="cpu", dtype="float32"),
                           cache=CacheConfig(block_size=16, num_blocks=64 + batch * 8, enable_prefix_caching=False),
@@ -138,17 +152,18 @@ def decode_tokens_per_s(config: dict, weights: RandomWeights, batch: int, prompt
             prompt = tuple(torch.randint(3, config["vocab_size"], (prompt_tokens,),
                                          generator=torch.Generator().manual_seed(b)).tolist())
             loop.submit(GenerationRequest(f"{tag}-{b}", prompt, sampling), lambda output: None)
-        started = time.perf_counter()
+        started = clock()
         loop.run_until_idle()
-        return time.perf_counter() - started
+        return clock() - started
 
     run(2, "warm")
-    prefill_s = run(1, "prefill")
-    total_s = run(new_tokens + 1, "decode")
-    return batch * new_tokens / max(total_s - prefill_s, 1e-9)
+    # The fastest of a few rounds (each a prefill-only run, then the same with the decode steps
+    # after it): on a shared machine a slow round is another process's doing.
+    decode_s = [run(new_tokens + 1, f"decode{r}") - run(1, f"prefill{r}") for r in range(rounds)]
+    return batch * new_tokens / max(min(s for s in decode_s if s > 0), 1e-9)
 
 
-def random_experts(num_experts: int, hidden: int, width: int) -> Experts:
+def random_experts(num_experts: int, hidden: int, width: int, native: bool = True) -> Experts:
     experts = Experts(num_experts, hidden, width, clamped_swiglu(1.702, 7.0), True, torch.float32)
     loader = WeightLoader(RandomWeights({}), WeightPolicy(), CPU)
     generator = torch.Generator().manual_seed(num_experts)
@@ -157,6 +172,7 @@ def random_experts(num_experts: int, hidden: int, width: int) -> Experts:
         experts.down[e] = loader.linear_from_tensors(experts.down[e], [torch.randn(hidden, width, generator=generator)], "d")
         experts.gate_up[e].bias.zero_()
         experts.down[e].bias.zero_()
+    experts.native_enabled = native
     return experts
 
 
@@ -171,10 +187,12 @@ def per_token_loop(experts: Experts, x: torch.Tensor, weights: torch.Tensor, ids
     return out
 
 
-def moe_layer_rows(hidden: int, width: int, top_k: int, expert_counts: list[int], repeats: int) -> list[dict]:
+def moe_layer_rows(hidden: int, width: int, top_k: int, expert_counts: list[int], repeats: int,
+                   clock=time.perf_counter) -> list[dict]:
     rows = []
     for num_experts in expert_counts:
         experts = random_experts(num_experts, hidden, width)
+        torch_experts = random_experts(num_experts, hidden, width, native=False)
         for batch in (1, 16):
             generator = torch.Generator().manual_seed(batch)
             x = torch.randn(batch, hidden, generator=generator)
@@ -182,13 +200,14 @@ def moe_layer_rows(hidden: int, width: int, top_k: int, expert_counts: list[int]
             top, ids = torch.topk(logits, top_k, dim=-1)
             routing = (torch.softmax(top, -1), ids)
             with torch.inference_mode():
-                grouped_ms = median_ms(lambda: experts(x, routing), repeats, 1)
-                loop_ms = median_ms(lambda: per_token_loop(experts, x, *routing), repeats, 1)
+                native_ms = median_ms(lambda: experts(x, routing), repeats, 1, clock)
+                grouped_ms = median_ms(lambda: torch_experts(x, routing), repeats, 1, clock)
+                loop_ms = median_ms(lambda: per_token_loop(torch_experts, x, *routing), repeats, 1, clock)
             rows.append({"experts": num_experts, "top_k": top_k, "batch": batch,
                          "active_experts": int(ids.unique().numel()),
                          "total_params_m": round(num_experts * 3 * hidden * width / 1e6, 1),
-                         "grouped_ms": round(grouped_ms, 3), "per_token_ms": round(loop_ms, 3)})
-        del experts
+                         "native_ms": round(native_ms, 3), "grouped_ms": round(grouped_ms, 3), "per_token_ms": round(loop_ms, 3)})
+        del experts, torch_experts
     return rows
 
 
@@ -197,23 +216,36 @@ def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
                           ("--expert-width", 256), ("--vocab", 8192), ("--prompt-tokens", 64), ("--new-tokens", 32),
                           ("--threads", torch.get_num_threads())):
         parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
+                        help="the engine models' linear weights (both models alike)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="cpu: the process's CPU time (with --threads 1 only), for a shared machine")
 
 
 def run(args: argparse.Namespace) -> tuple[str, dict]:
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu adds up every thread's time: use it with --threads 1")
     torch.set_num_threads(args.threads)
-    models = {
-        f"gpt-oss shape ({args.experts} experts top-{args.top_k})":
-            gpt_oss_model(args.layers, args.experts, args.top_k, args.hidden, args.expert_width, args.vocab),
+    clock = CLOCKS[args.clock]
+    moe = gpt_oss_model(args.layers, args.experts, args.top_k, args.hidden, args.expert_width, args.vocab)
+    models = {  # name -> (config, weights, native experts)
+        f"gpt-oss shape ({args.experts} experts top-{args.top_k}), native experts": (*moe, True),
+        f"gpt-oss shape ({args.experts} experts top-{args.top_k}), torch experts": (*moe, False),
         f"dense, same active params (MLP {args.top_k * args.expert_width})":
-            dense_model(args.layers, args.hidden, args.top_k * args.expert_width, args.vocab),
+            (*dense_model(args.layers, args.hidden, args.top_k * args.expert_width, args.vocab), True),
     }
     engine_rows = [{"model": name, "batch": batch,
                     "decode_tokens_per_s": round(decode_tokens_per_s(config, weights, batch, args.prompt_tokens,
-                                                                     args.new_tokens), 1)}
-                   for name, (config, weights) in models.items() for batch in (1, 16)]
-    layer_rows = moe_layer_rows(args.hidden, args.expert_width, args.top_k, [8, 32, 128], repeats=20)
-    table = markdown_table(["model", "batch", "decode tok/s"], [r.values() for r in engine_rows]) + "\n\n" + \
-        markdown_table(["experts", "batch", "active", "total Mparams", "grouped ms", "per-token ms"],
-                       [(r["experts"], r["batch"], r["active_experts"], r["total_params_m"], r["grouped_ms"],
-                         r["per_token_ms"]) for r in layer_rows])
+                                                                     args.new_tokens, native, clock=clock,
+                                                                     quantization=args.quantization), 1)}
+                   for name, (config, weights, native) in models.items() for batch in (1, 16)]
+    dense = {row["batch"]: row["decode_tokens_per_s"] for row in engine_rows if row["model"].startswith("dense")}
+    for row in engine_rows:
+        row["vs_dense"] = round(row["decode_tokens_per_s"] / max(dense[row["batch"]], 1e-9), 2)
+    layer_rows = moe_layer_rows(args.hidden, args.expert_width, args.top_k, [8, 32, 128], repeats=20, clock=clock)
+    table = markdown_table(["model", "batch", "decode tok/s", "x dense"], [r.values() for r in engine_rows]) + \
+        "\n\n" + markdown_table(["experts", "batch", "active", "total Mparams", "native ms", "grouped torch ms",
+                                   "per-token ms"],
+                                  [(r["experts"], r["batch"], r["active_experts"], r["total_params_m"], r["native_ms"],
+                                    r["grouped_ms"], r["per_token_ms"]) for r in layer_rows])
     return table, {"engine": engine_rows, "moe_layer": layer_rows}

@@ -7,8 +7,9 @@
 //   decode_attention.cpp  decode attention that reads K/V straight from the paged pool
 //   greedy.cpp            the greedy choice of each row's token
 //   fused_layer.cpp       one Llama-family decoder layer per call, and the stack of them
+//   moe_experts.cpp       a mixture-of-experts MLP per call: routing, grouping, every active expert
 //   registration.cpp      the pdserve_cpu op library: schemas and CPU implementations
-// kernels.h and fused_layer.h declare what one of them calls or registers from another.
+// kernels.h, moe_experts.h and fused_layer.h declare what one of them calls or registers from another.
 
 #pragma once
 

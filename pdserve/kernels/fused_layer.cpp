@@ -1,4 +1,5 @@
-// One Llama-family decoder layer for single-token rows in one call, and the stack of them.
+// One Llama-family decoder layer for single-token rows in one call, and the stack of them (whose
+// layers may also carry attention sinks and a mixture of experts: gpt-oss, Qwen3-MoE).
 // Invariant: the arithmetic is the torch layer's (pdserve.models.layers), up to float rounding
 // order; each row's new K/V goes into its own page slot only after every row has attended.
 
@@ -27,7 +28,9 @@ namespace {
 constexpr int64_t kFloatWeight = 0, kQ41Weight = 1, kQ80Weight = 2;
 constexpr int64_t kSmallBatchRows = 256;  // pdserve.models.layers._SMALL_BATCH_ROWS
 
-at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format,
+}  // namespace
+
+at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format,
                         const std::optional<at::Tensor>& bias) {
   at::Tensor out;
   if (format == kFloatWeight) {
@@ -48,6 +51,8 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& weight, int64_t f
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   return out;
 }
+
+namespace {
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, over rows of `width` floats.
 void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t width, int64_t x_stride, float eps,
@@ -104,12 +109,17 @@ void store_new_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
+namespace {
+
+// llama_decode_layer with, optionally, attention sinks (gpt-oss) and a mixture of experts in place
+// of the gated MLP (whose weights, formats and biases are then unused).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& h_in, at::TensorList norms, const std::optional<at::Tensor>& qk_norm, at::TensorList weights,
     at::IntArrayRef formats, const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
     const at::Tensor& key_start, const at::Tensor& key_end, const at::Tensor& write_blocks,
-    const at::Tensor& write_offsets, at::IntArrayRef geometry, double eps, double scale) {
+    const at::Tensor& write_offsets, at::IntArrayRef geometry, double eps, double scale,
+    const std::optional<at::Tensor>& sinks, SparseMoeMlp* moe) {
   TORCH_CHECK(norms.size() == 2 && weights.size() == 4 && formats.size() == 4 && biases.size() == 4,
               "llama_decode_layer: norms (input, post), weights, formats and biases (qkv, o, gate_up, down)");
   TORCH_CHECK(geometry.size() == 3, "llama_decode_layer: geometry is (heads, kv_heads, head_dim)");
@@ -132,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
   at::Tensor x = at::empty({rows, hidden}, h.options());
   rms_norm_rows(h.data_ptr<float>(), input_norm.data_ptr<float>(), rows, hidden, hidden, epsf, x.data_ptr<float>(),
                 hidden);
-  at::Tensor qkv = layer_linear(x, weights[0], formats[0], biases.get(0));
+  at::Tensor qkv = weight_linear(x, weights[0], formats[0], biases.get(0));
   TORCH_CHECK(qkv.size(1) == qkv_width, "llama_decode_layer: qkv weight has ", qkv.size(1), " rows, expected ",
               qkv_width);
   at::Tensor q = at::empty({rows, heads, head_dim}, h.options());
@@ -172,14 +182,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
     rotate_heads(kr, kv_heads, head_dim, c, s);
   }
   const at::Tensor attended =
-      paged_decode_attention(q, k_cache, v_cache, block_table, key_start, key_end, k, v, scale, std::nullopt).view({rows, q_width});
+      paged_decode_attention(q, k_cache, v_cache, block_table, key_start, key_end, k, v, scale, sinks).view({rows, q_width});
   store_new_kv(k, v, k_cache, v_cache, write_blocks, write_offsets);
-  at::Tensor out = layer_linear(attended, weights[1], formats[1], biases.get(1));
+  at::Tensor out = weight_linear(attended, weights[1], formats[1], biases.get(1));
   TORCH_CHECK(out.size(1) == hidden, "llama_decode_layer: o weight does not give the hidden size");
   out.add_(h);  // the residual stream after attention
   rms_norm_rows(out.data_ptr<float>(), post_norm.data_ptr<float>(), rows, hidden, hidden, epsf, x.data_ptr<float>(),
                 hidden);
-  at::Tensor gate_up = layer_linear(x, weights[2], formats[2], biases.get(2));
+  if (moe != nullptr) {
+    out.add_(moe->forward(x));
+    return {out, k, v};
+  }
+  at::Tensor gate_up = weight_linear(x, weights[2], formats[2], biases.get(2));
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "llama_decode_layer: gate|up weight has an odd row count");
   const int64_t intermediate = gate_up.size(1) / 2;
   at::Tensor act = at::empty({rows, intermediate}, h.options());
@@ -199,10 +213,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
 #endif
     for (; i < intermediate; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
   }
-  at::Tensor mlp = layer_linear(act, weights[3], formats[3], biases.get(3));
+  at::Tensor mlp = weight_linear(act, weights[3], formats[3], biases.get(3));
   TORCH_CHECK(mlp.size(1) == hidden, "llama_decode_layer: down weight does not give the hidden size");
   out.add_(mlp);
   return {out, k, v};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
+    const at::Tensor& h_in, at::TensorList norms, const std::optional<at::Tensor>& qk_norm, at::TensorList weights,
+    at::IntArrayRef formats, const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+    const at::Tensor& key_start, const at::Tensor& key_end, const at::Tensor& write_blocks,
+    const at::Tensor& write_offsets, at::IntArrayRef geometry, double eps, double scale) {
+  return decode_layer(h_in, norms, qk_norm, weights, formats, biases, cos, sin, k_cache, v_cache, block_table,
+                      key_start, key_end, write_blocks, write_offsets, geometry, eps, scale, std::nullopt, nullptr);
 }
 
 // ---- every decoder layer of a model in one call (LlamaDecoderStack: fused_layer.h) ---------
@@ -220,6 +246,19 @@ void LlamaDecoderStack::add_layer(std::vector<at::Tensor> norms, std::optional<a
   layers.push_back(std::move(layer));
 }
 
+void LlamaDecoderStack::attach_sinks(at::Tensor sinks) {
+  TORCH_CHECK(!layers.empty(), "LlamaDecoderStack.attach_sinks: no layer yet");
+  TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.numel() == layers.back().geometry[0],
+              "LlamaDecoderStack.attach_sinks: one float32 sink logit per query head");
+  layers.back().sinks = sinks.contiguous();
+}
+
+void LlamaDecoderStack::attach_moe(c10::intrusive_ptr<SparseMoeMlp> moe) {
+  TORCH_CHECK(!layers.empty(), "LlamaDecoderStack.attach_moe: no layer yet");
+  TORCH_CHECK(moe->router_weight.numel() > 0, "LlamaDecoderStack.attach_moe: the experts need their router");
+  layers.back().moe = std::move(moe);
+}
+
 at::Tensor LlamaDecoderStack::forward(at::Tensor h, at::Tensor cos, at::Tensor sin,
                                       std::vector<at::Tensor> block_tables, std::vector<at::Tensor> key_starts,
                                       std::vector<at::Tensor> key_ends, std::vector<at::Tensor> write_blocks,
@@ -228,10 +267,10 @@ at::Tensor LlamaDecoderStack::forward(at::Tensor h, at::Tensor cos, at::Tensor s
     const size_t g = static_cast<size_t>(layer.group);
     TORCH_CHECK(g < block_tables.size() && g < key_starts.size() && g < key_ends.size() && g < write_blocks.size(),
                 "LlamaDecoderStack.forward: no rows for KV group ", layer.group);
-    h = std::get<0>(llama_decode_layer(h, layer.norms, layer.qk_norm, layer.weights, layer.formats, layer.biases,
-                                       cos, sin, layer.k_cache, layer.v_cache, block_tables[g], key_starts[g],
-                                       key_ends[g], write_blocks[g], write_offsets, layer.geometry, layer.eps,
-                                       layer.scale));
+    h = std::get<0>(decode_layer(h, layer.norms, layer.qk_norm, layer.weights, layer.formats, layer.biases, cos,
+                                 sin, layer.k_cache, layer.v_cache, block_tables[g], key_starts[g], key_ends[g],
+                                 write_blocks[g], write_offsets, layer.geometry, layer.eps, layer.scale, layer.sinks,
+                                 layer.moe.get()));
   }
   return h;
 }

@@ -9,7 +9,7 @@
 
 #include <tuple>
 
-#include "kernels.h"
+#include "moe_experts.h"
 
 namespace pdserve::kernels {
 
@@ -37,6 +37,8 @@ struct LlamaDecoderStack : torch::CustomClassHolder {
     at::Tensor k_cache, v_cache;
     int64_t group = 0;
     double eps = 0, scale = 0;
+    std::optional<at::Tensor> sinks;  // gpt-oss: one logit per query head
+    c10::intrusive_ptr<SparseMoeMlp> moe;  // set: the experts replace the gated MLP
   };
   std::vector<Layer> layers;
 
@@ -44,6 +46,11 @@ struct LlamaDecoderStack : torch::CustomClassHolder {
   void add_layer(std::vector<at::Tensor> norms, std::optional<at::Tensor> qk_norm, std::vector<at::Tensor> weights,
                  std::vector<int64_t> formats, std::vector<at::Tensor> biases, std::vector<int64_t> geometry,
                  double eps, double scale, at::Tensor k_cache, at::Tensor v_cache, int64_t group);
+
+  // The last added layer's attention sinks, or its mixture of experts (in place of its gated
+  // MLP, whose weights add_layer then ignores).
+  void attach_sinks(at::Tensor sinks);
+  void attach_moe(c10::intrusive_ptr<SparseMoeMlp> moe);
 
   // The residual stream after every layer; each layer's new K/V stored in its slot. Per KV group
   // g: block_tables[g], key_starts[g], key_ends[g], write_blocks[g]; write_offsets for all.

@@ -17,6 +17,9 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks);
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks);
 // y = x @ W.T for float32 x [rows, k] and W [n, k]; one row has its own kernel, more go to BLAS.
 at::Tensor f32_row_linear(const at::Tensor& x, const at::Tensor& weight);
+// The same for up to 32 rows, each weight row read once for a tile of 8 of them (a mixture of
+// experts' few rows per expert: BLAS runs such thin products at half its speed); more go to BLAS.
+at::Tensor f32_few_rows_linear(const at::Tensor& x, const at::Tensor& weight);
 
 // ---- decode_attention.cpp ------------------------------------------------------------------
 
@@ -44,6 +47,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 // Each row's greedy token id as float64 [rows, 1], or -1 for a row with a NaN or an infinity.
 at::Tensor greedy_tokens(const at::Tensor& logits);
+
+// ---- fused_layer.cpp -----------------------------------------------------------------------
+
+// y = x @ W.T (+ bias) for float32 x and W as float32 [out, in] (format 0) or Q4_1 / Q8_0 blocks (1, 2).
+at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format,
+                         const std::optional<at::Tensor>& bias);
 
 // (fused_layer.cpp's llama_decode_layer and LlamaDecoderStack: fused_layer.h.)
 

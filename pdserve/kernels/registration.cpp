@@ -10,9 +10,17 @@
 namespace pdserve::kernels {
 
 TORCH_LIBRARY(pdserve_cpu, m) {
+  m.class_<SparseMoeMlp>("SparseMoeMlp")
+      .def(torch::init<at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, at::Tensor,
+                       at::Tensor, std::vector<int64_t>, std::vector<double>>())
+      .def("route", &SparseMoeMlp::route)
+      .def("run_experts", &SparseMoeMlp::run_experts)
+      .def("forward", &SparseMoeMlp::forward);
   m.class_<LlamaDecoderStack>("LlamaDecoderStack")
       .def(torch::init<>())
       .def("add_layer", &LlamaDecoderStack::add_layer)
+      .def("attach_sinks", &LlamaDecoderStack::attach_sinks)
+      .def("attach_moe", &LlamaDecoderStack::attach_moe)
       .def("forward", &LlamaDecoderStack::forward);
   m.def("q4_1_linear(Tensor x, Tensor blocks) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor blocks) -> Tensor");

@@ -30,7 +30,7 @@ from pdserve.models.decoder_args import decoder_fields
 from pdserve.models.hf_config import ModelLoadError, flat_rope, layer_specs_from_types, require
 from pdserve.models.layers import rms_norm_fp32_scale
 from pdserve.models.llama import LlamaAttention, LlamaAttentionArgs, LlamaForCausalLM
-from pdserve.models.moe import Experts, ExpertWeights, SparseMoE, clamped_swiglu, top_k_then_softmax
+from pdserve.models.moe import ClampedSwiGLU, Experts, ExpertWeights, SparseMoE, TopKThenSoftmax
 from pdserve.models.moe_sharding import ExpertShard, sharded_experts
 from pdserve.models.quant.mxfp4 import dequantize_mxfp4
 from pdserve.models.tensor_parallel import TensorParallelShard, sharded_args
@@ -108,8 +108,8 @@ class GptOssDecoderLayer(DecoderLayer):
         self.expert_shard = args.expert_shard
         k = args.experts_per_token
         experts = Experts(args.num_experts, args.hidden_size, args.intermediate_size,
-                          clamped_swiglu(args.swiglu_alpha, args.swiglu_limit), True, dtype)
-        self.mlp = SparseMoE(args.hidden_size, args.num_experts, lambda logits: top_k_then_softmax(logits, k),
+                          ClampedSwiGLU(args.swiglu_alpha, args.swiglu_limit), True, dtype)
+        self.mlp = SparseMoE(args.hidden_size, args.num_experts, TopKThenSoftmax(k),
                              experts, True, dtype, device)
 
     def attention_inputs(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> QKV:

@@ -13,17 +13,20 @@ weight * expert(token), added in ascending expert order (the order transformers 
 
 Expert weights are per-expert linear layers, so the float, int8 and int4 weight paths
 (`WeightLoader`) serve them unchanged; checkpoints that store experts fused ([experts, ...] tensors,
-MXFP4 blocks) are cut per expert at load by the model file.
+MXFP4 blocks) are cut per expert at load by the model file. On a CPU with the native kernels and
+float32 activations, `Experts` runs all of this in one native call (`moe_native.py`); the torch
+path here is its reference and its fallback (other devices and dtypes, `torch.compile`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.models.moe_native import native_experts
 from pdserve.models.weight_targets import copy_rows, empty_linear, empty_param
 
 if TYPE_CHECKING:
@@ -49,20 +52,67 @@ def top_k_then_softmax(logits: torch.Tensor, k: int) -> Routing:
     return torch.softmax(top, dim=-1, dtype=top.dtype), ids
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+# Routing rules and activations as values, so that the native kernel can be told which one runs
+# (`native_routing`: (top_k, rule), `native_activation`: (kind, alpha, limit), as moe_experts.h numbers them).
+
+@dataclass(frozen=True, slots=True)
+class TopKThenSoftmax:
+    top_k: int
+
+    def __call__(self, logits: torch.Tensor) -> Routing:
+        return top_k_then_softmax(logits, self.top_k)
+
+    @property
+    def native_routing(self) -> tuple[int, int]:
+        return self.top_k, 0
 
 
-def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
+@dataclass(frozen=True, slots=True)
+class SoftmaxThenTopK:
+    top_k: int
+    renormalize: bool
+
+    def __call__(self, logits: torch.Tensor) -> Routing:
+        return softmax_then_top_k(logits, self.top_k, self.renormalize)
+
+    @property
+    def native_routing(self) -> tuple[int, int]:
+        return self.top_k, 2 if self.renormalize else 1
+
+
+@dataclass(frozen=True, slots=True)
+class SiluAndMul:
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    @property
+    def native_activation(self) -> tuple[float, float, float]:
+        return 0.0, 0.0, 0.0
+
+
+silu_and_mul = SiluAndMul()
+
+
+@dataclass(frozen=True, slots=True)
+class ClampedSwiGLU:
     """gpt-oss's SwiGLU: the gate clamped from above and the up projection on both sides at
     `limit`, then (up + 1) * gate * sigmoid(alpha * gate)."""
 
-    def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    alpha: float
+    limit: float
 
-    return activation
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    @property
+    def native_activation(self) -> tuple[float, float, float]:
+        return 1.0, self.alpha, self.limit
+
+
+def clamped_swiglu(alpha: float, limit: float) -> ClampedSwiGLU:
+    return ClampedSwiGLU(alpha, limit)
 
 
 def run_by_expert(x: torch.Tensor, routing: Routing, num_experts: int,
@@ -106,6 +156,10 @@ class Experts(torch.nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: GatedActivation,
                  bias: bool, dtype: torch.dtype):
         super().__init__()
+        # False keeps the torch path (benchmarks compare the two); the native object is built on
+        # first use after load, None until then, False where the kernel cannot compute these experts.
+        self.native_enabled = True
+        self._native: Any = None
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.activation = activation
@@ -117,7 +171,22 @@ class Experts(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [n, hidden] and each token's (weights, expert ids) [n, k] -> [n, hidden]."""
+        native = self.native_object(x)
+        if native is not None:
+            return native.run_experts(x, *routing)
         return run_by_expert(x, routing, self.num_experts, self._expert)
+
+    def native_object(self, x: torch.Tensor) -> Any:
+        """The native experts (without a router) when they can run `x`, else None."""
+        if (not self.native_enabled or x.dtype != torch.float32 or x.device.type != "cpu"
+                or torch.compiler.is_compiling()):
+            return None
+        if self._native is None:
+            try:
+                self._native = native_experts(self)
+            except ValueError:
+                self._native = False
+        return None if self._native is False else self._native
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up[expert](x).split(self.intermediate_size, dim=-1)
@@ -126,6 +195,7 @@ class Experts(torch.nn.Module):
     def load(self, weights: "WeightLoader", expert_weights: Callable[[int], ExpertWeights], prefix: str) -> None:
         """Fill every expert from `expert_weights(e)` (float tensors), float or quantized as the
         loader's policy says."""
+        self._native = None  # rebuilt over the new weights on first use
         for e in range(self.num_experts):
             w = expert_weights(e)
             label = f"{prefix}experts.{e}"

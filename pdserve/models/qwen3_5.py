@@ -34,7 +34,7 @@ from pdserve.models.gated_delta_net import GatedDeltaNet, GatedDeltaNetShape, de
 from pdserve.models.hf_config import (
     FULL_LAYER, ModelLoadError, UnsupportedModelFeature, require, rotary_dim_of, standard_rope)
 from pdserve.models.layers import GatedMLP, activation_named, rms_norm_fp32_scale
-from pdserve.models.moe import Experts, ExpertWeights, SparseMoE, softmax_then_top_k
+from pdserve.models.moe import Experts, ExpertWeights, SoftmaxThenTopK, SparseMoE, silu_and_mul
 from pdserve.models.moe_sharding import ExpertShard, expert_width_per_rank, sharded_experts
 from pdserve.models.qwen3_moe import qwen3_moe_expert_weights
 from pdserve.models.rope import RotaryTable, apply_rotary
@@ -182,10 +182,10 @@ class SharedExpertMoE(torch.nn.Module):
         super().__init__()
         act = activation_named(args.hidden_act)
         k, renormalize = moe.experts_per_token, moe.norm_topk_prob
-        experts = Experts(moe.num_experts, args.hidden_size, moe.moe_intermediate_size,
-                          lambda gate, up: act(gate) * up, False, dtype)
-        route = lambda logits: softmax_then_top_k(logits, k, renormalize)  # noqa: E731
-        self.routed = SparseMoE(args.hidden_size, moe.num_experts, route, experts, False, dtype, device)
+        activation = silu_and_mul if act is F.silu else (lambda gate, up: act(gate) * up)
+        experts = Experts(moe.num_experts, args.hidden_size, moe.moe_intermediate_size, activation, False, dtype)
+        self.routed = SparseMoE(args.hidden_size, moe.num_experts, SoftmaxThenTopK(k, renormalize), experts, False,
+                                dtype, device)
         self.shared = GatedMLP(args.hidden_size, moe.shared_expert_intermediate_size, act, False, dtype)
         self.shared_gate = empty_param((1, args.hidden_size), dtype, device)  # one logit per token, kept float
         shard = args.rank_shard  # a rank holds a slice of every expert; its output is a partial sum

@@ -21,7 +21,7 @@ import torch
 from pdserve.models.decoder_args import fields_of
 from pdserve.models.hf_config import require
 from pdserve.models.llama import LlamaArgs, LlamaDecoderLayer, LlamaForCausalLM, qwen3_args
-from pdserve.models.moe import Experts, ExpertWeights, SparseMoE, silu_and_mul, softmax_then_top_k
+from pdserve.models.moe import Experts, ExpertWeights, SoftmaxThenTopK, SparseMoE, silu_and_mul
 from pdserve.models.moe_sharding import ExpertShard, expert_width_per_rank, sharded_experts
 from pdserve.models.tensor_parallel import TensorParallelShard, sharded_args
 from pdserve.models.weight_loader import WeightLoader
@@ -88,7 +88,7 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
             experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size, silu_and_mul,
                               False, dtype)
             self.mlp = SparseMoE(args.hidden_size, args.num_experts,
-                                 lambda logits: softmax_then_top_k(logits, k, renormalize), experts, False, dtype,
+                                 SoftmaxThenTopK(k, renormalize), experts, False, dtype,
                                  device)
 
     def load(self, weights: WeightLoader, prefix: str) -> None:

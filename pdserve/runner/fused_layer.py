@@ -3,11 +3,12 @@
 A decode step at one row spends most of its time dispatching small torch ops from Python (about
 120 a layer: norms, RoPE, activations, residuals, views), not multiplying. The native kernel
 runs a whole Llama-family layer (norms, q/k/v, optional q/k norm, RoPE, paged attention, o, the
-gated SiLU MLP, both residuals) in C++; this module gathers each layer's arguments once, at
-start-up. Invariant: a layer is fused only when the kernel computes exactly what the torch layer
-does (float32 activations on the CPU, SiLU, rotation over the whole head, weights float32 or in
-blocks the kernels read); any other layer makes the whole model keep the torch path, and
-`unfusable_reason` says why.
+gated SiLU MLP, both residuals) in C++; gpt-oss's and Qwen3-MoE's layers add attention sinks and a
+mixture of experts in place of the gated MLP (`moe_native.py`). This module gathers each layer's
+arguments once, at start-up. Invariant: a layer is fused only when the kernel computes exactly
+what the torch layer does (float32 activations on the CPU, SiLU or the experts' known
+activations, rotation over the whole head, weights float32 or in blocks the kernels read); any
+other layer makes the whole model keep the torch path, and `unfusable_reason` says why.
 """
 
 from __future__ import annotations
@@ -21,29 +22,11 @@ import torch.nn.functional as F
 from pdserve.runner.decode_attention import DecodeRows
 from pdserve.kernels.native import cpu_kernels_available, ops
 from pdserve.models.base import CausalLM, DecoderLayer
+from pdserve.models.gpt_oss import GptOssDecoderLayer
 from pdserve.models.llama import LlamaDecoderLayer
-from pdserve.models.quant.blocks import BlockFormat
-from pdserve.models.quant.modules import QuantizedLinear
-
-_FLOAT_WEIGHT, _Q4_1_WEIGHT, _Q8_0_WEIGHT = 0, 1, 2  # formats as kernels/fused_layer.cpp numbers them
-_BLOCK_FORMATS = {BlockFormat.Q4_1: _Q4_1_WEIGHT, BlockFormat.Q8_0: _Q8_0_WEIGHT}
-
-
-def _weight_of(linear: torch.nn.Module) -> tuple[torch.Tensor, int, Optional[torch.Tensor]]:
-    """(weight or blocks, format number, bias) of a float or quantized linear layer; ValueError
-    when the kernel cannot read it."""
-    bias = getattr(linear, "bias", None)
-    if bias is not None and bias.dtype != torch.float32:
-        raise ValueError("a bias is not float32")
-    if isinstance(linear, QuantizedLinear):
-        if not linear.native:
-            raise ValueError("quantized weights the native kernels do not read")
-        return linear.blocks, _BLOCK_FORMATS[linear.format], bias
-    weight = getattr(linear, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or weight.dim() != 2:
-        raise ValueError("a weight that is neither float32 nor in blocks")
-    return weight, _FLOAT_WEIGHT, bias
-
+from pdserve.models.moe import SparseMoE
+from pdserve.models.moe_native import FLOAT_WEIGHT, native_experts, native_weight
+from pdserve.models.qwen3_moe import Qwen3MoeDecoderLayer
 
 @dataclass(frozen=True)
 class FusedLlamaLayer:
@@ -57,21 +40,36 @@ class FusedLlamaLayer:
     geometry: tuple[int, int, int]  # heads, kv heads, head dim
     eps: float
     scale: float
+    sinks: Optional[torch.Tensor] = None  # gpt-oss: one logit per query head
+    moe: Any = None  # a `SparseMoeMlp` in place of the gated MLP (whose weights are then empty)
 
     @classmethod
     def of(cls, layer: DecoderLayer) -> "FusedLlamaLayer":
         """ValueError when `layer` is not one the kernel computes exactly."""
-        if type(layer) is not LlamaDecoderLayer:
+        if type(layer) not in (LlamaDecoderLayer, Qwen3MoeDecoderLayer, GptOssDecoderLayer):
             raise ValueError(f"{type(layer).__name__} layers have no fused kernel")
         attention, mlp = layer.self_attn, layer.mlp
-        if mlp.activation is not F.silu:
-            raise ValueError("the MLP's activation is not SiLU")
-        if layer.input_norm.dtype != torch.float32 or layer.input_norm.device.type != "cpu":
+        if isinstance(layer, GptOssDecoderLayer):
+            norms = (layer.norms[0].detach(), layer.norms[1].detach())
+            activations = mlp.router_weight  # the model's dtype and device (its norms are float32 always)
+        else:
+            norms = (layer.input_norm.detach(), layer.post_attention_norm.detach())
+            activations = layer.input_norm
+        if activations.dtype != torch.float32 or activations.device.type != "cpu":
             raise ValueError("activations are not float32 on the CPU")
-        parts = [_weight_of(linear) for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
-                                                   mlp.down_proj)]
+        parts = [native_weight(linear) for linear in (attention.qkv_proj, attention.o_proj)]
+        moe = None
+        if isinstance(mlp, SparseMoE):
+            moe = _native_moe(mlp)
+            no_weight = torch.empty(0)
+            parts += [(no_weight, FLOAT_WEIGHT, None), (no_weight, FLOAT_WEIGHT, None)]
+        else:
+            if mlp.activation is not F.silu:
+                raise ValueError("the MLP's activation is not SiLU")
+            parts += [native_weight(linear) for linear in (mlp.gate_up_proj, mlp.down_proj)]
+        sinks = layer.attention_sinks
         return cls(
-            norms=(layer.input_norm.detach(), layer.post_attention_norm.detach()),
+            norms=norms,
             qk_norm=None if attention.qk_norm is None else attention.qk_norm.detach(),
             weights=tuple(weight for weight, _, _ in parts),
             formats=tuple(number for _, number, _ in parts),
@@ -79,12 +77,16 @@ class FusedLlamaLayer:
             geometry=(attention.num_heads, attention.num_kv_heads, attention.head_dim),
             eps=layer.eps,
             scale=layer.attention_scale,
+            sinks=None if sinks is None else sinks.detach(),
+            moe=moe,
         )
 
     def __call__(self, h: torch.Tensor, rope: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: DecodeRows,
                  write_blocks: torch.Tensor, write_offsets: torch.Tensor) -> torch.Tensor:
         """The residual stream after the layer; the rows' new K/V are stored in their page slots
         (int64 block ids and offsets), after attending, which reads other slots only."""
+        if self.sinks is not None or self.moe is not None:
+            raise ValueError("a layer with sinks or experts runs in a FusedDecoderStack only")
         cos, sin = rope
         h, _, _ = ops().llama_decode_layer(
             h, list(self.norms), self.qk_norm, list(self.weights), list(self.formats), list(self.biases), cos, sin,
@@ -106,6 +108,10 @@ class FusedDecoderStack:
             self._stack.add_layer(list(layer.norms), layer.qk_norm, list(layer.weights), list(layer.formats),
                                   [no_bias if bias is None else bias for bias in layer.biases], list(layer.geometry),
                                   layer.eps, layer.scale, k_cache, v_cache, group_id)
+            if layer.sinks is not None:
+                self._stack.attach_sinks(layer.sinks)
+            if layer.moe is not None:
+                self._stack.attach_moe(layer.moe)
 
     def __call__(self, h: torch.Tensor, rope: Any, rows: Sequence[DecodeRows], write_blocks: Sequence[torch.Tensor],
                  write_offsets: torch.Tensor) -> torch.Tensor:
@@ -114,6 +120,18 @@ class FusedDecoderStack:
         cos, sin = rope
         return self._stack.forward(h, cos, sin, [r.block_table for r in rows], [r.key_start for r in rows],
                                    [r.key_end for r in rows], list(write_blocks), write_offsets)
+
+
+def _native_moe(moe: SparseMoE) -> Any:
+    """The layer's experts with their router as one native object; ValueError when the kernel
+    does not compute them (or the benchmark turned the native experts off)."""
+    experts = moe.experts
+    if not getattr(experts, "native_enabled", False):
+        raise ValueError("the experts are not an `Experts` with the native path on")
+    routing = getattr(moe.route, "native_routing", None)
+    if routing is None:
+        raise ValueError("a routing rule the kernel does not compute")
+    return native_experts(experts, moe.router_weight, moe.router_bias, routing)
 
 
 def _fuse(model: CausalLM, device: torch.device) -> tuple[Optional[list[FusedLlamaLayer]], Optional[str]]:

@@ -1,6 +1,7 @@
 """The engine (paged pool, hybrid KV groups, scheduler, chunked prefill, prefix cache) on tiny random
 gpt-oss and Qwen3-MoE checkpoints, greedy, token for token against transformers: decode through the
-native kernel with sinks, and through the gathered SDPA path other devices take."""
+fused native stack (sinks, native experts), through the per-op native kernel with sinks, and
+through the gathered SDPA path other devices take."""
 
 from __future__ import annotations
 
@@ -50,20 +51,31 @@ class _SinkSpy:
         return self.inner.paged_decode_attention(*args)
 
 
-def test_gpt_oss_window_shorter_than_prompt_matches_transformers_with_native_decode(gpt_oss, monkeypatch):
+@pytest.mark.parametrize("native_experts", [True, False])
+def test_gpt_oss_window_shorter_than_prompt_matches_transformers_with_native_decode(gpt_oss, monkeypatch,
+                                                                                   native_experts):
+    """With the native experts, decode runs the fused stack (sinks and experts in C++); without
+    them, the per-op step with the native attention kernel, every call carrying the sinks."""
     require_native_kernels()
     hf_model, loaded = gpt_oss
     spy = _SinkSpy(decode_attention.ops())
     monkeypatch.setattr(decode_attention, "ops", lambda: spy)
+    experts = [layer.mlp.experts for layer in loaded.model.layers]
+    for module in experts:
+        monkeypatch.setattr(module, "native_enabled", native_experts)
     # 90-token prompts (> 5x the window of 16), block size 4, prefilled in chunks of at most 24
     # tokens while others decode.
     prompts = [random_prompt(n, GPT_OSS_VOCAB, seed) for seed, n in enumerate((7, 45, 90))]
     engine = make_engine(loaded=loaded, block_size=4, budget=24)
-    assert engine.runner.decode_step.native and engine.runner.decode_step._fused is None  # per-op, native attention
+    fused = engine.runner.decode_step._fused
+    assert engine.runner.decode_step.native and (fused is not None) == native_experts
+    if fused is not None:
+        assert all(layer.sinks is not None and layer.moe is not None for layer in fused)
     results = generate(engine, prompts, greedy(NUM_TOKENS, ignore_eos=True))
     for prompt, result in zip(prompts, results):
         assert result.token_ids == hf_greedy_generate(hf_model, prompt, NUM_TOKENS)
-    assert spy.calls > 0 and spy.calls_with_sinks == spy.calls
+    if not native_experts:
+        assert spy.calls > 0 and spy.calls_with_sinks == spy.calls
 
 
 def test_gpt_oss_gathered_decode_path_matches_transformers(gpt_oss, monkeypatch):

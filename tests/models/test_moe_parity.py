@@ -139,12 +139,14 @@ def test_experts_run_one_matmul_per_active_expert_not_per_token(gpt_oss):
     calls: list[int] = []
     hooks = [linear.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
              for linear in moe.experts.gate_up]
+    moe.experts.native_enabled = False  # the torch path's modules (the native one: test_moe_native.py)
     try:
         x = torch.randn(37, 64, generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
             _, ids = moe.route(torch.nn.functional.linear(x, moe.router_weight, moe.router_bias))
             moe(x)
     finally:
+        moe.experts.native_enabled = True
         for hook in hooks:
             hook.remove()
     active = ids.unique().numel()

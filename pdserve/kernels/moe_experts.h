@@ -1,0 +1,44 @@
+// The mixture-of-experts MLP as one native object (moe_experts.cpp): routing, grouping by expert
+// and every active expert's gate|up and down. Invariant: it computes what pdserve.models.moe's
+// torch path computes, up to float rounding order: each token's output is the sum over its k
+// experts, in ascending expert order, of weight * expert(token).
+
+#pragma once
+
+#include <torch/custom_class.h>
+
+#include "kernels.h"
+
+namespace pdserve::kernels {
+
+struct SparseMoeMlp : torch::CustomClassHolder {
+  // How router logits become (weights, expert ids); pdserve.models.moe's routing rules.
+  static constexpr int64_t kTopKThenSoftmax = 0;            // gpt-oss
+  static constexpr int64_t kSoftmaxThenTopK = 1;            // Qwen3-MoE, norm_topk_prob false
+  static constexpr int64_t kSoftmaxThenTopKRenormalized = 2;  // Qwen3-MoE, norm_topk_prob true
+  // The gated activation over each expert's (gate, up) halves.
+  static constexpr int64_t kSiluAndMul = 0;     // silu(gate) * up
+  static constexpr int64_t kClampedSwiglu = 1;  // gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+
+  at::Tensor router_weight;  // float32 [experts, hidden]; empty: no router (run_experts only)
+  std::optional<at::Tensor> router_bias;  // [experts]
+  std::vector<at::Tensor> gate_up, down;  // per expert: [2I, hidden] gate rows then up rows; [hidden, I]
+  int64_t format = 0;  // every expert's weights: 0 float32, 1 Q4_1 blocks, 2 Q8_0 blocks
+  std::optional<at::Tensor> gate_up_bias, down_bias;  // [experts, 2I], [experts, hidden]
+  int64_t top_k = 1, routing = kTopKThenSoftmax, activation = kSiluAndMul;
+  float alpha = 0.f, limit = 0.f;
+
+  // Empty tensors stand for none (a custom class argument cannot be an optional list member).
+  // routing: (top_k, rule); activation: (kind, alpha, limit).
+  SparseMoeMlp(at::Tensor router_weight, at::Tensor router_bias, std::vector<at::Tensor> gate_up,
+               std::vector<at::Tensor> down, int64_t format, at::Tensor gate_up_bias, at::Tensor down_bias,
+               std::vector<int64_t> routing, std::vector<double> activation);
+
+  // x [n, hidden] -> (weights float32 [n, k], expert ids int64 [n, k]), each row's k in descending weight.
+  std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x);
+  // x [n, hidden], each token's (weights, ids) [n, k] -> [n, hidden].
+  at::Tensor run_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids);
+  at::Tensor forward(const at::Tensor& x);
+};
+
+}  // namespace pdserve::kernels

@@ -1,0 +1,128 @@
+"""The native mixture of experts (`pdserve_cpu::SparseMoeMlp`) against the torch path it replaces
+(`pdserve.models.moe`): the same routing, the same expert outputs for float, int8 and int4
+weights, with gpt-oss's biased clamped SwiGLU and Qwen3-MoE's SiLU, at one row and sixteen (with
+several tokens on one expert); and the inputs it leaves to the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.models.moe import (
+    ClampedSwiGLU, Experts, SoftmaxThenTopK, TopKThenSoftmax, run_by_expert, silu_and_mul,
+)
+from pdserve.models.moe_native import native_experts
+from pdserve.models.weight_loader import WeightLoader, WeightPolicy
+from tests.models.test_quantized_blocks import require_native_kernels
+
+HIDDEN, WIDTH, NUM_EXPERTS, TOP_K = 64, 32, 8, 3
+CPU = torch.device("cpu")
+
+
+class _NoSource:
+    def has(self, name: str) -> bool:
+        return False
+
+
+def _experts(activation, bias: bool, quantization: str, seed: int) -> Experts:
+    experts = Experts(NUM_EXPERTS, HIDDEN, WIDTH, activation, bias, torch.float32)
+    loader = WeightLoader(_NoSource(), WeightPolicy.for_choice(quantization), CPU)
+    generator = torch.Generator().manual_seed(seed)
+    for e in range(NUM_EXPERTS):
+        gate_up = torch.randn(2 * WIDTH, HIDDEN, generator=generator) * 0.3
+        down = torch.randn(HIDDEN, WIDTH, generator=generator) * 0.3
+        experts.gate_up[e] = loader.linear_from_tensors(experts.gate_up[e], [gate_up], "gate_up")
+        experts.down[e] = loader.linear_from_tensors(experts.down[e], [down], "down")
+        if bias:
+            experts.gate_up[e].bias.copy_(torch.randn(2 * WIDTH, generator=generator))
+            experts.down[e].bias.copy_(torch.randn(HIDDEN, generator=generator))
+    return experts
+
+
+def _torch_reference(experts: Experts, x: torch.Tensor, routing) -> torch.Tensor:
+    return run_by_expert(x, routing, experts.num_experts, experts._expert)
+
+
+def _rows(num_rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(num_rows, HIDDEN, generator=generator) * 2, torch.randn(num_rows, NUM_EXPERTS, generator=generator)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("activation, bias", [(ClampedSwiGLU(1.702, 7.0), True), (silu_and_mul, False)])
+@pytest.mark.parametrize("num_rows", [1, 16])
+def test_native_experts_match_the_torch_path(quantization, activation, bias, num_rows):
+    require_native_kernels()
+    experts = _experts(activation, bias, quantization, seed=num_rows)
+    x, logits = _rows(num_rows, seed=7)
+    routing = TopKThenSoftmax(TOP_K)(logits)
+    if num_rows > 1:  # many tokens on one expert, and one expert nobody chose
+        ids = routing[1]
+        ids[: num_rows // 2, 0] = 2
+        ids[ids == 5] = 4
+        routing = (routing[0], ids)
+    with torch.inference_mode():
+        expected = _torch_reference(experts, x, routing)
+        assert experts.native_object(x) is not None
+        got = experts(x, routing)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_clamp_and_the_gate_limit_are_applied():
+    """Large activations hit gpt-oss's clamps: the native path clamps where torch does."""
+    require_native_kernels()
+    experts = _experts(ClampedSwiGLU(1.702, 0.5), True, "none", seed=3)
+    x, logits = _rows(4, seed=9)
+    routing = TopKThenSoftmax(TOP_K)(logits)
+    with torch.inference_mode():
+        expected = _torch_reference(experts, x * 20, routing)
+        got = experts(x * 20, routing)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rule", [TopKThenSoftmax(TOP_K), SoftmaxThenTopK(TOP_K, False), SoftmaxThenTopK(TOP_K, True)])
+def test_native_routing_matches_the_rules(rule):
+    require_native_kernels()
+    experts = _experts(silu_and_mul, False, "none", seed=1)
+    generator = torch.Generator().manual_seed(11)
+    router_weight = torch.randn(NUM_EXPERTS, HIDDEN, generator=generator)
+    router_bias = torch.randn(NUM_EXPERTS, generator=generator)
+    native = native_experts(experts, router_weight, router_bias, rule.native_routing)
+    x, _ = _rows(16, seed=5)
+    expected_weights, expected_ids = rule(torch.nn.functional.linear(x, router_weight, router_bias))
+    weights, ids = native.route(x)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-6)
+    with torch.inference_mode():
+        expected = _torch_reference(experts, x, (expected_weights, expected_ids))
+    # Outputs reach ~20 here: float32's rounding order differs between BLAS and the row kernels.
+    torch.testing.assert_close(native.forward(x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_other_dtypes_and_a_disabled_native_path_take_the_torch_path():
+    require_native_kernels()
+    experts = _experts(silu_and_mul, False, "none", seed=2)
+    x, logits = _rows(2, seed=3)
+    assert experts.native_object(x.bfloat16()) is None
+    experts.native_enabled = False
+    assert experts.native_object(x) is None
+    routing = TopKThenSoftmax(TOP_K)(logits)
+    torch.testing.assert_close(experts(x, routing), _torch_reference(experts, x, routing))
+
+
+def test_an_activation_the_kernel_does_not_know_keeps_the_torch_path():
+    require_native_kernels()
+    experts = _experts(lambda gate, up: torch.tanh(gate) * up, False, "none", seed=4)
+    x, _ = _rows(1, seed=1)
+    assert experts.native_object(x) is None
+    with pytest.raises(ValueError, match="activation"):
+        native_experts(experts)
+
+
+def test_the_kernel_rejects_an_expert_id_out_of_range():
+    require_native_kernels()
+    native = native_experts(_experts(silu_and_mul, False, "none", seed=5))
+    x, _ = _rows(2, seed=2)
+    ids = torch.tensor([[0, 1, NUM_EXPERTS], [0, 1, 2]])
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.run_experts(x, torch.ones(2, 3), ids)
