@@ -370,7 +370,8 @@ class TransferMetrics:
         self.first_token_recomputed = Counter(
             "pdserve_pd_first_token_recomputed_total",
             "D: P/D requests whose KV P handed over but whose first token D computed again, by reason "
-            "(structured_output, recurrent_state, logprobs_mismatch, no_first_token, pull_failed: pd/first_token.py).",
+            "(structured_output, recurrent_state, logprobs_mismatch, no_first_token, sampling_mismatch, pull_failed: "
+            "pd/first_token.py).",
             ["reason"], registry=registry)
         self.waiting_for_kv = Gauge(
             "pdserve_transfer_waiting_for_kv_requests", "Decode requests whose KV pull is in flight.",

@@ -131,6 +131,9 @@ class FirstToken(BaseModel):
     logprob: Optional[float] = None  # None: P's request did not ask (the sampler computed none)
     num_top_logprobs: StrictInt = Field(default=0, ge=0, le=1024)
     top_logprobs: list[tuple[StrictInt, float]] = Field(default_factory=list, max_length=1025)
+    # sha256 of the sampling fields that shaped the token (pd/first_token.py `first_draw_key`): D continues
+    # from it only when its own request's are the same.
+    sampling_sha256: Optional[StrictStr] = Field(default=None, pattern="^[0-9a-f]{64}$")
 
 
 class PinTicket(BaseModel):

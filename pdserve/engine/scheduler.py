@@ -37,6 +37,7 @@ from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.prefix import PrefixHit
 from pdserve.kv.specs import RecurrentStateSpec
 from pdserve.pd.connector import FREE_NOW, AdmissionKind, KVConnector, KVEvents, NoConnector
+from pdserve.pd.first_token import first_draw_key
 from pdserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -521,7 +522,8 @@ class Scheduler:
 def _first_token_record(request: Request, token: SampledToken) -> FirstToken:
     """P's first token as its ticket carries it: the logprobs only when the request asked (else the
     sampler computed none)."""
+    key = first_draw_key(request.sampling)
     if not request.sampling.logprobs:
-        return FirstToken(token_id=token.token_id)
+        return FirstToken(token_id=token.token_id, sampling_sha256=key)
     return FirstToken(token_id=token.token_id, logprob=token.logprob, num_top_logprobs=request.sampling.top_logprobs,
-                      top_logprobs=list(token.top_logprobs))
+                      top_logprobs=list(token.top_logprobs), sampling_sha256=key)

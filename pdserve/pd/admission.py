@@ -76,8 +76,10 @@ class PrefillAdmission:
         # keep what shapes that token (seed, penalties, its logprobs, min_tokens' ban on a stop at token 1).
         # A grammar's state is the decode worker's (it computes the first token itself then); prompt logprobs
         # are not asked of a P/D pair.
-        sampling = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=min(request.sampling.min_tokens, 1),
-                                       grammar=None, prompt_logprobs=None)
+        # Our proxy moves min_tokens into the params (decode_min_tokens) and drops it from this leg.
+        min_tokens = max(request.sampling.min_tokens, request.kv_params.decode_min_tokens or 0)
+        sampling = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=min(min_tokens, 1), grammar=None,
+                                       prompt_logprobs=None)
         return dataclasses.replace(request, kv_params=None, remote_decode=True, sampling=sampling)
 
 

@@ -6,7 +6,7 @@ when continuing from it gives exactly the tokens a colocated worker would: the s
 token), the same logprobs (P's, for the alternatives the request asks). Every request that came
 with a usable ticket but recomputes the first token is counted by reason. Torch-free.
 
-    ticket.first_token ──▶ grammar? state model? logprobs P could not give? ── yes ──▶ D computes
+    ticket.first_token ──▶ grammar? state model? other sampling? logprobs P lacks? ── yes ──▶ D computes
          │ no                                                                      the last prompt
          ▼                                                                         token (counted)
     D pulls the KV of all P prompt tokens; token 1 is output token 1; D's first step writes its KV
@@ -15,6 +15,8 @@ with a usable ticket but recomputes the first token is counted by reason. Torch-
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Literal, Optional
 
 from pdserve.api.kv_transfer import FirstToken, PinTicket
@@ -24,9 +26,21 @@ from pdserve.api.sampling import SamplingParams
 # structured_output: the grammar's state starts at the prompt's end, not after token 1; recurrent_state:
 # P hands over the state before the last prompt token (models with recurrent state recompute it);
 # logprobs_mismatch: the request asks for alternatives P did not record; no_first_token: P's ticket
-# carries none; pull_failed: the READ failed and D prefilled the prompt itself.
+# carries none; sampling_mismatch: P drew it under other sampling fields than D's request names (a proxy
+# that changed or dropped them on P's leg); pull_failed: the READ failed and D prefilled the prompt itself.
 FirstTokenReason = Literal["structured_output", "recurrent_state", "logprobs_mismatch", "no_first_token",
-                           "pull_failed"]
+                           "sampling_mismatch", "pull_failed"]
+
+
+def first_draw_key(sampling: SamplingParams) -> str:
+    """sha256 of what decides a request's first draw: temperature, top-p/k, seed, penalties, bias, and
+    whether min_tokens bans a stop token there (the stop token ids it bans). P and D compute it alike."""
+    bans_stops = sampling.min_tokens >= 1
+    fields = [sampling.temperature if not sampling.greedy else 0.0, sampling.top_p, sampling.top_k, sampling.seed,
+              sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty,
+              sorted(sampling.logit_bias), bans_stops, sorted(sampling.stop_token_ids) if bans_stops else [],
+              sampling.ignore_eos if bans_stops else None]
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
 
 
 def usable_first_token(ticket: PinTicket, sampling: SamplingParams,
@@ -40,6 +54,8 @@ def usable_first_token(ticket: PinTicket, sampling: SamplingParams,
         return None, "recurrent_state"
     if sampling.grammar is not None:
         return None, "structured_output"
+    if first.sampling_sha256 != first_draw_key(sampling):
+        return None, "sampling_mismatch"
     if sampling.logprobs and (first.logprob is None or first.num_top_logprobs != sampling.top_logprobs):
         return None, "logprobs_mismatch"
     return first, None

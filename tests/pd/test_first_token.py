@@ -11,7 +11,7 @@ import pytest
 from pdserve.api.kv_transfer import FirstToken, PinTicket, prompt_digest
 from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.schedule_types import SampledToken
-from pdserve.pd.first_token import usable_first_token
+from pdserve.pd.first_token import first_draw_key, usable_first_token
 from pdserve.pd.geometry import handoff_ranges, handoff_slices
 from pdserve.request import RequestStatus
 from tests.pd.pd_pair import BLOCK, PLAN, DecodeSide, FakeClock, PrefillSide, make_request, source_for
@@ -65,7 +65,8 @@ def first_token_counts(d: DecodeSide, reason: str) -> tuple[float, float]:
 def test_ps_ticket_carries_the_token_it_sampled_and_no_logprob_unasked(p):
     params = p.prefill("r1", 29)
     first = ticket_of(p, params).first_token
-    assert first == FirstToken(token_id=FIRST_TOKEN_ID)
+    assert first.token_id == FIRST_TOKEN_ID
+    assert first.sampling_sha256 == first_draw_key(SamplingParams(temperature=0))  # max_tokens is not in it
     assert first.logprob is None and first.top_logprobs == []
 
 
@@ -151,21 +152,35 @@ def _ticket(first: Optional[FirstToken]) -> PinTicket:
                      lease_left_s=1.0, first_token=first)
 
 
+def _first(sampling: SamplingParams, **fields) -> FirstToken:
+    """A first token P drew under `sampling`."""
+    return FirstToken(token_id=3, sampling_sha256=first_draw_key(sampling), **fields)
+
+
+SEEDED = SamplingParams(temperature=0.8, seed=7, presence_penalty=1.0)
+LOGPROBS = SamplingParams(logprobs=True, top_logprobs=2)
+
+
 @pytest.mark.parametrize("first, sampling, takes, reason", [
     (None, SamplingParams(), True, "no_first_token"),
-    (FirstToken(token_id=3), SamplingParams(), False, "recurrent_state"),
-    (FirstToken(token_id=3), SamplingParams(grammar="start: /a/"), True, "structured_output"),
-    (FirstToken(token_id=3), SamplingParams(logprobs=True), True, "logprobs_mismatch"),
-    (FirstToken(token_id=3, logprob=-1.0), SamplingParams(logprobs=True, top_logprobs=2), True, "logprobs_mismatch"),
+    (_first(SamplingParams()), SamplingParams(), False, "recurrent_state"),
+    (_first(SamplingParams()), SamplingParams(grammar="start: /a/"), True, "structured_output"),
+    (_first(SamplingParams()), SamplingParams(logprobs=True), True, "logprobs_mismatch"),
+    (_first(LOGPROBS, logprob=-1.0), LOGPROBS, True, "logprobs_mismatch"),  # P recorded no alternatives
+    (_first(SEEDED), SamplingParams(temperature=0.8, seed=8, presence_penalty=1.0), True, "sampling_mismatch"),
+    (_first(SEEDED), SamplingParams(temperature=0.8, seed=7), True, "sampling_mismatch"),
+    # A proxy that dropped min_tokens from P's leg: P's draw could have been a stop token D's may not be.
+    (_first(SamplingParams()), SamplingParams(min_tokens=2), True, "sampling_mismatch"),
+    (FirstToken(token_id=3), SamplingParams(), True, "sampling_mismatch"),  # no key: nothing to compare
 ])
 def test_decode_computes_the_first_token_where_ps_cannot_be_continued(first, sampling, takes, reason):
     assert usable_first_token(_ticket(first), sampling, takes) == (None, reason)
 
 
 @pytest.mark.parametrize("first, sampling", [
-    (FirstToken(token_id=3), SamplingParams(temperature=0.8, seed=7, presence_penalty=1.0)),
-    (FirstToken(token_id=3, logprob=-1.0, num_top_logprobs=1, top_logprobs=[(3, -1.0)]),
-     SamplingParams(logprobs=True, top_logprobs=1)),
+    (_first(SEEDED), SamplingParams(max_tokens=50, temperature=0.8, seed=7, presence_penalty=1.0)),
+    (_first(SamplingParams(min_tokens=1)), SamplingParams(min_tokens=5)),  # either way a stop is banned at draw 0
+    (_first(LOGPROBS, logprob=-1.0, num_top_logprobs=2, top_logprobs=[(3, -1.0), (4, -2.0)]), LOGPROBS),
 ])
 def test_decode_takes_ps_first_token_when_it_can_continue_it(first, sampling):
     assert usable_first_token(_ticket(first), sampling, True) == (first, None)
