@@ -7,8 +7,8 @@ token), the same logprobs (P's, for the alternatives the request asks). Every re
 with a usable ticket but recomputes the first token is counted by reason. Torch-free.
 
     ticket.first_token ──▶ grammar? state model? other sampling? logprobs P lacks? ── yes ──▶ D computes
-         │ no                                                                      the last prompt
-         ▼                                                                         token (counted)
+         │ no                                                                        the last prompt
+         ▼                                                                           token (counted)
     D pulls the KV of all P prompt tokens; token 1 is output token 1; D's first step writes its KV
     at position P and samples token 2
 """
