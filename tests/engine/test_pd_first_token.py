@@ -110,3 +110,15 @@ async def test_logprobs_p_did_not_record_make_decode_compute_the_first_token_cou
     recomputed = decode.metrics.transfer.first_token_recomputed.labels(reason="logprobs_mismatch")._value.get()
     assert recomputed == 1
     assert metric_value(decode.metrics, "pdserve_engine_computed_prompt_tokens_total") == computed_before + 1
+
+
+async def test_a_stop_string_in_ps_token_ends_the_answer_as_on_a_colocated_worker(workers):
+    colocated, prefill, decode = workers
+    body = {**GREEDY, "prompt": PROMPTS[0]}
+    first_text = (await complete(colocated, {**body, "max_tokens": 1}))["choices"][0]["text"]
+    assert first_text.strip(), "the tiny model's first token must decode to text for this test"
+    stopped = {**body, "stop": [first_text.strip()]}
+    local = (await complete(colocated, stopped))["choices"][0]
+    remote = (await through_pd(prefill, decode, stopped, "stop-string"))["choices"][0]
+    assert (remote["text"], remote["finish_reason"]) == (local["text"], local["finish_reason"]) == (
+        first_text[: first_text.index(first_text.strip())], "stop")
