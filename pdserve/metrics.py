@@ -363,6 +363,16 @@ class TransferMetrics:
             "unreachable or the READ failed; prompt_mismatch: P's pin holds another prompt; stale_ticket: P holds "
             "no claimable pin, or its lease ran short before the pull). D's own prefix cache may spare some.",
             ["reason"], registry=registry)
+        self.first_token_from_prefill = Counter(
+            "pdserve_pd_first_token_from_prefill_total",
+            "D: P/D requests that started from the first token P sampled (its ticket's): D pulled every prompt "
+            "token's KV and computed no prompt token.", registry=registry)
+        self.first_token_recomputed = Counter(
+            "pdserve_pd_first_token_recomputed_total",
+            "D: P/D requests whose KV P handed over but whose first token D computed again, by reason "
+            "(structured_output, recurrent_state, logprobs_mismatch, no_first_token, sampling_mismatch, pull_failed: "
+            "pd/first_token.py).",
+            ["reason"], registry=registry)
         self.waiting_for_kv = Gauge(
             "pdserve_transfer_waiting_for_kv_requests", "Decode requests whose KV pull is in flight.",
             registry=registry,

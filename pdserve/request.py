@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from pdserve.api.kv_transfer import AgentInfo, RemotePrefillParams
+from pdserve.api.kv_transfer import AgentInfo, FirstToken, RemotePrefillParams
 from pdserve.api.sampling import FinishReason, SamplingParams, TopLogprobs
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class GenerationRequest:
     remote_decode: bool = False  # P: keep the prompt's KV for a decode worker
     remote: Optional["RemoteSource"] = None  # D: verified source of the prompt's KV
     pd_recomputed: bool = False  # D: came as P/D, but the admission chose to compute the prompt here
+    first_token: Optional[FirstToken] = None  # D: the token P sampled, from P's ticket (pd/first_token.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,9 @@ class Request:
     kv_transfer_params: Optional["RemotePrefillParams"] = None  # P: the finish hook's answer (output)
     pd_recomputed: bool = False  # D: came as P/D, but its prompt is computed here (admission or failed pull)
     error: Optional["PdserveError"] = None  # why it ended with FinishReason.ERROR
+    # P: the first token it sampled, for the pin's ticket; D: P's first token, from the ticket, until it
+    # becomes output token 1 when the pull lands (None again if D computes it after all).
+    first_token: Optional[FirstToken] = None
     # Logprobs of prompt tokens 1.. (when asked), filled as prefill chunks run; sent with the first output.
     prompt_logprobs: list["TopLogprobs"] = field(default_factory=list)
 

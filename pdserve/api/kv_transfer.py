@@ -29,8 +29,10 @@ from pdserve.api.errors import InvalidRequest, PdserveError
 # tickets: D claims the pin's record from P (POST /internal/kv/pin) and reads only the block ids P names there,
 # after checking its prompt against P's digest; remote_block_ids on the wire is accepted and ignored; 6: models
 # with recurrent state: the handshake's groups describe state groups, and a state group's block list is one
-# page, P's handoff page (the state after all but the last prompt token), which D pulls into its live page.
-PROTOCOL_VERSION = 6
+# page, P's handoff page (the state after all but the last prompt token), which D pulls into its live page;
+# 7: the first token comes from P: the ticket carries the token P sampled (`first_token`), D pulls the KV of
+# every prompt token and starts decoding from that token, computing no prompt token (pd/first_token.py).
+PROTOCOL_VERSION = 7
 # D's answer to a P/D leg whose prompt it computed itself (pull failed, stale ticket, prompt mismatch): the
 # proxy counts such legs (pdserve_proxy_pd_legs_recomputed_total). Absent when D pulled the KV.
 KV_RECOMPUTED_HEADER = "X-Pdserve-KV-Recomputed"
@@ -120,6 +122,20 @@ class PinReference(BaseModel):
 
 
 
+class FirstToken(BaseModel):
+    """The token P sampled after the prompt, as P's ticket carries it to D: its id and, when P's request
+    asked for logprobs, its logprob and its `num_top_logprobs` alternatives ((token id, logprob) pairs)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    token_id: StrictInt = Field(ge=0)
+    logprob: Optional[float] = None  # None: P's request did not ask (the sampler computed none)
+    num_top_logprobs: StrictInt = Field(default=0, ge=0, le=1024)
+    top_logprobs: list[tuple[StrictInt, float]] = Field(default_factory=list, max_length=1025)
+    # sha256 of the sampling fields that shaped the token (pd/first_token.py `first_draw_key`): D continues
+    # from it only when its own request's are the same.
+    sampling_sha256: Optional[StrictStr] = Field(default=None, pattern="^[0-9a-f]{64}$")
+
+
 class PinTicket(BaseModel):
     """P's own record of a pin, the only source of the block ids D reads (`POST /internal/kv/pin`).
 
@@ -133,6 +149,9 @@ class PinTicket(BaseModel):
     num_prompt_tokens: StrictInt = Field(ge=1)
     prompt_sha256: StrictStr = Field(pattern="^[0-9a-f]{64}$")
     lease_left_s: float = Field(ge=0)
+    # Since version 7: the token P sampled from the pinned KV (None: P had none to give; D then computes
+    # the last prompt token itself). Only P writes it: D never takes a first token from the client.
+    first_token: Optional[FirstToken] = None
 
 
 def prompt_digest(token_ids: "list[int] | tuple[int, ...]") -> str:

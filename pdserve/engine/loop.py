@@ -179,6 +179,7 @@ class EngineLoop:
             remote_decode=generation.remote_decode,
             remote=generation.remote,
             pd_recomputed=generation.pd_recomputed,
+            first_token=generation.first_token if generation.remote is not None else None,
         )
         self.emitter.register(request.request_id, command.sink)
         self.scheduler.add_request(request)
@@ -193,6 +194,15 @@ class EngineLoop:
             return
         if events:
             self.scheduler.apply_kv_events(events)
+            self._emit_first_tokens()
+
+    def _emit_first_tokens(self) -> None:
+        """Output token 1 of P/D requests that start from P's token (their pull landed): sent before
+        any token D samples for them."""
+        seeded = self.scheduler.take_first_tokens()
+        now = time.monotonic()
+        for request, token in seeded:
+            self._emit(request, {request.request_id: token}, now)
 
     def _finish(self, request_id: str, reason: FinishReason, error: Optional[EngineFailure] = None) -> None:
         request = self.scheduler.finish(request_id, reason, error)
@@ -216,6 +226,7 @@ class EngineLoop:
         if self.core_share is not None:
             self.core_share.before_step(any(queues))
         scheduled = self.scheduler.schedule()
+        self._emit_first_tokens()  # landed inside schedule() (tier reads) or started with nothing to pull
         result = self._execute(scheduled)
         if result is None:  # abandoned: every request in it was aborted while it ran
             for chunk in scheduled.chunks:

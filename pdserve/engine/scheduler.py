@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Optional
 
 from pdserve.api.config import SchedulerConfig
 from pdserve.api.errors import EngineFailure, PdserveError, RequestFailed
+from pdserve.api.kv_transfer import FirstToken
 from pdserve.api.sampling import FinishReason
 from pdserve.engine.pending_load import PendingLoad
 from pdserve.engine.schedule_types import PromptLogprobs, SampledToken, ScheduledChunk, SchedulerOutput
@@ -36,6 +37,7 @@ from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.prefix import PrefixHit
 from pdserve.kv.specs import RecurrentStateSpec
 from pdserve.pd.connector import FREE_NOW, AdmissionKind, KVConnector, KVEvents, NoConnector
+from pdserve.pd.first_token import first_draw_key
 from pdserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._ended: list[Request] = []  # ended here with an error, for the engine loop to report
         self._released_ids: list[str] = []  # requests whose blocks are all back in the pool
+        self._first_tokens: list[tuple[Request, SampledToken]] = []  # D: P's token 1 became output, to emit
         # Hybrid models with prefix caching end prefill chunks where their state can be snapshotted.
         self._snapshots_state = kv_manager.enable_prefix_caching and any(
             isinstance(group.spec, RecurrentStateSpec) for group in kv_manager.plan.groups)
@@ -129,6 +132,12 @@ class Scheduler:
         """Requests the scheduler ended on its own (failed admission or load, internal fault) since the last call."""
         ended, self._ended = self._ended, []
         return ended
+
+    def take_first_tokens(self) -> list[tuple[Request, SampledToken]]:
+        """D: requests whose output token 1 came from P's ticket since the last call, with that token
+        (the engine loop emits it before any token D samples for them)."""
+        seeded, self._first_tokens = self._first_tokens, []
+        return seeded
 
     def take_released_ids(self) -> list[str]:
         """Ids whose blocks were all freed since the last call: nothing refers to them any more."""
@@ -217,13 +226,42 @@ class Scheduler:
         if load.error is not None:
             self._fail(request, load.error)
         elif load.failed:  # start over as an ordinary local request
+            request.first_token = None  # the prompt is computed here, and so is its first token
             self.kv.free(request.request_id)
             request.num_computed_tokens = 0
             request.num_cached_tokens = 0
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
         else:
-            self._start_running(request, load.resume_at)
+            self._resume_after_load(request, load.resume_at)
+
+    def _resume_after_load(self, request: Request, resume_at: int) -> None:
+        """Run a request whose prompt KV is in place; one that starts from P's first token gets it as
+        output token 1 first (and may end there: max_tokens, a stop token)."""
+        if request.first_token is None:
+            self._start_running(request, resume_at)
+            return
+        request.num_computed_tokens = resume_at
+        if self._take_first_token(request):
+            self._start_running(request, resume_at)
+
+    def _take_first_token(self, request: Request) -> bool:
+        """P's token 1 becomes output token 1, counted by every stop rule; False when that ended the request."""
+        first, request.first_token = request.first_token, None
+        request.output_token_ids.append(first.token_id)
+        request.block_hashes = hash_full_blocks(request.all_token_ids, self.block_size, request.block_hashes)
+        # The pulled prompt's full blocks join the prefix cache now, as a computed prompt's would after its step
+        # (the siblings of an n > 1 request start on this output and share them).
+        self.kv.commit(request.request_id, request.block_hashes, request.num_computed_tokens)
+        self._first_tokens.append((request, SampledToken(
+            request.request_id, first.token_id, first.logprob if first.logprob is not None else 0.0,
+            tuple((int(token_id), float(logprob)) for token_id, logprob in first.top_logprobs))))
+        reason = check_stop(request, self.max_model_len)
+        if reason is None:
+            return True
+        self.requests.pop(request.request_id, None)
+        self._release(request, reason)
+        return False
 
     def _start_running(self, request: Request, num_computed_tokens: int) -> None:
         request.num_computed_tokens = num_computed_tokens
@@ -357,6 +395,7 @@ class Scheduler:
             if admission.kind is AdmissionKind.REMOTE:
                 return self._admit_remote(request)
             request.remote = None  # given up: the prompt is computed here
+            request.first_token = None
             request.pd_recomputed = True
         prefix = self._prefix_for(request)
         num_new = self._chunk_tokens(request, prefix.num_tokens, min(request.num_tokens - prefix.num_tokens, budget))
@@ -383,7 +422,9 @@ class Scheduler:
 
     def _admit_remote(self, request: Request) -> Optional[int]:
         """Allocate the whole prompt, then let the connector pull what the prefix cache lacks.
-        The last prompt token is computed here (its logits give the first output token).
+        With P's first token (pd/first_token.py) the pull brings every prompt token's KV and the token
+        becomes output token 1: the first step here is a decode step. Without it the last prompt token
+        is computed here (its logits give the first output token).
         Prefix pages from this worker's offload tier load alongside the pull."""
         prefix = self.kv.find_prefix(request.block_hashes, request.num_prompt_tokens)
         if not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens - 1, 1, prefix):
@@ -394,10 +435,11 @@ class Scheduler:
         pulling = self.connector.start_pull(request, self.kv.block_ids(request.request_id), prefix.num_tokens)
         request.remote = None  # consumed: a later preemption recomputes locally
         reading_tier = self.kv.start_tier_read(request.request_id)
+        resume_at = request.num_prompt_tokens - (1 if request.first_token is None else 0)
         if pulling or reading_tier:
-            self._start_loading(request, request.num_prompt_tokens - 1, pulling=pulling, reading_tier=reading_tier)
+            self._start_loading(request, resume_at, pulling=pulling, reading_tier=reading_tier)
         else:
-            self._start_running(request, request.num_prompt_tokens - 1)
+            self._resume_after_load(request, resume_at)
         return 0
 
     @staticmethod
@@ -465,6 +507,8 @@ class Scheduler:
                            request.num_computed_tokens, request.num_prompt_tokens, self.block_size))
         if token is None:
             return False
+        if request.remote_decode and not request.output_token_ids:  # P: D starts from this token (the ticket)
+            request.first_token = _first_token_record(request, token)
         request.output_token_ids.append(token.token_id)
         request.block_hashes = hash_full_blocks(request.all_token_ids, self.block_size, request.block_hashes)
         reason = check_stop(request, self.max_model_len)
@@ -473,3 +517,13 @@ class Scheduler:
             self.running.remove(request)
             self._release(request, reason)
         return True
+
+
+def _first_token_record(request: Request, token: SampledToken) -> FirstToken:
+    """P's first token as its ticket carries it: the logprobs only when the request asked (else the
+    sampler computed none)."""
+    key = first_draw_key(request.sampling)
+    if not request.sampling.logprobs:
+        return FirstToken(token_id=token.token_id, sampling_sha256=key)
+    return FirstToken(token_id=token.token_id, logprob=token.logprob, num_top_logprobs=request.sampling.top_logprobs,
+                      top_logprobs=list(token.top_logprobs), sampling_sha256=key)

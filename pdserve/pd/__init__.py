@@ -6,7 +6,8 @@ worker is), `geometry` (which blocks travel), `peer_trust` (which hosts D may
 contact), `connector` (the contract with the scheduler), `prefill` and
 `decode` (the two sides, engine thread), `peers` (decode-side connections,
 never waited on), `tickets` (D claims the pin's record from P and checks its
-prompt: the only source of the block ids it reads), `admission` (async-side
+prompt: the only source of the block ids it reads and of the first token),
+`first_token` (whether D starts from P's first token), `admission` (async-side
 checks before the engine sees a request), `leases` and `messages` (P's pins and D's notes to P), `wiring`
 (building it all for a worker).
 Torch-free and nixl-free: pages move through `pdserve.transfer`.
@@ -20,7 +21,8 @@ Block lifetime on both sides (one request; time flows down):
     prompt computed, first token sampled
     request_finished -> pin blocks, lease = now+L
     params {engine, epoch, pin id, nonce} --proxy--->  tickets: claim the pin (HTTP),
-    ticket {block ids, prompt sha256} -------------->    own prompt's digest equal?
+    ticket {block ids, prompt sha256, -------------->    own prompt's digest equal?
+            first token (+ logprobs)}                    first_token: may D start from it?
                                                        admission: handshake, check
                                                        P's block ids, connect peer
                                                        request queued      (renew every H s)
@@ -28,12 +30,16 @@ Block lifetime on both sides (one request; time flows down):
                                                        start_pull: READ of the blocks
     (pages must not change: still pinned)              READ in flight      (renew every H s)
     lease renewed <------------------ "renew" -------
-    released -> scheduler frees <---- "done" --------  READ landed -> landed -> RUNNING
-                                                       (computes the last prompt token)
+    released -> scheduler frees <---- "done" --------  READ landed (every prompt token's KV) ->
+                                                       P's token is output token 1 -> RUNNING
+                                                       (first step: a decode step at position P)
 
+    Where D may not start from P's token (a grammar, logprobs P did not record; pd/first_token.py) it
+    computes the last prompt token itself from the pulled KV, counted by reason.
     A model with recurrent state: P ends a prefill chunk before the last prompt token and copies its
     live state page into a handoff page per state group, pinned with the blocks; D reads it into its
-    live page (one page a group, whatever the prompt's length) and computes the last token from it.
+    live page (one page a group, whatever the prompt's length) and computes the last token from it
+    (so state models stay on that path: first_token reason `recurrent_state`).
 
     D ends the request before reading:  "free" -> P releases at once
     D aborts during the READ:           D keeps its blocks until the READ ends, then frees them

@@ -72,9 +72,14 @@ class PrefillAdmission:
             if not self.has_room_to_pin(num_blocks):
                 raise KVPinnedFull(f"this prefill worker holds as many blocks for decode workers as it may "
                                    f"({num_blocks} more needed): retry later or elsewhere")
-        # Its one token is thrown away: skip what only shapes the answer (the decode worker applies it).
-        sampling = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=0, grammar=None, logprobs=False,
-                                       top_logprobs=0, prompt_logprobs=None)
+        # Its one token becomes the decode worker's output token 1 (its ticket carries it, pd/first_token.py):
+        # keep what shapes that token (seed, penalties, its logprobs, min_tokens' ban on a stop at token 1).
+        # A grammar's state is the decode worker's (it computes the first token itself then); prompt logprobs
+        # are not asked of a P/D pair.
+        # Our proxy moves min_tokens into the params (decode_min_tokens) and drops it from this leg.
+        min_tokens = max(request.sampling.min_tokens, request.kv_params.decode_min_tokens or 0)
+        sampling = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=min(min_tokens, 1), grammar=None,
+                                       prompt_logprobs=None)
         return dataclasses.replace(request, kv_params=None, remote_decode=True, sampling=sampling)
 
 

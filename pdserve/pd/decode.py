@@ -53,6 +53,7 @@ class _Remote:
     read_started_s: float = 0.0  # on the connector's clock, not the transport's: one clock times a pull
     aborted: bool = False  # the request ended while its READ was in flight
     uncached_blocks: tuple[int, ...] = ()  # per group: leading table entries the pull left partly unfilled
+    takes_first_token: bool = False  # the request starts from P's first token (pd/first_token.py)
 
     @property
     def peer_key(self) -> str:  # the key admission connected: by handshake address, engine and epoch
@@ -116,6 +117,7 @@ class DecodeConnector:
 
     def start_pull(self, request: Request, block_tables: Sequence[Sequence[int]], num_cached_tokens: int) -> bool:
         remote = self._remotes[request.request_id]
+        remote.takes_first_token = request.first_token is not None
         params = remote.source.params
         num_tokens = request.num_prompt_tokens
         geometry = remote.source.agent.geometry  # its block size may differ from ours: the pull cuts both into units
@@ -126,6 +128,7 @@ class DecodeConnector:
                                  params.remote_block_ids, num_tokens, num_cached_tokens, self.tp_size, their_ranks)
         remote.uncached_blocks = pull.uncached_blocks
         if pull.is_empty:  # D's prefix cache holds everything it needs
+            self._count_first_token(remote, None)
             del self._remotes[request.request_id]
             self._send(remote, MessageKind.FREE)
             return False
@@ -138,6 +141,7 @@ class DecodeConnector:
                                                       **extra)
         except TransferError as error:
             del self._remotes[request.request_id]
+            self._count_first_token(remote, "pull_failed")
             self._failed_to_start.append(self._failure(request.request_id, f"KV read could not start: {error.message}",
                                                        request.num_prompt_tokens))
         self.metrics.waiting_for_kv.set(self.num_loading)
@@ -193,11 +197,13 @@ class DecodeConnector:
             events.released.append(request_id)
         elif state is TransferState.DONE:
             self.metrics.observe_pull(handle.num_bytes, handle.num_blocks, now - remote.read_started_s)
+            self._count_first_token(remote, None)
             events.landed.append(request_id)
             if any(remote.uncached_blocks):
                 events.uncached[request_id] = remote.uncached_blocks
         else:
             self.peers.forget(remote.peer_key)
+            self._count_first_token(remote, "pull_failed")
             events.failed.append(self._failure(request_id, "could not read the prompt's KV from the prefill worker"
                                                + (f": {handle.error}" if handle.error else ""),
                                                remote.source.params.num_prompt_tokens))
@@ -217,6 +223,8 @@ class DecodeConnector:
         """The remote KV cannot be used: per policy, compute locally (counted under `label`) or fail;
         P may free at once."""
         logger.warning("request %s: %s", request.request_id, reason)
+        if request.first_token is not None:
+            self.metrics.first_token_recomputed.labels(reason="pull_failed").inc()
         del self._remotes[request.request_id]
         self._send(remote, MessageKind.FREE)
         self.metrics.failures.labels(policy=self.policy).inc()
@@ -224,6 +232,15 @@ class DecodeConnector:
             self.metrics.recomputed_prompt_tokens.labels(reason=label).inc(request.num_prompt_tokens)
             return ADMIT_LOCAL
         return Admission(AdmissionKind.FAIL, KVPullFailed(reason))
+
+    def _count_first_token(self, remote: _Remote, failure: Optional[str]) -> None:
+        """A request that was to start from P's first token: it did (the pull landed), or D computes it."""
+        if not remote.takes_first_token:
+            return
+        if failure is None:
+            self.metrics.first_token_from_prefill.inc()
+        else:
+            self.metrics.first_token_recomputed.labels(reason=failure).inc()
 
     def _failure(self, request_id: str, reason: str, num_prompt_tokens: int) -> LoadFailure:
         self.metrics.failures.labels(policy=self.policy).inc()

@@ -109,7 +109,7 @@ class PrefillConnector:
             return FinishAction(error=self._full_error(num_blocks))
         ticket = PinTicket(request_id=request.request_id, block_ids=block_ids, lease_left_s=self.leases.lease_s,
                            num_prompt_tokens=request.num_prompt_tokens,
-                           prompt_sha256=prompt_digest(request.prompt_token_ids))
+                           prompt_sha256=prompt_digest(request.prompt_token_ids), first_token=request.first_token)
         lease = self.leases.pin(request.request_id, num_blocks, ticket)
         self.metrics.pinned_blocks.set(self.leases.num_pinned_blocks)
         logger.info("request %s: %d blocks pinned for a decode worker (lease %.0fs)",

@@ -30,6 +30,7 @@ from pdserve.api.errors import PdserveError
 from pdserve.api.kv_transfer import (KVParamsStale, KVPullFailed, KVTicketUnusable, PinTicket, RemotePrefillParams,
                                      prompt_digest, url_host)
 from pdserve.pd.admission import KVAdmission, PeerFailureMemory
+from pdserve.pd.first_token import usable_first_token
 from pdserve.pd.handshake import TOKEN_HEADER
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.request import GenerationRequest
@@ -46,6 +47,7 @@ MAX_TICKET_BYTES = 4 << 20  # block ids of the longest prompt of a large pool, w
 # Why D computed a prompt that came as P/D (the label of pdserve_pd_recomputed_prompt_tokens_total).
 RecomputeReason = Literal["pull_failed", "prompt_mismatch", "stale_ticket"]
 CountRecompute = Callable[[str, int], None]  # (reason, prompt tokens)
+CountFirstTokenRecompute = Callable[[str], None]  # (reason): D computes the first token P sampled
 
 
 class TicketUnreachable(Exception):
@@ -152,9 +154,15 @@ class TicketAdmission:
     def __init__(self, inner: KVAdmission, client: TicketClient, policy: Literal["recompute", "fail"],
                  count_recompute: CountRecompute = lambda reason, num_tokens: None,
                  allowed_peers: Optional[PeerAllowList] = None, failures: Optional[PeerFailureMemory] = None,
-                 count_failure: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic):
+                 count_failure: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
+                 takes_first_token: bool = True,
+                 count_first_token_recompute: CountFirstTokenRecompute = lambda reason: None):
         """`failures`: the inner admission's memory of dead peers, so a dead P costs no claim either;
-        `count_failure`: the inner admission's count of unreachable peers (pdserve_transfer_failures_total)."""
+        `count_failure`: the inner admission's count of unreachable peers (pdserve_transfer_failures_total);
+        `takes_first_token`: whether this worker may start from P's first token (not with recurrent state);
+        `count_first_token_recompute`: a usable ticket whose first token D computes again, by reason."""
+        self.takes_first_token = takes_first_token
+        self.count_first_token_recompute = count_first_token_recompute
         self.inner = inner
         self.count_failure = count_failure
         self.failures = failures or PeerFailureMemory()
@@ -192,15 +200,21 @@ class TicketAdmission:
             return self._local(request, "prompt_mismatch", KVTicketUnusable(
                 f"the KV pinned as {params.remote_request_id} on prefill worker {params.remote_engine_id} was "
                 f"computed from another prompt than this request's"))
+        first_token, why_not = usable_first_token(ticket, request.sampling, self.takes_first_token)
+        if why_not is not None:
+            self.count_first_token_recompute(why_not)
         try:
-            admitted = await self.inner.admit(dataclasses.replace(request, kv_params=ticketed_params(params, ticket)))
+            admitted = await self.inner.admit(dataclasses.replace(request, kv_params=ticketed_params(params, ticket),
+                                                                  first_token=first_token))
         except PdserveError:
             self.client.release_in_background(params)
             raise
         if admitted.remote is None:  # the inner admission fell back to a local prefill (peer unreachable)
             self.client.release_in_background(params)
             self.count_recompute("pull_failed", len(request.prompt_token_ids))
-            return dataclasses.replace(admitted, pd_recomputed=True)
+            if first_token is not None:
+                self.count_first_token_recompute("pull_failed")
+            return dataclasses.replace(admitted, pd_recomputed=True, first_token=None)
         return admitted
 
     def _local(self, request: GenerationRequest, reason: RecomputeReason, error: PdserveError) -> GenerationRequest:

@@ -154,6 +154,8 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
                             tp_size=config.parallel.tensor_parallel_size)
     tickets = TicketClient(config.server.internal_token, transfer.handshake_timeout_s, http_transport)
     recomputed = metrics.transfer.recomputed_prompt_tokens
+    first_token_recomputed = metrics.transfer.first_token_recomputed
     return TicketAdmission(inner, tickets, transfer.failure_policy, allowed_peers=allowed_peers, failures=inner.failures,
                            count_recompute=lambda reason, num_tokens: recomputed.labels(reason=reason).inc(num_tokens),
-                           count_failure=failures.inc)
+                           count_failure=failures.inc, takes_first_token=not pool.plan.state_group_ids,
+                           count_first_token_recompute=lambda reason: first_token_recomputed.labels(reason=reason).inc())

@@ -33,8 +33,10 @@ async def test_one_pull_serves_all_choices_and_they_equal_the_colocated_answer(q
         assert body["usage"]["prompt_tokens"] == len(prompt)
         assert body["usage"]["completion_tokens"] == 3 * BODY["max_tokens"]
         assert metric_value(decode.metrics, "pdserve_transfer_duration_seconds_count") == 1  # one pull
-        # The leader computes the last prompt token; each sibling the 2 tokens of the partial block.
-        assert metric_value(decode.metrics, "pdserve_engine_computed_prompt_tokens_total") == 1 + 2 * 2
+        # The leader starts from P's first token and computes no prompt token; each sibling the 2 tokens of
+        # the partial block (the leader's full blocks joined the prefix cache when its token 1 went out).
+        assert metric_value(decode.metrics, "pdserve_engine_computed_prompt_tokens_total") == 0 + 2 * 2
+        assert metric_value(decode.metrics, "pdserve_pd_first_token_from_prefill_total") == 1
         # The engine thread frees the ids once the blocks are back, which may be just after the answer left.
         assert await wait_until(lambda: len(decode.built.engine.request_ids) == 0)
     finally:

@@ -101,7 +101,10 @@ async def test_full_decode_path_in_process_equals_a_local_run(qwen_dir, fabric, 
         assert metric_value(decode.metrics, "pdserve_transfer_descriptors_total") > 0
         assert await wait_until(lambda: prefill.built.engine.load_report().num_pinned_blocks == 0)
         assert metric_value(decode.metrics, "pdserve_transfer_failures_total") == 0
-        assert metric_value(decode.metrics, "pdserve_engine_computed_prompt_tokens_total") == 2  # one per prompt
+        # D starts from P's first token (protocol 7): it computes no prompt token (it computed the last one
+        # of each prompt before).
+        assert metric_value(decode.metrics, "pdserve_engine_computed_prompt_tokens_total") == 0
+        assert metric_value(decode.metrics, "pdserve_pd_first_token_from_prefill_total") == 2
     finally:
         decode.close()
 

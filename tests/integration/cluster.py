@@ -27,9 +27,10 @@ def same_path_reference(worker: Worker, path: str, body: dict, request_id: str, 
     `worker` (the prefill worker, prefix caching on) answers `body` twice by itself. The
     prompt ends one token past a block boundary, so the second time every prompt token
     but the last is a prefix-cache hit and the last one is computed as a single-token
-    step over cached KV: the same KV bytes a decode worker pulls, the same attention
-    path and dtype it computes that token with. An independent run (the prompt as one
-    chunk) would take another attention path, and in bf16 may round differently."""
+    step over cached KV. A P/D leg that follows hits the same cache on P, so P samples the
+    first token exactly so (protocol 7: D starts from P's token) and D decodes over the
+    same KV bytes, on the same attention path and dtype. An independent run (the prompt
+    as one chunk) would take another attention path, and in bf16 may round differently."""
     first = httpx.post(worker.url + path, json=body, timeout=120,
                        headers={"X-Request-Id": f"{request_id}-warm", **(headers or {})})
     first.raise_for_status()

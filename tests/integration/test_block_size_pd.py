@@ -101,8 +101,9 @@ def test_pd_between_block_sizes_matches_transformers_with_the_kv_pulled(shapes, 
         moved = decode.metric("pdserve_transfer_bytes_total") - bytes_before
         assert moved == tokens_moved(decode, length, prefill_block, decode_block) * bytes_per_token
         assert decode.metric("pdserve_transfer_descriptors_total") - descriptors_before > 0
-        # Pulled, not recomputed: D computes only the prompt's last token (P sampled from it, D needs its KV).
-        assert decode.metric("pdserve_engine_computed_prompt_tokens_total") - computed_before == 1
+        # Pulled, not recomputed: D starts from P's first token (protocol 7) and computes no prompt token
+        # (it computed the last one before); every prompt token's KV came across.
+        assert decode.metric("pdserve_engine_computed_prompt_tokens_total") - computed_before == 0
     assert wait_for(lambda: prefill.metric("pdserve_transfer_pinned_blocks") == 0, 30)
 
 

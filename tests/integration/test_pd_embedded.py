@@ -252,3 +252,36 @@ def test_prefill_leg_without_token_is_refused(cluster):
     prefill, _ = cluster
     response = prefill_leg(prefill, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3}, "no-auth")
     assert response.status_code == 401
+
+
+FIRST_TOKEN_SAMPLING = {
+    "greedy": {"temperature": 0},
+    "seeded": {"temperature": 0.8, "seed": 7},
+    "penalised": {"temperature": 0.8, "seed": 11, "presence_penalty": 0.8, "frequency_penalty": 0.5,
+                  "repetition_penalty": 1.2},
+}
+
+
+@pytest.mark.parametrize("name", list(FIRST_TOKEN_SAMPLING))
+def test_pd_answers_start_from_ps_first_token_and_equal_a_colocated_run(cluster, name):
+    """Protocol 7: D starts from the token P sampled (its ticket's) and computes no prompt token. P computes
+    the prompt as one chunk and D decodes over those KV bytes, as a colocated worker computes the same
+    request (D's local answer: no prefix cache there), so tokens and the first token's logprobs are equal;
+    seeded draws are keyed by (seed, draw index), so D's first draw is draw 1 whoever made draw 0."""
+    prefill, decode = cluster
+    for index, subject in enumerate(("lighthouses", "glaciers")):  # prompts P has not seen: no prefix hit there
+        body = {"model": MODEL, "prompt": f"A short note on {subject} ({name}):", "max_tokens": 12,
+                "ignore_eos": True, "logprobs": 2, **FIRST_TOKEN_SAMPLING[name]}
+        computed_before = decode.metric("pdserve_engine_computed_prompt_tokens_total")
+        started_before = decode.metric("pdserve_pd_first_token_from_prefill_total")
+        _, response = two_legs(prefill, decode, "/v1/completions", body, f"first-{name}-{index}", AUTH)
+        assert response.status_code == 200, response.text
+        assert decode.metric("pdserve_engine_computed_prompt_tokens_total") == computed_before
+        assert decode.metric("pdserve_pd_first_token_from_prefill_total") == started_before + 1
+        local = decode_leg(decode, "/v1/completions", body, None, f"first-{name}-{index}-local", AUTH)
+        got, want = response.json()["choices"][0], local.json()["choices"][0]
+        assert got["text"] == want["text"]
+        assert response.json()["usage"]["completion_tokens"] == 12  # P's token counted like any other
+        assert got["logprobs"]["tokens"][0] == want["logprobs"]["tokens"][0]
+        assert got["logprobs"]["token_logprobs"][0] == want["logprobs"]["token_logprobs"][0]
+        assert got["logprobs"]["top_logprobs"][0] == want["logprobs"]["top_logprobs"][0]

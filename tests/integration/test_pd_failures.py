@@ -62,6 +62,10 @@ def test_prefill_restart_is_rehandshaked_transparently(cluster, tmp_path):
                        internal_port=prefill.internal_port)
     start_workers(restarted)
     cluster["prefill"] = restarted
+    # The restart emptied P's prefix cache: warm it as before, so that P samples the first token (which D
+    # starts from, protocol 7) on the reference's path again.
+    assert same_path_reference(restarted, "/v1/completions", story(), "reference-again")["choices"][0][
+        "logprobs"] == expected
     params, second = two_legs(restarted, decode, "/v1/completions", story(), "after-restart")
     assert pd_logprobs(second) == expected["token_logprobs"]
     assert decode.metric("pdserve_transfer_handshakes_total") == handshakes + 1

@@ -39,12 +39,18 @@ def test_gemma3_pd_matches_the_same_kv_on_the_same_path_and_moves_only_the_live_
         expected = same_path_reference(prefill, "/v1/completions", body, f"gemma-ref-{seed}", block_size=BLOCK_SIZE)
         descriptors_before = decode.metric("pdserve_transfer_descriptors_total")
         bytes_before = decode.metric("pdserve_transfer_bytes_total")
+        computed_before = decode.metric("pdserve_engine_computed_prompt_tokens_total")
         params, response = two_legs(prefill, decode, "/v1/completions", body, f"gemma-{seed}")
         assert response.status_code == 200, response.text
         got, want = response.json()["choices"][0], expected["choices"][0]
         assert got["text"] == want["text"]
         assert got["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
         assert response.json()["usage"]["completion_tokens"] == 32
+        # Protocol 7: D started from P's first token; its first step wrote that token's KV (full and
+        # sliding groups alike), so it computed no prompt token.
+        assert decode.metric("pdserve_engine_computed_prompt_tokens_total") == computed_before
+        local = httpx.post(decode.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+        assert got["text"] == local["text"]  # and a colocated run (D alone, no prefix cache) agrees
 
         info = httpx.get(prefill.internal_url + "/internal/kv/agent_info", timeout=10).json()
         kinds = [group["kind"] for group in info["geometry"]["groups"]]

@@ -103,6 +103,14 @@ def proxy_metric(up: UpProcess, name: str) -> float:
     return total
 
 
+def decode_metric(up: UpProcess, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(up.url("decode") + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def test_up_prints_every_port_and_prefixes_each_process_log(up):
     output = up.output()
     for name in ("prefill", "decode", "proxy"):
@@ -140,8 +148,12 @@ def test_completions_through_the_proxy_equal_the_single_worker_answer(up, client
 
 def test_requests_took_both_legs_and_the_ttft_split_is_recorded(up, client):
     before = proxy_metric(up, "pdserve_proxy_ttft_prefill_seconds_count")
+    started_before = decode_metric(up, "pdserve_pd_first_token_from_prefill_total")
     list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stream=True))
     assert proxy_metric(up, "pdserve_proxy_ttft_prefill_seconds_count") == before + 1
+    # Protocol 7 through our proxy (min_tokens moved to decode_min_tokens): D started from P's first token.
+    assert decode_metric(up, "pdserve_pd_first_token_from_prefill_total") == started_before + 1
+    assert decode_metric(up, "pdserve_pd_first_token_recomputed_total") == 0
     assert proxy_metric(up, "pdserve_proxy_requests_total") >= 5
     assert proxy_metric(up, "pdserve_proxy_backend_errors_total") == 0
     pulled = httpx.get(up.url("decode") + "/metrics", timeout=5).text

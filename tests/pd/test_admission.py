@@ -3,6 +3,8 @@ engine sees a request, failed peers remembered with a backoff, outcomes per fail
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 
 import httpx
@@ -182,6 +184,19 @@ async def test_prefill_admission_keeps_the_kv_only_when_asked_and_computes_one_t
     stub = StubPrefill()
     other = await gate.admit(request(stub.params()))  # params meant for a decode worker: served locally
     assert not other.remote_decode and other.kv_params is None
+
+
+async def test_prefill_admission_keeps_what_shapes_the_first_token_the_decode_worker_continues_from():
+    """Protocol 7: P's token is D's output token 1, so P draws it as the whole request would: logprobs and
+    seed kept, min_tokens' ban on a stop at draw 0 kept (from decode_min_tokens when our proxy moved it)."""
+    sampling = SamplingParams(max_tokens=9, temperature=0.8, seed=4, logprobs=True, top_logprobs=2,
+                              presence_penalty=0.5)
+    gate = PrefillAdmission()
+    base = request(RemoteDecodeRequest(do_remote_decode=True, decode_min_tokens=3))
+    asked = await gate.admit(dataclasses.replace(base, sampling=sampling))
+    assert asked.sampling == dataclasses.replace(sampling, max_tokens=1, min_tokens=1)
+    plain = await gate.admit(dataclasses.replace(base, kv_params=RemoteDecodeRequest(do_remote_decode=True)))
+    assert plain.sampling.min_tokens == 0
 
 
 @pytest.mark.parametrize("host", ["evil.example:80", "127.0.0.1/internal", "h?x=1", "user@h", "h#frag", " h",

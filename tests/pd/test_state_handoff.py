@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.api.kv_transfer import PROTOCOL_VERSION
 from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.schedule_types import SampledToken
 from pdserve.kv.specs import FullAttentionSpec, RecurrentStateSpec, plan_groups
@@ -263,7 +264,7 @@ def test_the_handshake_names_the_state_layers_a_peer_lacks():
     theirs = compatibility_document("m", "float32", 1, 8, attention_only)
     older = dict(own, protocol_version=5)
     assert "recurrent-state layers [0, 1, 2] here are not state layers there" in incompatibilities(own, theirs)
-    assert "protocol_version: 6 here, 5 there" in incompatibilities(own, older)
+    assert f"protocol_version: {PROTOCOL_VERSION} here, 5 there" in incompatibilities(own, older)
     repaged = compatibility_document("m", "float32", 1, 8, plan_groups([STATE, STATE, STATE, FullAttentionSpec()],
                                                                         attention_layer_bytes=256))
     assert repaged == own  # state layers are listed whatever pages they share: block sizes may differ

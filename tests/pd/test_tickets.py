@@ -186,3 +186,35 @@ async def test_the_release_route_frees_only_with_the_pins_nonce():
     pair.p.tick()
     assert unknown.status_code == 404 and stale.status_code == 409 and accepted.status_code == 202
     assert pair.p.connector.num_pinned_blocks == 0
+
+
+async def test_the_first_token_comes_from_ps_ticket_never_from_the_clients_params():
+    pair = Pair()
+    params = pair.p.prefill("r1", 30)  # P sampled token 5
+    forged = RemotePrefillParams.model_validate({**params.model_dump(), "first_token": {"token_id": 99}})
+    sampling = SamplingParams(temperature=0)  # as P's leg drew it (PrefillSide.prefill)
+    admitted = await pair.admission.admit(GenerationRequest("d-req", tuple(range(10, 40)), sampling, kv_params=forged))
+    assert admitted.first_token is not None and admitted.first_token.token_id == 5
+
+
+async def test_a_decode_leg_naming_other_sampling_than_ps_leg_computes_the_first_token_counted():
+    pair = Pair()
+    reasons: list[str] = []
+    pair.admission.count_first_token_recompute = reasons.append
+    params = pair.p.prefill("r1", 30)  # drawn greedily
+    seeded = SamplingParams(temperature=0.8, seed=3)
+    admitted = await pair.admission.admit(GenerationRequest("d-req", tuple(range(10, 40)), seeded, kv_params=params))
+    assert admitted.remote is not None and admitted.first_token is None  # the KV is still pulled
+    assert reasons == ["sampling_mismatch"]
+
+
+async def test_a_grammar_request_takes_no_first_token_and_is_counted():
+    pair = Pair()
+    reasons: list[str] = []
+    pair.admission.count_first_token_recompute = reasons.append
+    params = pair.p.prefill("r1", 30)
+    prompt = tuple(range(10, 40))
+    admitted = await pair.admission.admit(GenerationRequest("d-req", prompt, SamplingParams(grammar="start: /a/"),
+                                                            kv_params=params))
+    assert admitted.remote is not None and admitted.first_token is None
+    assert reasons == ["structured_output"]
