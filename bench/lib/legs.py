@@ -23,7 +23,13 @@ REMOTE_DECODE = {
 def prefill_leg(prefill: Worker, path: str, body: dict, request_id: str, headers: Optional[dict] = None) -> httpx.Response:
     """The proxy's first hop, as the wire protocol describes it."""
     leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-    leg.update(stream=False, max_tokens=1, kv_transfer_params=REMOTE_DECODE)
+    params = dict(REMOTE_DECODE)  # the decode leg's limits travel as the proxy sends them (P keeps min_tokens <= 1)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        params["decode_max_tokens"] = max_tokens
+    if body.get("min_tokens"):
+        params["decode_min_tokens"] = body["min_tokens"]
+    leg.update(stream=False, max_tokens=1, kv_transfer_params=params)
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
     return httpx.post(prefill.url + path, json=leg, headers={"X-Request-Id": request_id, **(headers or {})}, timeout=120)
