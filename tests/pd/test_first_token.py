@@ -15,31 +15,8 @@ from pdserve.pd.first_token import first_draw_key, usable_first_token
 from pdserve.pd.geometry import handoff_ranges, handoff_slices
 from pdserve.request import RequestStatus
 from tests.pd.pd_pair import BLOCK, PLAN, DecodeSide, FakeClock, PrefillSide, make_request, source_for
-from pdserve.transfer.fake_transport import FakeFabric
 
 FIRST_TOKEN_ID = 5  # what PrefillSide.prefill samples
-
-
-@pytest.fixture
-def clock():
-    return FakeClock()
-
-
-@pytest.fixture
-def fabric():
-    return FakeFabric()
-
-
-@pytest.fixture
-def p(fabric, clock):
-    return PrefillSide(fabric, clock)
-
-
-@pytest.fixture
-def d(fabric, clock, p):
-    side = DecodeSide(fabric, clock)
-    assert side.connect(p) is None
-    return side
 
 
 def ticket_of(p: PrefillSide, params) -> PinTicket:

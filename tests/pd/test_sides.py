@@ -13,31 +13,9 @@ from pdserve.kv.specs import SlidingWindowSpec
 from pdserve.pd.geometry import handoff_ranges, handoff_slices
 from pdserve.pd.messages import KVMessage, MessageKind
 from pdserve.request import Request, RequestStatus
-from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
+from pdserve.transfer.fake_transport import FakeTransport
 from pdserve.transfer.transport import PeerInfo
 from tests.pd.pd_pair import BLOCK, PAGE_BYTES, PLAN, DecodeSide, FakeClock, PrefillSide, make_request, source_for
-
-
-@pytest.fixture
-def clock():
-    return FakeClock()
-
-
-@pytest.fixture
-def fabric():
-    return FakeFabric()
-
-
-@pytest.fixture
-def p(fabric, clock):
-    return PrefillSide(fabric, clock)
-
-
-@pytest.fixture
-def d(fabric, clock, p):
-    side = DecodeSide(fabric, clock)
-    assert side.connect(p) is None
-    return side
 
 
 def admit(d: DecodeSide, p: PrefillSide, clock: FakeClock, request_id: str, num_prompt: int, params):

@@ -15,8 +15,7 @@ from pdserve.kv.specs import FullAttentionSpec, RecurrentStateSpec, plan_groups
 from pdserve.pd.geometry import handoff_ranges
 from pdserve.pd.leases import ClaimOutcome
 from pdserve.request import Request, RequestStatus
-from tests.pd.pd_pair import BLOCK, NUM_BLOCKS, PAGE_BYTES, DecodeSide, FakeClock, PrefillSide, make_request, source_for
-from pdserve.transfer.fake_transport import FakeFabric
+from tests.pd.pd_pair import BLOCK, NUM_BLOCKS, PAGE_BYTES, DecodeSide, PrefillSide, make_request, source_for
 
 STATE = RecurrentStateSpec("gated_delta_net", conv_channels=2, conv_window=3, recurrent_shape=(2, 2, 2))
 # 56-byte state layers, 128-byte attention pages: two state layers a page, so two state groups.
@@ -26,16 +25,6 @@ ATTENTION_GROUPS = [g.group_id for g in STATE_PLAN.groups if not g.is_state]
 
 def test_the_plan_has_two_state_groups():
     assert len(STATE_PLAN.state_group_ids) == 2 and ATTENTION_GROUPS == [0]
-
-
-@pytest.fixture
-def clock():
-    return FakeClock()
-
-
-@pytest.fixture
-def fabric():
-    return FakeFabric()
 
 
 @pytest.fixture
