@@ -66,7 +66,7 @@ class FileBudget:
         self.enforce = enforce  # fail the session, or only name the files over budget
         self.allowed = allowed
         self.seconds: dict[str, float] = defaultdict(float)  # file or session-fixture line -> seconds
-        self._session_setup_s = 0.0  # session fixtures set up during the current test's setup
+        self._session_fixtures_s: dict[str, float] = defaultdict(float)  # set up during the current test's setup
         self._session_depth = 0  # session fixtures being set up right now (nested ones count once)
         self.over_budget: list[str] = []
 
@@ -80,15 +80,26 @@ class FileBudget:
             return (yield)
         finally:
             self._session_depth -= 1
-            elapsed_s = time.monotonic() - started_s
-            self._session_setup_s += elapsed_s
-            self.seconds[SESSION_LINE + fixturedef.argname] += elapsed_s
+            self._session_fixtures_s[fixturedef.argname] += time.monotonic() - started_s
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        """A setup report carries the session fixtures it set up (name -> seconds) as an attribute of its
+        own, which pytest-xdist sends with the report: the process that sums (a worker's controller)
+        never sees the fixture hooks of the process that ran them."""
+        report = yield
+        if call.when == "setup":
+            report.session_fixtures_s = dict(self._session_fixtures_s)
+            self._session_fixtures_s.clear()
+        return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         duration_s = report.duration
+        fixtures_s = getattr(report, "session_fixtures_s", None) or {}
+        for name, seconds in fixtures_s.items():
+            self.seconds[SESSION_LINE + name] += seconds
         if report.when == "setup":
-            duration_s = max(0.0, duration_s - self._session_setup_s)
-            self._session_setup_s = 0.0
+            duration_s = max(0.0, duration_s - sum(fixtures_s.values()))
         self.seconds[report.nodeid.split("::", 1)[0]] += duration_s
 
     @pytest.hookimpl(tryfirst=True)
