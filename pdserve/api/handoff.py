@@ -10,7 +10,7 @@ component names are a fixed set, so they may be metric label values. Torch-free 
     D                                                                   arrival ─ d_ticket ─▶ ticket claimed
                                                                         READ start ─ d_pull ─▶ landed
     proxy      ... leg 2 sent ─ decode_first_byte ─▶ D's first byte ─ client_first_byte ─▶ written to client
-    (prefill_return: P's whole leg as the proxy saw it, less P's three parts: HTTP, parsing, detokenizing)
+    (prefill_overhead: P's leg as the proxy timed it, less P's three parts: the wire, HTTP, tokenizing, answering)
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ PREFILL_COMPONENTS = ("p_queue", "p_compute", "p_pin")
 # Measured on D (its own /metrics only).
 DECODE_COMPONENTS = ("d_ticket", "d_pull")
 # Measured on the proxy.
-PROXY_COMPONENTS = ("proxy_hop", "prefill_return", "decode_first_byte", "client_first_byte")
+PROXY_COMPONENTS = ("proxy_hop", "prefill_overhead", "decode_first_byte", "client_first_byte")
 # The proxy's log line and histogram: its own components and P's, in the order a request meets them.
-PROXY_LOG_COMPONENTS = ("proxy_hop", "p_queue", "p_compute", "p_pin", "prefill_return", "decode_first_byte",
+PROXY_LOG_COMPONENTS = ("proxy_hop", "p_queue", "p_compute", "p_pin", "prefill_overhead", "decode_first_byte",
                         "client_first_byte")
-COMPONENTS = PREFILL_COMPONENTS + DECODE_COMPONENTS + PROXY_COMPONENTS
+# Every component, in the order a P/D request meets them (the order of log fields).
+COMPONENTS = ("proxy_hop", "p_queue", "p_compute", "p_pin", "prefill_overhead", "d_ticket", "d_pull",
+              "decode_first_byte", "client_first_byte")
 # Buckets fine around the handoff budget (15 ms) and wide enough for a prompt queued for minutes.
 HANDOFF_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
@@ -95,7 +97,7 @@ class ProxyHandoff:
         parts: dict[str, Optional[float]] = {"proxy_hop": None if hop is None or between is None else hop + between}
         parts.update(self.prefill_reported)
         if self.prefill_leg_s is not None and len(self.prefill_reported) == len(PREFILL_COMPONENTS):
-            parts["prefill_return"] = max(0.0, self.prefill_leg_s - sum(self.prefill_reported.values()))
+            parts["prefill_overhead"] = max(0.0, self.prefill_leg_s - sum(self.prefill_reported.values()))
         parts["decode_first_byte"] = elapsed_s(self.decode_sent_s, self.decode_first_byte_s)
         parts["client_first_byte"] = elapsed_s(self.decode_first_byte_s, self.client_first_byte_s)
         return {name: parts[name] for name in PROXY_LOG_COMPONENTS if parts.get(name) is not None}
