@@ -9,6 +9,7 @@ component names are a fixed set, so they may be metric label values. Torch-free 
     P                           arrival ─ p_queue ─▶ scheduled ─ p_compute ─▶ token 1 ─ p_pin ─▶ pinned
     D                                                                   arrival ─ d_ticket ─▶ ticket claimed
                                                                         READ start ─ d_pull ─▶ landed
+                                                                  token 1 sent ─ d_first_step ─▶ token 2 sent
     proxy      ... leg 2 sent ─ decode_first_byte ─▶ D's first byte ─ client_first_byte ─▶ written to client
     (prefill_overhead: P's leg as the proxy timed it, less P's three parts: the wire, HTTP, tokenizing, answering)
 """
@@ -22,7 +23,7 @@ from typing import Any, Mapping, Optional
 # Measured on P and returned in its leg answer.
 PREFILL_COMPONENTS = ("p_queue", "p_compute", "p_pin")
 # Measured on D (its own /metrics only).
-DECODE_COMPONENTS = ("d_ticket", "d_pull")
+DECODE_COMPONENTS = ("d_ticket", "d_pull", "d_first_step")
 # Measured on the proxy.
 PROXY_COMPONENTS = ("proxy_hop", "prefill_overhead", "decode_first_byte", "client_first_byte")
 # The proxy's log line and histogram: its own components and P's, in the order a request meets them.
@@ -30,7 +31,7 @@ PROXY_LOG_COMPONENTS = ("proxy_hop", "p_queue", "p_compute", "p_pin", "prefill_o
                         "client_first_byte")
 # Every component, in the order a P/D request meets them (the order of log fields).
 COMPONENTS = ("proxy_hop", "p_queue", "p_compute", "p_pin", "prefill_overhead", "d_ticket", "d_pull",
-              "decode_first_byte", "client_first_byte")
+              "d_first_step", "decode_first_byte", "client_first_byte")
 # Buckets fine around the handoff budget (15 ms) and wide enough for a prompt queued for minutes.
 HANDOFF_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,

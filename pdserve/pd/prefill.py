@@ -94,6 +94,9 @@ class PrefillConnector:
 
     def request_finished(self, request: Request, reason: FinishReason,
                          block_tables: Sequence[Sequence[int]]) -> FinishAction:
+        # The hook runs in the step that sampled the first token, before the loop stamps it: its start is then
+        # when the token was sampled (handoff component p_compute ends here, p_pin starts).
+        sampled_s = request.first_token_time_s if request.first_token_time_s is not None else self.clock()
         if not request.remote_decode or reason not in (FinishReason.STOP, FinishReason.LENGTH):
             return FREE_NOW
         if request.num_computed_tokens < request.num_prompt_tokens:
@@ -116,8 +119,7 @@ class PrefillConnector:
                            prompt_sha256=prompt_digest(request.prompt_token_ids), first_token=request.first_token)
         lease = self.leases.pin(request.request_id, num_blocks, ticket)
         self.metrics.pinned_blocks.set(self.leases.num_pinned_blocks)
-        parts = prefill_parts(request.arrival_time_s, request.first_scheduled_time_s, request.first_token_time_s,
-                              self.clock())
+        parts = prefill_parts(request.arrival_time_s, request.first_scheduled_time_s, sampled_s, self.clock())
         self.metrics.observe_handoff(parts)
         logger.info("request %s: %d blocks pinned for a decode worker (lease %.0fs)",
                     request.request_id, lease.num_blocks, self.leases.lease_s)
