@@ -322,13 +322,14 @@ class Forwarder:
             raise self._unavailable(Role.PREFILL)
         raise last.error
 
-    async def _timed_prefill(self, backend: Backend, request: ClientRequest, handoff: ProxyHandoff) -> Any:
+    async def _timed_prefill(self, backend: Backend, request: ClientRequest,
+                             handoff: Optional[ProxyHandoff] = None) -> Any:
         """A prefill leg, its prompt counted in the worker's backlog while it runs; a leg that had the
-        worker to itself is a sample of the prefill speed."""
+        worker to itself is a sample of the prefill speed; its times go into `handoff`."""
         num_tokens = self._num_prompt_tokens(request)
         alone = backend.num_in_flight == 0
         started_s = time.perf_counter()
-        if handoff.prefill_sent_s is None:
+        if handoff is not None and handoff.prefill_sent_s is None:
             handoff.prefill_sent_s = started_s
         backend.prompt_tokens_in_flight += num_tokens
         try:
@@ -336,7 +337,8 @@ class Forwarder:
         finally:
             backend.prompt_tokens_in_flight -= num_tokens
         answered_s = time.perf_counter()
-        handoff.prefill_answered(answered_s - started_s, answered_s, answer.handoff_s)
+        if handoff is not None:
+            handoff.prefill_answered(answered_s - started_s, answered_s, answer.handoff_s)
         computed = num_tokens - (answer.num_cached_tokens or 0)  # the worker's count of its cached prefix
         if alone and computed > 0:
             self._speeds[Role.PREFILL].observe(computed, time.perf_counter() - started_s)
