@@ -35,7 +35,7 @@ from bench.lib.stream import RequestRecord
 from bench.lib.workloads import (
     Endpoint, RequestClass, WorkloadError, build_requests, long_class_name, parse_mix, single_class, warmup_requests,
 )
-from pdserve.api.handoff import COMPONENTS
+from pdserve.api.handoff import COMPONENTS, DECODE_COMPONENTS
 from proxy.routing.disaggregation import Slo
 
 logger = logging.getLogger("bench.serve")
@@ -104,6 +104,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     run.add_argument("--label", default=None, help="the system's name in tables and plots (default: the URL)")
     run.add_argument("--out", default=None, help="JSON report path")
     run.add_argument("--plot-dir", default=None, help="write PNG plots here")
+    run.add_argument("--worker-url", action="append", help="a decode worker behind the proxy: its handoff "
+                     "components (d_ticket, d_pull, d_first_step) join the table; repeatable")
     _add_workload_flags(run)
     compare = commands.add_parser("compare", help="`pdserve up` vs one colocated `pdserve serve`, same cores")
     compare.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "serve_pd_vs_colocated.json"))
@@ -175,7 +177,8 @@ def measure(label: str, endpoint: Endpoint, args: argparse.Namespace,
             logger.warning("%s: %d warm-up requests failed, first: %s", label, len(failed), failed[0])
     requests = build_requests(args.classes, args.num_prompts, args.request_rate, args.seed)
     meter = CpuMeter(server_pids) if server_pids else None
-    handoff_before = handoff_buckets(endpoint.base_url)
+    handoff_urls = [endpoint.base_url, *(getattr(args, "worker_url", None) or [])]
+    handoff_before = handoff_buckets(handoff_urls)
     if meter is not None:
         meter.start()
     with tqdm(total=len(requests), desc=label, unit="req", file=sys.stderr, mininterval=1.0) as bar:
@@ -183,7 +186,7 @@ def measure(label: str, endpoint: Endpoint, args: argparse.Namespace,
                                on_done=lambda record: bar.update(1))
     summary = summarize_run(label, result.records, result.duration_s, long_class_name(args.classes))
     summary.foreign_cpu_fraction = meter.foreign_fraction() if meter is not None else None
-    summary.handoff_ms = handoff_percentiles(handoff_before, handoff_buckets(endpoint.base_url))
+    summary.handoff_ms = handoff_percentiles(handoff_before, handoff_buckets(handoff_urls))
     if (summary.foreign_cpu_fraction or 0.0) > _NOISY_FOREIGN_FRACTION:
         logger.warning("%s: other processes used %.0f%% of the CPUs meanwhile; its latencies are not clean",
                        label, summary.foreign_cpu_fraction * 100)
@@ -193,21 +196,21 @@ def measure(label: str, endpoint: Endpoint, args: argparse.Namespace,
     return summary, result.records
 
 
-def handoff_buckets(base_url: str) -> dict[str, dict[float, float]]:
-    """The proxy's P/D handoff histogram now: component -> {bucket edge: cumulative count}; {} from a
-    server without one (`pdserve serve`)."""
-    try:
-        text = httpx.get(base_url + "/metrics", timeout=5).text
-    except httpx.HTTPError:
-        return {}
+def handoff_buckets(urls: Sequence[str]) -> dict[str, dict[float, float]]:
+    """The handoff histograms now: component -> {bucket edge: cumulative count}, P/D requests only: the
+    proxy's (the first URL) and D's own components from the workers' (`run --worker-url`); {} from a
+    server without them (`pdserve serve`)."""
     buckets: dict[str, dict[float, float]] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "pdserve_proxy_handoff_seconds_bucket" and sample.labels.get("mode") == "disaggregated":
-                    buckets.setdefault(sample.labels["component"], {})[float(sample.labels["le"])] = sample.value
-    except ValueError:  # not Prometheus text: another kind of server
-        return {}
+    for url in urls:
+        try:
+            families = list(text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text))
+        except (httpx.HTTPError, ValueError):  # unreachable, or not Prometheus text: another kind of server
+            continue
+        for sample in (sample for family in families for sample in family.samples):
+            labels = sample.labels
+            if (sample.name == "pdserve_proxy_handoff_seconds_bucket" and labels.get("mode") == "disaggregated") or \
+                    (sample.name == "pdserve_pd_handoff_seconds_bucket" and labels["component"] in DECODE_COMPONENTS):
+                buckets.setdefault(labels["component"], {})[float(labels["le"])] = sample.value
     return buckets
 
 
@@ -227,8 +230,8 @@ def handoff_percentiles(before: dict[str, dict[float, float]],
 def format_handoff_table(runs: Sequence[tuple[RunSummary, Sequence[RequestRecord]]]) -> str:
     rows = [(summary.label, component, int(part["n"]), f"{part['p50_ms']:.2f}", f"{part['p99_ms']:.2f}")
             for summary, _ in runs for component, part in summary.handoff_ms.items()]
-    return ("P/D handoff components (the proxy's pdserve_proxy_handoff_seconds; quantiles interpolated within its "
-            "buckets)\n" + markdown_table(["system", "component", "requests", "p50 ms", "p99 ms"], rows))
+    return ("P/D handoff components (pdserve_proxy_handoff_seconds, D's pdserve_pd_handoff_seconds; quantiles "
+            "interpolated within buckets)\n" + markdown_table(["system", "component", "requests", "p50 ms", "p99 ms"], rows))
 
 
 def slo_of(args: argparse.Namespace) -> Slo:

@@ -35,7 +35,7 @@ COMPONENTS = ("proxy_hop", "p_queue", "p_compute", "p_pin", "prefill_overhead", 
 # Buckets fine around the handoff budget (15 ms) and wide enough for a prompt queued for minutes.
 HANDOFF_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
-    0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0,
+    0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 120.0,
 )
 _MAX_WIRE_S = 86400.0  # a day: anything longer on the wire is not a duration of one leg
 
