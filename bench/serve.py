@@ -2,7 +2,8 @@
 server (`run`), P/D (`pdserve up`) against one colocated `pdserve serve` on the same cores
 (`compare`), or each system at each Poisson rate (`sweep`: SLO attainment and the goodput rate, the
 highest rate at which 90% of requests meet the SLO, as in DistServe). Every run prints throughput,
-latency (TTFT, TPOT, ITL, E2E) and SLO tables and writes JSON (`--out`) and plots (`--plot-dir`).
+latency (TTFT, TPOT, ITL, E2E) and SLO tables, through our proxy also p50/p99 of the P/D handoff's
+components (its `pdserve_proxy_handoff_seconds`), and writes JSON (`--out`) and plots (`--plot-dir`).
 
 Invariant: every system sees the same requests (prompts, lengths and arrivals come from the seed),
 one system at a time, never two at once.
@@ -20,6 +21,8 @@ import tempfile
 import time
 from typing import Iterator, Optional, Sequence
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from bench.lib.machine import CpuMeter
@@ -27,11 +30,12 @@ from bench.lib.launch import REPO_ROOT, LaunchError, ServerProcess, free_port, p
 from bench.lib.load import run_open_loop
 from bench.lib.machine import wait_for_idle
 from bench.lib.report import cell, format_report, markdown_table, write_json
-from bench.lib.stats import DEFAULT_SLO, RunSummary, attainment, goodput_rate, summarize_run
+from bench.lib.stats import DEFAULT_SLO, RunSummary, attainment, goodput_rate, histogram_quantile, summarize_run
 from bench.lib.stream import RequestRecord
 from bench.lib.workloads import (
     Endpoint, RequestClass, WorkloadError, build_requests, long_class_name, parse_mix, single_class, warmup_requests,
 )
+from pdserve.api.handoff import COMPONENTS, DECODE_COMPONENTS
 from proxy.routing.disaggregation import Slo
 
 logger = logging.getLogger("bench.serve")
@@ -100,6 +104,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     run.add_argument("--label", default=None, help="the system's name in tables and plots (default: the URL)")
     run.add_argument("--out", default=None, help="JSON report path")
     run.add_argument("--plot-dir", default=None, help="write PNG plots here")
+    run.add_argument("--worker-url", action="append", help="a decode worker behind the proxy: its handoff "
+                     "components (d_ticket, d_pull, d_first_step) join the table; repeatable")
     _add_workload_flags(run)
     compare = commands.add_parser("compare", help="`pdserve up` vs one colocated `pdserve serve`, same cores")
     compare.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "serve_pd_vs_colocated.json"))
@@ -171,6 +177,8 @@ def measure(label: str, endpoint: Endpoint, args: argparse.Namespace,
             logger.warning("%s: %d warm-up requests failed, first: %s", label, len(failed), failed[0])
     requests = build_requests(args.classes, args.num_prompts, args.request_rate, args.seed)
     meter = CpuMeter(server_pids) if server_pids else None
+    handoff_urls = [endpoint.base_url, *(getattr(args, "worker_url", None) or [])]
+    handoff_before = handoff_buckets(handoff_urls)
     if meter is not None:
         meter.start()
     with tqdm(total=len(requests), desc=label, unit="req", file=sys.stderr, mininterval=1.0) as bar:
@@ -178,6 +186,7 @@ def measure(label: str, endpoint: Endpoint, args: argparse.Namespace,
                                on_done=lambda record: bar.update(1))
     summary = summarize_run(label, result.records, result.duration_s, long_class_name(args.classes))
     summary.foreign_cpu_fraction = meter.foreign_fraction() if meter is not None else None
+    summary.handoff_ms = handoff_percentiles(handoff_before, handoff_buckets(handoff_urls))
     if (summary.foreign_cpu_fraction or 0.0) > _NOISY_FOREIGN_FRACTION:
         logger.warning("%s: other processes used %.0f%% of the CPUs meanwhile; its latencies are not clean",
                        label, summary.foreign_cpu_fraction * 100)
@@ -185,6 +194,44 @@ def measure(label: str, endpoint: Endpoint, args: argparse.Namespace,
         if record.error is not None:
             logger.warning("%s: request %d failed: %s", label, record.index, record.error)
     return summary, result.records
+
+
+def handoff_buckets(urls: Sequence[str]) -> dict[str, dict[float, float]]:
+    """The handoff histograms now: component -> {bucket edge: cumulative count}, P/D requests only: the
+    proxy's (the first URL) and D's own components from the workers' (`run --worker-url`); {} from a
+    server without them (`pdserve serve`)."""
+    buckets: dict[str, dict[float, float]] = {}
+    for url in urls:
+        try:
+            families = list(text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text))
+        except (httpx.HTTPError, ValueError):  # unreachable, or not Prometheus text: another kind of server
+            continue
+        for sample in (sample for family in families for sample in family.samples):
+            labels = sample.labels
+            if (sample.name == "pdserve_proxy_handoff_seconds_bucket" and labels.get("mode") == "disaggregated") or \
+                    (sample.name == "pdserve_pd_handoff_seconds_bucket" and labels["component"] in DECODE_COMPONENTS):
+                buckets.setdefault(labels["component"], {})[float(labels["le"])] = sample.value
+    return buckets
+
+
+def handoff_percentiles(before: dict[str, dict[float, float]],
+                        after: dict[str, dict[float, float]]) -> dict[str, dict[str, float]]:
+    """p50 and p99 (ms) of each component over the requests `after` counted beyond `before` (the run)."""
+    table = {}
+    for component in (c for c in COMPONENTS if c in after):
+        earlier = before.get(component, {})
+        run = sorted((edge, count - earlier.get(edge, 0.0)) for edge, count in after[component].items())
+        if run and run[-1][1] > 0:
+            table[component] = {"n": run[-1][1], "p50_ms": histogram_quantile(0.5, run) * 1e3,
+                                "p99_ms": histogram_quantile(0.99, run) * 1e3}
+    return table
+
+
+def format_handoff_table(runs: Sequence[tuple[RunSummary, Sequence[RequestRecord]]]) -> str:
+    rows = [(summary.label, component, int(part["n"]), f"{part['p50_ms']:.2f}", f"{part['p99_ms']:.2f}")
+            for summary, _ in runs for component, part in summary.handoff_ms.items()]
+    return ("P/D handoff components (pdserve_proxy_handoff_seconds, D's pdserve_pd_handoff_seconds; quantiles "
+            "interpolated within buckets)\n" + markdown_table(["system", "component", "requests", "p50 ms", "p99 ms"], rows))
 
 
 def slo_of(args: argparse.Namespace) -> Slo:
@@ -207,6 +254,8 @@ def emit(args: argparse.Namespace, runs: list[tuple[RunSummary, list[RequestReco
          extra: Optional[dict] = None, table: str = "", workload: Optional[dict] = None) -> None:
     """The tables (and `table` after them), the JSON report; run and compare also their plots."""
     print(format_report([summary for summary, _ in runs]) + "\n\n" + format_slo_table(runs, slo_of(args)))
+    if any(summary.handoff_ms for summary, _ in runs):
+        print("\n" + format_handoff_table(runs))
     if table:
         print("\n" + table)
     if args.out:

@@ -17,6 +17,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pdserve.api.handoff import HANDOFF_BUCKETS_S
 from pdserve.gie_metrics import model_server_protocol_families
 
 # Bucket edges chosen for LLM serving: a first token takes milliseconds (prefix
@@ -373,15 +374,28 @@ class TransferMetrics:
             "(structured_output, recurrent_state, logprobs_mismatch, no_first_token, sampling_mismatch, pull_failed: "
             "pd/first_token.py).",
             ["reason"], registry=registry)
+        self.handoff_s = Histogram(
+            "pdserve_pd_handoff_seconds",
+            "P/D handoff components measured here, per request (docs/metrics.md): on P p_queue (arrival to first "
+            "scheduling), p_compute (to its first token sampled), p_pin (to the pin issued); on D d_ticket (arrival "
+            "to P's ticket claimed), d_pull (KV READ start to landed), d_first_step (P's token sent as output token 1 "
+            "to D's first sampled token sent).",
+            ["component"], buckets=HANDOFF_BUCKETS_S, registry=registry)
         self.waiting_for_kv = Gauge(
             "pdserve_transfer_waiting_for_kv_requests", "Decode requests whose KV pull is in flight.",
             registry=registry,
         )
 
+    def observe_handoff(self, parts: dict[str, float]) -> None:
+        """Handoff components of one request, by name (fixed names: pdserve/api/handoff.py)."""
+        for component, seconds in parts.items():
+            self.handoff_s.labels(component=component).observe(seconds)
+
     def observe_pull(self, num_bytes: int, num_descriptors: int, duration_s: float) -> None:
         self.bytes.inc(num_bytes)
         self.descriptors.inc(num_descriptors)
         self.duration_s.observe(duration_s)
+        self.handoff_s.labels(component="d_pull").observe(duration_s)
         if duration_s > 0:
             self.throughput.observe(num_bytes / duration_s)
 

@@ -110,6 +110,8 @@ class Request:
     # P: the first token it sampled, for the pin's ticket; D: P's first token, from the ticket, until it
     # becomes output token 1 when the pull lands (None again if D computes it after all).
     first_token: Optional[FirstToken] = None
+    # D: when P's token went out as output token 1 (engine clock), until D's first step adds token 2.
+    first_token_from_prefill_s: Optional[float] = None
     # Logprobs of prompt tokens 1.. (when asked), filled as prefill chunks run; sent with the first output.
     prompt_logprobs: list["TopLogprobs"] = field(default_factory=list)
 

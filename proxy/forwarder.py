@@ -25,13 +25,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Collection, Optional
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from pdserve.api.errors import PdserveError
+from pdserve.api.handoff import ProxyHandoff, log_fields
 from pdserve.api.http_bounds import read_body
 from pdserve.api.kv_transfer import KV_RECOMPUTED_HEADER
 
@@ -80,6 +81,10 @@ class RequestTiming:
     mode: str
     prefill_s: float = 0.0  # the prefill leg(s), retries included
     wasted_s: float = 0.0  # decode legs that ended in a KV retry
+    handoff: ProxyHandoff = field(init=False)  # the components of its handoff (pdserve/api/handoff.py)
+
+    def __post_init__(self) -> None:
+        self.handoff = ProxyHandoff(self.arrival_s)
 
 
 class Forwarder:
@@ -301,7 +306,7 @@ class Forwarder:
                 if last is not None:
                     self._metrics.retries.labels(Role.PREFILL.value, last.reason).inc()
                 try:
-                    answer = await self._timed_prefill(backend, request)
+                    answer = await self._timed_prefill(backend, request, timing.handoff)
                 except LegFailed as exc:
                     logger.warning("request %s: prefill leg on %s failed (%s)", request.request_id,
                                    backend.url, exc.reason)
@@ -317,17 +322,23 @@ class Forwarder:
             raise self._unavailable(Role.PREFILL)
         raise last.error
 
-    async def _timed_prefill(self, backend: Backend, request: ClientRequest) -> Any:
+    async def _timed_prefill(self, backend: Backend, request: ClientRequest,
+                             handoff: Optional[ProxyHandoff] = None) -> Any:
         """A prefill leg, its prompt counted in the worker's backlog while it runs; a leg that had the
-        worker to itself is a sample of the prefill speed."""
+        worker to itself is a sample of the prefill speed; its times go into `handoff`."""
         num_tokens = self._num_prompt_tokens(request)
         alone = backend.num_in_flight == 0
         started_s = time.perf_counter()
+        if handoff is not None and handoff.prefill_sent_s is None:
+            handoff.prefill_sent_s = started_s
         backend.prompt_tokens_in_flight += num_tokens
         try:
             answer = await self._sender.prefill(backend, request)
         finally:
             backend.prompt_tokens_in_flight -= num_tokens
+        answered_s = time.perf_counter()
+        if handoff is not None:
+            handoff.prefill_answered(answered_s - started_s, answered_s, answer.handoff_s)
         computed = num_tokens - (answer.num_cached_tokens or 0)  # the worker's count of its cached prefix
         if alone and computed > 0:
             self._speeds[Role.PREFILL].observe(computed, time.perf_counter() - started_s)
@@ -410,6 +421,7 @@ class Forwarder:
 
     def _respond(self, request: ClientRequest, leg: OpenLeg, timing: RequestTiming) -> Response:
         headers = {REQUEST_ID_HEADER: request.request_id}
+        timing.handoff.decode_sent_s = leg.started_s
         if request.stream:
             errors = self._metrics.backend_errors
 
@@ -421,11 +433,16 @@ class Forwarder:
                     self._slo.observe(self._num_prompt_tokens(request), stream.first_s - timing.arrival_s,
                                       stream.mean_gap_s, request.client_key)
 
+            def on_first_written(now_s: float) -> None:
+                timing.handoff.client_first_byte_s = now_s
+                self._publish_handoff(request, timing)
+
             return RelayStreamResponse(leg, lambda now_s: self._observe(timing, leg, now_s, True), on_broken, headers,
-                                       on_complete=on_complete,
+                                       on_complete=on_complete, on_first_written=on_first_written,
                                        send_timeout_s=self._config.timeouts.client_send_s)
         leg.finish(Outcome.SUCCESS)  # the whole body is in: the leg is over
         self._observe(timing, leg, time.perf_counter(), False)
+        self._publish_handoff(request, timing)
         if self._kv is not None and self._kv.handles(Role.DECODE):
             self._observe_decode_cache(request, leg)
         media_type = leg.response.headers.get("content-type", "application/json")
@@ -442,6 +459,7 @@ class Forwarder:
     def _observe(self, timing: RequestTiming, leg: OpenLeg, first_byte_s: float, streamed: bool) -> None:
         """Split the time to first byte into prefill, decode (transfer + first token) and proxy overhead."""
         metrics = self._metrics
+        timing.handoff.decode_first_byte_s = first_byte_s
         to_first_byte_s = first_byte_s - timing.arrival_s
         decode_s = first_byte_s - leg.started_s
         metrics.overhead_s.labels(timing.mode).observe(
@@ -451,3 +469,12 @@ class Forwarder:
             metrics.ttft_decode_s.labels(timing.mode).observe(decode_s)
             if timing.mode == DISAGGREGATED:
                 metrics.ttft_prefill_s.observe(timing.prefill_s)
+
+    def _publish_handoff(self, request: ClientRequest, timing: RequestTiming) -> None:
+        """The request's handoff components: one histogram sample each and one log line with them all."""
+        parts = timing.handoff.parts()
+        histogram = self._metrics.handoff_s
+        for component, seconds in parts.items():
+            histogram.labels(timing.mode, component).observe(seconds)
+        if logger.isEnabledFor(logging.INFO):  # the fields cost a little: none at --log-level warning
+            logger.info("request %s: handoff mode=%s %s", request.request_id, timing.mode, log_fields(parts))

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import httpx
+
+from pdserve.api.handoff import parse_prefill_parts
 
 from proxy.backends import Backend, BreakerOpen, Outcome
 from proxy.client_request import ClientRequest, decode_body, prefill_body
@@ -71,6 +73,7 @@ class PassThrough(Exception):
 class PrefillAnswer:
     kv_transfer_params: dict[str, Any]
     num_cached_tokens: Optional[int]  # the worker's usage.prompt_tokens_details.cached_tokens
+    handoff_s: dict[str, float] = field(default_factory=dict)  # P's own handoff components (pdserve/api/handoff.py)
 
 
 def cached_tokens_of(answer: Any) -> Optional[int]:
@@ -260,4 +263,6 @@ def _prefill_answer(response: httpx.Response) -> Optional[PrefillAnswer]:
         params = body.get("kv_transfer_params")
     except (ValueError, AttributeError):
         return None
-    return PrefillAnswer(params, cached_tokens_of(body)) if isinstance(params, dict) else None
+    if not isinstance(params, dict):
+        return None
+    return PrefillAnswer(params, cached_tokens_of(body), parse_prefill_parts(params.get("handoff_s")))

@@ -14,6 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve.api.handoff import HANDOFF_BUCKETS_S
+
 from proxy.backends import Backend
 
 # A proxy leg or its overhead ranges from tens of microseconds (the proxy's own
@@ -82,6 +84,11 @@ class ProxyMetrics:
             "pdserve_proxy_backend_latency_seconds",
             "Backend answer time: the whole prefill leg; decode until its first byte",
             ["role", "backend"], buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.handoff_s = Histogram(
+            "pdserve_proxy_handoff_seconds",
+            "Per-request handoff components (docs/metrics.md): the proxy's own (proxy_hop, prefill_overhead, "
+            "decode_first_byte, client_first_byte) and those the prefill worker reported (p_queue, p_compute, "
+            "p_pin), by route mode", ["mode", "component"], buckets=HANDOFF_BUCKETS_S, registry=registry)
         self._init_ttft(registry)
 
     def _init_ttft(self, registry: CollectorRegistry) -> None:

@@ -129,8 +129,12 @@ class RelayStreamResponse:
 
     def __init__(self, leg: OpenLeg, on_first_byte: Callable[[float], None], on_broken: Callable[[str], None],
                  headers: Mapping[str, str], send_timeout_s: float = 30.0,
-                 on_complete: Optional[Callable[["StreamTiming"], None]] = None):
+                 on_complete: Optional[Callable[["StreamTiming"], None]] = None,
+                 on_first_written: Optional[Callable[[float], None]] = None):
+        """`on_first_byte`: decode's first byte arrived (before it goes on); `on_first_written`: the client's
+        server took it (perf_counter seconds, both)."""
         self.status_code = 200
+        self._on_first_written = on_first_written
         self._send_timeout_s = send_timeout_s  # a client that takes nothing this long has stopped reading
         self._leg = leg
         self._on_first_byte = on_first_byte
@@ -176,11 +180,14 @@ class RelayStreamResponse:
         first = True
         try:
             async for chunk in self._leg.response.aiter_raw():
-                if first and chunk:
+                is_first = first and bool(chunk)
+                if is_first:
                     first = False
                     self._on_first_byte(time.perf_counter())
                 self._timing.saw(chunk, time.perf_counter())
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if is_first and self._on_first_written is not None:
+                    self._on_first_written(time.perf_counter())
         except httpx.HTTPError as exc:
             logger.warning("decode %s broke the stream mid-way: %s", self._leg.backend.url, type(exc).__name__)
             self._on_broken("timeout" if isinstance(exc, httpx.TimeoutException) else "stream_broken")

@@ -20,6 +20,22 @@ from proxy.slo import MET, judge
 PERCENTILES = (50, 90, 99)
 
 
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> Optional[float]:
+    """The q-quantile (0-1) of a Prometheus histogram from its cumulative (upper edge, count) buckets, the
+    last one +Inf: linear within the bucket the rank falls in, as PromQL's histogram_quantile; None if empty."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    below_edge, below_count = 0.0, 0.0
+    for edge, count in buckets:
+        if count >= rank and count > below_count:
+            if math.isinf(edge):
+                return below_edge  # past the last finite edge: all that can be said
+            return below_edge + (edge - below_edge) * (rank - below_count) / (count - below_count)
+        below_edge, below_count = edge, count
+    return below_edge
+
+
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
     """The q-th percentile (0-100), linear between closest ranks; None for no values."""
     if not values:
@@ -129,6 +145,8 @@ class RunSummary:
     itl_during_long_prefill: Optional[Distribution] = None
     itl_outside_long_prefill: Optional[Distribution] = None
     foreign_cpu_fraction: Optional[float] = None  # share of all cores other processes used meanwhile
+    # The proxy's handoff components over the run: component -> {"n", "p50_ms", "p99_ms"} (P/D only).
+    handoff_ms: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def request_throughput(self) -> float:

@@ -22,6 +22,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
 from pdserve.api.errors import InvalidRequest, PdserveError
+from pdserve.api.handoff import parse_prefill_parts
 
 # 2: pins carry a nonce (remote_pin_nonce) that D's done/free/renew must echo; 3: pages hold heads outermost
 # (pdserve/kv/layout.py), so a version-2 peer's pages would be read wrongly; 4: the block size is
@@ -197,6 +198,14 @@ class RemotePrefillParams(BaseModel):
     # The pin's capability: D's messages about the pin must carry it (required since version 2; optional in
     # the schema only so that an older peer's params get the version refusal, not a missing-field one).
     remote_pin_nonce: Optional[StrictStr] = Field(None, pattern=f"^{PIN_NONCE_PATTERN}$")
+    # P's own handoff components, seconds on its clock (pdserve/api/handoff.py): informative, for the proxy's
+    # log and metrics; D ignores them, and unknown names or non-durations are dropped, never refused.
+    handoff_s: Optional[dict[str, float]] = None
+
+    @field_validator("handoff_s", mode="before")
+    @classmethod
+    def _known_parts(cls, raw: Any) -> Optional[dict[str, float]]:
+        return None if raw is None else parse_prefill_parts(raw)
 
     @field_validator("remote_host")
     @classmethod

@@ -202,6 +202,7 @@ class EngineLoop:
         seeded = self.scheduler.take_first_tokens()
         now = time.monotonic()
         for request, token in seeded:
+            request.first_token_from_prefill_s = now
             self._emit(request, {request.request_id: token}, now)
 
     def _finish(self, request_id: str, reason: FinishReason, error: Optional[EngineFailure] = None) -> None:
@@ -320,6 +321,9 @@ class EngineLoop:
             if request.first_token_time_s is None:
                 request.first_token_time_s = now
                 self.stats.record_first_token(request)
+            elif request.first_token_from_prefill_s is not None:  # D's first step after P's token
+                self.stats.record_first_step_after_handoff(now - request.first_token_from_prefill_s)
+                request.first_token_from_prefill_s = None
             stop_reason = self.emitter.emit(request, sampled.get(request.request_id))
         except Exception:
             logger.exception("request %s: producing its output failed", request.request_id)

@@ -45,6 +45,10 @@ class EngineStats:
         if request.first_scheduled_time_s is not None:
             self.metrics.scheduler.observe_queue_time(request.first_scheduled_time_s - request.arrival_time_s)
 
+    def record_first_step_after_handoff(self, seconds: float) -> None:
+        """D: P's token went out as output token 1, then D's first step sampled token 2 this long after."""
+        self.metrics.transfer.observe_handoff({"d_first_step": seconds})
+
     def record_step(self, scheduler: Scheduler, step: SchedulerOutput, duration_s: float) -> None:
         self.metrics.engine.observe_step(duration_s)
         num_prompt = sum(chunk.num_prompt_tokens_computed for chunk in step.chunks)

@@ -21,9 +21,11 @@ from __future__ import annotations
 import dataclasses
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
+from pdserve.api.handoff import prefill_parts
 from pdserve.api.kv_transfer import KVPinnedFull, PinTicket, RemotePrefillParams, prompt_digest
 from pdserve.api.sampling import FinishReason
 from pdserve.kv.block_pool import NULL_BLOCK_ID, KVInvariantError
@@ -60,8 +62,10 @@ class PrefillConnector:
     """The prefill worker's `KVConnector`."""
 
     def __init__(self, transport: KVTransport, leases: LeaseTable, identity: PrefillIdentity, plan: KVGroupPlan,
-                 block_size: int, metrics: TransferMetrics, max_pinned_blocks: Optional[int] = None):
+                 block_size: int, metrics: TransferMetrics, max_pinned_blocks: Optional[int] = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.transport = transport
+        self.clock = clock  # the engine's clock: the request's arrival and first token were read on it
         self.leases = leases
         self.identity = identity
         self._base_epoch = identity.epoch
@@ -90,6 +94,9 @@ class PrefillConnector:
 
     def request_finished(self, request: Request, reason: FinishReason,
                          block_tables: Sequence[Sequence[int]]) -> FinishAction:
+        # The hook runs in the step that sampled the first token, before the loop stamps it: its start is then
+        # when the token was sampled (handoff component p_compute ends here, p_pin starts).
+        sampled_s = request.first_token_time_s if request.first_token_time_s is not None else self.clock()
         if not request.remote_decode or reason not in (FinishReason.STOP, FinishReason.LENGTH):
             return FREE_NOW
         if request.num_computed_tokens < request.num_prompt_tokens:
@@ -112,9 +119,12 @@ class PrefillConnector:
                            prompt_sha256=prompt_digest(request.prompt_token_ids), first_token=request.first_token)
         lease = self.leases.pin(request.request_id, num_blocks, ticket)
         self.metrics.pinned_blocks.set(self.leases.num_pinned_blocks)
+        parts = prefill_parts(request.arrival_time_s, request.first_scheduled_time_s, sampled_s, self.clock())
+        self.metrics.observe_handoff(parts)
         logger.info("request %s: %d blocks pinned for a decode worker (lease %.0fs)",
                     request.request_id, lease.num_blocks, self.leases.lease_s)
-        return FinishAction(free_blocks=False, kv_transfer_params=self._params(request, block_ids, lease.nonce))
+        return FinishAction(free_blocks=False,
+                            kv_transfer_params=self._params(request, block_ids, lease.nonce, parts))
 
     def has_room_to_pin(self, num_blocks: int) -> bool:
         """Whether `num_blocks` more may be pinned (read from other threads too: plain int compares).
@@ -145,7 +155,8 @@ class PrefillConnector:
             self._released_early.append(request_id)
             logger.info("request %s: blocks released (the proxy gave up on its decode leg)", request_id)
 
-    def _params(self, request: Request, block_ids: list[list[int]], nonce: str) -> RemotePrefillParams:
+    def _params(self, request: Request, block_ids: list[list[int]], nonce: str,
+                handoff_s: dict[str, float]) -> RemotePrefillParams:
         return RemotePrefillParams(
             do_remote_prefill=True,
             do_remote_decode=False,
@@ -159,6 +170,7 @@ class PrefillConnector:
             num_prompt_tokens=request.num_prompt_tokens,
             lease_s=self.leases.lease_s,
             remote_pin_nonce=nonce,
+            handoff_s=handoff_s,
         )
 
     # ---- the engine loop's tick -------------------------------------------------------

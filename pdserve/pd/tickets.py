@@ -156,11 +156,14 @@ class TicketAdmission:
                  allowed_peers: Optional[PeerAllowList] = None, failures: Optional[PeerFailureMemory] = None,
                  count_failure: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
                  takes_first_token: bool = True,
-                 count_first_token_recompute: CountFirstTokenRecompute = lambda reason: None):
+                 count_first_token_recompute: CountFirstTokenRecompute = lambda reason: None,
+                 observe_ticket_s: Callable[[float], None] = lambda seconds: None):
         """`failures`: the inner admission's memory of dead peers, so a dead P costs no claim either;
         `count_failure`: the inner admission's count of unreachable peers (pdserve_transfer_failures_total);
         `takes_first_token`: whether this worker may start from P's first token (not with recurrent state);
-        `count_first_token_recompute`: a usable ticket whose first token D computes again, by reason."""
+        `count_first_token_recompute`: a usable ticket whose first token D computes again, by reason;
+        `observe_ticket_s`: seconds from admission's start to a claimed ticket (handoff component d_ticket)."""
+        self.observe_ticket_s = observe_ticket_s
         self.takes_first_token = takes_first_token
         self.count_first_token_recompute = count_first_token_recompute
         self.inner = inner
@@ -176,6 +179,7 @@ class TicketAdmission:
         params = request.kv_params
         if not isinstance(params, RemotePrefillParams):
             return await self.inner.admit(request)
+        admitted_s = self.clock()
         if self.allowed_peers is not None:
             self.allowed_peers.check(params.remote_host)  # before any contact with it
         # The key the inner admission remembers failures under (handshake address, engine, epoch).
@@ -185,7 +189,6 @@ class TicketAdmission:
         if skip is not None:
             self.count_failure()
             return self._local(request, "pull_failed", KVPullFailed(f"prefill worker unreachable: {skip}"))
-        started_s = self.clock()
         try:
             ticket = await self.client.claim(params)
         except TicketUnreachable as error:
@@ -194,7 +197,9 @@ class TicketAdmission:
             return self._local(request, "pull_failed", KVPullFailed(f"prefill worker unreachable: {error}"))
         except TicketNotHeld as error:
             return self._local(request, "stale_ticket", KVTicketUnusable(str(error)))
-        logger.debug("request %s: ticket claimed in %.1f ms", request.request_id, (self.clock() - started_s) * 1e3)
+        ticket_s = self.clock() - admitted_s
+        self.observe_ticket_s(ticket_s)
+        logger.debug("request %s: ticket claimed in %.1f ms", request.request_id, ticket_s * 1e3)
         if not prompt_matches(ticket, request.prompt_token_ids):
             self.client.release_in_background(params)
             return self._local(request, "prompt_mismatch", KVTicketUnusable(

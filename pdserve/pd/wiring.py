@@ -158,4 +158,5 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
     return TicketAdmission(inner, tickets, transfer.failure_policy, allowed_peers=allowed_peers, failures=inner.failures,
                            count_recompute=lambda reason, num_tokens: recomputed.labels(reason=reason).inc(num_tokens),
                            count_failure=failures.inc, takes_first_token=not pool.plan.state_group_ids,
-                           count_first_token_recompute=lambda reason: first_token_recomputed.labels(reason=reason).inc())
+                           count_first_token_recompute=lambda reason: first_token_recomputed.labels(reason=reason).inc(),
+                           observe_ticket_s=lambda seconds: metrics.transfer.observe_handoff({"d_ticket": seconds}))

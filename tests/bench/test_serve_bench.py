@@ -15,7 +15,7 @@ from bench.lib.stream import RequestRecord, StreamError, chunk_num_tokens, parse
 from bench.lib.workloads import Endpoint
 from bench.lib.report import format_latency_table, format_report, format_throughput_table, write_json
 from bench.lib.stats import (
-    describe, itl_gaps, percentile, prefill_windows, split_gaps_by_windows, summarize_run, tpot_s, ttft_s,
+    describe, histogram_quantile, itl_gaps, percentile, prefill_windows, split_gaps_by_windows, summarize_run, tpot_s, ttft_s,
 )
 from bench.lib.workloads import (
     PROMPT_TOKEN_ID_HIGH, PROMPT_TOKEN_ID_LOW, LengthRange, WorkloadError, build_requests, class_counts,
@@ -150,6 +150,27 @@ def test_percentile_interpolates_between_ranks():
     assert percentile([], 50) is None
     with pytest.raises(ValueError):
         percentile(values, 101)
+
+
+def test_histogram_quantile_interpolates_within_the_bucket_the_rank_falls_in():
+    buckets = [(0.01, 0.0), (0.02, 50.0), (0.05, 99.0), (0.1, 100.0), (math.inf, 100.0)]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.02)
+    assert histogram_quantile(0.25, buckets) == pytest.approx(0.015)
+    assert histogram_quantile(0.99, buckets) == pytest.approx(0.05)
+    assert histogram_quantile(0.995, buckets) == pytest.approx(0.075)
+    assert histogram_quantile(0.99, [(0.01, 0.0), (math.inf, 2.0)]) == 0.01  # past the last edge
+    assert histogram_quantile(0.5, [(0.01, 0.0), (math.inf, 0.0)]) is None
+
+
+def test_handoff_percentiles_count_only_the_runs_requests():
+    from bench.serve import handoff_percentiles
+
+    before = {"p_compute": {0.1: 10.0, 0.2: 10.0, math.inf: 10.0}}  # the warm-up's, all under 0.1 s
+    after = {"p_compute": {0.1: 10.0, 0.2: 14.0, math.inf: 14.0}, "proxy_hop": {0.001: 4.0, math.inf: 4.0}}
+    table = handoff_percentiles(before, after)
+    assert list(table) == ["proxy_hop", "p_compute"]  # the order a request meets them
+    assert table["p_compute"]["n"] == 4 and table["p_compute"]["p50_ms"] == pytest.approx(150.0)
+    assert table["proxy_hop"]["p99_ms"] == pytest.approx(0.99)
 
 
 def test_describe_reports_mean_percentiles_and_max():

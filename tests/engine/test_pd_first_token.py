@@ -122,3 +122,19 @@ async def test_a_stop_string_in_ps_token_ends_the_answer_as_on_a_colocated_worke
     remote = (await through_pd(prefill, decode, stopped, "stop-string"))["choices"][0]
     assert (remote["text"], remote["finish_reason"]) == (local["text"], local["finish_reason"]) == (
         first_text[: first_text.index(first_text.strip())], "stop")
+
+
+def _handoff_count(worker, component: str) -> float:
+    return worker.metrics.registry.get_sample_value("pdserve_pd_handoff_seconds_count", {"component": component}) or 0
+
+
+async def test_each_worker_observes_its_handoff_components_and_p_returns_its_own(workers):
+    _, prefill, decode = workers
+    parts_p, parts_d = ("p_queue", "p_compute", "p_pin"), ("d_ticket", "d_pull", "d_first_step")
+    before = {c: _handoff_count(prefill, c) for c in parts_p} | {c: _handoff_count(decode, c) for c in parts_d}
+    body = {**GREEDY, "prompt": PROMPTS[2], "max_tokens": 3}
+    answer = await complete(prefill, {**body, "max_tokens": 1, "kv_transfer_params": DECODE_REQUEST}, "handoff")
+    assert sorted(answer["kv_transfer_params"]["handoff_s"]) == sorted(parts_p)
+    await complete(decode, {**body, "kv_transfer_params": answer["kv_transfer_params"]}, "handoff")
+    assert {c: _handoff_count(prefill, c) - before[c] for c in parts_p} == dict.fromkeys(parts_p, 1)
+    assert {c: _handoff_count(decode, c) - before[c] for c in parts_d} == dict.fromkeys(parts_d, 1)

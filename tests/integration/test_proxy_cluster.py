@@ -160,6 +160,38 @@ def test_requests_took_both_legs_and_the_ttft_split_is_recorded(up, client):
     assert re.search(r"^pdserve_transfer_bytes_total\S* [1-9]", pulled, re.M), "decode pulled no KV"
 
 
+def handoff_counts(up: UpProcess, name: str) -> dict[str, float]:
+    """Sample counts of each component of `name` (pdserve_proxy_handoff_seconds on the proxy, mode
+    disaggregated; pdserve_pd_handoff_seconds on a worker)."""
+    role = "proxy" if name.startswith("pdserve_proxy") else "decode"
+    counts: dict[str, float] = {}
+    for line in httpx.get(up.url(role) + "/metrics", timeout=5).text.splitlines():
+        found = re.match(name + r'_count\{(.*)\} (\S+)$', line)
+        if found and (role == "decode" or 'mode="disaggregated"' in found.group(1)):
+            component = re.search(r'component="(\w+)"', found.group(1)).group(1)
+            counts[component] = float(found.group(2))
+    return counts
+
+
+def test_one_pd_request_publishes_each_handoff_component_and_one_log_line(up):
+    from pdserve.api.handoff import PROXY_LOG_COMPONENTS
+
+    proxy_before = handoff_counts(up, "pdserve_proxy_handoff_seconds")
+    decode_before = handoff_counts(up, "pdserve_pd_handoff_seconds")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", up.url("proxy") + "/v1/completions", json=body, timeout=120,
+                      headers={"X-Request-Id": "handoff-parts-1"}) as response:
+        assert response.status_code == 200
+        response.read()
+    proxy_after = handoff_counts(up, "pdserve_proxy_handoff_seconds")
+    assert {c: proxy_after.get(c, 0) - proxy_before.get(c, 0) for c in PROXY_LOG_COMPONENTS} == \
+        dict.fromkeys(PROXY_LOG_COMPONENTS, 1)
+    decode_after = handoff_counts(up, "pdserve_pd_handoff_seconds")
+    assert {c: decode_after.get(c, 0) - decode_before.get(c, 0) for c in ("d_ticket", "d_pull", "d_first_step")} \
+        == dict.fromkeys(("d_ticket", "d_pull", "d_first_step"), 1)
+    assert wait_for(lambda: "request handoff-parts-1: handoff mode=disaggregated proxy_hop_ms=" in up.output(), 5, 0.1)
+
+
 def test_client_kv_transfer_params_are_dropped_not_forwarded(up):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
             "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.9.9.9"}}

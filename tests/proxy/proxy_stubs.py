@@ -27,6 +27,7 @@ from proxy.app import build_components, create_app
 from proxy.config import HealthConfig, ProxyConfig
 
 PIN_NONCE = "ab" * 16  # the pin nonce the stub prefill worker hands out
+STUB_HANDOFF_S = {"p_queue": 0.125, "p_compute": 0.25, "p_pin": 0.0625}  # the stub P's own handoff components
 
 
 @dataclass
@@ -107,7 +108,8 @@ class StubWorker:
     def _params(self, body: dict) -> dict:
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.name,
                 "remote_request_id": "p-1", "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1",
-                "remote_port": 1, "tp_size": 1, "remote_epoch": f"{self.name}-epoch", "remote_pin_nonce": PIN_NONCE}
+                "remote_port": 1, "tp_size": 1, "remote_epoch": f"{self.name}-epoch", "remote_pin_nonce": PIN_NONCE,
+                "handoff_s": dict(STUB_HANDOFF_S)}
 
     async def _events(self, source: str, request_id: str):
         try:
