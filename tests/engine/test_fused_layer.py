@@ -10,6 +10,7 @@ import torch
 from pdserve.runner.decode_step import DecodeStep
 from pdserve.runner.fused_layer import FusedLlamaLayer, fused_layers, unfusable_reason
 from pdserve.models.loader import load_model
+from tests.engine.step_checks import assert_step_matches_per_op
 from tests.engine.test_decode_step import BLOCK_SIZE, _chunk, _prefilled, _runner
 from tests.models.hf_oracle import randomize_norms, save_tiny_checkpoint
 from tests.models.test_quantized_blocks import require_native_kernels
@@ -50,17 +51,8 @@ def test_fused_step_matches_the_per_op_step(qwen_with_biases_dir, quantization):
     tolerance = 1e-4
     for rows in ([0], [0, 1, 2]):  # the one-row path and a batch
         chunks = [_chunk(i, [7 + i], len(prompts[i]), tables[i]) for i in rows]
-        runner.pool.copy_(before)
-        with torch.inference_mode():
-            expected_logits = per_op.run(chunks)
-        expected_pool = runner.pool.clone()
-        runner.pool.copy_(before)
-        with torch.inference_mode():
-            logits = runner.decode_step.run(chunks)
-        torch.testing.assert_close(logits, expected_logits, rtol=tolerance, atol=tolerance)
-        torch.testing.assert_close(runner.pool, expected_pool, rtol=tolerance, atol=tolerance)
+        assert_step_matches_per_op(runner, per_op, chunks, before, tolerance)
         assert not torch.equal(runner.pool, before)
-        assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
 
 
 def test_models_the_kernel_does_not_compute_keep_the_per_op_step(tmp_path):

@@ -11,6 +11,7 @@ from pdserve.models.loader import load_model
 from pdserve.models.moe import Experts
 from pdserve.runner.decode_step import DecodeStep
 from pdserve.runner.fused_layer import unfusable_reason
+from tests.engine.step_checks import assert_step_matches_per_op
 from tests.engine.test_decode_step import BLOCK_SIZE, _chunk, _prefilled, _runner
 from tests.models.test_quantized_blocks import require_native_kernels
 from tests.tiny_models import GPT_OSS_VOCAB, QWEN_MOE_VOCAB, make_tiny_gpt_oss, make_tiny_qwen3_moe, random_prompt
@@ -51,16 +52,7 @@ def test_fused_moe_step_matches_the_per_op_step_with_torch_experts(checkpoints, 
     tolerance = 1e-4
     for rows in ([2], [0, 1, 2, 3]):
         chunks = [_chunk(i, [7 + i], len(prompts[i]), tables[i]) for i in rows]
-        runner.pool.copy_(before)
-        with torch.inference_mode():
-            expected_logits = per_op.run(chunks)
-        expected_pool = runner.pool.clone()
-        runner.pool.copy_(before)
-        with torch.inference_mode():
-            logits = runner.decode_step.run(chunks)
-        torch.testing.assert_close(logits, expected_logits, rtol=tolerance, atol=tolerance)
-        torch.testing.assert_close(runner.pool, expected_pool, rtol=tolerance, atol=tolerance)
-        assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
+        assert_step_matches_per_op(runner, per_op, chunks, before, tolerance)
 
 
 def test_turning_the_native_experts_off_keeps_the_per_op_step(checkpoints):
