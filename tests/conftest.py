@@ -10,6 +10,7 @@ import pytest
 from tests.devices import device_params
 from tests.file_budget import pytest_addoption, pytest_configure  # noqa: F401 - the hooks: seconds per test file
 from tests.process_guard import pytest_sessionfinish  # noqa: F401 - the hook: no test may leave a process behind
+from tests.unique_node_ids import pytest_collection_modifyitems  # noqa: F401 - the hook: one node id per test
 from tests.worker_logs import pytest_runtest_makereport  # noqa: F401 - the hook: a failure shows its workers' logs
 
 
