@@ -22,6 +22,7 @@ from pdserve.api.kv_transfer import AgentInfo, PinTicket
 from pdserve.app.kv_cache_side import build_kv_cache_side
 from pdserve.app.model_side import ModelSide, build_model_side
 from pdserve.app.pd_side import build_pd_side
+from pdserve.app.ranks import LocalRanks
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.core_share import CoreShare, open_core_share
 from pdserve.engine.emitter import OutputEmitter
@@ -115,13 +116,13 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
                  request_ids: Optional[RequestIdRegistry] = None,
                  transport_factory: TransportFactory = nixl_transport,
                  http_transport: Optional[httpx.AsyncBaseTransport] = None,
-                 rendezvous_fd: Optional[int] = None) -> BuiltEngine:
-    """`rendezvous_fd` is rank 0's listening socket of a tensor-parallel worker (app.ranks).
+                 local_ranks: Optional[LocalRanks] = None) -> BuiltEngine:
+    """`local_ranks`: the other ranks of a tensor-parallel worker that rank 0 started on this host (app.ranks).
     `loaded` lets tests and benchmarks share one set of weights between engines;
     it must have been loaded with the device and dtype `config` implies. The
     transport factory and the handshake's HTTP transport let in-process tests
     replace NIXL and the network."""
-    model = build_model_side(config, loaded, rendezvous_fd)
+    model = build_model_side(config, loaded, local_ranks)
     inbox = EngineInbox()  # before the parts that report to the loop
     cache = build_kv_cache_side(config, model.plan, model.layout, model.runner.pool, model.channel, inbox.wake)
     model_name = config.model.served_name or model.loaded.name

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.api.config import WorkerConfig
 from pdserve.app.kv_cache_side import num_offload_slots, num_offload_staging_rows
+from pdserve.app.ranks import LocalRanks
 from pdserve.kv.layout import KVPoolLayout, plan_for_model, plan_page_bytes
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.models.base import ModelSpec
@@ -81,17 +82,20 @@ def _context_limit(config: WorkerConfig, spec: ModelSpec, plan: KVGroupPlan, num
     return max_model_len
 
 
-def _meet_ranks(config: WorkerConfig, device: torch.device, rendezvous_fd: Optional[int]) -> Optional[RankGroup]:
+def _meet_ranks(config: WorkerConfig, device: torch.device, local_ranks: Optional[LocalRanks]) -> Optional[RankGroup]:
     """Rank 0's group when the worker is tensor-parallel (waits for every rank to join), else None.
-    `rendezvous_fd`: a socket already listening on the rendezvous port, which the group's store takes."""
+    `local_ranks`: the ranks rank 0 started, with the socket already listening on the rendezvous port
+    (the group's store takes it); the wait ends as soon as one of them exits."""
     parallel = config.parallel
     if parallel.tensor_parallel_size == 1:
         return None
     if parallel.tp_master_port is None:
         raise ValueError("a tensor-parallel worker needs its rendezvous port (--tp-master-port)")
     ranks = RankGroup(0, parallel.tensor_parallel_size, parallel.tp_master_addr, parallel.tp_master_port,
-                      parallel.tp_timeout_s, device, parallel.tp_join_timeout_s, listen_fd=rendezvous_fd,
-                      internal_token=config.server.internal_token)
+                      parallel.tp_timeout_s, device, parallel.tp_join_timeout_s,
+                      listen_fd=local_ranks.rendezvous_fd if local_ranks is not None else None,
+                      internal_token=config.server.internal_token,
+                      ranks_lost=local_ranks.lost if local_ranks is not None else None)
     ranks.share_host_memory(parallel.tp_shared_memory, device)
     return ranks
 
@@ -124,12 +128,12 @@ def _rank_setup(config: WorkerConfig, plan: KVGroupPlan, layout: KVPoolLayout) -
 
 
 def build_model_side(config: WorkerConfig, loaded: Optional[LoadedModel] = None,
-                     rendezvous_fd: Optional[int] = None) -> ModelSide:
+                     local_ranks: Optional[LocalRanks] = None) -> ModelSide:
     """Meet the other ranks, load the weights (unless `loaded`, made for the same device and dtype),
     size the pool and build the warmed-up runner over it."""
     device = rank_device(pick_device(config.model.device), 0)
     dtype = pick_dtype(config.model.dtype, device)
-    ranks = _meet_ranks(config, device, rendezvous_fd)
+    ranks = _meet_ranks(config, device, local_ranks)
     _set_threads(config, ranks)
     quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
     free_before_load = None if loaded is not None else free_device_bytes(device)

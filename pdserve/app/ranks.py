@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 from pdserve.api.config import WorkerConfig
 from pdserve.api.child_process import child_environment, python_module_command
@@ -41,6 +42,14 @@ class LocalRanks:
     config: WorkerConfig  # rank 0's
     children: list[subprocess.Popen]  # ranks 1..N-1
     rendezvous_fd: int  # listening on config.parallel.tp_master_port; rank 0's store takes it over
+
+    def lost(self) -> Optional[str]:
+        """Which rank exited, and how, or None while every one runs (rank 0 stops waiting for them then)."""
+        for rank, child in enumerate(self.children, start=1):
+            status = child.poll()
+            if status is not None:
+                return f"rank {rank} (pid {child.pid}) exited with status {status}"
+        return None
 
 
 def bind_rendezvous(port: int) -> socket.socket:

@@ -17,7 +17,7 @@ import uvicorn
 from pdserve.api.config import WorkerConfig, is_loopback_host
 from pdserve.api.http_bounds import http_protocol_with_header_deadline
 from pdserve.app.listeners import InternalServer, WorkerServer, bind_listener, bound_port
-from pdserve.app.ranks import start_local_ranks, stop_local_ranks
+from pdserve.app.ranks import LocalRanks, start_local_ranks, stop_local_ranks
 from pdserve.engine.async_engine import LoadingEngine
 from pdserve.app.engine_factory import BuiltEngine, build_engine
 from pdserve.engine.request_ids import RequestIdRegistry
@@ -36,11 +36,11 @@ class _Loaded:
 
 
 def _load_in_background(config: WorkerConfig, metrics: Metrics, handle: LoadingEngine, loaded: _Loaded,
-                        transport_factory: TransportFactory, rendezvous_fd: Optional[int]) -> threading.Thread:
+                        transport_factory: TransportFactory, local_ranks: Optional[LocalRanks]) -> threading.Thread:
     def load() -> None:
         try:
             built = build_engine(config, metrics, request_ids=handle.request_ids, transport_factory=transport_factory,
-                                 rendezvous_fd=rendezvous_fd)
+                                 local_ranks=local_ranks)
             built.engine.start()
             loaded.built = built
             handle.inner = built.engine
@@ -97,16 +97,16 @@ def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nix
         logger.error("cannot listen on %s (port %d or internal port %d): %s", config.server.host, config.server.port,
                      config.server.internal_listen_port, error)
         return 1
-    children, rendezvous_fd = [], None
+    local: Optional[LocalRanks] = None
     if config.parallel.tensor_parallel_size > 1 and config.parallel.tp_rank is None:
         local = start_local_ranks(config)
-        config, children, rendezvous_fd = local.config, local.children, local.rendezvous_fd
+        config = local.config
     metrics = Metrics()
     handle = LoadingEngine(config.model.served_name or "default", RequestIdRegistry())
     loaded = _Loaded()
     app = create_app(handle, metrics, config.server, limits=config.limits)
     internal_app = create_internal_app(metrics, _internal_routers(config, metrics, handle, loaded))
-    _load_in_background(config, metrics, handle, loaded, transport_factory, rendezvous_fd)
+    _load_in_background(config, metrics, handle, loaded, transport_factory, local)
     http = http_protocol_with_header_deadline(config.limits.header_timeout_s)
     internal = InternalServer(uvicorn.Config(internal_app, log_level=config.server.log_level, http=http))
     uvicorn_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
@@ -118,5 +118,5 @@ def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nix
     finally:
         if loaded.built is not None:
             loaded.built.close()
-        stop_local_ranks(children)
+        stop_local_ranks(local.children if local is not None else [])
     return 1 if server.died else 0

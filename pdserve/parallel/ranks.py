@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,8 @@ from pdserve.parallel.rendezvous import listen_on
 logger = logging.getLogger(__name__)
 
 MAX_CONTROL_RECORD_BYTES = 1 << 30  # a size past this is no record of ours: the group is broken
+CHECKED_IN_KEY = "pdserve/ranks_checked_in"  # the followers in the store so far, counted by the store
+CHECK_IN_POLL_S = 0.1
 
 
 class RankGroup:
@@ -43,12 +46,14 @@ class RankGroup:
 
     def __init__(self, rank: int, size: int, master_addr: str, master_port: int, timeout_s: float,
                  device: torch.device, join_timeout_s: Optional[float] = None, listen_fd: Optional[int] = None,
-                 internal_token: Optional[str] = None):
+                 internal_token: Optional[str] = None, ranks_lost: Optional[Callable[[], Optional[str]]] = None):
         """Blocks until all `size` ranks joined (at most `join_timeout_s`, default `timeout_s`);
         every later collective is bounded by `timeout_s`. Rank 0's store listens on `listen_fd`
         (taking it over) when given: a socket already bound to `master_port`; else on a socket it
         binds to `master_addr`:`master_port` itself. `internal_token` keys the control records'
-        HMAC; without one the ranks must meet on a loopback address (ValueError otherwise)."""
+        HMAC; without one the ranks must meet on a loopback address (ValueError otherwise).
+        `ranks_lost` (rank 0 of ranks it started itself) says why a rank is gone, or None: the
+        wait for the others ends at once when one is."""
         self.rank = rank
         self.size = size
         self.timeout_s = timeout_s
@@ -65,9 +70,15 @@ class RankGroup:
             # Rank 0 hosts the rendezvous store; the others retry connecting until the join timeout.
             store = dist.TCPStore(master_addr, master_port, size, is_master=rank == 0, timeout=join_timeout,
                                   wait_for_workers=False, master_listen_fd=listen_fd if rank == 0 else None)
+            # Every rank is in the store before any enters the process group, whose meeting is bounded by
+            # the (shorter) collective timeout: a rank still starting (importing torch on a busy host,
+            # opening a GPU) is not a lost one.
+            _check_in(store, rank, size, join_timeout.total_seconds(), ranks_lost)
             dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
             self._control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+        except RanksLost:
+            raise
         except Exception as error:  # noqa: BLE001 - torch raises several kinds; all mean the same here
             raise RanksLost(f"rank {rank}/{size} could not meet the other ranks at {master_addr}:{master_port} "
                             f"within {join_timeout.total_seconds():g} s: {error}") from error
@@ -207,6 +218,24 @@ class RankGroup:
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             logger.debug("leaving the process group failed", exc_info=True)
+
+
+def _check_in(store: Any, rank: int, size: int, join_timeout_s: float,
+              ranks_lost: Optional[Callable[[], Optional[str]]]) -> None:
+    """A follower counts itself in; rank 0 waits until all `size - 1` have (RanksLost past
+    `join_timeout_s`, or as soon as `ranks_lost` names a gone rank)."""
+    if rank != 0:
+        store.add(CHECKED_IN_KEY, 1)
+        return
+    deadline = time.monotonic() + join_timeout_s
+    while (num_checked_in := store.add(CHECKED_IN_KEY, 0)) < size - 1:
+        lost = ranks_lost() if ranks_lost is not None else None
+        if lost is not None:
+            raise RanksLost(f"rank 0/{size}: {lost} before the ranks met")
+        if time.monotonic() >= deadline:
+            raise RanksLost(f"rank 0/{size}: {num_checked_in} of the other {size - 1} ranks joined "
+                            f"within {join_timeout_s:g} s")
+        time.sleep(CHECK_IN_POLL_S)
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:

@@ -25,6 +25,13 @@ class Planted:
         return (RAN.append, ("planted code ran",))
 
 
+class FakeStore:
+    """A rendezvous store where the one other rank has already checked in."""
+
+    def add(self, key: str, amount: int) -> int:
+        return 1
+
+
 class FakeDistributed:
     """torch.distributed as far as RankGroup uses it, in one process: what a follower receives is what
     the test (standing in for whoever reached the ranks' connections) put on the wire."""
@@ -35,7 +42,7 @@ class FakeDistributed:
 
     def TCPStore(self, *args, **kwargs):  # noqa: N802 - torch's name
         self.store_args = kwargs
-        return object()
+        return FakeStore()
 
     def init_process_group(self, *args, **kwargs):
         pass
