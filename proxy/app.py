@@ -77,7 +77,7 @@ def build_components(config: ProxyConfig, resolver: Optional[Resolver] = None,
         decode_pool.add(url)
     metrics = create_proxy_metrics(lambda: [*prefill_pool.backends(), *decode_pool.backends()])
     kv = None
-    if KV_AWARE in (config.routing.prefill_policy, config.routing.decode_policy):
+    if KV_AWARE in (config.routing.prefill_policy, config.routing.decode_policy) or config.routing.peer_pull:
         kv = KVRouting(config.routing, {Role.PREFILL: prefill_pool, Role.DECODE: decode_pool}, metrics.registry)
     components = ProxyComponents(
         config=config, prefill_pool=prefill_pool, decode_pool=decode_pool, metrics=metrics,
