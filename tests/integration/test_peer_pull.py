@@ -2,7 +2,9 @@
 computes a long prompt; the same prompt and more goes to worker B with a peer hint naming A: B reads
 A's blocks of the prefix, computes only the new part, answers what A answers (greedy, token for
 token), and A holds nothing pinned afterwards. A hint naming a dead peer, or sent without the internal
-token, costs only a computed prompt with the same answer."""
+token, costs only a computed prompt with the same answer. Behind `pdserve proxy --policy round_robin
+--peer-pull` (a decode worker added), interleaved conversations whose every later turn lands on the
+prefill worker without its history compute what one worker with everything cached would."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import pytest
 
 from bench.lib.launch import metric_sum
 from pdserve.api.peer_pull import PEER_HINT_HEADER, PeerHint
-from tests.integration.cluster import Worker, free_port, start_workers, stop_all, wait_for
+from tests.integration.cluster import (ProxyProcess, Worker, free_port, reset_prefix_cache, start_workers, stop_all,
+                                       wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -22,15 +25,26 @@ PREFIX = [200 + (i * 37) % 900 for i in range(7 * BLOCK + 5)]  # 7 full blocks a
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory, device):
+def cluster(tmp_path_factory, device):
     logs = tmp_path_factory.mktemp("logs")
-    common = ["--num-blocks", "200", "--internal-token", TOKEN, "--peer-pull-min-tokens", "32"]
+    common = ["--num-blocks", "200", "--internal-token", TOKEN, "--peer-pull-min-tokens", "16"]
     a, b = (Worker("prefill", free_port(), str(logs / f"{name}.log"), common, device) for name in "ab")
-    started = start_workers(a, b)
+    decode = Worker("decode", free_port(), str(logs / "decode.log"), common, device)
+    started = start_workers(a, b, decode)
+    backends = ["--prefill", a.url, b.url, "--decode", decode.url, "--internal-token", TOKEN, "--policy",
+                "round_robin", "--health-interval-s", "0.2", "--peer-pull-margin-tokens", str(BLOCK)]
+    proxies = {pulls: ProxyProcess(free_port(), str(logs / f"proxy-{pulls}.log"),
+                                   [*backends, "--peer-pull" if pulls else "--no-peer-pull"]) for pulls in (True, False)}
     try:
-        yield a, b
+        assert wait_for(lambda: all(p.is_ready() for p in proxies.values()), timeout_s=60), "a proxy never started"
+        yield {"prefills": (a, b), "decode": decode, "proxies": proxies}
     finally:
-        stop_all(a, b, *started)
+        stop_all(*proxies.values(), a, b, decode, *started)
+
+
+@pytest.fixture(scope="module")
+def workers(cluster):
+    return cluster["prefills"]
 
 
 def complete(worker: Worker, prompt: list[int], headers: dict) -> dict:
@@ -87,3 +101,52 @@ def test_a_dead_or_unauthenticated_hint_costs_only_a_recompute(workers):
     unauthenticated = complete(b, other, hint_for(a, len(other)))
     assert unauthenticated["usage"]["prompt_tokens"] == len(other)
     assert metric_sum(a.url, "pdserve_kv_peer_pinned_tokens_total") == pinned_before
+
+
+def held_by_prefill(proxy: ProxyProcess, prompt: list[int]) -> int:
+    """The most prompt tokens the proxy's index predicts one prefill worker holds (0: not ready yet)."""
+    try:
+        answer = httpx.post(proxy.url + "/internal/routing/explain", json={"prompt": prompt}, headers=AUTH,
+                            timeout=10).json()
+    except httpx.HTTPError:
+        return 0
+    return max((c["cached_tokens"] for c in answer.get("prefill", {}).get("candidates", [])), default=0)
+
+
+def run_conversations(proxy: ProxyProcess, cluster: dict, hints: bool) -> tuple[list[str], float, float]:
+    """Three conversations of three turns, interleaved, through `proxy` from empty caches: the answers,
+    the prompt tokens the prefill workers computed, and those pulled from a peer. With `hints`, each later
+    turn waits until the proxy's index heard of the last turn's blocks (so the hint is certain)."""
+    for worker in (*cluster["prefills"], cluster["decode"]):
+        reset_prefix_cache(worker, AUTH)
+    prefills = cluster["prefills"]
+    computed_before = sum(computed(w) for w in prefills)
+    pulled_before = sum(metric_sum(w.url, "pdserve_kv_peer_pull_tokens_total", result="pulled") for w in prefills)
+    prompts = [[100 + 300 * c + (i * 7) % 250 for i in range(100)] for c in range(3)]
+    answers = []
+    for turn in range(3):
+        for conversation, prompt in enumerate(prompts):
+            if turn:
+                prompt += [600 + 50 * conversation + 10 * turn + i for i in range(40)]
+                held = (len(prompt) - 40) // BLOCK * BLOCK  # the last turn's full blocks
+                assert not hints or wait_for(lambda: held_by_prefill(proxy, prompt) >= held, timeout_s=10), \
+                    "the proxy's index never heard of the last turn's blocks"
+            body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+            response = httpx.post(proxy.url + "/v1/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            answers.append(response.json()["choices"][0]["text"])
+    computed_after = sum(computed(w) for w in prefills)
+    pulled_after = sum(metric_sum(w.url, "pdserve_kv_peer_pull_tokens_total", result="pulled") for w in prefills)
+    return answers, computed_after - computed_before, pulled_after - pulled_before
+
+
+def test_round_robin_with_peer_pulls_computes_the_one_worker_optimum(cluster):
+    proxies = cluster["proxies"]
+    without_answers, without_computed, without_pulled = run_conversations(proxies[False], cluster, hints=False)
+    answers, computed_tokens, pulled = run_conversations(proxies[True], cluster, hints=True)
+    # One worker holding every history computes each turn's prompt past its previous turn's full blocks.
+    optimum = 3 * (100 + (140 - 96) + (180 - 128))
+    assert computed_tokens == optimum and pulled == 3 * (96 + 128)
+    assert without_computed > 1.5 * optimum and without_pulled == 0  # every later turn on the other worker
+    assert answers == without_answers
+    assert proxies[True].metric("pdserve_proxy_peer_hints_total") == 6
