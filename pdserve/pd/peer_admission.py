@@ -7,7 +7,8 @@ the same tokens, the peer answered the handshake with this worker's compatibilit
 and TP size, its block lists fit its pool, and its data path is connected. A hint never fails a
 request: every other outcome is counted (`pdserve_kv_peer_pull_tokens_total{result}`) and the
 prompt is computed; a pin taken and not used is released at once (its lease is the fallback).
-Pulls below `min_tokens` are not tried: below it computing is cheaper (docs/operations.md).
+Pulls below `min_tokens` are not tried: below it computing is cheaper (docs/operations.md). A hint
+nobody vouched for (no internal token, a listener others reach) is followed only to allow-listed peers.
 Torch-free.
 
     hint {host, port, tokens} ─▶ allow-list, backoff ─▶ POST /internal/kv/peer_pin {token ids} ─▶ peer
@@ -103,7 +104,11 @@ class PeerPullAdmission:
                  connect_peer: ConnectPeer, plan: KVGroupPlan, block_size: int, tp_size: int = 1,
                  min_tokens: int = 1, count_tokens: CountPeerTokens = lambda result, num_tokens: None,
                  allowed_peers: Optional[PeerAllowList] = None, failures: Optional[PeerFailureMemory] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, vouched: bool = True):
+        """`vouched`: a hint's sender proved itself (this worker has an internal token, which the HTTP edge
+        checked) or could only be local (a loopback listener). Otherwise a hint may come from anyone who
+        reaches the serving port, and is followed only to peers `allowed_peers` names."""
+        self.vouched = vouched
         self.inner = inner
         self.pins = pins
         self.releases = releases
@@ -141,6 +146,9 @@ class PeerPullAdmission:
         num_ask = len(token_ids)
         if self.model_problem is not None:
             raise PeerUnusable("refused", self.model_problem, num_ask)
+        if self.allowed_peers is None and not self.vouched:
+            raise PeerUnusable("refused", "a hint without the internal token is followed only to peers "
+                                          "--kv-allowed-peers names", num_ask)
         if self.allowed_peers is not None and not self.allowed_peers.allows(hint.host):
             raise PeerUnusable("refused", f"{hint.host} is not among the allowed peers (--kv-allowed-peers)", num_ask)
         address = handshake_address(hint.host, hint.port)

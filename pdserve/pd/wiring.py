@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, cast
 
 import httpx
 
-from pdserve.api.config import WorkerConfig
+from pdserve.api.config import WorkerConfig, is_loopback_host
 from pdserve.api.kv_transfer import PROTOCOL_VERSION, AgentInfo, PoolGeometry
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import Metrics
@@ -166,7 +166,8 @@ def _peer_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
                              TicketClient(token, transfer.handshake_timeout_s, http_transport), handshake, connect,
                              pool.plan, pool.block_size, config.parallel.tensor_parallel_size,
                              transfer.peer_pull_min_tokens, metrics.kv.count_peer_pull,
-                             PeerAllowList.parse(transfer.allowed_peers))
+                             PeerAllowList.parse(transfer.allowed_peers),
+                             vouched=token is not None or is_loopback_host(config.server.host))
 
 
 def _counted_room_check(connector: PrefillConnector, metrics: Metrics) -> Callable[[int], bool]:

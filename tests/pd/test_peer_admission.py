@@ -70,7 +70,7 @@ def agent():
 
 
 def admit(agent, answer, hint: Optional[PeerHint] = HINT, connect_error: Optional[str] = None, min_tokens: int = 32,
-          allowed: Optional[str] = None):
+          allowed: Optional[str] = None, vouched: bool = True):
     pins, releases, counts = FakePins(answer), FakeReleases(), {}
 
     async def connect(peer):
@@ -81,7 +81,7 @@ def admit(agent, answer, hint: Optional[PeerHint] = HINT, connect_error: Optiona
 
     admission = PeerPullAdmission(LocalAdmission(), pins, releases, FakeHandshake(agent), connect, FULL, BLOCK,
                                   min_tokens=min_tokens, count_tokens=count,
-                                  allowed_peers=PeerAllowList.parse(allowed) if allowed else None)
+                                  allowed_peers=PeerAllowList.parse(allowed) if allowed else None, vouched=vouched)
     request = GenerationRequest("r", PROMPT, SamplingParams(max_tokens=1), peer_hint=hint)
     admitted = asyncio.run(admission.admit(request))
     assert admitted.peer_hint is None and admitted.kv_params is None
@@ -126,6 +126,13 @@ def test_nothing_is_asked_below_the_threshold_nor_of_a_peer_off_the_allow_list(a
     assert admitted.remote is None and counts == {"miss": 8 * BLOCK}  # the peer holds none of it
     _, pins, _, counts = admit(agent, ticket(), allowed="10.0.0.0/8")
     assert pins.asked == [] and counts == {"refused": 8 * BLOCK}
+
+
+def test_a_hint_nobody_vouched_for_is_followed_only_to_allow_listed_peers(agent):
+    _, pins, _, counts = admit(agent, ticket(), vouched=False)  # no token, a listener others reach
+    assert pins.asked == [] and counts == {"refused": 8 * BLOCK}
+    admitted, pins, _, _ = admit(agent, ticket(), vouched=False, allowed="127.0.0.1")
+    assert admitted.remote is not None and pins.asked
 
 
 def http_request(headers: dict[str, str]) -> StarletteRequest:
