@@ -140,6 +140,11 @@ class PeerPullAdmission:
                         hint.host, hint.port, error)
             self.count_tokens(error.result, error.num_tokens)
             return admitted
+        except Exception:  # noqa: BLE001 - our bug: a peer pull never fails the request
+            logger.exception("request %s: peer pull from %s:%d failed; computing the prompt", request.request_id,
+                             hint.host, hint.port)
+            self.count_tokens("failed", num_ask)
+            return admitted
         return dataclasses.replace(admitted, remote=source)
 
     async def _source(self, request_id: str, hint: PeerHint, token_ids: list[int]) -> RemoteSource:

@@ -117,6 +117,8 @@ def test_a_dead_peer_or_a_lost_data_path_costs_a_recompute(agent):
     assert admitted.remote is None and releases.released == [] and counts == {"failed": 8 * BLOCK}
     admitted, _, releases, counts = admit(agent, ticket(), connect_error="peer agent is not reachable")
     assert admitted.remote is None and releases.released == ["peer-pin-1"] and counts == {"failed": 8 * BLOCK}
+    admitted, _, _, counts = admit(agent, RuntimeError("a bug of ours"))  # not even a bug fails the request
+    assert admitted.remote is None and counts == {"failed": 8 * BLOCK}
 
 
 def test_nothing_is_asked_below_the_threshold_nor_of_a_peer_off_the_allow_list(agent):
