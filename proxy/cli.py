@@ -63,10 +63,10 @@ def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                          help="the estimate for text prompts: tokens = ceil(characters / this)")
     routing.add_argument("--max-in-flight-per-backend", type=int, default=0,
                          help="a backend with this many proxy requests in flight is saturated (0: no cap)")
-    routing.add_argument("--peer-pull", action=argparse.BooleanOptionalAction, default=False,
+    routing.add_argument("--peer-pull", action=argparse.BooleanOptionalAction, default=True,
                          help="send a prefill worker that holds less of a prompt than another one a hint naming it "
-                              "(the worker may pull the prefix from there instead of computing it); follows the "
-                              "prefill workers' KV events whatever the policy")
+                              "(the worker may pull the prefix from there instead of computing it); with two or more "
+                              "prefill workers it follows their KV events whatever the policy")
     routing.add_argument("--peer-pull-margin-tokens", type=int, default=64,
                          help="peer hints: only when the other worker holds at least this many more prompt tokens")
     routing.add_argument("--kv-load-tokens", type=float, default=128.0,
