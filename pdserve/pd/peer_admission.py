@@ -3,8 +3,10 @@ nothing (the request is computed here as if it had none).
 
 Invariant: a request reaches the engine with a peer pull only when the peer (on the allow-list when
 there is one) pinned a prefix of it by its own hash chain, that chain equals this worker's chain of
-the same tokens, the peer answered the handshake with this worker's compatibility hash, block size
-and TP size, its block lists fit its pool, and its data path is connected. A hint never fails a
+the same tokens (over the peer's block size), the peer answered the handshake with this worker's
+compatibility hash and TP size and a block size that pairs with this worker's (one divides the other:
+the READ then moves units of the smaller, as a P/D pull does), its block lists fit its pool, and its
+data path is connected. A hint never fails a
 request: every other outcome is counted (`pdserve_kv_peer_pull_tokens_total{result}`) and the
 prompt is computed; a pin taken and not used is released at once (its lease is the fallback).
 Pulls below `min_tokens` are not tried: below it computing is cheaper (docs/operations.md). A hint
@@ -14,7 +16,7 @@ Torch-free.
     hint {host, port, tokens} ─▶ allow-list, backoff ─▶ POST /internal/kv/peer_pin {token ids} ─▶ peer
                                          ◀── {pin id, nonce, block ids, hash chain, lease}
     chain == own chain of those tokens? ─ no ─▶ release, compute (refused)
-    handshake (compat, block size, TP) ─▶ connect ─▶ RemoteSource(num_pull_tokens=k)
+    handshake (compat, TP, block sizes pair) ─▶ connect ─▶ RemoteSource(num_pull_tokens=k)
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pdserve.pd.peer_pins import peer_pull_problem
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.pd.tickets import MAX_TICKET_BYTES, TicketClient
 from pdserve.request import GenerationRequest, RemoteSource
+from pdserve.transfer.token_units import block_size_problem
 from pdserve.transfer.transport import PeerInfo, TransferError, handshake_address
 
 logger = logging.getLogger(__name__)
@@ -178,22 +181,23 @@ class PeerPullAdmission:
     async def _verified(self, request_id: str, hint: PeerHint, ticket: PeerPinTicket, params: RemotePrefillParams,
                         token_ids: list[int], address: str) -> RemoteSource:
         num_tokens = ticket.num_tokens
-        if ticket.block_size != self.block_size:
-            raise PeerUnusable("refused", f"the peer pages {ticket.block_size}-token blocks, this worker "
-                                          f"{self.block_size} (peer pulls between block sizes: not done yet)", num_tokens)
-        if num_tokens > len(token_ids) or num_tokens % self.block_size:
+        problem = block_size_problem(self.block_size, ticket.block_size)
+        if problem is not None:
+            raise PeerUnusable("refused", f"the peer cannot lend to this worker: {problem}", num_tokens)
+        if num_tokens > len(token_ids) or num_tokens % ticket.block_size:
             raise PeerUnusable("refused", f"the peer pinned {num_tokens} tokens of {len(token_ids)} asked", num_tokens)
         if num_tokens < self.min_tokens:
             raise PeerUnusable("miss", f"the peer holds {num_tokens} tokens, under --peer-pull-min-tokens", num_tokens)
-        own_chain = [h.hex() for h in hash_full_blocks(token_ids[:num_tokens], self.block_size, [])]
+        # The peer's chain is over its own block size: this prompt's chain over the same size must equal it.
+        own_chain = [h.hex() for h in hash_full_blocks(token_ids[:num_tokens], ticket.block_size, [])]
         if ticket.block_hashes != own_chain:
             raise PeerUnusable("refused", "the peer's hash chain differs from this prompt's", num_tokens)
         try:
             agent = await self.handshake.peer_for(params)
-            if agent.tp_size != self.tp_size or agent.geometry.block_size != self.block_size:
+            if agent.tp_size != self.tp_size or agent.geometry.block_size != ticket.block_size:
                 raise PeerUnusable("refused", f"the peer runs TP {agent.tp_size} with {agent.geometry.block_size}-token "
-                                              f"blocks, this worker TP {self.tp_size} with {self.block_size} "
-                                              f"(not done yet)", num_tokens)
+                                              f"blocks, this worker TP {self.tp_size} (peer pulls between TP sizes: "
+                                              f"not done yet)", num_tokens)
             check_block_ids(params, agent, self.plan, self.tp_size)
             peer = dataclasses.replace(PeerInfo.from_dict(agent.transport, via=address),
                                        block_size=agent.geometry.block_size)

@@ -120,7 +120,8 @@ class PeerPullConnector:
         if pull is None:
             return self.inner.start_pull(request, block_tables, num_cached_tokens)
         params = pull.source.params
-        plan = plan_handoff_pull(self.plan, self.block_size, block_tables, self.plan, self.block_size,
+        their_block_size = pull.source.agent.geometry.block_size  # may differ: the READ cuts both into units
+        plan = plan_handoff_pull(self.plan, self.block_size, block_tables, self.plan, their_block_size,
                                  params.remote_block_ids, pull.num_tokens, num_cached_tokens, self.tp_size, self.tp_size)
         if plan.is_empty:  # this worker's own prefix cache holds it all by now
             del self._pulls[request.request_id]

@@ -84,6 +84,33 @@ def test_a_prefix_held_by_a_peer_is_pulled_not_computed(workers):
     assert computed(b) - again_before == len(longer) - (len(longer) - 1) // BLOCK * BLOCK
 
 
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory, device):
+    """A prefill worker paging 32-token blocks (the others page 16)."""
+    logs = tmp_path_factory.mktemp("logs-wide")
+    worker = Worker("prefill", free_port(), str(logs / "wide.log"),
+                    ["--num-blocks", "100", "--internal-token", TOKEN, "--block-size", str(2 * BLOCK)], device)
+    started = start_workers(worker)
+    try:
+        yield worker
+    finally:
+        stop_all(worker, *started)
+
+
+def test_a_puller_of_another_block_size_reads_the_prefix_in_units_of_the_smaller(workers, wide):
+    a, _ = workers
+    prefix = [250 + (i * 41) % 800 for i in range(7 * BLOCK + 5)]
+    complete(a, prefix, AUTH)
+    longer = prefix + [400 + i for i in range(3 * BLOCK)]
+    before = computed(wide)
+    answer = complete(wide, longer, {**AUTH, **hint_for(a, len(prefix))})
+    num_pulled = len(prefix) // (2 * BLOCK) * 2 * BLOCK  # the puller asks whole blocks of its own size
+    assert computed(wide) - before == len(longer) - num_pulled
+    assert metric_sum(wide.url, "pdserve_kv_peer_pull_tokens_total", result="pulled") == num_pulled
+    assert answer["choices"][0]["text"] == complete(a, longer, AUTH)["choices"][0]["text"]
+    assert wait_for(lambda: metric_sum(a.url, "pdserve_transfer_pinned_blocks") == 0, timeout_s=10)
+
+
 def test_a_dead_or_unauthenticated_hint_costs_only_a_recompute(workers):
     a, b = workers
     prompt = [150 + (i * 11) % 700 for i in range(6 * BLOCK + 3)]

@@ -103,13 +103,22 @@ def test_the_puller_never_asks_for_the_last_prompt_token(agent):
 
 @pytest.mark.parametrize("answer, result", [
     (ticket(chain=["00" * 32] * 8), "refused"),  # another prompt's blocks
-    (ticket(block_size=2 * BLOCK), "refused"),  # another block size
+    (ticket(block_size=6), "refused"),  # a block size that does not pair with this worker's
+    (ticket(chain=[h.hex() for h in hash_full_blocks(PROMPT[:8 * BLOCK], BLOCK, [])], block_size=2 * BLOCK),
+     "refused"),  # a chain over another block size than the peer says it pages
     (ticket(num_tokens=BLOCK), "miss"),  # holds less than worth pulling
 ])
 def test_a_pin_that_does_not_check_out_is_released_and_the_prompt_computed(agent, answer, result):
     admitted, _, releases, counts = admit(agent, answer)
     assert admitted.remote is None and releases.released == ["peer-pin-1"]
     assert counts == {result: answer.num_tokens}
+
+
+def test_a_peer_of_another_block_size_is_checked_by_its_own_chain():
+    wide = PrefillSide(FakeFabric(), FakeClock(), name="A", plan=FULL, block_size=2 * BLOCK).agent_info()
+    chain = [h.hex() for h in hash_full_blocks(PROMPT[:8 * BLOCK], 2 * BLOCK, [])]
+    admitted, _, releases, counts = admit(wide, ticket(chain=chain, block_size=2 * BLOCK))
+    assert admitted.remote is not None and admitted.remote.num_pull_tokens == 8 * BLOCK and counts == {}
 
 
 def test_a_dead_peer_or_a_lost_data_path_costs_a_recompute(agent):

@@ -19,7 +19,7 @@ from pdserve.pd.peer_pull import PeerPullConnector
 from pdserve.pd.peers import PeerConnections
 from pdserve.request import RemoteSource, RequestStatus
 from tests.engine.checked_scheduler import CheckedScheduler
-from tests.pd.pd_pair import BLOCK, PLAN, FakeClock, PrefillSide, make_request
+from tests.pd.pd_pair import BLOCK, PAGE_BYTES, PLAN, FakeClock, PrefillSide, make_request
 from pdserve.transfer.fake_transport import FakeFabric
 
 FULL = plan_groups([FullAttentionSpec(), FullAttentionSpec()])
@@ -190,4 +190,35 @@ def test_a_prefix_already_cached_here_is_not_pulled(holder, puller, clock):
     assert puller.scheduler.schedule().chunks[0].start_position == 4 * BLOCK
     assert puller.counts == {}  # nothing read, nothing recomputed
     holder.tick()  # told "free" at once
+    assert holder.connector.num_pinned_blocks == 0
+
+
+def test_a_puller_of_another_block_size_reads_the_prefix_in_units_of_the_smaller(fabric, clock, holder):
+    from pdserve.transfer.ranked_transport import RankedTransport
+
+    side = PrefillSide(fabric, clock, name="B8", plan=FULL, block_size=2 * BLOCK, page_bytes=2 * PAGE_BYTES)
+    reader = RankedTransport(side.transport, None, [], num_kv_heads=1, num_layer_slots=FULL.group_size)
+    puller = Puller.__new__(Puller)
+    puller.side, puller.counts = side, {}
+    puller.peers = PeerConnections(reader, connect_timeout_s=5.0, clock=clock)
+    puller.connector = PeerPullConnector(side.connector, reader, puller.peers, FULL, 2 * BLOCK,
+                                         count_tokens=puller._count, clock=clock)
+    puller.scheduler = CheckedScheduler(SchedulerConfig(), side.kv, 2 * BLOCK, 10_000, connector=puller.connector)
+    puller.connect(holder)
+    prompt = compute_on(holder, "a", 5 * BLOCK + 1)
+    ticket = pin_peer_prefix(holder.kv, holder.connector, prompt[:6 * BLOCK])
+    assert ticket.num_tokens == 5 * BLOCK  # whole blocks of the holder's size: 2.5 of the puller's
+    request = make_request("b", 7 * BLOCK + 2, remote=source_from(holder, ticket, clock()))
+    puller.scheduler.add_request(request)
+    puller.scheduler.schedule()
+    puller.tick()
+    assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == 5 * BLOCK
+    first = side.kv.block_ids("b")[0][0]  # tokens 0-7: the holder's blocks of tokens 0-3 and 4-7
+    assert set(side.pool[first].tolist()) == {ticket.block_ids[0][0], ticket.block_ids[0][1]}
+    step = puller.scheduler.schedule()
+    assert step.chunks[0].start_position == 5 * BLOCK  # mid-block: the rest of block 2 is computed here
+    puller.scheduler.update(step, [SampledToken("b", 5, 0.0)])
+    hit = side.kv.find_prefix(hash_full_blocks(request.prompt_token_ids, 2 * BLOCK, []), 7 * BLOCK + 2)
+    assert hit.num_tokens == 3 * 2 * BLOCK and puller.counts == {"pulled": 5 * BLOCK}
+    holder.tick()
     assert holder.connector.num_pinned_blocks == 0
