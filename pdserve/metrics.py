@@ -146,8 +146,30 @@ class KVCacheMetrics:
         self.prefix_cache_hits_by_medium_tokens = Counter(
             "pdserve_kv_prefix_cache_hits_by_medium_tokens_total",
             "Prompt tokens found in the prefix cache, by where: device (the pool), offload (from the first "
-            "block loaded from the offload tier on).", ["medium"], registry=registry,
+            "block loaded from the offload tier on), peer (pulled from another worker's pool).", ["medium"],
+            registry=registry,
         )
+        self.peer_pull_tokens = Counter(
+            "pdserve_kv_peer_pull_tokens_total",
+            "Prompt tokens a peer hint named, by result: pulled (read from the peer, not computed), failed (peer "
+            "dead, pin or READ failed, lease ran out: computed), refused (incompatible peer or chain: computed), "
+            "miss (the peer held less than worth pulling: computed), skipped (under --peer-pull-min-tokens).",
+            ["result"], registry=registry,
+        )
+        self.peer_pull_s = Histogram(
+            "pdserve_kv_peer_pull_duration_seconds",
+            "Time of a peer pull that landed, from the pin's answer to the last block read.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=registry,
+        )
+        self.peer_pinned_tokens = Counter(
+            "pdserve_kv_peer_pinned_tokens_total",
+            "Prompt tokens this worker pinned for peers to pull (holder side).", registry=registry,
+        )
+
+    def count_peer_pull(self, result: str, num_tokens: int) -> None:
+        self.peer_pull_tokens.labels(result=result).inc(num_tokens)
+        if result == "pulled":
+            self.prefix_cache_hits_by_medium_tokens.labels("peer").inc(num_tokens)
 
     def count_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int, num_offload_hit_tokens: int = 0) -> None:
         self.prefix_cache_queries_tokens.inc(num_query_tokens)

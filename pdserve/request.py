@@ -22,6 +22,7 @@ from pdserve.api.sampling import FinishReason, SamplingParams, TopLogprobs
 if TYPE_CHECKING:
     from pdserve.api.errors import PdserveError
     from pdserve.api.kv_transfer import KVTransferRequest
+    from pdserve.api.peer_pull import PeerHint
 
 
 class RequestStatus(enum.Enum):
@@ -42,6 +43,9 @@ class RemoteSource:
     params: RemotePrefillParams
     agent: AgentInfo
     received_s: float = field(default_factory=time.monotonic)
+    # A peer pull (pd/peer_pull.py): the pull brings only the prompt's first `num_pull_tokens` tokens (whole
+    # blocks a peer held) and the rest is computed here; None: a P/D handoff, the whole prompt.
+    num_pull_tokens: Optional[int] = None
 
     @property
     def peer_identity(self) -> tuple[str, str]:
@@ -62,6 +66,8 @@ class GenerationRequest:
     remote: Optional["RemoteSource"] = None  # D: verified source of the prompt's KV
     pd_recomputed: bool = False  # D: came as P/D, but the admission chose to compute the prompt here
     first_token: Optional[FirstToken] = None  # D: the token P sampled, from P's ticket (pd/first_token.py)
+    # Internal: a peer the proxy says holds a prefix of this prompt (pd/peer_admission.py may pull it).
+    peer_hint: Optional["PeerHint"] = None
 
 
 @dataclass(frozen=True, slots=True)

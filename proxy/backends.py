@@ -144,11 +144,14 @@ class BackendClient(httpx.AsyncClient):
         self._leg_headers = leg_headers
         self._urls: dict[str, httpx.URL] = {}
 
-    def leg_request(self, path: str, body: bytes, request_id: str, timeout: dict[str, float]) -> httpx.Request:
+    def leg_request(self, path: str, body: bytes, request_id: str, timeout: dict[str, float],
+                    extra_headers: Optional[dict[str, str]] = None) -> httpx.Request:
+        """`extra_headers`: the proxy's own (a peer hint), never a client's."""
         url = self._urls.get(path)
         if url is None:
             url = self._urls[path] = self.base_url.join(path)
-        headers = {**self._leg_headers, REQUEST_ID_HEADER: request_id, "Content-Type": "application/json"}
+        headers = {**self._leg_headers, **(extra_headers or {}), REQUEST_ID_HEADER: request_id,
+                   "Content-Type": "application/json"}
         return httpx.Request("POST", url, headers=headers, content=body, extensions={"timeout": timeout})
 
     async def send_leg(self, request: httpx.Request) -> httpx.Response:

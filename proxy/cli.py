@@ -63,6 +63,12 @@ def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                          help="the estimate for text prompts: tokens = ceil(characters / this)")
     routing.add_argument("--max-in-flight-per-backend", type=int, default=0,
                          help="a backend with this many proxy requests in flight is saturated (0: no cap)")
+    routing.add_argument("--peer-pull", action=argparse.BooleanOptionalAction, default=True,
+                         help="send a prefill worker that holds less of a prompt than another one a hint naming it "
+                              "(the worker may pull the prefix from there instead of computing it); with two or more "
+                              "prefill workers it follows their KV events whatever the policy")
+    routing.add_argument("--peer-pull-margin-tokens", type=int, default=64,
+                         help="peer hints: only when the other worker holds at least this many more prompt tokens")
     routing.add_argument("--kv-load-tokens", type=float, default=128.0,
                          help="kv_aware: prompt tokens one unit of load (a queued request) is worth in the score")
     routing.add_argument("--kv-offload-hit-weight", type=float, default=0.5,
@@ -125,7 +131,8 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
             max_in_flight_per_backend=args.max_in_flight_per_backend, kv_load_tokens=args.kv_load_tokens,
             kv_offload_hit_weight=args.kv_offload_hit_weight,
             kv_decode_only_max_tokens=args.kv_decode_only_max_tokens, disaggregation=args.disaggregation,
-            decode_stall_tpots=args.decode_stall_tpots,
+            decode_stall_tpots=args.decode_stall_tpots, peer_pull=args.peer_pull,
+            peer_pull_margin_tokens=args.peer_pull_margin_tokens,
         ),
         slo=SloConfig(ttft_ms=args.slo_ttft_ms, ttft_ms_per_token=args.slo_ttft_ms_per_token,
                       tpot_ms=args.slo_tpot_ms),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from pdserve.api.config import LimitsConfig
@@ -50,6 +50,7 @@ class ClientRequest:
     kv_route: Optional["KVRoute"] = None  # set by kv_aware routing (proxy/routing/kv_routing.py)
     prefill_url: Optional[str] = None  # a known prefill backend the client named (x-prefiller-host-port)
     client_key: str = ""  # who it counts for in the SLO window (proxy.slo.client_key)
+    peer_hint_headers: dict[str, str] = field(default_factory=dict)  # the next prefill leg's (routing/peer_hints.py)
 
     def prefix_key(self, num_chars: int) -> bytes:
         return self.prompt_text[:num_chars].encode("utf-8", "surrogatepass")

@@ -69,6 +69,10 @@ class RoutingConfig(_Frozen):
     # adaptive: how many TPOT budgets of stall a decode worker's running streams may absorb
     # while it prefills a prompt itself.
     decode_stall_tpots: float = Field(10.0, ge=0)
+    # Peer hints (proxy/routing/peer_hints.py): a prefill leg to a worker that holds at least this many fewer
+    # prompt tokens on its device than another prefill worker names that worker, so it may pull the prefix.
+    peer_pull: bool = True
+    peer_pull_margin_tokens: int = Field(64, ge=1)
 
 
 class SloConfig(_Frozen):

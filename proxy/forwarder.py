@@ -48,6 +48,7 @@ from proxy.relay import ClientGone, RelayStreamResponse, StreamTiming, until_cli
 from proxy.routing.candidates import Candidate, Pick, RoleTurns, RouteRequest
 from proxy.routing.disaggregation import PrefillSpeed
 from proxy.routing.kv_routing import KVRouting
+from proxy.routing.peer_hints import PeerHints
 from proxy.routing.policies import RoutingPolicy
 from proxy.routing.route import (DECODE_ONLY, DISAGGREGATED, NO_PREFILL, SKIPPED_DECODE_CACHED, Route, RouteSettings,
                                  RouteSignals, choose_route, pick_prefill, pick_worker, request_mode)
@@ -98,7 +99,9 @@ class Forwarder:
         self._sender = LegSender(metrics, config.timeouts)
         self._releaser = KVReleaser(metrics, config.health.timeout_s)
         self._metrics = metrics
-        self._kv = kv  # set when a role's policy is kv_aware
+        self._kv = kv  # set when a role's policy is kv_aware, or with peer hints
+        self._hints = (PeerHints(kv, prefill_pool, config.routing.peer_pull_margin_tokens, metrics.registry)
+                       if kv is not None and config.routing.peer_pull else None)
         self._slo = SloTracker(self._settings.slo, metrics.slo_requests, metrics.slo_attainment)
         # Seconds per prompt token of each role's prefill, from legs that had their worker to themselves.
         self._speeds = {Role.PREFILL: PrefillSpeed(), Role.DECODE: PrefillSpeed()}
@@ -332,6 +335,8 @@ class Forwarder:
         if handoff is not None and handoff.prefill_sent_s is None:
             handoff.prefill_sent_s = started_s
         backend.prompt_tokens_in_flight += num_tokens
+        if self._hints is not None:
+            request.peer_hint_headers = self._hints.headers_for(backend, request)
         try:
             answer = await self._sender.prefill(backend, request)
         finally:

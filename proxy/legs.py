@@ -173,7 +173,8 @@ class LegSender:
         try:
             try:
                 response = await _send_and_read(backend, backend.client.leg_request(
-                    request.path, prefill_body(request), request.request_id, self._prefill_timeout))
+                    request.path, prefill_body(request), request.request_id, self._prefill_timeout,
+                    request.peer_hint_headers))
             except httpx.HTTPError as exc:
                 failure = _transport_failure(exc, "prefill")
                 outcome = Outcome.FAILURE

@@ -26,13 +26,16 @@ from bench.routing.workload import WorkloadSpec, build_conversations
 
 logger = logging.getLogger("bench.routing")
 POLICIES = ("round_robin", "least_loaded", "prefix", "kv_aware")
+PEER = "+peer"  # "<policy>+peer": the same policy with the proxy's peer hints (--peer-pull)
 PROXY_COUNTERS = ("pdserve_proxy_kv_prediction_error_tokens_sum",)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = WorkloadSpec()
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, run in this order")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="comma-separated, run in this order; a policy with +peer (round_robin+peer) runs it "
+                             "with peer pulls (the proxy's --peer-pull)")
     parser.add_argument("--num-conversations", type=int, default=defaults.num_conversations)
     parser.add_argument("--min-turns", type=int, default=defaults.min_turns)
     parser.add_argument("--max-turns", type=int, default=defaults.max_turns)
@@ -49,7 +52,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="before each policy, wait up to this long for the machine to go idle (0: do not wait)")
     args = parser.parse_args(argv)
     args.policy_list = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = set(args.policy_list) - set(POLICIES)
+    unknown = {p.removesuffix(PEER) for p in args.policy_list} - set(POLICIES)
     if unknown:
         parser.error(f"unknown policies: {sorted(unknown)}")
     return args
@@ -74,6 +77,7 @@ def measure_policy(cluster: RoutingCluster, policy: str, spec: WorkloadSpec, wai
         conversations = build_conversations(spec)
         num_turns = sum(len(c.questions) for c in conversations)
         before = cluster.counters()
+        pulled_before = cluster.peer_pulled_tokens()
         meter = CpuMeter(cluster.pids())
         meter.start()
         done = [0]
@@ -90,6 +94,7 @@ def measure_policy(cluster: RoutingCluster, policy: str, spec: WorkloadSpec, wai
         foreign = meter.foreign_fraction()
         cluster.wait_idle()
         after = cluster.counters()
+        peer_pulled = cluster.peer_pulled_tokens() - pulled_before
         proxy_counts = scrape(proxy.base_url, PROXY_COUNTERS)
         decode_only = metric_sum(proxy.base_url, "pdserve_proxy_requests_total", mode="decode_only")
     finally:
@@ -107,6 +112,7 @@ def measure_policy(cluster: RoutingCluster, policy: str, spec: WorkloadSpec, wai
         kv_events=_delta(before, after, [*prefills, *decodes], "pdserve_kv_events_total"),
         decode_only_turns=decode_only,
         prediction_error_tokens=proxy_counts[PROXY_COUNTERS[0]] if policy == "kv_aware" else None,
+        peer_pulled_tokens=peer_pulled,
     )
 
 

@@ -89,13 +89,14 @@ class RoutingCluster:
     def start_proxy(self, policy: str, prefills: Optional[list[ServerProcess]] = None) -> ServerProcess:
         port = free_port()
         prefill_urls = [w.base_url for w in prefills or self.prefills]
-        argv = pdserve_argv("proxy", port, "--policy", policy, "--prefill", *prefill_urls,
+        base, peer = policy.removesuffix("+peer"), policy.endswith("+peer")
+        argv = pdserve_argv("proxy", port, "--policy", base, "--prefill", *prefill_urls,
                             "--decode", *(w.base_url for w in self.decodes), "--internal-token", self.spec.token,
-                            "--log-level", "warning")
+                            "--log-level", "warning", "--peer-pull" if peer else "--no-peer-pull")
         self.proxy = ServerProcess(f"proxy-{policy}", argv, port, os.path.join(self.spec.log_dir, f"proxy-{policy}.log"))
         self.proxy.start()
         self.proxy.wait_ready(60.0)
-        if policy == "kv_aware":
+        if base == "kv_aware" or peer:
             self._wait_for_routing_info(self.proxy)
         return self.proxy
 
@@ -129,6 +130,10 @@ class RoutingCluster:
 
     def counters(self) -> dict[str, dict[str, float]]:
         return {w.name: scrape(w.base_url, WORKER_COUNTERS) for w in self.workers}
+
+    def peer_pulled_tokens(self) -> float:
+        """Prompt tokens the workers pulled from peers so far (peer pulls that landed)."""
+        return sum(metric_sum(w.base_url, "pdserve_kv_peer_pull_tokens_total", result="pulled") for w in self.workers)
 
     def pids(self) -> list[int]:
         processes = [*self.workers, *([self.proxy] if self.proxy else [])]

@@ -32,6 +32,7 @@ class PolicyResult:
     kv_events: float  # events the workers published (only while a kv_aware proxy subscribed)
     decode_only_turns: float  # turns the proxy served without a prefill leg
     prediction_error_tokens: Optional[float]  # kv_aware: sum of |reported - predicted| over checked answers
+    peer_pulled_tokens: float = 0.0  # "+peer" runs: prompt tokens workers pulled from peers instead of computing
 
     @property
     def computed_tokens(self) -> float:
@@ -66,10 +67,12 @@ def format_table(results: Sequence[PolicyResult]) -> str:
         ttfts = [_ttft(r.summary, None, "p50"), _ttft(r.summary, None, "p99"), _ttft(r.summary, LATER_TURN, "p50")]
         rows.append((r.policy, f"{r.num_ok} / {r.summary.num_failed}", f"{r.prompt_tokens:,}", f"{r.computed_tokens:,.0f}",
                      ratio, cell(r.cache_hit_rate, ".0%"), *(cell(t, ".0f", 1000) for t in ttfts), cell(pulled, ".1f"),
-                     f"{r.decode_only_turns:.0f}", cell(r.summary.foreign_cpu_fraction, ".0%")))
+                     f"{r.decode_only_turns:.0f}", f"{r.peer_pulled_tokens:,.0f}",
+                     cell(r.summary.foreign_cpu_fraction, ".0%")))
     return markdown_table(["policy", "turns ok / failed", "prompt tokens", "prefill tokens computed", "vs round_robin",
                            "cache hit (tokens)", "TTFT p50 ms", "TTFT p99 ms", "TTFT p50 later turns ms",
-                           "KV MB pulled / turn", "turns without prefill leg", "other CPU"], rows)
+                           "KV MB pulled / turn", "turns without prefill leg", "tokens pulled from peers",
+                           "other CPU"], rows)
 
 
 def verdict(results: Sequence[PolicyResult]) -> list[str]:
@@ -96,6 +99,7 @@ def write_json(path: str, command: str, workload: dict, cluster: dict, results: 
             "computed_prefill_tokens": r.computed_prefill_tokens, "computed_decode_tokens": r.computed_decode_tokens,
             "cache_hit_rate": r.cache_hit_rate, "kv_bytes_pulled": r.kv_bytes_pulled, "kv_events": r.kv_events,
             "decode_only_turns": r.decode_only_turns, "prediction_error_tokens": r.prediction_error_tokens,
+            "peer_pulled_tokens": r.peer_pulled_tokens,
             "turns": [{"class": rec.class_name, "sent_s": rec.sent_s, "first_token_s": rec.chunk_times_s[:1],
                        "done_s": rec.done_s, "prompt_tokens": rec.num_prompt_tokens,
                        "decode_cached_tokens": rec.cached_tokens, "error": rec.error}

@@ -232,6 +232,13 @@ class TransferConfig(_Frozen):
               "name matches only itself, an IP literal must lie in a listed address or CIDR",
         flag="--kv-allowed-peers")
 
+    peer_pull: bool = setting(
+        True, "pull a prompt's prefix from the peer the proxy's hint names instead of computing it (and, on a "
+              "prefill worker, pin prefixes for peers that ask)", flag="--peer-pull")
+    peer_pull_min_tokens: int = setting(
+        64, "pull from a peer only prefixes of at least this many tokens (below it computing costs less)",
+        flag="--peer-pull-min-tokens", ge=1)
+
     @field_validator("allowed_peers")
     @classmethod
     def _check_allowed_peers(cls, value: Optional[str]) -> Optional[str]:

@@ -12,13 +12,14 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Awaitable, Optional
 
 import httpx
 import torch
 
 from pdserve.api.config import WorkerConfig
 from pdserve.api.kv_transfer import AgentInfo, PinTicket
+from pdserve.api.peer_pull import PeerPinRefused, PeerPinTicket
 from pdserve.app.kv_cache_side import build_kv_cache_side
 from pdserve.app.model_side import ModelSide, build_model_side
 from pdserve.app.pd_side import build_pd_side
@@ -39,9 +40,11 @@ from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import Metrics
 from pdserve.models.loader import LoadedModel
 from pdserve.pd.leases import Claim
+from pdserve.pd.peer_pins import peer_pull_problem, pin_peer_prefix
 from pdserve.pd.prefill import PrefillConnector
 from pdserve.pd.wiring import KVSide, TransportFactory, nixl_transport
 from pdserve.runner.model_runner import ModelRunner
+from pdserve.server.kv_events import run_on_engine_thread
 
 
 logger = logging.getLogger(__name__)
@@ -75,6 +78,15 @@ class BuiltEngine:
         """Prefill workers: a pin's ticket for the reader that shows its nonce (thread-safe; None elsewhere)."""
         connector = self.kv_side.connector
         return connector.claim_ticket(request_id, nonce) if isinstance(connector, PrefillConnector) else None
+
+    def pin_peer_prefix(self, token_ids: list[int]) -> Optional[Awaitable[Optional[PeerPinTicket]]]:
+        """Prefill workers with peer pulls on: pin, on the engine thread, the longest prefix of `token_ids`
+        this pool holds for a peer to read (PeerPinRefused, 409, where this worker lends none)."""
+        connector = self.kv_side.connector
+        if self.kv_side.peer_pull is None or not isinstance(connector, PrefillConnector):
+            raise PeerPinRefused(peer_pull_problem(self.plan) or "this worker lends no prefixes to peers")
+        return run_on_engine_thread(self.engine.engine_loop.call_soon, functools.partial(
+            pin_peer_prefix, self.kv_manager, connector, token_ids, self.kv_side.count_peer_pinned))
 
     def close(self) -> None:
         """Stop the engine thread, then release the transport, the offload tier and the other ranks
@@ -129,7 +141,7 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     pd = build_pd_side(config, metrics, model, model_name, transport_factory, inbox.call_soon, http_transport)
     stats = EngineStats(metrics, cache.kv_manager)
     scheduler = Scheduler(config.scheduler, cache.kv_manager, config.cache.block_size, model.max_model_len,
-                          connector=pd.kv_side.connector, on_preempt=stats.record_preemption)
+                          connector=pd.kv_side.engine_connector, on_preempt=stats.record_preemption)
     metrics.engine.cpu_threads.set(torch.get_num_threads())
     tokenizer = model.loaded.tokenizer
     loop = EngineLoop(scheduler, model.runner, OutputEmitter(OutputProcessor(tokenizer)), tokenizer.eos_token_ids,

@@ -26,6 +26,7 @@ from pdserve.pd.wiring import TransportFactory, nixl_transport
 from pdserve.server.app import create_app, create_internal_app
 from pdserve.server.kv_events_routes import create_kv_events_router
 from pdserve.server.kv_routes import create_kv_router
+from pdserve.server.peer_routes import create_peer_pin_router
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,10 @@ def _internal_routers(config: WorkerConfig, metrics: Metrics, handle: LoadingEng
         routers.append(create_kv_router(lambda: loaded.built.agent_info if loaded.built else None,
                                         config.server.internal_token, release if prefill else None,
                                         claim if prefill else None))
+        if prefill and config.transfer.peer_pull:
+            routers.append(create_peer_pin_router(
+                lambda token_ids: loaded.built.pin_peer_prefix(token_ids) if loaded.built is not None else None,
+                config.server.internal_token))
     return routers
 
 

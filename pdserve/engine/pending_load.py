@@ -2,7 +2,8 @@
 written into its blocks, and what the request does once none is.
 
     part            who writes the blocks            reported by
-    pull            a prefill worker (NIXL READ)     the connector's KVEvents (landed / failed)
+    pull            a prefill worker or, for a        the connector's KVEvents (landed / failed)
+                    peer pull, any peer (NIXL READ)
     tier read       this worker's offload tier       the KV manager's poll_offload (landed / failed)
 
 Invariant: a record has at least one part in flight until it is removed; the request moves on
@@ -26,6 +27,7 @@ class PendingLoad:
     reading_tier: bool  # prefix pages coming from this worker's offload tier
     failed: bool = False  # a part failed: recompute, or fail with `error`
     error: Optional[PdserveError] = None  # set when a failed part says the request must fail (outranks a recompute)
+    peer: bool = False  # the pull is a peer pull (a prefix from any worker), not a P/D handoff
 
     @property
     def in_flight(self) -> bool:

@@ -194,16 +194,17 @@ class Scheduler:
         for request_id in results.failed:
             self._tier_read_ended(request_id, failed=True)
 
-    def _start_loading(self, request: Request, resume_at: int, *, pulling: bool, reading_tier: bool) -> None:
+    def _start_loading(self, request: Request, resume_at: int, *, pulling: bool, reading_tier: bool,
+                       peer: bool = False) -> None:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.loading[request.request_id] = PendingLoad(request, resume_at, pulling, reading_tier)
+        self.loading[request.request_id] = PendingLoad(request, resume_at, pulling, reading_tier, peer=peer)
 
     def _pull_ended(self, request_id: str, *, failed: bool = False, error: Optional[PdserveError] = None) -> None:
         load = self.loading.get(request_id)
         if load is None or not load.pulling:
             return  # ended meanwhile, or a late report
         load.pulling = False
-        if failed:
+        if failed and not load.peer:
             load.request.pd_recomputed = True  # a P/D request whose prompt this worker computes after all
         self._load_part_ended(load, failed, error)
 
@@ -394,9 +395,9 @@ class Scheduler:
                 return 0
             if admission.kind is AdmissionKind.REMOTE:
                 return self._admit_remote(request)
+            request.pd_recomputed = request.remote.num_pull_tokens is None  # a peer pull given up is no P/D leg
             request.remote = None  # given up: the prompt is computed here
             request.first_token = None
-            request.pd_recomputed = True
         prefix = self._prefix_for(request)
         num_new = self._chunk_tokens(request, prefix.num_tokens, min(request.num_tokens - prefix.num_tokens, budget))
         num_new = self._allocate_fitting(request, prefix.num_tokens, num_new, prefix)
@@ -427,7 +428,12 @@ class Scheduler:
         is computed here (its logits give the first output token).
         Prefix pages from this worker's offload tier load alongside the pull."""
         prefix = self.kv.find_prefix(request.block_hashes, request.num_prompt_tokens)
-        if not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens - 1, 1, prefix):
+        num_pull_tokens = request.remote.num_pull_tokens  # a peer pull: a prefix, the rest computed here
+        if num_pull_tokens is None:
+            filled, num_new = request.num_prompt_tokens - 1, 1
+        else:
+            filled, num_new = max(num_pull_tokens, prefix.num_tokens), 0
+        if not self.kv.allocate_slots(request.request_id, filled, num_new, prefix):
             return None
         self.waiting.popleft()
         request.num_cached_tokens = prefix.num_tokens
@@ -435,9 +441,11 @@ class Scheduler:
         pulling = self.connector.start_pull(request, self.kv.block_ids(request.request_id), prefix.num_tokens)
         request.remote = None  # consumed: a later preemption recomputes locally
         reading_tier = self.kv.start_tier_read(request.request_id)
-        resume_at = request.num_prompt_tokens - (1 if request.first_token is None else 0)
+        resume_at = filled if num_pull_tokens is not None else (
+            request.num_prompt_tokens - (1 if request.first_token is None else 0))
         if pulling or reading_tier:
-            self._start_loading(request, resume_at, pulling=pulling, reading_tier=reading_tier)
+            self._start_loading(request, resume_at, pulling=pulling, reading_tier=reading_tier,
+                                peer=num_pull_tokens is not None)
         else:
             self._resume_after_load(request, resume_at)
         return 0

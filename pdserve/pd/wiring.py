@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, cast
 
 import httpx
 
-from pdserve.api.config import WorkerConfig
+from pdserve.api.config import WorkerConfig, is_loopback_host
 from pdserve.api.kv_transfer import PROTOCOL_VERSION, AgentInfo, PoolGeometry
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import Metrics
@@ -25,6 +25,9 @@ from pdserve.pd.connector import KVConnector, NoConnector
 from pdserve.pd.decode import DecodeConnector
 from pdserve.pd.handshake import HandshakeClient, groups_to_wire
 from pdserve.pd.leases import LeaseTable
+from pdserve.pd.peer_admission import PeerPinClient, PeerPullAdmission
+from pdserve.pd.peer_pins import peer_pull_problem
+from pdserve.pd.peer_pull import PeerPullConnector
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.pd.peers import PeerConnections
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity, transfer_epoch
@@ -67,8 +70,15 @@ class KVSide:
     connector: KVConnector
     transport: Optional[KVTransport] = None
     describe: Optional[Callable[[str], AgentInfo]] = None  # transfer epoch -> the handshake's answer
-    peers: Optional[PeerConnections] = None  # decode workers only
+    peers: Optional[PeerConnections] = None  # decode workers, and P with peer pulls on
     base_epoch: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    peer_pull: Optional[PeerPullConnector] = None  # peer pulls on: wraps `connector` for the scheduler
+    count_peer_pinned: Callable[[int], None] = lambda num_tokens: None  # P: tokens pinned for peers
+
+    @property
+    def engine_connector(self) -> KVConnector:
+        """What the scheduler talks to: the peer-pull wrapper when there is one, else the connector."""
+        return self.peer_pull if self.peer_pull is not None else self.connector
 
     @property
     def agent_info(self) -> Optional[AgentInfo]:
@@ -112,12 +122,52 @@ def build_kv_side(config: WorkerConfig, metrics: Metrics, pool: PoolDescription,
         max_pinned = int(transfer.max_pinned_share * (pool.num_blocks - 1))  # block 0 is the null block
         connector = PrefillConnector(transport, LeaseTable(transfer.lease_s, max_pin_s=transfer.pin_lifetime_s), identity, pool.plan, pool.block_size,
                                      metrics.transfer, max_pinned_blocks=max_pinned)
-        return KVSide(connector, transport, describe, base_epoch=epoch)
+        peers = PeerConnections(transport, transfer.connect_timeout_s) if peer_pulls(config, pool) else None
+        return KVSide(connector, transport, describe, peers, base_epoch=epoch,
+                      peer_pull=_peer_pull(config, metrics, pool, connector, transport, peers, poll_peers=True),
+                      count_peer_pinned=metrics.kv.peer_pinned_tokens.inc)
     peers = PeerConnections(transport, transfer.connect_timeout_s)
     connector = DecodeConnector(transport, peers, pool.plan, pool.block_size, metrics.transfer,
                                 transfer.failure_policy, transfer.pull_timeout_s, transfer.heartbeat_s,
                                 lease_s=transfer.lease_s, tp_size=config.parallel.tensor_parallel_size)
-    return KVSide(connector, transport, describe, peers, base_epoch=epoch)
+    return KVSide(connector, transport, describe, peers, base_epoch=epoch,
+                  peer_pull=_peer_pull(config, metrics, pool, connector, transport, peers, poll_peers=False))
+
+
+def peer_pulls(config: WorkerConfig, pool: PoolDescription) -> bool:
+    """Whether this worker pulls prefixes from peers (and, as P, pins them for peers): on, and a model whose
+    KV moves between peers (pd/peer_pins.py)."""
+    return config.role != "colocated" and config.transfer.peer_pull and peer_pull_problem(pool.plan) is None
+
+
+def _peer_pull(config: WorkerConfig, metrics: Metrics, pool: PoolDescription, connector: KVConnector,
+               transport: KVTransport, peers: Optional[PeerConnections], poll_peers: bool) -> Optional[PeerPullConnector]:
+    if peers is None or not peer_pulls(config, pool):
+        return None
+    transfer = config.transfer
+    return PeerPullConnector(connector, transport, peers, pool.plan, pool.block_size,
+                             count_tokens=metrics.kv.count_peer_pull, observe_pull_s=metrics.kv.peer_pull_s.observe,
+                             pull_timeout_s=transfer.pull_timeout_s, lease_s=transfer.lease_s,
+                             tp_size=config.parallel.tensor_parallel_size, poll_peers=poll_peers)
+
+
+def _peer_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescription, side: KVSide, inner: KVAdmission,
+                    run_on_engine_thread: Callable[[Callable[[], None]], None],
+                    http_transport: Optional[httpx.AsyncBaseTransport]) -> KVAdmission:
+    """`inner` with peer pulls in front when this worker pulls from peers."""
+    if side.peer_pull is None or side.peers is None:
+        return inner
+    transfer, token = config.transfer, config.server.internal_token
+    handshake = HandshakeClient(pool.compat_hash, token, transfer.handshake_timeout_s,
+                                own_compatibility=pool.compatibility,
+                                on_handshake=metrics.transfer.handshakes.inc, http_transport=http_transport)
+    connect = engine_thread_connector(run_on_engine_thread, side.peers.ensure, transfer.connect_timeout_s + 1.0)
+    return PeerPullAdmission(inner, PeerPinClient(token, transfer.handshake_timeout_s, http_transport),
+                             TicketClient(token, transfer.handshake_timeout_s, http_transport), handshake, connect,
+                             pool.plan, pool.block_size, config.parallel.tensor_parallel_size,
+                             transfer.peer_pull_min_tokens, metrics.kv.count_peer_pull,
+                             PeerAllowList.parse(transfer.allowed_peers),
+                             vouched=token is not None or is_loopback_host(config.server.host))
 
 
 def _counted_room_check(connector: PrefillConnector, metrics: Metrics) -> Callable[[int], bool]:
@@ -139,8 +189,9 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
     if config.role == "colocated":
         return LocalAdmission()
     if config.role == "prefill":
-        return PrefillAdmission(pool.plan, pool.block_size, _counted_room_check(cast(PrefillConnector, side.connector),
-                                                                               metrics))
+        prefill = PrefillAdmission(pool.plan, pool.block_size, _counted_room_check(cast(PrefillConnector, side.connector),
+                                                                                  metrics))
+        return _peer_admission(config, metrics, pool, side, prefill, run_on_engine_thread, http_transport)
     transfer = config.transfer
     handshake = HandshakeClient(pool.compat_hash, config.server.internal_token, transfer.handshake_timeout_s,
                                 own_compatibility=pool.compatibility,
@@ -155,8 +206,10 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
     tickets = TicketClient(config.server.internal_token, transfer.handshake_timeout_s, http_transport)
     recomputed = metrics.transfer.recomputed_prompt_tokens
     first_token_recomputed = metrics.transfer.first_token_recomputed
-    return TicketAdmission(inner, tickets, transfer.failure_policy, allowed_peers=allowed_peers, failures=inner.failures,
-                           count_recompute=lambda reason, num_tokens: recomputed.labels(reason=reason).inc(num_tokens),
-                           count_failure=failures.inc, takes_first_token=not pool.plan.state_group_ids,
-                           count_first_token_recompute=lambda reason: first_token_recomputed.labels(reason=reason).inc(),
-                           observe_ticket_s=lambda seconds: metrics.transfer.observe_handoff({"d_ticket": seconds}))
+    tickets_first = TicketAdmission(
+        inner, tickets, transfer.failure_policy, allowed_peers=allowed_peers, failures=inner.failures,
+        count_recompute=lambda reason, num_tokens: recomputed.labels(reason=reason).inc(num_tokens),
+        count_failure=failures.inc, takes_first_token=not pool.plan.state_group_ids,
+        count_first_token_recompute=lambda reason: first_token_recomputed.labels(reason=reason).inc(),
+        observe_ticket_s=lambda seconds: metrics.transfer.observe_handoff({"d_ticket": seconds}))
+    return _peer_admission(config, metrics, pool, side, tickets_first, run_on_engine_thread, http_transport)

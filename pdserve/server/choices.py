@@ -23,6 +23,7 @@ from typing import Optional, Union
 
 import anyio
 
+from pdserve.api.peer_pull import PeerHint
 from pdserve.api.sampling import SamplingParams
 from pdserve.engine.request_ids import MAX_REQUEST_ID_CHARS, RequestIdRegistry
 from pdserve.request import GenerationRequest, RequestOutput
@@ -56,8 +57,10 @@ def _sibling_id(base: str, index: int, registry: RequestIdRegistry) -> str:
     return registry.reserve(wanted)
 
 
-def plan_choices(prepared: PreparedRequest, request_id: str, registry: RequestIdRegistry) -> list[Choice]:
-    """Every choice of the request; `request_id` (already reserved) serves choice 0, the others reserve theirs."""
+def plan_choices(prepared: PreparedRequest, request_id: str, registry: RequestIdRegistry,
+                 peer_hint: Optional[PeerHint] = None) -> list[Choice]:
+    """Every choice of the request; `request_id` (already reserved) serves choice 0, the others reserve theirs.
+    A peer hint goes with choice 0 (its siblings start once it cached the prompt)."""
     choices: list[Choice] = []
     n = prepared.num_choices
     try:
@@ -66,7 +69,8 @@ def plan_choices(prepared: PreparedRequest, request_id: str, registry: RequestId
                 index = prompt_index * n + number
                 choice_id = request_id if index == 0 else _sibling_id(request_id, index, registry)
                 if number == 0:
-                    request = GenerationRequest(choice_id, prompt, sampling, kv_params=prepared.kv_params)
+                    request = GenerationRequest(choice_id, prompt, sampling, kv_params=prepared.kv_params,
+                                                peer_hint=peer_hint if prompt_index == 0 else None)
                     choices.append(Choice(index, prompt_index, request))
                 else:
                     request = GenerationRequest(choice_id, prompt, _sibling_sampling(sampling, number))

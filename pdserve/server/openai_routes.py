@@ -28,6 +28,7 @@ from pdserve.server.chat_formatting import ChatFormat, ToolMode
 from pdserve.server.choices import ChoiceStreams, plan_choices
 from pdserve.server.context import REQUEST_ID_HEADER, ServingContext
 from pdserve.server.errors import check_internal_token
+from pdserve.server.peer_routes import peer_hint_from
 from pdserve.server.formatting import CompletionFormat, ResponseFormat, results_usage
 from pdserve.server.generation import GenerationResult, run_until_disconnected
 from pdserve.server.preprocess import PreparedRequest, check_model, ensure_ready, prepare_chat, prepare_completion
@@ -134,7 +135,8 @@ async def _serve(
             holds_stream_slot = _take_stream_slot(ctx)
         prepared = await prepare(ctx.engine, body, ctx.limits)
         response_format = make_format(ctx, body, request_id, prepared)
-        streams = ChoiceStreams(ctx, plan_choices(prepared, request_id, ctx.request_ids), arrival_s)
+        hint = peer_hint_from(raw, ctx.config.internal_token)
+        streams = ChoiceStreams(ctx, plan_choices(prepared, request_id, ctx.request_ids, hint), arrival_s)
         headers = {REQUEST_ID_HEADER: request_id}
         if body.stream:
             # Wait for the first output before sending headers, so that a request

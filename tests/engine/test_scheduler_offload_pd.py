@@ -4,6 +4,8 @@ both landed. Each order of events is forced by the test (the pull's end is repor
 
 from __future__ import annotations
 
+import types
+
 from pdserve.api.errors import RequestFailed
 from pdserve.api.sampling import FinishReason
 from pdserve.pd.connector import ADMIT_REMOTE, KVEvents, LoadFailure, NoConnector
@@ -39,7 +41,8 @@ def decode_worker_with_a_tiered_prefix(fail_reads: bool = False):
     finish_alone(scheduler, kv, make_request("a", 17, max_tokens=1))
     finish_alone(scheduler, kv, make_request("b", 32, max_tokens=1, first_token=500))  # evicts a's pages
     request = make_request("pd", 25, max_tokens=2)
-    request.remote = "a verified source"  # the scheduler only asks whether one is there
+    # The scheduler only asks whether a source is there and whether it is a peer pull (a prefix only).
+    request.remote = types.SimpleNamespace(num_pull_tokens=None)
     scheduler.add_request(request)
     pages.fail_reads = fail_reads
     step, _ = run_step(scheduler, kv)

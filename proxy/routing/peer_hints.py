@@ -1,0 +1,74 @@
+"""Peer hints: when the prefill worker chosen for a request holds less of its prompt than another prefill
+worker does (the KV index's prediction), tell the chosen one where the longer prefix is, so that it may
+pull it instead of computing it (the worker decides: pdserve/pd/peer_admission.py).
+
+Invariant: a hint names only a worker of the proxy's own pool, available now, by the internal listener
+its own /load reports, whose predicted prefix on its device is at least `margin_tokens` longer than the
+chosen worker's; the header is the proxy's own (leg requests carry no client header, so a client can
+never aim a worker at an address), and the worker takes it only with the internal token. `choose_peer_hint`
+is pure; `PeerHints` gathers its inputs in one instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter
+
+from pdserve.api.peer_pull import PEER_HINT_HEADER, PeerHint
+from proxy.backends import Backend, BackendPool
+from proxy.routing.kv_index import CachedPrefix
+
+if TYPE_CHECKING:
+    from proxy.client_request import ClientRequest
+    from proxy.routing.kv_routing import KVRouting
+
+
+@dataclass(frozen=True, slots=True)
+class PeerView:
+    """One other worker of the pool as a peer hint sees it."""
+
+    host: str
+    internal_port: Optional[int]  # None: it named no internal listener (never hinted)
+    available: bool
+    cached: Optional[CachedPrefix]
+
+
+def choose_peer_hint(chosen: Optional[CachedPrefix], peers: Sequence[PeerView], margin_tokens: int) -> Optional[PeerHint]:
+    """The peer holding the longest device prefix, when it beats the chosen worker's by the margin."""
+    own_tokens = chosen.num_device_tokens if chosen is not None else 0
+    usable = [p for p in peers if p.available and p.internal_port is not None and p.cached is not None]
+    if not usable:
+        return None
+    best = max(usable, key=lambda p: p.cached.num_device_tokens)  # type: ignore[union-attr]
+    num_tokens = best.cached.num_device_tokens  # type: ignore[union-attr]
+    if num_tokens <= 0 or num_tokens - own_tokens < margin_tokens:
+        return None
+    return PeerHint(host=best.host, port=best.internal_port, num_tokens=num_tokens, medium="device")
+
+
+class PeerHints:
+    """The hint header of a prefill leg to `chosen`, counted (`pdserve_proxy_peer_hints_total`)."""
+
+    def __init__(self, kv: "KVRouting", pool: BackendPool, margin_tokens: int, registry: CollectorRegistry):
+        self.kv = kv
+        self.pool = pool
+        self.margin_tokens = margin_tokens
+        self.hints = Counter("pdserve_proxy_peer_hints_total",
+                             "Prefill legs sent with a peer hint (another prefill worker holds more of the prompt).",
+                             registry=registry)
+        self.hinted_tokens = Counter("pdserve_proxy_peer_hint_tokens_total",
+                                     "Prompt tokens the peer hints named.", registry=registry)
+
+    def headers_for(self, chosen: Backend, request: "ClientRequest") -> dict[str, str]:
+        peers = [PeerView(httpx.URL(b.url).host, b.load.internal_port, b.is_available(),
+                          self.kv.cached_prefix(b.url, request))
+                 for b in self.pool.backends() if b.url != chosen.url]
+        hint = choose_peer_hint(self.kv.cached_prefix(chosen.url, request), peers, self.margin_tokens)
+        if hint is None:
+            return {}
+        self.hints.inc()
+        self.hinted_tokens.inc(hint.num_tokens)
+        return {PEER_HINT_HEADER: hint.to_header()}

@@ -1,0 +1,179 @@
+"""Peer pulls with real processes and real NIXL: two prefill workers of the embedded model. Worker A
+computes a long prompt; the same prompt and more goes to worker B with a peer hint naming A: B reads
+A's blocks of the prefix, computes only the new part, answers what A answers (greedy, token for
+token), and A holds nothing pinned afterwards. A hint naming a dead peer, or sent without the internal
+token, costs only a computed prompt with the same answer. Behind `pdserve proxy --policy round_robin
+--peer-pull` (a decode worker added), interleaved conversations whose every later turn lands on the
+prefill worker without its history compute what one worker with everything cached would."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from bench.lib.launch import metric_sum
+from pdserve.api.peer_pull import PEER_HINT_HEADER, PeerHint
+from tests.integration.cluster import (ProxyProcess, Worker, free_port, reset_prefix_cache, start_workers, stop_all,
+                                       wait_for)
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "peer-pull-token"
+AUTH = {"X-Pdserve-Internal-Token": TOKEN}
+BLOCK = 16
+PREFIX = [200 + (i * 37) % 900 for i in range(7 * BLOCK + 5)]  # 7 full blocks and a partial one
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, device):
+    logs = tmp_path_factory.mktemp("logs")
+    common = ["--num-blocks", "200", "--internal-token", TOKEN, "--peer-pull-min-tokens", "16"]
+    a, b = (Worker("prefill", free_port(), str(logs / f"{name}.log"), common, device) for name in "ab")
+    decode = Worker("decode", free_port(), str(logs / "decode.log"), common, device)
+    started = start_workers(a, b, decode)
+    backends = ["--prefill", a.url, b.url, "--decode", decode.url, "--internal-token", TOKEN, "--policy",
+                "round_robin", "--health-interval-s", "0.2", "--peer-pull-margin-tokens", str(BLOCK)]
+    proxies = {pulls: ProxyProcess(free_port(), str(logs / f"proxy-{pulls}.log"),
+                                   [*backends, "--peer-pull" if pulls else "--no-peer-pull"]) for pulls in (True, False)}
+    try:
+        assert wait_for(lambda: all(p.is_ready() for p in proxies.values()), timeout_s=60), "a proxy never started"
+        yield {"prefills": (a, b), "decode": decode, "proxies": proxies}
+    finally:
+        stop_all(*proxies.values(), a, b, decode, *started)
+
+
+@pytest.fixture(scope="module")
+def workers(cluster):
+    return cluster["prefills"]
+
+
+def complete(worker: Worker, prompt: list[int], headers: dict) -> dict:
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+    response = httpx.post(worker.url + "/v1/completions", json=body, headers=headers, timeout=120)
+    response.raise_for_status()
+    return response.json()
+
+
+def hint_for(worker: Worker, num_tokens: int, port: int = 0) -> dict:
+    hint = PeerHint(host="127.0.0.1", port=port or worker.internal_port, num_tokens=num_tokens)
+    return {PEER_HINT_HEADER: hint.to_header()}
+
+
+def computed(worker: Worker) -> float:
+    return metric_sum(worker.url, "pdserve_engine_computed_prompt_tokens_total")
+
+
+def test_a_prefix_held_by_a_peer_is_pulled_not_computed(workers):
+    a, b = workers
+    complete(a, PREFIX, AUTH)
+    longer = PREFIX + [300 + i for i in range(3 * BLOCK)]
+    before = computed(b)
+    answer = complete(b, longer, {**AUTH, **hint_for(a, len(PREFIX))})
+    num_pulled = 7 * BLOCK  # A's full blocks of the prefix
+    assert computed(b) - before == len(longer) - num_pulled
+    assert metric_sum(b.url, "pdserve_kv_peer_pull_tokens_total", result="pulled") == num_pulled
+    assert metric_sum(b.url, "pdserve_kv_prefix_cache_hits_by_medium_tokens_total", medium="peer") == num_pulled
+    assert wait_for(lambda: metric_sum(a.url, "pdserve_transfer_pinned_blocks") == 0, timeout_s=10), \
+        "A still holds the peer's pin"
+    assert metric_sum(a.url, "pdserve_kv_peer_pinned_tokens_total") == num_pulled
+    reference = complete(a, longer, AUTH)  # A computes the new part over its own cached prefix
+    assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
+    # B now holds the pulled blocks as its own: the same prompt again computes only its last token.
+    again_before = computed(b)
+    complete(b, longer, AUTH)
+    assert computed(b) - again_before == len(longer) - (len(longer) - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory, device):
+    """A prefill worker paging 32-token blocks (the others page 16)."""
+    logs = tmp_path_factory.mktemp("logs-wide")
+    worker = Worker("prefill", free_port(), str(logs / "wide.log"),
+                    ["--num-blocks", "100", "--internal-token", TOKEN, "--block-size", str(2 * BLOCK)], device)
+    started = start_workers(worker)
+    try:
+        yield worker
+    finally:
+        stop_all(worker, *started)
+
+
+def test_a_puller_of_another_block_size_reads_the_prefix_in_units_of_the_smaller(workers, wide):
+    a, _ = workers
+    prefix = [250 + (i * 41) % 800 for i in range(7 * BLOCK + 5)]
+    complete(a, prefix, AUTH)
+    longer = prefix + [400 + i for i in range(3 * BLOCK)]
+    before = computed(wide)
+    answer = complete(wide, longer, {**AUTH, **hint_for(a, len(prefix))})
+    num_pulled = len(prefix) // (2 * BLOCK) * 2 * BLOCK  # the puller asks whole blocks of its own size
+    assert computed(wide) - before == len(longer) - num_pulled
+    assert metric_sum(wide.url, "pdserve_kv_peer_pull_tokens_total", result="pulled") == num_pulled
+    assert answer["choices"][0]["text"] == complete(a, longer, AUTH)["choices"][0]["text"]
+    assert wait_for(lambda: metric_sum(a.url, "pdserve_transfer_pinned_blocks") == 0, timeout_s=10)
+
+
+def test_a_dead_or_unauthenticated_hint_costs_only_a_recompute(workers):
+    a, b = workers
+    prompt = [150 + (i * 11) % 700 for i in range(6 * BLOCK + 3)]
+    complete(a, prompt, AUTH)
+    reference = complete(a, prompt, AUTH)
+    failed_before = metric_sum(b.url, "pdserve_kv_peer_pull_tokens_total", result="failed")
+    before = computed(b)
+    dead = complete(b, prompt, {**AUTH, **hint_for(a, len(prompt), port=free_port())})
+    assert dead["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert computed(b) - before == len(prompt)
+    assert metric_sum(b.url, "pdserve_kv_peer_pull_tokens_total", result="failed") - failed_before == 6 * BLOCK
+    # Without the token the hint is ignored: nothing is asked of A (the prompt is cached on B by now).
+    pinned_before = metric_sum(a.url, "pdserve_kv_peer_pinned_tokens_total")
+    other = prompt[:-1] + [999]
+    unauthenticated = complete(b, other, hint_for(a, len(other)))
+    assert unauthenticated["usage"]["prompt_tokens"] == len(other)
+    assert metric_sum(a.url, "pdserve_kv_peer_pinned_tokens_total") == pinned_before
+
+
+def held_by_prefill(proxy: ProxyProcess, prompt: list[int]) -> int:
+    """The most prompt tokens the proxy's index predicts one prefill worker holds (0: not ready yet)."""
+    try:
+        answer = httpx.post(proxy.url + "/internal/routing/explain", json={"prompt": prompt}, headers=AUTH,
+                            timeout=10).json()
+    except httpx.HTTPError:
+        return 0
+    return max((c["cached_tokens"] for c in answer.get("prefill", {}).get("candidates", [])), default=0)
+
+
+def run_conversations(proxy: ProxyProcess, cluster: dict, hints: bool) -> tuple[list[str], float, float]:
+    """Three conversations of three turns, interleaved, through `proxy` from empty caches: the answers,
+    the prompt tokens the prefill workers computed, and those pulled from a peer. With `hints`, each later
+    turn waits until the proxy's index heard of the last turn's blocks (so the hint is certain)."""
+    for worker in (*cluster["prefills"], cluster["decode"]):
+        reset_prefix_cache(worker, AUTH)
+    prefills = cluster["prefills"]
+    computed_before = sum(computed(w) for w in prefills)
+    pulled_before = sum(metric_sum(w.url, "pdserve_kv_peer_pull_tokens_total", result="pulled") for w in prefills)
+    prompts = [[100 + 300 * c + (i * 7) % 250 for i in range(100)] for c in range(3)]
+    answers = []
+    for turn in range(3):
+        for conversation, prompt in enumerate(prompts):
+            if turn:
+                prompt += [600 + 50 * conversation + 10 * turn + i for i in range(40)]
+                held = (len(prompt) - 40) // BLOCK * BLOCK  # the last turn's full blocks
+                assert not hints or wait_for(lambda: held_by_prefill(proxy, prompt) >= held, timeout_s=10), \
+                    "the proxy's index never heard of the last turn's blocks"
+            body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+            response = httpx.post(proxy.url + "/v1/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            answers.append(response.json()["choices"][0]["text"])
+    computed_after = sum(computed(w) for w in prefills)
+    pulled_after = sum(metric_sum(w.url, "pdserve_kv_peer_pull_tokens_total", result="pulled") for w in prefills)
+    return answers, computed_after - computed_before, pulled_after - pulled_before
+
+
+def test_round_robin_with_peer_pulls_computes_the_one_worker_optimum(cluster):
+    proxies = cluster["proxies"]
+    without_answers, without_computed, without_pulled = run_conversations(proxies[False], cluster, hints=False)
+    answers, computed_tokens, pulled = run_conversations(proxies[True], cluster, hints=True)
+    # One worker holding every history computes each turn's prompt past its previous turn's full blocks.
+    optimum = 3 * (100 + (140 - 96) + (180 - 128))
+    assert computed_tokens == optimum and pulled == 3 * (96 + 128)
+    assert without_computed > 1.5 * optimum and without_pulled == 0  # every later turn on the other worker
+    assert answers == without_answers
+    assert proxies[True].metric("pdserve_proxy_peer_hints_total") == 6

@@ -1,0 +1,74 @@
+"""Peer hints: a prefill leg to a worker that holds less of the prompt than another prefill worker (by the
+KV index, whatever the prefill policy) carries a hint naming that worker's internal listener; never
+when the margin is not met, the peer is unavailable or names no internal listener, and never a hint a
+client sent."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pdserve.api.peer_pull import PEER_HINT_HEADER, PeerHint, parse_peer_hint
+from proxy.routing.kv_index import CachedPrefix
+from proxy.routing.peer_hints import PeerView, choose_peer_hint
+from tests.kv.kv_stubs import BLOCK, KVStubWorker
+from proxy.config import HealthConfig, RoutingConfig
+from tests.proxy.proxy_stubs import Served, ServedProxy, fast_config
+from tests.proxy.routing.test_kv_routing import BODY, index_synced, prompt, wait_until  # noqa: F401
+
+
+def view(num_tokens: int, available: bool = True, port: Optional[int] = 9000, host: str = "10.0.0.2") -> PeerView:
+    return PeerView(host, port, available, CachedPrefix(num_tokens))
+
+
+def test_the_peer_with_the_longest_device_prefix_is_hinted_past_the_margin():
+    peers = [view(64, host="a"), view(128, host="b"), view(256, available=False, host="c")]
+    assert choose_peer_hint(CachedPrefix(0), peers, margin_tokens=64) == PeerHint(host="b", port=9000, num_tokens=128)
+    assert choose_peer_hint(CachedPrefix(80), peers, margin_tokens=64) is None  # 48 more: under the margin
+    assert choose_peer_hint(None, [view(128, port=None)], margin_tokens=1) is None  # no internal listener known
+    assert choose_peer_hint(None, [view(0)], margin_tokens=1) is None
+    # Tokens the peer holds only in its offload tier are not pulled from it (yet): device tokens count.
+    tiered = PeerView("t", 9000, True, CachedPrefix(num_tokens=256, num_offload_tokens=200))
+    assert choose_peer_hint(None, [tiered], margin_tokens=64) is None
+
+
+@dataclass
+class ListeningStub(KVStubWorker):
+    """A stub whose /load names an internal listener (its own serving port: it serves the internal routes too)."""
+
+    internal_port: Optional[int] = None
+
+    async def _load(self, request: Request) -> Response:
+        answer = await super()._load(request)
+        body = {**json.loads(answer.body), "internal_port": self.internal_port}
+        return JSONResponse(body, status_code=answer.status_code)
+
+
+def test_round_robin_prefill_legs_carry_a_hint_to_the_holder_and_never_the_clients(prompt):  # noqa: F811
+    cold = ListeningStub("prefill", "p-cold")
+    warm = ListeningStub("prefill", "p-warm", held=list(prompt.block_hashes(BLOCK)[:4]))
+    decode = KVStubWorker("decode", "d0")
+    with Served(cold.app()) as c, Served(warm.app()) as w, Served(decode.app()) as d:
+        cold.internal_port, warm.internal_port = httpx.URL(c.url).port, httpx.URL(w.url).port
+        routing = RoutingConfig(prefill_policy="round_robin", decode_policy="round_robin", peer_pull=True,
+                                peer_pull_margin_tokens=BLOCK)
+        config = fast_config([c.url, w.url], [d.url], routing=routing,
+                             health=HealthConfig(interval_s=0.05, timeout_s=5.0, breaker_cooldown_s=0.5))
+        with ServedProxy(config) as proxy:
+            proxy.wait_ready()
+            wait_until(lambda: index_synced(proxy, c.url, w.url)
+                       and all(b.load.internal_port for b in proxy.components.prefill_pool.backends()))
+            forged = {PEER_HINT_HEADER: "evil.example:1;tokens=999"}
+            for _ in range(4):
+                response = httpx.post(proxy.url + "/v1/chat/completions", json=BODY, headers=forged, timeout=10)
+                assert response.status_code == 200
+    assert len(cold.calls) == len(warm.calls) == 2
+    hints = [parse_peer_hint(call.headers.get(PEER_HINT_HEADER.lower(), "")) for call in cold.calls]
+    assert hints == [PeerHint(host="127.0.0.1", port=warm.internal_port, num_tokens=4 * BLOCK)] * 2
+    assert all(PEER_HINT_HEADER.lower() not in call.headers for call in warm.calls)  # it holds the most already
+    assert proxy.metric("pdserve_proxy_peer_hints_total") == 2
