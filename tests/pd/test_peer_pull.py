@@ -55,16 +55,6 @@ class Puller:
 
 
 @pytest.fixture
-def clock():
-    return FakeClock()
-
-
-@pytest.fixture
-def fabric():
-    return FakeFabric()
-
-
-@pytest.fixture
 def holder(fabric, clock):
     return PrefillSide(fabric, clock, name="A", plan=FULL)
 
