@@ -7,6 +7,8 @@
 #include <ATen/core/List.h>
 #include <ATen/core/ivalue.h>
 
+#include <array>
+#include <string>
 #include <tuple>
 
 #include "moe_experts.h"
@@ -21,6 +23,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
     const at::Tensor& key_start, const at::Tensor& key_end, const at::Tensor& write_blocks,
     const at::Tensor& write_offsets, at::IntArrayRef geometry, double eps, double scale);
+
+// ---- where a decode step's layer time goes ----------------------------------------------------
+//
+// Seconds spent in each part of the decoder layers, summed over layers and calls since it was
+// started (bench/kernels/decode.py). Each part ends where the next begins, so the parts add up to
+// the layers' whole time; the clock is the wall (steady) or the calling thread's CPU time.
+struct LayerProfile {
+  enum Part { kInputNorm, kQkv, kAttention, kStoreKv, kOProj, kPostNorm, kMlpGateUp, kMlpActivation, kMlpDown,
+              kExperts, kNumParts };
+  static std::vector<std::string> part_names();
+  bool thread_clock = false;
+  std::array<double, kNumParts> seconds{};
+  double now() const;
+};
 
 // ---- every decoder layer of a model in one call --------------------------------------------
 //
@@ -51,6 +67,14 @@ struct LlamaDecoderStack : torch::CustomClassHolder {
   // MLP, whose weights add_layer then ignores).
   void attach_sinks(at::Tensor sinks);
   void attach_moe(c10::intrusive_ptr<SparseMoeMlp> moe);
+
+  // Profiling (off until started; a null check per part when off): start_profile resets the
+  // sums and picks the clock, profile_seconds reads them in profile_parts' order.
+  void start_profile(bool thread_clock);
+  void stop_profile();
+  std::vector<double> profile_seconds() const;
+  std::vector<std::string> profile_parts() const { return LayerProfile::part_names(); }
+  std::optional<LayerProfile> profile;
 
   // The residual stream after every layer; each layer's new K/V stored in its slot. Per KV group
   // g: block_tables[g], key_starts[g], key_ends[g], write_blocks[g]; write_offsets for all.

@@ -113,6 +113,18 @@ class FusedDecoderStack:
             if layer.moe is not None:
                 self._stack.attach_moe(layer.moe)
 
+    def start_profile(self, thread_clock: bool = False) -> None:
+        """Sum the time of each part of the layers (norms, q/k/v, attention, ...) from now on, by the
+        wall clock or the calling thread's CPU time (bench/kernels/decode.py reads it)."""
+        self._stack.start_profile(thread_clock)
+
+    def profile_seconds(self) -> dict[str, float]:
+        """Seconds per part of the layers since `start_profile`, over every layer and call."""
+        return dict(zip(self._stack.profile_parts(), self._stack.profile_seconds(), strict=True))
+
+    def stop_profile(self) -> None:
+        self._stack.stop_profile()
+
     def __call__(self, h: torch.Tensor, rope: Any, rows: Sequence[DecodeRows], write_blocks: Sequence[torch.Tensor],
                  write_offsets: torch.Tensor) -> torch.Tensor:
         """The residual stream after every layer (rows and write blocks per KV group); each layer's
