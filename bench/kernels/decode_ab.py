@@ -30,6 +30,7 @@ _PART_KEYS = ("layer.qkv", "layer.attention", "layer.o_proj", "layer.mlp_gate_up
 
 def baseline_tree(revision: str, folder: str) -> str:
     """`revision`'s files in `folder`, with this tree's bench/ in place of its own."""
+    os.makedirs(folder)
     archive = subprocess.run(["git", "-C", REPO_ROOT, "archive", revision], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
     shutil.rmtree(os.path.join(folder, "bench"))

@@ -116,7 +116,7 @@ void store_new_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_
 
 std::vector<std::string> LayerProfile::part_names() {
   return {"input_norm", "qkv", "attention", "store_kv", "o_proj", "post_norm", "mlp_gate_up", "mlp_activation",
-          "mlp_down", "experts"};
+          "mlp_down", "experts", "final_norm"};
 }
 
 double LayerProfile::now() const {
@@ -323,7 +323,23 @@ at::Tensor LlamaDecoderStack::forward(at::Tensor h, at::Tensor cos, at::Tensor s
                                  write_blocks[g], write_offsets, layer.geometry, layer.eps, layer.scale, layer.sinks,
                                  layer.moe.get(), profile.has_value() ? &*profile : nullptr));
   }
-  return h;
+  if (!final_norm.defined()) return h;
+  Laps laps(profile.has_value() ? &*profile : nullptr);
+  const at::Tensor hc = h.contiguous();
+  at::Tensor normed = at::empty(hc.sizes(), hc.options());
+  const int64_t rows = hc.size(0), hidden = hc.size(1);
+  TORCH_CHECK(final_norm.numel() == hidden, "LlamaDecoderStack.forward: the final norm does not fit the hidden size");
+  rms_norm_rows(hc.data_ptr<float>(), final_norm.data_ptr<float>(), rows, hidden, hidden,
+                static_cast<float>(final_norm_eps), normed.data_ptr<float>(), hidden);
+  laps.lap(LayerProfile::kFinalNorm);
+  return normed;
+}
+
+void LlamaDecoderStack::set_final_norm(at::Tensor weight, double eps) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1,
+              "LlamaDecoderStack.set_final_norm: a float32 weight [hidden]");
+  final_norm = weight.contiguous();
+  final_norm_eps = eps;
 }
 
 void LlamaDecoderStack::start_profile(bool thread_clock) {

@@ -21,6 +21,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
       .def("add_layer", &LlamaDecoderStack::add_layer)
       .def("attach_sinks", &LlamaDecoderStack::attach_sinks)
       .def("attach_moe", &LlamaDecoderStack::attach_moe)
+      .def("set_final_norm", &LlamaDecoderStack::set_final_norm)
       .def("start_profile", &LlamaDecoderStack::start_profile)
       .def("stop_profile", &LlamaDecoderStack::stop_profile)
       .def("profile_seconds", &LlamaDecoderStack::profile_seconds)
