@@ -273,72 +273,37 @@ IntegerRow integer_row(const float* x, int64_t k) {
   return row;
 }
 
-// Per lane (4 byte positions): 2^14 sum(code t2) + 2^7 sum(code t1) + sum(code t0), in int32 (each
-// digit's sum is at most 8 * 15 * 128, so the total stays far inside int32, whatever the order).
-inline __m256i integer_sums(__m256i low, __m256i high, const __m256i (&digits)[6]) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  // VNNI multiplies bytes and adds each lane's four products into int32 in one instruction: Horner
-  // over the digits, 8 instructions where the AVX2 form below takes 14 (the same integers).
-  __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), low, digits[0]);
-  acc = _mm256_dpbusd_epi32(acc, high, digits[1]);
-  acc = _mm256_slli_epi32(acc, 7);
-  acc = _mm256_dpbusd_epi32(acc, low, digits[2]);
-  acc = _mm256_dpbusd_epi32(acc, high, digits[3]);
-  acc = _mm256_slli_epi32(acc, 7);
-  acc = _mm256_dpbusd_epi32(acc, low, digits[4]);
-  return _mm256_dpbusd_epi32(acc, high, digits[5]);
-#else
-  __m256i by_digit[3];  // pair sums of codes x digit, each at most 2 * 2 * 15 * 128: no int16 overflow
-  for (int d = 0; d < 3; ++d) {
-    by_digit[d] = _mm256_add_epi16(_mm256_maddubs_epi16(low, digits[2 * d]), _mm256_maddubs_epi16(high, digits[2 * d + 1]));
-  }
-  return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(by_digit[0], _mm256_set1_epi16(1 << 14)),
-                                           _mm256_madd_epi16(by_digit[1], _mm256_set1_epi16(1 << 7))),
-                          _mm256_madd_epi16(by_digit[2], _mm256_set1_epi16(1)));
-#endif
-}
-
-// Weight rows that share each pair's digits and scales once loaded: as many as keep their
-// accumulators and the shared vectors in registers (AVX-512 has 32, AVX2 16).
-#if defined(__AVX512VL__)
-constexpr int kIntegerDots = 4;
-#else
-constexpr int kIntegerDots = 2;
-#endif
-
-// y[o] = dot(weight row o, x) for o < kDots consecutive weight rows (`row_bytes` apart). Each row's
-// arithmetic is the same, in the same order, whatever kDots is: results do not depend on it.
-template <int kDots>
-void q4_1_integer_dots(const uint8_t* w, int64_t row_bytes, const IntegerRow& row, float* y) {
+float q4_1_integer_dot(const uint8_t* w, const IntegerRow& row) {
   const __m256i nibble = _mm256_set1_epi8(0x0f);
-  __m256 scaled[kDots], offsets[kDots];
-  for (int o = 0; o < kDots; ++o) scaled[o] = offsets[o] = _mm256_setzero_ps();
+  const __m256i by_2_14 = _mm256_set1_epi16(1 << 14), by_2_7 = _mm256_set1_epi16(1 << 7), by_1 = _mm256_set1_epi16(1);
+  __m256 scaled = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
   for (int64_t p = 0; p < row.pairs; ++p) {
-    const __m256i* pair_digits = reinterpret_cast<const __m256i*>(row.digits.data() + p * kPairDigitBytes);
-    __m256i digits[6];
-    for (int d = 0; d < 6; ++d) digits[d] = _mm256_loadu_si256(pair_digits + d);
-    const float* scales = row.scales.data() + p * 16;
-    const __m256 block_scales = _mm256_loadu_ps(scales), block_sums = _mm256_loadu_ps(scales + 8);
-    const int64_t b_offset = 2 * p + 1 < row.blocks ? kQ41Bytes : 0;  // an odd last block pairs with itself
-    for (int o = 0; o < kDots; ++o) {
-      const uint8_t* a = w + o * row_bytes + 2 * p * kQ41Bytes;
-      const uint8_t* b = a + b_offset;
-      const __m256i packed = _mm256_inserti128_si256(
-          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 4))),
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)), 1);
-      const __m256i low = _mm256_and_si256(packed, nibble);  // codes 0..15 of A, then of B
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);  // codes 16..31
-      const __m256i sums = integer_sums(low, high, digits);
-      int32_t dm_a, dm_b;  // each block's (d, m) halves
-      std::memcpy(&dm_a, a, sizeof(dm_a));
-      std::memcpy(&dm_b, b, sizeof(dm_b));
-      const __m256 dm = _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_set1_epi32(dm_a), _mm_set1_epi32(dm_b)));
-      scaled[o] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), block_scales), _mm256_moveldup_ps(dm),
-                                  scaled[o]);
-      offsets[o] = _mm256_fmadd_ps(_mm256_movehdup_ps(dm), block_sums, offsets[o]);
+    const uint8_t* a = w + 2 * p * kQ41Bytes;
+    const uint8_t* b = 2 * p + 1 < row.blocks ? a + kQ41Bytes : a;
+    const __m256i packed = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 4))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)), 1);
+    const __m256i low = _mm256_and_si256(packed, nibble);  // codes 0..15 of A, then of B
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);  // codes 16..31
+    const __m256i* digits = reinterpret_cast<const __m256i*>(row.digits.data() + p * kPairDigitBytes);
+    __m256i by_digit[3];  // pair sums of codes x digit, each at most 2 * 2 * 15 * 128: no int16 overflow
+    for (int d = 0; d < 3; ++d) {
+      by_digit[d] = _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_loadu_si256(digits + 2 * d)),
+                                     _mm256_maddubs_epi16(high, _mm256_loadu_si256(digits + 2 * d + 1)));
     }
+    const __m256i sums = _mm256_add_epi32(
+        _mm256_add_epi32(_mm256_madd_epi16(by_digit[0], by_2_14), _mm256_madd_epi16(by_digit[1], by_2_7)),
+        _mm256_madd_epi16(by_digit[2], by_1));
+    int32_t dm_a, dm_b;  // each block's (d, m) halves
+    std::memcpy(&dm_a, a, sizeof(dm_a));
+    std::memcpy(&dm_b, b, sizeof(dm_b));
+    const __m256 dm = _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_set1_epi32(dm_a), _mm_set1_epi32(dm_b)));
+    const float* scales = row.scales.data() + p * 16;
+    scaled = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_loadu_ps(scales)),
+                             _mm256_moveldup_ps(dm), scaled);
+    offsets = _mm256_fmadd_ps(_mm256_movehdup_ps(dm), _mm256_loadu_ps(scales + 8), offsets);
   }
-  for (int o = 0; o < kDots; ++o) y[o] = horizontal_sum(_mm256_add_ps(scaled[o], offsets[o]));
+  return horizontal_sum(_mm256_add_ps(scaled, offsets));
 }
 
 // y = x @ W.T for one row x [1, k] and Q4_1 blocks W [n, k / 32 * 20], the weight rows split
@@ -350,11 +315,7 @@ at::Tensor q4_1_integer_row_linear(const at::Tensor& x, const at::Tensor& blocks
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* y = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    int64_t col = begin;
-    for (; col + kIntegerDots <= end; col += kIntegerDots) {
-      q4_1_integer_dots<kIntegerDots>(w + col * row_bytes, row_bytes, row, y + col);
-    }
-    for (; col < end; ++col) q4_1_integer_dots<1>(w + col * row_bytes, row_bytes, row, y + col);
+    for (int64_t col = begin; col < end; ++col) y[col] = q4_1_integer_dot(w + col * row_bytes, row);
   });
   return out;
 }

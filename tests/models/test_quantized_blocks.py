@@ -184,25 +184,6 @@ def test_one_row_q4_1_rounds_activations_as_documented_and_keeps_non_finite_valu
         assert not torch.isfinite(layer(poisoned)).any()
 
 
-@pytest.mark.parametrize("in_features", [64, 96])
-def test_one_row_q4_1_outputs_do_not_depend_on_their_neighbours_or_the_threads(in_features):
-    """The one-row kernel computes several weight rows at once (sharing the activation digits):
-    each output must be bit for bit what that weight row gives alone, whatever rows share its
-    group (odd counts leave a tail) and however many threads split them."""
-    require_native_kernels()
-    packed = quantize_q4_1(_weights(43, in_features, seed=11))
-    x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(5))
-    alone = torch.cat([QuantizedLinear(PackedWeight(packed.blocks[r : r + 1], packed.format, in_features))(x)
-                       for r in range(43)], dim=1)
-    threads = torch.get_num_threads()
-    try:
-        for num_threads in (1, 2):
-            torch.set_num_threads(num_threads)
-            assert torch.equal(QuantizedLinear(packed)(x), alone)
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_torch_fallback_linear_and_embedding_match_the_native_ones():
     require_native_kernels()
     packed = quantize_q4_1(_weights(40, 96, seed=7))
