@@ -61,12 +61,14 @@ def medians(runs: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
 
 def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
     decode.add_arguments(parser, mode)
-    parser.add_argument("--baseline", required=True, help="the commit to compare against (git revision)")
+    parser.add_argument("--baseline", help="the commit to compare against (git revision; required)")
     parser.add_argument("--candidate", help="a commit to measure in place of this working tree")
     parser.add_argument("--pairs", type=int, default=3, help="runs per side, alternating")
 
 
 def run(args: argparse.Namespace) -> tuple[str, dict]:
+    if args.baseline is None:
+        raise SystemExit("decode-ab needs --baseline REV, the commit to compare against")
     if args.clock == "cpu" and args.threads != 1:
         raise SystemExit("--clock cpu adds up every thread's time: use it with --threads 1")
     with tempfile.TemporaryDirectory(prefix="decode-ab-") as folder:
