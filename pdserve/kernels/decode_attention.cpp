@@ -198,23 +198,54 @@ struct SoftmaxState {
   }
 };
 
+// Asks for every cache line of the token rows of every KV head (rows[t] + h * head_stride, head_dim
+// floats each) to be on its way: a head's keys of one block fill one 4 KiB page of the pool (the
+// layout keeps heads and layers apart), and in a decode step they were last read a whole model
+// ago, so each page starts cold, in memory and the TLB, where the hardware's prefetcher stops at
+// page boundaries. Asking for the next tile while attending to this one keeps those misses in
+// flight together: attention 1.06-1.12x faster in steps (bench.kernels decode-ab), though an
+// isolated call, its pages warm, runs ~10% slower.
+void prefetch_rows(const float* const* rows, int64_t count, int64_t kv_heads, int64_t head_stride, int64_t head_dim) {
+#if PDSERVE_AVX2
+  constexpr int64_t kLineFloats = 16;
+  for (int64_t t = 0; t < count; ++t) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const char* row = reinterpret_cast<const char*>(rows[t] + h * head_stride);
+      for (int64_t i = 0; i < head_dim; i += kLineFloats) _mm_prefetch(row + i * sizeof(float), _MM_HINT_T0);
+    }
+  }
+#else
+  (void)rows, (void)count, (void)kv_heads, (void)head_stride, (void)head_dim;
+#endif
+}
+
 // Folds keys [begin, end) of every KV head of one row (from the pages) into states[h], then the
 // row's own new keys when given ([kv_heads, head_dim]). Tile by tile, every head in turn, so that
-// each tile's token rows are read from memory once. (Prefetching the next tile in software made
-// no measurable difference here.)
+// each tile's token rows are read from memory once; the next tile's are prefetched meanwhile.
 void attend_range(SoftmaxState* states, int64_t kv_heads, const float* q, const PagedCache& keys,
                   const PagedCache& values, const int32_t* table, int64_t begin, int64_t end, const float* new_keys,
                   const float* new_values, float scale) {
   const int64_t group = states[0].group, head_dim = states[0].head_dim;
-  const float* key_rows[kKeyTile];
-  const float* value_rows[kKeyTile];
-  for (int64_t tile = begin; tile < end; tile += kKeyTile) {
-    const int64_t count = std::min(kKeyTile, end - tile);
-    token_rows(keys, table, tile, count, key_rows);
-    token_rows(values, table, tile, count, value_rows);
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      states[h].add(q + h * group * head_dim, key_rows, value_rows, h * keys.head_stride, count, scale);
+  const float* rows[2][2][kKeyTile];  // [tile parity][keys, values][token]
+  int64_t count = std::min(kKeyTile, end - begin);
+  if (count > 0) {
+    token_rows(keys, table, begin, count, rows[0][0]);
+    token_rows(values, table, begin, count, rows[0][1]);
+    prefetch_rows(rows[0][0], count, kv_heads, keys.head_stride, head_dim);
+    prefetch_rows(rows[0][1], count, kv_heads, values.head_stride, head_dim);
+  }
+  for (int64_t tile = begin, parity = 0; tile < end; tile += kKeyTile, parity ^= 1) {
+    const int64_t next_count = std::min(kKeyTile, end - tile - count);
+    if (next_count > 0) {
+      token_rows(keys, table, tile + count, next_count, rows[parity ^ 1][0]);
+      token_rows(values, table, tile + count, next_count, rows[parity ^ 1][1]);
+      prefetch_rows(rows[parity ^ 1][0], next_count, kv_heads, keys.head_stride, head_dim);
+      prefetch_rows(rows[parity ^ 1][1], next_count, kv_heads, values.head_stride, head_dim);
     }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      states[h].add(q + h * group * head_dim, rows[parity][0], rows[parity][1], h * keys.head_stride, count, scale);
+    }
+    count = next_count;
   }
   if (new_keys == nullptr) return;
   for (int64_t h = 0; h < kv_heads; ++h) {

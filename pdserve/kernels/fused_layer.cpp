@@ -5,6 +5,9 @@
 
 #include "fused_layer.h"
 
+#include <chrono>
+#include <ctime>
+
 namespace pdserve::kernels {
 
 // ---- one decoder layer of the Llama family for single-token rows ----------------------------
@@ -109,6 +112,42 @@ void store_new_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_
 
 }  // namespace
 
+// ---- profiling ------------------------------------------------------------------------------
+
+std::vector<std::string> LayerProfile::part_names() {
+  return {"input_norm", "qkv", "attention", "store_kv", "o_proj", "post_norm", "mlp_gate_up", "mlp_activation",
+          "mlp_down", "experts", "final_norm"};
+}
+
+double LayerProfile::now() const {
+  if (thread_clock) {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+namespace {
+
+// Charges the time since the last lap to a part; does nothing without a profile.
+class Laps {
+ public:
+  explicit Laps(LayerProfile* profile) : profile_(profile), last_(profile != nullptr ? profile->now() : 0.0) {}
+  void lap(LayerProfile::Part part) {
+    if (profile_ == nullptr) return;
+    const double now = profile_->now();
+    profile_->seconds[part] += now - last_;
+    last_ = now;
+  }
+
+ private:
+  LayerProfile* profile_;
+  double last_;
+};
+
+}  // namespace
+
 namespace {
 
 // llama_decode_layer with, optionally, attention sinks (gpt-oss) and a mixture of experts in place
@@ -119,7 +158,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
     const at::Tensor& key_start, const at::Tensor& key_end, const at::Tensor& write_blocks,
     const at::Tensor& write_offsets, at::IntArrayRef geometry, double eps, double scale,
-    const std::optional<at::Tensor>& sinks, SparseMoeMlp* moe) {
+    const std::optional<at::Tensor>& sinks, SparseMoeMlp* moe, LayerProfile* profile) {
+  Laps laps(profile);
   TORCH_CHECK(norms.size() == 2 && weights.size() == 4 && formats.size() == 4 && biases.size() == 4,
               "llama_decode_layer: norms (input, post), weights, formats and biases (qkv, o, gate_up, down)");
   TORCH_CHECK(geometry.size() == 3, "llama_decode_layer: geometry is (heads, kv_heads, head_dim)");
@@ -142,6 +182,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
   at::Tensor x = at::empty({rows, hidden}, h.options());
   rms_norm_rows(h.data_ptr<float>(), input_norm.data_ptr<float>(), rows, hidden, hidden, epsf, x.data_ptr<float>(),
                 hidden);
+  laps.lap(LayerProfile::kInputNorm);
   at::Tensor qkv = weight_linear(x, weights[0], formats[0], biases.get(0));
   TORCH_CHECK(qkv.size(1) == qkv_width, "llama_decode_layer: qkv weight has ", qkv.size(1), " rows, expected ",
               qkv_width);
@@ -181,19 +222,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
     rotate_heads(qr, heads, head_dim, c, s);
     rotate_heads(kr, kv_heads, head_dim, c, s);
   }
+  laps.lap(LayerProfile::kQkv);
   const at::Tensor attended =
       paged_decode_attention(q, k_cache, v_cache, block_table, key_start, key_end, k, v, scale, sinks).view({rows, q_width});
+  laps.lap(LayerProfile::kAttention);
   store_new_kv(k, v, k_cache, v_cache, write_blocks, write_offsets);
+  laps.lap(LayerProfile::kStoreKv);
   at::Tensor out = weight_linear(attended, weights[1], formats[1], biases.get(1));
   TORCH_CHECK(out.size(1) == hidden, "llama_decode_layer: o weight does not give the hidden size");
   out.add_(h);  // the residual stream after attention
+  laps.lap(LayerProfile::kOProj);
   rms_norm_rows(out.data_ptr<float>(), post_norm.data_ptr<float>(), rows, hidden, hidden, epsf, x.data_ptr<float>(),
                 hidden);
+  laps.lap(LayerProfile::kPostNorm);
   if (moe != nullptr) {
     out.add_(moe->forward(x));
+    laps.lap(LayerProfile::kExperts);
     return {out, k, v};
   }
   at::Tensor gate_up = weight_linear(x, weights[2], formats[2], biases.get(2));
+  laps.lap(LayerProfile::kMlpGateUp);
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "llama_decode_layer: gate|up weight has an odd row count");
   const int64_t intermediate = gate_up.size(1) / 2;
   at::Tensor act = at::empty({rows, intermediate}, h.options());
@@ -213,9 +261,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
 #endif
     for (; i < intermediate; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
   }
+  laps.lap(LayerProfile::kMlpActivation);
   at::Tensor mlp = weight_linear(act, weights[3], formats[3], biases.get(3));
   TORCH_CHECK(mlp.size(1) == hidden, "llama_decode_layer: down weight does not give the hidden size");
   out.add_(mlp);
+  laps.lap(LayerProfile::kMlpDown);
   return {out, k, v};
 }
 
@@ -228,7 +278,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
     const at::Tensor& key_start, const at::Tensor& key_end, const at::Tensor& write_blocks,
     const at::Tensor& write_offsets, at::IntArrayRef geometry, double eps, double scale) {
   return decode_layer(h_in, norms, qk_norm, weights, formats, biases, cos, sin, k_cache, v_cache, block_table,
-                      key_start, key_end, write_blocks, write_offsets, geometry, eps, scale, std::nullopt, nullptr);
+                      key_start, key_end, write_blocks, write_offsets, geometry, eps, scale, std::nullopt, nullptr,
+                      nullptr);
 }
 
 // ---- every decoder layer of a model in one call (LlamaDecoderStack: fused_layer.h) ---------
@@ -270,9 +321,37 @@ at::Tensor LlamaDecoderStack::forward(at::Tensor h, at::Tensor cos, at::Tensor s
     h = std::get<0>(decode_layer(h, layer.norms, layer.qk_norm, layer.weights, layer.formats, layer.biases, cos,
                                  sin, layer.k_cache, layer.v_cache, block_tables[g], key_starts[g], key_ends[g],
                                  write_blocks[g], write_offsets, layer.geometry, layer.eps, layer.scale, layer.sinks,
-                                 layer.moe.get()));
+                                 layer.moe.get(), profile.has_value() ? &*profile : nullptr));
   }
-  return h;
+  if (!final_norm.defined()) return h;
+  Laps laps(profile.has_value() ? &*profile : nullptr);
+  const at::Tensor hc = h.contiguous();
+  at::Tensor normed = at::empty(hc.sizes(), hc.options());
+  const int64_t rows = hc.size(0), hidden = hc.size(1);
+  TORCH_CHECK(final_norm.numel() == hidden, "LlamaDecoderStack.forward: the final norm does not fit the hidden size");
+  rms_norm_rows(hc.data_ptr<float>(), final_norm.data_ptr<float>(), rows, hidden, hidden,
+                static_cast<float>(final_norm_eps), normed.data_ptr<float>(), hidden);
+  laps.lap(LayerProfile::kFinalNorm);
+  return normed;
+}
+
+void LlamaDecoderStack::set_final_norm(at::Tensor weight, double eps) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1,
+              "LlamaDecoderStack.set_final_norm: a float32 weight [hidden]");
+  final_norm = weight.contiguous();
+  final_norm_eps = eps;
+}
+
+void LlamaDecoderStack::start_profile(bool thread_clock) {
+  profile.emplace();
+  profile->thread_clock = thread_clock;
+}
+
+void LlamaDecoderStack::stop_profile() { profile.reset(); }
+
+std::vector<double> LlamaDecoderStack::profile_seconds() const {
+  TORCH_CHECK(profile.has_value(), "LlamaDecoderStack.profile_seconds: profiling was not started");
+  return std::vector<double>(profile->seconds.begin(), profile->seconds.end());
 }
 
 }  // namespace pdserve::kernels

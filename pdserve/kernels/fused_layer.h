@@ -7,6 +7,8 @@
 #include <ATen/core/List.h>
 #include <ATen/core/ivalue.h>
 
+#include <array>
+#include <string>
 #include <tuple>
 
 #include "moe_experts.h"
@@ -21,6 +23,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
     const at::Tensor& key_start, const at::Tensor& key_end, const at::Tensor& write_blocks,
     const at::Tensor& write_offsets, at::IntArrayRef geometry, double eps, double scale);
+
+// ---- where a decode step's layer time goes ----------------------------------------------------
+//
+// Seconds spent in each part of the decoder layers, summed over layers and calls since it was
+// started (bench/kernels/decode.py). Each part ends where the next begins, so the parts add up to
+// the layers' whole time; the clock is the wall (steady) or the calling thread's CPU time.
+struct LayerProfile {
+  enum Part { kInputNorm, kQkv, kAttention, kStoreKv, kOProj, kPostNorm, kMlpGateUp, kMlpActivation, kMlpDown,
+              kExperts, kFinalNorm, kNumParts };
+  static std::vector<std::string> part_names();
+  bool thread_clock = false;
+  std::array<double, kNumParts> seconds{};
+  double now() const;
+};
 
 // ---- every decoder layer of a model in one call --------------------------------------------
 //
@@ -52,7 +68,22 @@ struct LlamaDecoderStack : torch::CustomClassHolder {
   void attach_sinks(at::Tensor sinks);
   void attach_moe(c10::intrusive_ptr<SparseMoeMlp> moe);
 
-  // The residual stream after every layer; each layer's new K/V stored in its slot. Per KV group
+  // The model's final RMSNorm (float32 weight [hidden]), applied after the last layer: forward
+  // then returns the normed stream (a step spent ~0.17 ms in the six torch ops it replaces).
+  void set_final_norm(at::Tensor weight, double eps);
+  at::Tensor final_norm;
+  double final_norm_eps = 0;
+
+  // Profiling (off until started; a null check per part when off): start_profile resets the
+  // sums and picks the clock, profile_seconds reads them in profile_parts' order.
+  void start_profile(bool thread_clock);
+  void stop_profile();
+  std::vector<double> profile_seconds() const;
+  std::vector<std::string> profile_parts() const { return LayerProfile::part_names(); }
+  std::optional<LayerProfile> profile;
+
+  // The residual stream after every layer (normed, with a final norm set); each layer's new K/V
+  // stored in its slot. Per KV group
   // g: block_tables[g], key_starts[g], key_ends[g], write_blocks[g]; write_offsets for all.
   at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> block_tables,
                      std::vector<at::Tensor> key_starts, std::vector<at::Tensor> key_ends,

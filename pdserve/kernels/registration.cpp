@@ -21,6 +21,11 @@ TORCH_LIBRARY(pdserve_cpu, m) {
       .def("add_layer", &LlamaDecoderStack::add_layer)
       .def("attach_sinks", &LlamaDecoderStack::attach_sinks)
       .def("attach_moe", &LlamaDecoderStack::attach_moe)
+      .def("set_final_norm", &LlamaDecoderStack::set_final_norm)
+      .def("start_profile", &LlamaDecoderStack::start_profile)
+      .def("stop_profile", &LlamaDecoderStack::stop_profile)
+      .def("profile_seconds", &LlamaDecoderStack::profile_seconds)
+      .def("profile_parts", &LlamaDecoderStack::profile_parts)
       .def("forward", &LlamaDecoderStack::forward);
   m.def("q4_1_linear(Tensor x, Tensor blocks) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor blocks) -> Tensor");

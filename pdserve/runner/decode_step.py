@@ -29,7 +29,7 @@ import torch
 from pdserve.runner.decode_attention import (
     DecodeRows, attend_decode, attend_decode_static, build_decode_rows, uses_native_kernel,
 )
-from pdserve.runner.fused_layer import FusedDecoderStack, fused_layers
+from pdserve.runner.fused_layer import FusedDecoderStack, fused_layers, native_final_norm
 from pdserve.engine.schedule_types import ScheduledChunk
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.models.base import CausalLM, DecoderLayer
@@ -114,7 +114,11 @@ class DecodeStep:
         self.compiled = compile_step
         # One native call per layer (engine/fused_layer.py) where the whole model allows it.
         self._fused = fused_layers(model, device) if fuse_layers and self.native and not compile_step else None
-        self._fused_stack = FusedDecoderStack(self._fused, layer_caches) if self._fused is not None else None
+        self._fused_stack = None
+        final_norm = native_final_norm(model)
+        self._stack_norms = self._fused is not None and final_norm is not None  # the stack applies the final norm
+        if self._fused is not None:
+            self._fused_stack = FusedDecoderStack(self._fused, layer_caches, final_norm)
         self.static_shapes = compile_step and not self.native
         # One compiled graph serves every layer of a kind (dynamo guards on the layer's type and
         # settings, not on which layer it is), so compile time does not grow with depth.
@@ -161,7 +165,9 @@ class DecodeStep:
         h, rope = self.model.embed(step.input_ids, step.positions)
         if self._fused is not None:  # one native call for every layer; each stores its own new K/V
             h = self._fused_stack(h, rope, step.rows, step.write_block_ids, step.write_offsets)
-            return self.model.compute_logits(self.model.final_norm(h)) if with_logits else None
+            if not with_logits:
+                return None
+            return self.model.compute_logits(h if self._stack_norms else self.model.final_norm(h))
         new_keys, new_values = [], []
         for layer, (group_id, k_cache, v_cache) in zip(self.model.layers, self.layer_caches):
             rows = step.rows[group_id]

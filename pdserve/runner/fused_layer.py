@@ -23,7 +23,7 @@ from pdserve.runner.decode_attention import DecodeRows
 from pdserve.kernels.native import cpu_kernels_available, ops
 from pdserve.models.base import CausalLM, DecoderLayer
 from pdserve.models.gpt_oss import GptOssDecoderLayer
-from pdserve.models.llama import LlamaDecoderLayer
+from pdserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from pdserve.models.moe import SparseMoE
 from pdserve.models.moe_native import FLOAT_WEIGHT, native_experts, native_weight
 from pdserve.models.qwen3_moe import Qwen3MoeDecoderLayer
@@ -101,8 +101,13 @@ class FusedDecoderStack:
     decode step calls it once instead of once per layer, each layer's fixed arguments and page
     views handed over at start-up."""
 
-    def __init__(self, layers: Sequence[FusedLlamaLayer], layer_caches: Sequence[tuple[int, torch.Tensor, torch.Tensor]]):
+    def __init__(self, layers: Sequence[FusedLlamaLayer], layer_caches: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+                 final_norm: Optional[tuple[torch.Tensor, float]] = None):
+        """`final_norm`: (weight, eps) of the model's final RMSNorm (`native_final_norm`), which the
+        stack then applies after the last layer."""
         self._stack = torch.classes.pdserve_cpu.LlamaDecoderStack()
+        if final_norm is not None:
+            self._stack.set_final_norm(final_norm[0], final_norm[1])
         no_bias = torch.empty(0)
         for layer, (group_id, k_cache, v_cache) in zip(layers, layer_caches, strict=True):
             self._stack.add_layer(list(layer.norms), layer.qk_norm, list(layer.weights), list(layer.formats),
@@ -113,13 +118,36 @@ class FusedDecoderStack:
             if layer.moe is not None:
                 self._stack.attach_moe(layer.moe)
 
+    def start_profile(self, thread_clock: bool = False) -> None:
+        """Sum the time of each part of the layers (norms, q/k/v, attention, ...) from now on, by the
+        wall clock or the calling thread's CPU time (bench/kernels/decode.py reads it)."""
+        self._stack.start_profile(thread_clock)
+
+    def profile_seconds(self) -> dict[str, float]:
+        """Seconds per part of the layers since `start_profile`, over every layer and call."""
+        return dict(zip(self._stack.profile_parts(), self._stack.profile_seconds(), strict=True))
+
+    def stop_profile(self) -> None:
+        self._stack.stop_profile()
+
     def __call__(self, h: torch.Tensor, rope: Any, rows: Sequence[DecodeRows], write_blocks: Sequence[torch.Tensor],
                  write_offsets: torch.Tensor) -> torch.Tensor:
-        """The residual stream after every layer (rows and write blocks per KV group); each layer's
-        new K/V are stored in their page slots, after it attends."""
+        """The residual stream after every layer (rows and write blocks per KV group), through the
+        final norm when the stack applies it; each layer's new K/V are stored in their page slots,
+        after it attends."""
         cos, sin = rope
         return self._stack.forward(h, cos, sin, [r.block_table for r in rows], [r.key_start for r in rows],
                                    [r.key_end for r in rows], list(write_blocks), write_offsets)
+
+
+def native_final_norm(model: CausalLM) -> Optional[tuple[torch.Tensor, float]]:
+    """(weight, eps) when the model's final norm is the Llama RMSNorm over float32 that the stack
+    computes (`rms_norm` with the weight applied last); None for any other final norm."""
+    plain = getattr(type(model), "final_norm", None) is LlamaForCausalLM.final_norm
+    norm = getattr(model, "norm", None)
+    if not plain or not isinstance(norm, torch.Tensor) or norm.dtype != torch.float32 or norm.dim() != 1:
+        return None
+    return norm.detach(), float(model.args.rms_norm_eps)
 
 
 def _native_moe(moe: SparseMoE) -> Any:

@@ -1,5 +1,6 @@
 """`python -m bench.kernels <mode>`: every mode parses its flags and names its own JSON report; the
-table and cell formatters every benchmark prints through; the state snapshot table's counts on a tiny model."""
+table and cell formatters every benchmark prints through; the state snapshot table's counts on a tiny model;
+the decode profile's arithmetic and a tiny run of it on the embedded model."""
 
 from __future__ import annotations
 
@@ -55,3 +56,57 @@ def test_snapshotting_every_block_recomputes_only_what_the_kv_allows_and_holds_t
     assert every_block["recomputed_tokens"] == every_block["recomputed_kv_bound"]
     assert prompt_ends_only["recomputed_tokens"] > prompt_ends_only["recomputed_kv_bound"]
     assert every_block["snapshot_pages"] > prompt_ends_only["snapshot_pages"] > 0
+
+
+def _step_record(rows: int = 1, laps: bool = True) -> dict:
+    """One decode step as the profiler records it: nested timers, seconds."""
+    record = {"rows": rows, "context_tokens": 10 * rows, "laps": laps, "step": 10.0, "execute": 8.0, "forward": 6.0,
+              "layers": 4.0, "lm_head": 1.5, "sampling": 0.5}
+    if laps:
+        record |= {"layer.qkv": 1.0, "layer.mlp_down": 2.5, "layer.final_norm": 0.25}
+    return record
+
+
+def test_decode_profile_takes_each_part_out_of_the_timer_it_ran_inside():
+    from bench.kernels.decode import derived_parts
+
+    parts = derived_parts(_step_record())
+    assert parts["layers_total"] == 3.75 and parts["final_norm"] == 0.25  # the stack's own final norm
+    assert parts["layers_call"] == 4.0 - 1.0 - 2.5 - 0.25
+    assert parts["embed_and_inputs"] == 6.0 - 4.0 - 1.5
+    assert parts["runner_glue"] == 8.0 - 6.0 - 0.5 and parts["engine_outside_runner"] == 2.0
+    assert parts["python_outside_model"] == 4.0 and parts["step"] == 10.0
+    own = ("embed_and_inputs", "layer.qkv", "layer.mlp_down", "layers_call", "final_norm", "lm_head", "sampling",
+           "runner_glue", "engine_outside_runner")
+    assert sum(parts[key] for key in own) == parts["step"]  # the rows add up to the step
+
+
+def test_decode_ab_takes_each_sides_median_run():
+    from bench.kernels.decode_ab import _PART_KEYS, medians
+
+    def run(scale: float) -> dict:
+        return {"batches": [{"batch": 1, "parts": {key: {"median_ms": scale} for key in _PART_KEYS}}]}
+
+    assert medians([run(1.0), run(5.0), run(2.0)])[1]["step"] == 2.0
+
+
+def test_a_tiny_decode_profile_of_the_embedded_model_has_every_part_and_its_bound(tmp_path):
+    from tests.models.test_quantized_blocks import require_native_kernels
+
+    require_native_kernels()
+    from bench.kernels.__main__ import main
+
+    out = tmp_path / "decode.json"
+    assert main(["decode", "--rounds", "1", "--new-tokens", "2", "--prompt-tokens", "4", "--batches", "1", "2",
+                 "--threads", "1", "--out", str(out)]) == 0
+    import json
+
+    record = json.loads(out.read_text())
+    assert [b["batch"] for b in record["batches"]] == [1, 2]
+    for batch in record["batches"]:
+        parts = batch["parts"]
+        assert batch["num_steps"] == 2 and parts["step"]["median_ms"] >= parts["layers_total"]["median_ms"] > 0
+        assert parts["lm_head"]["bytes"] == 49152 * 576 // 32 * 34  # the Q8_0 head, as stored
+        assert parts["layer.attention"]["bytes"] > 0 and parts["step"]["bound_ms"] > parts["lm_head"]["bound_ms"] > 0
+        assert parts["layer.experts"]["median_ms"] == 0  # a dense model
+    assert record["read_bandwidth_bytes_per_s"] > 1e8

@@ -4,6 +4,8 @@ norms; and the models it must not take."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -43,6 +45,7 @@ def test_fused_step_matches_the_per_op_step(qwen_with_biases_dir, quantization):
     per_op = DecodeStep(loaded.model, runner.plan, runner.pool, runner.layer_caches, BLOCK_SIZE, runner.device,
                         compile_step=False, fuse_layers=False)
     assert per_op._fused is None
+    assert runner.decode_step._stack_norms  # the final norm too runs natively (per_op: torch's rms_norm)
     prompts = [random_prompt(n, QWEN_VOCAB, 40 + n) for n in (1, 17, 38)]
     tables = _prefilled(runner, prompts)
     before = runner.pool.clone()
@@ -53,6 +56,31 @@ def test_fused_step_matches_the_per_op_step(qwen_with_biases_dir, quantization):
         chunks = [_chunk(i, [7 + i], len(prompts[i]), tables[i]) for i in rows]
         assert_step_matches_per_op(runner, per_op, chunks, before, tolerance)
         assert not torch.equal(runner.pool, before)
+
+
+def test_the_stack_times_each_part_of_its_layers_only_while_asked(qwen_with_biases_dir):
+    """The profile bench.kernels decode reads: every part of a dense layer gets time, the experts
+    none; the parts never exceed the call they sit in; reading it unstarted is an error."""
+    require_native_kernels()
+    loaded = load_model(qwen_with_biases_dir, torch.float32, torch.device("cpu"), "int4")
+    runner = _runner(loaded)
+    prompts = [random_prompt(30, QWEN_VOCAB, 5)]
+    tables = _prefilled(runner, prompts)
+    stack = runner.decode_step._fused_stack
+    chunks = [_chunk(0, [7], len(prompts[0]), tables[0])]
+    stack.start_profile(thread_clock=False)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        runner.decode_step.run(chunks)
+    elapsed_s = time.perf_counter() - started
+    parts = stack.profile_seconds()
+    stack.stop_profile()
+    assert list(parts) == ["input_norm", "qkv", "attention", "store_kv", "o_proj", "post_norm", "mlp_gate_up",
+                           "mlp_activation", "mlp_down", "experts", "final_norm"]
+    assert parts["experts"] == 0 and all(parts[name] > 0 for name in parts if name != "experts")
+    assert sum(parts.values()) <= elapsed_s
+    with pytest.raises(RuntimeError, match="not started"):
+        stack.profile_seconds()
 
 
 def test_models_the_kernel_does_not_compute_keep_the_per_op_step(tmp_path):

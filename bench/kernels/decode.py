@@ -1,0 +1,261 @@
+"""Where a decode step's time goes on the embedded model, set against the weight-read bound.
+
+One run times the parts of the engine's decode steps at batch 1 and 16 (interleaved: each round
+runs every batch once, so outside load hits all of them alike) on the embedded SmolLM2-135M GGUF
+as `pdserve serve` runs it (Q4_1 blocks in the native kernels, Q8_0 head, float32 activations):
+
+    engine step ─┬─ scheduler, update, emit (the loop outside the runner)
+                 └─ runner.execute ─┬─ inputs, to-host, unpack (runner glue)
+                                    ├─ sampling
+                                    └─ decode forward ─┬─ embed, inputs (step glue)
+                                                       ├─ the layers: one native call, timed per part
+                                                       │  inside it (norms, qkv, attention, kv store,
+                                                       │  o, gate|up, activation, down)
+                                                       ├─ final norm
+                                                       └─ LM head
+
+Each part's median over the steps is set against what reading its bytes takes at a streaming
+read bandwidth measured in the same run (a 1 GiB sum on the same threads, the best of one a round): its weights (as
+stored: blocks), plus the keys and values attention reads, plus the logits the sampler reads.
+Rows whose bound is 0 (pure compute or Python) have no ratio. The layers' native laps cost a
+clock read per part (a second row times the step with them off).
+
+`--clock cpu` (with `--threads 1` only) times by CPU time, Python's and the native laps' alike:
+on a shared machine it leaves out the time other processes held the core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from bench.engine.roofline import measure_read_bandwidth
+from bench.lib.report import markdown_table
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+# Rows of the table in step order: (key, label); the layers' parts come from the native stack.
+OUTER_PARTS = (("embed_and_inputs", "embed, step inputs"), ("layers_call", "layer stack call (outside the parts)"))
+TAIL_PARTS = (("final_norm", "final norm"), ("lm_head", "LM head"), ("sampling", "sampling"),
+              ("runner_glue", "runner: sort, to host, unpack"), ("engine_outside_runner", "engine: schedule, update, emit"))
+
+
+class StepTimer:
+    """Times the parts of every decode step an engine runs, by wrapping its objects' methods
+    (instance attributes shadow the class's); `records` holds one dict of seconds per step."""
+
+    def __init__(self, loop: Any, clock: Callable[[], float], thread_clock: bool):
+        self.loop, self.clock, self.thread_clock = loop, clock, thread_clock
+        runner = loop.runner
+        self.runner, self.decode_step, self.model = runner, runner.decode_step, runner.decode_step.model
+        self.stack = self.decode_step._fused_stack
+        if self.stack is None:
+            raise SystemExit("the decode step does not run the fused native layers here: nothing to profile")
+        self.records: list[dict[str, float]] = []
+        self.current: dict[str, float] = {}
+        self.rows = 0
+        self.context_tokens = 0
+        self.laps_on = True
+        self._wrap(loop, "step", "step")
+        self._wrap(runner, "execute", "execute")
+        self._wrap(runner.sampler, "sample_packed", "sampling")
+        self._wrap(self.decode_step, "run", "forward", before=self._note_chunks)
+        self._wrap(self.model, "final_norm", "final_norm")
+        self._wrap(self.model, "compute_logits", "lm_head")
+        self._wrap(self.decode_step, "_fused_stack", "layers", target=self.stack)
+
+    def _wrap(self, owner: Any, name: str, key: str, before: Callable[..., None] | None = None,
+              target: Callable[..., Any] | None = None) -> None:
+        inner = target if target is not None else getattr(owner, name)
+        clock = self.clock
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if before is not None:
+                before(*args)
+            started = clock()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.current[key] = self.current.get(key, 0.0) + clock() - started
+                if key == "step":
+                    self._close_step()
+
+        object.__setattr__(owner, name, timed) if isinstance(owner, torch.nn.Module) else setattr(owner, name, timed)
+
+    def _note_chunks(self, chunks: Any, *_: Any) -> None:
+        self.rows = len(chunks)
+        self.context_tokens = sum(chunk.start_position for chunk in chunks)
+        if self.laps_on:
+            self.stack.start_profile(self.thread_clock)
+
+    def _close_step(self) -> None:
+        current, self.current = self.current, {}
+        if "forward" not in current:
+            return  # a prefill step (or an empty one): not a decode step
+        parts = self.stack.profile_seconds() if self.laps_on else {}
+        if self.laps_on:
+            self.stack.stop_profile()
+        record = {"rows": self.rows, "context_tokens": self.context_tokens, "laps": self.laps_on, **current,
+                  **{f"layer.{name}": s for name, s in parts.items()}}
+        self.records.append(record)
+
+
+def derived_parts(record: dict[str, float]) -> dict[str, float]:
+    """A step record as the table's rows: each part's own seconds, children taken out of parents."""
+    layer_parts = {k: v for k, v in record.items() if k.startswith("layer.") and k != "layer.final_norm"}
+    native_norm = record.get("layer.final_norm", 0.0)  # the stack's own, where it applies the final norm
+    out = {"embed_and_inputs": record["forward"] - record["layers"] - record.get("final_norm", 0.0)
+           - record.get("lm_head", 0.0)}
+    out |= layer_parts
+    out["layers_call"] = record["layers"] - sum(layer_parts.values()) - native_norm if layer_parts else float("nan")
+    out["layers_total"] = record["layers"] - native_norm
+    out["final_norm"] = record.get("final_norm", 0.0) + native_norm
+    out["lm_head"] = record.get("lm_head", 0.0)
+    out["sampling"] = record.get("sampling", 0.0)
+    out["runner_glue"] = record["execute"] - record["forward"] - out["sampling"]
+    out["engine_outside_runner"] = record["step"] - record["execute"]
+    out["python_outside_model"] = record["step"] - record["forward"]
+    out["step"] = record["step"]
+    return out
+
+
+def model_bytes(model: Any, stack_layers: Any) -> dict[str, int]:
+    """Bytes one decode step reads per part (weights as stored), but the KV, which grows per step."""
+    def size(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    parts = {"layer.input_norm": 0, "layer.qkv": 0, "layer.o_proj": 0, "layer.post_norm": 0, "layer.mlp_gate_up": 0,
+             "layer.mlp_down": 0}
+    for layer in stack_layers:
+        parts["layer.input_norm"] += size(layer.norms[0])
+        parts["layer.post_norm"] += size(layer.norms[1])
+        for key, weight in zip(("layer.qkv", "layer.o_proj", "layer.mlp_gate_up", "layer.mlp_down"), layer.weights):
+            parts[key] += size(weight)
+    head = model.lm_head
+    parts["lm_head"] = size(head.packed.blocks) if hasattr(head, "packed") else size(head.weight)
+    parts["final_norm"] = size(model.norm)
+    return parts
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes of keys and values one cached token holds over every layer (float32 pool)."""
+    layer = model.layers[0].self_attn
+    return len(model.layers) * 2 * layer.num_kv_heads * layer.head_dim * 4
+
+
+def build_engine_loop(threads: int, batch: int) -> Any:
+    from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+    from pdserve.app.engine_factory import build_engine
+    from pdserve.metrics import Metrics
+    from pdserve.models.loader import load_model, resolve_quantization
+
+    torch.set_num_threads(threads)
+    device = torch.device("cpu")
+    quantization = resolve_quantization("auto", "auto", device)  # what `pdserve serve` loads
+    loaded = load_model(None, torch.float32, device, quantization)
+    worker = WorkerConfig(model=ModelConfig(device="cpu"),
+                          cache=CacheConfig(block_size=16, num_blocks=64 + batch * 40, enable_prefix_caching=False),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_running=batch))
+    return build_engine(worker, Metrics(), loaded).engine.engine_loop
+
+
+def run_requests(loop: Any, batch: int, prompt_tokens: int, new_tokens: int, tag: str, vocab: int) -> None:
+    from pdserve.api.sampling import SamplingParams
+    from pdserve.request import GenerationRequest
+
+    sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for b in range(batch):
+        prompt = tuple(torch.randint(3, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(b)).tolist())
+        loop.submit(GenerationRequest(f"{tag}-{b}", prompt, sampling), lambda output: None)
+    loop.run_until_idle()
+
+
+def summarize(records: list[dict], batch: int, bandwidth: float, weight_bytes: dict[str, int],
+              kv_token_bytes: int, vocab: int) -> dict:
+    """Per part: median and min seconds over the batch's profiled steps, bytes, and the read bound."""
+    steps = [r for r in records if r["rows"] == batch and r["laps"]]
+    parts = [derived_parts(r) for r in steps]
+    context = statistics.median(r["context_tokens"] for r in steps)
+    read_bytes = dict(weight_bytes)
+    read_bytes["layer.attention"] = int(context * kv_token_bytes)
+    read_bytes["sampling"] = batch * vocab * 4
+    summary = {}
+    for key in parts[0]:
+        values = [p[key] for p in parts]
+        nbytes = read_bytes.get(key, 0)
+        summary[key] = {"median_ms": statistics.median(values) * 1e3, "min_ms": min(values) * 1e3, "bytes": nbytes,
+                        "bound_ms": nbytes / bandwidth * 1e3}
+    total_bytes = sum(read_bytes.values())
+    for key in ("layers_total", "step"):
+        summary[key]["bytes"] = total_bytes if key == "step" else total_bytes - read_bytes["lm_head"] \
+            - read_bytes["final_norm"] - read_bytes["sampling"]
+        summary[key]["bound_ms"] = summary[key]["bytes"] / bandwidth * 1e3
+    unlapped = [r["step"] for r in records if r["rows"] == batch and not r["laps"]]
+    summary["step_without_laps"] = {"median_ms": statistics.median(unlapped) * 1e3 if unlapped else float("nan"),
+                                    "min_ms": min(unlapped) * 1e3 if unlapped else float("nan"),
+                                    "bytes": total_bytes, "bound_ms": total_bytes / bandwidth * 1e3}
+    return {"batch": batch, "num_steps": len(steps), "median_context_tokens": context, "parts": summary}
+
+
+def table_rows(summaries: list[dict]) -> list[list[Any]]:
+    first = summaries[0]["parts"]
+    layer_keys = [k for k in first if k.startswith("layer.")]
+    keys = ([OUTER_PARTS[0]] + [(k, "  layer " + k[len("layer."):]) for k in layer_keys] + [OUTER_PARTS[1]]
+            + [("layers_total", "layers, all parts")] + list(TAIL_PARTS)
+            + [("python_outside_model", "Python outside the model (step - forward)"), ("step", "**engine step**"),
+               ("step_without_laps", "engine step, native laps off")])
+    rows = []
+    for key, label in keys:
+        row: list[Any] = [label]
+        for summary in summaries:
+            part = summary["parts"][key]
+            step_ms = summary["parts"]["step"]["median_ms"]
+            ratio = f"{part['median_ms'] / part['bound_ms']:.1f}x" if part["bound_ms"] > 0 else "-"
+            row += [f"{part['median_ms']:.3f}", f"{100 * part['median_ms'] / step_ms:.0f}%", f"{part['bound_ms']:.3f}",
+                    ratio]
+        rows.append(row)
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--prompt-tokens", type=int, default=200, help="each request's prompt (the KV a step reads)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="decode steps per request and round")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds; each runs every batch, laps on then off")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="cpu: the process's CPU time (with --threads 1 only), for a shared machine")
+
+
+def run(args: argparse.Namespace) -> tuple[str, dict]:
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu adds up every thread's time: use it with --threads 1")
+    loop = build_engine_loop(args.threads, max(args.batches))
+    timer = StepTimer(loop, CLOCKS[args.clock], thread_clock=args.clock == "cpu")
+    model = timer.model
+    vocab = model.args.vocab_size
+    run_requests(loop, max(args.batches), args.prompt_tokens, 2, "warm", vocab)
+    timer.records.clear()
+    bandwidths = []  # the best of one measurement a round: on a shared machine others' reads lower some
+    for r in range(args.rounds):
+        bandwidths.append(measure_read_bandwidth())
+        for batch in args.batches:
+            for laps in (True, False):
+                timer.laps_on = laps
+                run_requests(loop, batch, args.prompt_tokens, args.new_tokens + 1, f"r{r}-b{batch}-{laps}", vocab)
+    bandwidth = max(bandwidths)
+    weight_bytes = model_bytes(model, timer.decode_step._fused)
+    summaries = [summarize(timer.records, batch, bandwidth, weight_bytes, kv_bytes_per_token(model), vocab)
+                 for batch in args.batches]
+    header = ["part (ms a step, median)"]
+    for s in summaries:
+        b = s["batch"]
+        header += [f"b={b} ms", f"b={b} share", f"b={b} read bound ms", f"b={b} x bound"]
+    table = (f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads, {args.clock} clock); "
+             f"steps per batch: {', '.join(str(s['num_steps']) for s in summaries)}; median context "
+             f"{', '.join(str(int(s['median_context_tokens'])) for s in summaries)} tokens a step\n\n"
+             + markdown_table(header, table_rows(summaries)))
+    return table, {"read_bandwidth_bytes_per_s": bandwidth, "batches": summaries}
