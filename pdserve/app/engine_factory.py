@@ -39,6 +39,8 @@ from pdserve.metrics import Metrics
 from pdserve.models.loader import LoadedModel
 from pdserve.pd.leases import Claim
 from pdserve.pd.prefill import PrefillConnector
+from pdserve.pd.ticket_inbox import Delivery
+from pdserve.pd.tickets import TicketAdmission
 from pdserve.pd.wiring import KVSide, TransportFactory, nixl_transport
 from pdserve.runner.model_runner import ModelRunner
 
@@ -74,6 +76,14 @@ class BuiltEngine:
         """Prefill workers: a pin's ticket for the reader that shows its nonce (thread-safe; None elsewhere)."""
         connector = self.kv_side.connector
         return connector.claim_ticket(request_id, nonce) if isinstance(connector, PrefillConnector) else None
+
+    def deliver_ticket(self, key: str, params: Optional[dict]) -> Optional[Delivery]:
+        """Decode workers: P's params (None: called off) for the decode leg waiting under `key` (the
+        worker's event loop; None elsewhere)."""
+        admission = self.engine.admission
+        if isinstance(admission, TicketAdmission) and admission.inbox is not None:
+            return admission.inbox.deliver(key, params)
+        return None
 
     def close(self) -> None:
         """Stop the engine thread, then release the transport, the offload tier and the other ranks

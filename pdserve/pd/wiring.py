@@ -28,6 +28,7 @@ from pdserve.pd.leases import LeaseTable
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.pd.peers import PeerConnections
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity, transfer_epoch
+from pdserve.pd.ticket_inbox import TicketInbox
 from pdserve.pd.tickets import TicketAdmission, TicketClient
 from pdserve.transfer.transport import KVTransport, TransferError
 
@@ -159,4 +160,5 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
                            count_recompute=lambda reason, num_tokens: recomputed.labels(reason=reason).inc(num_tokens),
                            count_failure=failures.inc, takes_first_token=not pool.plan.state_group_ids,
                            count_first_token_recompute=lambda reason: first_token_recomputed.labels(reason=reason).inc(),
-                           observe_ticket_s=lambda seconds: metrics.transfer.observe_handoff({"d_ticket": seconds}))
+                           observe_ticket_s=lambda seconds: metrics.transfer.observe_handoff({"d_ticket": seconds}),
+                           inbox=TicketInbox(transfer.ticket_wait_s))
