@@ -57,7 +57,7 @@ class StubWorker:
     hold: Optional[threading.Event] = None  # when set here and clear, generation waits until it is set
     says_recomputed: bool = False  # decode: answer P/D legs as a worker that computed their prompt itself
     # decode, concurrent legs: keys of legs waiting for their ticket, what POST /internal/kv/ticket delivered
-    # (key, params or None), and the keys whose wait ended because the proxy closed the leg
+    # (key, params or None), and the keys whose wait ended without a ticket (called off or the leg closed)
     waiting: dict[str, asyncio.Future] = field(default_factory=dict)
     deliveries: list[tuple[str, Optional[dict]]] = field(default_factory=list)
     abandoned: list[str] = field(default_factory=list)
@@ -85,8 +85,8 @@ class StubWorker:
         return JSONResponse({"status": "accepted"}, status_code=202)
 
     async def _awaited(self, request: Request, key: str) -> Optional[dict]:
-        """A concurrent decode leg's wait for its ticket, until delivered or the proxy closes the leg
-        (then None, recorded in `abandoned`)."""
+        """A concurrent decode leg's wait for its ticket, until delivered, called off (a null delivery) or
+        closed by the proxy (then None, recorded in `abandoned`)."""
         waiter = self.waiting[key] = asyncio.get_running_loop().create_future()
 
         async def disconnected() -> None:
@@ -99,10 +99,10 @@ class StubWorker:
         finally:
             watcher.cancel()
             del self.waiting[key]
-        if waiter not in done:
+        params = waiter.result() if waiter in done else None
+        if params is None:
             self.abandoned.append(key)
-            return None
-        return waiter.result()
+        return params
 
     async def _release(self, request: Request) -> Response:
         self.releases.append(json.loads(await request.body()))
