@@ -112,6 +112,7 @@ class LegOps:
     decode_holding: Callable[..., Awaitable[OpenLeg]]  # (request, first, hold, avoid)
     colocated: Callable[..., Awaitable[OpenLeg]]  # (request, decode, timing, reason, error, avoid)
     release_unless_read: Callable[[PrefillHold, str], None]
+    count: Callable[[str], None] = lambda outcome: None  # pdserve_proxy_concurrent_legs_total{outcome}
 
 
 class BothLegs:
@@ -145,6 +146,7 @@ class BothLegs:
             hold.backend, hold.params = prefill, params
             delivered_s = time.perf_counter()
             delivery = await self._deliver(decode, key, params, request.request_id)
+            fw.count("delivered" if delivery is _Delivered.YES else "in_turn")
             if delivery is _Delivered.YES:
                 returned = await self._decoded(request, trip, prefill)
                 returned.started_s = delivered_s  # D's leg (handoff, TTFT split) starts when it could go on
@@ -184,6 +186,7 @@ class BothLegs:
                 raise
             logger.info("request %s: decode worker %s takes no concurrent legs; sending them in turn",
                         request.request_id, decode.url)
+            self._ops.count("in_turn")
             return await self._in_turn(request, decode, trip, timing, avoid_decode)
         except LegFailed as exc:
             if exc.reason not in _RETRY_ELSEWHERE:
@@ -191,6 +194,7 @@ class BothLegs:
                 raise exc.error from None
             logger.warning("request %s: decode leg on %s failed (%s) while the prompt was prefilled; another "
                            "decode worker takes the KV", request.request_id, decode.url, exc.reason)
+            self._ops.count("in_turn")
             return await self._in_turn(request, None, trip, timing, (*avoid_decode, decode.url))
         except KVRetry as retry:  # never before a ticket from our decode worker: pass it on as it came
             self._release_when_answered(trip, request.request_id)
@@ -228,6 +232,7 @@ class BothLegs:
         if trip.called_off:
             return
         trip.called_off = True
+        self._ops.count("called_off")
         trip.decode_task.cancel()
         self._spawn(self._deliver(trip.decode, trip.key, None, request_id))
 

@@ -95,7 +95,7 @@ class Forwarder:
         # Seconds per prompt token of each role's prefill, from legs that had their worker to themselves.
         self._speeds = {Role.PREFILL: PrefillSpeed(), Role.DECODE: PrefillSpeed()}
         ops = LegOps(self._open_decode, self._prefill, self._decode_holding, self._colocated,
-                     self._releaser.release_unless_read)
+                     self._releaser.release_unless_read, lambda outcome: metrics.concurrent_legs.labels(outcome).inc())
         self._both_legs = BothLegs(ops, config.health.timeout_s) if config.concurrent_legs else None
 
     async def handle(self, raw: Request, path: str) -> Response:

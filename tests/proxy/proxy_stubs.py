@@ -62,6 +62,7 @@ class StubWorker:
     deliveries: list[tuple[str, Optional[dict]]] = field(default_factory=list)
     abandoned: list[str] = field(default_factory=list)
     takes_concurrent_legs: bool = True  # False: refuse awaited params by name, as a release before them would
+    num_refused_awaited: int = 0  # awaited params so refused
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -124,6 +125,7 @@ class StubWorker:
         key = (body.get("kv_transfer_params") or {}).get("awaited_ticket")
         if key is not None and self.role == "decode":
             if not self.takes_concurrent_legs:
+                self.num_refused_awaited += 1
                 return JSONResponse({"error": {"message": "kv_transfer_params.remote_engine_id: Field required",
                                                "type": "invalid_request_error", "param": "kv_transfer_params",
                                                "code": 400}}, status_code=400)

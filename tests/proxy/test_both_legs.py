@@ -56,6 +56,7 @@ def test_the_decode_leg_waits_at_d_while_p_computes_and_gets_ps_params(cluster, 
     [call] = workers["d0"].calls
     assert call.body["kv_transfer_params"] == params  # D went on with P's params, exactly as P gave them
     assert not released(workers) and not workers["d0"].waiting  # D read it: nothing to release, nothing left
+    assert proxy.metric("pdserve_proxy_concurrent_legs_total", outcome="delivered") == 1
 
 
 def test_p_answering_an_error_while_d_waits_calls_ds_leg_off_at_once(cluster, proxy):
@@ -67,10 +68,11 @@ def test_p_answering_an_error_while_d_waits_calls_ds_leg_off_at_once(cluster, pr
     assert wait_until(lambda: both_waiting(workers))
     p_done.set()
     assert answer.result().status_code == 400
-    assert wait_until(lambda: len(workers["d0"].abandoned) == 1)  # D saw its leg closed
+    assert wait_until(lambda: len(workers["d0"].abandoned) == 1 and len(workers["d0"].deliveries) == 1)
     [(key, params)] = workers["d0"].deliveries
     assert params is None and workers["d0"].abandoned == [key]  # and was told so
     assert not workers["d0"].calls and not workers["d0"].waiting and not released(workers)
+    assert proxy.metric("pdserve_proxy_concurrent_legs_total", outcome="called_off") == 1
 
 
 def test_every_prefill_worker_failing_while_d_waits_frees_d_and_d_computes_the_prompt(cluster, proxy):
@@ -83,7 +85,7 @@ def test_every_prefill_worker_failing_while_d_waits_frees_d_and_d_computes_the_p
     p_done.set()
     response = answer.result()
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == "from local"
-    assert wait_until(lambda: len(workers["d0"].abandoned) == 1)
+    assert wait_until(lambda: len(workers["d0"].abandoned) == 1 and len(workers["d0"].deliveries) == 1)
     assert [params for _, params in workers["d0"].deliveries] == [None]
     [call] = workers["d0"].calls  # the fallback leg, without params
     assert "kv_transfer_params" not in call.body and not workers["d0"].waiting
@@ -98,7 +100,7 @@ def test_a_prefill_leg_timing_out_while_d_waits_frees_d(cluster):
         p_never = held(workers["p0"], workers["p1"])
         response = httpx.post(served.url + "/v1/completions", json=BODY, timeout=10)
         assert response.status_code == 504
-        assert wait_until(lambda: len(workers["d0"].abandoned) == 1)
+        assert wait_until(lambda: len(workers["d0"].abandoned) == 1 and len(workers["d0"].deliveries) == 1)
         assert [params for _, params in workers["d0"].deliveries] == [None] and not workers["d0"].waiting
     finally:
         p_never.set()
@@ -110,7 +112,7 @@ def test_a_client_leaving_while_p_computes_frees_d_and_abandons_the_prefill(clus
     p_done = held(workers["p0"], workers["p1"])
     with pytest.raises(httpx.ReadTimeout):
         send(proxy.url, timeout_s=0.5).result()  # P is held: the client leaves while P computes
-    assert wait_until(lambda: len(workers["d0"].abandoned) == 1)
+    assert wait_until(lambda: len(workers["d0"].abandoned) == 1 and len(workers["d0"].deliveries) == 1)
     assert [params for _, params in workers["d0"].deliveries] == [None] and not workers["d0"].waiting
     p_done.set()
     assert not workers["d0"].calls
@@ -135,12 +137,16 @@ def test_d_refusing_while_p_computes_answers_at_once_and_releases_ps_pin_when_p_
 def test_a_decode_worker_that_takes_no_concurrent_legs_gets_them_in_turn(cluster, proxy):
     workers, _ = cluster
     workers["d0"].takes_concurrent_legs = False  # refuses awaited params by name, as a release before them would
-    response = httpx.post(proxy.url + "/v1/completions", json=BODY)
+    p_done = held(workers["p0"], workers["p1"])
+    answer = send(proxy.url)
+    assert wait_until(lambda: workers["d0"].num_refused_awaited == 1)
+    p_done.set()
+    response = answer.result()
     engine = prefilled_on(workers)
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == f"from {engine}"
     [call] = workers["d0"].calls
     assert call.body["kv_transfer_params"]["remote_engine_id"] == engine and not workers["d0"].deliveries
-    assert not released(workers)
+    assert not released(workers) and proxy.metric("pdserve_proxy_concurrent_legs_total", outcome="in_turn") == 1
 
 
 def test_without_concurrent_legs_the_decode_leg_goes_out_once_p_answered(cluster):
