@@ -244,7 +244,7 @@ class BothLegs:
         async def release() -> None:
             try:
                 prefill, params = await prefill_task
-            except (ProxyError, asyncio.CancelledError):
+            except (ProxyError, PassThrough, asyncio.CancelledError):  # P answered no pin, or never answered
                 return
             self._ops.release_unless_read(PrefillHold(prefill, params), request_id)
 
