@@ -9,9 +9,9 @@ sequential leg (D learns the blocks, the prompt digest and the first token only 
     proxy ──▶ P  prefill leg (as today)                                          P: compute, pin
     P ──▶ proxy  kv_transfer_params ── POST /internal/kv/ticket {K, params} ──▶ D: claim, pull, decode ──▶ proxy
 
-Invariants: when this returns or raises, no task of its own is left running (bar a prefill it leaves
-to finish in the background only to release its pin), and no leg is left open that is not returned;
-nothing pins or reserves for longer than the failure it follows:
+Invariants: when this returns or raises, no leg of its own is left running or open that is not
+returned (bar the call-off it sends D in the background); nothing pins or reserves for longer than
+the failure it follows:
 
     P fails (answers an error, dies, times out)   D's leg is called off (its connection closed, a null
                                                   delivery sent): D holds nothing; D then computes
@@ -19,7 +19,9 @@ nothing pins or reserves for longer than the failure it follows:
     the client leaves                             both legs are cancelled, D's with them; a pin P made
                                                   already is released unless D may be reading it
     D fails before its ticket                     D read nothing: P's pin goes to another decode worker
-                                                  (sequentially) or is released
+                                                  (in turn); D refusing the request itself (a 4xx, its
+                                                  own 5xx) ends it: P's leg is closed (P aborts), or
+                                                  its pin released where P answered already
     the delivery fails (D restarted, its wait     D's leg is closed, and the pin goes to a sequential
       ran out, an older D)                        decode leg as before
     D fails after its ticket                      as a sequential decode leg's failure (forwarder.py)
@@ -99,7 +101,6 @@ class _Trip:
     decode_task: "asyncio.Future[OpenLeg]"
     prefill_task: asyncio.Future
     called_off: bool = False  # D's leg was cancelled and told so
-    prefill_left_running: bool = False  # a background task releases its pin when P answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,14 +176,15 @@ class BothLegs:
 
     async def _decode_ended_first(self, request: "ClientRequest", trip: _Trip, timing: Any,
                                   avoid_decode: Collection[str]) -> OpenLeg:
-        """D's leg ended before its ticket: D read nothing. Its answer (a worker that did not wait) is the
-        answer; a refusal by name, or a failure another worker may not share, gets P's pin in turn."""
+        """D's leg ended before its ticket: D read nothing. Its answer (a worker that did not wait) or its
+        refusal of the request is the answer, and the prefill is abandoned; a refusal of the awaited params
+        by name, or a failure another decode worker may not share, gets P's pin in turn."""
         decode = trip.decode
         try:
             leg = trip.decode_task.result()
         except PassThrough as exc:
             if not _refused_by_name(exc):
-                self._release_when_answered(trip, request.request_id)
+                self._abandon_prefill(trip, request.request_id)
                 raise
             logger.info("request %s: decode worker %s takes no concurrent legs; sending them in turn",
                         request.request_id, decode.url)
@@ -190,16 +192,16 @@ class BothLegs:
             return await self._in_turn(request, decode, trip, timing, avoid_decode)
         except LegFailed as exc:
             if exc.reason not in _RETRY_ELSEWHERE:
-                self._release_when_answered(trip, request.request_id)
+                self._abandon_prefill(trip, request.request_id)
                 raise exc.error from None
             logger.warning("request %s: decode leg on %s failed (%s) while the prompt was prefilled; another "
                            "decode worker takes the KV", request.request_id, decode.url, exc.reason)
             self._ops.count("in_turn")
             return await self._in_turn(request, None, trip, timing, (*avoid_decode, decode.url))
         except KVRetry as retry:  # never before a ticket from our decode worker: pass it on as it came
-            self._release_when_answered(trip, request.request_id)
+            self._abandon_prefill(trip, request.request_id)
             raise PassThrough(retry.answer) from None
-        self._release_when_answered(trip, request.request_id)  # it answered without P's KV
+        self._abandon_prefill(trip, request.request_id)  # it answered without P's KV
         return leg
 
     async def _in_turn(self, request: "ClientRequest", decode: Optional[Backend], trip: _Trip,
@@ -215,15 +217,19 @@ class BothLegs:
     async def _deliver(self, decode: Backend, key: str, params: Optional[dict[str, Any]],
                        request_id: str) -> "_Delivered":
         """POST the ticket (or, with None, the call-off) to D's internal listener."""
+        level = logging.WARNING if params is not None else logging.DEBUG
+
+        def log(request: str, message: str, *args: Any) -> None:
+            logger.log(level, "request %s: " + message, request, *args)
+
         try:
             response = await decode.internal_client.post(
                 TICKET_PATH, json={"awaited_ticket": key, _KV_PARAM: params}, timeout=self._delivery_timeout_s)
         except httpx.HTTPError as error:
-            logger.warning("request %s: delivering its ticket to %s failed (%s)", request_id, decode.url,
-                           type(error).__name__)
+            log(request_id, "delivering its ticket to %s failed (%s)", decode.url, type(error).__name__)
             return _Delivered.UNREACHABLE
-        if response.status_code != 202:
-            logger.warning("request %s: %s refused its ticket (HTTP %d)", request_id, decode.url, response.status_code)
+        if response.status_code != 202:  # for a call-off, most likely: D's wait ended with its closed leg
+            log(request_id, "%s refused its ticket (HTTP %d)", decode.url, response.status_code)
             return _Delivered.REFUSED
         return _Delivered.YES
 
@@ -236,19 +242,20 @@ class BothLegs:
         trip.decode_task.cancel()
         self._spawn(self._deliver(trip.decode, trip.key, None, request_id))
 
-    def _release_when_answered(self, trip: _Trip, request_id: str) -> None:
-        """No decode worker will read this prefill: free its pin once P answers (the client need not wait)."""
-        trip.prefill_left_running = True
-        prefill_task = trip.prefill_task
+    def _abandon_prefill(self, trip: _Trip, request_id: str) -> None:
+        """No decode worker will read this prefill: stop it (closing its leg makes P abort the request, so
+        it pins nothing), and free the pin of whatever answer P gave all the same (it answered already, or
+        as the leg was closed)."""
+        release_unless_read = self._ops.release_unless_read
 
-        async def release() -> None:
-            try:
-                prefill, params = await prefill_task
-            except (ProxyError, PassThrough, asyncio.CancelledError):  # P answered no pin, or never answered
+        def release_if_pinned(task: asyncio.Future) -> None:
+            if task.cancelled() or task.exception() is not None:
                 return
-            self._ops.release_unless_read(PrefillHold(prefill, params), request_id)
+            prefill, params = task.result()
+            release_unless_read(PrefillHold(prefill, params), request_id)
 
-        self._spawn(release())
+        trip.prefill_task.cancel()
+        trip.prefill_task.add_done_callback(release_if_pinned)
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -263,8 +270,10 @@ class BothLegs:
             self._call_off(trip, request_id)
         elif not decode_task.cancelled() and decode_task.exception() is None and decode_task.result() is not returned:
             await close_leg(decode_task.result(), Outcome.NEUTRAL)
-        if not prefill_task.done() and not trip.prefill_left_running:
-            prefill_task.cancel()  # the client left while P computed: P's lease frees whatever it pins
+        if not prefill_task.done():
+            prefill_task.cancel()  # the client left while P computed: P aborts it
+        elif not prefill_task.cancelled():
+            prefill_task.exception()  # retrieved: whatever P's leg ended with was dealt with above
         if returned is None and trip.hold.params:
             self._ops.release_unless_read(trip.hold, request_id)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import httpx
 import pytest
@@ -118,20 +119,33 @@ def test_a_client_leaving_while_p_computes_frees_d_and_abandons_the_prefill(clus
     assert not workers["d0"].calls
 
 
-def test_d_refusing_while_p_computes_answers_at_once_and_releases_ps_pin_when_p_answers(cluster, proxy):
+def test_d_refusing_while_p_computes_answers_at_once_and_closes_the_prefill_leg(cluster, proxy):
+    workers, _ = cluster
+    for name in ("p0", "p1"):
+        workers[name].delay_s = 30.0  # P computes (and notices a closed leg); nothing here waits for it
+    workers["d0"].fail_status, workers["d0"].fail_type = 500, "internal_error"  # D's own fault with the request
+    started_s = time.monotonic()
+    assert httpx.post(proxy.url + "/v1/completions", json=BODY, timeout=10).status_code == 500
+    assert time.monotonic() - started_s < 10  # the client did not wait for P
+    assert wait_until(lambda: len(workers["p0"].disconnects) + len(workers["p1"].disconnects) == 1)  # P aborts
+    assert not released(workers) and not workers["d0"].deliveries  # P pinned nothing; nothing to deliver
+
+
+def test_d_refusing_the_request_after_its_ticket_releases_ps_pin(cluster, proxy):
     workers, _ = cluster
     p_done = held(workers["p0"], workers["p1"])
-    workers["d0"].fail_status, workers["d0"].fail_type = 500, "internal_error"  # D's own fault with the request
+    d_refuses = held(workers["d0"])
+    workers["d0"].fail_status, workers["d0"].fail_type = 500, "internal_error"
     answer = send(proxy.url)
-    assert wait_until(lambda: bool(workers["p0"].calls or workers["p1"].calls))
-    assert answer.result().status_code == 500  # the client does not wait for P
-    assert not released(workers)
-    p_done.set()
+    assert wait_until(lambda: bool(workers["d0"].calls or workers["p0"].calls or workers["p1"].calls))
+    p_done.set()  # P answers (and pins) ...
+    assert wait_until(lambda: len(workers["d0"].deliveries) == 1)  # ... its ticket goes to D, which is busy
+    d_refuses.set()  # ... then D refuses the request: it read nothing
+    assert answer.result().status_code == 500
     [release] = released_soon(workers, 1)
     engine = prefilled_on(workers)
     assert release == {"remote_request_id": "p-1", "remote_engine_id": engine, "remote_epoch": f"{engine}-epoch",
                        "remote_pin_nonce": PIN_NONCE}
-    assert not workers["d0"].deliveries  # nothing was delivered to a leg that had ended
 
 
 def test_a_decode_worker_that_takes_no_concurrent_legs_gets_them_in_turn(cluster, proxy):
