@@ -271,7 +271,7 @@ class BothLegs:
         elif not decode_task.cancelled() and decode_task.exception() is None and decode_task.result() is not returned:
             await close_leg(decode_task.result(), Outcome.NEUTRAL)
         if not prefill_task.done():
-            prefill_task.cancel()  # the client left while P computed: P aborts it
+            self._abandon_prefill(trip, request_id)  # the client left while P computed: P aborts it
         elif not prefill_task.cancelled():
             prefill_task.exception()  # retrieved: whatever P's leg ended with was dealt with above
         if returned is None and trip.hold.params:
