@@ -101,6 +101,13 @@ class _Trip:
     decode_task: "asyncio.Future[OpenLeg]"
     prefill_task: asyncio.Future
     called_off: bool = False  # D's leg was cancelled and told so
+    awaiting: bool = True  # D's leg waits for its ticket (counted in `decode.num_awaiting_ticket`)
+
+    def settled(self) -> None:
+        """D's leg no longer waits for its ticket (delivered, called off, or it ended)."""
+        if self.awaiting:
+            self.awaiting = False
+            self.decode.num_awaiting_ticket -= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,10 +139,12 @@ class BothLegs:
         trip = _Trip(key, decode, hold, asyncio.ensure_future(fw.open_decode(decode, request, awaited_params(key),
                                                                                 hold)),
                      asyncio.ensure_future(fw.prefill(request, (), timing, first_prefill)))
+        decode.num_awaiting_ticket += 1  # routing does not count it as a request D serves yet
         returned: Optional[OpenLeg] = None
         try:
             await asyncio.wait((trip.prefill_task, trip.decode_task), return_when=asyncio.FIRST_COMPLETED)
             if trip.decode_task.done():  # D ended without its ticket (before P answered, or as it did)
+                trip.settled()
                 returned = await self._decode_ended_first(request, trip, timing, avoid_decode)
                 return returned
             try:
@@ -147,6 +156,7 @@ class BothLegs:
             hold.backend, hold.params = prefill, params
             delivered_s = time.perf_counter()
             delivery = await self._deliver(decode, key, params, request.request_id)
+            trip.settled()
             fw.count("delivered" if delivery is _Delivered.YES else "in_turn")
             if delivery is _Delivered.YES:
                 returned = await self._decoded(request, trip, prefill)
@@ -238,6 +248,7 @@ class BothLegs:
         if trip.called_off:
             return
         trip.called_off = True
+        trip.settled()
         self._ops.count("called_off")
         trip.decode_task.cancel()
         self._spawn(self._deliver(trip.decode, trip.key, None, request_id))
@@ -265,6 +276,7 @@ class BothLegs:
     async def _tidy(self, trip: _Trip, returned: Optional[OpenLeg], request_id: str) -> None:
         """Whatever way the trip ended: no leg of ours running or open unless it is the answer, and P's
         pin, if this trip still holds it and no leg was returned, released unless D may be reading it."""
+        trip.settled()
         decode_task, prefill_task = trip.decode_task, trip.prefill_task
         if not decode_task.done():
             self._call_off(trip, request_id)

@@ -48,8 +48,11 @@ def test_the_decode_leg_waits_at_d_while_p_computes_and_gets_ps_params(cluster, 
     p_done = held(workers["p0"], workers["p1"])
     answer = send(proxy.url, {**BODY, "stream": stream})
     assert wait_until(lambda: both_waiting(workers)), "the decode leg did not go out with the prefill leg"
+    decode = proxy.components.decode_pool.backends()[0]
+    assert (decode.num_in_flight, decode.num_awaiting_ticket) == (1, 1)  # routing sees D serve nothing yet
     p_done.set()
     response = answer.result()
+    assert decode.num_awaiting_ticket == 0
     engine = prefilled_on(workers)
     assert response.status_code == 200 and engine in response.text
     [(key, params)] = workers["d0"].deliveries
@@ -153,14 +156,15 @@ def test_a_decode_worker_that_takes_no_concurrent_legs_gets_them_in_turn(cluster
     workers["d0"].takes_concurrent_legs = False  # refuses awaited params by name, as a release before them would
     p_done = held(workers["p0"], workers["p1"])
     answer = send(proxy.url)
-    assert wait_until(lambda: workers["d0"].num_refused_awaited == 1)
+    assert wait_until(lambda: proxy.metric("pdserve_proxy_concurrent_legs_total", outcome="in_turn") == 1)
+    assert workers["d0"].num_refused_awaited == 1  # the proxy took D's refusal before P answered
     p_done.set()
     response = answer.result()
     engine = prefilled_on(workers)
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == f"from {engine}"
     [call] = workers["d0"].calls
     assert call.body["kv_transfer_params"]["remote_engine_id"] == engine and not workers["d0"].deliveries
-    assert not released(workers) and proxy.metric("pdserve_proxy_concurrent_legs_total", outcome="in_turn") == 1
+    assert not released(workers)
 
 
 def test_without_concurrent_legs_the_decode_leg_goes_out_once_p_answered(cluster):
