@@ -214,6 +214,10 @@ class TransferConfig(_Frozen):
                                     flag="--kv-pull-timeout-s", gt=0)
     handshake_timeout_s: float = setting(5.0, "D: give up on a prefill worker's handshake after this long",
                                          flag="--kv-handshake-timeout-s", gt=0)
+    ticket_wait_s: float = setting(
+        130.0, "D: the longest a decode leg sent beside its prefill leg (concurrent legs) waits for the proxy to "
+               "deliver P's answer; then it fails (503) and holds nothing (longer than the proxy's prefill timeout)",
+        flag="--kv-ticket-wait-s", gt=0)
     connect_timeout_s: float = setting(5.0, "D: give up setting up a prefill worker's data path after this long",
                                        flag="--kv-connect-timeout-s", gt=0)
     failure_policy: Literal["recompute", "fail"] = setting(

@@ -42,6 +42,7 @@ from pdserve.models.loader import LoadedModel
 from pdserve.pd.leases import Claim
 from pdserve.pd.peer_pins import peer_pull_problem, pin_peer_prefix
 from pdserve.pd.prefill import PrefillConnector
+from pdserve.pd.ticket_inbox import Delivery
 from pdserve.pd.wiring import KVSide, TransportFactory, nixl_transport
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.server.kv_events import run_on_engine_thread
@@ -87,6 +88,12 @@ class BuiltEngine:
             raise PeerPinRefused(peer_pull_problem(self.plan) or "this worker lends no prefixes to peers")
         return run_on_engine_thread(self.engine.engine_loop.call_soon, functools.partial(
             pin_peer_prefix, self.kv_manager, connector, token_ids, self.kv_side.count_peer_pinned))
+
+    def deliver_ticket(self, key: str, params: Optional[dict]) -> Optional[Delivery]:
+        """Decode workers: P's params (None: called off) for the decode leg waiting under `key` (the
+        worker's event loop; None elsewhere)."""
+        inbox = self.kv_side.ticket_inbox
+        return inbox.deliver(key, params) if inbox is not None else None
 
     def close(self) -> None:
         """Stop the engine thread, then release the transport, the offload tier and the other ranks

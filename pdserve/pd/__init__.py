@@ -7,6 +7,7 @@ contact), `connector` (the contract with the scheduler), `prefill` and
 `decode` (the two sides, engine thread), `peers` (decode-side connections,
 never waited on), `tickets` (D claims the pin's record from P and checks its
 prompt: the only source of the block ids it reads and of the first token),
+`ticket_inbox` (where a decode leg sent with its prefill leg waits for P's params),
 `first_token` (whether D starts from P's first token), `admission` (async-side
 checks before the engine sees a request), `leases` and `messages` (P's pins and D's notes to P), the
 peer pull (a prefix from any worker, not only P to D: `peer_pins` on the holder, `peer_admission` and
