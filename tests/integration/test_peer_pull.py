@@ -19,6 +19,7 @@ import pytest
 
 from bench.lib.launch import metric_sum
 from pdserve.api.peer_pull import PEER_HINT_HEADER, PEER_PIN_PATH, PeerHint
+from pdserve.pd.peer_costs import DEFAULT_COMPUTE_S_PER_TOKEN, DEFAULT_PULL_S_PER_TOKEN
 from tests.integration.cluster import (ProxyProcess, Worker, free_port, reset_prefix_cache, start_workers, stop_all,
                                        wait_for)
 
@@ -27,13 +28,16 @@ pytestmark = pytest.mark.slow
 TOKEN = "peer-pull-token"
 AUTH = {"X-Pdserve-Internal-Token": TOKEN}
 BLOCK = 16
+# Repeatable pulls: every hint of a block or more is followed, whatever this machine's measured prices say
+# (the measured decision: tests/pd/test_peer_costs.py).
+PULL_EVERY_HINT = ["--peer-pull-min-tokens", str(BLOCK), "--peer-pull-decision", "threshold"]
 PREFIX = [200 + (i * 37) % 900 for i in range(7 * BLOCK + 5)]  # 7 full blocks and a partial one
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, device):
     logs = tmp_path_factory.mktemp("logs")
-    common = ["--num-blocks", "200", "--internal-token", TOKEN, "--peer-pull-min-tokens", "16"]
+    common = ["--num-blocks", "200", "--internal-token", TOKEN, *PULL_EVERY_HINT]
     a, b = (Worker("prefill", free_port(), str(logs / f"{name}.log"), common, device) for name in "ab")
     decode = Worker("decode", free_port(), str(logs / "decode.log"), common, device)
     started = start_workers(a, b, decode)
@@ -88,6 +92,10 @@ def test_a_prefix_held_by_a_peer_is_pulled_not_computed(workers):
     again_before = computed(b)
     complete(b, longer, AUTH)
     assert computed(b) - again_before == len(longer) - (len(longer) - 1) // BLOCK * BLOCK
+    # B measured both prices the measured decision uses: its prefill steps and its landed pull.
+    seeds = {"compute": DEFAULT_COMPUTE_S_PER_TOKEN, "pull": DEFAULT_PULL_S_PER_TOKEN}
+    for path, seed in seeds.items():
+        assert 0 < metric_sum(b.url, "pdserve_kv_peer_pull_token_cost_seconds", path=path) != seed
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +103,8 @@ def wide(tmp_path_factory, device):
     """A prefill worker paging 32-token blocks (the others page 16)."""
     logs = tmp_path_factory.mktemp("logs-wide")
     worker = Worker("prefill", free_port(), str(logs / "wide.log"),
-                    ["--num-blocks", "100", "--internal-token", TOKEN, "--block-size", str(2 * BLOCK)], device)
+                    ["--num-blocks", "100", "--internal-token", TOKEN, "--block-size", str(2 * BLOCK), *PULL_EVERY_HINT],
+                    device)
     started = start_workers(worker)
     try:
         yield worker
@@ -147,7 +156,7 @@ def held_by_prefill(proxy: ProxyProcess, prompt: list[int]) -> int:
 
 
 def run_conversations(proxy: ProxyProcess, cluster: dict, hints: bool) -> tuple[list[str], float, float]:
-    """Three conversations of three turns, interleaved, through `proxy` from empty caches: the answers,
+    """Five conversations of three turns, interleaved, through `proxy` from empty caches: the answers,
     the prompt tokens the prefill workers computed, and those pulled from a peer. With `hints`, each later
     turn waits until the proxy's index heard of the last turn's blocks (so the hint is certain)."""
     for worker in (*cluster["prefills"], cluster["decode"]):
@@ -155,7 +164,7 @@ def run_conversations(proxy: ProxyProcess, cluster: dict, hints: bool) -> tuple[
     prefills = cluster["prefills"]
     computed_before = sum(computed(w) for w in prefills)
     pulled_before = sum(metric_sum(w.url, "pdserve_kv_peer_pull_tokens_total", result="pulled") for w in prefills)
-    prompts = [[100 + 300 * c + (i * 7) % 250 for i in range(100)] for c in range(3)]
+    prompts = [[100 + 300 * c + (i * 7) % 250 for i in range(100)] for c in range(NUM_CHATS)]
     answers = []
     for turn in range(3):
         for conversation, prompt in enumerate(prompts):
@@ -173,16 +182,21 @@ def run_conversations(proxy: ProxyProcess, cluster: dict, hints: bool) -> tuple[
     return answers, computed_after - computed_before, pulled_after - pulled_before
 
 
+NUM_CHATS = 5  # odd: round robin over two workers sends each conversation's next turn to the other worker
+
+
 def test_round_robin_with_peer_pulls_computes_the_one_worker_optimum(cluster):
+    """Issue 39's acceptance: five interleaved chats, at most 1.25x the one-worker optimum (here: exactly it)."""
     proxies = cluster["proxies"]
     without_answers, without_computed, without_pulled = run_conversations(proxies[False], cluster, hints=False)
     answers, computed_tokens, pulled = run_conversations(proxies[True], cluster, hints=True)
     # One worker holding every history computes each turn's prompt past its previous turn's full blocks.
-    optimum = 3 * (100 + (140 - 96) + (180 - 128))
-    assert computed_tokens == optimum and pulled == 3 * (96 + 128)
+    optimum = NUM_CHATS * (100 + (140 - 96) + (180 - 128))
+    assert computed_tokens <= 1.25 * optimum
+    assert computed_tokens == optimum and pulled == NUM_CHATS * (96 + 128)
     assert without_computed > 1.5 * optimum and without_pulled == 0  # every later turn on the other worker
     assert answers == without_answers
-    assert proxies[True].metric("pdserve_proxy_peer_hints_total") == 6
+    assert proxies[True].metric("pdserve_proxy_peer_hints_total") == 2 * NUM_CHATS
 
 
 class PinRelay:
@@ -281,8 +295,8 @@ def doomed(tmp_path_factory, device):
     """A prefill worker to kill. Not A: B reached A by its own address before, and a second connection
     to the same agent under the relay's address is refused (one address per peer agent)."""
     logs = tmp_path_factory.mktemp("logs-doomed")
-    worker = Worker("prefill", free_port(), str(logs / "doomed.log"), ["--num-blocks", "100", "--internal-token", TOKEN],
-                    device)
+    worker = Worker("prefill", free_port(), str(logs / "doomed.log"),
+                    ["--num-blocks", "100", "--internal-token", TOKEN, *PULL_EVERY_HINT], device)
     started = start_workers(worker)
     try:
         yield worker
