@@ -221,7 +221,7 @@ class PeerPullAdmission:
             raise PeerUnusable("failed", f"no data path to the peer: {error_text}", num_tokens)
         self.failures.record_success(address)
         logger.info("request %s: pulling %d prompt tokens from peer %s (%s)", request_id, num_tokens, agent.engine_id,
-                    self.costs.verdict(num_tokens).reason)
+                    self.costs.describe(num_tokens))
         return RemoteSource(params, agent, num_pull_tokens=num_tokens)
 
 

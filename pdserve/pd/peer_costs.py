@@ -12,6 +12,10 @@ stale one harmless).
 
     pull  iff  N >= min_tokens  and  predicted pull < predicted compute
     crossover N* = pin_s / (compute_s_per_token - pull_s_per_token)    (none when the READ is no faster)
+
+A price that says "compute" is never re-measured by pulls that are not made: every `probe_every`-th
+hint judged costlier is followed anyway (a probe), so a pull price raised by a passing cause (a busy
+peer, a slow network for a while) comes back down once pulls are fast again.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ DEFAULT_PIN_S = 5e-3
 # A step with fewer prompt tokens than this is mostly fixed cost (launches, the decode rows beside it): not
 # a measure of the per-token price of a prefill.
 MIN_MEASURED_PREFILL_TOKENS = 32
+DEFAULT_PROBE_EVERY = 16
 
 
 @dataclass(slots=True)
@@ -46,17 +51,22 @@ class PeerPullCosts:
 
     def __init__(self, min_tokens: int = 1, measured: bool = True, weight: float = 0.2,
                  compute_s_per_token: float = DEFAULT_COMPUTE_S_PER_TOKEN,
-                 pull_s_per_token: float = DEFAULT_PULL_S_PER_TOKEN, pin_s: float = DEFAULT_PIN_S):
+                 pull_s_per_token: float = DEFAULT_PULL_S_PER_TOKEN, pin_s: float = DEFAULT_PIN_S,
+                 probe_every: int = DEFAULT_PROBE_EVERY):
         if not 0.0 < weight <= 1.0:
             raise ValueError(f"weight must lie in (0, 1], got {weight}")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be at least 1, got {probe_every}")
         self.min_tokens = max(min_tokens, 1)
         self.measured = measured
         self.weight = weight
         self.compute_s_per_token = compute_s_per_token
         self.pull_s_per_token = pull_s_per_token
         self.pin_s = pin_s
+        self.probe_every = probe_every
         self.num_prefill_observations = 0
         self.num_pull_observations = 0
+        self._num_costlier_since_probe = 0
 
     # ---- observations ------------------------------------------------------------------------
 
@@ -96,15 +106,23 @@ class PeerPullCosts:
         saved_s_per_token = self.compute_s_per_token - self.pull_s_per_token
         return self.pin_s / saved_s_per_token if saved_s_per_token > 0 else None
 
+    def describe(self, num_tokens: int) -> str:
+        """The two predictions for `num_tokens`, for a log line (no side effect)."""
+        return (f"predicted pull {self.predicted_pull_s(num_tokens) * 1e3:.2f} ms, compute "
+                f"{self.predicted_compute_s(num_tokens) * 1e3:.2f} ms for {num_tokens} tokens")
+
     def verdict(self, num_tokens: int) -> PullVerdict:
+        """Whether to follow a hint of `num_tokens`; counts costlier verdicts towards the next probe."""
         if num_tokens < self.min_tokens:
             return PullVerdict(False, f"{num_tokens} tokens, under --peer-pull-min-tokens {self.min_tokens}",
                                "skipped")
         if not self.measured:
             return PullVerdict(True, "at or above --peer-pull-min-tokens")
-        pull_s, compute_s = self.predicted_pull_s(num_tokens), self.predicted_compute_s(num_tokens)
-        comparison = (f"predicted pull {pull_s * 1e3:.2f} ms, compute {compute_s * 1e3:.2f} ms for {num_tokens} "
-                      f"tokens")
-        if pull_s < compute_s:
+        comparison = self.describe(num_tokens)
+        if self.predicted_pull_s(num_tokens) < self.predicted_compute_s(num_tokens):
             return PullVerdict(True, comparison)
+        self._num_costlier_since_probe += 1
+        if self._num_costlier_since_probe >= self.probe_every:
+            self._num_costlier_since_probe = 0
+            return PullVerdict(True, comparison + f", pulled anyway to measure again (1 in {self.probe_every})")
         return PullVerdict(False, comparison + " (measured here: docs/operations.md, peer pulls)", "costlier")

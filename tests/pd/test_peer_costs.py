@@ -1,6 +1,7 @@
 """The peer-pull decision from this worker's own measurements: computing N prompt tokens is priced by
 its prefill steps, pulling them by its pin round trips and landed pulls; it pulls only when the pull is
-predicted faster, never under the floor, and `threshold` keeps the floor alone."""
+predicted faster (or to probe a price that said no), never under the floor, and `threshold` keeps the
+floor alone."""
 
 from __future__ import annotations
 
@@ -46,6 +47,16 @@ def test_measured_prefill_steps_and_pulls_move_the_crossover():
     assert costs.num_prefill_observations == 20 and costs.num_pull_observations == 20
 
 
+def test_every_probe_every_th_costlier_hint_is_pulled_to_measure_again():
+    costs = PeerPullCosts(min_tokens=1, weight=1.0, compute_s_per_token=1e-5, pull_s_per_token=1e-4, pin_s=0.0,
+                          probe_every=4)
+    verdicts = [costs.verdict(100) for _ in range(8)]
+    assert [v.pull for v in verdicts] == [False, False, False, True] * 2
+    assert "measure again" in verdicts[3].reason and verdicts[0].result == "costlier"
+    costs.observe_pull(100, 100 * 1e-6)  # the probe landed fast: the price comes back down
+    assert costs.verdict(100).pull and costs.describe(100) == costs.describe(100)
+
+
 def test_small_steps_and_empty_observations_do_not_price_anything():
     costs = PeerPullCosts()
     before = (costs.compute_s_per_token, costs.pull_s_per_token, costs.pin_s)
@@ -57,6 +68,8 @@ def test_small_steps_and_empty_observations_do_not_price_anything():
     assert costs.num_prefill_observations == costs.num_pull_observations == 0
 
 
-def test_a_weight_outside_zero_to_one_is_refused():
+def test_a_weight_outside_zero_to_one_or_no_probe_is_refused():
     with pytest.raises(ValueError):
         PeerPullCosts(weight=0.0)
+    with pytest.raises(ValueError):
+        PeerPullCosts(probe_every=0)
