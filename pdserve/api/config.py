@@ -240,8 +240,12 @@ class TransferConfig(_Frozen):
         True, "pull a prompt's prefix from the peer the proxy's hint names instead of computing it (and, on a "
               "prefill worker, pin prefixes for peers that ask)", flag="--peer-pull")
     peer_pull_min_tokens: int = setting(
-        64, "pull from a peer only prefixes of at least this many tokens (below it computing costs less)",
+        64, "pull from a peer only prefixes of at least this many tokens (a floor under --peer-pull-decision)",
         flag="--peer-pull-min-tokens", ge=1)
+    peer_pull_decision: Literal["measured", "threshold"] = setting(
+        "measured", "when to follow a peer hint: measured (when this worker's own measured prefill and pull times "
+                    "predict the pull faster, docs/operations.md), threshold (whenever the prefix reaches "
+                    "--peer-pull-min-tokens)", flag="--peer-pull-decision")
 
     @field_validator("allowed_peers")
     @classmethod

@@ -147,6 +147,8 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     model_name = config.model.served_name or model.loaded.name
     pd = build_pd_side(config, metrics, model, model_name, transport_factory, inbox.call_soon, http_transport)
     stats = EngineStats(metrics, cache.kv_manager)
+    if pd.kv_side.peer_pull is not None:  # the peer-pull decision prices computing by this worker's own steps
+        stats.observe_prefill = pd.kv_side.peer_pull.costs.observe_prefill
     scheduler = Scheduler(config.scheduler, cache.kv_manager, config.cache.block_size, model.max_model_len,
                           connector=pd.kv_side.engine_connector, on_preempt=stats.record_preemption)
     metrics.engine.cpu_threads.set(torch.get_num_threads())

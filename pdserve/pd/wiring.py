@@ -26,6 +26,7 @@ from pdserve.pd.decode import DecodeConnector
 from pdserve.pd.handshake import HandshakeClient, groups_to_wire
 from pdserve.pd.leases import LeaseTable
 from pdserve.pd.peer_admission import PeerPinClient, PeerPullAdmission
+from pdserve.pd.peer_costs import PeerPullCosts
 from pdserve.pd.peer_pins import peer_pull_problem
 from pdserve.pd.peer_pull import PeerPullConnector
 from pdserve.pd.peer_trust import PeerAllowList
@@ -148,10 +149,13 @@ def _peer_pull(config: WorkerConfig, metrics: Metrics, pool: PoolDescription, co
     if peers is None or not peer_pulls(config, pool):
         return None
     transfer = config.transfer
+    costs = PeerPullCosts(transfer.peer_pull_min_tokens, measured=transfer.peer_pull_decision == "measured")
+    metrics.kv.watch_peer_pull_costs(lambda: costs.compute_s_per_token, lambda: costs.pull_s_per_token,
+                                     lambda: costs.pin_s)
     return PeerPullConnector(connector, transport, peers, pool.plan, pool.block_size,
                              count_tokens=metrics.kv.count_peer_pull, observe_pull_s=metrics.kv.peer_pull_s.observe,
                              pull_timeout_s=transfer.pull_timeout_s, lease_s=transfer.lease_s,
-                             tp_size=config.parallel.tensor_parallel_size, poll_peers=poll_peers)
+                             tp_size=config.parallel.tensor_parallel_size, poll_peers=poll_peers, costs=costs)
 
 
 def _peer_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescription, side: KVSide, inner: KVAdmission,
@@ -170,7 +174,8 @@ def _peer_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
                              pool.plan, pool.block_size, config.parallel.tensor_parallel_size,
                              transfer.peer_pull_min_tokens, metrics.kv.count_peer_pull,
                              PeerAllowList.parse(transfer.allowed_peers),
-                             vouched=token is not None or is_loopback_host(config.server.host))
+                             vouched=token is not None or is_loopback_host(config.server.host),
+                             costs=side.peer_pull.costs)
 
 
 def _counted_room_check(connector: PrefillConnector, metrics: Metrics) -> Callable[[int], bool]:
