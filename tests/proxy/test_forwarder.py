@@ -343,16 +343,22 @@ def test_p_d_legs_the_decode_worker_computed_itself_are_counted(cluster, proxy, 
 
 @pytest.mark.parametrize("status, error_type", [(400, "invalid_request_error"), (503, "service_unavailable"),
                                                 (500, "internal_error")])
-def test_a_refused_decode_leg_frees_the_prefill_workers_kv_at_once(cluster, proxy, status, error_type):
-    workers, _ = cluster
+def test_a_refused_decode_leg_frees_the_prefill_workers_kv_at_once(cluster, status, error_type):
+    """With the legs in turn P has pinned before D refuses; with both legs at once D's refusal may come
+    first, and tests/proxy/test_both_legs.py covers that order."""
+    workers, urls = cluster
     workers["d0"].fail_status, workers["d0"].fail_type = status, error_type
-    response = httpx.post(proxy.url + "/v1/completions", json=BODY, headers={"X-Request-Id": "refused"})
-    assert response.status_code in (status, 502)
-    [release] = released_soon(workers, 1)
-    [engine] = [name for name in ("p0", "p1") if workers[name].calls]  # the prefill worker that pinned it
-    assert release == {"remote_request_id": "p-1", "remote_engine_id": engine, "remote_epoch": f"{engine}-epoch",
-                       "remote_pin_nonce": PIN_NONCE}
-    assert proxy.metric("pdserve_proxy_kv_releases_total", result="sent") == 1
+    proxy = start_proxy([urls["p0"], urls["p1"]], [urls["d0"]], internal_token="s3cret", concurrent_legs=False)
+    try:
+        response = httpx.post(proxy.url + "/v1/completions", json=BODY, headers={"X-Request-Id": "refused"})
+        assert response.status_code in (status, 502)
+        [release] = released_soon(workers, 1)
+        [engine] = [name for name in ("p0", "p1") if workers[name].calls]  # the prefill worker that pinned it
+        assert release == {"remote_request_id": "p-1", "remote_engine_id": engine, "remote_epoch": f"{engine}-epoch",
+                           "remote_pin_nonce": PIN_NONCE}
+        assert proxy.metric("pdserve_proxy_kv_releases_total", result="sent") == 1
+    finally:
+        proxy.__exit__(None, None, None)
 
 
 def test_both_prefills_of_a_kv_retry_are_freed_when_decode_cannot_read_either(cluster, proxy):
