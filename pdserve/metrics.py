@@ -153,7 +153,8 @@ class KVCacheMetrics:
             "pdserve_kv_peer_pull_tokens_total",
             "Prompt tokens a peer hint named, by result: pulled (read from the peer, not computed), failed (peer "
             "dead, pin or READ failed, lease ran out: computed), refused (incompatible peer or chain: computed), "
-            "miss (the peer held less than worth pulling: computed), skipped (under --peer-pull-min-tokens).",
+            "miss (the peer held less than worth pulling: computed), skipped (under --peer-pull-min-tokens), costlier "
+            "(this worker's measurements predicted the pull no faster than computing).",
             ["result"], registry=registry,
         )
         self.peer_pull_s = Histogram(
@@ -165,6 +166,21 @@ class KVCacheMetrics:
             "pdserve_kv_peer_pinned_tokens_total",
             "Prompt tokens this worker pinned for peers to pull (holder side).", registry=registry,
         )
+        self.peer_pull_cost_s_per_token = Gauge(
+            "pdserve_kv_peer_pull_token_cost_seconds",
+            "The peer-pull decision's measured price of a prompt token here, by path: compute (prefill steps), "
+            "pull (landed peer pulls); both start at seeds (pd/peer_costs.py).", ["path"], registry=registry,
+        )
+        self.peer_pull_pin_s = Gauge(
+            "pdserve_kv_peer_pull_pin_seconds",
+            "The peer-pull decision's measured fixed price of a pull: a pin's round trip.", registry=registry,
+        )
+
+    def watch_peer_pull_costs(self, compute_s_per_token: Callable[[], float], pull_s_per_token: Callable[[], float],
+                              pin_s: Callable[[], float]) -> None:
+        self.peer_pull_cost_s_per_token.labels("compute").set_function(compute_s_per_token)
+        self.peer_pull_cost_s_per_token.labels("pull").set_function(pull_s_per_token)
+        self.peer_pull_pin_s.set_function(pin_s)
 
     def count_peer_pull(self, result: str, num_tokens: int) -> None:
         self.peer_pull_tokens.labels(result=result).inc(num_tokens)

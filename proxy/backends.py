@@ -83,6 +83,7 @@ class Backend:
     load: LoadReport = field(default_factory=LoadReport)
     num_in_flight: int = 0
     prompt_tokens_in_flight: int = 0  # prompt tokens of the legs in flight that make this worker compute a prompt
+    num_awaiting_ticket: int = 0  # of those in flight, decode legs waiting for their prefill (proxy/both_legs.py)
     num_failed_polls: int = 0
     make_client: Optional["ClientFactory"] = None  # builds the internal listener's client
     internal_clients: dict[int, httpx.AsyncClient] = field(default_factory=dict)  # by internal port

@@ -105,6 +105,9 @@ def _add_failure_arguments(parser: argparse.ArgumentParser) -> None:
     failures.add_argument("--no-colocated-fallback", dest="colocated_fallback", action="store_false",
                           help="answer 503 when no prefill worker can take a request, instead of letting a decode "
                                "worker compute the prompt itself")
+    failures.add_argument("--no-concurrent-legs", dest="concurrent_legs", action="store_false",
+                          help="send the decode leg only once the prefill leg answered, instead of with it "
+                               "(the decode worker then waits for P's answer, which the proxy delivers to it)")
     failures.add_argument("--retry-after-s", type=int, default=2, help="Retry-After of the proxy's 503s")
     failures.add_argument("--connect-timeout-s", type=float, default=2.0)
     failures.add_argument("--prefill-timeout-s", type=float, default=120.0, help="the whole prefill leg")
@@ -146,7 +149,7 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                                   interval_s=args.dns_interval_s),
         limits=LimitsConfig(**section_values(args, LIMIT_FLAGS)),
         max_prefill_attempts=args.max_prefill_attempts, max_decode_attempts=args.max_decode_attempts,
-        colocated_fallback=args.colocated_fallback,
+        colocated_fallback=args.colocated_fallback, concurrent_legs=args.concurrent_legs,
         retry_after_s=args.retry_after_s, max_connections_per_backend=args.max_connections_per_backend,
     )
 

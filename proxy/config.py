@@ -132,6 +132,9 @@ class ProxyConfig(_Frozen):
     # When no prefill worker can take a request (none healthy, or every one tried failed), a decode
     # worker computes the prompt itself instead of the client getting a 503 (counted).
     colocated_fallback: bool = True
+    # Send the decode leg with the prefill leg: D parses and tokenizes while P computes, and P's answer is
+    # delivered to it (proxy/both_legs.py). Off: the decode leg goes out once P answered.
+    concurrent_legs: bool = True
     retry_after_s: int = Field(2, ge=1)  # the Retry-After of a 503
     max_connections_per_backend: int = Field(1024, ge=1)
     log_level: str = "info"

@@ -41,7 +41,8 @@ from proxy.client_request import REQUEST_ID_HEADER, ClientRequest, choose_reques
 from proxy.config import ProxyConfig
 from proxy.errors import NoBackendAvailable, ProxyError, RejectedRequest, error_response
 from proxy.kv_release import KVReleaser, PrefillHold
-from proxy.legs import KVRetry, LegFailed, LegSender, OpenLeg, PassThrough, cached_tokens_of
+from proxy.both_legs import BothLegs, KVRetryAfterConcurrent, LegOps
+from proxy.legs import DecodeLost, KVRetry, LegFailed, LegSender, OpenLeg, PassThrough, cached_tokens_of
 from proxy.metrics import ProxyMetrics, status_class
 from proxy.slo import SloTracker, client_key
 from proxy.relay import ClientGone, RelayStreamResponse, StreamTiming, until_client_disconnects
@@ -63,15 +64,6 @@ _CONNECTION_FAILURES = ("connect", "transport")
 # A decode leg that failed this way reached its worker, which then dropped the connection before
 # answering (it died): nothing reached the client, so the request may start over elsewhere.
 _DECODE_LOST = "transport"
-
-
-class DecodeLost(Exception):
-    """The decode worker took the request and died before answering; `url` is the dead one."""
-
-    def __init__(self, url: str, error: ProxyError):
-        super().__init__(url)
-        self.url = url
-        self.error = error
 
 
 @dataclass(slots=True)
@@ -105,6 +97,9 @@ class Forwarder:
         self._slo = SloTracker(self._settings.slo, metrics.slo_requests, metrics.slo_attainment)
         # Seconds per prompt token of each role's prefill, from legs that had their worker to themselves.
         self._speeds = {Role.PREFILL: PrefillSpeed(), Role.DECODE: PrefillSpeed()}
+        ops = LegOps(self._open_decode, self._prefill, self._decode_holding, self._colocated,
+                     self._releaser.release_unless_read, lambda outcome: metrics.concurrent_legs.labels(outcome).inc())
+        self._both_legs = BothLegs(ops, config.health.timeout_s) if config.concurrent_legs else None
 
     async def handle(self, raw: Request, path: str) -> Response:
         arrival_s = time.perf_counter()
@@ -162,6 +157,8 @@ class Forwarder:
             raise ClientGone() from None
 
     async def aclose(self) -> None:
+        if self._both_legs is not None:
+            await self._both_legs.aclose()
         await self._releaser.aclose()
 
     def _counted(self, mode: str, response: Response) -> Response:
@@ -249,21 +246,30 @@ class Forwarder:
                              avoid_decode: Collection[str], first_prefill: Optional[Backend] = None) -> OpenLeg:
         """Prefill (first on `first_prefill`, the route's), then decode on `decode` (or a worker not in
         `avoid_decode`); a decode that cannot read the KV gets one more prefill; with no prefill possible,
-        the decode worker computes the prompt."""
-        try:
-            prefill, params = await self._prefill(request, (), timing, first_prefill)
-        except ProxyError as error:
-            return await self._colocated(request, decode, timing, "prefill_failed", error, avoid_decode)
+        the decode worker computes the prompt. With concurrent legs (and a decode worker chosen) the first
+        decode leg goes out with the first prefill leg (proxy/both_legs.py)."""
         decode_started_s = time.perf_counter()
-        try:
-            return await self._decode_holding(request, decode, PrefillHold(prefill, params), avoid_decode)
-        except KVRetry as exc:
-            timing.wasted_s += time.perf_counter() - decode_started_s
-            logger.warning("request %s: decode answered %s for KV from %s; prefilling again",
-                           request.request_id, exc.reason, prefill.url)
-            if exc.reason == "kv_pull_failed":
-                prefill.breaker.record_failure()  # its blocks could not be read: suspect the worker
-            self._metrics.retries.labels(Role.PREFILL.value, exc.reason).inc()
+        if self._both_legs is not None and decode is not None:
+            try:
+                return await self._both_legs.run(request, decode, timing, avoid_decode, first_prefill)
+            except KVRetryAfterConcurrent as concurrent:
+                prefill, exc = concurrent.prefill, concurrent.retry
+        else:
+            try:
+                prefill, params = await self._prefill(request, (), timing, first_prefill)
+            except ProxyError as error:
+                return await self._colocated(request, decode, timing, "prefill_failed", error, avoid_decode)
+            decode_started_s = time.perf_counter()
+            try:
+                return await self._decode_holding(request, decode, PrefillHold(prefill, params), avoid_decode)
+            except KVRetry as retry:
+                exc = retry
+        timing.wasted_s += time.perf_counter() - decode_started_s
+        logger.warning("request %s: decode answered %s for KV from %s; prefilling again",
+                       request.request_id, exc.reason, prefill.url)
+        if exc.reason == "kv_pull_failed":
+            prefill.breaker.record_failure()  # its blocks could not be read: suspect the worker
+        self._metrics.retries.labels(Role.PREFILL.value, exc.reason).inc()
         try:
             second, params = await self._prefill(request, (prefill.url,), timing)
         except ProxyError as error:

@@ -43,6 +43,15 @@ class LegFailed(Exception):
         self.delivered = delivered
 
 
+class DecodeLost(Exception):
+    """The decode worker took the request and died before answering; `url` is the dead one."""
+
+    def __init__(self, url: str, error: ProxyError):
+        super().__init__(url)
+        self.url = url
+        self.error = error
+
+
 class KVRetry(Exception):
     """Decode could not get the prompt's KV (pull failed, or the params went stale)."""
 

@@ -75,6 +75,12 @@ class ProxyMetrics:
             "P/D decode legs whose prompt the decode worker computed itself after all (it said so in its "
             "X-Pdserve-KV-Recomputed header: pull failed, stale ticket, prompt mismatch): prefill work wasted",
             registry=registry)
+        self.concurrent_legs = Counter(
+            "pdserve_proxy_concurrent_legs_total",
+            "Decode legs sent with their prefill leg, by outcome (delivered: P's answer reached the waiting "
+            "decode worker; called_off: P failed or the client left first; in_turn: the decode worker failed, "
+            "refused or missed its ticket, and the legs went on in turn)",
+            ["outcome"], registry=registry)
         self.kv_releases = Counter(
             "pdserve_proxy_kv_releases_total",
             "Prefills whose pinned KV the proxy asked their prefill worker to free (the decode leg failed or "

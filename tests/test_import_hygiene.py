@@ -30,7 +30,7 @@ TORCH_AND_NIXL_FREE_MODULES = [
     "pdserve.pd", "pdserve.api.kv_transfer", "pdserve.pd.handshake", "pdserve.pd.leases", "pdserve.pd.messages",
     "pdserve.pd.geometry", "pdserve.pd.connector", "pdserve.pd.prefill", "pdserve.pd.decode", "pdserve.pd.peers",
     "pdserve.pd.admission", "pdserve.pd.wiring",
-    "pdserve.pd.peer_trust",
+    "pdserve.pd.peer_trust", "pdserve.pd.peer_costs", "pdserve.pd.peer_admission", "pdserve.pd.peer_pull",
     # the transport contract, planner and fake
     "pdserve.transfer", "pdserve.transfer.transport", "pdserve.transfer.planner", "pdserve.transfer.fake_transport",
     "pdserve.transfer.token_units", "pdserve.transfer.descriptor_runs", "pdserve.transfer.staging",

@@ -78,7 +78,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lengths = [int(text) for text in args.lengths.split(",")]
     logs = tempfile.mkdtemp(prefix="peer-pull-")
     common = ["--num-blocks", str(2 * max(lengths) // BLOCK + 64), "--internal-token", TOKEN,
-              "--peer-pull-min-tokens", str(BLOCK), "--num-threads", str(args.num_threads)]
+              "--peer-pull-min-tokens", str(BLOCK), "--peer-pull-decision", "threshold",  # pull at every length
+              "--num-threads", str(args.num_threads)]
     a, b = (Worker("prefill", free_port(), os.path.join(logs, f"{name}.log"), common, args.device) for name in "ab")
     started = start_workers(a, b)
     try:

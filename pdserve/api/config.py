@@ -214,6 +214,10 @@ class TransferConfig(_Frozen):
                                     flag="--kv-pull-timeout-s", gt=0)
     handshake_timeout_s: float = setting(5.0, "D: give up on a prefill worker's handshake after this long",
                                          flag="--kv-handshake-timeout-s", gt=0)
+    ticket_wait_s: float = setting(
+        130.0, "D: the longest a decode leg sent beside its prefill leg (concurrent legs) waits for the proxy to "
+               "deliver P's answer; then it fails (503) and holds nothing (longer than the proxy's prefill timeout)",
+        flag="--kv-ticket-wait-s", gt=0)
     connect_timeout_s: float = setting(5.0, "D: give up setting up a prefill worker's data path after this long",
                                        flag="--kv-connect-timeout-s", gt=0)
     failure_policy: Literal["recompute", "fail"] = setting(
@@ -236,8 +240,12 @@ class TransferConfig(_Frozen):
         True, "pull a prompt's prefix from the peer the proxy's hint names instead of computing it (and, on a "
               "prefill worker, pin prefixes for peers that ask)", flag="--peer-pull")
     peer_pull_min_tokens: int = setting(
-        64, "pull from a peer only prefixes of at least this many tokens (below it computing costs less)",
+        64, "pull from a peer only prefixes of at least this many tokens (a floor under --peer-pull-decision)",
         flag="--peer-pull-min-tokens", ge=1)
+    peer_pull_decision: Literal["measured", "threshold"] = setting(
+        "measured", "when to follow a peer hint: measured (when this worker's own measured prefill and pull times "
+                    "predict the pull faster, docs/operations.md), threshold (whenever the prefix reaches "
+                    "--peer-pull-min-tokens)", flag="--peer-pull-decision")
 
     @field_validator("allowed_peers")
     @classmethod

@@ -37,6 +37,10 @@ PROTOCOL_VERSION = 7
 # D's answer to a P/D leg whose prompt it computed itself (pull failed, stale ticket, prompt mismatch): the
 # proxy counts such legs (pdserve_proxy_pd_legs_recomputed_total). Absent when D pulled the KV.
 KV_RECOMPUTED_HEADER = "X-Pdserve-KV-Recomputed"
+# Concurrent legs (docs/protocol.md): the decode leg names, instead of a pin, the key under which the proxy
+# will deliver P's kv_transfer_params to D's `POST /internal/kv/ticket` once P answers.
+AWAITED_TICKET_FIELD = "awaited_ticket"
+AWAITED_TICKET_PATTERN = r"[0-9a-f]{32,64}"
 PIN_NONCE_PATTERN = r"[0-9a-f]{16,64}"  # a pin's nonce as params and messages carry it (P makes 32 hex digits)
 _PARAM = "kv_transfer_params"
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -108,6 +112,14 @@ class TicketAlreadyClaimed(PdserveError):
 
     status_code = 409
     error_type = "kv_ticket_claimed"
+
+
+class KVTicketNotDelivered(PdserveError):
+    """D: a decode leg sent beside its prefill leg got no ticket in time, or the proxy called it off
+    (P failed): nothing was reserved for it any more (503: the proxy may try elsewhere)."""
+
+    status_code = 503
+    error_type = "kv_ticket_not_delivered"
 
 
 class PinReference(BaseModel):
@@ -216,7 +228,29 @@ class RemotePrefillParams(BaseModel):
         return self.model_dump()
 
 
-KVTransferRequest = Union[RemoteDecodeRequest, RemotePrefillParams]
+class AwaitedPrefillParams(BaseModel):
+    """A decode leg sent while its prefill leg still runs (concurrent legs): D parses and tokenizes it,
+    then waits for P's kv_transfer_params, which the proxy delivers under `awaited_ticket` (a random key
+    of the proxy's, `TicketDelivery`). A decode worker older than this field refuses such params (400:
+    `remote_engine_id` is missing), never computes from them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    do_remote_prefill: Literal[True]
+    awaited_ticket: StrictStr = Field(pattern=f"^{AWAITED_TICKET_PATTERN}$")
+    protocol_version: StrictInt = PROTOCOL_VERSION
+
+
+class TicketDelivery(BaseModel):
+    """The body of D's `POST /internal/kv/ticket`: P's answer for the decode leg waiting under `awaited_ticket`
+    (`kv_transfer_params` as P sent them), or None: P failed, the leg is called off. The params are a
+    ticket like any other: D still claims the blocks, digest and first token from P itself."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    awaited_ticket: StrictStr = Field(pattern=f"^{AWAITED_TICKET_PATTERN}$")
+    kv_transfer_params: Optional[dict[str, Any]] = None
+
+
+KVTransferRequest = Union[RemoteDecodeRequest, RemotePrefillParams, AwaitedPrefillParams]
 
 
 def _describe(error: ValidationError) -> str:
@@ -239,6 +273,12 @@ def parse_kv_transfer_params(params: Any) -> Optional[KVTransferRequest]:
         return None
     if not isinstance(params, dict):
         raise KVParamsInvalid(f"{_PARAM} must be an object", param=_PARAM)
+    if params.get("do_remote_prefill") is True and AWAITED_TICKET_FIELD in params:
+        awaited = _validate(AwaitedPrefillParams, params)
+        if awaited.protocol_version != PROTOCOL_VERSION:
+            raise KVParamsInvalid(f"{_PARAM}.protocol_version {awaited.protocol_version} is not supported "
+                                  f"(this worker speaks {PROTOCOL_VERSION})", param=_PARAM)
+        return awaited
     if params.get("do_remote_prefill") is True:
         parsed = _validate(RemotePrefillParams, params)
         if parsed.do_remote_decode:

@@ -42,6 +42,7 @@ from pdserve.models.loader import LoadedModel
 from pdserve.pd.leases import Claim
 from pdserve.pd.peer_pins import peer_pull_problem, pin_peer_prefix
 from pdserve.pd.prefill import PrefillConnector
+from pdserve.pd.ticket_inbox import Delivery
 from pdserve.pd.wiring import KVSide, TransportFactory, nixl_transport
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.server.kv_events import run_on_engine_thread
@@ -87,6 +88,12 @@ class BuiltEngine:
             raise PeerPinRefused(peer_pull_problem(self.plan) or "this worker lends no prefixes to peers")
         return run_on_engine_thread(self.engine.engine_loop.call_soon, functools.partial(
             pin_peer_prefix, self.kv_manager, connector, token_ids, self.kv_side.count_peer_pinned))
+
+    def deliver_ticket(self, key: str, params: Optional[dict]) -> Optional[Delivery]:
+        """Decode workers: P's params (None: called off) for the decode leg waiting under `key` (the
+        worker's event loop; None elsewhere)."""
+        inbox = self.kv_side.ticket_inbox
+        return inbox.deliver(key, params) if inbox is not None else None
 
     def close(self) -> None:
         """Stop the engine thread, then release the transport, the offload tier and the other ranks
@@ -140,6 +147,8 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     model_name = config.model.served_name or model.loaded.name
     pd = build_pd_side(config, metrics, model, model_name, transport_factory, inbox.call_soon, http_transport)
     stats = EngineStats(metrics, cache.kv_manager)
+    if pd.kv_side.peer_pull is not None:  # the peer-pull decision prices computing by this worker's own steps
+        stats.observe_prefill = pd.kv_side.peer_pull.costs.observe_prefill
     scheduler = Scheduler(config.scheduler, cache.kv_manager, config.cache.block_size, model.max_model_len,
                           connector=pd.kv_side.engine_connector, on_preempt=stats.record_preemption)
     metrics.engine.cpu_threads.set(torch.get_num_threads())

@@ -79,6 +79,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disaggregation", choices=("adaptive", "static"), default="adaptive",
                         help="the proxy's choice of P/D or prefill on the decode worker, per request (default "
                              "adaptive here, see pdserve proxy --help)")
+    parser.add_argument("--concurrent-legs", action=argparse.BooleanOptionalAction, default=True,
+                        help="(default) the proxy sends the decode leg with the prefill leg (pdserve proxy "
+                             "--no-concurrent-legs: in turn)")
     parser.add_argument("--slo-ttft-ms", type=float, default=None, help="the proxy's TTFT objective, fixed part")
     parser.add_argument("--slo-ttft-ms-per-token", type=float, default=None,
                         help="the proxy's TTFT objective, per prompt token")
@@ -155,6 +158,8 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int], core_ledger: Opt
              "--prefill", f"http://{args.host}:{prefill_port}", "--decode", f"http://{args.host}:{decode_port}"]
     if args.policy is not None:
         proxy += ["--policy", args.policy]
+    if not getattr(args, "concurrent_legs", True):
+        proxy += ["--no-concurrent-legs"]
     for flag in ("disaggregation", "slo_ttft_ms", "slo_ttft_ms_per_token", "slo_tpot_ms"):
         if getattr(args, flag, None) is not None:
             proxy += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]

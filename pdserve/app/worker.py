@@ -82,10 +82,13 @@ def _internal_routers(config: WorkerConfig, metrics: Metrics, handle: LoadingEng
         def claim(request_id: str, nonce: str):  # None until the engine is built (503)
             return loaded.built.claim_ticket(request_id, nonce) if loaded.built is not None else None
 
+        def deliver(key: str, params: Optional[dict]):  # None until the engine is built (503)
+            return loaded.built.deliver_ticket(key, params) if loaded.built is not None else None
+
         prefill = config.role == "prefill"
         routers.append(create_kv_router(lambda: loaded.built.agent_info if loaded.built else None,
                                         config.server.internal_token, release if prefill else None,
-                                        claim if prefill else None))
+                                        claim if prefill else None, None if prefill else deliver))
         if prefill and config.transfer.peer_pull:
             routers.append(create_peer_pin_router(
                 lambda token_ids: loaded.built.pin_peer_prefix(token_ids) if loaded.built is not None else None,

@@ -6,6 +6,8 @@ so a metric never double-counts or goes backwards.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from pdserve.engine.schedule_types import SchedulerOutput
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kv.manager import KVCacheManager
@@ -14,8 +16,12 @@ from pdserve.request import Request
 
 
 class EngineStats:
-    def __init__(self, metrics: Metrics, kv_manager: KVCacheManager):
+    def __init__(self, metrics: Metrics, kv_manager: KVCacheManager,
+                 observe_prefill: Callable[[int, float], None] = lambda num_tokens, seconds: None):
+        """`observe_prefill(prompt tokens, seconds)`: each step that computed prompt tokens (the peer-pull
+        decision's price of computing, pd/peer_costs.py)."""
         self.metrics = metrics
+        self.observe_prefill = observe_prefill
         self.kv = kv_manager
         self._num_query_tokens = 0
         self._num_hit_tokens = 0
@@ -55,6 +61,7 @@ class EngineStats:
         if num_prompt:
             self.num_computed_prompt_tokens += num_prompt
             self.metrics.engine.count_computed_prompt_tokens(num_prompt)
+            self.observe_prefill(num_prompt, duration_s)
         self.record_load(scheduler)
         stats = self.kv.prefix_stats
         if stats.num_query_tokens != self._num_query_tokens:

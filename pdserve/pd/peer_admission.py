@@ -9,7 +9,8 @@ the READ then moves units of the smaller, as a P/D pull does), its block lists f
 data path is connected. A hint never fails a
 request: every other outcome is counted (`pdserve_kv_peer_pull_tokens_total{result}`) and the
 prompt is computed; a pin taken and not used is released at once (its lease is the fallback).
-Pulls below `min_tokens` are not tried: below it computing is cheaper (docs/operations.md). A hint
+A hint is followed only when this worker's own measurements predict the pull faster than computing
+and the prefix reaches `--peer-pull-min-tokens` (pd/peer_costs.py, docs/operations.md). A hint
 nobody vouched for (no internal token, a listener others reach) is followed only to allow-listed peers.
 Torch-free.
 
@@ -36,6 +37,7 @@ from pdserve.kv.hashing import hash_full_blocks
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.pd.admission import ConnectPeer, KVAdmission, PeerFailureMemory, check_block_ids
 from pdserve.pd.handshake import TOKEN_HEADER, HandshakeClient
+from pdserve.pd.peer_costs import PeerPullCosts
 from pdserve.pd.peer_pins import peer_pull_problem
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.pd.tickets import MAX_TICKET_BYTES, TicketClient
@@ -107,8 +109,10 @@ class PeerPullAdmission:
                  connect_peer: ConnectPeer, plan: KVGroupPlan, block_size: int, tp_size: int = 1,
                  min_tokens: int = 1, count_tokens: CountPeerTokens = lambda result, num_tokens: None,
                  allowed_peers: Optional[PeerAllowList] = None, failures: Optional[PeerFailureMemory] = None,
-                 clock: Callable[[], float] = time.monotonic, vouched: bool = True):
-        """`vouched`: a hint's sender proved itself (this worker has an internal token, which the HTTP edge
+                 clock: Callable[[], float] = time.monotonic, vouched: bool = True,
+                 costs: Optional[PeerPullCosts] = None):
+        """`costs`: the decision from measured costs (default: `min_tokens` alone decides).
+        `vouched`: a hint's sender proved itself (this worker has an internal token, which the HTTP edge
         checked) or could only be local (a loopback listener). Otherwise a hint may come from anyone who
         reaches the serving port, and is followed only to peers `allowed_peers` names."""
         self.vouched = vouched
@@ -120,7 +124,7 @@ class PeerPullAdmission:
         self.plan = plan
         self.block_size = block_size
         self.tp_size = tp_size
-        self.min_tokens = min_tokens
+        self.costs = costs or PeerPullCosts(min_tokens, measured=False)
         self.count_tokens = count_tokens
         self.allowed_peers = allowed_peers
         self.failures = failures or PeerFailureMemory()
@@ -133,8 +137,11 @@ class PeerPullAdmission:
         if hint is None or admitted.remote is not None:
             return admitted
         num_ask = min(hint.num_tokens, len(request.prompt_token_ids) - 1) // self.block_size * self.block_size
-        if num_ask < max(self.min_tokens, 1):
-            self.count_tokens("skipped", hint.num_tokens)
+        verdict = self.costs.verdict(num_ask)
+        if not verdict.pull:
+            logger.info("request %s: peer hint of %d tokens from %s:%d not followed (%s); computing the prompt",
+                        request.request_id, hint.num_tokens, hint.host, hint.port, verdict.reason)
+            self.count_tokens(verdict.result, hint.num_tokens)
             return admitted
         try:
             source = await self._source(request.request_id, hint, list(request.prompt_token_ids[:num_ask]))
@@ -163,8 +170,10 @@ class PeerPullAdmission:
         skip = self.failures.reason_to_skip(address)
         if skip is not None:
             raise PeerUnusable("failed", f"peer failed recently: {skip}", num_ask)
+        asked_s = self.clock()
         try:
             ticket = await self.pins.pin(hint, token_ids)
+            self.costs.observe_pin(self.clock() - asked_s)
         except PeerUnusable as error:
             if error.result == "failed":
                 self.failures.record_failure(address, str(error))
@@ -186,7 +195,7 @@ class PeerPullAdmission:
             raise PeerUnusable("refused", f"the peer cannot lend to this worker: {problem}", num_tokens)
         if num_tokens > len(token_ids) or num_tokens % ticket.block_size:
             raise PeerUnusable("refused", f"the peer pinned {num_tokens} tokens of {len(token_ids)} asked", num_tokens)
-        if num_tokens < self.min_tokens:
+        if num_tokens < self.costs.min_tokens:
             raise PeerUnusable("miss", f"the peer holds {num_tokens} tokens, under --peer-pull-min-tokens", num_tokens)
         # The peer's chain is over its own block size: this prompt's chain over the same size must equal it.
         own_chain = [h.hex() for h in hash_full_blocks(token_ids[:num_tokens], ticket.block_size, [])]
@@ -211,7 +220,8 @@ class PeerPullAdmission:
             self.failures.record_failure(address, error_text)
             raise PeerUnusable("failed", f"no data path to the peer: {error_text}", num_tokens)
         self.failures.record_success(address)
-        logger.info("request %s: pulling %d prompt tokens from peer %s", request_id, num_tokens, agent.engine_id)
+        logger.info("request %s: pulling %d prompt tokens from peer %s (%s)", request_id, num_tokens, agent.engine_id,
+                    self.costs.describe(num_tokens))
         return RemoteSource(params, agent, num_pull_tokens=num_tokens)
 
 

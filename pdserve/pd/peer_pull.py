@@ -33,6 +33,7 @@ from pdserve.kv.specs import KVGroupPlan
 from pdserve.pd.connector import ADMIT_LOCAL, ADMIT_REMOTE, Admission, FinishAction, KVConnector, KVEvents, LoadFailure
 from pdserve.pd.geometry import plan_handoff_pull
 from pdserve.pd.messages import KVMessage, MessageKind
+from pdserve.pd.peer_costs import PeerPullCosts
 from pdserve.pd.peers import PeerConnections
 from pdserve.request import RemoteSource, Request
 from pdserve.transfer.transport import KVTransport, TransferError, TransferHandle, TransferState, handshake_address, peer_key
@@ -72,8 +73,9 @@ class PeerPullConnector:
                  block_size: int, count_tokens: CountPeerTokens = lambda result, num_tokens: None,
                  observe_pull_s: Callable[[float], None] = lambda seconds: None, pull_timeout_s: float = 10.0,
                  lease_s: float = 30.0, tp_size: int = 1, clock: Callable[[], float] = time.monotonic,
-                 poll_peers: bool = True):
-        """`poll_peers`: whether this connector advances `peers` (False when the inner connector does: D's)."""
+                 poll_peers: bool = True, costs: Optional[PeerPullCosts] = None):
+        """`poll_peers`: whether this connector advances `peers` (False when the inner connector does: D's).
+        `costs`: the pull decision's prices, told of every landed pull (shared with the admission)."""
         self.inner = inner
         self.transport = transport
         self.peers = peers
@@ -81,6 +83,7 @@ class PeerPullConnector:
         self.block_size = block_size
         self.count_tokens = count_tokens
         self.observe_pull_s = observe_pull_s
+        self.costs = costs or PeerPullCosts()
         self.pull_timeout_s = pull_timeout_s
         self.lease_s = lease_s
         self.tp_size = tp_size
@@ -181,6 +184,7 @@ class PeerPullConnector:
         elif state is TransferState.DONE:
             self.count_tokens("pulled", pull.num_tokens)
             self.observe_pull_s(now - pull.source.received_s)
+            self.costs.observe_pull(pull.num_tokens, now - pull.source.received_s)
             events.landed.append(request_id)
             logger.info("request %s: %d prompt tokens pulled from peer %s in %.1f ms", request_id, pull.num_tokens,
                         pull.source.agent.engine_id, (now - pull.read_started_s) * 1e3)

@@ -27,12 +27,14 @@ from typing import Callable, Literal, Optional
 import httpx
 
 from pdserve.api.errors import PdserveError
-from pdserve.api.kv_transfer import (KVParamsStale, KVPullFailed, KVTicketUnusable, PinTicket, RemotePrefillParams,
+from pdserve.api.kv_transfer import (AwaitedPrefillParams, KVParamsInvalid, KVParamsStale, KVPullFailed,
+                                     KVTicketUnusable, PinTicket, RemotePrefillParams, parse_kv_transfer_params,
                                      prompt_digest, url_host)
 from pdserve.pd.admission import KVAdmission, PeerFailureMemory
 from pdserve.pd.first_token import usable_first_token
 from pdserve.pd.handshake import TOKEN_HEADER
 from pdserve.pd.peer_trust import PeerAllowList
+from pdserve.pd.ticket_inbox import TicketInbox
 from pdserve.request import GenerationRequest
 from pdserve.transfer.transport import handshake_address, peer_key as transport_peer_key
 
@@ -157,12 +159,15 @@ class TicketAdmission:
                  count_failure: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
                  takes_first_token: bool = True,
                  count_first_token_recompute: CountFirstTokenRecompute = lambda reason: None,
-                 observe_ticket_s: Callable[[float], None] = lambda seconds: None):
+                 observe_ticket_s: Callable[[float], None] = lambda seconds: None,
+                 inbox: Optional[TicketInbox] = None):
         """`failures`: the inner admission's memory of dead peers, so a dead P costs no claim either;
         `count_failure`: the inner admission's count of unreachable peers (pdserve_transfer_failures_total);
         `takes_first_token`: whether this worker may start from P's first token (not with recurrent state);
         `count_first_token_recompute`: a usable ticket whose first token D computes again, by reason;
-        `observe_ticket_s`: seconds from admission's start to a claimed ticket (handoff component d_ticket)."""
+        `observe_ticket_s`: seconds from admission's start to a claimed ticket (handoff component d_ticket);
+        `inbox`: where a decode leg sent beside its prefill leg waits for P's params (pd/ticket_inbox.py)."""
+        self.inbox = inbox
         self.observe_ticket_s = observe_ticket_s
         self.takes_first_token = takes_first_token
         self.count_first_token_recompute = count_first_token_recompute
@@ -176,6 +181,8 @@ class TicketAdmission:
         self.clock = clock
 
     async def admit(self, request: GenerationRequest) -> GenerationRequest:
+        if isinstance(request.kv_params, AwaitedPrefillParams):
+            request = dataclasses.replace(request, kv_params=await self._delivered(request.kv_params))
         params = request.kv_params
         if not isinstance(params, RemotePrefillParams):
             return await self.inner.admit(request)
@@ -221,6 +228,18 @@ class TicketAdmission:
                 self.count_first_token_recompute("pull_failed")
             return dataclasses.replace(admitted, pd_recomputed=True, first_token=None)
         return admitted
+
+    async def _delivered(self, awaited: AwaitedPrefillParams) -> RemotePrefillParams:
+        """P's params for a decode leg sent beside its prefill leg, once the proxy delivers them (bounded by
+        the inbox's wait; cancelled with the leg). They are a ticket like any other: claimed from P below."""
+        if self.inbox is None:
+            raise KVParamsInvalid("kv_transfer_params.awaited_ticket: this worker takes no concurrent legs",
+                                  param="kv_transfer_params")
+        params = parse_kv_transfer_params(await self.inbox.wait(awaited.awaited_ticket))
+        if not isinstance(params, RemotePrefillParams):
+            raise KVParamsInvalid("the delivered kv_transfer_params name no prefill worker's pin",
+                                  param="kv_transfer_params")
+        return params
 
     def _local(self, request: GenerationRequest, reason: RecomputeReason, error: PdserveError) -> GenerationRequest:
         if self.policy == "fail":

@@ -26,11 +26,13 @@ from pdserve.pd.decode import DecodeConnector
 from pdserve.pd.handshake import HandshakeClient, groups_to_wire
 from pdserve.pd.leases import LeaseTable
 from pdserve.pd.peer_admission import PeerPinClient, PeerPullAdmission
+from pdserve.pd.peer_costs import PeerPullCosts
 from pdserve.pd.peer_pins import peer_pull_problem
 from pdserve.pd.peer_pull import PeerPullConnector
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.pd.peers import PeerConnections
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity, transfer_epoch
+from pdserve.pd.ticket_inbox import TicketInbox
 from pdserve.pd.tickets import TicketAdmission, TicketClient
 from pdserve.transfer.transport import KVTransport, TransferError
 
@@ -74,6 +76,7 @@ class KVSide:
     base_epoch: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     peer_pull: Optional[PeerPullConnector] = None  # peer pulls on: wraps `connector` for the scheduler
     count_peer_pinned: Callable[[int], None] = lambda num_tokens: None  # P: tokens pinned for peers
+    ticket_inbox: Optional[TicketInbox] = None  # D: P's params for decode legs sent before P answered
 
     @property
     def engine_connector(self) -> KVConnector:
@@ -131,7 +134,8 @@ def build_kv_side(config: WorkerConfig, metrics: Metrics, pool: PoolDescription,
                                 transfer.failure_policy, transfer.pull_timeout_s, transfer.heartbeat_s,
                                 lease_s=transfer.lease_s, tp_size=config.parallel.tensor_parallel_size)
     return KVSide(connector, transport, describe, peers, base_epoch=epoch,
-                  peer_pull=_peer_pull(config, metrics, pool, connector, transport, peers, poll_peers=False))
+                  peer_pull=_peer_pull(config, metrics, pool, connector, transport, peers, poll_peers=False),
+                  ticket_inbox=TicketInbox(transfer.ticket_wait_s))
 
 
 def peer_pulls(config: WorkerConfig, pool: PoolDescription) -> bool:
@@ -145,10 +149,13 @@ def _peer_pull(config: WorkerConfig, metrics: Metrics, pool: PoolDescription, co
     if peers is None or not peer_pulls(config, pool):
         return None
     transfer = config.transfer
+    costs = PeerPullCosts(transfer.peer_pull_min_tokens, measured=transfer.peer_pull_decision == "measured")
+    metrics.kv.watch_peer_pull_costs(lambda: costs.compute_s_per_token, lambda: costs.pull_s_per_token,
+                                     lambda: costs.pin_s)
     return PeerPullConnector(connector, transport, peers, pool.plan, pool.block_size,
                              count_tokens=metrics.kv.count_peer_pull, observe_pull_s=metrics.kv.peer_pull_s.observe,
                              pull_timeout_s=transfer.pull_timeout_s, lease_s=transfer.lease_s,
-                             tp_size=config.parallel.tensor_parallel_size, poll_peers=poll_peers)
+                             tp_size=config.parallel.tensor_parallel_size, poll_peers=poll_peers, costs=costs)
 
 
 def _peer_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescription, side: KVSide, inner: KVAdmission,
@@ -167,7 +174,8 @@ def _peer_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
                              pool.plan, pool.block_size, config.parallel.tensor_parallel_size,
                              transfer.peer_pull_min_tokens, metrics.kv.count_peer_pull,
                              PeerAllowList.parse(transfer.allowed_peers),
-                             vouched=token is not None or is_loopback_host(config.server.host))
+                             vouched=token is not None or is_loopback_host(config.server.host),
+                             costs=side.peer_pull.costs)
 
 
 def _counted_room_check(connector: PrefillConnector, metrics: Metrics) -> Callable[[int], bool]:
@@ -211,5 +219,6 @@ def build_admission(config: WorkerConfig, metrics: Metrics, pool: PoolDescriptio
         count_recompute=lambda reason, num_tokens: recomputed.labels(reason=reason).inc(num_tokens),
         count_failure=failures.inc, takes_first_token=not pool.plan.state_group_ids,
         count_first_token_recompute=lambda reason: first_token_recomputed.labels(reason=reason).inc(),
-        observe_ticket_s=lambda seconds: metrics.transfer.observe_handoff({"d_ticket": seconds}))
+        observe_ticket_s=lambda seconds: metrics.transfer.observe_handoff({"d_ticket": seconds}),
+        inbox=side.ticket_inbox)
     return _peer_admission(config, metrics, pool, side, tickets_first, run_on_engine_thread, http_transport)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from pdserve.api.config import LimitsConfig
 from pdserve.api.errors import EngineNotReady, InvalidRequest, ModelNotFound, PdserveError
-from pdserve.api.kv_transfer import (KVTransferRequest, RemoteDecodeRequest, RemotePrefillParams,
+from pdserve.api.kv_transfer import (AwaitedPrefillParams, KVTransferRequest, RemoteDecodeRequest, RemotePrefillParams,
                                      parse_kv_transfer_params)
 from pdserve.api.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIRequest, check_token_budget,
                               to_sampling_params)
@@ -139,7 +139,7 @@ async def _build(engine: "EngineClient", body: OpenAIRequest, prompts: list[list
 def _check_pd_combinations(body: OpenAIRequest, kv_params: Optional[KVTransferRequest], num_prompts: int) -> None:
     if kv_params is not None and num_prompts > 1:
         raise InvalidRequest("kv_transfer_params serve one prompt: send batched prompts without them", param="prompt")
-    if isinstance(kv_params, RemotePrefillParams) and body.prompt_logprobs_count is not None:
+    if isinstance(kv_params, (RemotePrefillParams, AwaitedPrefillParams)) and body.prompt_logprobs_count is not None:
         # The prefill worker computed the prompt; this worker has none of its logits.
         raise InvalidRequest("echo with logprobs needs the prompt computed here: send it without kv_transfer_params "
                              "(the pdserve proxy does)", param="echo")

@@ -35,8 +35,9 @@ class Candidate:
 
     @classmethod
     def of(cls, backend: "Backend", cached: Optional[CachedPrefix] = None) -> "Candidate":
+        # A decode leg still waiting for its prefill (both legs at once) is not served yet: not counted.
         return cls(backend.url, backend.is_available(), backend.load_score(), backend.prompt_tokens_in_flight,
-                   max(backend.num_in_flight, backend.load.num_running), cached)
+                   max(backend.num_in_flight - backend.num_awaiting_ticket, backend.load.num_running), cached)
 
 
 @dataclass(frozen=True, slots=True)

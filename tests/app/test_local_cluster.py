@@ -261,6 +261,11 @@ def test_up_defaults_to_adaptive_disaggregation_steps_within_the_tpot_and_handed
     assert given["decode"].argv.count("--max-step-ms") == 1 and flag(given["decode"].argv, "--max-step-ms") == "50"
 
 
+def test_up_sends_both_legs_at_once_unless_told_not_to():
+    assert "--no-concurrent-legs" not in specs_for()["proxy"].argv
+    assert "--no-concurrent-legs" in specs_for("--no-concurrent-legs")["proxy"].argv
+
+
 @pytest.mark.parametrize("spelling", [["--kv-offload-dir", "/data/tier"], ["--kv-offload-dir=/data/tier"]])
 def test_a_file_tier_directory_is_split_between_the_two_workers(spelling):
     """A file tier locks its directory: the two workers each get their own under the one given."""

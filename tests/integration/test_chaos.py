@@ -264,9 +264,11 @@ def test_what_decode_would_refuse_never_pins_prefill_blocks(cluster, baseline):
     releases = proxy.metric("pdserve_proxy_kv_releases_total", result="sent")
     started = time.monotonic()
     assert httpx.post(proxy.url + refused.path, json=refused.body, timeout=60).status_code == 400
-    assert wait_for(lambda: load(prefill)["num_pinned_blocks"] == 0, LEASE_S)
+    # Both legs at once: D's refusal comes while P computes; the proxy closes the prefill leg (P aborts,
+    # pinning nothing), or releases the pin where P answered first.
+    assert wait_for(lambda: load(prefill)["num_pinned_blocks"] == 0 and load(prefill)["num_running"] == 0, LEASE_S)
     assert time.monotonic() - started < LEASE_S * 0.6
-    assert proxy.metric("pdserve_proxy_kv_releases_total", result="sent") == releases + 1
+    assert proxy.metric("pdserve_proxy_kv_releases_total", result="sent") in (releases, releases + 1)
 
 
 def test_no_one_without_the_token_can_make_workers_read_pin_or_release(cluster):

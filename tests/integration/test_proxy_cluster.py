@@ -4,6 +4,7 @@ single worker's; Ctrl-C stops all three."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -190,6 +191,34 @@ def test_one_pd_request_publishes_each_handoff_component_and_one_log_line(up):
     assert {c: decode_after.get(c, 0) - decode_before.get(c, 0) for c in ("d_ticket", "d_pull", "d_first_step")} \
         == dict.fromkeys(("d_ticket", "d_pull", "d_first_step"), 1)
     assert wait_for(lambda: "request handoff-parts-1: handoff mode=disaggregated proxy_hop_ms=" in up.output(), 5, 0.1)
+
+
+def labelled_metric(up: UpProcess, role: str, name: str, label: str) -> float:
+    """One labelled sample (`label` as written between the braces, e.g. 'outcome="delivered"'); 0 when absent."""
+    for line in httpx.get(up.url(role) + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{") and label in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_concurrent_legs_answer_as_one_worker_does_and_d_computes_no_prompt_token(up):
+    """`up`'s proxy sends both legs at once (proxy/both_legs.py): greedy text equals the prefill worker's
+    own answer computed alone, P's params reach the waiting decode worker, and D computes none of the prompt."""
+    prompt = "A short list of the planets, from the Sun outwards:"  # new to D: whatever D has, it pulled
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    alone = httpx.post(up.url("prefill") + "/v1/completions", json=body, timeout=120)  # one worker, no P/D
+    assert alone.status_code == 200, alone.text
+    delivered = labelled_metric(up, "proxy", "pdserve_proxy_concurrent_legs_total", 'outcome="delivered"')
+    computed = decode_metric(up, "pdserve_engine_computed_prompt_tokens_total")
+    full = httpx.post(up.url("proxy") + "/v1/completions", json=body, timeout=120)
+    with httpx.stream("POST", up.url("proxy") + "/v1/completions", json={**body, "stream": True}, timeout=120) as s:
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
+                           if line.startswith("data: {") and json.loads(line[6:])["choices"])
+    expected = alone.json()["choices"][0]["text"]
+    assert full.json()["choices"][0]["text"] == streamed == expected and expected.strip()
+    assert labelled_metric(up, "proxy", "pdserve_proxy_concurrent_legs_total", 'outcome="delivered"') == delivered + 2
+    assert decode_metric(up, "pdserve_engine_computed_prompt_tokens_total") == computed  # every prompt token pulled
+    assert decode_metric(up, "pdserve_pd_recomputed_prompt_tokens_total") == 0
 
 
 def test_client_kv_transfer_params_are_dropped_not_forwarded(up):

@@ -16,6 +16,7 @@ from pdserve.api.sampling import SamplingParams
 from pdserve.kv.hashing import hash_full_blocks
 from pdserve.pd.admission import LocalAdmission
 from pdserve.pd.peer_admission import PeerPullAdmission, PeerUnusable
+from pdserve.pd.peer_costs import PeerPullCosts
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.request import GenerationRequest
 from pdserve.server.peer_routes import peer_hint_from
@@ -70,7 +71,7 @@ def agent():
 
 
 def admit(agent, answer, hint: Optional[PeerHint] = HINT, connect_error: Optional[str] = None, min_tokens: int = 32,
-          allowed: Optional[str] = None, vouched: bool = True):
+          allowed: Optional[str] = None, vouched: bool = True, costs: Optional[PeerPullCosts] = None):
     pins, releases, counts = FakePins(answer), FakeReleases(), {}
 
     async def connect(peer):
@@ -81,7 +82,8 @@ def admit(agent, answer, hint: Optional[PeerHint] = HINT, connect_error: Optiona
 
     admission = PeerPullAdmission(LocalAdmission(), pins, releases, FakeHandshake(agent), connect, FULL, BLOCK,
                                   min_tokens=min_tokens, count_tokens=count,
-                                  allowed_peers=PeerAllowList.parse(allowed) if allowed else None, vouched=vouched)
+                                  allowed_peers=PeerAllowList.parse(allowed) if allowed else None, vouched=vouched,
+                                  costs=costs)
     request = GenerationRequest("r", PROMPT, SamplingParams(max_tokens=1), peer_hint=hint)
     admitted = asyncio.run(admission.admit(request))
     assert admitted.peer_hint is None and admitted.kv_params is None
@@ -137,6 +139,15 @@ def test_nothing_is_asked_below_the_threshold_nor_of_a_peer_off_the_allow_list(a
     assert admitted.remote is None and counts == {"miss": 8 * BLOCK}  # the peer holds none of it
     _, pins, _, counts = admit(agent, ticket(), allowed="10.0.0.0/8")
     assert pins.asked == [] and counts == {"refused": 8 * BLOCK}
+
+
+def test_a_hint_is_followed_only_when_the_measured_pull_is_predicted_faster(agent):
+    slow_read = PeerPullCosts(min_tokens=32, compute_s_per_token=1e-4, pull_s_per_token=2e-4, pin_s=1e-3)
+    admitted, pins, _, counts = admit(agent, ticket(), costs=slow_read)
+    assert admitted.remote is None and pins.asked == [] and counts == {"costlier": 8 * BLOCK}
+    fast_read = PeerPullCosts(min_tokens=32, compute_s_per_token=1e-4, pull_s_per_token=1e-5, pin_s=1e-3)
+    admitted, pins, _, counts = admit(agent, ticket(), costs=fast_read)
+    assert admitted.remote is not None and counts == {}
 
 
 def test_a_hint_nobody_vouched_for_is_followed_only_to_allow_listed_peers(agent):

@@ -56,6 +56,13 @@ class StubWorker:
     releases: list[dict] = field(default_factory=list)  # prefill: bodies of POST /internal/kv/release
     hold: Optional[threading.Event] = None  # when set here and clear, generation waits until it is set
     says_recomputed: bool = False  # decode: answer P/D legs as a worker that computed their prompt itself
+    # decode, concurrent legs: keys of legs waiting for their ticket, what POST /internal/kv/ticket delivered
+    # (key, params or None), and the keys whose wait ended without a ticket (called off or the leg closed)
+    waiting: dict[str, asyncio.Future] = field(default_factory=dict)
+    deliveries: list[tuple[str, Optional[dict]]] = field(default_factory=list)
+    abandoned: list[str] = field(default_factory=list)
+    takes_concurrent_legs: bool = True  # False: refuse awaited params by name, as a release before them would
+    num_refused_awaited: int = 0  # awaited params so refused
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -65,7 +72,38 @@ class StubWorker:
             Route("/health", self._health, methods=["GET"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/internal/kv/release", self._release, methods=["POST"]),
+            Route("/internal/kv/ticket", self._ticket, methods=["POST"]),
         ])
+
+    async def _ticket(self, request: Request) -> Response:
+        body = json.loads(await request.body())
+        key, params = body["awaited_ticket"], body.get("kv_transfer_params")
+        self.deliveries.append((key, params))
+        waiter = self.waiting.get(key)
+        if waiter is None or waiter.done():
+            return JSONResponse({"status": "unknown"}, status_code=404)
+        waiter.set_result(params)
+        return JSONResponse({"status": "accepted"}, status_code=202)
+
+    async def _awaited(self, request: Request, key: str) -> Optional[dict]:
+        """A concurrent decode leg's wait for its ticket, until delivered, called off (a null delivery) or
+        closed by the proxy (then None, recorded in `abandoned`)."""
+        waiter = self.waiting[key] = asyncio.get_running_loop().create_future()
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait((waiter, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            del self.waiting[key]
+        params = waiter.result() if waiter in done else None
+        if params is None:
+            self.abandoned.append(key)
+        return params
 
     async def _release(self, request: Request) -> Response:
         self.releases.append(json.loads(await request.body()))
@@ -84,6 +122,19 @@ class StubWorker:
     async def _generate(self, request: Request) -> Response:
         body = json.loads(await request.body())
         request_id = request.headers.get("x-request-id", "")
+        key = (body.get("kv_transfer_params") or {}).get("awaited_ticket")
+        if key is not None and self.role == "decode":
+            if not self.takes_concurrent_legs:
+                self.num_refused_awaited += 1
+                return JSONResponse({"error": {"message": "kv_transfer_params.remote_engine_id: Field required",
+                                               "type": "invalid_request_error", "param": "kv_transfer_params",
+                                               "code": 400}}, status_code=400)
+            if self.fail_status is not None and self.hold is None:  # a failing worker fails before waiting
+                return _error(self.fail_status, self.fail_type)
+            params = await self._awaited(request, key)
+            if params is None:
+                return Response(status_code=499)
+            body = {**body, "kv_transfer_params": params}  # recorded as a sequential leg would have been
         self.calls.append(RecordedCall(request.url.path, body, dict(request.headers)))
         while self.hold is not None and not self.hold.is_set():
             await asyncio.sleep(0.005)
