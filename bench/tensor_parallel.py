@@ -82,10 +82,6 @@ class SizeResult:
     error: Optional[str] = None
 
     @property
-    def num_ranks(self) -> int:
-        return self.tp_size
-
-    @property
     def label(self) -> str:
         """The row's name: its TP size, and the path when it is not the default."""
         return str(self.tp_size) if self.tensor_path == "shared memory" else f"{self.tp_size} ({self.tensor_path})"
@@ -178,7 +174,7 @@ def format_table(results: Sequence[SizeResult], num_streams: int) -> str:
     """Markdown table, one row per TP size; also fine on a terminal. `other CPU`: the share of all
     cores that processes other than the bench and the worker took while the size was measured."""
     by_size = ratios(results)
-    rows = [[r.label, r.num_ranks, r.threads_per_rank]
+    rows = [[r.label, r.tp_size, r.threads_per_rank]
             + ([f"failed: {short_error(r.error)}", "-", "-", "-", "-"] if r.error is not None else
                [cell(r.batch1_tokens_per_s, ".1f"), _times(by_size[r.label]["batch1"]),
                 cell(r.streams_tokens_per_s, ".1f"), _times(by_size[r.label]["streams"]),
@@ -192,7 +188,7 @@ def report_dict(command: str, config: dict, machine: dict, results: Sequence[Siz
     sizes = []
     for r in results:
         row = asdict(r)
-        row.update(num_ranks=r.num_ranks, batch1_tokens_per_s=r.batch1_tokens_per_s,
+        row.update(num_ranks=r.tp_size, batch1_tokens_per_s=r.batch1_tokens_per_s,
                    batch1_ratio_vs_tp1=by_size[r.label]["batch1"],
                    streams_ratio_vs_tp1=by_size[r.label]["streams"])
         sizes.append(row)
@@ -228,12 +224,6 @@ def worker_argv(model_dir: str, port: int, tp_size: int, num_threads: int, num_b
                         "--device", "cpu", "--dtype", "float32", "--num-threads", str(num_threads),
                         "--num-blocks", str(num_blocks), "--log-level", "warning",
                         *(() if shared_memory else ("--no-tp-shared-memory",)))
-
-
-def served_model_id(base_url: str) -> str:
-    reply = httpx.get(f"{base_url}/v1/models", timeout=30.0)
-    reply.raise_for_status()
-    return reply.json()["data"][0]["id"]
 
 
 def _check(records: Sequence[RequestRecord], max_tokens: int) -> None:
@@ -284,7 +274,7 @@ def run_size(model_dir: str, tp_size: int, args: argparse.Namespace, shared_memo
             result.machine_idle_before = wait_for_idle(args.wait_for_idle_s)
         server.start()
         server.wait_ready(_READY_TIMEOUT_S)
-        endpoint = Endpoint(server.base_url, served_model_id(server.base_url), with_logprobs=True)
+        endpoint = Endpoint(server.base_url, server.model_id(), with_logprobs=True)
         meter = CpuMeter(server.pids())  # rank 0 and its ranks, once all of them are up
         meter.start()
         measure_worker(endpoint, args, result)
