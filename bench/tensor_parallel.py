@@ -30,7 +30,7 @@ import httpx
 from bench.lib.launch import LaunchError, ServerProcess, free_port, pdserve_argv
 from bench.lib.load import run_open_loop
 from bench.lib.machine import CpuMeter, machine_info, wait_for_idle
-from bench.lib.report import cell, write_document
+from bench.lib.report import cell, markdown_table, write_document
 from bench.lib.stats import percentile
 from bench.lib.stream import RequestRecord
 from bench.lib.tiny_model import save_tiny_checkpoint
@@ -82,17 +82,13 @@ class SizeResult:
     error: Optional[str] = None
 
     @property
-    def num_ranks(self) -> int:
-        return self.tp_size
-
-    @property
     def label(self) -> str:
         """The row's name: its TP size, and the path when it is not the default."""
         return str(self.tp_size) if self.tensor_path == "shared memory" else f"{self.tp_size} ({self.tensor_path})"
 
     @property
     def batch1_tokens_per_s(self) -> Optional[float]:
-        return None if self.error is not None else median(self.batch1_runs_tokens_per_s)
+        return None if self.error is not None else percentile(self.batch1_runs_tokens_per_s, 50)
 
 
 # --- pure parts: no server -----------------------------------------------------------------------
@@ -124,24 +120,6 @@ def threads_per_rank(num_threads: int, tp_size: int) -> int:
     return max(1, num_threads // tp_size)
 
 
-def median(values: Sequence[float]) -> Optional[float]:
-    """The median; None for no values."""
-    return percentile(values, 50)
-
-
-def decode_tokens_per_s(chunk_times_s: Sequence[float], chunk_num_tokens: Sequence[int]) -> Optional[float]:
-    """Tokens after the first chunk over the time from the first chunk to the last; None with
-    fewer than two chunks or no time between them (the first chunk holds prefill, not decode)."""
-    if len(chunk_times_s) != len(chunk_num_tokens):
-        raise ValueError("one token count per chunk time expected")
-    if len(chunk_times_s) < 2:
-        return None
-    span_s = chunk_times_s[-1] - chunk_times_s[0]
-    if span_s <= 0:
-        return None
-    return sum(chunk_num_tokens[1:]) / span_s
-
-
 def aggregate_decode_tokens_per_s(streams: Sequence[tuple[Sequence[float], Sequence[int]]]) -> Optional[float]:
     """Concurrent streams, each (chunk times, tokens per chunk): the tokens after each stream's first
     chunk, summed, over the wall span from the earliest first chunk to the latest last chunk."""
@@ -157,6 +135,11 @@ def aggregate_decode_tokens_per_s(streams: Sequence[tuple[Sequence[float], Seque
     return decoded / span_s
 
 
+def decode_tokens_per_s(chunk_times_s: Sequence[float], chunk_num_tokens: Sequence[int]) -> Optional[float]:
+    """One stream's: tokens after the first chunk (which holds prefill) over the first to last chunk."""
+    return aggregate_decode_tokens_per_s([(chunk_times_s, chunk_num_tokens)])
+
+
 def ratio(value: Optional[float], baseline: Optional[float]) -> Optional[float]:
     """value / baseline; None when either is missing or the baseline is not positive."""
     if value is None or baseline is None or baseline <= 0:
@@ -164,14 +147,9 @@ def ratio(value: Optional[float], baseline: Optional[float]) -> Optional[float]:
     return value / baseline
 
 
-def baseline(results: Sequence[SizeResult]) -> Optional[SizeResult]:
-    """The TP=1 result the ratios divide by; None when TP=1 was not run or failed."""
-    return next((r for r in results if r.tp_size == 1 and r.error is None), None)
-
-
 def ratios(results: Sequence[SizeResult]) -> dict[str, dict[str, Optional[float]]]:
-    """Per row (its label): batch-1 and streams tokens/s as a ratio of TP=1's."""
-    base = baseline(results)
+    """Per row (its label): batch-1 and streams tokens/s as a ratio of TP=1's (None without a working TP=1)."""
+    base = next((r for r in results if r.tp_size == 1 and r.error is None), None)
     base_batch1 = base.batch1_tokens_per_s if base else None
     base_streams = base.streams_tokens_per_s if base else None
     return {r.label: {"batch1": ratio(r.batch1_tokens_per_s, base_batch1),
@@ -195,18 +173,14 @@ def short_error(text: str, limit: int = 160) -> str:
 def format_table(results: Sequence[SizeResult], num_streams: int) -> str:
     """Markdown table, one row per TP size; also fine on a terminal. `other CPU`: the share of all
     cores that processes other than the bench and the worker took while the size was measured."""
-    lines = [f"| TP size | ranks | threads per rank | batch-1 decode tok/s | ratio vs TP=1 | {num_streams}-stream tok/s "
-             "| ratio vs TP=1 | other CPU |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     by_size = ratios(results)
-    for r in results:
-        prefix = f"| {r.label} | {r.num_ranks} | {r.threads_per_rank} "
-        if r.error is not None:
-            lines.append(prefix + f"| failed: {short_error(r.error)} | - | - | - | - |")
-            continue
-        lines.append(prefix + f"| {cell(r.batch1_tokens_per_s, '.1f')} | {_times(by_size[r.label]['batch1'])} "
-                              f"| {cell(r.streams_tokens_per_s, '.1f')} | {_times(by_size[r.label]['streams'])} "
-                              f"| {cell(r.foreign_cpu_fraction, '.0%')} |")
-    return "\n".join(lines)
+    rows = [[r.label, r.tp_size, r.threads_per_rank]
+            + ([f"failed: {short_error(r.error)}", "-", "-", "-", "-"] if r.error is not None else
+               [cell(r.batch1_tokens_per_s, ".1f"), _times(by_size[r.label]["batch1"]),
+                cell(r.streams_tokens_per_s, ".1f"), _times(by_size[r.label]["streams"]),
+                cell(r.foreign_cpu_fraction, ".0%")]) for r in results]
+    return markdown_table(["TP size", "ranks", "threads per rank", "batch-1 decode tok/s", "ratio vs TP=1",
+                           f"{num_streams}-stream tok/s", "ratio vs TP=1", "other CPU"], rows)
 
 
 def report_dict(command: str, config: dict, machine: dict, results: Sequence[SizeResult]) -> dict:
@@ -214,15 +188,11 @@ def report_dict(command: str, config: dict, machine: dict, results: Sequence[Siz
     sizes = []
     for r in results:
         row = asdict(r)
-        row.update(num_ranks=r.num_ranks, batch1_tokens_per_s=r.batch1_tokens_per_s,
+        row.update(num_ranks=r.tp_size, batch1_tokens_per_s=r.batch1_tokens_per_s,
                    batch1_ratio_vs_tp1=by_size[r.label]["batch1"],
                    streams_ratio_vs_tp1=by_size[r.label]["streams"])
         sizes.append(row)
     return {"command": command, "config": config, "machine": machine, "sizes": sizes}
-
-
-def write_json(path: str, report: dict) -> None:
-    write_document(path, report, indent=2)
 
 
 def prompts(num_prompts: int, vocab_size: int, seed: int, length: int = _PROMPT_TOKENS) -> list[tuple[int, ...]]:
@@ -254,12 +224,6 @@ def worker_argv(model_dir: str, port: int, tp_size: int, num_threads: int, num_b
                         "--device", "cpu", "--dtype", "float32", "--num-threads", str(num_threads),
                         "--num-blocks", str(num_blocks), "--log-level", "warning",
                         *(() if shared_memory else ("--no-tp-shared-memory",)))
-
-
-def served_model_id(base_url: str) -> str:
-    reply = httpx.get(f"{base_url}/v1/models", timeout=30.0)
-    reply.raise_for_status()
-    return reply.json()["data"][0]["id"]
 
 
 def _check(records: Sequence[RequestRecord], max_tokens: int) -> None:
@@ -310,7 +274,7 @@ def run_size(model_dir: str, tp_size: int, args: argparse.Namespace, shared_memo
             result.machine_idle_before = wait_for_idle(args.wait_for_idle_s)
         server.start()
         server.wait_ready(_READY_TIMEOUT_S)
-        endpoint = Endpoint(server.base_url, served_model_id(server.base_url), with_logprobs=True)
+        endpoint = Endpoint(server.base_url, server.model_id(), with_logprobs=True)
         meter = CpuMeter(server.pids())  # rank 0 and its ranks, once all of them are up
         meter.start()
         measure_worker(endpoint, args, result)
@@ -397,7 +361,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     print(format_table(results, args.streams))
     report = report_dict(command, config_dict(args), machine, results)
-    write_json(args.out, report)
+    write_document(args.out, report, indent=2)
     logger.info("wrote %s; worker logs in %s; done in %.0f s", args.out, args.log_dir, time.monotonic() - started_s)
     return 0 if all(r.error is None for r in results) else 1
 

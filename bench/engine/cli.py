@@ -24,7 +24,7 @@ from bench.engine import peers
 from bench.lib.machine import CpuMeter, wait_for_quiet
 from bench.lib.machine import machine_info as lib_machine_info
 from bench.engine.llama_server import LlamaServerSystem
-from bench.engine.systems import IGNORE_EOS_BODY, BenchError, HttpSystem, HttpTarget, Messages, model_id
+from bench.engine.systems import IGNORE_EOS_BODY, BenchError, HttpSystem, HttpTarget, Messages
 from bench.lib.launch import REPO_ROOT, ServerProcess, free_port, pdserve_argv
 from bench.engine.report import (
     SUBJECT, SUBJECT_COMPILED, SUBJECT_FP32, SYSTEM_ORDER, BenchReport, LongPromptResult, PhaseResult, check_targets,
@@ -98,7 +98,7 @@ def pdserve_system(name: str, extra_args: Sequence[str], device: str, log_dir: s
     log_path = os.path.join(log_dir, name.replace(" ", "_") + ".log")
     server = ServerProcess(name, argv, port, log_path, ready="health", own_session=True)
 
-    return HttpSystem(server, lambda started: HttpTarget(started.base_url, model_id(started), IGNORE_EOS_BODY))
+    return HttpSystem(server, lambda started: HttpTarget(started.base_url, started.model_id(), IGNORE_EOS_BODY))
 
 
 def serve_system(hf_dir: str, device: str, log_dir: str) -> HttpSystem:

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import httpx
 
 from bench.engine.report import PhaseResult
-from bench.engine.systems import IGNORE_EOS_BODY, BenchError, HttpSystem, HttpTarget, Messages, model_id, run_phase
+from bench.engine.systems import IGNORE_EOS_BODY, BenchError, HttpSystem, HttpTarget, Messages, run_phase
 from bench.lib.launch import ServerProcess, free_port
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class LlamaServerSystem(HttpSystem):
     name = LLAMA_SERVER_SYSTEM
 
     def __init__(self, gguf_path: str, log_dir: str, num_kv_tokens: int, binary: Optional[str] = None):
-        super().__init__(None, lambda server: HttpTarget(server.base_url, model_id(server), IGNORE_EOS_BODY))
+        super().__init__(None, lambda server: HttpTarget(server.base_url, server.model_id(), IGNORE_EOS_BODY))
         self._gguf_path, self._log_dir, self._num_kv_tokens = gguf_path, log_dir, num_kv_tokens
         self._explicit_binary = binary
         self._binary: Optional[str] = None

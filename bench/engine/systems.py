@@ -38,11 +38,6 @@ class HttpTarget:
 IGNORE_EOS_BODY = {"ignore_eos": True, "stream_options": {"include_usage": True}}
 
 
-def model_id(server: ServerProcess) -> str:
-    """The (first) model a running server lists."""
-    return httpx.get(f"{server.base_url}/v1/models", timeout=10.0).json()["data"][0]["id"]
-
-
 def _call(target: HttpTarget, index: int, max_tokens: int, messages: Messages) -> Call:
     body = {"model": target.model, "messages": messages(index), "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True} | target.extra_body

@@ -182,21 +182,17 @@ def summarize(records: list[dict], batch: int, bandwidth: float, weight_bytes: d
     read_bytes = dict(weight_bytes)
     read_bytes["layer.attention"] = int(context * kv_token_bytes)
     read_bytes["sampling"] = batch * vocab * 4
-    summary = {}
-    for key in parts[0]:
-        values = [p[key] for p in parts]
-        nbytes = read_bytes.get(key, 0)
-        summary[key] = {"median_ms": statistics.median(values) * 1e3, "min_ms": min(values) * 1e3, "bytes": nbytes,
-                        "bound_ms": nbytes / bandwidth * 1e3}
+
+    def entry(values_s: list[float], nbytes: int) -> dict:
+        return {"median_ms": statistics.median(values_s) * 1e3 if values_s else float("nan"),
+                "min_ms": min(values_s, default=float("nan")) * 1e3, "bytes": nbytes, "bound_ms": nbytes / bandwidth * 1e3}
+
     total_bytes = sum(read_bytes.values())
-    for key in ("layers_total", "step"):
-        summary[key]["bytes"] = total_bytes if key == "step" else total_bytes - read_bytes["lm_head"] \
-            - read_bytes["final_norm"] - read_bytes["sampling"]
-        summary[key]["bound_ms"] = summary[key]["bytes"] / bandwidth * 1e3
-    unlapped = [r["step"] for r in records if r["rows"] == batch and not r["laps"]]
-    summary["step_without_laps"] = {"median_ms": statistics.median(unlapped) * 1e3 if unlapped else float("nan"),
-                                    "min_ms": min(unlapped) * 1e3 if unlapped else float("nan"),
-                                    "bytes": total_bytes, "bound_ms": total_bytes / bandwidth * 1e3}
+    read_bytes |= {"step": total_bytes, "layers_total": total_bytes - read_bytes["lm_head"] - read_bytes["final_norm"]
+                   - read_bytes["sampling"]}
+    summary = {key: entry([p[key] for p in parts], read_bytes.get(key, 0)) for key in parts[0]}
+    summary["step_without_laps"] = entry([r["step"] for r in records if r["rows"] == batch and not r["laps"]],
+                                         total_bytes)
     return {"batch": batch, "num_steps": len(steps), "median_context_tokens": context, "parts": summary}
 
 
@@ -250,10 +246,8 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
     weight_bytes = model_bytes(model, timer.decode_step._fused)
     summaries = [summarize(timer.records, batch, bandwidth, weight_bytes, kv_bytes_per_token(model), vocab)
                  for batch in args.batches]
-    header = ["part (ms a step, median)"]
-    for s in summaries:
-        b = s["batch"]
-        header += [f"b={b} ms", f"b={b} share", f"b={b} read bound ms", f"b={b} x bound"]
+    header = ["part (ms a step, median)"] + [f"b={s['batch']} {column}" for s in summaries
+                                             for column in ("ms", "share", "read bound ms", "x bound")]
     table = (f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads, {args.clock} clock); "
              f"steps per batch: {', '.join(str(s['num_steps']) for s in summaries)}; median context "
              f"{', '.join(str(int(s['median_context_tokens'])) for s in summaries)} tokens a step\n\n"

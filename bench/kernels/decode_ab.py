@@ -80,9 +80,7 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
             for name in order:
                 runs[name].append(profile_once(trees[name], args, os.path.join(folder, f"{pair}-{len(runs[name])}.json")))
     figures = {name: medians(side) for name, side in runs.items()}
-    header = ["part (ms a step)"]
-    for batch in args.batches:
-        header += [f"b={batch} baseline", f"b={batch} this tree", f"b={batch} ratio"]
+    header = ["part (ms a step)"] + [f"b={b} {side}" for b in args.batches for side in ("baseline", "this tree", "ratio")]
     rows = []
     for key in _PART_KEYS:
         row: list[Any] = [key]

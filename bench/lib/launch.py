@@ -259,6 +259,10 @@ class ServerProcess:
             time.sleep(0.5 if self.ready == "health" else 1.0)
         raise LaunchError(f"{self.name} not ready in {timeout_s:.0f} s: {self.log_tail()}")
 
+    def model_id(self) -> str:
+        """The (first) model the server lists."""
+        return httpx.get(f"{self.base_url}/v1/models", timeout=30.0).raise_for_status().json()["data"][0]["id"]
+
     def pids(self) -> list[int]:
         """This process and all its descendants (the workers and proxy of `up`)."""
         return [self.process.pid, *descendant_pids(self.process.pid)] if self.process else []

@@ -11,7 +11,6 @@ blocks; otherwise the run stops).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,7 +21,7 @@ from typing import Optional, Sequence
 import httpx
 
 from bench.lib.launch import REPO_ROOT, Worker, free_port, metric_sum, start_workers, stop_all
-from bench.lib.report import cell, markdown_table
+from bench.lib.report import cell, markdown_table, write_document
 from pdserve.api.peer_pull import PEER_HINT_HEADER, PeerHint
 
 TOKEN = "bench-peer-pull"
@@ -68,18 +67,14 @@ def measure(a: Worker, b: Worker, length: int, repeats: int) -> dict:
             "recompute_all_s": recompute, "pull_all_s": pull}
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prefix lengths in tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "peer_pull.json"))
-    return parser.parse_args(argv)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
+    args = parser.parse_args(argv)
     lengths = [int(text) for text in args.lengths.split(",")]
     logs = tempfile.mkdtemp(prefix="peer-pull-")
     common = ["--num-blocks", str(2 * max(lengths) // BLOCK + 64), "--internal-token", TOKEN,
@@ -98,11 +93,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            cell(r["recompute_s"] / r["pull_s"], ".2f")) for r in rows]))
     wins = [r["prefix_tokens"] for r in rows if r["pull_s"] < r["recompute_s"]]
     print(f"crossover: the pull wins from {min(wins)} prefix tokens on" if wins else "the pull never won")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"command": " ".join(["python -m bench.transfer.peer_pull", *(argv or sys.argv[1:])]),
-                   "new_tokens": NEW_TOKENS, "device": args.device, "num_threads": args.num_threads, "rows": rows},
-                  f, indent=1)
+    write_document(args.out, {"command": " ".join(["python -m bench.transfer.peer_pull", *(argv or sys.argv[1:])]),
+                              "new_tokens": NEW_TOKENS, "device": args.device, "num_threads": args.num_threads,
+                              "rows": rows})
     return 0
 
 

@@ -10,9 +10,9 @@ import pytest
 
 from bench.tensor_parallel import (
     ModelShape, SizeResult, aggregate_decode_tokens_per_s, check_divisible, decode_tokens_per_s, format_table,
-    median, parse_args, parse_sizes, prompts, ratio, ratios, report_dict, short_error, threads_per_rank, worker_argv,
-    write_json,
+    parse_args, parse_sizes, prompts, ratio, ratios, report_dict, short_error, threads_per_rank, worker_argv,
 )
+from bench.lib.report import write_document
 
 
 def _result(tp_size: int, batch1: list[float], streams: float | None, error: str | None = None,
@@ -83,12 +83,6 @@ def test_prompts_are_reproducible_and_avoid_special_tokens():
 
 
 # --- figures ---------------------------------------------------------------------------------------
-
-def test_median_of_odd_even_and_no_values():
-    assert median([3.0, 1.0, 2.0]) == 2.0
-    assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
-    assert median([]) is None
-
 
 def test_decode_rate_counts_tokens_after_the_first_chunk_over_their_span():
     # first token at 1.0 s (prefill), then 4 tokens until 1.4 s: 4 tokens / 0.4 s
@@ -181,7 +175,7 @@ def test_report_holds_config_machine_figures_and_ratios(tmp_path):
     machine = {"cpu_count": 2, "commit": "abc"}
     report = report_dict("python3 bench/tensor_parallel.py", {"sizes": [1, 2]}, machine, results)
     path = tmp_path / "sub" / "report.json"
-    write_json(str(path), report)
+    write_document(str(path), report)
     loaded = json.loads(path.read_text())
     assert loaded["machine"] == machine and loaded["config"] == {"sizes": [1, 2]}
     first, second = loaded["sizes"]
