@@ -106,6 +106,11 @@ HOSTILE = [
 # ---------------------------------------------------------------- the cluster
 
 
+def proxy_args(prefill: Worker, decode: Worker) -> list[str]:
+    return ["--prefill", prefill.url, "--decode", decode.url, "--internal-token", TOKEN, "--health-interval-s", "0.25",
+            "--breaker-failures", "3", "--breaker-cooldown-s", "2", "--retry-after-s", "1", "--header-timeout-s", "2"]
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, device):
     logs = tmp_path_factory.mktemp("logs")
@@ -118,10 +123,8 @@ def cluster(tmp_path_factory, device):
                     [*common, "--kv-pull-timeout-s", "2", "--kv-heartbeat-s", "1", "--max-model-len",
                      str(DECODE_MAX_MODEL_LEN), "--kv-allowed-peers", "127.0.0.1"], device, ucx)
     start_workers(prefill, decode)
-    proxy = ProxyProcess(free_port(), str(logs / "proxy.log"), [
-        "--prefill", prefill.url, "--decode", decode.url, "--internal-token", TOKEN, "--health-interval-s", "0.25",
-        "--breaker-failures", "3", "--breaker-cooldown-s", "2", "--retry-after-s", "1", "--header-timeout-s", "2"])
-    state = {"prefill": prefill, "decode": decode, "proxy": proxy}
+    proxy = ProxyProcess(free_port(), str(logs / "proxy.log"), proxy_args(prefill, decode))
+    state = {"prefill": prefill, "decode": decode, "proxy": proxy, "logs": logs}
     try:
         assert wait_for(proxy.is_ready, 30), "proxy never became ready"
         yield state
@@ -389,19 +392,28 @@ def test_a_client_leaving_mid_prefill_stops_the_prefill_at_the_next_chunk(cluste
     the prefill worker runs the request; the proxy cancels the leg and the worker abandons the step in
     flight at its next layer (every request in it is aborted: pdserve/engine/loop.py): the chunks
     computed before the client left count, the one in flight does not; then nothing runs and no
-    block is in use. (Bounds in chunks, not seconds: how many chunks finish first is the machine's.)"""
-    proxy, prefill = cluster["proxy"], cluster["prefill"]
+    block is in use. (Bounds in chunks, not seconds: how many chunks finish first is the machine's.)
+    The legs go in turn through a proxy of this test's own: the module's decode worker refuses a
+    prompt this long, and with both legs at once its refusal may reach the proxy first, which then
+    calls the prefill leg off before it runs (which costs P nothing, but is not what is tested here)."""
+    prefill = cluster["prefill"]
+    proxy = ProxyProcess(free_port(), str(cluster["logs"] / "proxy-in-turn.log"),
+                         [*proxy_args(prefill, cluster["decode"]), "--no-concurrent-legs"])
     body = json.dumps(completion("word " * 3000, max_tokens=2)).encode()
     computed = prefill.metric("pdserve_engine_computed_prompt_tokens_total")
-    with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\nX-Request-Id: leaves-mid-prefill\r\n\r\n".encode() + body)
-        assert wait_for(lambda: load(prefill)["num_running"] > 0, 30, interval_s=0.01)
-    left_s = time.monotonic()
-    assert wait_for(lambda: load(prefill)["num_running"] == 0 and load(prefill)["kv_usage"] == 0, 15,
-                    interval_s=0.02), load(prefill)
-    print(f"prefill worker idle {time.monotonic() - left_s:.2f} s after the client left")
-    assert prefill.metric("pdserve_engine_computed_prompt_tokens_total") - computed <= 2 * 512
+    try:
+        assert wait_for(proxy.is_ready, 30), "proxy never became ready"
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\nX-Request-Id: leaves-mid-prefill\r\n\r\n".encode() + body)
+            assert wait_for(lambda: load(prefill)["num_running"] > 0, 30, interval_s=0.01)
+        left_s = time.monotonic()
+        assert wait_for(lambda: load(prefill)["num_running"] == 0 and load(prefill)["kv_usage"] == 0, 15,
+                        interval_s=0.02), load(prefill)
+        print(f"prefill worker idle {time.monotonic() - left_s:.2f} s after the client left")
+        assert prefill.metric("pdserve_engine_computed_prompt_tokens_total") - computed <= 2 * 512
+    finally:
+        stop_all(proxy)
     assert_idle_and_serving(cluster, baseline)
 
 
