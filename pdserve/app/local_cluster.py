@@ -158,7 +158,7 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int], core_ledger: Opt
              "--prefill", f"http://{args.host}:{prefill_port}", "--decode", f"http://{args.host}:{decode_port}"]
     if args.policy is not None:
         proxy += ["--policy", args.policy]
-    if not getattr(args, "concurrent_legs", True):
+    if not args.concurrent_legs:
         proxy += ["--no-concurrent-legs"]
     for flag in ("disaggregation", "slo_ttft_ms", "slo_ttft_ms_per_token", "slo_tpot_ms"):
         if getattr(args, flag, None) is not None:

@@ -215,7 +215,7 @@ class PeerPullAdmission:
             self.failures.record_failure(address, error.message)
             raise PeerUnusable("failed", error.message, num_tokens) from None
         except (PdserveError, TransferError) as error:  # incompatible model, stale epoch, malformed record
-            raise PeerUnusable("refused", getattr(error, "message", str(error)), num_tokens) from None
+            raise PeerUnusable("refused", error.message, num_tokens) from None
         if error_text is not None:
             self.failures.record_failure(address, error_text)
             raise PeerUnusable("failed", f"no data path to the peer: {error_text}", num_tokens)
