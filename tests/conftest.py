@@ -9,8 +9,9 @@ import pytest
 
 from tests.devices import device_params
 from tests.file_budget import pytest_addoption, pytest_configure  # noqa: F401 - the hooks: seconds per test file
+from tests.file_order import integration_files_first
 from tests.process_guard import pytest_sessionfinish  # noqa: F401 - the hook: no test may leave a process behind
-from tests.unique_node_ids import pytest_collection_modifyitems  # noqa: F401 - the hook: one node id per test
+from tests.unique_node_ids import give_each_test_its_own_node_id
 from tests.worker_logs import pytest_runtest_makereport  # noqa: F401 - the hook: a failure shows its workers' logs
 
 
@@ -42,6 +43,12 @@ def hf_smollm2_model():
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
         )
     return model.eval()
+
+
+def pytest_collection_modifyitems(items) -> None:  # noqa: ANN001 (pytest's hook signature)
+    """One node id per test (pytest-xdist schedules by it), and the files that start processes first."""
+    give_each_test_its_own_node_id(items)
+    integration_files_first(items)
 
 
 def pytest_sessionstart(session) -> None:  # noqa: ANN001 (pytest's hook signature)

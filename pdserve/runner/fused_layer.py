@@ -143,9 +143,10 @@ class FusedDecoderStack:
 def native_final_norm(model: CausalLM) -> Optional[tuple[torch.Tensor, float]]:
     """(weight, eps) when the model's final norm is the Llama RMSNorm over float32 that the stack
     computes (`rms_norm` with the weight applied last); None for any other final norm."""
-    plain = getattr(type(model), "final_norm", None) is LlamaForCausalLM.final_norm
-    norm = getattr(model, "norm", None)
-    if not plain or not isinstance(norm, torch.Tensor) or norm.dtype != torch.float32 or norm.dim() != 1:
+    if not isinstance(model, LlamaForCausalLM) or type(model).final_norm is not LlamaForCausalLM.final_norm:
+        return None
+    norm = model.norm
+    if norm.dtype != torch.float32 or norm.dim() != 1:
         return None
     return norm.detach(), float(model.args.rms_norm_eps)
 
