@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import httpx
 
-from bench.lib.launch import ServerProcess, descendant_pids, free_port, pdserve_argv, wait_workers_idle
+from bench.lib.launch import ServerProcess, descendant_pids, pdserve_argv, up_ports, wait_workers_idle
 from bench.lib.load import Call, read_call, run_open_loop
 from bench.lib.report import markdown_table, write_document
 from bench.lib.stats import describe
@@ -79,7 +79,7 @@ def watch(urls: dict[str, str], stop: threading.Event, into: Watch, interval_s: 
 
 
 def start_cluster(num_blocks: int, log_dir: str) -> tuple[ServerProcess, dict[str, str]]:
-    ports = {role: free_port() for role in _PROCESS_ROLES}
+    ports = up_ports()
     argv = pdserve_argv("up", ports["proxy"], "--prefill-port", str(ports["prefill"]), "--decode-port",
                         str(ports["decode"]), "--num-blocks", str(num_blocks), "--log-level", "warning")
     up = ServerProcess("pdserve up", argv, ports["proxy"], os.path.join(log_dir, "up.log"))

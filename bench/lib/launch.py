@@ -21,10 +21,31 @@ import httpx
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port(next_free_too: bool = False) -> int:
+    """A port free on 127.0.0.1 now. `next_free_too`: one whose next port is free as well, for a worker
+    given only its port (its internal listener takes port + 1 then, as `pdserve up` starts them)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if not next_free_too:
+            return port
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:  # taken (an outgoing connection's ephemeral port, say): draw again
+                continue
+
+
+def up_ports() -> dict[str, int]:
+    """Ports for `pdserve up --port P --prefill-port F --decode-port D`: each worker's port + 1 (its
+    internal listener) free too, and no two of the five the same."""
+    while True:
+        ports = {"proxy": free_port(), "prefill": free_port(next_free_too=True), "decode": free_port(next_free_too=True)}
+        taken = [ports["proxy"], ports["prefill"], ports["prefill"] + 1, ports["decode"], ports["decode"] + 1]
+        if len(set(taken)) == len(taken):
+            return ports
 
 
 def spawn(command: list[str], log_path: str, env: Optional[dict[str, str]] = None, **popen: object) -> subprocess.Popen:

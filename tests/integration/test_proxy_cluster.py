@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.cluster import REPO_ROOT, free_port, wait_for
+from bench.lib.launch import up_ports
+from tests.integration.cluster import REPO_ROOT, wait_for
 from tests.integration.openai_features import CHECKS
 
 pytestmark = pytest.mark.slow
@@ -29,7 +30,7 @@ class UpProcess:
     """`pdserve up` on free ports, its combined output in a log file."""
 
     def __init__(self, log_path: str, *extra_args: str):
-        self.ports = {"proxy": free_port(), "prefill": free_port(), "decode": free_port()}
+        self.ports = up_ports()
         self.log_path = log_path
         command = [sys.executable, "-m", "pdserve.app.cli", "up", "--port", str(self.ports["proxy"]),
                    "--prefill-port", str(self.ports["prefill"]), "--decode-port", str(self.ports["decode"]),
