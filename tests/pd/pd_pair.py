@@ -20,7 +20,7 @@ from pdserve.pd.handshake import groups_to_wire
 from pdserve.pd.leases import LeaseTable
 from pdserve.pd.peers import PeerConnections
 from pdserve.pd.prefill import PrefillConnector, PrefillIdentity
-from pdserve.request import RemoteSource, Request
+from pdserve.request import GenerationRequest, RemoteSource, Request
 from pdserve.transfer.fake_transport import FakeFabric, FakeTransport
 from pdserve.transfer.ranked_transport import RankedTransport, encode_ranks, rank_descriptor
 from pdserve.transfer.state_ranges import state_splits
@@ -143,3 +143,14 @@ def make_request(request_id: str, num_prompt: int, sampling: Optional[SamplingPa
 
 def source_for(p: PrefillSide, params: RemotePrefillParams, received_s: float) -> RemoteSource:
     return RemoteSource(params, p.agent_info(), received_s)
+
+
+class InnerAdmission:
+    """Stands in for DecodeAdmission (handshake, geometry, connection): records what it was given."""
+
+    def __init__(self):
+        self.seen: list[GenerationRequest] = []
+
+    async def admit(self, request: GenerationRequest) -> GenerationRequest:
+        self.seen.append(request)
+        return dataclasses.replace(request, kv_params=None, remote=object())

@@ -6,7 +6,6 @@ raced against the clock: the inbox's bound runs on a fake clock or a tiny wait w
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import httpx
 import pytest
@@ -21,7 +20,7 @@ from pdserve.pd.tickets import TicketAdmission, TicketClient
 from pdserve.request import GenerationRequest, RequestStatus
 from pdserve.server.errors import install_error_handlers
 from pdserve.server.kv_routes import RELEASE_PATH, TICKET_PATH, create_kv_router
-from tests.pd.pd_pair import FakeClock, source_for
+from tests.pd.pd_pair import FakeClock, InnerAdmission, source_for
 
 pytestmark = pytest.mark.anyio
 KEY = "c0ffee" * 5 + "00"  # 32 hex digits, as the proxy makes them
@@ -31,17 +30,6 @@ PROMPT = tuple(range(10, 40))  # the 30 tokens PrefillSide.prefill computes
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-class InnerAdmission:
-    """Stands in for DecodeAdmission (handshake, geometry, connection): records what it was given."""
-
-    def __init__(self):
-        self.seen: list[GenerationRequest] = []
-
-    async def admit(self, request: GenerationRequest) -> GenerationRequest:
-        self.seen.append(request)
-        return dataclasses.replace(request, kv_params=None, remote=object())
 
 
 class Legs:

@@ -4,7 +4,6 @@ and only for its own prompt; everything else is a local prefill (counted by reas
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import httpx
 import pytest
@@ -19,7 +18,7 @@ from pdserve.metrics import Metrics
 from pdserve.server.errors import install_error_handlers
 from pdserve.server.kv_routes import PIN_PATH, RELEASE_PATH, create_kv_router
 from pdserve.transfer.fake_transport import FakeFabric
-from tests.pd.pd_pair import FakeClock, PrefillSide
+from tests.pd.pd_pair import FakeClock, InnerAdmission, PrefillSide
 
 pytestmark = pytest.mark.anyio
 
@@ -27,17 +26,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-class InnerAdmission:
-    """Stands in for DecodeAdmission (handshake, geometry, connection): records what it was given."""
-
-    def __init__(self):
-        self.seen: list[GenerationRequest] = []
-
-    async def admit(self, request: GenerationRequest) -> GenerationRequest:
-        self.seen.append(request)
-        return dataclasses.replace(request, kv_params=None, remote=object())
 
 
 class Pair:
