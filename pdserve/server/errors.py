@@ -10,15 +10,18 @@ from __future__ import annotations
 import hmac
 
 import logging
-from typing import Optional
+from typing import Optional, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from pdserve.api.config import LimitsConfig
 from pdserve.api.errors import PdserveError, Unauthorized
+from pdserve.api.http_bounds import read_body
 from pdserve.api.protocol import ErrorInfo, ErrorResponse
 from pdserve.api.validation import invalid_request_from_validation
 from pdserve.metrics import RequestMetrics
@@ -53,6 +56,8 @@ class RequestAbortedByEngine(PdserveError):
 INTERNAL_TOKEN_HEADER = "X-Pdserve-Internal-Token"
 
 
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
 def check_internal_token(request: Request, expected: str | None) -> None:
     """Internal endpoints and kv_transfer_params need the shared token when one is configured."""
     if expected is None:
@@ -60,6 +65,17 @@ def check_internal_token(request: Request, expected: str | None) -> None:
     given = request.headers.get(INTERNAL_TOKEN_HEADER)
     if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
         raise Unauthorized(f"this needs the internal token (header {INTERNAL_TOKEN_HEADER})")
+
+
+async def internal_request_body(request: Request, schema: type[BodyT], limits: LimitsConfig,
+                                internal_token: str | None) -> BodyT:
+    """An internal route's JSON body as `schema`: the token checked first (401), then the body read within
+    `limits` and validated (400 naming the field)."""
+    check_internal_token(request, internal_token)
+    try:
+        return schema.model_validate_json(await read_body(request, limits))
+    except ValidationError as error:
+        raise invalid_request_from_validation(error) from None
 
 
 def error_response_body(

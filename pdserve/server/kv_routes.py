@@ -18,22 +18,19 @@ from typing import Callable, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from pdserve.api.config import LimitsConfig
 from pdserve.api.errors import EngineNotReady
-from pdserve.api.http_bounds import read_body
 from pdserve.api.kv_transfer import (AgentInfo, KVParamsInvalid, KVParamsStale, KVTicketNotDelivered, PinReference,
                                      PinTicket, RemotePrefillParams, TicketAlreadyClaimed, TicketDelivery, TicketNotFound,
                                      parse_kv_transfer_params)
-from pdserve.api.validation import invalid_request_from_validation
 from pdserve.pd.handshake import AGENT_INFO_PATH
 from pdserve.pd.leases import Claim, ClaimOutcome
 from pdserve.pd.ticket_inbox import Delivery
 from pdserve.pd.tickets import PIN_PATH, RELEASE_PATH  # one home for the paths D calls and P serves
 
 TICKET_PATH = "/internal/kv/ticket"  # D's: the proxy delivers P's params (proxy/both_legs.py spells it too)
-from pdserve.server.errors import check_internal_token
+from pdserve.server.errors import check_internal_token, internal_request_body
 
 # A release or a claim names four short ids: read at most this much of its body (413 past it, never the rest).
 _PIN_BODY_LIMITS = LimitsConfig(max_body_bytes=4096)
@@ -59,11 +56,7 @@ def create_kv_router(agent_info: Callable[[], Optional[AgentInfo]], internal_tok
         return info
 
     async def pin_reference(request: Request) -> PinReference:
-        check_internal_token(request, internal_token)
-        try:
-            body = PinReference.model_validate_json(await read_body(request, _PIN_BODY_LIMITS))
-        except ValidationError as error:
-            raise invalid_request_from_validation(error) from None
+        body = await internal_request_body(request, PinReference, _PIN_BODY_LIMITS, internal_token)
         info = ready_agent()
         if (body.remote_engine_id, body.remote_epoch) != (info.engine_id, info.epoch):
             raise KVParamsStale("the KV names another engine or an earlier start of this one: no such pin here")
@@ -97,11 +90,7 @@ def create_kv_router(agent_info: Callable[[], Optional[AgentInfo]], internal_tok
     if deliver is not None:
         @router.post(TICKET_PATH)
         async def deliver_ticket(request: Request) -> Response:
-            check_internal_token(request, internal_token)
-            try:
-                body = TicketDelivery.model_validate_json(await read_body(request, _TICKET_BODY_LIMITS))
-            except ValidationError as error:
-                raise invalid_request_from_validation(error) from None
+            body = await internal_request_body(request, TicketDelivery, _TICKET_BODY_LIMITS, internal_token)
             if body.kv_transfer_params is not None and \
                     not isinstance(parse_kv_transfer_params(body.kv_transfer_params), RemotePrefillParams):
                 raise KVParamsInvalid("kv_transfer_params must name a prefill worker's pin (do_remote_prefill)",

@@ -16,16 +16,13 @@ from typing import Awaitable, Callable, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import ValidationError
 
 from pdserve.api.config import LimitsConfig
 from pdserve.api.errors import EngineNotReady
-from pdserve.api.http_bounds import read_body
 from pdserve.api.kv_transfer import TicketNotFound
 from pdserve.api.peer_pull import MAX_PEER_PIN_TOKENS, PEER_HINT_HEADER, PEER_PIN_PATH, PeerHint, PeerPinRequest, \
     PeerPinTicket, parse_peer_hint
-from pdserve.api.validation import invalid_request_from_validation
-from pdserve.server.errors import INTERNAL_TOKEN_HEADER, check_internal_token
+from pdserve.server.errors import INTERNAL_TOKEN_HEADER, internal_request_body
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +38,7 @@ def create_peer_pin_router(pin: PinPrefix, internal_token: Optional[str]) -> API
 
     @router.post(PEER_PIN_PATH)
     async def peer_pin(request: Request) -> Response:
-        check_internal_token(request, internal_token)
-        try:
-            body = PeerPinRequest.model_validate_json(await read_body(request, _PIN_BODY_LIMITS))
-        except ValidationError as error:
-            raise invalid_request_from_validation(error) from None
+        body = await internal_request_body(request, PeerPinRequest, _PIN_BODY_LIMITS, internal_token)
         pinning = pin(body.token_ids)
         if pinning is None:
             raise EngineNotReady("the engine is not built yet (model loading)")
