@@ -107,8 +107,8 @@ def format_table(results: Sequence[PolicyResult]) -> str:
 def verdict(results: Sequence[PolicyResult]) -> list[str]:
     by_policy = {r.policy: r for r in results}
     kv, baseline = by_policy.get("kv_aware"), by_policy.get(BASELINE)
-    peer = [f"{r.policy} against {r.policy.removesuffix(PEER)}: prompt tokens computed {cell(ratios['computed_tokens'])}x, "
-            f"TTFT p50 {cell(ratios['ttft_p50'])}x, p99 {cell(ratios['ttft_p99'])}x ({r.peer_pulled_tokens:,.0f} "
+    peer = [f"{r.policy} against {r.policy.removesuffix(PEER)}: prompt tokens computed "
+            f"{cell(ratios['computed_tokens'])}x, TTFT p50 {cell(ratios['ttft_p50'])}x, p99 {cell(ratios['ttft_p99'])}x ({r.peer_pulled_tokens:,.0f} "
             f"tokens pulled from peers)" for r in results if (ratios := vs_off_arm(r, results)) is not None]
     if kv is None or baseline is None or not baseline.computed_tokens:
         return [*peer, "kv_aware target not evaluated: needs both kv_aware and round_robin runs"]

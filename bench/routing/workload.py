@@ -79,6 +79,7 @@ def build_conversations(spec: WorkloadSpec) -> list[ConversationSpec]:
         think_times_s = tuple(think_rng.expovariate(1 / spec.think_time_s)
                               if spec.think_distribution == "exponential" and spec.think_time_s else spec.think_time_s
                               for _ in range(num_turns - 1))
-        conversations.append(ConversationSpec(index, prompts[index % len(prompts)], questions, arrival_s, think_times_s))
+        conversations.append(ConversationSpec(index, prompts[index % len(prompts)], questions, arrival_s,
+                                              think_times_s))
         arrival_s += rng.expovariate(spec.conversations_per_s) if spec.conversations_per_s else 0.0
     return conversations
