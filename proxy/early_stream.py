@@ -13,12 +13,14 @@ same nothing, and the proxy *checks* what it strips: each of D's head events mus
 `id`, `created` and logprob values (D's own usage, stop checks and detokenizer state count token 1 as
 always, so `completion_tokens` counts it once). Where D's `id`/`created` differ from P's (another
 second, an id suffixed on one worker), the rest of D's events get P's, event by event, so the client
-sees one identity. Invariants, once P's events went out (the request is then committed: no prefill
-retry may follow, since another P could sample another token 1):
+sees one identity. Once P's events went out, the forwarder's retries stay as they were (a prefill
+again on another P, another decode worker): the check is what keeps the client's stream whole, since a
+retried P may sample another token 1 (sampled, not seeded) and a D that recomputes after a failed pull
+draws its own:
 
-    D's head events differ (e.g. D recomputed a sampled token 1)   -> error event, stream ends (mismatch)
-    the decode leg fails, or D's stream breaks                      -> error event, stream ends
-    the client leaves                                               -> the legs are cancelled, D's closed
+    D's head events differ (another token 1)                   -> error event, stream ends (mismatch)
+    the decode leg fails for good, or D's stream breaks        -> error event, stream ends (decode_failed)
+    the client leaves                                          -> the legs are cancelled, D's closed
 """
 
 from __future__ import annotations
@@ -53,11 +55,6 @@ class EarlyFirstToken:
     def __init__(self) -> None:
         self.ready: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.declined = False  # a prefill leg answered without events: D streams token 1
-
-    @property
-    def committed(self) -> bool:
-        """P's events will reach the client: the request may no longer start over on another P."""
-        return self.ready.done()
 
     def offer(self, events: Optional[bytes]) -> None:
         if self.ready.done():

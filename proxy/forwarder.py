@@ -18,6 +18,9 @@ What a process death costs (nothing, where nothing had reached the client):
            old one, whose pages P may since have reused) and another decode worker, once
     the decode worker dies mid-stream
         -> the stream ends with an error event (proxy/relay.py): bytes already left
+    the decode leg fails after P's token 1 went to the client (proxy/early_stream.py)
+        -> the same retries as above; the stream that answers must begin with that token 1 (checked:
+           a sampled, unseeded token 1 drawn again may differ), else it ends with an error event
 """
 
 from __future__ import annotations
@@ -264,8 +267,6 @@ class Forwarder:
         try:
             return await self._disaggregated(request, decode, timing, (), first_prefill)
         except DecodeLost as lost:
-            if self._committed(timing):
-                raise lost.error from None
             logger.warning("request %s: decode worker %s dropped it before answering; prefilling again for "
                            "another one", request.request_id, lost.url)
             self._metrics.retries.labels(Role.DECODE.value, _DECODE_LOST).inc()
@@ -298,8 +299,6 @@ class Forwarder:
             except KVRetry as retry:
                 exc = retry
         timing.wasted_s += time.perf_counter() - decode_started_s
-        if self._committed(timing):  # token 1 went out: another P could sample another one
-            raise PassThrough(exc.answer)
         logger.warning("request %s: decode answered %s for KV from %s; prefilling again",
                        request.request_id, exc.reason, prefill.url)
         if exc.reason == "kv_pull_failed":
@@ -466,10 +465,6 @@ class Forwarder:
         and without a prediction it takes none: D's rate then defaults to P's."""
         route = request.kv_route
         return route.predicted.get(backend.url) if route is not None else None
-
-    @staticmethod
-    def _committed(timing: RequestTiming) -> bool:
-        return timing.early is not None and timing.early.committed
 
     def _respond_early(self, request: ClientRequest, legs: "asyncio.Task[OpenLeg]",
                        timing: RequestTiming) -> EarlyStreamResponse:

@@ -1,6 +1,6 @@
 """The early first token (proxy/early_stream.py): P's token-1 events reach the client before D answers,
 D's same events are taken off its stream (checked), and a failure after token 1 ends the stream with
-an error event, never a silent end nor a second prefill."""
+an error event, never silently nor with a stream that begins with another token 1."""
 
 from __future__ import annotations
 
@@ -127,23 +127,47 @@ def test_d_beginning_otherwise_ends_the_stream_with_an_error_event(cluster):
         proxy.__exit__(None, None, None)
 
 
-@pytest.mark.parametrize("failure", ["worker_error", "kv_pull_failed"])
-def test_a_decode_failure_after_token_1_ends_the_stream_with_an_error_event_and_no_second_prefill(cluster, failure):
+def test_a_decode_failure_after_token_1_ends_the_stream_with_an_error_event(cluster):
     workers, urls = cluster
     workers["p0"].first_events = P0_FIRST
-    if failure == "worker_error":
-        workers["d0"].fail_status = 500
-    else:
-        workers["d0"].num_kv_failures = 1  # today: prefill again and retry; with token 1 sent, another P
-        # could sample another token 1
+    workers["d0"].fail_status = 500  # D's own answer about the request: not retried, as without the early token
     proxy = start_proxy([urls["p0"]], [urls["d0"]], concurrent_legs=False)
     try:
         with httpx.stream("POST", proxy.url + "/v1/completions", json=STREAMED, timeout=10) as response:
-            assert response.status_code == 200
+            assert response.status_code == 200  # it went out with token 1
             lines = [line for line in response.iter_lines() if line]
         assert texts(lines) == ["p0-0"]
         _error_ended(lines)
-        assert len(workers["p0"].calls) == 1
         assert proxy.metric("pdserve_proxy_early_first_token_total", outcome="decode_failed") == 1
+    finally:
+        proxy.__exit__(None, None, None)
+
+
+def first_event_of(engine: str) -> str:
+    """The stub decode worker's first event for a pin of `engine`."""
+    return P0_FIRST.replace("p0-0", f"{engine}-0")
+
+
+@pytest.mark.parametrize("same_token", [True, False], ids=["greedy_or_seeded", "sampled_again"])
+def test_after_token_1_a_kv_retry_prefills_again_and_its_stream_must_begin_with_that_token(cluster, same_token):
+    workers, urls = cluster
+    # D cannot read the first P's KV: leg 1 again on the other P, whose pin D then reads and whose name
+    # the stub D streams ("<P>-i"). Each P's events name the token the retried stream will begin with
+    # (a greedy or seeded token 1, drawn again alike), or their own (a sampled one, drawn otherwise).
+    workers["p0"].first_events = first_event_of("p0" if not same_token else "p1")
+    workers["p1"].first_events = first_event_of("p1" if not same_token else "p0")
+    workers["d0"].num_kv_failures = 1
+    proxy = start_proxy([urls["p0"], urls["p1"]], [urls["d0"]], concurrent_legs=False)
+    try:
+        with httpx.stream("POST", proxy.url + "/v1/completions", json=STREAMED, timeout=10) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert len(workers["p0"].calls) == len(workers["p1"].calls) == 1  # prefilled again, as without it
+        second = workers["d0"].calls[-1].body["kv_transfer_params"]["remote_engine_id"]  # the retry's P
+        assert len(workers["d0"].calls) == 2 and second in ("p0", "p1")
+        if same_token:
+            assert texts(lines) == [f"{second}-0", f"{second}-1", f"{second}-2"] and lines[-1] == "data: [DONE]"
+        else:
+            assert len(texts(lines)) == 1 and "differs" in _error_ended(lines)
+            assert proxy.metric("pdserve_proxy_early_first_token_total", outcome="mismatch") == 1
     finally:
         proxy.__exit__(None, None, None)
