@@ -49,18 +49,23 @@ class FirstEventsMismatch(Exception):
     """D's stream did not begin with the events the client already has."""
 
 
+# Why P gave no events (pdserve/server/first_events.py), as the metric's `reason` label; an answer that
+# names none or another (an older P that ignores the ask) counts as "unnamed": the label set stays fixed.
+SKIP_REASONS = frozenset({"n_choices", "echo", "grammar", "ends_at_one", "held_back"})
+
+
 class EarlyFirstToken:
     """One request's channel from its prefill leg to the response: P's events, offered at most once."""
 
     def __init__(self) -> None:
         self.ready: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self.declined = False  # a prefill leg answered without events: D streams token 1
+        self.declined: Optional[str] = None  # a prefill leg answered without events (why): D streams token 1
 
-    def offer(self, events: Optional[bytes]) -> None:
+    def offer(self, events: Optional[bytes], skipped: Optional[str] = None) -> None:
         if self.ready.done():
             return
         if events is None:
-            self.declined = True
+            self.declined = skipped if skipped in SKIP_REASONS else "unnamed"
         else:
             self.ready.set_result(events)
 

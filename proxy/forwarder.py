@@ -248,8 +248,8 @@ class Forwarder:
             raise
         if early.ready.done():
             return legs
-        if early.declined:
-            self._metrics.early_first_token.labels("not_offered").inc()
+        if early.declined is not None:
+            self._metrics.early_first_token.labels("not_offered", early.declined).inc()
         return legs.result()
 
     async def _run_legs(self, request: ClientRequest, facts: RouteRequest, timing: RequestTiming) -> OpenLeg:
@@ -359,7 +359,7 @@ class Forwarder:
                 if self._kv is not None:
                     self._kv.observe(Role.PREFILL, request, backend, answer.num_cached_tokens)
                 if timing.early is not None:
-                    timing.early.offer(answer.first_events)
+                    timing.early.offer(answer.first_events, answer.first_events_skipped)
                 return backend, answer.kv_transfer_params
         finally:
             timing.prefill_s += time.perf_counter() - started_s
@@ -469,7 +469,7 @@ class Forwarder:
     def _respond_early(self, request: ClientRequest, legs: "asyncio.Task[OpenLeg]",
                        timing: RequestTiming) -> EarlyStreamResponse:
         """P's token-1 events go out now; D's stream follows once `legs` opened it."""
-        self._metrics.early_first_token.labels("sent").inc()
+        self._metrics.early_first_token.labels("sent", "").inc()
         handoff = timing.handoff
         handoff.decode_sent_s = handoff.decode_first_byte_s = handoff.prefill_answered_s  # token 1's source: P
 
@@ -489,7 +489,7 @@ class Forwarder:
                                   stream.mean_gap_s, request.client_key)
 
         return EarlyStreamResponse(timing.early.ready.result(), legs, {REQUEST_ID_HEADER: request.request_id},
-                                   lambda outcome: self._metrics.early_first_token.labels(outcome).inc(),
+                                   lambda outcome: self._metrics.early_first_token.labels(outcome, "").inc(),
                                    on_first_written, on_leg, on_complete, self._config.timeouts.client_send_s)
 
     def _respond(self, request: ClientRequest, leg: OpenLeg, timing: RequestTiming) -> Response:

@@ -9,7 +9,8 @@ writes them to the client at once and strips the same events from the head of D'
 Invariant: the events are exactly what a *continuing* stream sends for token 1 (this worker's own
 `ResponseFormat`, fed the text `continuing_first_text` gives: an incomplete UTF-8 sequence or a
 possible start of a stop string held back), or there are none. None whenever token 1 could look
-different in D's stream, each such case named (the proxy counts `not_offered`):
+different in D's stream, each such case named (P's answer says which, and the proxy counts it in
+`pdserve_proxy_early_first_token_total{outcome="not_offered", reason}`):
 
     n_choices      more than one choice (n > 1, a batch of prompts): their events interleave
     echo           completions' echo and prompt logprobs travel with the first chunk
@@ -33,6 +34,7 @@ from pdserve.server.generation import GenerationResult
 logger = logging.getLogger(__name__)
 
 FIRST_EVENTS_FIELD = "first_events"  # in P's answer's kv_transfer_params: the events as one string
+FIRST_EVENTS_SKIPPED_FIELD = "first_events_skipped"  # instead: why there are none (a name listed above)
 
 
 def wants_first_events(request: GenerationRequest) -> bool:
@@ -42,14 +44,15 @@ def wants_first_events(request: GenerationRequest) -> bool:
 
 def first_events(response_format: ResponseFormat, requests: Sequence[GenerationRequest],
                  results: Sequence[GenerationResult], tokenizer: Any, max_model_len: int,
-                 *, num_choices: int, constrained: bool) -> Optional[str]:
-    """Token 1's stream events for P's single-choice answer, or None (see the module's list).
+                 *, num_choices: int, constrained: bool) -> tuple[Optional[str], Optional[str]]:
+    """Token 1's stream events for P's single-choice answer and None, or None and why not (the
+    module's list: the proxy counts the reason).
     `num_choices`: the client's n (P's own leg computes one choice whatever n is); `constrained`: the
     request names an output constraint (P's leg samples without it: pdserve/server/preprocess.py)."""
     why = _ineligible(response_format, requests, results, max_model_len, num_choices, constrained)
     if why is not None:
         logger.debug("request %s: no early first events (%s)", requests[0].request_id, why)
-        return None
+        return None, why
     request, result = requests[0], results[0]
     token_id = result.token_ids[0]
     text = continuing_first_text(tokenizer, token_id, request.sampling.stop)
@@ -59,9 +62,9 @@ def first_events(response_format: ResponseFormat, requests: Sequence[GenerationR
     token_chunks = response_format.output_chunks(0, output)
     if not token_chunks:
         logger.debug("request %s: no early first events (held_back)", request.request_id)
-        return None
+        return None, "held_back"
     chunks = [*response_format.opening_chunks(), *token_chunks]
-    return "".join("data: " + chunk.model_dump_json() + "\n\n" for chunk in chunks)
+    return "".join("data: " + chunk.model_dump_json() + "\n\n" for chunk in chunks), None
 
 
 def _ineligible(response_format: ResponseFormat, requests: Sequence[GenerationRequest],

@@ -275,7 +275,7 @@ def test_p_first_token_reaches_the_client_before_d_can_pull_and_the_stream_equal
     body = {"model": MODEL, "temperature": 0, "stream": True, **fields}
     with httpx.stream("POST", up.url("decode") + path, json=body, timeout=120) as alone:
         expected = stream_payloads(alone.iter_lines())
-    sent = labelled_metric(up, "proxy", "pdserve_proxy_early_first_token_total", 'outcome="sent"')
+    sent = labelled_metric(up, "proxy", "pdserve_proxy_early_first_token_total", 'outcome="sent",reason=""')
     from_prefill = decode_metric(up, "pdserve_pd_first_token_from_prefill_total")
     decode_pid = up.child_pids()["decode"]
     os.kill(decode_pid, signal.SIGSTOP)
@@ -298,8 +298,19 @@ def test_p_first_token_reaches_the_client_before_d_can_pull_and_the_stream_equal
             os.kill(decode_pid, signal.SIGCONT)
     assert [without_identity(p) for p in got] == [without_identity(p) for p in expected]
     assert len({(p["id"], p["created"]) for p in got}) == 1  # one identity, P's events and D's alike
-    assert labelled_metric(up, "proxy", "pdserve_proxy_early_first_token_total", 'outcome="sent"') == sent + 1
+    assert labelled_metric(up, "proxy", "pdserve_proxy_early_first_token_total", 'outcome="sent",reason=""') == sent + 1
     assert decode_metric(up, "pdserve_pd_first_token_from_prefill_total") == from_prefill + 1  # D pulled P's pin
+
+
+def test_a_stream_that_ends_at_token_1_is_left_to_d_and_p_says_why(up):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}
+    with httpx.stream("POST", up.url("decode") + "/v1/completions", json=body, timeout=120) as alone:
+        expected = [without_identity(p) for p in stream_payloads(alone.iter_lines())]
+    label = 'outcome="not_offered",reason="ends_at_one"'
+    before = labelled_metric(up, "proxy", "pdserve_proxy_early_first_token_total", label)
+    with httpx.stream("POST", up.url("proxy") + "/v1/completions", json=body, timeout=120) as response:
+        assert [without_identity(p) for p in stream_payloads(response.iter_lines())] == expected
+    assert labelled_metric(up, "proxy", "pdserve_proxy_early_first_token_total", label) == before + 1
 
 
 HOSTILE_FIELDS = {  # each took a worker (500) or the proxy (500) down a path, and three opened the breaker

@@ -86,7 +86,7 @@ def test_client_gets_p_token_1_while_d_is_held_and_d_stream_follows_without_it(c
         assert texts([head]) == ["p0-0"] and texts(rest) == ["p0-1", "p0-2"] and rest[-1] == "data: [DONE]"
         assert workers["p0"].calls[0].body["kv_transfer_params"]["want_first_events"] is True
         assert "first_events" not in workers["d0"].calls[0].body["kv_transfer_params"]  # for the client only
-        assert proxy.metric("pdserve_proxy_early_first_token_total", outcome="sent") == 1
+        assert proxy.metric("pdserve_proxy_early_first_token_total", outcome="sent", reason="") == 1
         assert proxy.metric("pdserve_proxy_ttft_seconds_count", mode="disaggregated") == 1
     finally:
         proxy.__exit__(None, None, None)
@@ -103,7 +103,8 @@ def test_without_p_events_the_stream_is_d_bytes_unchanged(cluster, early_on, off
         assert texts(lines) == ["p0-0", "p0-1", "p0-2"]
         asked = workers["p0"].calls[0].body["kv_transfer_params"].get("want_first_events", False)
         assert asked is early_on
-        assert proxy.metric("pdserve_proxy_early_first_token_total", outcome="not_offered") == (1 if early_on else 0)
+        assert proxy.metric("pdserve_proxy_early_first_token_total", outcome="not_offered",
+                            reason="unnamed") == (1 if early_on else 0)  # the stub P names no reason
     finally:
         proxy.__exit__(None, None, None)
 
@@ -122,7 +123,7 @@ def test_d_beginning_otherwise_ends_the_stream_with_an_error_event(cluster):
             lines = [line for line in response.iter_lines() if line]
         assert texts(lines) == ["another token"]
         assert "differs" in _error_ended(lines)
-        assert proxy.metric("pdserve_proxy_early_first_token_total", outcome="mismatch") == 1
+        assert proxy.metric("pdserve_proxy_early_first_token_total", outcome="mismatch", reason="") == 1
     finally:
         proxy.__exit__(None, None, None)
 
@@ -138,7 +139,7 @@ def test_a_decode_failure_after_token_1_ends_the_stream_with_an_error_event(clus
             lines = [line for line in response.iter_lines() if line]
         assert texts(lines) == ["p0-0"]
         _error_ended(lines)
-        assert proxy.metric("pdserve_proxy_early_first_token_total", outcome="decode_failed") == 1
+        assert proxy.metric("pdserve_proxy_early_first_token_total", outcome="decode_failed", reason="") == 1
     finally:
         proxy.__exit__(None, None, None)
 
@@ -168,6 +169,6 @@ def test_after_token_1_a_kv_retry_prefills_again_and_its_stream_must_begin_with_
             assert texts(lines) == [f"{second}-0", f"{second}-1", f"{second}-2"] and lines[-1] == "data: [DONE]"
         else:
             assert len(texts(lines)) == 1 and "differs" in _error_ended(lines)
-            assert proxy.metric("pdserve_proxy_early_first_token_total", outcome="mismatch") == 1
+            assert proxy.metric("pdserve_proxy_early_first_token_total", outcome="mismatch", reason="") == 1
     finally:
         proxy.__exit__(None, None, None)

@@ -57,7 +57,14 @@ def events_of(text: Optional[str]) -> list[dict]:
 
 def build(fmt, req: GenerationRequest, res: GenerationResult, num_choices: int = 1,
           constrained: bool = False) -> Optional[str]:
-    return first_events(fmt, [req], [res], TOKENIZER, 4096, num_choices=num_choices, constrained=constrained)
+    events, skipped = first_events(fmt, [req], [res], TOKENIZER, 4096, num_choices=num_choices,
+                                   constrained=constrained)
+    assert (events is None) != (skipped is None)
+    return events
+
+
+def skipped(fmt, req: GenerationRequest, res: GenerationResult, **kwargs) -> Optional[str]:
+    return first_events(fmt, [req], [res], TOKENIZER, 4096, **{"num_choices": 1, "constrained": False, **kwargs})[1]
 
 
 def test_the_text_is_what_a_continuing_stream_emits_with_a_stop_string_start_held_back():
@@ -91,15 +98,15 @@ def test_chat_events_are_the_role_chunk_then_token_1():
     assert {e["id"] for e in events} == {"chatcmpl-req-1"}
 
 
-def test_none_where_d_could_begin_otherwise():
+def test_none_where_d_could_begin_otherwise_and_p_names_why():
     fmt = completion_format
-    assert build(fmt(), request(), result(3)) is None  # held back: nothing to show yet
-    assert build(fmt(), request(), result(1), num_choices=2) is None
-    assert build(fmt(), request(), result(1), constrained=True) is None
-    assert build(fmt(echo=True, prompt_texts=("p",), prompts=(PROMPT,)), request(), result(1)) is None
-    assert build(fmt(), request(), result(1, FinishReason.STOP)) is None  # EOS, stop token or string at token 1
-    assert build(fmt(), request(decode_max_tokens=1), result(1)) is None  # the client's max_tokens is 1
-    assert build(fmt(), request(prompt_logprobs=1), result(1)) is None
+    assert skipped(fmt(), request(), result(3)) == "held_back"  # nothing to show yet
+    assert skipped(fmt(), request(), result(1), num_choices=2) == "n_choices"
+    assert skipped(fmt(), request(), result(1), constrained=True) == "grammar"
+    assert skipped(fmt(echo=True, prompt_texts=("p",), prompts=(PROMPT,)), request(), result(1)) == "echo"
+    assert skipped(fmt(), request(), result(1, FinishReason.STOP)) == "ends_at_one"  # EOS, stop token or string
+    assert skipped(fmt(), request(decode_max_tokens=1), result(1)) == "ends_at_one"  # the client's max_tokens 1
+    assert skipped(fmt(), request(prompt_logprobs=1), result(1)) == "echo"
     assert build(fmt(), request(), result(1)) is not None
 
 
