@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -16,6 +17,13 @@ from tests.proxy.forwarder_fixtures import BODY, cluster, start_proxy, stubs  # 
 STREAMED = {**BODY, "stream": True}
 # The stub decode worker's first event for a pin of p0 (tests/proxy/proxy_stubs.py `_events`).
 P0_FIRST = 'data: {"choices": [{"index": 0, "text": "p0-0", "finish_reason": null}]}\n\n'
+
+
+def wait_until(predicate, timeout_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not predicate():
+        time.sleep(0.02)
+    return predicate()
 
 
 def texts(lines: list[str]) -> list[str]:
@@ -170,5 +178,27 @@ def test_after_token_1_a_kv_retry_prefills_again_and_its_stream_must_begin_with_
         else:
             assert len(texts(lines)) == 1 and "differs" in _error_ended(lines)
             assert proxy.metric("pdserve_proxy_early_first_token_total", outcome="mismatch", reason="") == 1
+    finally:
+        proxy.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("when", ["before_d_answers", "mid_stream"])
+def test_a_client_gone_after_token_1_cancels_the_decode_leg(cluster, when):
+    workers, urls = cluster
+    workers["p0"].first_events = P0_FIRST
+    workers["d0"].num_chunks, workers["d0"].chunk_delay_s = 50, 0.05
+    if when == "before_d_answers":
+        workers["d0"].delay_s = 30  # D answers nothing before the client leaves (it notices the hang-up)
+    proxy = start_proxy([urls["p0"]], [urls["d0"]], concurrent_legs=False)
+    try:
+        with httpx.stream("POST", proxy.url + "/v1/completions", json=STREAMED, timeout=10,
+                          headers={"X-Request-Id": "gone-early"}) as response:
+            lines = response.iter_lines()
+            assert texts([next(line for line in lines if line)]) == ["p0-0"]  # P's token 1
+            if when == "mid_stream":
+                assert texts([next(line for line in lines if line)]) == ["p0-1"]  # D's stream, token 1 stripped
+        assert wait_until(lambda: workers["d0"].disconnects == ["gone-early"])  # D aborts what nobody reads
+        decode = proxy.components.decode_pool.get(urls["d0"])
+        assert wait_until(lambda: decode.num_in_flight == 0)
     finally:
         proxy.__exit__(None, None, None)
