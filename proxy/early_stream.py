@@ -4,8 +4,8 @@ P builds token 1's stream events itself (pdserve/server/first_events.py: chat's 
 chunk, exactly what a colocated worker streams first) when the prefill leg asks. The proxy writes them
 to the client at once, then relays D's stream with the same events taken off its head:
 
-    client ◀── P's events (role, token 1) ◀── proxy ◀── P answers {kv_transfer_params + first_events}
-    client ◀── D's stream, less its first events ◀───── proxy ◀── D: pull, token 1 (stripped), token 2, ...
+    client ◀── P's events (role, token 1) ◀── proxy ◀── P's answer {kv_transfer_params, first_events}
+    client ◀── D's stream less its head ◀────── proxy ◀── D: pull, token 1 (stripped), token 2, ...
 
 Why the proxy strips rather than D suppressing: D stays exactly as it is (vLLM's two-leg proxy and the
 llm-d sidecar see a worker that emits token 1, the default), concurrent and sequential legs need the
