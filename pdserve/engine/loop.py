@@ -14,6 +14,7 @@ can say so on /live and exit.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -77,6 +78,11 @@ class EngineLoop:
 
     def abort_all(self) -> None:
         self.inbox.put(Abort(None))
+
+    def deliver_ticket(self, key: str, admitted: GenerationRequest) -> None:
+        """D: what admission made of P's ticket for the request submitted with `awaited_ticket` == `key`
+        (its blocks reserved meanwhile); the engine thread starts its pull at its next iteration."""
+        self.inbox.call_soon(functools.partial(self._take_ticket, key, admitted))
 
     def call_soon(self, function: Callable[[], None]) -> None:
         """Run `function` on the engine thread at its next iteration (it must not block)."""
@@ -180,9 +186,20 @@ class EngineLoop:
             remote=generation.remote,
             pd_recomputed=generation.pd_recomputed,
             first_token=generation.first_token if generation.remote is not None else None,
+            awaited_ticket=generation.awaited_ticket,
         )
         self.emitter.register(request.request_id, command.sink)
         self.scheduler.add_request(request)
+
+    def _take_ticket(self, key: str, admitted: GenerationRequest) -> None:
+        first_token = admitted.first_token if admitted.remote is not None else None
+        if self.scheduler.take_ticket(admitted.request_id, key, admitted.remote, first_token, admitted.pd_recomputed):
+            self._emit_first_tokens()  # a prompt all cached here needs no pull: P's token goes out now
+        elif admitted.remote is not None:  # the request ended while P computed: P may free its pin now
+            orphan = Request(admitted.request_id, list(admitted.prompt_token_ids), admitted.sampling,
+                             self.eos_token_ids, time.monotonic(), remote=admitted.remote)
+            self.scheduler.connector.request_added(orphan)
+            self.scheduler.connector.request_finished(orphan, FinishReason.ABORT, ())
 
     def _poll_connector(self) -> None:
         try:
