@@ -228,6 +228,13 @@ def reserve(d: DecodeSide, request_id: str = "d-req", num_prompt: int = 30) -> R
     return request
 
 
+def d_admit_s(d: DecodeSide) -> tuple[float, float]:
+    """Samples and seconds of D's handoff component d_admit (verified source to READ start)."""
+    [histogram] = [metric for metric in d.metrics.transfer.handoff_s.collect()]
+    samples = {sample.name: sample.value for sample in histogram.samples if sample.labels.get("component") == "d_admit"}
+    return samples.get("pdserve_pd_handoff_seconds_count", 0), samples.get("pdserve_pd_handoff_seconds_sum", 0.0)
+
+
 def blocks_a_sequential_leg_allocates(clock, num_prompt: int) -> int:
     """What a decode leg admitted after its ticket holds, on a fresh P/D pair: the reference."""
     fabric = FakeFabric()
@@ -252,6 +259,7 @@ def test_d_reserves_its_blocks_while_p_computes_and_pulls_the_moment_the_ticket_
     first = FirstToken(token_id=5)
     assert d.scheduler.take_ticket("d-req", KEY, source_for(p, params, clock()), first, False)
     assert d.connector.num_loading == 1  # the READ started at the delivery, not at a later schedule()
+    assert d_admit_s(d) == (1, 0.0)  # nothing left between the verified source and the READ
     d.tick()  # landed
     [(seeded, token)] = d.scheduler.take_first_tokens()
     assert seeded is request and token.token_id == 5 and request.output_token_ids == [5]
@@ -325,9 +333,11 @@ def test_a_ticket_for_a_leg_still_queued_is_kept_and_the_leg_pulls_once_admitted
     params = p.prefill("r1", 30)
     assert d.scheduler.take_ticket("d-req", KEY, source_for(p, params, clock()), None, False)
     assert request.status is RequestStatus.WAITING and d.connector.num_loading == 0
+    clock.advance(0.25)  # it waits in D's queue with its ticket
     d.scheduler.finish("first", FinishReason.ABORT)
     d.scheduler.schedule()  # admitted as any decode leg with its source: the READ starts
     assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV and d.connector.num_loading == 1
+    assert d_admit_s(d) == (1, 0.25)  # the queue after the ticket, as the handoff component d_admit
     d.tick()
     [chunk] = d.scheduler.schedule().chunks
     assert (chunk.start_position, chunk.num_tokens) == (29, 1)  # no first token: D computes the last one
