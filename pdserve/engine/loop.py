@@ -242,7 +242,7 @@ class EngineLoop:
         started = time.monotonic()
         queues = self._queue_sizes()
         if self.core_share is not None:
-            self.core_share.before_step(any(queues))
+            self.core_share.before_step(any(queues[:3]))
         scheduled = self.scheduler.schedule()
         self._emit_first_tokens()  # landed inside schedule() (tier reads) or started with nothing to pull
         result = self._execute(scheduled)
@@ -262,7 +262,7 @@ class EngineLoop:
         self.stats.record_step(self.scheduler, scheduled, now - started)
         after = self._queue_sizes()
         if self.core_share is not None:  # the step that ended this worker's work says so at once
-            self.core_share.publish(any(after))
+            self.core_share.publish(any(after[:3]))
         if self.check_invariants:
             self.scheduler.check_invariants()
         return bool(scheduled.chunks or scheduled.preempted_request_ids) or after != queues
@@ -276,9 +276,13 @@ class EngineLoop:
                 self._finish(token.request_id, FinishReason.ERROR, RequestFailed(reason))
         return [token for token in sampled if not token.failed]
 
-    def _queue_sizes(self) -> tuple[int, int, int]:
+    def _queue_sizes(self) -> tuple[int, int, int, int]:
+        """Waiting, loading, running, and reserved awaiting P's ticket: the first three are work for the
+        cores (--core-ledger); a reservation is not, or D would narrow P while P computes its prompt."""
         scheduler = self.scheduler
-        return scheduler.num_waiting, scheduler.num_waiting_for_kv, scheduler.num_running
+        num_awaiting = scheduler.num_awaiting_ticket
+        return (scheduler.num_waiting, scheduler.num_waiting_for_kv - num_awaiting, scheduler.num_running,
+                num_awaiting)
 
     def _execute(self, scheduled: SchedulerOutput) -> Optional[StepResult]:
         """The step's result; None if it was abandoned (`StepCancelled`)."""

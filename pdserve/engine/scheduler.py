@@ -12,10 +12,10 @@ KV manager reports the load (`poll_offload`). A decode worker's P/D request
 may wait for both at once, its prefix from its own tier and the rest from
 the prefill worker: it runs when both landed; if either failed it recomputes
 (or fails, if the pull said so) once neither writes its blocks any more. A
-decode leg sent beside its prefill leg is admitted before P's ticket exists:
-it holds its prompt's blocks in the same loading state, awaiting the ticket,
-and its pull starts the moment the ticket is delivered (`take_ticket`). A
-fault while handling one request fails that request only. Torch-free.
+decode leg sent beside its prefill leg holds its prompt's blocks in the same
+loading state while P computes; its pull starts the moment its ticket is
+delivered (`take_ticket`). A fault while handling one request fails that
+request only. Torch-free.
 """
 
 from __future__ import annotations
@@ -95,6 +95,11 @@ class Scheduler:
     @property
     def num_waiting_for_kv(self) -> int:
         return len(self.loading)
+
+    @property
+    def num_awaiting_ticket(self) -> int:
+        """D: loading requests that hold their blocks for a ticket P has not sent yet (no pull yet)."""
+        return sum(1 for load in self.loading.values() if load.awaiting_ticket)
 
     def has_offload_loads(self) -> bool:
         """Whether prefix pages are loading from the offload tier (the loop polls, not sleeps)."""
@@ -205,10 +210,9 @@ class Scheduler:
 
     def take_ticket(self, request_id: str, key: str, remote: Optional[RemoteSource],
                     first_token: Optional[FirstToken], pd_recomputed: bool) -> bool:
-        """D: the ticket of a request admitted before it (`awaited_ticket` == `key`): what admission made of
-        P's params. A reserved request pulls into its blocks at once; a queued one is admitted as any
-        decode request. `remote` None (admission chose to compute the prompt here) or a peer pull: the
-        request recomputes like a failed pull. False when no request awaits it (ended meanwhile)."""
+        """D: what admission made of P's ticket for the request with `awaited_ticket` == `key`. A reserved
+        request pulls into its blocks at once, a queued one is admitted as any decode request; without a
+        P/D source it recomputes like a failed pull. False when no request awaits it (ended meanwhile)."""
         request = self.requests.get(request_id)
         if request is None or request.awaited_ticket != key:
             return False
@@ -226,8 +230,7 @@ class Scheduler:
             return True
         admission = self.connector.plan_admission(request)
         if admission.kind is not AdmissionKind.REMOTE:
-            request.pd_recomputed = admission.kind is AdmissionKind.LOCAL
-            request.remote = None
+            request.pd_recomputed, request.remote = admission.kind is AdmissionKind.LOCAL, None
             error = admission.error or EngineFailure("the prompt's KV cannot be used")
             self._load_part_ended(load, True, error if admission.kind is AdmissionKind.FAIL else None)
             return True

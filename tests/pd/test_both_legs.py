@@ -20,6 +20,7 @@ from pdserve.api.sampling import FinishReason, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.request_ids import RequestIdRegistry
+from pdserve.engine.schedule_types import StepResult
 from pdserve.metrics import Metrics
 from pdserve.pd.ticket_inbox import Delivery, TicketInbox
 from pdserve.pd.tickets import TicketAdmission, TicketClient
@@ -460,3 +461,42 @@ def test_a_ticket_for_a_leg_that_ended_meanwhile_frees_ps_pin_at_once(p, d, cloc
     loop._take_ticket(KEY, admitted)  # what deliver_ticket runs on the engine thread
     p.tick()
     assert p.connector.num_pinned_blocks == 0 and not d.connector.has_pending()
+
+
+class IdleRunner:
+    """A runner for steps that compute nothing (a reservation's)."""
+
+    cancellable = False
+    replays_failed_steps = False
+
+    def execute(self, scheduled):  # noqa: ANN001
+        assert not scheduled.chunks
+        return StepResult()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class RecordingShare:
+    """The core ledger as D's loop writes it (engine/core_share.py): busy or not, per write."""
+
+    def __init__(self):
+        self.published: list[bool] = []
+
+    def before_step(self, busy: bool) -> None:
+        self.published.append(busy)
+
+    def publish(self, busy: bool) -> None:
+        self.published.append(busy)
+
+
+def test_a_reservation_is_no_work_for_the_cores_so_p_keeps_them_while_it_computes(p, d, clock):
+    share = RecordingShare()
+    stats = type("Stats", (), {"record_step": lambda *args: None})()
+    loop = EngineLoop(d.scheduler, IdleRunner(), None, (0,), stats, core_share=share)
+    reserve(d)
+    assert loop.step()  # the reservation was made: progress
+    assert d.scheduler.num_waiting_for_kv == 1 and share.published[-1] is False  # D says idle: P goes wide
+    params = p.prefill("r1", 30)
+    loop._take_ticket(KEY, GenerationRequest("d-req", PROMPT, SamplingParams(), remote=source_for(p, params, clock())))
+    assert loop._queue_sizes() == (0, 1, 0, 0)  # the pull is work again
