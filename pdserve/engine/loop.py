@@ -193,13 +193,19 @@ class EngineLoop:
 
     def _take_ticket(self, key: str, admitted: GenerationRequest) -> None:
         first_token = admitted.first_token if admitted.remote is not None else None
-        if self.scheduler.take_ticket(admitted.request_id, key, admitted.remote, first_token, admitted.pd_recomputed):
-            self._emit_first_tokens()  # a prompt all cached here needs no pull: P's token goes out now
-        elif admitted.remote is not None:  # the request ended while P computed: P may free its pin now
-            orphan = Request(admitted.request_id, list(admitted.prompt_token_ids), admitted.sampling,
-                             self.eos_token_ids, time.monotonic(), remote=admitted.remote)
-            self.scheduler.connector.request_added(orphan)
-            self.scheduler.connector.request_finished(orphan, FinishReason.ABORT, ())
+        try:
+            if self.scheduler.take_ticket(admitted.request_id, key, admitted.remote, first_token,
+                                          admitted.pd_recomputed):
+                self._emit_first_tokens()  # a prompt all cached here needs no pull: P's token goes out now
+            elif admitted.remote is not None:  # the request ended while P computed: P may free its pin now
+                orphan = Request(admitted.request_id, list(admitted.prompt_token_ids), admitted.sampling,
+                                 self.eos_token_ids, time.monotonic(), remote=admitted.remote)
+                self.scheduler.connector.request_added(orphan)
+                self.scheduler.connector.request_finished(orphan, FinishReason.ABORT, ())
+        except Exception:  # a fault while starting one request's pull fails that request only
+            logger.exception("request %s: taking its ticket failed", admitted.request_id)
+            self._finish(admitted.request_id, FinishReason.ERROR,
+                         RequestFailed("internal error while starting the request's KV pull"))
 
     def _poll_connector(self) -> None:
         try:

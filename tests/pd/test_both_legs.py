@@ -500,3 +500,19 @@ def test_a_reservation_is_no_work_for_the_cores_so_p_keeps_them_while_it_compute
     params = p.prefill("r1", 30)
     loop._take_ticket(KEY, GenerationRequest("d-req", PROMPT, SamplingParams(), remote=source_for(p, params, clock())))
     assert loop._queue_sizes() == (0, 1, 0, 0)  # the pull is work again
+
+
+def test_a_fault_while_taking_a_ticket_fails_that_request_only_and_frees_its_blocks(p, d, clock, monkeypatch):
+    free_before = d.kv.num_free_blocks
+    failed: list = []
+    emitter = type("Emitter", (), {"emit_final": lambda self, request: failed.append(request),
+                                   "fail": lambda self, request_id, error: None})()
+    loop = EngineLoop(d.scheduler, None, emitter, (0,), None)
+    request = reserve(d)
+    d.scheduler.schedule()
+    monkeypatch.setattr(d.connector, "start_pull", lambda *args: 1 / 0)  # a bug on the engine thread
+    loop._take_ticket(KEY, GenerationRequest("d-req", PROMPT, SamplingParams(),
+                                             remote=source_for(p, p.prefill("r1", 30), clock())))
+    assert failed == [request] and request.finish_reason is FinishReason.ERROR  # the loop lives on
+    p.tick()
+    assert d.kv.num_free_blocks == free_before and p.connector.num_pinned_blocks == 0
