@@ -435,9 +435,11 @@ async def test_the_leg_enters_the_engine_before_its_wait_and_its_ticket_follows_
         await first_output
 
 
-@pytest.mark.parametrize("how", ["called_off", "timed_out", "leg_closed"])
+@pytest.mark.parametrize("how", ["called_off_first", "called_off", "timed_out", "leg_closed"])
 async def test_a_leg_ended_before_its_ticket_aborts_its_reservation_with_todays_error(p, how):
     legs = Legs(p, wait_s=0.01 if how == "timed_out" else 60.0)  # the bound itself is the subject there
+    if how == "called_off_first":
+        await legs.deliver(None)  # P failed before D's leg arrived
     loop, engine, stream, first_output = leg_through_the_engine(legs)
     if how == "called_off":
         await until_waiting(legs.inbox)
