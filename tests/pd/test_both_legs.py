@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from pdserve.api.kv_transfer import (AwaitedPrefillParams, FirstToken, KVParamsInvalid, KVPullFailed,
                                      KVTicketNotDelivered, parse_kv_transfer_params)
 from pdserve.api.sampling import FinishReason, SamplingParams
+from pdserve.app.model_side import max_tokens_in_pool
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.request_ids import RequestIdRegistry
@@ -28,7 +29,8 @@ from pdserve.request import GenerationRequest, Request, RequestStatus
 from pdserve.server.errors import install_error_handlers
 from pdserve.server.kv_routes import RELEASE_PATH, TICKET_PATH, create_kv_router
 from pdserve.transfer.fake_transport import FakeFabric
-from tests.pd.pd_pair import DecodeSide, FakeClock, InnerAdmission, PrefillSide, make_request, source_for
+from tests.pd.pd_pair import (NUM_BLOCKS, DecodeSide, FakeClock, InnerAdmission, PrefillSide, make_request,
+                              source_for)
 
 pytestmark = pytest.mark.anyio
 KEY = "c0ffee" * 5 + "00"  # 32 hex digits, as the proxy makes them
@@ -518,3 +520,17 @@ def test_a_fault_while_taking_a_ticket_fails_that_request_only_and_frees_its_blo
     assert failed == [request] and request.finish_reason is FinishReason.ERROR  # the loop lives on
     p.tick()
     assert d.kv.num_free_blocks == free_before and p.connector.num_pinned_blocks == 0
+
+
+def test_every_prompt_the_edge_lets_through_can_be_reserved_on_an_idle_decode_worker(d):
+    """A prompt D's pool cannot hold is refused before the wait, as before: the worker caps its context
+    (max_model_len, checked when the request is parsed) at the longest prompt its pool holds, and that
+    any prompt up to it has a reservation that fits an idle pool: none can wait at the head for ever."""
+    longest = max_tokens_in_pool(d.plan, NUM_BLOCKS, d.block_size)
+    free_before = d.kv.num_free_blocks
+    for num_prompt in range(1, longest + 1):
+        request = reserve(d, f"r{num_prompt}", num_prompt)
+        d.scheduler.schedule()
+        assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV, num_prompt
+        d.scheduler.finish(request.request_id, FinishReason.ABORT)
+        assert d.kv.num_free_blocks == free_before
