@@ -416,7 +416,8 @@ class TransferMetrics:
             "pdserve_pd_handoff_seconds",
             "P/D handoff components measured here, per request (docs/metrics.md): on P p_queue (arrival to first "
             "scheduling), p_compute (to its first token sampled), p_pin (to the pin issued); on D d_ticket (arrival "
-            "to P's ticket claimed), d_pull (KV READ start to landed), d_first_step (P's token sent as output token 1 "
+            "to P's ticket claimed), d_admit (P's source verified to the READ started: D's engine queue and "
+            "admission), d_pull (KV READ start to landed), d_first_step (P's token sent as output token 1 "
             "to D's first sampled token sent).",
             ["component"], buckets=HANDOFF_BUCKETS_S, registry=registry)
         self.waiting_for_kv = Gauge(

@@ -159,8 +159,9 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     metrics.engine.watch_progress(loop.progress_age_s)
     metrics.engine.watch_ranks(config.parallel.tensor_parallel_size, loop.is_alive)
     max_in_flight = config.scheduler.max_num_running + config.scheduler.max_num_waiting
+    reserves = pd.kv_side.ticket_inbox is not None and config.transfer.reserve_before_ticket
     engine = AsyncEngine(loop, model_name, model.max_model_len, tokenizer, max_in_flight, pd.admission,
-                         model.grammar_tokenizer)
+                         model.grammar_tokenizer, reserves_before_ticket=reserves)
     _log_ready(config, model, model_name)
     return BuiltEngine(engine, model.loaded, model.plan, model.layout, cache.kv_manager, model.runner, pd.kv_side,
                        cache.kv_events, pd.kv_side.base_epoch)
