@@ -145,6 +145,45 @@ def test_a_dead_or_unauthenticated_hint_costs_only_a_recompute(workers):
     assert metric_sum(a.url, "pdserve_kv_peer_pinned_tokens_total") == pinned_before
 
 
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory, device):
+    """A prefill worker whose pool holds 15 blocks, with a host-memory offload tier behind it."""
+    logs = tmp_path_factory.mktemp("logs-tiered")
+    worker = Worker("prefill", free_port(), str(logs / "tiered.log"),
+                    ["--num-blocks", "16", "--kv-offload-bytes", "64MiB", "--internal-token", TOKEN, *PULL_EVERY_HINT],
+                    device)
+    started = start_workers(worker)
+    try:
+        yield worker
+    finally:
+        stop_all(worker, *started)
+
+
+def test_a_prefix_held_only_in_a_peers_offload_tier_is_loaded_there_and_pulled(workers, tiered):
+    """Issue 39's acceptance: the holder's pool is too small to keep the prefix, so a second prompt evicts it
+    into the holder's tier; the holder loads it back into its pool before pinning it, and the puller reads it."""
+    _, b = workers
+    prefix = [260 + (i * 43) % 850 for i in range(7 * BLOCK + 5)]  # 7 full blocks, 8 with its answer
+    evicting = [110 + (i * 29) % 900 for i in range(15 * BLOCK - 8)]  # with its 8 answer tokens: all 15 blocks
+    complete(tiered, prefix, AUTH)
+    complete(tiered, evicting, AUTH)
+    assert metric_sum(tiered.url, "pdserve_kv_offload_bytes_total", direction="store") > 0
+    longer = prefix + [320 + i for i in range(3 * BLOCK)]
+    before = computed(b)
+    pulled_before = metric_sum(b.url, "pdserve_kv_peer_pull_tokens_total", result="pulled")
+    hint = PeerHint(host="127.0.0.1", port=tiered.internal_port, num_tokens=7 * BLOCK, medium="offload")
+    answer = complete(b, longer, {**AUTH, PEER_HINT_HEADER: hint.to_header()})
+    assert computed(b) - before == len(longer) - 7 * BLOCK
+    assert metric_sum(b.url, "pdserve_kv_peer_pull_tokens_total", result="pulled") - pulled_before == 7 * BLOCK
+    # Every pinned block came from the holder's tier: none of the prefix was left in its pool.
+    assert metric_sum(tiered.url, "pdserve_kv_peer_pinned_tokens_total", medium="offload") == 7 * BLOCK
+    assert metric_sum(tiered.url, "pdserve_kv_peer_pinned_tokens_total", medium="device") == 0
+    assert wait_for(lambda: metric_sum(tiered.url, "pdserve_transfer_pinned_blocks") == 0, timeout_s=10), \
+        "the holder still holds the peer's pin"
+    reset_prefix_cache(tiered, AUTH)  # the holder's own answer, computed from scratch
+    assert answer["choices"][0]["text"] == complete(tiered, longer, AUTH)["choices"][0]["text"]
+
+
 def held_by_prefill(proxy: ProxyProcess, prompt: list[int]) -> int:
     """The most prompt tokens the proxy's index predicts one prefill worker holds (0: not ready yet)."""
     try:
