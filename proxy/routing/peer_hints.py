@@ -4,10 +4,10 @@ pull it instead of computing it (the worker decides: pdserve/pd/peer_admission.p
 
 Invariant: a hint names only a worker of the proxy's own pool, available now, by the internal listener
 its own /load reports, whose predicted prefix (in its pool, or continued in its offload tier: the holder
-loads that part back before it pins, pdserve/pd/peer_pins.py) is at least `margin_tokens` longer than the
-chosen worker's (whose own tier counts as its own); the header is the proxy's own (leg requests carry no client header, so a client can
-never aim a worker at an address), and the worker takes it only with the internal token. `choose_peer_hint`
-is pure; `PeerHints` gathers its inputs in one instant.
+loads that part back before it pins, pdserve/pd/peer_pins.py) is at least `margin_tokens` longer than
+the chosen worker's (whose own tier counts as its own); the header is the proxy's own (leg requests
+carry no client header, so a client can never aim a worker at an address), and the worker takes it
+only with the internal token. `choose_peer_hint` is pure; `PeerHints` gathers its inputs in one instant.
 """
 
 from __future__ import annotations
