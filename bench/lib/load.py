@@ -98,9 +98,8 @@ def run_open_loop(base_url: str, calls: Sequence[Call], max_concurrency: Optiona
     return asyncio.run(_open_loop(base_url, calls, max_concurrency, send, on_done, keep_alive))
 
 
-async def _conversation(client: httpx.AsyncClient, url: str, conversation, body: dict,
-                        think_time_s: float, clock: Clock, records: list, on_turn: Callable[[], None],
-                        class_of: Callable[[int], str]) -> None:
+async def _conversation(client: httpx.AsyncClient, url: str, conversation, body: dict, clock: Clock,
+                        records: list, on_turn: Callable[[], None], class_of: Callable[[int], str]) -> None:
     await asyncio.sleep(max(0.0, conversation.arrival_s - clock()))
     messages = [{"role": "system", "content": conversation.system_prompt}]
     for turn, question in enumerate(conversation.questions):
@@ -109,14 +108,14 @@ async def _conversation(client: httpx.AsyncClient, url: str, conversation, body:
         records.append(record)
         await read_async(client, url + "/v1/chat/completions", {**body, "messages": messages}, clock, record)
         on_turn()
-        if record.error is not None:
-            return  # a failed turn ends its conversation
+        if record.error is not None or turn == len(conversation.questions) - 1:
+            return  # a failed turn ends its conversation; no think time after the last
         messages.append({"role": "assistant", "content": record.text})
-        await asyncio.sleep(think_time_s)
+        await asyncio.sleep(conversation.think_times_s[turn])
 
 
-async def _conversations(url: str, conversations: Sequence, body: dict, think_time_s: float,
-                         on_turn: Callable[[], None], class_of: Callable[[int], str]) -> LoadResult:
+async def _conversations(url: str, conversations: Sequence, body: dict, on_turn: Callable[[], None],
+                         class_of: Callable[[int], str]) -> LoadResult:
     started_s = time.perf_counter()
     records: list[RequestRecord] = []
 
@@ -124,15 +123,15 @@ async def _conversations(url: str, conversations: Sequence, body: dict, think_ti
         return time.perf_counter() - started_s
 
     async with _client(len(conversations) + 1) as client:
-        await asyncio.gather(*(_conversation(client, url, c, body, think_time_s, clock, records, on_turn, class_of)
+        await asyncio.gather(*(_conversation(client, url, c, body, clock, records, on_turn, class_of)
                                for c in conversations))
     return LoadResult(records, clock())
 
 
-def run_conversations(url: str, conversations: Sequence, body: dict, think_time_s: float,
-                      on_turn: Callable[[], None] = lambda: None,
+def run_conversations(url: str, conversations: Sequence, body: dict, on_turn: Callable[[], None] = lambda: None,
                       class_of: Callable[[int], str] = lambda turn: FIRST_TURN if turn == 0 else LATER_TURN,
                       ) -> LoadResult:
-    """Each conversation (`arrival_s`, `system_prompt`, `questions`) turn after turn (the next question after the answer plus the
-    think time); conversations overlap as their arrivals say. `body` holds everything but messages."""
-    return asyncio.run(_conversations(url, conversations, body, think_time_s, on_turn, class_of))
+    """Each conversation (`arrival_s`, `system_prompt`, `questions`, `think_times_s`) turn after turn (the next
+    question after the answer plus that turn's think time); conversations overlap as their arrivals say. `body`
+    holds everything but messages."""
+    return asyncio.run(_conversations(url, conversations, body, on_turn, class_of))

@@ -1,7 +1,9 @@
 """Routing benchmark (`python -m bench.routing`): a multi-turn chat workload through `pdserve proxy`
 with each routing policy in turn over two prefill and two decode workers: prompt tokens computed,
-prefix-cache hits, TTFT, KV bytes pulled, turns without a prefill leg, KV events published.
-Invariant: every policy runs the same conversations
+prefix-cache hits, TTFT, KV bytes pulled, turns without a prefill leg, tokens pulled from peers.
+`--rounds N` alternates the policies (A B A B ...) and pools each one's turns; a "+peer" policy's
+figures are also given over the same policy without peer pulls (its off arm).
+Invariant: every policy runs the same conversations (same seeds: questions, arrivals, think times)
 on the same warm workers, each from empty prefix caches, one policy at a time.
 """
 
@@ -21,12 +23,11 @@ from bench.lib.launch import REPO_ROOT, LaunchError, metric_sum
 from bench.lib.load import run_conversations
 from bench.lib.machine import CpuMeter, wait_for_idle
 from bench.routing.cluster import ClusterSpec, RoutingCluster, scrape
-from bench.routing.report import PolicyResult, format_table, plot, summarize, verdict, write_json
-from bench.routing.workload import WorkloadSpec, build_conversations
+from bench.routing.report import PEER, PolicyResult, format_table, merge, plot, summarize, verdict, write_json
+from bench.routing.workload import THINK_DISTRIBUTIONS, WorkloadSpec, build_conversations
 
 logger = logging.getLogger("bench.routing")
 POLICIES = ("round_robin", "least_loaded", "prefix", "kv_aware")
-PEER = "+peer"  # "<policy>+peer": the same policy with the proxy's peer hints (--peer-pull)
 PROXY_COUNTERS = ("pdserve_proxy_kv_prediction_error_tokens_sum",)
 
 
@@ -40,9 +41,14 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--min-turns", type=int, default=defaults.min_turns)
     parser.add_argument("--max-turns", type=int, default=defaults.max_turns)
     parser.add_argument("--num-system-prompts", type=int, default=defaults.num_system_prompts)
-    parser.add_argument("--conversations-per-s", type=float, default=defaults.conversations_per_s)
+    parser.add_argument("--conversations-per-s", type=float, default=defaults.conversations_per_s,
+                        help="Poisson arrivals of conversations; 0: all at once (N concurrent users)")
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="tokens per answer")
-    parser.add_argument("--think-time-s", type=float, default=defaults.think_time_s)
+    parser.add_argument("--think-time-s", "--think-s", type=float, default=defaults.think_time_s,
+                        help="after each answer; the mean with --think-distribution exponential")
+    parser.add_argument("--think-distribution", choices=THINK_DISTRIBUTIONS, default=defaults.think_distribution)
+    parser.add_argument("--rounds", type=int, default=1, help="run the policy list this many times, alternating")
+    parser.add_argument("--num-decode", type=int, default=ClusterSpec().num_decode, help="decode workers")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--num-blocks", type=int, default=ClusterSpec().num_blocks, help="KV pool per worker")
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "routing.json"))
@@ -53,15 +59,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.policy_list = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = {p.removesuffix(PEER) for p in args.policy_list} - set(POLICIES)
-    if unknown:
-        parser.error(f"unknown policies: {sorted(unknown)}")
+    if unknown or args.rounds < 1:
+        parser.error(f"unknown policies: {sorted(unknown)}" if unknown else "--rounds must be >= 1")
     return args
 
 
 def workload_of(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(num_conversations=args.num_conversations, min_turns=args.min_turns, max_turns=args.max_turns,
                         num_system_prompts=args.num_system_prompts, conversations_per_s=args.conversations_per_s,
-                        max_tokens=args.max_tokens, think_time_s=args.think_time_s, seed=args.seed)
+                        max_tokens=args.max_tokens, think_time_s=args.think_time_s,
+                        think_distribution=args.think_distribution, seed=args.seed)
 
 
 def _delta(before: dict, after: dict, names: Sequence[str], metric: str) -> float:
@@ -90,7 +97,7 @@ def measure_policy(cluster: RoutingCluster, policy: str, spec: WorkloadSpec, wai
 
         body = {"max_tokens": spec.max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
-        result = run_conversations(proxy.base_url, conversations, body, spec.think_time_s, on_turn)
+        result = run_conversations(proxy.base_url, conversations, body, on_turn)
         foreign = meter.foreign_fraction()
         cluster.wait_idle()
         after = cluster.counters()
@@ -120,25 +127,27 @@ def run(args: argparse.Namespace, command: str) -> int:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-routing-bench-")
     os.makedirs(log_dir, exist_ok=True)
     spec = workload_of(args)
-    cluster = RoutingCluster(ClusterSpec(num_blocks=args.num_blocks, log_dir=log_dir))
-    results: list[PolicyResult] = []
+    cluster = RoutingCluster(ClusterSpec(num_decode=args.num_decode, num_blocks=args.num_blocks, log_dir=log_dir))
+    rounds: dict[str, list[PolicyResult]] = {policy: [] for policy in args.policy_list}
     load_before = os.getloadavg()
     try:
         cluster.start()
-        for policy in args.policy_list:
-            logger.info("policy %s", policy)
-            results.append(measure_policy(cluster, policy, spec, args.wait_for_idle_s))
+        for round_index in range(args.rounds):
+            for policy in args.policy_list:
+                logger.info("round %d, policy %s", round_index + 1, policy)
+                rounds[policy].append(measure_policy(cluster, policy, spec, args.wait_for_idle_s))
     except LaunchError as exc:
         logger.error("benchmark aborted: %s", exc)
         return 2
     finally:
         cluster.stop()
+    results = [merge(runs) for runs in rounds.values()]
     print(format_table(results))
     for line in verdict(results):
         print(line)
     print(f"load average before: {load_before}, after: {os.getloadavg()}")
     extra = {"load_average_before": load_before, "load_average_after": os.getloadavg(),
-             "log_dir": log_dir}
+             "log_dir": log_dir, "rounds": args.rounds}
     write_json(args.out, command, spec.describe(), asdict(cluster.spec), results, extra)
     logger.info("wrote %s", args.out)
     if args.plot_dir:

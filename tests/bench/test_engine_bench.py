@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 from bench.engine.peers import transformers_serve_argv, transformers_serve_extra_body
-from bench.engine.llama_server import llama_server_argv
+from bench.engine.llama_server import llama_server_argv, raw_decode_result
 from bench.engine.systems import IGNORE_EOS_BODY, BenchError, HttpTarget, stream_one
 from bench.engine.report import (
-    GENERATE, LLAMA_SERVER, SERVE, SUBJECT_FP32, BenchReport, LongPromptResult, PhaseResult, RequestSample, Roofline,
+    GENERATE, LLAMA_BENCH, LLAMA_SERVER, SERVE, SUBJECT_FP32, BenchReport, LongPromptResult, PhaseResult, RequestSample, Roofline,
     check_targets, format_long_prompts, format_table, ratio_vs_best_peer, summarize, write_json,
 )
 from bench.engine.workload import chat_messages, full_workload, long_prompt_messages, quick_workload
@@ -32,6 +32,7 @@ def _results(pdserve_c1: float, pdserve_c16: float, fp32_c1: float = 30.0) -> li
         _phase(SUBJECT_FP32, 1, fp32_c1), _phase("pdserve", 1, pdserve_c1),
         _phase(GENERATE, 16, 80.0), _phase(SERVE, 16, 50.0), _phase(LLAMA_SERVER, 16, 100.0),
         _phase(SUBJECT_FP32, 16, 90.0), _phase("pdserve", 16, pdserve_c16),
+        _phase(LLAMA_BENCH, 1, 60.0),  # last, so the rows above keep their indices
     ]
 
 
@@ -76,6 +77,7 @@ def test_summary_throughput_is_total_tokens_over_phase_wall_time():
 def test_ratio_compares_with_the_best_peer_at_the_same_concurrency_only():
     results = _results(pdserve_c1=66.0, pdserve_c16=300.0)
     by_key = {(r.system, r.concurrency): r for r in results}
+    # llama-bench's raw decode (60) is a bound, not a peer server: llama-server (40) is the best peer
     assert ratio_vs_best_peer(results, by_key[("pdserve", 1)]) == pytest.approx(66.0 / 40.0)
     assert ratio_vs_best_peer(results, by_key[("pdserve", 16)]) == pytest.approx(3.0)
     assert ratio_vs_best_peer(results, by_key[(SUBJECT_FP32, 16)]) == pytest.approx(0.9)  # pdserve is no peer of itself
@@ -83,20 +85,30 @@ def test_ratio_compares_with_the_best_peer_at_the_same_concurrency_only():
     assert ratio_vs_best_peer(results, by_key[(GENERATE, 16)]) == pytest.approx(0.8)
 
 
-def test_targets_compare_quantized_with_llama_server_and_fp32_with_generate():
-    met = check_targets(_results(pdserve_c1=40.0, pdserve_c16=150.0, fp32_c1=30.0))
+def test_targets_compare_quantized_with_llama_server_and_llama_bench_and_fp32_with_generate():
+    met = check_targets(_results(pdserve_c1=60.0, pdserve_c16=250.0, fp32_c1=30.0))
     assert [(c.required_ratio, round(c.measured_ratio, 3), c.met) for c in met] == [
-        (1.0, 1.0, True), (1.5, 1.5, True), (1.5, 1.5, True)]
-    missed = check_targets(_results(pdserve_c1=39.0, pdserve_c16=149.0, fp32_c1=29.0))
-    assert [c.met for c in missed] == [False, False, False]
+        (1.5, 1.5, True), (2.5, 2.5, True), (0.9, 1.0, True), (1.5, 1.5, True)]
+    missed = check_targets(_results(pdserve_c1=53.0, pdserve_c16=249.0, fp32_c1=29.0))
+    assert [c.met for c in missed] == [False, False, False, False]  # 53 / 60 = 0.88 of the raw decode
     assert "pdserve c=16 tokens/s vs llama-server" in [c.name for c in met]
+    assert f"pdserve c=1 tokens/s vs {LLAMA_BENCH}" in [c.name for c in met]
+
+
+def test_llama_bench_records_become_one_row_of_tokens_over_summed_time():
+    records = [{"n_prompt": 0, "n_gen": 128, "samples_ns": [2_000_000_000, 2_000_000_000, 4_000_000_000]}]
+    row = raw_decode_result(records, LLAMA_BENCH)
+    assert (row.concurrency, row.num_requests, row.num_output_tokens) == (1, 3, 384)
+    assert row.output_tokens_per_s == pytest.approx(384 / 8.0)  # not the mean of 64, 64 and 32 tok/s
+    with pytest.raises(BenchError):
+        raw_decode_result([{"n_prompt": 512, "n_gen": 0, "samples_ns": [1]}], LLAMA_BENCH)
 
 
 def test_a_target_whose_baseline_did_not_run_is_missed_not_met():
     results = [r for r in _results(pdserve_c1=66.0, pdserve_c16=300.0) if r.system != LLAMA_SERVER]
     checks = check_targets(results)
     assert [c.measured_ratio for c in checks[:2]] == [None, None]
-    assert not checks[0].met and checks[2].met
+    assert not checks[0].met and checks[2].met and checks[3].met
 
 
 def test_failed_peer_is_a_reason_not_a_zero_and_does_not_count_as_best():
@@ -111,8 +123,9 @@ def test_failed_peer_is_a_reason_not_a_zero_and_does_not_count_as_best():
 def test_table_has_one_row_per_system_and_concurrency_plus_ceilings():
     table = format_table(_results(pdserve_c1=66.0, pdserve_c16=300.0), _roofline())
     rows = [line for line in table.splitlines()[2:]]
-    assert len(rows) == 14
+    assert len(rows) == 15
     assert "| 1 | pdserve | 66.0 | 100 | - | 1.65x | - |" in rows
+    assert f"| 1 | {LLAMA_BENCH} | 60.0 | 100 | - | 1.50x | - |" in rows  # its own rate over the best server's
     assert "| 1 | ceiling: weight bytes / read bandwidth | 20.0 | - | - | - | - |" in rows
     assert "| 1 | ceiling: quantized weight bytes / read bandwidth | 100.0 | - | - | - | - |" in rows
     assert "| 1 | ceiling: measured matmul FLOP/s at M=1 | 50.0 | - | - | - | - |" in rows
@@ -152,7 +165,7 @@ def test_json_holds_rows_ratios_roofline_and_targets(tmp_path):
     write_json(report, str(path))
     data = json.loads(path.read_text())
     assert data["command"] == "python3 bench/engine.py --quick"
-    assert len(data["results"]) == 10
+    assert len(data["results"]) == 11
     pdserve_c16 = next(r for r in data["results"] if r["system"] == "pdserve" and r["concurrency"] == 16)
     assert pdserve_c16["output_tokens_per_s"] == pytest.approx(300.0)
     assert pdserve_c16["ratio_vs_best_peer"] == pytest.approx(3.0)
@@ -160,7 +173,7 @@ def test_json_holds_rows_ratios_roofline_and_targets(tmp_path):
     assert data["roofline"]["matmul_tokens_per_s"] == pytest.approx(250.0)
     assert data["roofline"]["matvec_tokens_per_s"] == pytest.approx(50.0)
     assert data["roofline"]["quantized_bandwidth_tokens_per_s"] == pytest.approx(100.0)
-    assert [t["met"] for t in data["targets"]] == [True, True, True]
+    assert [t["met"] for t in data["targets"]] == [True, True, True, True]
     assert data["long_prompt_ttft"][0]["ttft_median_s"] == pytest.approx(0.5)
 
 

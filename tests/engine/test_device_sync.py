@@ -149,11 +149,13 @@ def test_a_step_whose_synchronize_raises_is_a_failed_step():
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 def test_runner_synchronize_leaves_the_compute_stream_idle():
-    from pdserve.runner.model_runner import ModelRunner
     from pdserve.kv.layout import KVPoolLayout
+    from pdserve.models.base import ModelSpec
+    from pdserve.runner.model_runner import ModelRunner
 
-    class BusyModel(torch.nn.Module):
-        spec = None
+    class BusyModel(torch.nn.Module):  # no layers: the runner only needs its spec (attention-only)
+        spec = ModelSpec("llama", 1, 16, 2, 2, 16, 32, 64, (FullAttentionSpec(),))
+        layers = ()
 
     device = torch.device("cuda")
     layout = KVPoolLayout(8, 1, BLOCK_SIZE, 2, 16, torch.float32)
