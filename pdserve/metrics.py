@@ -164,7 +164,8 @@ class KVCacheMetrics:
         )
         self.peer_pinned_tokens = Counter(
             "pdserve_kv_peer_pinned_tokens_total",
-            "Prompt tokens this worker pinned for peers to pull (holder side).", registry=registry,
+            "Prompt tokens this worker pinned for peers to pull (holder side), by where they were: device (the "
+            "pool), offload (loaded from the offload tier into the pool for the peer).", ["medium"], registry=registry,
         )
         self.peer_pull_cost_s_per_token = Gauge(
             "pdserve_kv_peer_pull_token_cost_seconds",

@@ -102,8 +102,9 @@ class Scheduler:
         return sum(1 for load in self.loading.values() if load.awaiting_ticket)
 
     def has_offload_loads(self) -> bool:
-        """Whether prefix pages are loading from the offload tier (the loop polls, not sleeps)."""
-        return any(load.reading_tier for load in self.loading.values())
+        """Whether prefix pages are loading from the offload tier (the loop polls, not sleeps): a request's,
+        or a peer pin's (pd/peer_pins.py: the holder loads its tier's pages before a peer reads them)."""
+        return any(load.reading_tier for load in self.loading.values()) or self.kv.has_tier_reads()
 
     def has_work(self) -> bool:
         # Tier loads land from `schedule`'s own poll, so they count as work (remote pulls land from the loop's).
