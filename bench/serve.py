@@ -105,7 +105,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     run.add_argument("--out", default=None, help="JSON report path")
     run.add_argument("--plot-dir", default=None, help="write PNG plots here")
     run.add_argument("--worker-url", action="append", help="a decode worker behind the proxy: its handoff "
-                     "components (d_ticket, d_pull, d_first_step) join the table; repeatable")
+                     "components (d_ticket, d_admit, d_pull, d_first_step) join the table; repeatable")
     _add_workload_flags(run)
     compare = commands.add_parser("compare", help="`pdserve up` vs one colocated `pdserve serve`, same cores")
     compare.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "serve_pd_vs_colocated.json"))

@@ -164,7 +164,8 @@ class KVCacheMetrics:
         )
         self.peer_pinned_tokens = Counter(
             "pdserve_kv_peer_pinned_tokens_total",
-            "Prompt tokens this worker pinned for peers to pull (holder side).", registry=registry,
+            "Prompt tokens this worker pinned for peers to pull (holder side), by where they were: device (the "
+            "pool), offload (loaded from the offload tier into the pool for the peer).", ["medium"], registry=registry,
         )
         self.peer_pull_cost_s_per_token = Gauge(
             "pdserve_kv_peer_pull_token_cost_seconds",
@@ -416,7 +417,8 @@ class TransferMetrics:
             "pdserve_pd_handoff_seconds",
             "P/D handoff components measured here, per request (docs/metrics.md): on P p_queue (arrival to first "
             "scheduling), p_compute (to its first token sampled), p_pin (to the pin issued); on D d_ticket (arrival "
-            "to P's ticket claimed), d_pull (KV READ start to landed), d_first_step (P's token sent as output token 1 "
+            "to P's ticket claimed), d_admit (P's source verified to the READ started: D's engine queue and "
+            "admission), d_pull (KV READ start to landed), d_first_step (P's token sent as output token 1 "
             "to D's first sampled token sent).",
             ["component"], buckets=HANDOFF_BUCKETS_S, registry=registry)
         self.waiting_for_kv = Gauge(

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, no blocks yet (or preempted and reset)
-    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks allocated, a KV pull is in flight
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks allocated, a KV pull (or P's ticket) on its way
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -68,6 +68,9 @@ class GenerationRequest:
     first_token: Optional[FirstToken] = None  # D: the token P sampled, from P's ticket (pd/first_token.py)
     # Internal: a peer the proxy says holds a prefix of this prompt (pd/peer_admission.py may pull it).
     peer_hint: Optional["PeerHint"] = None
+    # D, a decode leg sent beside its prefill leg: the engine reserves its blocks now and waits for P's
+    # ticket, delivered under this key once admission has it (engine/async_engine.py); None: not awaited.
+    awaited_ticket: Optional[str] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +123,8 @@ class Request:
     first_token_from_prefill_s: Optional[float] = None
     # Logprobs of prompt tokens 1.. (when asked), filled as prefill chunks run; sent with the first output.
     prompt_logprobs: list["TopLogprobs"] = field(default_factory=list)
+    # D: the key its P ticket comes under while it waits for one (reserved, never computed); None once delivered.
+    awaited_ticket: Optional[str] = None
 
     @property
     def num_prompt_tokens(self) -> int:

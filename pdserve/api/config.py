@@ -218,6 +218,10 @@ class TransferConfig(_Frozen):
         130.0, "D: the longest a decode leg sent beside its prefill leg (concurrent legs) waits for the proxy to "
                "deliver P's answer; then it fails (503) and holds nothing (longer than the proxy's prefill timeout)",
         flag="--kv-ticket-wait-s", gt=0)
+    reserve_before_ticket: bool = setting(
+        True, "D: a decode leg sent beside its prefill leg enters the engine at once, which reserves its prompt's "
+              "blocks while P computes and pulls the moment P's answer comes (off: it enters once the answer came)",
+        flag="--kv-reserve-before-ticket")
     connect_timeout_s: float = setting(5.0, "D: give up setting up a prefill worker's data path after this long",
                                        flag="--kv-connect-timeout-s", gt=0)
     failure_policy: Literal["recompute", "fail"] = setting(

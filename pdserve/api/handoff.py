@@ -8,7 +8,7 @@ component names are a fixed set, so they may be metric label values. Torch-free 
     proxy      arrival ─ proxy_hop ─▶ leg 1 ───────────────────────────▶ answer ─ proxy_hop ─▶ leg 2 ──▶ ...
     P                           arrival ─ p_queue ─▶ scheduled ─ p_compute ─▶ token 1 ─ p_pin ─▶ pinned
     D                                                                   arrival ─ d_ticket ─▶ ticket claimed
-                                                                        READ start ─ d_pull ─▶ landed
+                                                    source verified ─ d_admit ─▶ READ start ─ d_pull ─▶ landed
                                                                   token 1 sent ─ d_first_step ─▶ token 2 sent
     proxy      ... leg 2 sent ─ decode_first_byte ─▶ D's first byte ─ client_first_byte ─▶ written to client
     (prefill_overhead: P's leg as the proxy timed it, less P's three parts: the wire, HTTP, tokenizing, answering)
@@ -23,14 +23,14 @@ from typing import Any, Mapping, Optional
 # Measured on P and returned in its leg answer.
 PREFILL_COMPONENTS = ("p_queue", "p_compute", "p_pin")
 # Measured on D (its own /metrics only).
-DECODE_COMPONENTS = ("d_ticket", "d_pull", "d_first_step")
+DECODE_COMPONENTS = ("d_ticket", "d_admit", "d_pull", "d_first_step")
 # Measured on the proxy.
 PROXY_COMPONENTS = ("proxy_hop", "prefill_overhead", "decode_first_byte", "client_first_byte")
 # The proxy's log line and histogram: its own components and P's, in the order a request meets them.
 PROXY_LOG_COMPONENTS = ("proxy_hop", "p_queue", "p_compute", "p_pin", "prefill_overhead", "decode_first_byte",
                         "client_first_byte")
 # Every component, in the order a P/D request meets them (the order of log fields).
-COMPONENTS = ("proxy_hop", "p_queue", "p_compute", "p_pin", "prefill_overhead", "d_ticket", "d_pull",
+COMPONENTS = ("proxy_hop", "p_queue", "p_compute", "p_pin", "prefill_overhead", "d_ticket", "d_admit", "d_pull",
               "d_first_step", "decode_first_byte", "client_first_byte")
 # Buckets fine around the handoff budget (15 ms) and wide enough for a prompt queued for minutes.
 HANDOFF_BUCKETS_S = (

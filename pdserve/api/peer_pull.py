@@ -70,7 +70,7 @@ def parse_peer_hint(text: str) -> Optional[PeerHint]:
 
 
 class PeerPinRequest(BaseModel):
-    """The puller asks a peer to pin the longest prefix of these tokens it holds in its pool."""
+    """The puller asks a peer to pin the longest prefix of these tokens it holds (in its pool or its offload tier)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     token_ids: list[StrictInt] = Field(min_length=1, max_length=MAX_PEER_PIN_TOKENS)

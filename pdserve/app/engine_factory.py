@@ -40,7 +40,7 @@ from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import Metrics
 from pdserve.models.loader import LoadedModel
 from pdserve.pd.leases import Claim
-from pdserve.pd.peer_pins import peer_pull_problem, pin_peer_prefix
+from pdserve.pd.peer_pins import await_peer_pin, peer_pull_problem, pin_peer_prefix, settle_peer_pin
 from pdserve.pd.prefill import PrefillConnector
 from pdserve.pd.ticket_inbox import Delivery
 from pdserve.pd.wiring import KVSide, TransportFactory, nixl_transport
@@ -82,12 +82,16 @@ class BuiltEngine:
 
     def pin_peer_prefix(self, token_ids: list[int]) -> Optional[Awaitable[Optional[PeerPinTicket]]]:
         """Prefill workers with peer pulls on: pin, on the engine thread, the longest prefix of `token_ids`
-        this pool holds for a peer to read (PeerPinRefused, 409, where this worker lends none)."""
+        this pool or its offload tier holds for a peer to read, answered once tier pages landed
+        (pd/peer_pins.py; PeerPinRefused, 409, where this worker lends none)."""
         connector = self.kv_side.connector
         if self.kv_side.peer_pull is None or not isinstance(connector, PrefillConnector):
             raise PeerPinRefused(peer_pull_problem(self.plan) or "this worker lends no prefixes to peers")
-        return run_on_engine_thread(self.engine.engine_loop.call_soon, functools.partial(
-            pin_peer_prefix, self.kv_manager, connector, token_ids, self.kv_side.count_peer_pinned))
+        count = self.kv_side.count_peer_pinned
+        return await_peer_pin(
+            functools.partial(run_on_engine_thread, self.engine.engine_loop.call_soon),
+            functools.partial(pin_peer_prefix, self.kv_manager, connector, token_ids, count),
+            lambda pin, give_up: settle_peer_pin(self.kv_manager, connector, pin, give_up, count))
 
     def deliver_ticket(self, key: str, params: Optional[dict]) -> Optional[Delivery]:
         """Decode workers: P's params (None: called off) for the decode leg waiting under `key` (the
@@ -159,8 +163,9 @@ def build_engine(config: WorkerConfig, metrics: Metrics, loaded: LoadedModel | N
     metrics.engine.watch_progress(loop.progress_age_s)
     metrics.engine.watch_ranks(config.parallel.tensor_parallel_size, loop.is_alive)
     max_in_flight = config.scheduler.max_num_running + config.scheduler.max_num_waiting
+    reserves = pd.kv_side.ticket_inbox is not None and config.transfer.reserve_before_ticket
     engine = AsyncEngine(loop, model_name, model.max_model_len, tokenizer, max_in_flight, pd.admission,
-                         model.grammar_tokenizer)
+                         model.grammar_tokenizer, reserves_before_ticket=reserves)
     _log_ready(config, model, model_name)
     return BuiltEngine(engine, model.loaded, model.plan, model.layout, cache.kv_manager, model.runner, pd.kv_side,
                        cache.kv_events, pd.kv_side.base_epoch)

@@ -9,10 +9,12 @@ stream if the request never reached the engine, else by the engine loop).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Optional
 
 from pdserve.api.errors import EngineNotReady, EngineOverloaded
+from pdserve.api.kv_transfer import AwaitedPrefillParams
 from pdserve.engine.api import GrammarVocabulary
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.request_ids import RequestIdRegistry
@@ -49,11 +51,34 @@ class RequestStream:
     async def _submit(self) -> None:
         engine = self._engine
         engine.check_can_accept()
+        awaited = self.request.kv_params
+        if engine.reserves_before_ticket and isinstance(awaited, AwaitedPrefillParams):
+            await self._submit_before_ticket(awaited.awaited_ticket)
+            return
         self.request = await engine.admission.admit(self.request)
         engine.check_can_accept()  # admission awaits: the world may have changed
+        self._hand_over(self.request)
+
+    async def _submit_before_ticket(self, key: str) -> None:
+        """D, a decode leg sent beside its prefill leg: the engine reserves the prompt's blocks while
+        admission waits for P's ticket and claims it; the ticket then goes to the engine thread. If
+        admission fails or is cancelled (P failed, the wait ran out, the leg closed) the reservation is
+        aborted at once and the error is this call's, as when admission came first."""
+        engine = self._engine
+        self._hand_over(dataclasses.replace(self.request, kv_params=None, awaited_ticket=key))
+        try:
+            admitted = await engine.admission.admit(self.request)
+        except BaseException:
+            self._finished = True  # nothing more comes out of this stream; aclose need not abort again
+            engine.engine_loop.abort(self.request.request_id)
+            raise
+        engine.engine_loop.deliver_ticket(key, admitted)
+
+    def _hand_over(self, request: GenerationRequest) -> None:
+        engine = self._engine
         event_loop = asyncio.get_running_loop()
         sink = lambda output: event_loop.call_soon_threadsafe(self._outputs.put_nowait, output)  # noqa: E731
-        engine.engine_loop.submit(self.request, sink)
+        engine.engine_loop.submit(request, sink)
         engine.num_in_flight += 1
         self._submitted = True  # from here on the engine loop owns the request id
 
@@ -73,7 +98,10 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, loop: EngineLoop, model_name: str, max_model_len: int, tokenizer: Tokenizer,
                  max_in_flight: int, admission: Optional[KVAdmission] = None,
-                 grammar_tokenizer: Optional[GrammarVocabulary] = None):
+                 grammar_tokenizer: Optional[GrammarVocabulary] = None, reserves_before_ticket: bool = False):
+        """`reserves_before_ticket`: D with a ticket inbox; a decode leg that awaits P's ticket enters the
+        engine (which reserves its blocks) before the ticket comes, not after."""
+        self.reserves_before_ticket = reserves_before_ticket
         self.engine_loop = loop
         self.admission: KVAdmission = admission or LocalAdmission()
         self.request_ids: RequestIdRegistry = loop.request_ids

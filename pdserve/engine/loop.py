@@ -14,6 +14,7 @@ can say so on /live and exit.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -77,6 +78,11 @@ class EngineLoop:
 
     def abort_all(self) -> None:
         self.inbox.put(Abort(None))
+
+    def deliver_ticket(self, key: str, admitted: GenerationRequest) -> None:
+        """D: what admission made of P's ticket for the request submitted with `awaited_ticket` == `key`
+        (its blocks reserved meanwhile); the engine thread starts its pull at its next iteration."""
+        self.inbox.call_soon(functools.partial(self._take_ticket, key, admitted))
 
     def call_soon(self, function: Callable[[], None]) -> None:
         """Run `function` on the engine thread at its next iteration (it must not block)."""
@@ -180,9 +186,26 @@ class EngineLoop:
             remote=generation.remote,
             pd_recomputed=generation.pd_recomputed,
             first_token=generation.first_token if generation.remote is not None else None,
+            awaited_ticket=generation.awaited_ticket,
         )
         self.emitter.register(request.request_id, command.sink)
         self.scheduler.add_request(request)
+
+    def _take_ticket(self, key: str, admitted: GenerationRequest) -> None:
+        first_token = admitted.first_token if admitted.remote is not None else None
+        try:
+            if self.scheduler.take_ticket(admitted.request_id, key, admitted.remote, first_token,
+                                          admitted.pd_recomputed):
+                self._emit_first_tokens()  # a prompt all cached here needs no pull: P's token goes out now
+            elif admitted.remote is not None:  # the request ended while P computed: P may free its pin now
+                orphan = Request(admitted.request_id, list(admitted.prompt_token_ids), admitted.sampling,
+                                 self.eos_token_ids, time.monotonic(), remote=admitted.remote)
+                self.scheduler.connector.request_added(orphan)
+                self.scheduler.connector.request_finished(orphan, FinishReason.ABORT, ())
+        except Exception:  # a fault while starting one request's pull fails that request only
+            logger.exception("request %s: taking its ticket failed", admitted.request_id)
+            self._finish(admitted.request_id, FinishReason.ERROR,
+                         RequestFailed("internal error while starting the request's KV pull"))
 
     def _poll_connector(self) -> None:
         try:
@@ -225,7 +248,7 @@ class EngineLoop:
         started = time.monotonic()
         queues = self._queue_sizes()
         if self.core_share is not None:
-            self.core_share.before_step(any(queues))
+            self.core_share.before_step(any(queues[:3]))
         scheduled = self.scheduler.schedule()
         self._emit_first_tokens()  # landed inside schedule() (tier reads) or started with nothing to pull
         result = self._execute(scheduled)
@@ -245,7 +268,7 @@ class EngineLoop:
         self.stats.record_step(self.scheduler, scheduled, now - started)
         after = self._queue_sizes()
         if self.core_share is not None:  # the step that ended this worker's work says so at once
-            self.core_share.publish(any(after))
+            self.core_share.publish(any(after[:3]))
         if self.check_invariants:
             self.scheduler.check_invariants()
         return bool(scheduled.chunks or scheduled.preempted_request_ids) or after != queues
@@ -259,9 +282,13 @@ class EngineLoop:
                 self._finish(token.request_id, FinishReason.ERROR, RequestFailed(reason))
         return [token for token in sampled if not token.failed]
 
-    def _queue_sizes(self) -> tuple[int, int, int]:
+    def _queue_sizes(self) -> tuple[int, int, int, int]:
+        """Waiting, loading, running, and reserved awaiting P's ticket: the first three are work for the
+        cores (--core-ledger); a reservation is not, or D would narrow P while P computes its prompt."""
         scheduler = self.scheduler
-        return scheduler.num_waiting, scheduler.num_waiting_for_kv, scheduler.num_running
+        num_awaiting = scheduler.num_awaiting_ticket
+        return (scheduler.num_waiting, scheduler.num_waiting_for_kv - num_awaiting, scheduler.num_running,
+                num_awaiting)
 
     def _execute(self, scheduled: SchedulerOutput) -> Optional[StepResult]:
         """The step's result; None if it was abandoned (`StepCancelled`)."""

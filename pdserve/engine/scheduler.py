@@ -12,7 +12,10 @@ KV manager reports the load (`poll_offload`). A decode worker's P/D request
 may wait for both at once, its prefix from its own tier and the rest from
 the prefill worker: it runs when both landed; if either failed it recomputes
 (or fails, if the pull said so) once neither writes its blocks any more. A
-fault while handling one request fails that request only. Torch-free.
+decode leg sent beside its prefill leg holds its prompt's blocks in the same
+loading state while P computes; its pull starts the moment its ticket is
+delivered (`take_ticket`). A fault while handling one request fails that
+request only. Torch-free.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from pdserve.kv.prefix import PrefixHit
 from pdserve.kv.specs import RecurrentStateSpec
 from pdserve.pd.connector import FREE_NOW, AdmissionKind, KVConnector, KVEvents, NoConnector
 from pdserve.pd.first_token import first_draw_key
-from pdserve.request import Request, RequestStatus
+from pdserve.request import RemoteSource, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +96,15 @@ class Scheduler:
     def num_waiting_for_kv(self) -> int:
         return len(self.loading)
 
+    @property
+    def num_awaiting_ticket(self) -> int:
+        """D: loading requests that hold their blocks for a ticket P has not sent yet (no pull yet)."""
+        return sum(1 for load in self.loading.values() if load.awaiting_ticket)
+
     def has_offload_loads(self) -> bool:
-        """Whether prefix pages are loading from the offload tier (the loop polls, not sleeps)."""
-        return any(load.reading_tier for load in self.loading.values())
+        """Whether prefix pages are loading from the offload tier (the loop polls, not sleeps): a request's,
+        or a peer pin's (pd/peer_pins.py: the holder loads its tier's pages before a peer reads them)."""
+        return any(load.reading_tier for load in self.loading.values()) or self.kv.has_tier_reads()
 
     def has_work(self) -> bool:
         # Tier loads land from `schedule`'s own poll, so they count as work (remote pulls land from the loop's).
@@ -195,9 +204,42 @@ class Scheduler:
             self._tier_read_ended(request_id, failed=True)
 
     def _start_loading(self, request: Request, resume_at: int, *, pulling: bool, reading_tier: bool,
-                       peer: bool = False) -> None:
+                       peer: bool = False, awaiting_ticket: bool = False) -> None:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.loading[request.request_id] = PendingLoad(request, resume_at, pulling, reading_tier, peer=peer)
+        self.loading[request.request_id] = PendingLoad(request, resume_at, pulling, reading_tier, peer=peer,
+                                                       awaiting_ticket=awaiting_ticket)
+
+    def take_ticket(self, request_id: str, key: str, remote: Optional[RemoteSource],
+                    first_token: Optional[FirstToken], pd_recomputed: bool) -> bool:
+        """D: what admission made of P's ticket for the request with `awaited_ticket` == `key`. A reserved
+        request pulls into its blocks at once, a queued one is admitted as any decode request; without a
+        P/D source it recomputes like a failed pull. False when no request awaits it (ended meanwhile)."""
+        request = self.requests.get(request_id)
+        if request is None or request.awaited_ticket != key:
+            return False
+        request.awaited_ticket = None
+        request.pd_recomputed = pd_recomputed
+        request.remote = remote
+        request.first_token = first_token if remote is not None else None
+        self.connector.request_added(request)
+        load = self.loading.get(request_id)
+        if load is None:
+            return True  # still queued: `_admit` takes it as it is now
+        load.awaiting_ticket = False
+        if remote is None or remote.num_pull_tokens is not None:
+            self._load_part_ended(load, True, None)  # the reserved blocks go back; a local admission follows
+            return True
+        admission = self.connector.plan_admission(request)
+        if admission.kind is not AdmissionKind.REMOTE:
+            request.pd_recomputed, request.remote = admission.kind is AdmissionKind.LOCAL, None
+            error = admission.error or EngineFailure("the prompt's KV cannot be used")
+            self._load_part_ended(load, True, error if admission.kind is AdmissionKind.FAIL else None)
+            return True
+        load.pulling = self.connector.start_pull(request, self.kv.block_ids(request_id), request.num_cached_tokens)
+        request.remote = None  # consumed: a later preemption recomputes locally
+        load.resume_at = request.num_prompt_tokens - (1 if request.first_token is None else 0)
+        self._load_part_ended(load, False, None)  # runs now if nothing is left to land (all cached here)
+        return True
 
     def _pull_ended(self, request_id: str, *, failed: bool = False, error: Optional[PdserveError] = None) -> None:
         load = self.loading.get(request_id)
@@ -388,6 +430,8 @@ class Scheduler:
 
     def _admit(self, request: Request, output: SchedulerOutput, budget: int) -> Optional[int]:
         """Admit the head of the queue; returns the tokens it takes from the budget, None if it must wait."""
+        if request.awaited_ticket is not None:
+            return self._reserve(request)
         if request.remote is not None:
             admission = self.connector.plan_admission(request)
             if admission.kind is AdmissionKind.FAIL:
@@ -448,6 +492,20 @@ class Scheduler:
                                 peer=num_pull_tokens is not None)
         else:
             self._resume_after_load(request, resume_at)
+        return 0
+
+    def _reserve(self, request: Request) -> Optional[int]:
+        """D, before P's ticket: allocate what `_admit_remote` would (a prefix hit here counts) and hold it,
+        loading, until `take_ticket` says what to pull into it. Tier pages of the prefix load meanwhile."""
+        prefix = self.kv.find_prefix(request.block_hashes, request.num_prompt_tokens)
+        if not self.kv.allocate_slots(request.request_id, request.num_prompt_tokens - 1, 1, prefix):
+            return None
+        self.waiting.popleft()
+        request.num_cached_tokens = prefix.num_tokens
+        self._mark_scheduled(request)
+        reading_tier = self.kv.start_tier_read(request.request_id)
+        self._start_loading(request, prefix.num_tokens, pulling=False, reading_tier=reading_tier,
+                            awaiting_ticket=True)
         return 0
 
     @staticmethod

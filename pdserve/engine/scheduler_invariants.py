@@ -53,7 +53,7 @@ def _queues(scheduler: SchedulerState) -> list[str]:
 
 
 def _loads(scheduler: SchedulerState) -> list[str]:
-    """A loading request waits for at least one part (a pull, a tier read) until it moves on."""
+    """A loading request waits for at least one part (a pull, a tier read, its ticket) until it moves on."""
     problems = []
     stale = sorted(request_id for request_id, load in scheduler.loading.items() if not load.in_flight)
     if stale:

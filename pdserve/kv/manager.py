@@ -275,6 +275,16 @@ class KVCacheManager:
         self.offload.start_tier_read(load_id, loads)
         return True
 
+    def has_tier_reads(self) -> bool:
+        """Whether a tier read started here has not been reported by `poll_offload` yet (a request's,
+        a peer pin's, or one whose owner was freed meanwhile): whoever polls must keep polling."""
+        return bool(self._loading)
+
+    def is_reading_tier(self, request_id: str) -> bool:
+        """Whether the request's tier pages are not all in its blocks yet (admitted with tier pages and
+        their load not reported by `poll_offload`; once reported, the landed pages are cached)."""
+        return request_id in self._loads or request_id in self._load_ids
+
     def poll_offload(self) -> LoadResults:
         """Loads that landed (their blocks are now in the prefix cache) or failed (the caller frees
         the request and recomputes it) since the last poll."""

@@ -134,6 +134,8 @@ class DecodeConnector:
             return False
         try:
             remote.read_started_s = self.clock()
+            # d_admit: from admission's verified source to this READ (the engine's queue and allocation).
+            self.metrics.observe_handoff({"d_admit": max(0.0, remote.read_started_s - remote.source.received_s)})
             done = KVMessage(MessageKind.DONE, params.remote_request_id, _nonce(params))
             # State slot by slot (between block or TP sizes) only a RankedTransport reads; P/D wiring makes one.
             extra = {"state_moves": pull.state_moves} if pull.state_moves else {}

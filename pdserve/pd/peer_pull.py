@@ -12,7 +12,7 @@ covers a message lost. Pulled blocks become ordinary prefix-cache blocks when th
 step commits them (the scheduler's `commit`, as for any computed block). Torch-free.
 
     puller (this worker)                          holder (the peer)
-    admission: POST /internal/kv/peer_pin ----->  match its own hash chain, pin, lease
+    admission: POST /internal/kv/peer_pin ----->  match its own hash chain (pool, then tier), pin, lease
                <---- ticket {ids, chain, nonce}
     scheduler allocates the prefix's blocks
     start_pull: READ ids -> our blocks             (pinned: its pages cannot change)

@@ -75,7 +75,7 @@ class KVSide:
     peers: Optional[PeerConnections] = None  # decode workers, and P with peer pulls on
     base_epoch: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     peer_pull: Optional[PeerPullConnector] = None  # peer pulls on: wraps `connector` for the scheduler
-    count_peer_pinned: Callable[[int], None] = lambda num_tokens: None  # P: tokens pinned for peers
+    count_peer_pinned: Callable[[str, int], None] = lambda medium, num_tokens: None  # P: tokens lent, by medium
     ticket_inbox: Optional[TicketInbox] = None  # D: P's params for decode legs sent before P answered
 
     @property
@@ -128,7 +128,8 @@ def build_kv_side(config: WorkerConfig, metrics: Metrics, pool: PoolDescription,
         peers = PeerConnections(transport, transfer.connect_timeout_s) if peer_pulls(config, pool) else None
         return KVSide(connector, transport, describe, peers, base_epoch=epoch,
                       peer_pull=_peer_pull(config, metrics, pool, connector, transport, peers, poll_peers=True),
-                      count_peer_pinned=metrics.kv.peer_pinned_tokens.inc)
+                      count_peer_pinned=lambda medium, num_tokens:
+                      metrics.kv.peer_pinned_tokens.labels(medium).inc(num_tokens))
     peers = PeerConnections(transport, transfer.connect_timeout_s)
     connector = DecodeConnector(transport, peers, pool.plan, pool.block_size, metrics.transfer,
                                 transfer.failure_policy, transfer.pull_timeout_s, transfer.heartbeat_s,

@@ -2,7 +2,8 @@
 puller's reading of the `X-Pdserve-Peer-Hint` header (serving port).
 
 Invariants: the pin route is guarded by the internal token like every internal route, reads a bounded
-body, and pins on the engine thread (the KV manager is the engine thread's); a hint is taken only from
+body, and pins on the engine thread (the KV manager is the engine thread's), awaiting a tier load there
+without blocking it (pd/peer_pins.py); a hint is taken only from
 a caller that shows the internal token when one is configured (a client must not aim a worker at an
 arbitrary address: our proxy strips the header from client input and sets its own), and a malformed
 or unauthenticated hint is ignored, never an error: the request is then computed here.

@@ -3,10 +3,11 @@ worker does (the KV index's prediction), tell the chosen one where the longer pr
 pull it instead of computing it (the worker decides: pdserve/pd/peer_admission.py).
 
 Invariant: a hint names only a worker of the proxy's own pool, available now, by the internal listener
-its own /load reports, whose predicted prefix on its device is at least `margin_tokens` longer than the
-chosen worker's; the header is the proxy's own (leg requests carry no client header, so a client can
-never aim a worker at an address), and the worker takes it only with the internal token. `choose_peer_hint`
-is pure; `PeerHints` gathers its inputs in one instant.
+its own /load reports, whose predicted prefix (in its pool, or continued in its offload tier: the holder
+loads that part back before it pins, pdserve/pd/peer_pins.py) is at least `margin_tokens` longer than
+the chosen worker's (whose own tier counts as its own); the header is the proxy's own (leg requests
+carry no client header, so a client can never aim a worker at an address), and the worker takes it
+only with the internal token. `choose_peer_hint` is pure; `PeerHints` gathers its inputs in one instant.
 """
 
 from __future__ import annotations
@@ -37,16 +38,18 @@ class PeerView:
 
 
 def choose_peer_hint(chosen: Optional[CachedPrefix], peers: Sequence[PeerView], margin_tokens: int) -> Optional[PeerHint]:
-    """The peer holding the longest device prefix, when it beats the chosen worker's by the margin."""
-    own_tokens = chosen.num_device_tokens if chosen is not None else 0
+    """The peer holding the longest prefix (pool and tier), when it beats the chosen worker's by the margin;
+    the hint's medium says whether part of it sits in the peer's offload tier."""
+    own_tokens = chosen.num_tokens if chosen is not None else 0
     usable = [p for p in peers if p.available and p.internal_port is not None and p.cached is not None]
     if not usable:
         return None
-    best = max(usable, key=lambda p: p.cached.num_device_tokens)  # type: ignore[union-attr]
-    num_tokens = best.cached.num_device_tokens  # type: ignore[union-attr]
-    if num_tokens <= 0 or num_tokens - own_tokens < margin_tokens:
+    best = max(usable, key=lambda p: p.cached.num_tokens)  # type: ignore[union-attr]
+    cached: CachedPrefix = best.cached  # type: ignore[assignment]  # never None in `usable`
+    if cached.num_tokens <= 0 or cached.num_tokens - own_tokens < margin_tokens:
         return None
-    return PeerHint(host=best.host, port=best.internal_port, num_tokens=num_tokens, medium="device")
+    return PeerHint(host=best.host, port=best.internal_port, num_tokens=cached.num_tokens,
+                    medium="offload" if cached.num_offload_tokens else "device")
 
 
 class PeerHints:

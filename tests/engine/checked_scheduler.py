@@ -29,3 +29,8 @@ class CheckedScheduler(Scheduler):
         request = super().finish(request_id, reason, error)
         self.check_invariants()
         return request
+
+    def take_ticket(self, request_id, key, remote, first_token, pd_recomputed):  # type: ignore[no-untyped-def]
+        taken = super().take_ticket(request_id, key, remote, first_token, pd_recomputed)
+        self.check_invariants()
+        return taken

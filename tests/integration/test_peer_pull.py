@@ -1,7 +1,8 @@
 """Peer pulls with real processes and real NIXL: two prefill workers of the embedded model. Worker A
 computes a long prompt; the same prompt and more goes to worker B with a peer hint naming A: B reads
 A's blocks of the prefix, computes only the new part, answers what A answers (greedy, token for
-token), and A holds nothing pinned afterwards. A hint naming a dead peer, or sent without the internal
+token), and A holds nothing pinned afterwards; the same when the holder's pool was too small to keep
+the prefix and it sits only in the holder's offload tier (the holder loads it back, then pins it). A hint naming a dead peer, or sent without the internal
 token, costs only a computed prompt with the same answer, and so does a holder killed after it pinned
 and before the puller's READ (a relay in front of its internal port orders the two). Behind `pdserve proxy --policy round_robin
 --peer-pull` (a decode worker added), interleaved conversations whose every later turn lands on the
@@ -40,16 +41,20 @@ def cluster(tmp_path_factory, device):
     common = ["--num-blocks", "200", "--internal-token", TOKEN, *PULL_EVERY_HINT]
     a, b = (Worker("prefill", free_port(), str(logs / f"{name}.log"), common, device) for name in "ab")
     decode = Worker("decode", free_port(), str(logs / "decode.log"), common, device)
-    started = start_workers(a, b, decode)
+    # A holder whose 15-block pool cannot keep a prefix, with a host-memory tier behind it (started here,
+    # beside the others, rather than in a fixture of its own: one start-up wait for the module).
+    tiered = Worker("prefill", free_port(), str(logs / "tiered.log"),
+                    ["--num-blocks", "16", "--kv-offload-bytes", "64MiB", *common[2:]], device)
+    started = start_workers(a, b, decode, tiered)
     backends = ["--prefill", a.url, b.url, "--decode", decode.url, "--internal-token", TOKEN, "--policy",
                 "round_robin", "--health-interval-s", "0.2", "--peer-pull-margin-tokens", str(BLOCK)]
     proxies = {pulls: ProxyProcess(free_port(), str(logs / f"proxy-{pulls}.log"),
                                    [*backends, "--peer-pull" if pulls else "--no-peer-pull"]) for pulls in (True, False)}
     try:
         assert wait_for(lambda: all(p.is_ready() for p in proxies.values()), timeout_s=60), "a proxy never started"
-        yield {"prefills": (a, b), "decode": decode, "proxies": proxies}
+        yield {"prefills": (a, b), "decode": decode, "proxies": proxies, "tiered": tiered}
     finally:
-        stop_all(*proxies.values(), a, b, decode, *started)
+        stop_all(*proxies.values(), a, b, decode, tiered, *started)
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +148,32 @@ def test_a_dead_or_unauthenticated_hint_costs_only_a_recompute(workers):
     unauthenticated = complete(b, other, hint_for(a, len(other)))
     assert unauthenticated["usage"]["prompt_tokens"] == len(other)
     assert metric_sum(a.url, "pdserve_kv_peer_pinned_tokens_total") == pinned_before
+
+
+def test_a_prefix_held_only_in_a_peers_offload_tier_is_loaded_there_and_pulled(cluster):
+    """Issue 39's acceptance: the holder's pool is too small to keep the prefix, so a second prompt evicts it
+    into the holder's tier; the holder loads it back into its pool before pinning it, and the puller reads it."""
+    _, b = cluster["prefills"]
+    tiered = cluster["tiered"]
+    prefix = [260 + (i * 43) % 850 for i in range(7 * BLOCK + 5)]  # 7 full blocks, 8 with its answer
+    evicting = [110 + (i * 29) % 900 for i in range(15 * BLOCK - 8)]  # with its 8 answer tokens: all 15 blocks
+    complete(tiered, prefix, AUTH)
+    complete(tiered, evicting, AUTH)
+    assert metric_sum(tiered.url, "pdserve_kv_offload_bytes_total", direction="store") > 0
+    longer = prefix + [320 + i for i in range(3 * BLOCK)]
+    before = computed(b)
+    pulled_before = metric_sum(b.url, "pdserve_kv_peer_pull_tokens_total", result="pulled")
+    hint = PeerHint(host="127.0.0.1", port=tiered.internal_port, num_tokens=7 * BLOCK, medium="offload")
+    answer = complete(b, longer, {**AUTH, PEER_HINT_HEADER: hint.to_header()})
+    assert computed(b) - before == len(longer) - 7 * BLOCK
+    assert metric_sum(b.url, "pdserve_kv_peer_pull_tokens_total", result="pulled") - pulled_before == 7 * BLOCK
+    # Every pinned block came from the holder's tier: none of the prefix was left in its pool.
+    assert metric_sum(tiered.url, "pdserve_kv_peer_pinned_tokens_total", medium="offload") == 7 * BLOCK
+    assert metric_sum(tiered.url, "pdserve_kv_peer_pinned_tokens_total", medium="device") == 0
+    assert wait_for(lambda: metric_sum(tiered.url, "pdserve_transfer_pinned_blocks") == 0, timeout_s=10), \
+        "the holder still holds the peer's pin"
+    reset_prefix_cache(tiered, AUTH)  # the holder's own answer, computed from scratch
+    assert answer["choices"][0]["text"] == complete(tiered, longer, AUTH)["choices"][0]["text"]
 
 
 def held_by_prefill(proxy: ProxyProcess, prompt: list[int]) -> int:

@@ -32,9 +32,12 @@ def test_the_peer_with_the_longest_device_prefix_is_hinted_past_the_margin():
     assert choose_peer_hint(CachedPrefix(80), peers, margin_tokens=64) is None  # 48 more: under the margin
     assert choose_peer_hint(None, [view(128, port=None)], margin_tokens=1) is None  # no internal listener known
     assert choose_peer_hint(None, [view(0)], margin_tokens=1) is None
-    # Tokens the peer holds only in its offload tier are not pulled from it (yet): device tokens count.
+    # A prefix that continues in the peer's offload tier counts whole (the peer loads it before pinning),
+    # and so does the chosen worker's own tier.
     tiered = PeerView("t", 9000, True, CachedPrefix(num_tokens=256, num_offload_tokens=200))
-    assert choose_peer_hint(None, [tiered], margin_tokens=64) is None
+    assert choose_peer_hint(None, [tiered], margin_tokens=64) == PeerHint(host="t", port=9000, num_tokens=256,
+                                                                          medium="offload")
+    assert choose_peer_hint(CachedPrefix(200, num_offload_tokens=200), [tiered], margin_tokens=64) is None
 
 
 @dataclass
