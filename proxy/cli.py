@@ -108,6 +108,9 @@ def _add_failure_arguments(parser: argparse.ArgumentParser) -> None:
     failures.add_argument("--no-concurrent-legs", dest="concurrent_legs", action="store_false",
                           help="send the decode leg only once the prefill leg answered, instead of with it "
                                "(the decode worker then waits for P's answer, which the proxy delivers to it)")
+    failures.add_argument("--no-early-first-token", dest="early_first_token", action="store_false",
+                          help="stream token 1 from the decode worker, instead of sending P's token 1 to the client "
+                               "as soon as the prefill leg answered")
     failures.add_argument("--retry-after-s", type=int, default=2, help="Retry-After of the proxy's 503s")
     failures.add_argument("--connect-timeout-s", type=float, default=2.0)
     failures.add_argument("--prefill-timeout-s", type=float, default=120.0, help="the whole prefill leg")
@@ -150,6 +153,7 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
         limits=LimitsConfig(**section_values(args, LIMIT_FLAGS)),
         max_prefill_attempts=args.max_prefill_attempts, max_decode_attempts=args.max_decode_attempts,
         colocated_fallback=args.colocated_fallback, concurrent_legs=args.concurrent_legs,
+        early_first_token=args.early_first_token,
         retry_after_s=args.retry_after_s, max_connections_per_backend=args.max_connections_per_backend,
     )
 

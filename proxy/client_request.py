@@ -51,6 +51,7 @@ class ClientRequest:
     prefill_url: Optional[str] = None  # a known prefill backend the client named (x-prefiller-host-port)
     client_key: str = ""  # who it counts for in the SLO window (proxy.slo.client_key)
     peer_hint_headers: dict[str, str] = field(default_factory=dict)  # the next prefill leg's (routing/peer_hints.py)
+    want_first_events: bool = False  # ask P for token 1's stream events (proxy/early_stream.py)
 
     def prefix_key(self, num_chars: int) -> bytes:
         return self.prompt_text[:num_chars].encode("utf-8", "surrogatepass")
@@ -142,6 +143,8 @@ def prefill_body(request: ClientRequest) -> bytes:
         params["decode_max_tokens"] = request.max_tokens
     if request.min_tokens:
         params["decode_min_tokens"] = request.min_tokens
+    if request.want_first_events:
+        params["want_first_events"] = True
     leg["kv_transfer_params"] = params
     return json.dumps(leg).encode()
 

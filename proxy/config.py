@@ -135,6 +135,9 @@ class ProxyConfig(_Frozen):
     # Send the decode leg with the prefill leg: D parses and tokenizes while P computes, and P's answer is
     # delivered to it (proxy/both_legs.py). Off: the decode leg goes out once P answered.
     concurrent_legs: bool = True
+    # A streamed request's token 1 goes to the client as soon as P answered (P builds its events), before
+    # D's stream starts; D's same events are stripped from its stream (proxy/early_stream.py).
+    early_first_token: bool = True
     retry_after_s: int = Field(2, ge=1)  # the Retry-After of a 503
     max_connections_per_backend: int = Field(1024, ge=1)
     log_level: str = "info"

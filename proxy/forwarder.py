@@ -18,10 +18,14 @@ What a process death costs (nothing, where nothing had reached the client):
            old one, whose pages P may since have reused) and another decode worker, once
     the decode worker dies mid-stream
         -> the stream ends with an error event (proxy/relay.py): bytes already left
+    the decode leg fails after P's token 1 went to the client (proxy/early_stream.py)
+        -> the same retries as above; the stream that answers must begin with that token 1 (checked:
+           a sampled, unseeded token 1 drawn again may differ), else it ends with an error event
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -40,12 +44,13 @@ from proxy.backends import Backend, BackendPool, Outcome, Role
 from proxy.client_request import REQUEST_ID_HEADER, ClientRequest, choose_request_id, parse_client_request
 from proxy.config import ProxyConfig
 from proxy.errors import NoBackendAvailable, ProxyError, RejectedRequest, error_response
+from proxy.early_stream import EarlyFirstToken, EarlyStreamResponse
 from proxy.kv_release import KVReleaser, PrefillHold
 from proxy.both_legs import BothLegs, KVRetryAfterConcurrent, LegOps
 from proxy.legs import DecodeLost, KVRetry, LegFailed, LegSender, OpenLeg, PassThrough, cached_tokens_of
 from proxy.metrics import ProxyMetrics, status_class
 from proxy.slo import SloTracker, client_key
-from proxy.relay import ClientGone, RelayStreamResponse, StreamTiming, until_client_disconnects
+from proxy.relay import ClientGone, RelayStreamResponse, StreamTiming, close_leg, until_client_disconnects
 from proxy.routing.candidates import Candidate, Pick, RoleTurns, RouteRequest
 from proxy.routing.disaggregation import PrefillSpeed
 from proxy.routing.kv_routing import KVRouting
@@ -75,6 +80,7 @@ class RequestTiming:
     prefill_s: float = 0.0  # the prefill leg(s), retries included
     wasted_s: float = 0.0  # decode legs that ended in a KV retry
     handoff: ProxyHandoff = field(init=False)  # the components of its handoff (pdserve/api/handoff.py)
+    early: Optional[EarlyFirstToken] = None  # a streamed request's token 1 from P (proxy/early_stream.py)
 
     def __post_init__(self) -> None:
         self.handoff = ProxyHandoff(self.arrival_s)
@@ -116,7 +122,15 @@ class Forwarder:
                 await self._kv.prepare(request)
             facts = self._route_request(request)
             timing.mode = request_mode(facts, self._settings)
-            leg = await until_client_disconnects(raw.receive, self._run_legs(request, facts, timing))
+            if self._config.early_first_token and request.stream and request.body.get("n") in (None, 1):
+                request.want_first_events = True
+                timing.early = EarlyFirstToken()
+                opened = await until_client_disconnects(raw.receive, self._legs_or_early(request, facts, timing))
+                if isinstance(opened, asyncio.Task):
+                    return self._counted(timing.mode, self._respond_early(request, opened, timing))
+                leg = opened
+            else:
+                leg = await until_client_disconnects(raw.receive, self._run_legs(request, facts, timing))
         except ProxyError as exc:
             return self._counted(timing.mode, error_response(exc, request_id, self._config.retry_after_s))
         except PassThrough as exc:
@@ -217,6 +231,26 @@ class Forwarder:
     def _unavailable(self, role: Role) -> NoBackendAvailable:
         self._metrics.rejected.labels(role.value).inc()
         return NoBackendAvailable(f"no {role.value} worker is available; retry later")
+
+    async def _legs_or_early(self, request: ClientRequest, facts: RouteRequest,
+                             timing: RequestTiming) -> "OpenLeg | asyncio.Task[OpenLeg]":
+        """The request's legs in a task of their own: the open decode leg when it comes first, or the
+        task itself once P's token-1 events are in (the response then sends them and awaits the leg)."""
+        early = timing.early
+        legs = asyncio.ensure_future(self._run_legs(request, facts, timing))
+        try:
+            await asyncio.wait({legs, early.ready}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled (the client left): the legs go too, a leg they opened is closed
+            legs.cancel()
+            await asyncio.wait({legs})
+            if not legs.cancelled() and legs.exception() is None:
+                await close_leg(legs.result(), Outcome.NEUTRAL)
+            raise
+        if early.ready.done():
+            return legs
+        if early.declined is not None:
+            self._metrics.early_first_token.labels("not_offered", early.declined).inc()
+        return legs.result()
 
     async def _run_legs(self, request: ClientRequest, facts: RouteRequest, timing: RequestTiming) -> OpenLeg:
         route = choose_route(facts, self._signals(request), self._settings)
@@ -324,6 +358,8 @@ class Forwarder:
                     continue
                 if self._kv is not None:
                     self._kv.observe(Role.PREFILL, request, backend, answer.num_cached_tokens)
+                if timing.early is not None:
+                    timing.early.offer(answer.first_events, answer.first_events_skipped)
                 return backend, answer.kv_transfer_params
         finally:
             timing.prefill_s += time.perf_counter() - started_s
@@ -429,6 +465,32 @@ class Forwarder:
         and without a prediction it takes none: D's rate then defaults to P's."""
         route = request.kv_route
         return route.predicted.get(backend.url) if route is not None else None
+
+    def _respond_early(self, request: ClientRequest, legs: "asyncio.Task[OpenLeg]",
+                       timing: RequestTiming) -> EarlyStreamResponse:
+        """P's token-1 events go out now; D's stream follows once `legs` opened it."""
+        self._metrics.early_first_token.labels("sent", "").inc()
+        handoff = timing.handoff
+        handoff.decode_sent_s = handoff.decode_first_byte_s = handoff.prefill_answered_s  # token 1's source: P
+
+        def on_first_written(now_s: float) -> None:
+            handoff.client_first_byte_s = now_s
+            to_first_byte_s = now_s - timing.arrival_s
+            self._metrics.ttft_s.labels(timing.mode).observe(to_first_byte_s)
+            self._metrics.ttft_prefill_s.observe(timing.prefill_s)
+            self._publish_handoff(request, timing)
+
+        def on_leg(leg: OpenLeg, first_byte_s: float) -> None:
+            self._metrics.ttft_decode_s.labels(timing.mode).observe(first_byte_s - leg.started_s)
+
+        def on_complete(stream: StreamTiming) -> None:
+            if stream.first_s is not None:
+                self._slo.observe(self._num_prompt_tokens(request), stream.first_s - timing.arrival_s,
+                                  stream.mean_gap_s, request.client_key)
+
+        return EarlyStreamResponse(timing.early.ready.result(), legs, {REQUEST_ID_HEADER: request.request_id},
+                                   lambda outcome: self._metrics.early_first_token.labels(outcome, "").inc(),
+                                   on_first_written, on_leg, on_complete, self._config.timeouts.client_send_s)
 
     def _respond(self, request: ClientRequest, leg: OpenLeg, timing: RequestTiming) -> Response:
         headers = {REQUEST_ID_HEADER: request.request_id}

@@ -26,6 +26,8 @@ from proxy.metrics import ProxyMetrics, status_class
 
 logger = logging.getLogger(__name__)
 
+FIRST_EVENTS_FIELD = "first_events"  # P's answer's kv_transfer_params (pdserve/server/first_events.py)
+FIRST_EVENTS_SKIPPED_FIELD = "first_events_skipped"
 # Decode's answers that mean "the KV never arrived": prefill again (elsewhere) and retry.
 KV_RETRY_ERROR_TYPES = {503: "kv_pull_failed", 409: "kv_params_stale"}
 # Answers that say the path to a worker failed, not the request: retried elsewhere, counted by the breaker.
@@ -83,6 +85,8 @@ class PrefillAnswer:
     kv_transfer_params: dict[str, Any]
     num_cached_tokens: Optional[int]  # the worker's usage.prompt_tokens_details.cached_tokens
     handoff_s: dict[str, float] = field(default_factory=dict)  # P's own handoff components (pdserve/api/handoff.py)
+    first_events: Optional[bytes] = None  # token 1's stream events, when asked and P could give them
+    first_events_skipped: Optional[str] = None  # else why not, as P named it (pdserve/server/first_events.py)
 
 
 def cached_tokens_of(answer: Any) -> Optional[int]:
@@ -275,4 +279,8 @@ def _prefill_answer(response: httpx.Response) -> Optional[PrefillAnswer]:
         return None
     if not isinstance(params, dict):
         return None
-    return PrefillAnswer(params, cached_tokens_of(body), parse_prefill_parts(params.get("handoff_s")))
+    events = params.pop(FIRST_EVENTS_FIELD, None)  # for the client, not for D: taken off the ticket
+    skipped = params.pop(FIRST_EVENTS_SKIPPED_FIELD, None)
+    return PrefillAnswer(params, cached_tokens_of(body), parse_prefill_parts(params.get("handoff_s")),
+                         events.encode() if isinstance(events, str) and events else None,
+                         skipped if isinstance(skipped, str) else None)

@@ -81,6 +81,14 @@ class ProxyMetrics:
             "decode worker; called_off: P failed or the client left first; in_turn: the decode worker failed, "
             "refused or missed its ticket, and the legs went on in turn)",
             ["outcome"], registry=registry)
+        self.early_first_token = Counter(
+            "pdserve_proxy_early_first_token_total",
+            "Streamed P/D requests whose prefill leg was asked for token 1's events, by outcome (sent: the "
+            "client got token 1 from P's answer; not_offered: P gave none, D streams token 1, reason as P "
+            "named it: n_choices, echo, grammar, ends_at_one, held_back, or unnamed; mismatch: D's first "
+            "events differed, the stream ended with an error event; decode_failed: the decode leg failed "
+            "after token 1 was sent, the stream ended with an error event)",
+            ["outcome", "reason"], registry=registry)
         self.kv_releases = Counter(
             "pdserve_proxy_kv_releases_total",
             "Prefills whose pinned KV the proxy asked their prefill worker to free (the decode leg failed or "

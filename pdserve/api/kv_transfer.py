@@ -184,6 +184,9 @@ class RemoteDecodeRequest(BaseModel):
     do_remote_prefill: StrictBool = False
     decode_max_tokens: Optional[StrictInt] = Field(None, ge=1)
     decode_min_tokens: Optional[StrictInt] = Field(None, ge=0)
+    # Our proxy, for a streamed client request: answer also with the stream events of token 1
+    # (pdserve/server/first_events.py), which it sends the client before D's stream starts.
+    want_first_events: StrictBool = False
 
 
 class RemotePrefillParams(BaseModel):

@@ -79,6 +79,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disaggregation", choices=("adaptive", "static"), default="adaptive",
                         help="the proxy's choice of P/D or prefill on the decode worker, per request (default "
                              "adaptive here, see pdserve proxy --help)")
+    parser.add_argument("--early-first-token", action=argparse.BooleanOptionalAction, default=True,
+                        help="the proxy streams P's token 1 to the client as soon as the prefill leg answers "
+                             "(--no-early-first-token: D streams it)")
     parser.add_argument("--concurrent-legs", action=argparse.BooleanOptionalAction, default=True,
                         help="(default) the proxy sends the decode leg with the prefill leg (pdserve proxy "
                              "--no-concurrent-legs: in turn)")
@@ -160,6 +163,8 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int], core_ledger: Opt
         proxy += ["--policy", args.policy]
     if not args.concurrent_legs:
         proxy += ["--no-concurrent-legs"]
+    if not args.early_first_token:
+        proxy += ["--no-early-first-token"]
     for flag in ("disaggregation", "slo_ttft_ms", "slo_ttft_ms_per_token", "slo_tpot_ms"):
         if getattr(args, flag, None) is not None:
             proxy += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]

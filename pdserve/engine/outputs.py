@@ -27,6 +27,15 @@ def _held_back_length(text: str, stops: tuple[str, ...]) -> int:
     return longest
 
 
+def continuing_first_text(tokenizer: Tokenizer, token_id: int, stops: tuple[str, ...]) -> str:
+    """The text a stream that goes on past its first output token emits for that token: what
+    `OutputProcessor.process` gives at token 1 of an unfinished request (an incomplete UTF-8 sequence
+    and a possible start of a stop string held back), not what a request finished there flushes.
+    P streams it early for D (pdserve/server/first_events.py); the caller knows token 1 ends nothing."""
+    text = IncrementalDetokenizer(tokenizer).push([token_id])
+    return text[: len(text) - _held_back_length(text, stops)]
+
+
 @dataclass(slots=True)
 class _TextState:
     detokenizer: IncrementalDetokenizer

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -29,6 +29,8 @@ from pdserve.server.choices import ChoiceStreams, plan_choices
 from pdserve.server.context import REQUEST_ID_HEADER, ServingContext
 from pdserve.server.errors import check_internal_token
 from pdserve.server.peer_routes import peer_hint_from
+from pdserve.server.first_events import (FIRST_EVENTS_FIELD, FIRST_EVENTS_SKIPPED_FIELD, first_events,
+                                         wants_first_events)
 from pdserve.server.formatting import CompletionFormat, ResponseFormat, results_usage
 from pdserve.server.generation import GenerationResult, run_until_disconnected
 from pdserve.server.preprocess import PreparedRequest, check_model, ensure_ready, prepare_chat, prepare_completion
@@ -151,8 +153,13 @@ async def _serve(
         results = await run_until_disconnected(raw, _collect(streams))
         _mark_recomputed(headers, streams)
         usage = results_usage(results, [len(p) for p in prepared.prompts], prepared.num_choices)
-        return await final_json_response(lambda: response_format.final_response(results, usage),
-                                         answer_size(results), headers)
+        answered = streams
+
+        def build() -> BaseModel:  # the answer first: token 1's events then feed the format's stream state
+            answer = response_format.final_response(results, usage)
+            return _with_first_events(answer, *_first_events(ctx, answered, results, response_format, body))
+
+        return await final_json_response(build, answer_size(results), headers)
     finally:
         if not handed_off:
             if holds_stream_slot:
@@ -161,6 +168,26 @@ async def _serve(
                 await streams.aclose()
             else:
                 ctx.request_ids.release(request_id)
+
+
+def _first_events(ctx: ServingContext, streams: ChoiceStreams, results: Sequence[GenerationResult],
+                  response_format: ResponseFormat, body: OpenAIRequest) -> tuple[Optional[str], Optional[str]]:
+    """P: token 1's stream events when our proxy's prefill leg asks (pdserve/server/first_events.py)."""
+    requests = [choice.request for choice in streams.choices]
+    if not requests or not wants_first_events(requests[0]):
+        return None, None
+    return first_events(response_format, requests, results, ctx.engine.tokenizer, ctx.engine.max_model_len,
+                        num_choices=body.num_choices, constrained=body.output_constraint() is not None)
+
+
+def _with_first_events(answer: BaseModel, events: Optional[str], skipped: Optional[str]) -> BaseModel:
+    params = getattr(answer, "kv_transfer_params", None)
+    if isinstance(params, dict):
+        if events is not None:
+            params[FIRST_EVENTS_FIELD] = events
+        elif skipped is not None:
+            params[FIRST_EVENTS_SKIPPED_FIELD] = skipped
+    return answer
 
 
 def _take_stream_slot(ctx: ServingContext) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import io
 import sys
 import time
@@ -264,6 +266,17 @@ def test_up_defaults_to_adaptive_disaggregation_steps_within_the_tpot_and_handed
 def test_up_sends_both_legs_at_once_unless_told_not_to():
     assert "--no-concurrent-legs" not in specs_for()["proxy"].argv
     assert "--no-concurrent-legs" in specs_for("--no-concurrent-legs")["proxy"].argv
+
+
+def test_up_streams_p_first_token_early_unless_told_not_to():
+    assert "--no-early-first-token" not in specs_for()["proxy"].argv
+    argv = specs_for("--no-early-first-token")["proxy"].argv
+    assert "--no-early-first-token" in argv
+    from proxy.cli import add_proxy_arguments, proxy_config
+    parser = argparse.ArgumentParser()
+    add_proxy_arguments(parser)
+    assert not proxy_config(parser.parse_args(argv[argv.index("proxy") + 1:])).early_first_token
+    assert proxy_config(parser.parse_args(specs_for()["proxy"].argv[argv.index("proxy") + 1:])).early_first_token
 
 
 @pytest.mark.parametrize("spelling", [["--kv-offload-dir", "/data/tier"], ["--kv-offload-dir=/data/tier"]])

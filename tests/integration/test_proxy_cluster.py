@@ -236,6 +236,83 @@ def test_openai_client_feature(client, up, check):
     check(client, up.url("proxy"))
 
 
+def stream_payloads(lines) -> list[dict]:
+    """The JSON events of an SSE answer ([DONE] aside), in order."""
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def without_identity(payload: dict) -> dict:
+    """An event less what differs between two answers to the same request: id, created, cached tokens,
+    and logprob values beyond 4 decimals (P and D compute a token's distribution in different batches)."""
+    def rounded(value):
+        if isinstance(value, dict):
+            return {k: rounded(v) for k, v in value.items() if k not in ("id", "created", "prompt_tokens_details")}
+        if isinstance(value, list):
+            return [rounded(v) for v in value]
+        return round(value, 4) if isinstance(value, float) else value
+    return rounded(payload)
+
+
+def shows_token(payload: dict) -> bool:
+    choice = payload["choices"][0] if payload.get("choices") else {}
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
+EARLY_CASES = {
+    "chat": ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 12, "logprobs": True, "top_logprobs": 2,
+                                      "stream_options": {"include_usage": True}}),
+    "completions": ("/v1/completions", {"prompt": "Three things to pack for a day at the beach:", "max_tokens": 12}),
+}
+
+
+@pytest.mark.parametrize("case", EARLY_CASES)
+def test_p_first_token_reaches_the_client_before_d_can_pull_and_the_stream_equals_one_worker(up, case):
+    """The early first token (proxy/early_stream.py): with the decode worker stopped (SIGSTOP: it can
+    neither parse the request nor claim or READ its KV), the client still gets token 1 from P's answer;
+    once D goes on, the rest of the stream, and the whole of it, equals the decode worker's own answer
+    streamed alone, event for event (role chunk, text, logprobs, finish, usage counting token 1 once)."""
+    path, fields = EARLY_CASES[case]
+    body = {"model": MODEL, "temperature": 0, "stream": True, **fields}
+    with httpx.stream("POST", up.url("decode") + path, json=body, timeout=120) as alone:
+        expected = stream_payloads(alone.iter_lines())
+    sent = labelled_metric(up, "proxy", "pdserve_proxy_early_first_token_total", 'outcome="sent",reason=""')
+    from_prefill = decode_metric(up, "pdserve_pd_first_token_from_prefill_total")
+    decode_pid = up.child_pids()["decode"]
+    os.kill(decode_pid, signal.SIGSTOP)
+    stopped = True
+    try:
+        with httpx.stream("POST", up.url("proxy") + path, json=body, timeout=60) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            head = []
+            for line in lines:  # up to the first event that shows a token: all of it while D is stopped
+                head += stream_payloads([line])
+                if head and shows_token(head[-1]):
+                    break
+            assert head and shows_token(head[-1]), head
+            os.kill(decode_pid, signal.SIGCONT)
+            stopped = False
+            got = head + stream_payloads(lines)
+    finally:
+        if stopped:
+            os.kill(decode_pid, signal.SIGCONT)
+    assert [without_identity(p) for p in got] == [without_identity(p) for p in expected]
+    assert len({(p["id"], p["created"]) for p in got}) == 1  # one identity, P's events and D's alike
+    assert labelled_metric(up, "proxy", "pdserve_proxy_early_first_token_total", 'outcome="sent",reason=""') == sent + 1
+    assert decode_metric(up, "pdserve_pd_first_token_from_prefill_total") == from_prefill + 1  # D pulled P's pin
+
+
+def test_a_stream_that_ends_at_token_1_is_left_to_d_and_p_says_why(up):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}
+    with httpx.stream("POST", up.url("decode") + "/v1/completions", json=body, timeout=120) as alone:
+        expected = [without_identity(p) for p in stream_payloads(alone.iter_lines())]
+    label = 'outcome="not_offered",reason="ends_at_one"'
+    before = labelled_metric(up, "proxy", "pdserve_proxy_early_first_token_total", label)
+    with httpx.stream("POST", up.url("proxy") + "/v1/completions", json=body, timeout=120) as response:
+        assert [without_identity(p) for p in stream_payloads(response.iter_lines())] == expected
+    assert labelled_metric(up, "proxy", "pdserve_proxy_early_first_token_total", label) == before + 1
+
+
 HOSTILE_FIELDS = {  # each took a worker (500) or the proxy (500) down a path, and three opened the breaker
     "superscript logit_bias key": ({"logit_bias": {"²": 1}}, "logit_bias"),
     "5,000-digit logit_bias key": ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),

@@ -63,6 +63,7 @@ class StubWorker:
     abandoned: list[str] = field(default_factory=list)
     takes_concurrent_legs: bool = True  # False: refuse awaited params by name, as a release before them would
     num_refused_awaited: int = 0  # awaited params so refused
+    first_events: Optional[str] = None  # prefill: token 1's stream events, answered when the leg asks
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -157,6 +158,11 @@ class StubWorker:
                             headers=headers)
 
     def _params(self, body: dict) -> dict:
+        if self.first_events is not None and body["kv_transfer_params"].get("want_first_events"):
+            return {**self._pin(), "first_events": self.first_events}
+        return self._pin()
+
+    def _pin(self) -> dict:
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.name,
                 "remote_request_id": "p-1", "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1",
                 "remote_port": 1, "tp_size": 1, "remote_epoch": f"{self.name}-epoch", "remote_pin_nonce": PIN_NONCE,
