@@ -68,6 +68,10 @@ class ModelConfig(_Frozen):
 class CacheConfig(_Frozen):
     block_size: int = setting(16, "tokens per KV block", ge=1, le=1024)
     num_blocks: Optional[int] = setting(None, "pool size in blocks (wins over --kv-memory)", ge=2)
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+        "auto", "element type of the KV pool: 16-bit halves the bytes a decode step reads and doubles the blocks "
+                "per GiB; attention still sums in float32 (auto: the model's dtype; docs/kv-layout.md). Workers "
+                "sharing KV must agree")
     kv_memory_bytes: Optional[int] = setting(
         None, "pool size in bytes, e.g. 512MiB or 2GiB; auto (the default): on CUDA sized from the GPU's free "
               "memory after the weights (see --gpu-memory-utilization and docs/kv-layout.md), 1GiB on CPU",

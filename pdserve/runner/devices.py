@@ -36,6 +36,13 @@ def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
     return _DTYPES[choice]
 
 
+def pick_kv_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type: `--kv-cache-dtype`, or with auto the model's dtype."""
+    if choice == "auto":
+        return model_dtype
+    return _DTYPES[choice]
+
+
 def rank_device(choice: torch.device, rank: int) -> torch.device:
     """Rank r's device: the r-th GPU after the configured one (one device per rank), or the CPU."""
     if choice.type != "cuda":
