@@ -70,8 +70,9 @@ class CacheConfig(_Frozen):
     num_blocks: Optional[int] = setting(None, "pool size in blocks (wins over --kv-memory)", ge=2)
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
         "auto", "element type of the KV pool: 16-bit halves the bytes a decode step reads and doubles the blocks "
-                "per GiB; attention still sums in float32 (auto: the model's dtype; docs/kv-layout.md). Workers "
-                "sharing KV must agree")
+                "per GiB; attention still sums in float32 (auto: bfloat16 where decode runs the fused native "
+                "layers, a Llama-family model on the CPU, unless --dtype float32 (the exact mode); else the "
+                "model's dtype; docs/kv-layout.md). Workers sharing KV must agree")
     kv_memory_bytes: Optional[int] = setting(
         None, "pool size in bytes, e.g. 512MiB or 2GiB; auto (the default): on CUDA sized from the GPU's free "
               "memory after the weights (see --gpu-memory-utilization and docs/kv-layout.md), 1GiB on CPU",

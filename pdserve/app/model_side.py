@@ -145,7 +145,8 @@ def build_model_side(config: WorkerConfig, loaded: Optional[LoadedModel] = None,
     shard = TensorParallelRank(0, ranks.size, ranks.all_reduce, ranks.all_gather) if ranks is not None else None
     loaded = loaded or load_model(config.model.path, dtype, device, quantization, parallel=shard)
     spec = loaded.model.spec
-    kv_dtype = pick_kv_dtype(config.cache.kv_cache_dtype, dtype)
+    kv_dtype = pick_kv_dtype(config.cache.kv_cache_dtype, config.model.dtype, loaded.model, dtype,
+                             device)
     plan = plan_for_model(spec.layer_specs, config.cache.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
     if plan.geometry is not None:
         logger.info("recurrent-state pages: %s", plan.geometry.describe())

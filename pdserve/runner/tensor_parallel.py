@@ -139,7 +139,8 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
         loaded = load_model(config.model.path, dtype, device, quantization,
                             parallel=TensorParallelRank(rank, size, group.all_reduce, group.all_gather))
         spec = loaded.model.spec
-        kv_dtype = pick_kv_dtype(config.cache.kv_cache_dtype, dtype)  # rank 0's rule: the same pool
+        kv_dtype = pick_kv_dtype(config.cache.kv_cache_dtype, config.model.dtype, loaded.model, dtype,
+                                 device)
         plan = plan_for_model(spec.layer_specs, config.cache.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
         setup: RankSetup = group.broadcast()
         page_bytes = plan_page_bytes(plan, config.cache.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)

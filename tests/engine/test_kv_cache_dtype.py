@@ -177,3 +177,17 @@ def test_greedy_decoding_of_the_embedded_model_over_16bit_pools_follows_the_floa
     expected = _greedy_tokens(loaded, prompts, "float32", 32)
     for dtype in ("bfloat16", "float16"):
         assert _greedy_tokens(loaded, prompts, dtype, 32) == expected, dtype
+
+
+def test_auto_is_bfloat16_only_where_the_fused_layers_run_outside_the_exact_mode(tiny_qwen, tmp_path):
+    from pdserve.runner.devices import pick_kv_dtype
+    from tests.tiny_models import make_tiny_gemma3
+
+    require_native_kernels()
+    cpu = torch.device("cpu")
+    assert pick_kv_dtype("auto", "auto", tiny_qwen.model, torch.float32, cpu) == torch.bfloat16
+    assert pick_kv_dtype("auto", "float32", tiny_qwen.model, torch.float32, cpu) == torch.float32  # the exact mode
+    assert pick_kv_dtype("float16", "float32", tiny_qwen.model, torch.float32, cpu) == torch.float16
+    make_tiny_gemma3(str(tmp_path))  # no fused layers: the model's dtype
+    gemma = load_model(str(tmp_path), torch.float32, cpu)
+    assert pick_kv_dtype("auto", "auto", gemma.model, torch.float32, cpu) == torch.float32
