@@ -41,7 +41,8 @@ class ModelConfig(_Frozen):
     served_name: Optional[str] = setting(None, "model id in /v1/models (default: the model's own name)",
                                          flag="--served-model-name")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
-        "auto", "weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+        "auto", "weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA); the KV pool's is "
+                "--kv-cache-dtype's")
     device: str = setting("auto", "where the model and the KV pool live: auto (CUDA if present), cpu, cuda or "
                                   "cuda:N; NIXL registers the pool under that device", parse="device",
                           pattern=DEVICE_PATTERN)

@@ -191,3 +191,19 @@ def test_auto_is_bfloat16_only_where_the_fused_layers_run_outside_the_exact_mode
     make_tiny_gemma3(str(tmp_path))  # no fused layers: the model's dtype
     gemma = load_model(str(tmp_path), torch.float32, cpu)
     assert pick_kv_dtype("auto", "auto", gemma.model, torch.float32, cpu) == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_greedy_decoding_on_cuda_over_a_16bit_pool_follows_the_float32_pool(tmp_path, kv_cache_dtype):
+    """The torch paths (padded gather and SDPA, cast on store and gather) on the GPU, float32 model."""
+    make_tiny_qwen3(str(tmp_path))
+    loaded = load_model(str(tmp_path), torch.float32, torch.device("cuda"))
+    prompts = [random_prompt(n, QWEN_VOCAB, 40 + n) for n in (5, 17, 38, 60)]
+
+    def tokens(dtype: str) -> list[list[int]]:
+        engine = make_engine(loaded=loaded, device="cuda", kv_cache_dtype=dtype, block_size=4, num_blocks=256)
+        return [result.token_ids for result in generate(engine, prompts, greedy(24, ignore_eos=True))]
+
+    assert tokens(kv_cache_dtype) == tokens("float32")
