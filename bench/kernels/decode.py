@@ -22,6 +22,10 @@ clock read per part (a second row times the step with them off).
 
 `--clock cpu` (with `--threads 1` only) times by CPU time, Python's and the native laps' alike:
 on a shared machine it leaves out the time other processes held the core.
+
+`--kv-cache-dtypes float32 bfloat16` runs one engine per KV pool element type (each its own copy
+of the model), interleaved within every round, and adds a side-by-side table of attention and
+step times with ratios against the first type.
 """
 
 from __future__ import annotations
@@ -140,13 +144,13 @@ def model_bytes(model: Any, stack_layers: Any) -> dict[str, int]:
     return parts
 
 
-def kv_bytes_per_token(model: Any) -> int:
-    """Bytes of keys and values one cached token holds over every layer (float32 pool)."""
+def kv_bytes_per_token(model: Any, element_bytes: int = 4) -> int:
+    """Bytes of keys and values one cached token holds over every layer."""
     layer = model.layers[0].self_attn
-    return len(model.layers) * 2 * layer.num_kv_heads * layer.head_dim * 4
+    return len(model.layers) * 2 * layer.num_kv_heads * layer.head_dim * element_bytes
 
 
-def build_engine_loop(threads: int, batch: int) -> Any:
+def build_engine_loop(threads: int, batch: int, kv_cache_dtype: str = "auto") -> Any:
     from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
     from pdserve.app.engine_factory import build_engine
     from pdserve.metrics import Metrics
@@ -156,8 +160,11 @@ def build_engine_loop(threads: int, batch: int) -> Any:
     device = torch.device("cpu")
     quantization = resolve_quantization("auto", "auto", device)  # what `pdserve serve` loads
     loaded = load_model(None, torch.float32, device, quantization)
+    # "auto" is left unset, so that decode-ab's baseline trees (from before the option) build too.
+    kv_dtype = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
     worker = WorkerConfig(model=ModelConfig(device="cpu"),
-                          cache=CacheConfig(block_size=16, num_blocks=64 + batch * 40, enable_prefix_caching=False),
+                          cache=CacheConfig(block_size=16, num_blocks=64 + batch * 40, enable_prefix_caching=False,
+                                            **kv_dtype),
                           scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_running=batch))
     return build_engine(worker, Metrics(), loaded).engine.engine_loop
 
@@ -224,32 +231,64 @@ def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="cpu: the process's CPU time (with --threads 1 only), for a shared machine")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
+                        choices=["auto", "float32", "bfloat16", "float16"],
+                        help="KV pool element types measured side by side, one engine each (auto: the model's)")
+
+
+def dtype_rows(summaries: list[dict]) -> list[list[Any]]:
+    """Attention and step medians per KV element type and batch, with ratios against the first type."""
+    rows = []
+    for summary in summaries:
+        base = next(s for s in summaries if s["batch"] == summary["batch"])
+        parts, base_parts = summary["parts"], base["parts"]
+        row: list[Any] = [summary["kv_cache_dtype"], summary["batch"]]
+        for key in ("layer.attention", "layer.store_kv", "step"):
+            ms, base_ms = parts[key]["median_ms"], base_parts[key]["median_ms"]
+            row += [f"{ms:.3f}", f"{base_ms / ms:.2f}x" if ms > 0 else "-"]
+        rows.append(row + [f"{parts['layer.attention']['bytes'] / 1e6:.1f}"])
+    return rows
 
 
 def run(args: argparse.Namespace) -> tuple[str, dict]:
     if args.clock == "cpu" and args.threads != 1:
         raise SystemExit("--clock cpu adds up every thread's time: use it with --threads 1")
-    loop = build_engine_loop(args.threads, max(args.batches))
-    timer = StepTimer(loop, CLOCKS[args.clock], thread_clock=args.clock == "cpu")
-    model = timer.model
-    vocab = model.args.vocab_size
-    run_requests(loop, max(args.batches), args.prompt_tokens, 2, "warm", vocab)
-    timer.records.clear()
+    timers = {}
+    for kv_dtype in args.kv_cache_dtypes:
+        loop = build_engine_loop(args.threads, max(args.batches), kv_dtype)
+        timers[kv_dtype] = StepTimer(loop, CLOCKS[args.clock], thread_clock=args.clock == "cpu")
+    vocab = next(iter(timers.values())).model.args.vocab_size
+    for kv_dtype, timer in timers.items():
+        run_requests(timer.loop, max(args.batches), args.prompt_tokens, 2, f"warm-{kv_dtype}", vocab)
+        timer.records.clear()
     bandwidths = []  # the best of one measurement a round: on a shared machine others' reads lower some
     for r in range(args.rounds):
         bandwidths.append(measure_read_bandwidth())
-        for batch in args.batches:
-            for laps in (True, False):
-                timer.laps_on = laps
-                run_requests(loop, batch, args.prompt_tokens, args.new_tokens + 1, f"r{r}-b{batch}-{laps}", vocab)
+        for kv_dtype, timer in timers.items():  # interleaved: outside load hits every type alike
+            for batch in args.batches:
+                for laps in (True, False):
+                    timer.laps_on = laps
+                    run_requests(timer.loop, batch, args.prompt_tokens, args.new_tokens + 1,
+                                 f"r{r}-{kv_dtype}-b{batch}-{laps}", vocab)
     bandwidth = max(bandwidths)
-    weight_bytes = model_bytes(model, timer.decode_step._fused)
-    summaries = [summarize(timer.records, batch, bandwidth, weight_bytes, kv_bytes_per_token(model), vocab)
-                 for batch in args.batches]
-    header = ["part (ms a step, median)"] + [f"b={s['batch']} {column}" for s in summaries
+    summaries = []
+    for kv_dtype, timer in timers.items():
+        element_bytes = timer.runner.layout.element_bytes
+        weight_bytes = model_bytes(timer.model, timer.decode_step._fused)
+        for batch in args.batches:
+            summary = summarize(timer.records, batch, bandwidth, weight_bytes,
+                                kv_bytes_per_token(timer.model, element_bytes), vocab)
+            summaries.append({"kv_cache_dtype": kv_dtype, **summary})
+    several = len(timers) > 1
+    label = lambda s: f"b={s['batch']} {s['kv_cache_dtype']}" if several else f"b={s['batch']}"  # noqa: E731
+    header = ["part (ms a step, median)"] + [f"{label(s)} {column}" for s in summaries
                                              for column in ("ms", "share", "read bound ms", "x bound")]
     table = (f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads, {args.clock} clock); "
              f"steps per batch: {', '.join(str(s['num_steps']) for s in summaries)}; median context "
              f"{', '.join(str(int(s['median_context_tokens'])) for s in summaries)} tokens a step\n\n"
              + markdown_table(header, table_rows(summaries)))
+    if several:
+        table += "\n\n" + markdown_table(
+            ["KV dtype", "batch", "attention ms", "x first", "kv store ms", "x first", "step ms", "x first",
+             "KV MB read"], dtype_rows(summaries))
     return table, {"read_bandwidth_bytes_per_s": bandwidth, "batches": summaries}

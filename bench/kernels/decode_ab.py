@@ -42,7 +42,8 @@ def baseline_tree(revision: str, folder: str) -> str:
 def profile_once(tree: str, args: argparse.Namespace, out_path: str) -> dict[str, Any]:
     argv = [sys.executable, "-m", "bench.kernels", "decode", "--rounds", "1", "--out", out_path,
             "--batches", *map(str, args.batches), "--prompt-tokens", str(args.prompt_tokens),
-            "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--clock", args.clock]
+            "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--clock", args.clock,
+            "--kv-cache-dtypes", *args.kv_cache_dtypes]
     env = dict(os.environ, PYTHONPATH=tree)
     subprocess.run(argv, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     with open(out_path, encoding="utf-8") as f:
@@ -71,6 +72,8 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
         raise SystemExit("decode-ab needs --baseline REV, the commit to compare against")
     if args.clock == "cpu" and args.threads != 1:
         raise SystemExit("--clock cpu adds up every thread's time: use it with --threads 1")
+    if len(args.kv_cache_dtypes) != 1:
+        raise SystemExit("decode-ab compares trees at one --kv-cache-dtypes (decode compares types in one tree)")
     with tempfile.TemporaryDirectory(prefix="decode-ab-") as folder:
         candidate = REPO_ROOT if args.candidate is None else baseline_tree(args.candidate, os.path.join(folder, "new"))
         trees = {"baseline": baseline_tree(args.baseline, os.path.join(folder, "baseline")), "this tree": candidate}

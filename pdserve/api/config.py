@@ -41,7 +41,8 @@ class ModelConfig(_Frozen):
     served_name: Optional[str] = setting(None, "model id in /v1/models (default: the model's own name)",
                                          flag="--served-model-name")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
-        "auto", "weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+        "auto", "weights and activations dtype (auto: float32 on CPU, bfloat16 on CUDA); the KV pool's is "
+                "--kv-cache-dtype's")
     device: str = setting("auto", "where the model and the KV pool live: auto (CUDA if present), cpu, cuda or "
                                   "cuda:N; NIXL registers the pool under that device", parse="device",
                           pattern=DEVICE_PATTERN)
@@ -68,6 +69,11 @@ class ModelConfig(_Frozen):
 class CacheConfig(_Frozen):
     block_size: int = setting(16, "tokens per KV block", ge=1, le=1024)
     num_blocks: Optional[int] = setting(None, "pool size in blocks (wins over --kv-memory)", ge=2)
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+        "auto", "element type of the KV pool: 16-bit halves the bytes a decode step reads and doubles the blocks "
+                "per GiB; attention still sums in float32 (auto: bfloat16 where decode runs the fused native "
+                "layers, a Llama-family model on the CPU, unless --dtype float32 (the exact mode); else the "
+                "model's dtype; docs/kv-layout.md). Workers sharing KV must agree")
     kv_memory_bytes: Optional[int] = setting(
         None, "pool size in bytes, e.g. 512MiB or 2GiB; auto (the default): on CUDA sized from the GPU's free "
               "memory after the weights (see --gpu-memory-utilization and docs/kv-layout.md), 1GiB on CPU",

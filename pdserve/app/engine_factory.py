@@ -128,9 +128,9 @@ def _core_share(config: WorkerConfig, metrics: Metrics) -> Optional[CoreShare]:
 def _log_ready(config: WorkerConfig, model: ModelSide, model_name: str) -> None:
     plan, layout = model.plan, model.layout
     logger.info(
-        "engine ready: role=%s model=%s device=%s dtype=%s tp=%d groups=%d group_size=%d blocks=%d block_size=%d "
-        "page_bytes=%d max_model_len=%d", config.role, model_name, model.device, model.dtype,
-        config.parallel.tensor_parallel_size, len(plan.groups), plan.group_size, layout.num_blocks,
+        "engine ready: role=%s model=%s device=%s dtype=%s kv_dtype=%s tp=%d groups=%d group_size=%d blocks=%d "
+        "block_size=%d page_bytes=%d max_model_len=%d", config.role, model_name, model.device, model.dtype,
+        model.kv_dtype, config.parallel.tensor_parallel_size, len(plan.groups), plan.group_size, layout.num_blocks,
         layout.block_size, layout.page_bytes, model.max_model_len,
     )
 

@@ -25,7 +25,7 @@ from pdserve.models.registry import TensorParallelRank
 from pdserve.parallel.channel import LeaderChannel, RankSetup
 from pdserve.parallel.ranks import RankGroup
 from pdserve.runner.decode_step import should_compile
-from pdserve.runner.devices import pick_device, pick_dtype, rank_device, rank_threads
+from pdserve.runner.devices import pick_device, pick_dtype, pick_kv_dtype, rank_device, rank_threads
 from pdserve.runner.grammar_matchers import GrammarMatchers, GrammarTokenizer
 from pdserve.runner.memory_budget import StepLimits, free_device_bytes, pool_num_blocks
 from pdserve.runner.model_runner import ModelRunner
@@ -39,7 +39,7 @@ class ModelSide:
     """What the KV and P/D sides are built over."""
 
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # the weights' and activations'
     loaded: LoadedModel
     plan: KVGroupPlan
     layout: KVPoolLayout
@@ -49,6 +49,11 @@ class ModelSide:
     channel: Optional[LeaderChannel]  # rank 0's messages to its other ranks; None with one rank
     follower_transports: list  # the other ranks' transport descriptors (empty with one rank)
     shared_pool: bool  # the pool is shared memory an isolated NIXL agent process maps
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The pool's element type (--kv-cache-dtype)."""
+        return self.layout.dtype
 
     @property
     def spec(self) -> ModelSpec:
@@ -140,10 +145,12 @@ def build_model_side(config: WorkerConfig, loaded: Optional[LoadedModel] = None,
     shard = TensorParallelRank(0, ranks.size, ranks.all_reduce, ranks.all_gather) if ranks is not None else None
     loaded = loaded or load_model(config.model.path, dtype, device, quantization, parallel=shard)
     spec = loaded.model.spec
-    plan = plan_for_model(spec.layer_specs, config.cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+    kv_dtype = pick_kv_dtype(config.cache.kv_cache_dtype, config.model.dtype, loaded.model, dtype,
+                             device)
+    plan = plan_for_model(spec.layer_specs, config.cache.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
     if plan.geometry is not None:
         logger.info("recurrent-state pages: %s", plan.geometry.describe())
-    layout = _pool_layout(config, loaded, plan, dtype, device, free_before_load)
+    layout = _pool_layout(config, loaded, plan, kv_dtype, device, free_before_load)
     grammar_tokenizer = GrammarTokenizer(loaded.tokenizer, spec.vocab_size)
     grammar = GrammarMatchers(grammar_tokenizer)
     shared_pool = config.role != "colocated" and config.transfer.isolates_agent(device.type)

@@ -2,8 +2,8 @@
 every rank's slice), the connector the scheduler calls and the async-side admission.
 
 Invariant: two workers share KV only when their compatibility hashes are equal: the model, its KV
-heads and recurrent state (the model's, not a rank's share), dtype and group plan, whatever their
-TP sizes.
+heads and recurrent state (the model's, not a rank's share), dtype, KV element type and group plan,
+whatever their TP sizes.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def _pool_description(model_name: str, model: ModelSide) -> PoolDescription:
     # The model's KV heads, not this rank's share: workers of any TP sizes may pair.
     spec, layout = model.spec, model.layout
     document = compatibility_document(_fingerprint(model_name, spec), str(model.dtype), spec.total_kv_heads,
-                                      spec.head_dim, model.plan, 1 + len(model.follower_transports))
+                                      spec.head_dim, model.plan, 1 + len(model.follower_transports),
+                                      kv_cache_dtype=str(model.kv_dtype))
     return PoolDescription(model.plan, layout.num_blocks, layout.block_size, layout.page_bytes,
                            compatibility_hash(document), document)
 

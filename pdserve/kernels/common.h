@@ -9,7 +9,8 @@
 //   fused_layer.cpp       one Llama-family decoder layer per call, and the stack of them
 //   moe_experts.cpp       a mixture-of-experts MLP per call: routing, grouping, every active expert
 //   registration.cpp      the pdserve_cpu op library: schemas and CPU implementations
-// kernels.h, moe_experts.h and fused_layer.h declare what one of them calls or registers from another.
+// kernels.h, moe_experts.h and fused_layer.h declare what one of them calls or registers from another;
+// kv_elements.h holds the KV pool's element types (float32, bfloat16, float16) and their loads.
 
 #pragma once
 

@@ -5,6 +5,7 @@
 // softmax denominator and weighs no value; they are folded in once, after the key ranges merge.
 
 #include "kernels.h"
+#include "kv_elements.h"
 
 namespace pdserve::kernels {
 
@@ -14,6 +15,8 @@ namespace pdserve::kernels {
 // of a KV head, their exponentials (an online softmax across tiles), then the tile's values
 // weighted into per-head accumulators. A long context is split into key ranges that threads
 // attend to independently; the partial softmax states of one (row, KV head) are merged at the end.
+// The pages may hold float32, bfloat16 or float16 (T below): each loop widens them in registers
+// and sums in float32, so a 16-bit pool halves the bytes read for one conversion per load.
 
 namespace {
 
@@ -25,16 +28,17 @@ constexpr int64_t kKeysPerSplit = 64;  // the shortest key range a thread is giv
 // (bench/decode_attention.py, 264 keys: 45 -> 33 us a call; 400 keys: 84 -> 47 us).
 constexpr int64_t kParallelAttentionWork = 1 << 16;
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
 #if PDSERVE_AVX2
   if (n % 8 == 0) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
     return horizontal_sum(acc);
   }
 #endif
   float total = 0.f;
-  for (int64_t i = 0; i < n; ++i) total += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) total += a[i] * to_float(b[i]);
   return total;
 }
 
@@ -48,14 +52,15 @@ inline __m256 horizontal_sums8(const __m256 (&a)[8]) {
 #endif
 
 // Where the token rows (every KV head) of keys (or values) [begin, begin + count) lie.
-void token_rows(const PagedCache& cache, const int32_t* table, int64_t begin, int64_t count, const float** out) {
+template <typename T>
+void token_rows(const PagedCache& cache, const int32_t* table, int64_t begin, int64_t count, const T** out) {
   int64_t block_index = begin / cache.block_size, offset = begin % cache.block_size;
-  const float* page = nullptr;
+  const T* page = nullptr;
   for (int64_t t = 0; t < count; ++t) {
     if (t == 0 || offset == 0) {
       const int64_t block = table[block_index];
       TORCH_CHECK(block >= 0 && block < cache.num_blocks, "paged_decode_attention: block id ", block, " out of range");
-      page = cache.data + block * cache.block_stride;
+      page = cache.elements<T>() + block * cache.block_stride;
     }
     out[t] = page + offset * cache.token_stride;
     if (++offset == cache.block_size) {
@@ -83,7 +88,8 @@ struct SoftmaxState {
   }
 
   // scores[g][t] = scale * q[g] . (keys[t] + at)
-  void score(const float* q, const float* const* keys, int64_t at, int64_t count, float scale,
+  template <typename T>
+  void score(const float* q, const T* const* keys, int64_t at, int64_t count, float scale,
              float (*scores)[kKeyTile]) const {
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * head_dim;
@@ -95,7 +101,7 @@ struct SoftmaxState {
           for (int j = 0; j < 8; ++j) partial[j] = _mm256_setzero_ps();
           for (int64_t i = 0; i < head_dim; i += 8) {
             const __m256 qv = _mm256_loadu_ps(qg + i);
-            for (int j = 0; j < 8; ++j) partial[j] = _mm256_fmadd_ps(_mm256_loadu_ps(keys[t + j] + at + i), qv, partial[j]);
+            for (int j = 0; j < 8; ++j) partial[j] = _mm256_fmadd_ps(load8(keys[t + j] + at + i), qv, partial[j]);
           }
           _mm256_storeu_ps(scores[g] + t, _mm256_mul_ps(horizontal_sums8(partial), _mm256_set1_ps(scale)));
         }
@@ -136,7 +142,8 @@ struct SoftmaxState {
   }
 
   // acc[g] += sum_t weights[g][t] * (values[t] + at)
-  void accumulate(const float (*weights)[kKeyTile], const float* const* values, int64_t at, int64_t count) {
+  template <typename T>
+  void accumulate(const float (*weights)[kKeyTile], const T* const* values, int64_t at, int64_t count) {
     for (int64_t g = 0; g < group; ++g) {
       float* out = acc + g * head_dim;
       int64_t i = 0;
@@ -146,19 +153,19 @@ struct SoftmaxState {
         for (int j = 0; j < 8; ++j) a[j] = _mm256_loadu_ps(out + i + 8 * j);
         for (int64_t t = 0; t < count; ++t) {
           const __m256 w = _mm256_set1_ps(weights[g][t]);
-          for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values[t] + at + i + 8 * j), a[j]);
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(w, load8(values[t] + at + i + 8 * j), a[j]);
         }
         for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + i + 8 * j, a[j]);
       }
 #endif
       for (int64_t t = 0; t < count; ++t) {
-        for (int64_t d = i; d < head_dim; ++d) out[d] += weights[g][t] * values[t][at + d];
+        for (int64_t d = i; d < head_dim; ++d) out[d] += weights[g][t] * to_float(values[t][at + d]);
       }
     }
   }
 
-  void add(const float* q, const float* const* keys, const float* const* values, int64_t at, int64_t count,
-           float scale) {
+  template <typename T>
+  void add(const float* q, const T* const* keys, const T* const* values, int64_t at, int64_t count, float scale) {
     float scores[kMaxGroup][kKeyTile];
     score(q, keys, at, count, scale, scores);
     exponentiate(scores, count);
@@ -199,19 +206,20 @@ struct SoftmaxState {
 };
 
 // Asks for every cache line of the token rows of every KV head (rows[t] + h * head_stride, head_dim
-// floats each) to be on its way: a head's keys of one block fill one 4 KiB page of the pool (the
+// elements each) to be on its way: a head's keys of one block fill one 4 KiB page of the pool (the
 // layout keeps heads and layers apart), and in a decode step they were last read a whole model
 // ago, so each page starts cold, in memory and the TLB, where the hardware's prefetcher stops at
 // page boundaries. Asking for the next tile while attending to this one keeps those misses in
 // flight together: attention 1.06-1.12x faster in steps (bench.kernels decode-ab), though an
 // isolated call, its pages warm, runs ~10% slower.
-void prefetch_rows(const float* const* rows, int64_t count, int64_t kv_heads, int64_t head_stride, int64_t head_dim) {
+template <typename T>
+void prefetch_rows(const T* const* rows, int64_t count, int64_t kv_heads, int64_t head_stride, int64_t head_dim) {
 #if PDSERVE_AVX2
-  constexpr int64_t kLineFloats = 16;
+  constexpr int64_t kLineElements = 64 / sizeof(T);
   for (int64_t t = 0; t < count; ++t) {
     for (int64_t h = 0; h < kv_heads; ++h) {
       const char* row = reinterpret_cast<const char*>(rows[t] + h * head_stride);
-      for (int64_t i = 0; i < head_dim; i += kLineFloats) _mm_prefetch(row + i * sizeof(float), _MM_HINT_T0);
+      for (int64_t i = 0; i < head_dim; i += kLineElements) _mm_prefetch(row + i * sizeof(T), _MM_HINT_T0);
     }
   }
 #else
@@ -222,23 +230,24 @@ void prefetch_rows(const float* const* rows, int64_t count, int64_t kv_heads, in
 // Folds keys [begin, end) of every KV head of one row (from the pages) into states[h], then the
 // row's own new keys when given ([kv_heads, head_dim]). Tile by tile, every head in turn, so that
 // each tile's token rows are read from memory once; the next tile's are prefetched meanwhile.
+template <typename T>
 void attend_range(SoftmaxState* states, int64_t kv_heads, const float* q, const PagedCache& keys,
                   const PagedCache& values, const int32_t* table, int64_t begin, int64_t end, const float* new_keys,
                   const float* new_values, float scale) {
   const int64_t group = states[0].group, head_dim = states[0].head_dim;
-  const float* rows[2][2][kKeyTile];  // [tile parity][keys, values][token]
+  const T* rows[2][2][kKeyTile];  // [tile parity][keys, values][token]
   int64_t count = std::min(kKeyTile, end - begin);
   if (count > 0) {
-    token_rows(keys, table, begin, count, rows[0][0]);
-    token_rows(values, table, begin, count, rows[0][1]);
+    token_rows<T>(keys, table, begin, count, rows[0][0]);
+    token_rows<T>(values, table, begin, count, rows[0][1]);
     prefetch_rows(rows[0][0], count, kv_heads, keys.head_stride, head_dim);
     prefetch_rows(rows[0][1], count, kv_heads, values.head_stride, head_dim);
   }
   for (int64_t tile = begin, parity = 0; tile < end; tile += kKeyTile, parity ^= 1) {
     const int64_t next_count = std::min(kKeyTile, end - tile - count);
     if (next_count > 0) {
-      token_rows(keys, table, tile + count, next_count, rows[parity ^ 1][0]);
-      token_rows(values, table, tile + count, next_count, rows[parity ^ 1][1]);
+      token_rows<T>(keys, table, tile + count, next_count, rows[parity ^ 1][0]);
+      token_rows<T>(values, table, tile + count, next_count, rows[parity ^ 1][1]);
       prefetch_rows(rows[parity ^ 1][0], next_count, kv_heads, keys.head_stride, head_dim);
       prefetch_rows(rows[parity ^ 1][1], next_count, kv_heads, values.head_stride, head_dim);
     }
@@ -249,7 +258,7 @@ void attend_range(SoftmaxState* states, int64_t kv_heads, const float* q, const 
   }
   if (new_keys == nullptr) return;
   for (int64_t h = 0; h < kv_heads; ++h) {
-    states[h].add(q + h * group * head_dim, &new_keys, &new_values, h * head_dim, 1, scale);
+    states[h].add<float>(q + h * group * head_dim, &new_keys, &new_values, h * head_dim, 1, scale);
   }
 }
 
@@ -274,6 +283,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && v_cache.sizes() == k_cache.sizes(), "paged_decode_attention: cache shape");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "paged_decode_attention: K and V caches of one dtype");
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "paged_decode_attention: head grouping");
   TORCH_CHECK(block_table.size(0) == rows && key_start.numel() == rows && key_end.numel() == rows,
               "paged_decode_attention: one table row and one key range per query row");
@@ -319,20 +329,23 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t num_tasks = rows * splits;
   std::vector<float> scratch(num_tasks * heads * head_dim);
   std::vector<SoftmaxState> states(num_tasks * kv_heads);
-  at::parallel_for(0, num_tasks, parallel ? 1 : std::max<int64_t>(num_tasks, 1), [&](int64_t first, int64_t last) {
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t r = task / splits, s = task % splits;
-      const int64_t begin = start_data[r], length = end_data[r] - begin;
-      const bool owns_new_keys = kn_data != nullptr && s == splits - 1;
-      SoftmaxState* task_states = states.data() + task * kv_heads;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        task_states[h].reset(group, head_dim, scratch.data() + (task * kv_heads + h) * group * head_dim);
+  with_kv_element(keys.dtype, "paged_decode_attention", [&](auto element) {
+    using T = decltype(element);
+    at::parallel_for(0, num_tasks, parallel ? 1 : std::max<int64_t>(num_tasks, 1), [&](int64_t first, int64_t last) {
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t r = task / splits, s = task % splits;
+        const int64_t begin = start_data[r], length = end_data[r] - begin;
+        const bool owns_new_keys = kn_data != nullptr && s == splits - 1;
+        SoftmaxState* task_states = states.data() + task * kv_heads;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          task_states[h].reset(group, head_dim, scratch.data() + (task * kv_heads + h) * group * head_dim);
+        }
+        attend_range<T>(task_states, kv_heads, q_data + r * heads * head_dim, keys, values, table_data + r * width,
+                       begin + length * s / splits, begin + length * (s + 1) / splits,
+                       owns_new_keys ? kn_data + r * kv_heads * head_dim : nullptr,
+                       owns_new_keys ? vn_data + r * kv_heads * head_dim : nullptr, static_cast<float>(scale));
       }
-      attend_range(task_states, kv_heads, q_data + r * heads * head_dim, keys, values, table_data + r * width,
-                   begin + length * s / splits, begin + length * (s + 1) / splits,
-                   owns_new_keys ? kn_data + r * kv_heads * head_dim : nullptr,
-                   owns_new_keys ? vn_data + r * kv_heads * head_dim : nullptr, static_cast<float>(scale));
-    }
+    });
   });
   for (int64_t r = 0; r < rows; ++r) {
     SoftmaxState* row_states = states.data() + r * splits * kv_heads;

@@ -4,6 +4,7 @@
 // order; each row's new K/V goes into its own page slot only after every row has attended.
 
 #include "fused_layer.h"
+#include "kv_elements.h"
 
 #include <chrono>
 #include <ctime>
@@ -92,22 +93,24 @@ void store_new_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_
                   write_blocks.numel() == rows && write_offsets.numel() == rows,
               "llama_decode_layer: one int64 write block and offset per row");
   const PagedCache keys = paged_cache(k_cache), values = paged_cache(v_cache);
+  TORCH_CHECK(keys.dtype == values.dtype, "llama_decode_layer: K and V caches of one dtype");
   const at::Tensor blocks = write_blocks.contiguous(), offsets = write_offsets.contiguous();
   const int64_t* block_data = blocks.data_ptr<int64_t>();
   const int64_t* offset_data = offsets.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t block = block_data[r], offset = offset_data[r];
-    TORCH_CHECK(block >= 0 && block < keys.num_blocks && offset >= 0 && offset < keys.block_size,
-                "llama_decode_layer: write slot (", block, ", ", offset, ") of row ", r, " is outside the pool");
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t at = block * keys.block_stride + offset * keys.token_stride + h * keys.head_stride;
-      std::memcpy(const_cast<float*>(keys.data) + at, k.data_ptr<float>() + (r * kv_heads + h) * head_dim,
-                  head_dim * sizeof(float));
-      const int64_t vat = block * values.block_stride + offset * values.token_stride + h * values.head_stride;
-      std::memcpy(const_cast<float*>(values.data) + vat, v.data_ptr<float>() + (r * kv_heads + h) * head_dim,
-                  head_dim * sizeof(float));
+  with_kv_element(keys.dtype, "llama_decode_layer", [&](auto element) {
+    using T = decltype(element);  // the pool's element: float32 K/V converted on the way in
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t block = block_data[r], offset = offset_data[r];
+      TORCH_CHECK(block >= 0 && block < keys.num_blocks && offset >= 0 && offset < keys.block_size,
+                  "llama_decode_layer: write slot (", block, ", ", offset, ") of row ", r, " is outside the pool");
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t at = block * keys.block_stride + offset * keys.token_stride + h * keys.head_stride;
+        store_elements(keys.elements<T>() + at, k.data_ptr<float>() + (r * kv_heads + h) * head_dim, head_dim);
+        const int64_t vat = block * values.block_stride + offset * values.token_stride + h * values.head_stride;
+        store_elements(values.elements<T>() + vat, v.data_ptr<float>() + (r * kv_heads + h) * head_dim, head_dim);
+      }
     }
-  }
+  });
 }
 
 }  // namespace

@@ -23,17 +23,25 @@ at::Tensor f32_few_rows_linear(const at::Tensor& x, const at::Tensor& weight);
 
 // ---- decode_attention.cpp ------------------------------------------------------------------
 
-// A paged K or V cache [blocks, block_size, kv_heads, head_dim], head_dim contiguous.
+// A paged K or V cache [blocks, block_size, kv_heads, head_dim], head_dim contiguous; strides in
+// elements of `dtype` (float32, bfloat16 or float16: kv_elements.h).
 struct PagedCache {
-  const float* data;
+  const void* data;
+  at::ScalarType dtype;
   int64_t block_stride, token_stride, head_stride;
   int64_t block_size, num_blocks;
+
+  template <typename T>
+  T* elements() const { return static_cast<T*>(const_cast<void*>(data)); }
 };
 
 inline PagedCache paged_cache(const at::Tensor& cache) {
-  TORCH_CHECK(cache.dim() == 4 && cache.scalar_type() == at::kFloat && cache.stride(3) == 1,
-              "paged_decode_attention: caches must be float32 [blocks, block_size, kv_heads, head_dim], head_dim contiguous");
-  return PagedCache{cache.data_ptr<float>(), cache.stride(0), cache.stride(1), cache.stride(2), cache.size(1),
+  const at::ScalarType dtype = cache.scalar_type();
+  TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1 &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+              "paged_decode_attention: caches must be float32, bfloat16 or float16 [blocks, block_size, kv_heads, "
+              "head_dim], head_dim contiguous");
+  return PagedCache{cache.data_ptr(), dtype, cache.stride(0), cache.stride(1), cache.stride(2), cache.size(1),
                     cache.size(0)};
 }
 

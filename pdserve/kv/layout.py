@@ -37,6 +37,8 @@ views are strided over it (attention pages then end in padding).
                                 |
                                 +-> K (or V): block_size tokens of head_dim elements,
                                     token t at t*head_bytes (a head's keys are contiguous)
+                                    element: the pool's dtype (--kv-cache-dtype), 4 bytes
+                                    float32, 2 bytes bfloat16 or float16; one dtype per pool
 
        one state page: L layer slots of state_bytes each, in the spec's dtype (then padding)
        +---------------------+---------------------+-----+---------------------+---------+
@@ -52,7 +54,7 @@ views are strided over it (attention pages then end in padding).
                        +--------------------------------+-------------------------------+
                        0                                conv_bytes                      state_bytes
 
-    head_bytes  = head_dim * element_bytes
+    head_bytes  = head_dim * element_bytes         (element_bytes = 4 float32, 2 bfloat16/float16)
     kv_bytes    = block_size * head_bytes          (one head, one layer, K or V)
     slot_bytes  = 2 * kv_bytes
     slab_bytes  = G * slot_bytes                   (one head, every layer of the group)
@@ -87,6 +89,11 @@ multiply descriptors (and their per-descriptor overhead) by that factor. Every
 group's page has the same size (trailing unused slots in smaller groups, padding
 after the data of the smaller kind of page), so a peer needs only block ids and
 page_bytes, never per-group strides.
+
+A 16-bit pool (--kv-cache-dtype bfloat16 or float16) has the same layout with 2-byte elements:
+pages of half the bytes, twice the blocks in the same memory, and the native decode attention
+widens each element to float32 in registers. Peers compare the element type in the handshake
+(pd/handshake.py), so a page is never read as another type.
 """
 
 from __future__ import annotations

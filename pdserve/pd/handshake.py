@@ -49,16 +49,18 @@ def _group_to_wire(group: KVGroup) -> GroupWire:
 
 
 def compatibility_document(model_fingerprint: str, dtype: str, num_kv_heads: int, head_dim: int,
-                           plan: KVGroupPlan, num_ranks: int = 1) -> dict[str, Any]:
+                           plan: KVGroupPlan, num_ranks: int = 1, kv_cache_dtype: str = "") -> dict[str, Any]:
     """What two workers must agree on to share KV. The model fingerprint covers weights identity
     (architecture, layer count, vocabulary, name); `num_kv_heads` and the recurrent state are the
     whole model's (`plan` is one rank's of `num_ranks`: workers of any TP sizes pair). The block size is not here: workers whose block sizes divide one another
     pair, reading in units of the smaller one (the admission checks it, from the peer's geometry).
-    Each side sends its own, so a refusal can name what differs."""
+    `kv_cache_dtype` is the pool's element type ("" or absent: the model's `dtype`): a page of one
+    is never read as another. Each side sends its own, so a refusal can name what differs."""
     return {
         "protocol_version": PROTOCOL_VERSION,
         "model": model_fingerprint,
         "dtype": dtype,
+        "kv_cache_dtype": kv_cache_dtype or dtype,
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
         "layout": "block,head,group_slot,kv,token,dim",

@@ -59,9 +59,14 @@ def build_decode_rows(
     return DecodeRows(as_int32(padded), as_int32(starts), as_int32(ends), starts, ends)
 
 
+# Pool element types the native kernel reads in place (16-bit ones widened in registers).
+NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def uses_native_kernel(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode attention on this device and dtype runs the native kernel."""
-    return device.type == "cpu" and dtype == torch.float32 and cpu_kernels_available()
+    """Whether decode attention over a pool of `dtype` on this device runs the native kernel (for
+    float32 queries; `attend_decode` sends other queries to the torch path)."""
+    return device.type == "cpu" and dtype in NATIVE_KV_DTYPES and cpu_kernels_available()
 
 
 def attend_decode(
@@ -72,10 +77,10 @@ def attend_decode(
     """q [rows, heads, dim]; caches [blocks, block_size, kv_heads, dim]; k_new, v_new
     [rows, kv_heads, dim] or None; sinks float32 [heads] or None. Returns [rows, heads, dim].
     `native` (decided once by the caller, so that compiled code holds no such check) defaults
-    to `uses_native_kernel`."""
+    to `uses_native_kernel`; queries other than float32 take the torch path either way."""
     if native is None:
-        native = uses_native_kernel(q.device, q.dtype)
-    if native:
+        native = uses_native_kernel(q.device, k_cache.dtype)
+    if native and q.dtype == torch.float32:
         return ops().paged_decode_attention(q, k_cache, v_cache, rows.block_table, rows.key_start, rows.key_end,
                                             k_new, v_new, scale, sinks)
     return attend_decode_torch(q, k_cache, v_cache, rows, scale, k_new, v_new, sinks=sinks)

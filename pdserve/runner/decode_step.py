@@ -189,8 +189,11 @@ class DecodeStep:
         for (slots, layer_ids), block_ids in zip(self.group_slots, step.write_block_ids):
             blocks, offsets = block_ids[:, None], step.write_offsets[:, None]
             # pool[block, :, slot, kv, offset] is [rows, layers, kv_heads, head_dim] (the indexed dims lead).
-            self.pool[blocks, :, slots[None, :], 0, offsets] = torch.stack([keys[i][:real] for i in layer_ids], dim=1)
-            self.pool[blocks, :, slots[None, :], 1, offsets] = torch.stack([values[i][:real] for i in layer_ids], dim=1)
+            # Cast to the pool's dtype (--kv-cache-dtype may be narrower than the activations).
+            self.pool[blocks, :, slots[None, :], 0, offsets] = torch.stack(
+                [keys[i][:real] for i in layer_ids], dim=1).to(self.pool.dtype)
+            self.pool[blocks, :, slots[None, :], 1, offsets] = torch.stack(
+                [values[i][:real] for i in layer_ids], dim=1).to(self.pool.dtype)
 
     def warm_up(self, max_rows: int) -> Optional[float]:
         """Compile the layer step for one row and for any number of rows (both with any table
@@ -239,7 +242,7 @@ def _tensors_of(value: Any) -> list[torch.Tensor]:
 
 def compile_unsupported_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     """None when the compiled decode step is supported on this device and dtype, else why not."""
-    if device.type == "cuda" or uses_native_kernel(device, dtype):
+    if device.type == "cuda" or (dtype == torch.float32 and uses_native_kernel(device, dtype)):
         return None
     return "on the CPU the compiled decode step needs the native kernels and float32 activations"
 

@@ -7,8 +7,8 @@ padding blocks is always masked out.
 
 Token order in the flat batch: single-token chunks first (one attention call
 for all of them), then each multi-token chunk. Where the native kernel runs
-(float32 on the CPU) decode rows read their pages in place (decode_attention.py);
-elsewhere (CUDA, bf16) they share one padded gather and one folded SDPA call,
+(the CPU, a float32, bfloat16 or float16 pool) decode rows read their pages in place
+(decode_attention.py); elsewhere (CUDA) they share one padded gather and one folded SDPA call,
 the path measured on an H100 (docs/benchmarks.md, "GPU").
 
 No SDPA call here ever needs `enable_gqa`: on CUDA, flash attention takes no
@@ -174,8 +174,9 @@ class PagedAttention:
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         group_id, k_cache, v_cache = self.layer_caches[layer_id]
         data = self.groups[group_id]
-        k_cache[data.write_block_ids, data.write_offsets] = k
-        v_cache[data.write_block_ids, data.write_offsets] = v
+        # The pool may hold a narrower dtype than the activations (--kv-cache-dtype): cast on store.
+        k_cache[data.write_block_ids, data.write_offsets] = k.to(k_cache.dtype)
+        v_cache[data.write_block_ids, data.write_offsets] = v.to(v_cache.dtype)
         out = torch.empty_like(q)
         if data.decode is not None:
             out[: self.num_decode] = self._attend_decode(q[: self.num_decode], k_cache, v_cache, data.decode, scale,
@@ -198,8 +199,8 @@ class PagedAttention:
         # "query length" axis, so SDPA needs no GQA expansion of the keys.
         num_rows, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
-        keys = k_cache[rows.block_table].flatten(1, 2).transpose(1, 2)  # [rows, kv_heads, L, dim]
-        values = v_cache[rows.block_table].flatten(1, 2).transpose(1, 2)
+        keys = k_cache[rows.block_table].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [rows, kv_heads, L, dim]
+        values = v_cache[rows.block_table].flatten(1, 2).transpose(1, 2).to(q.dtype)
         grouped_q = q.view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
         mask = rows.mask.unsqueeze(1)
         if sinks is not None:  # row (kv head h, query j) is head h*g+j
@@ -231,8 +232,8 @@ class PagedAttention:
         if plan.block_table is None:
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         else:
-            keys = k_cache[plan.block_table].flatten(1, 2).transpose(1, 2)  # [1, kv_heads, L, dim]
-            values = v_cache[plan.block_table].flatten(1, 2).transpose(1, 2)
+            keys = k_cache[plan.block_table].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [1, kv_heads, L, dim]
+            values = v_cache[plan.block_table].flatten(1, 2).transpose(1, 2).to(q.dtype)
         folded_q = fold_query_heads(q, num_kv_heads)
         mask = plan.fold_mask(queries_per_kv)
         if sinks is not None:  # folded row i*g+j of KV head h is query i of head h*g+j

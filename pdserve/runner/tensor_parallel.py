@@ -32,7 +32,7 @@ import torch
 from pdserve.api.config import WorkerConfig
 from pdserve.api.sampling import SamplingParams
 from pdserve.runner import prompt_logprobs
-from pdserve.runner.devices import pick_device, pick_dtype, rank_device, rank_threads
+from pdserve.runner.devices import pick_device, pick_dtype, pick_kv_dtype, rank_device, rank_threads
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.engine.schedule_types import ScheduledChunk, SchedulerOutput, StepResult
 from pdserve.runner.offload_ranks import FileTierFollower, HostTierFollower
@@ -139,11 +139,13 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
         loaded = load_model(config.model.path, dtype, device, quantization,
                             parallel=TensorParallelRank(rank, size, group.all_reduce, group.all_gather))
         spec = loaded.model.spec
-        plan = plan_for_model(spec.layer_specs, config.cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+        kv_dtype = pick_kv_dtype(config.cache.kv_cache_dtype, config.model.dtype, loaded.model, dtype,
+                                 device)
+        plan = plan_for_model(spec.layer_specs, config.cache.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
         setup: RankSetup = group.broadcast()
-        page_bytes = plan_page_bytes(plan, config.cache.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+        page_bytes = plan_page_bytes(plan, config.cache.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
         layout = KVPoolLayout.for_plan(plan, setup.num_blocks, config.cache.block_size, spec.num_kv_heads,
-                                       spec.head_dim, dtype)
+                                       spec.head_dim, kv_dtype)
         runner = ModelRunner(loaded.model, plan, layout, device)
         runner.bind_thread()
         logger.info("rank %d/%d ready: %d blocks of %d bytes, %d heads and %d KV heads here", rank, size,

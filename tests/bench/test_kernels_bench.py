@@ -90,6 +90,20 @@ def test_decode_ab_takes_each_sides_median_run():
     assert medians([run(1.0), run(5.0), run(2.0)])[1]["step"] == 2.0
 
 
+def test_decode_profile_sets_each_kv_dtype_against_the_first_at_the_same_batch():
+    from bench.kernels.decode import dtype_rows
+
+    def summary(dtype: str, batch: int, attention_ms: float, step_ms: float) -> dict:
+        parts = {"layer.attention": {"median_ms": attention_ms, "bytes": 2_000_000},
+                 "layer.store_kv": {"median_ms": 0.5, "bytes": 0}, "step": {"median_ms": step_ms, "bytes": 0}}
+        return {"kv_cache_dtype": dtype, "batch": batch, "parts": parts}
+
+    rows = dtype_rows([summary("float32", 1, 1.0, 10.0), summary("float32", 16, 20.0, 90.0),
+                       summary("bfloat16", 1, 0.5, 8.0), summary("bfloat16", 16, 16.0, 80.0)])
+    assert rows[0] == ["float32", 1, "1.000", "1.00x", "0.500", "1.00x", "10.000", "1.00x", "2.0"]
+    assert rows[3][:4] == ["bfloat16", 16, "16.000", "1.25x"] and rows[3][6:8] == ["80.000", "1.12x"]
+
+
 def test_a_tiny_decode_profile_of_the_embedded_model_has_every_part_and_its_bound(tmp_path):
     from tests.models.test_quantized_blocks import require_native_kernels
 

@@ -43,11 +43,12 @@ def make_engine(
     dtype: str = "float32",
     compile_decode: bool = False,
     snapshot_interval: Optional[int] = None,
+    kv_cache_dtype: str = "auto",
 ) -> BuiltEngine:
     config = WorkerConfig(
         model=ModelConfig(path=model_path, device=device, dtype=dtype, compile=compile_decode),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
-                          state_snapshot_interval_blocks=snapshot_interval),
+                          state_snapshot_interval_blocks=snapshot_interval, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_running=max_running),
     )
     return build_engine(config, Metrics(), loaded)

@@ -84,16 +84,18 @@ def test_gemma3_sliding_groups_hold_only_the_window_during_a_long_request(gemma)
     assert all(last[g] <= window_blocks for g in sliding_ids)
 
 
-def test_pool_sized_from_a_memory_budget(qwen):
+@pytest.mark.parametrize("kv_cache_dtype, page_bytes", [("float32", 8192), ("bfloat16", 4096)])
+def test_pool_sized_from_a_memory_budget(qwen, kv_cache_dtype, page_bytes):
     from pdserve.api.config import CacheConfig, ModelConfig, WorkerConfig
     from pdserve.app.engine_factory import build_engine
     from pdserve.metrics import Metrics
 
     _, loaded = qwen
     config = WorkerConfig(model=ModelConfig(device="cpu", dtype="float32"),
-                          cache=CacheConfig(block_size=4, kv_memory_bytes=1 << 20))
+                          cache=CacheConfig(block_size=4, kv_memory_bytes=1 << 20, kv_cache_dtype=kv_cache_dtype))
     built = build_engine(config, Metrics(), loaded)
-    # Qwen3 tiny: 4 layers in one group, 2 KV heads of 32 dims, fp32 -> 4*2*4*2*32*4 = 8 KiB a page.
-    assert built.layout.page_bytes == 8192
-    assert built.layout.num_blocks == (1 << 20) // 8192
-    assert built.runner.pool.numel() * 4 <= 1 << 20
+    # Qwen3 tiny: 4 layers in one group, 2 KV heads of 32 dims -> 4*2*4*2*32 elements a page: 8 KiB in
+    # float32, 4 KiB in bfloat16 (twice the blocks in the same budget).
+    assert built.layout.page_bytes == page_bytes
+    assert built.layout.num_blocks == (1 << 20) // page_bytes
+    assert built.runner.pool.numel() * built.runner.pool.element_size() <= 1 << 20

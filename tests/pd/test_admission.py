@@ -281,6 +281,27 @@ async def test_an_incompatible_prefill_worker_is_a_400_that_names_what_differs()
     assert connect.calls == 0
 
 
+async def test_a_prefill_worker_with_another_kv_cache_dtype_is_refused_by_name_before_any_read():
+    """A bfloat16 page read as float32 would be garbage of the right size: the element type is part
+    of what the handshake compares, and the refusal names it."""
+    plan = plan_groups([FullAttentionSpec()] * 2)
+    ours = compatibility_document("m|llama|2|64|300", "torch.float32", 2, 16, plan, kv_cache_dtype="torch.float32")
+    theirs = compatibility_document("m|llama|2|64|300", "torch.float32", 2, 16, plan,
+                                    kv_cache_dtype="torch.bfloat16")
+    assert compatibility_hash(ours) != compatibility_hash(theirs)
+    assert compatibility_document("m|llama|2|64|300", "torch.float32", 2, 16, plan) == ours  # default: the model's
+    stub, connect = StubPrefill(), Connector()
+    info = stub.side.agent_info().model_copy(update={"compatibility": theirs})
+    stub.handler = lambda request: httpx.Response(200, content=info.model_dump_json())
+    handshake = HandshakeClient(compatibility_hash(ours), None, http_transport=httpx.MockTransport(stub.handler),
+                                own_compatibility=ours)
+    gate = DecodeAdmission(handshake, PLAN, BLOCK, "recompute", connect)
+    with pytest.raises(KVParamsInvalid,
+                       match=r'kv_cache_dtype: "torch.float32" here, "torch.bfloat16" there'):
+        await gate.admit(request(stub.params()))
+    assert connect.calls == 0
+
+
 # ---- issue 36 item 3: handshake identity and bounded memory ---------------------------------------
 
 
