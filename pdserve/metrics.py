@@ -410,9 +410,14 @@ class TransferMetrics:
         self.first_token_recomputed = Counter(
             "pdserve_pd_first_token_recomputed_total",
             "D: P/D requests whose KV P handed over but whose first token D computed again, by reason "
-            "(structured_output, recurrent_state, logprobs_mismatch, no_first_token, sampling_mismatch, pull_failed: "
+            "(structured_output, recurrent_state, logprobs_mismatch, no_first_token, sampling_mismatch: "
             "pd/first_token.py).",
             ["reason"], registry=registry)
+        self.first_token_kept_recomputing = Counter(
+            "pdserve_pd_first_token_kept_recomputing_total",
+            "D: P/D requests whose prompt D computed after all (pdserve_pd_recomputed_prompt_tokens_total's reasons) "
+            "that still went on from P's first token: output token 1 is P's, D's prefill draws token 2.",
+            registry=registry)
         self.handoff_s = Histogram(
             "pdserve_pd_handoff_seconds",
             "P/D handoff components measured here, per request (docs/metrics.md): on P p_queue (arrival to first "

@@ -15,8 +15,8 @@ always, so `completion_tokens` counts it once). Where D's `id`/`created` differ 
 second, an id suffixed on one worker), the rest of D's events get P's, event by event, so the client
 sees one identity. Once P's events went out, the forwarder's retries stay as they were (a prefill
 again on another P, another decode worker): the check is what keeps the client's stream whole, since a
-retried P may sample another token 1 (sampled, not seeded) and a D that recomputes after a failed pull
-draws its own:
+retried P may sample another token 1 (sampled, not seeded; a D that recomputes the prompt after a
+failed pull keeps P's token, pdserve/pd/first_token.py):
 
     D's head events differ (another token 1)                   -> error event, stream ends (mismatch)
     the decode leg fails for good, or D's stream breaks        -> error event, stream ends (decode_failed)

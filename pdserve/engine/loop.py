@@ -21,6 +21,7 @@ import time
 from typing import Callable, Optional
 
 from pdserve.api.errors import EngineFailure, RequestFailed
+from pdserve.api.kv_transfer import FirstToken
 from pdserve.api.sampling import FinishReason
 from pdserve.engine.emitter import OutputEmitter, OutputSink
 from pdserve.engine.request_ids import RequestIdRegistry
@@ -185,14 +186,14 @@ class EngineLoop:
             remote_decode=generation.remote_decode,
             remote=generation.remote,
             pd_recomputed=generation.pd_recomputed,
-            first_token=generation.first_token if generation.remote is not None else None,
+            first_token=_ps_first_token(generation),
             awaited_ticket=generation.awaited_ticket,
         )
         self.emitter.register(request.request_id, command.sink)
         self.scheduler.add_request(request)
 
     def _take_ticket(self, key: str, admitted: GenerationRequest) -> None:
-        first_token = admitted.first_token if admitted.remote is not None else None
+        first_token = _ps_first_token(admitted)
         try:
             if self.scheduler.take_ticket(admitted.request_id, key, admitted.remote, first_token,
                                           admitted.pd_recomputed):
@@ -220,12 +221,15 @@ class EngineLoop:
             self._emit_first_tokens()
 
     def _emit_first_tokens(self) -> None:
-        """Output token 1 of P/D requests that start from P's token (their pull landed): sent before
-        any token D samples for them."""
+        """Output token 1 of P/D requests that start from P's token (their pull landed, or D computes
+        their prompt after all and continues from P's token): sent before any token D samples for them."""
         seeded = self.scheduler.take_first_tokens()
         now = time.monotonic()
         for request, token in seeded:
-            request.first_token_from_prefill_s = now
+            if request.pd_recomputed:  # its first step here computes the whole prompt: no handoff component
+                self.stats.record_first_token_kept_recomputing()
+            else:
+                request.first_token_from_prefill_s = now
             self._emit(request, {request.request_id: token}, now)
 
     def _finish(self, request_id: str, reason: FinishReason, error: Optional[EngineFailure] = None) -> None:
@@ -358,3 +362,9 @@ class EngineLoop:
             return
         if stop_reason is not None:
             self.scheduler.finish(request.request_id, stop_reason)
+
+
+def _ps_first_token(generation: GenerationRequest) -> Optional[FirstToken]:
+    """The token P sampled, as admission passed it on from P's ticket (never from the client's params): for a
+    request that pulls from P, or one whose prompt D computes after all (it still continues from P's token)."""
+    return generation.first_token if generation.remote is not None or generation.pd_recomputed else None

@@ -220,7 +220,7 @@ class Scheduler:
         request.awaited_ticket = None
         request.pd_recomputed = pd_recomputed
         request.remote = remote
-        request.first_token = first_token if remote is not None else None
+        request.first_token = first_token  # without a source: a recompute that keeps P's token 1 (`_admit`)
         self.connector.request_added(request)
         load = self.loading.get(request_id)
         if load is None:
@@ -268,8 +268,7 @@ class Scheduler:
         del self.loading[request.request_id]
         if load.error is not None:
             self._fail(request, load.error)
-        elif load.failed:  # start over as an ordinary local request
-            request.first_token = None  # the prompt is computed here, and so is its first token
+        elif load.failed:  # start over as an ordinary local request (that keeps P's token 1: `_admit`)
             self.kv.free(request.request_id)
             request.num_computed_tokens = 0
             request.num_cached_tokens = 0
@@ -429,7 +428,9 @@ class Scheduler:
             budget -= num_scheduled
 
     def _admit(self, request: Request, output: SchedulerOutput, budget: int) -> Optional[int]:
-        """Admit the head of the queue; returns the tokens it takes from the budget, None if it must wait."""
+        """Admit the head of the queue; returns the tokens it takes from the budget, None if it must wait.
+        A P/D request whose prompt is computed here after all (a failed pull, a stale ticket, P's data path gone)
+        keeps P's token 1 as output token 1: its prefill computes that token too and draws token 2."""
         if request.awaited_ticket is not None:
             return self._reserve(request)
         if request.remote is not None:
@@ -441,7 +442,9 @@ class Scheduler:
                 return self._admit_remote(request)
             request.pd_recomputed = request.remote.num_pull_tokens is None  # a peer pull given up is no P/D leg
             request.remote = None  # given up: the prompt is computed here
-            request.first_token = None
+        if request.first_token is not None and not self._take_first_token(request):
+            self.waiting.popleft()  # P's token 1 ended it (the client may hold that token already)
+            return 0
         prefix = self._prefix_for(request)
         num_new = self._chunk_tokens(request, prefix.num_tokens, min(request.num_tokens - prefix.num_tokens, budget))
         num_new = self._allocate_fitting(request, prefix.num_tokens, num_new, prefix)

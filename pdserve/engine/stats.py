@@ -55,6 +55,10 @@ class EngineStats:
         """D: P's token went out as output token 1, then D's first step sampled token 2 this long after."""
         self.metrics.transfer.observe_handoff({"d_first_step": seconds})
 
+    def record_first_token_kept_recomputing(self) -> None:
+        """D: a P/D request whose prompt D computes after all went on from P's token 1 (pd/first_token.py)."""
+        self.metrics.transfer.first_token_kept_recomputing.inc()
+
     def record_step(self, scheduler: Scheduler, step: SchedulerOutput, duration_s: float) -> None:
         self.metrics.engine.observe_step(duration_s)
         num_prompt = sum(chunk.num_prompt_tokens_computed for chunk in step.chunks)

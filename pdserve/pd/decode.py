@@ -6,9 +6,9 @@ whose result could postdate the prefill worker's lease is treated as failed,
 so D never computes with pages P may have reused; the block ids read are
 those of P's own pin record (pd/tickets.py put them in the params: the
 client's never get here); a failed pull never yields
-tokens from partial KV (policy `recompute` prefills locally, `fail` ends the
-request with `KVPullFailed`, and every prompt token so recomputed is counted
-by reason); P hears "free" whenever D will not read. A state group's page
+tokens from partial KV (policy `recompute` prefills locally, from P's first
+token when the ticket carried one, `fail` ends the request with `KVPullFailed`,
+and every prompt token so recomputed is counted by reason); P hears "free" whenever D will not read. A state group's page
 (P's handoff page) lands in the request's live page (between block or TP sizes,
 each state layer's slot into that layer's slot, each rank its heads' bytes: pd/geometry.py
 `plan_handoff_pull`): D then
@@ -128,7 +128,7 @@ class DecodeConnector:
                                  params.remote_block_ids, num_tokens, num_cached_tokens, self.tp_size, their_ranks)
         remote.uncached_blocks = pull.uncached_blocks
         if pull.is_empty:  # D's prefix cache holds everything it needs
-            self._count_first_token(remote, None)
+            self._count_first_token(remote)
             del self._remotes[request.request_id]
             self._send(remote, MessageKind.FREE)
             return False
@@ -143,7 +143,6 @@ class DecodeConnector:
                                                       **extra)
         except TransferError as error:
             del self._remotes[request.request_id]
-            self._count_first_token(remote, "pull_failed")
             self._failed_to_start.append(self._failure(request.request_id, f"KV read could not start: {error.message}",
                                                        request.num_prompt_tokens))
         self.metrics.waiting_for_kv.set(self.num_loading)
@@ -199,13 +198,12 @@ class DecodeConnector:
             events.released.append(request_id)
         elif state is TransferState.DONE:
             self.metrics.observe_pull(handle.num_bytes, handle.num_blocks, now - remote.read_started_s)
-            self._count_first_token(remote, None)
+            self._count_first_token(remote)
             events.landed.append(request_id)
             if any(remote.uncached_blocks):
                 events.uncached[request_id] = remote.uncached_blocks
         else:
             self.peers.forget(remote.peer_key)
-            self._count_first_token(remote, "pull_failed")
             events.failed.append(self._failure(request_id, "could not read the prompt's KV from the prefill worker"
                                                + (f": {handle.error}" if handle.error else ""),
                                                remote.source.params.num_prompt_tokens))
@@ -223,10 +221,8 @@ class DecodeConnector:
 
     def _unusable(self, request: Request, remote: _Remote, reason: str, label: str) -> Admission:
         """The remote KV cannot be used: per policy, compute locally (counted under `label`) or fail;
-        P may free at once."""
+        P may free at once. A request with P's first token keeps it (the engine counts that)."""
         logger.warning("request %s: %s", request.request_id, reason)
-        if request.first_token is not None:
-            self.metrics.first_token_recomputed.labels(reason="pull_failed").inc()
         del self._remotes[request.request_id]
         self._send(remote, MessageKind.FREE)
         self.metrics.failures.labels(policy=self.policy).inc()
@@ -235,14 +231,11 @@ class DecodeConnector:
             return ADMIT_LOCAL
         return Admission(AdmissionKind.FAIL, KVPullFailed(reason))
 
-    def _count_first_token(self, remote: _Remote, failure: Optional[str]) -> None:
-        """A request that was to start from P's first token: it did (the pull landed), or D computes it."""
-        if not remote.takes_first_token:
-            return
-        if failure is None:
+    def _count_first_token(self, remote: _Remote) -> None:
+        """A request that was to start from P's first token did, with every prompt page here. (A failed
+        pull's request goes on from P's token all the same, counted by the engine as it computes the prompt.)"""
+        if remote.takes_first_token:
             self.metrics.first_token_from_prefill.inc()
-        else:
-            self.metrics.first_token_recomputed.labels(reason=failure).inc()
 
     def _failure(self, request_id: str, reason: str, num_prompt_tokens: int) -> LoadFailure:
         self.metrics.failures.labels(policy=self.policy).inc()

@@ -4,7 +4,9 @@ Invariant: D takes a first token only from P's own ticket (never from the client
 when continuing from it gives exactly the tokens a colocated worker would: the same draw indices
 (D's first draw is the second), the same penalties and stop rules (token 1 is an ordinary output
 token), the same logprobs (P's, for the alternatives the request asks). Every request that came
-with a usable ticket but recomputes the first token is counted by reason. Torch-free.
+with a usable ticket but recomputes the first token is counted by reason. A request whose prompt D
+computes after all (a failed pull, a stale lease, P's data path gone) still goes on from P's token:
+D's prefill computes the prompt and token 1 and draws token 2 (engine/scheduler.py `_admit`). Torch-free.
 
     ticket.first_token ──▶ grammar? state model? other sampling? logprobs P lacks? ── yes ──▶ D computes
          │ no                                                                        the last prompt
@@ -27,9 +29,9 @@ from pdserve.api.sampling import SamplingParams
 # P hands over the state before the last prompt token (models with recurrent state recompute it);
 # logprobs_mismatch: the request asks for alternatives P did not record; no_first_token: P's ticket
 # carries none; sampling_mismatch: P drew it under other sampling fields than D's request names (a proxy
-# that changed or dropped them on P's leg); pull_failed: the READ failed and D prefilled the prompt itself.
+# that changed or dropped them on P's leg).
 FirstTokenReason = Literal["structured_output", "recurrent_state", "logprobs_mismatch", "no_first_token",
-                           "sampling_mismatch", "pull_failed"]
+                           "sampling_mismatch"]
 
 
 def first_draw_key(sampling: SamplingParams) -> str:

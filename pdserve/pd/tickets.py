@@ -224,9 +224,8 @@ class TicketAdmission:
         if admitted.remote is None:  # the inner admission fell back to a local prefill (peer unreachable)
             self.client.release_in_background(params)
             self.count_recompute("pull_failed", len(request.prompt_token_ids))
-            if first_token is not None:
-                self.count_first_token_recompute("pull_failed")
-            return dataclasses.replace(admitted, pd_recomputed=True, first_token=None)
+            # D computes the prompt, then goes on from P's token 1 (the client may hold it already).
+            return dataclasses.replace(admitted, pd_recomputed=True, first_token=first_token)
         return admitted
 
     async def _delivered(self, awaited: AwaitedPrefillParams) -> RemotePrefillParams:

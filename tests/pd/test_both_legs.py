@@ -275,6 +275,22 @@ def test_d_reserves_its_blocks_while_p_computes_and_pulls_the_moment_the_ticket_
     d.kv.check_invariants()
 
 
+def test_a_reserved_request_whose_ticket_comes_too_late_computes_its_prompt_from_ps_token(p, d, clock):
+    free_before = d.kv.num_free_blocks
+    request = reserve(d)
+    params = p.prefill("r1", 30)
+    clock.advance(params.lease_s)  # the ticket comes after half P's lease: D may not read those pages
+    assert d.scheduler.take_ticket("d-req", KEY, source_for(p, params, clock() - params.lease_s),
+                                   FirstToken(token_id=5), False)
+    assert d.connector.num_loading == 0 and request.status is RequestStatus.WAITING
+    [chunk] = d.scheduler.schedule().chunks  # the prompt and P's token 1, drawing token 2
+    assert request.output_token_ids == [5] and [t.token_id for _, t in d.scheduler.take_first_tokens()] == [5]
+    assert (chunk.start_position, chunk.num_tokens, chunk.num_sampled_so_far) == (0, 31, 1)
+    d.scheduler.finish("d-req", FinishReason.ABORT)
+    assert d.kv.num_free_blocks == free_before
+    d.kv.check_invariants()
+
+
 def test_a_reservation_counts_against_the_pool_and_the_running_cap_for_others(p, fabric, clock):
     d = DecodeSide(fabric, clock, max_running=2)
     assert d.connect(p) is None

@@ -1,6 +1,7 @@
 """The first token from P (protocol 7) over the fake transport: P's ticket carries the token it sampled;
 D, given it, pulls every prompt token's KV, makes it output token 1 and starts with a decode step;
-where D may not start from it (pd/first_token.py) or the pull fails, D computes it, counted by reason."""
+where D may not start from it (pd/first_token.py), D computes it, counted by reason; where the pull fails, D
+computes the prompt and goes on from P's token."""
 
 from __future__ import annotations
 
@@ -101,17 +102,36 @@ def test_ps_token_meets_the_stop_token_ids(p, d, clock):
     assert request.finish_reason is FinishReason.STOP
 
 
-def test_a_failed_pull_computes_the_prompt_and_its_first_token_here_counted(p, d, clock):
+def test_a_failed_pull_computes_the_prompt_here_and_goes_on_from_ps_token(p, d, clock):
     params = p.prefill("r1", 29)
     d.transport.fail_reads = True
     request = admit_with_first_token(d, p, clock, "r1-d", 29, params, ticket_of(p, params).first_token)
     d.tick()
-    assert request.status is RequestStatus.WAITING and request.first_token is None
-    assert request.output_token_ids == [] and d.scheduler.take_first_tokens() == []
+    assert request.status is RequestStatus.WAITING and request.output_token_ids == []
     step = d.scheduler.schedule()
-    assert step.chunks[0].start_position == 0 and step.chunks[0].num_tokens == 29
-    assert step.chunks[0].num_sampled_so_far == 0  # its first draw is draw 0, as a colocated worker's
-    assert first_token_counts(d, "pull_failed") == (0, 1)
+    # P's token is output token 1 at once; the prefill computes the prompt and token 1, and draws token 2.
+    assert request.output_token_ids == [FIRST_TOKEN_ID]
+    assert [(seeded, token.token_id) for seeded, token in d.scheduler.take_first_tokens()] == [
+        (request, FIRST_TOKEN_ID)]
+    [chunk] = step.chunks
+    assert (chunk.start_position, chunk.num_tokens, chunk.sample) == (0, 30, True)
+    assert chunk.token_ids[-1] == FIRST_TOKEN_ID and chunk.num_sampled_so_far == 1  # draw 1, as after a pull
+    assert first_token_counts(d, "no_first_token") == (0, 0)  # neither started from pulled pages nor recomputed
+    assert d.metrics.transfer.recomputed_prompt_tokens.labels(reason="pull_failed")._value.get() == 29
+    d.kv.check_invariants()
+
+
+def test_a_stale_ticket_with_a_one_token_answer_ends_on_ps_token_without_computing(p, d, clock):
+    params = p.prefill("r1", 29)
+    request = make_request("r1-d", 29, sampling=SamplingParams(max_tokens=1, temperature=0),
+                           remote=source_for(p, params, clock()), first_token=ticket_of(p, params).first_token)
+    d.scheduler.add_request(request)
+    clock.advance(params.lease_s)  # past half P's lease before the pull: D may not read those pages
+    step = d.scheduler.schedule()
+    assert step.chunks == [] and request.finish_reason is FinishReason.LENGTH
+    assert request.output_token_ids == [FIRST_TOKEN_ID] and not d.kv.has_request("r1-d")
+    assert [seeded for seeded, _ in d.scheduler.take_first_tokens()] == [request]
+    assert d.metrics.transfer.recomputed_prompt_tokens.labels(reason="stale_ticket")._value.get() == 29
     d.kv.check_invariants()
 
 

@@ -4,6 +4,7 @@ and only for its own prompt; everything else is a local prefill (counted by reas
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import httpx
 import pytest
@@ -146,6 +147,23 @@ async def test_an_unreachable_prefill_worker_is_a_counted_local_prefill_and_then
     assert (await pair.admit(params)).remote is None
     assert (await pair.admit(params)).remote is None
     assert pair.recomputed == [("pull_failed", 30)] * 2 and len(calls) == 1  # the second one skipped the dead peer
+
+
+async def test_a_local_prefill_after_a_usable_ticket_keeps_ps_first_token():
+    """The inner admission could not reach P's data path: D computes the prompt, and goes on from P's token 1
+    (the engine makes it output token 1; the client may hold it already)."""
+    pair = Pair()
+
+    async def unreachable(request: GenerationRequest) -> GenerationRequest:
+        return dataclasses.replace(request, kv_params=None, remote=None)
+
+    pair.inner.admit = unreachable
+    params = pair.p.prefill("r1", 30)
+    request = GenerationRequest("d-req", tuple(range(10, 40)), SamplingParams(temperature=0), kv_params=params)
+    admitted = await pair.admission.admit(request)
+    assert admitted.remote is None and admitted.pd_recomputed
+    assert admitted.first_token is not None and admitted.first_token.token_id == 5  # what PrefillSide samples
+    assert pair.recomputed == [("pull_failed", 30)]
 
 
 async def test_an_oversized_ticket_is_refused_without_reading_it_whole():
