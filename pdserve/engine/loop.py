@@ -286,13 +286,16 @@ class EngineLoop:
                 self._finish(token.request_id, FinishReason.ERROR, RequestFailed(reason))
         return [token for token in sampled if not token.failed]
 
-    def _queue_sizes(self) -> tuple[int, int, int, int]:
-        """Waiting, loading, running, and reserved awaiting P's ticket: the first three are work for the
-        cores (--core-ledger); a reservation is not, or D would narrow P while P computes its prompt."""
+    def _queue_sizes(self) -> tuple[int, int, int, int, int]:
+        """Waiting, loading, running, and legs awaiting P's ticket (holding their reservation, queued for
+        it): the first three are work for the cores (--core-ledger); a leg awaiting its ticket is not, or
+        D would narrow P while P computes that very prompt (queued, it would even flap D's byte busy then
+        idle within one step while P reads it)."""
         scheduler = self.scheduler
-        num_awaiting = scheduler.num_awaiting_ticket
-        return (scheduler.num_waiting, scheduler.num_waiting_for_kv - num_awaiting, scheduler.num_running,
-                num_awaiting)
+        num_reserved = scheduler.num_awaiting_ticket
+        num_queued = sum(1 for request in scheduler.waiting if request.awaited_ticket is not None)
+        return (scheduler.num_waiting - num_queued, scheduler.num_waiting_for_kv - num_reserved,
+                scheduler.num_running, num_reserved, num_queued)
 
     def _execute(self, scheduled: SchedulerOutput) -> Optional[StepResult]:
         """The step's result; None if it was abandoned (`StepCancelled`)."""
