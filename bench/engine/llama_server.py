@@ -188,14 +188,15 @@ class LlamaServerSystem(HttpSystem):
 
 def raw_decode_result(records: Sequence[dict], system: str) -> PhaseResult:
     """`llama-bench -o json` records -> one concurrency-1 row: its generation test's repetitions,
-    tokens over their summed time (the mean rate, not a mean of rates)."""
+    tokens over their summed time (the mean rate, not a mean of rates), also as its time per token."""
     generation = [r for r in records if r.get("n_prompt") == 0 and r.get("n_gen", 0) > 0]
     if len(generation) != 1 or not generation[0].get("samples_ns"):
         raise BenchError(f"llama-bench gave no single generation test: {records!r:.300}")
     record = generation[0]
     samples_ns = record["samples_ns"]
-    return PhaseResult(system=system, concurrency=1, num_requests=len(samples_ns),
-                       num_output_tokens=record["n_gen"] * len(samples_ns), wall_s=sum(samples_ns) / 1e9)
+    num_tokens = record["n_gen"] * len(samples_ns)
+    return PhaseResult(system=system, concurrency=1, num_requests=len(samples_ns), num_output_tokens=num_tokens,
+                       wall_s=sum(samples_ns) / 1e9, tpot_p50_s=sum(samples_ns) / 1e9 / num_tokens)
 
 
 class LlamaBenchSystem:

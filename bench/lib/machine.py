@@ -91,7 +91,12 @@ class CpuMeter:
         self._start: Optional[CpuSnapshot] = None
 
     def _snapshot(self) -> CpuSnapshot:
-        return CpuSnapshot(time.monotonic(), _machine_busy_ticks(), sum(_process_ticks(p) for p in self._pids))
+        # Children this process ran to completion meanwhile (a benchmark binary such as llama-bench) are
+        # its own work too: their time joins this process's once reaped.
+        times = os.times()
+        reaped_ticks = round((times.children_user + times.children_system) * self._ticks_per_s)
+        return CpuSnapshot(time.monotonic(), _machine_busy_ticks(),
+                           sum(_process_ticks(p) for p in self._pids) + reaped_ticks)
 
     def start(self) -> None:
         self._start = self._snapshot()

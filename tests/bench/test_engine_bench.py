@@ -21,9 +21,10 @@ from bench.engine.workload import chat_messages, full_workload, long_prompt_mess
 from bench.lib.stats import percentile
 
 
-def _phase(system: str, concurrency: int, tokens_per_s: float) -> PhaseResult:
+def _phase(system: str, concurrency: int, tokens_per_s: float, tpot_s: float = 0.0) -> PhaseResult:
     return PhaseResult(system=system, concurrency=concurrency, num_requests=1,
-                       num_output_tokens=int(tokens_per_s * 10), wall_s=10.0, ttft_p50_s=0.1)
+                       num_output_tokens=int(tokens_per_s * 10), wall_s=10.0, ttft_p50_s=0.1,
+                       tpot_p50_s=tpot_s or 1.0 / tokens_per_s)
 
 
 def _results(pdserve_c1: float, pdserve_c16: float, fp32_c1: float = 30.0) -> list[PhaseResult]:
@@ -92,7 +93,15 @@ def test_targets_compare_quantized_with_llama_server_and_llama_bench_and_fp32_wi
     missed = check_targets(_results(pdserve_c1=53.0, pdserve_c16=249.0, fp32_c1=29.0))
     assert [c.met for c in missed] == [False, False, False, False]  # 53 / 60 = 0.88 of the raw decode
     assert "pdserve c=16 tokens/s vs llama-server" in [c.name for c in met]
-    assert f"pdserve c=1 tokens/s vs {LLAMA_BENCH}" in [c.name for c in met]
+    assert f"pdserve c=1 decode tokens/s vs {LLAMA_BENCH}" in [c.name for c in met]
+
+
+def test_llama_bench_target_compares_decode_rates_not_output_over_wall_time():
+    """llama-bench generates from an empty prompt; a server's phase also holds each request's prefill."""
+    results = _results(pdserve_c1=60.0, pdserve_c16=250.0)
+    results[4] = _phase("pdserve", 1, 30.0, tpot_s=1 / 57.0)  # half its wall time in TTFT, 57 tok/s decoding
+    llama_bench = next(c for c in check_targets(results) if LLAMA_BENCH in c.name)
+    assert llama_bench.measured_ratio == pytest.approx(57.0 / 60.0) and llama_bench.met
 
 
 def test_llama_bench_records_become_one_row_of_tokens_over_summed_time():
@@ -124,8 +133,8 @@ def test_table_has_one_row_per_system_and_concurrency_plus_ceilings():
     table = format_table(_results(pdserve_c1=66.0, pdserve_c16=300.0), _roofline())
     rows = [line for line in table.splitlines()[2:]]
     assert len(rows) == 15
-    assert "| 1 | pdserve | 66.0 | 100 | - | 1.65x | - |" in rows
-    assert f"| 1 | {LLAMA_BENCH} | 60.0 | 100 | - | 1.50x | - |" in rows  # its own rate over the best server's
+    assert "| 1 | pdserve | 66.0 | 100 | 15 | 1.65x | - |" in rows
+    assert f"| 1 | {LLAMA_BENCH} | 60.0 | 100 | 17 | 1.50x | - |" in rows  # its own rate over the best server's
     assert "| 1 | ceiling: weight bytes / read bandwidth | 20.0 | - | - | - | - |" in rows
     assert "| 1 | ceiling: quantized weight bytes / read bandwidth | 100.0 | - | - | - | - |" in rows
     assert "| 1 | ceiling: measured matmul FLOP/s at M=1 | 50.0 | - | - | - | - |" in rows
@@ -237,6 +246,20 @@ def test_cpu_meter_counts_this_process_as_its_own_and_reports_a_fraction():
     assert _process_ticks(os.getpid()) > before
     assert fraction is not None and 0.0 <= fraction <= 1.0
     assert _process_ticks(2**22 + 12345) == 0  # a process that does not exist
+
+
+def test_cpu_meter_counts_a_child_it_ran_to_completion_as_its_own_work():
+    """llama-bench runs as a child of the benchmark: its CPU time must not count as other processes'."""
+    import subprocess
+    import sys
+
+    from bench.lib.machine import CpuMeter
+
+    meter = CpuMeter(pids=[])
+    start = meter._snapshot()
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    assert meter._snapshot().own_ticks - start.own_ticks >= 0.25 * os.sysconf("SC_CLK_TCK")
 
 
 def test_wait_for_quiet_gives_up_after_its_budget():
