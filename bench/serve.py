@@ -30,7 +30,9 @@ from bench.lib.launch import REPO_ROOT, LaunchError, ServerProcess, free_port, p
 from bench.lib.load import run_open_loop
 from bench.lib.machine import wait_for_idle
 from bench.lib.report import cell, format_report, markdown_table, write_json
-from bench.lib.stats import DEFAULT_SLO, RunSummary, attainment, goodput_rate, histogram_quantile, summarize_run
+from bench.lib.stats import (
+    DEFAULT_SLO, RunSummary, attainment, goodput_rate, histogram_quantile, percentile, summarize_run,
+)
 from bench.lib.stream import RequestRecord
 from bench.lib.workloads import (
     Endpoint, RequestClass, WorkloadError, build_requests, long_class_name, parse_mix, single_class, warmup_requests,
@@ -76,13 +78,14 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     slo.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO.tpot_ms)
 
 
-SYSTEMS = ("pd", "up", "colocated")
+SYSTEMS = ("pd", "static", "up", "colocated")
 
 
 def _add_system_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default="pd,colocated",
                         help=f"comma-separated, from {', '.join(SYSTEMS)} (pd: pdserve up, static disaggregation, "
-                             "P and D pinned to halves of the machine; up: pdserve up with its defaults)")
+                             "P and D pinned to halves of the machine; static: the same with the cores handed over; "
+                             "up: pdserve up with its defaults)")
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
     parser.add_argument("--num-blocks", type=int, default=_NUM_BLOCKS, help="KV pool of each worker, in blocks")
     parser.add_argument("--colocated-threads", type=int, default=None,
@@ -110,6 +113,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     compare = commands.add_parser("compare", help="`pdserve up` vs one colocated `pdserve serve`, same cores")
     compare.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "serve_pd_vs_colocated.json"))
     compare.add_argument("--plot-dir", default=os.path.join(REPO_ROOT, "docs", "figures", "serving"))
+    compare.add_argument("--interleave", action="store_true", help="start the systems together and send each "
+                         "request to each in turn, one at a time, the first alternating: TTFTs paired on one "
+                         "state of the machine (the handoff budget: P/D against colocated)")
     _add_system_flags(compare)
     sweep = commands.add_parser("sweep", help="each system at each rate: SLO attainment and the goodput rate")
     sweep.add_argument("--rates", default="0.1,0.2,0.3,0.4", help="Poisson rates (requests/s), comma-separated")
@@ -296,6 +302,8 @@ def _servers(args: argparse.Namespace, log_dir: str) -> list[ServerProcess]:
                + ["--disaggregation", "static", "--no-core-handover"]),
         # What a user gets: adaptive disaggregation at the default SLO, cores handed over.
         "up": ("P/D: pdserve up (defaults)", "up-defaults.log", lambda port: pd_cluster_argv(port, args.num_blocks)),
+        "static": ("P/D: pdserve up --disaggregation static (cores handed over)", "up-static.log",
+                   lambda port: pd_cluster_argv(port, args.num_blocks) + ["--disaggregation", "static"]),
         "colocated": (f"colocated: pdserve serve ({threads} threads, unpinned)", "serve.log",
                       lambda port: colocated_argv(port, args.num_blocks, threads)),
     }
@@ -323,7 +331,52 @@ def each_system(args: argparse.Namespace) -> Iterator[tuple[ServerProcess, Endpo
             server.stop()
 
 
+def run_interleaved(args: argparse.Namespace, command: str) -> int:
+    """Every system up at once, each idle while another serves; request i goes to each system in turn
+    (the first system alternating), so the systems' TTFTs pair up request by request."""
+    args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdserve-serve-bench-")
+    servers = _servers(args, args.log_dir)
+    records: list[list[RequestRecord]] = [[] for _ in servers]
+    durations_s = [0.0 for _ in servers]
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready(_READY_TIMEOUT_S)
+        endpoints = [Endpoint(server.base_url, args.model, with_logprobs=not args.no_logprobs) for server in servers]
+        for endpoint in endpoints:
+            run_open_loop(endpoint.base_url, endpoint.calls(warmup_requests(args.num_warmups, args.seed)))
+        for i, request in enumerate(build_requests(args.classes, args.num_prompts, math.inf, args.seed)):
+            for k in (range(len(servers)) if i % 2 == 0 else reversed(range(len(servers)))):
+                result = run_open_loop(servers[k].base_url, endpoints[k].calls([request]))
+                records[k] += result.records
+                durations_s[k] += result.duration_s
+    except LaunchError as exc:
+        logger.error("could not benchmark: %s", exc)
+        return 2
+    finally:
+        for server in servers:
+            server.stop()
+    runs = [(summarize_run(server.name, recs, duration_s, long_class_name(args.classes)), recs)
+            for server, recs, duration_s in zip(servers, records, durations_s)]
+    emit(args, runs, command, {"interleaved": True, "log_dir": args.log_dir}, table=paired_ttft_table(runs))
+    return 0 if all(summary.num_failed == 0 for summary, _ in runs) else 1
+
+
+def paired_ttft_table(runs: Sequence[tuple[RunSummary, Sequence[RequestRecord]]]) -> str:
+    """Each system's TTFT minus the first system's, request by request (both answered)."""
+    first = runs[0][1]
+    rows = []
+    for summary, records in runs[1:]:
+        diffs_ms = [(a.chunk_times_s[0] - a.sent_s - b.chunk_times_s[0] + b.sent_s) * 1000
+                    for a, b in zip(records, first) if a.ok and b.ok]
+        rows.append((summary.label, len(diffs_ms), *(cell(percentile(diffs_ms, q), ".1f") for q in (10, 50, 90))))
+    return markdown_table([f"TTFT minus {runs[0][0].label}, ms", "pairs", "p10", "p50", "p90"], rows)
+
+
 def run_compare(args: argparse.Namespace, command: str) -> int:
+    if args.interleave:
+        return run_interleaved(args, command)
     runs, systems = [], []
     try:
         for server, endpoint in each_system(args):

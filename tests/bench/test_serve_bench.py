@@ -285,3 +285,15 @@ def test_idle_wait_returns_true_once_quiet_long_enough_and_false_at_its_deadline
     started_s = time.monotonic()
     assert wait_for_idle(max_wait_s=0.3, max_busy_fraction=-1.0, quiet_s=0.1, sample_s=0.05) is False
     assert time.monotonic() - started_s < 1.0
+
+
+def test_interleaved_compare_pairs_ttfts_request_by_request_and_skips_failed_pairs():
+    from bench.serve import paired_ttft_table
+
+    first = [_record(0, "c", 0.0, [0.50]), _record(1, "c", 1.0, [1.40]), _record(2, "c", 2.0, [2.30])]
+    second = [_record(0, "c", 5.0, [5.51]), _record(1, "c", 6.0, [6.38]),
+              _record(2, "c", 7.0, [], error="boom")]  # a failed answer pairs with nothing
+    runs = [(summarize_run("colocated", first, 3.0), first), (summarize_run("P/D", second, 3.0), second)]
+    rows = paired_ttft_table(runs).splitlines()
+    assert rows[0].startswith("| TTFT minus colocated, ms | pairs |")
+    assert rows[2] == "| P/D | 2 | -17.0 | -5.0 | 7.0 |"  # +10 and -20 ms: P/D minus colocated, pair by pair
