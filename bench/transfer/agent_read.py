@@ -22,8 +22,9 @@ from typing import Optional, Sequence
 CASES = {  # name -> (D's read op, D's settle_s, P's agent progressing itself)
     "stepwise, P off": ("stepwise", 0.0, False),  # before issue 38's change
     "single, P off": ("single", 0.0, False),
-    "single, P on": ("single", 0.0, True),  # the default now
-    "single+settle2ms, P on": ("single", 0.002, True),
+    "single+settle2ms, P off": ("single", 0.002, False),
+    "single, P on": ("single", 0.0, True),
+    "single+settle2ms, P on": ("single", 0.002, True),  # the default now
 }
 LAYOUT = dict(group_size=30, block_size=16, num_kv_heads=3, head_dim=64)  # SmolLM2-135M, fp32: 737,280 B pages
 NUM_BLOCKS = 64

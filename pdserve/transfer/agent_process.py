@@ -51,7 +51,7 @@ _PARENT_CHECK_S = 1.0
 # every 5 ms, 1.2 ms every 0.5 ms; docs/benchmarks.md, "NIXL agent isolation").
 SELF_PROGRESS_INTERVAL_S = 0.001  # the default; ("self_progress", 0) turns it off
 MAX_SELF_PROGRESS_INTERVAL_S = 0.1
-ACTIVE_WINDOW_S = 1.0
+ACTIVE_WINDOW_S = 0.25  # an idle engine calls about once a second: its agent mostly rests
 
 class AgentServer:
     """The requests the engine's `IsolatedAgent` sends, served by one nixl_agent."""

@@ -66,7 +66,7 @@ from pdserve.transfer.descriptor_runs import (
     DEFAULT_STAGED_DESCRIPTOR_FACTOR, DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES, DirectRuns, StagedRuns, check_ids,
     check_read_mode, choose_runs, chunk_descriptors, run_descriptors)
 from pdserve.transfer.nixl_records import AgentRegistration, ConnectedPeer, ReadInFlight, fail_read
-from pdserve.transfer.read_steps import ReadSpec, check_read_op, check_settle_s, reads_of
+from pdserve.transfer.read_steps import DEFAULT_SETTLE_S, ReadSpec, check_read_op, check_settle_s, reads_of
 from pdserve.transfer.staged_copy import Scatter, allocate_host_or_device, copy_out_of_staging
 from pdserve.transfer.staging import StagingBuffer, StagingBuffers
 from pdserve.transfer.ucx_environment import allow_cuda_ipc_reads
@@ -104,7 +104,7 @@ class NixlTransport:
                  staging_idle_bytes: int = DEFAULT_STAGING_IDLE_BYTES, isolated: bool = False,
                  agent_call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
                  on_agent_restart: Optional[Callable[[], None]] = None, read_op: str = "single",
-                 read_settle_s: float = 0.0):
+                 read_settle_s: float = DEFAULT_SETTLE_S):
         view = pool_canonical_view
         self._read_op, self._read_settle_s = check_read_op(read_op), check_settle_s(read_settle_s)
         if view.dim() != 2 or view.dtype != torch.int8 or not view.is_contiguous():
