@@ -5,13 +5,12 @@ docs/reliability.md, "The prefill crash") then kills the agent process, not the 
 call is one request/answer over a socket pair (pdserve/transfer/agent_process.py; a KV read is
 made and started in one, `start_read`, and released by the agent once a check sees it finish:
 pdserve/transfer/read_steps.py); memory is shared by address (pdserve/kv/shared_memory.py), so
-descriptors cross unchanged. The bound on a
-call is hard (pdserve/transfer/agent_wire.py): a closed socket, no whole answer within
-`call_timeout_s` (an answer cut off halfway included), or a malformed answer marks the agent
-dead, and its process is killed; the wait for the killed process to exit is bounded too
-(`KILL_WAIT_S`: one stuck in the kernel is left behind, named in the log). Every later call
-raises `AgentProcessDied`, and releasing its objects is a no-op (a dead process writes no
-memory). NixlTransport then fails what was in flight and starts a new agent.
+descriptors cross unchanged. The bound on a call is hard (pdserve/transfer/agent_wire.py): a
+closed socket, no whole answer within `call_timeout_s` (an answer cut off halfway included), or a
+malformed answer (the read ops' included) marks the agent dead, and its process is killed; the
+wait for the killed process to exit is bounded too (`KILL_WAIT_S`: one stuck in the kernel is left
+behind, named in the log). Every later call raises `AgentProcessDied`, and releasing its objects
+(a `Read` included) is a no-op (a dead process writes no memory). NixlTransport then fails what was in flight and starts a new agent.
 
 Start-up does not block: the constructor starts the process; `ready()` says, without waiting,
 whether the agent is up (it raises `AgentProcessDied` if it failed to start).

@@ -53,6 +53,7 @@ SELF_PROGRESS_INTERVAL_S = 0.001  # the default; ("self_progress", 0) turns it o
 MAX_SELF_PROGRESS_INTERVAL_S = 0.1
 ACTIVE_WINDOW_S = 0.25  # an idle engine calls about once a second: its agent mostly rests
 
+
 class AgentServer:
     """The requests the engine's `IsolatedAgent` sends, served by one nixl_agent."""
 
