@@ -1,12 +1,13 @@
-"""A KV pull through an isolated NIXL agent, as the engine loop times it (`python -m bench.transfer.agent_read`):
-D starts a READ of `--pages` scattered SmolLM2 pages (737,280 bytes each) from a prefill process,
-polls it every POLL_WAIT_S as pdserve/engine/loop.py does, and releases it. The read ops of
-pdserve/transfer/read_steps.py side by side, in turns: `stepwise` (a call per step), `single` (one
-call to start, the agent releases), and `single` with the agent settling the read up to 2 ms; from a
-prefill whose agent process progresses itself between calls (P on) or only when its engine calls (P off).
-`--busy N` keeps N spinning processes on the cores meanwhile (a busy host: each round trip then
-waits for the agent process to be scheduled). Invariant: every case pulls the same pages from the same prefill process, each through its own agent
-process; only the read op differs.
+"""A KV pull through isolated NIXL agents, as the engine loop times it (`python -m bench.transfer.agent_read`).
+
+D starts a READ of `--pages` scattered SmolLM2 pages (737,280 bytes each, notifying P as
+pdserve/pd/decode.py does), polls it every POLL_WAIT_S as pdserve/engine/loop.py does, and releases
+it. Cases, in turns, each first in turn: the read ops of pdserve/transfer/read_steps.py (`stepwise`: a
+call per step; `single`: one call to start, the agent releases; `+settle2ms`: the agent progresses
+it up to 2 ms first), from a prefill whose agent process progresses itself between calls (P on) or
+only when its engine calls (P off). `--busy N` keeps N spinning processes on the cores meanwhile.
+Invariant: every case pulls the same pages, each through its own decode agent process, from one of
+two identical prefill processes; only the read op and P's self-progress differ.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for process in (*prefills, *spinners):
             process.join(timeout=30)
     base = statistics.median(times["stepwise, P off"])
-    print(f"| read op | p50 ms | p90 ms | p50 / stepwise, P off | DONE when started |  ({args.pages} pages, {args.reps} turns, busy {args.busy})")
+    print(f"{args.pages} pages, {args.reps} turns, busy {args.busy}\n"
+          "| read op | p50 ms | p90 ms | p50 / stepwise, P off | DONE when started |")
     for name, values in times.items():
         p50, p90 = statistics.median(values), statistics.quantiles(values, n=10)[-1]
         print(f"| {name} | {p50 * 1e3:.2f} | {p90 * 1e3:.2f} | {p50 / base:.2f} | {polls[name].count(0)} |")

@@ -10,7 +10,8 @@ closed socket, no whole answer within `call_timeout_s` (an answer cut off halfwa
 malformed answer (the read ops' included) marks the agent dead, and its process is killed; the
 wait for the killed process to exit is bounded too (`KILL_WAIT_S`: one stuck in the kernel is left
 behind, named in the log). Every later call raises `AgentProcessDied`, and releasing its objects
-(a `Read` included) is a no-op (a dead process writes no memory). NixlTransport then fails what was in flight and starts a new agent.
+(a `Read` included) is a no-op (a dead process writes no memory). NixlTransport then fails what
+was in flight and starts a new agent.
 
 Start-up does not block: the constructor starts the process; `ready()` says, without waiting,
 whether the agent is up (it raises `AgentProcessDied` if it failed to start).
