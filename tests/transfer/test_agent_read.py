@@ -102,7 +102,7 @@ def connect(transport: NixlTransport, prefill: NixlTransport) -> str:
 
 
 def pull(transport, view, prefill, local: list[int], remote: list[int]) -> None:
-    """Pull, check the pages, and that the notification reached the serving side after them."""
+    """Pull, then check the pages and that the notification reached the serving side."""
     key = connect(transport, prefill)
     notification = f"pulled {local}".encode()
     handle = transport.start_read(key, local, remote, notification)
