@@ -2,14 +2,16 @@
 
 A segfault in NIXL or UCX (one was reproduced when a decode peer was SIGKILLed mid-READ:
 docs/reliability.md, "The prefill crash") then kills the agent process, not the engine. Every
-call is one request/answer over a socket pair (pdserve/transfer/agent_process.py); memory is
-shared by address (pdserve/kv/shared_memory.py), so descriptors cross unchanged. The bound on a
-call is hard (pdserve/transfer/agent_wire.py): a closed socket, no whole answer within
-`call_timeout_s` (an answer cut off halfway included), or a malformed answer marks the agent
-dead, and its process is killed; the wait for the killed process to exit is bounded too
-(`KILL_WAIT_S`: one stuck in the kernel is left behind, named in the log). Every later call
-raises `AgentProcessDied`, and releasing its objects is a no-op (a dead process writes no
-memory). NixlTransport then fails what was in flight and starts a new agent.
+call is one request/answer over a socket pair (pdserve/transfer/agent_process.py; a KV read is
+made and started in one, `start_read`, and released by the agent once a check sees it finish:
+pdserve/transfer/read_steps.py); memory is shared by address (pdserve/kv/shared_memory.py), so
+descriptors cross unchanged. The bound on a call is hard (pdserve/transfer/agent_wire.py): a
+closed socket, no whole answer within `call_timeout_s` (an answer cut off halfway included), or a
+malformed answer (the read ops' included) marks the agent dead, and its process is killed; the
+wait for the killed process to exit is bounded too (`KILL_WAIT_S`: one stuck in the kernel is left
+behind, named in the log). Every later call raises `AgentProcessDied`, and releasing its objects
+(a `Read` included) is a no-op (a dead process writes no memory). NixlTransport then fails what
+was in flight and starts a new agent.
 
 Start-up does not block: the constructor starts the process; `ready()` says, without waiting,
 whether the agent is up (it raises `AgentProcessDied` if it failed to start).
@@ -17,6 +19,7 @@ whether the agent is up (it raises `AgentProcessDied` if it failed to start).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import select
@@ -34,6 +37,7 @@ import numpy as np
 from pdserve.api.child_process import child_environment, python_module_command
 from pdserve.kv.shared_memory import region_of
 from pdserve.transfer.agent_wire import AgentWireError, receive_within, send_within
+from pdserve.transfer.read_steps import Read, ReadSpec, parse_checked, parse_started
 
 logger = logging.getLogger(__name__)
 
@@ -281,6 +285,36 @@ class IsolatedAgent:
 
     def check_xfer_state(self, xfer: _AgentObject) -> str:
         return self.call("check", xfer.object_id)
+
+    # ---- reads in one request each (pdserve/transfer/read_steps.py) ----------------------
+
+    def start_read(self, spec: ReadSpec, settle_s: float) -> Read:
+        """Make, start and (for up to `settle_s`) progress a READ in one call; finished, the agent released it."""
+        if spec.prepped:
+            spec = dataclasses.replace(spec, local=spec.local.object_id, remote=spec.remote.object_id,
+                                       local_ids=_portable(spec.local_ids), remote_ids=_portable(spec.remote_ids))
+        else:
+            spec = dataclasses.replace(spec, local=_portable(spec.local), remote=_portable(spec.remote))
+        reply = self.call("read", spec, settle_s)
+        started = parse_started(reply)
+        if started is None:
+            self._die(f"answered 'read' with a malformed reply {reply!r:.200}")
+        object_id, status, released, error = started
+        return Read(_AgentObject(self, object_id), status, released, error)
+
+    def check_read(self, read: Read) -> str:
+        """The read's state; the agent released it if DONE or ERR (then `read.release()` sends nothing)."""
+        reply = self.call("check_read", read.xfer.object_id)
+        checked = parse_checked(reply)
+        if checked is None:
+            self._die(f"answered 'check_read' with a malformed reply {reply!r:.200}")
+        read.status, read.released = checked
+        return read.status
+
+    def set_self_progress(self, interval_s: float) -> None:
+        """How often the process progresses its agent between requests while the engine is active
+        (pdserve/transfer/agent_process.py, SELF_PROGRESS_INTERVAL_S); 0 turns it off."""
+        self.call("self_progress", interval_s)
 
     def get_new_notifs(self) -> dict:
         return self.call("notifs")

@@ -37,7 +37,7 @@ class AgentRegistration:
 
 @dataclass(slots=True)
 class ReadInFlight:
-    xfer: Any  # nixl_xfer_handle
+    xfer: Any  # a read_steps.Read
     peer_key: str
     scatter: Optional[Any] = None  # a staged_copy.Scatter, for a staged read
     lost: Optional[str] = None  # why, once the agent that ran it died (the read failed, nothing to release)

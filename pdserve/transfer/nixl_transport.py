@@ -66,6 +66,7 @@ from pdserve.transfer.descriptor_runs import (
     DEFAULT_STAGED_DESCRIPTOR_FACTOR, DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES, DirectRuns, StagedRuns, check_ids,
     check_read_mode, choose_runs, chunk_descriptors, run_descriptors)
 from pdserve.transfer.nixl_records import AgentRegistration, ConnectedPeer, ReadInFlight, fail_read
+from pdserve.transfer.read_steps import DEFAULT_SETTLE_S, ReadSpec, check_read_op, check_settle_s, reads_of
 from pdserve.transfer.staged_copy import Scatter, allocate_host_or_device, copy_out_of_staging
 from pdserve.transfer.staging import StagingBuffer, StagingBuffers
 from pdserve.transfer.ucx_environment import allow_cuda_ipc_reads
@@ -92,7 +93,8 @@ class NixlTransport:
     and tests); the engine uses `begin_connect`/`poll_connect` and its own deadline.
     `read_mode`, `staged_descriptor_factor` and `staged_max_descriptor_bytes` choose between direct
     and staged reads (pdserve/transfer/descriptor_runs.py, `choose_runs`); `staging_idle_bytes`
-    bounds the staging memory kept idle between reads.
+    bounds the staging memory kept idle between reads. `read_op` and `read_settle_s`: how a read
+    crosses to its agent (pdserve/transfer/read_steps.py).
     """
 
     def __init__(self, pool_canonical_view: torch.Tensor, agent_name: str, *, progress_thread: bool = False,
@@ -101,8 +103,10 @@ class NixlTransport:
                  staged_max_descriptor_bytes: int = DEFAULT_STAGED_MAX_DESCRIPTOR_BYTES,
                  staging_idle_bytes: int = DEFAULT_STAGING_IDLE_BYTES, isolated: bool = False,
                  agent_call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
-                 on_agent_restart: Optional[Callable[[], None]] = None):
+                 on_agent_restart: Optional[Callable[[], None]] = None, read_op: str = "single",
+                 read_settle_s: float = DEFAULT_SETTLE_S):
         view = pool_canonical_view
+        self._read_op, self._read_settle_s = check_read_op(read_op), check_settle_s(read_settle_s)
         if view.dim() != 2 or view.dtype != torch.int8 or not view.is_contiguous():
             raise ValueError("pool_canonical_view must be a contiguous int8 [num_blocks, page_bytes] tensor")
         check_read_mode(read_mode, staged_descriptor_factor)
@@ -423,44 +427,40 @@ class NixlTransport:
             if staged is not None and buffer is not None:
                 handle.num_blocks = len(staged)
                 scatter = Scatter(buffer, torch.from_numpy(staged.local_ids_by_remote).to(self._view.device), chunk)
-                xfer = self._staged_xfer(peer, staged, buffer, notification)
+                spec = self._staged_spec(peer, staged, buffer, notification)
             else:
                 handle.num_blocks = len(direct)
-                xfer = self._direct_xfer(peer, direct, local_ids, remote_ids, notification)
-        except Exception as exc:
+                spec = self._direct_spec(peer, direct, local_ids, remote_ids, notification)
+            read = reads_of(self._agent, self._read_op, IsolatedAgent).start_read(spec, self._read_settle_s)
+        except Exception as exc:  # nothing was made (an agent that died is noticed at the next poll)
             if buffer is not None:
                 self._staging.give_back(buffer)
             return fail_read(handle, f"cannot create the read from peer {peer_key}: {exc!r}")
-        in_flight = self._in_flight[handle.handle_id] = ReadInFlight(xfer, peer_key, scatter)
-        try:
-            status = self._agent.transfer(xfer)
-        except Exception as exc:  # e.g. the peer disconnected after the request was made
-            status, handle.error = "ERR", repr(exc)
-        self._apply_status(handle, in_flight, status)
+        in_flight = self._in_flight[handle.handle_id] = ReadInFlight(read, peer_key, scatter)
+        handle.error = read.error or handle.error  # e.g. the peer disconnected after the request was made
+        self._apply_status(handle, in_flight, read.status)
         return handle
 
-    def _direct_xfer(self, peer: ConnectedPeer, runs: DirectRuns, local_ids: np.ndarray, remote_ids: np.ndarray,
-                     notification: bytes) -> Any:
+    def _direct_spec(self, peer: ConnectedPeer, runs: DirectRuns, local_ids: np.ndarray, remote_ids: np.ndarray,
+                     notification: bytes) -> ReadSpec:
         """A READ straight into the pool: the prepared lists where nothing merges, else one descriptor per run."""
         chunk = peer.chunk_bytes
         if peer.dlist is not None and len(runs) == len(local_ids):
-            return self._agent.make_prepped_xfer("READ", self._local_dlist(chunk), local_ids.astype(np.int32),
-                                                 peer.dlist, remote_ids.astype(np.int32), notification)
+            return ReadSpec(self._local_dlist(chunk), peer.dlist, peer.remote_name, notification,
+                            local_ids.astype(np.int32), remote_ids.astype(np.int32))
         local = run_descriptors(self._view.data_ptr(), runs.local_first, runs.count, chunk, self._device_id)
         remote = run_descriptors(peer.info.base_address, runs.remote_first, runs.count, chunk, peer.info.device_id)
-        return self._described_xfer(peer, local, remote, notification)
+        return ReadSpec(local, remote, peer.remote_name, notification, local_mem=self._mem_type,
+                        remote_mem=peer.info.mem_type)
 
-    def _staged_xfer(self, peer: ConnectedPeer, runs: StagedRuns, buffer: StagingBuffer, notification: bytes) -> Any:
+    def _staged_spec(self, peer: ConnectedPeer, runs: StagedRuns, buffer: StagingBuffer,
+                     notification: bytes) -> ReadSpec:
         """A READ of one descriptor per remote run into consecutive chunks of the staging buffer."""
         chunk = peer.chunk_bytes
         local = run_descriptors(buffer.address, runs.staging_first, runs.count, chunk, self._device_id)
         remote = run_descriptors(peer.info.base_address, runs.remote_first, runs.count, chunk, peer.info.device_id)
-        return self._described_xfer(peer, local, remote, notification)
-
-    def _described_xfer(self, peer: ConnectedPeer, local: np.ndarray, remote: np.ndarray, notification: bytes) -> Any:
-        return self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, self._mem_type),
-                                           self._agent.get_xfer_descs(remote, peer.info.mem_type), peer.remote_name,
-                                           notification)
+        return ReadSpec(local, remote, peer.remote_name, notification, local_mem=self._mem_type,
+                        remote_mem=peer.info.mem_type)
 
     def _finish_empty(self, handle: TransferHandle, notification: bytes) -> TransferHandle:
         if notification:
@@ -485,7 +485,7 @@ class NixlTransport:
             status = "DONE"  # NIXL finished earlier: only the copy out of staging is left to complete
         else:
             try:
-                status = self._agent.check_xfer_state(in_flight.xfer)
+                status = reads_of(self._agent, self._read_op, IsolatedAgent).check_read(in_flight.xfer)
             except Exception as exc:
                 status, handle.error = "ERR", repr(exc)
         self._apply_status(handle, in_flight, status)

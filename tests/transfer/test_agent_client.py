@@ -186,3 +186,65 @@ def test_an_address_the_agent_process_already_uses_is_told_apart_from_other_fail
         agent.register_memory(memory)
     assert not isinstance(failed.value, AddressTaken)
     assert requests_seen(end, 2) == ["map", "map"]  # nothing was mapped: each try maps again
+
+
+# ---- issue 38: a read in one request; the agent releases it when finished ------------------------
+
+
+def test_a_read_starts_in_one_request_and_a_finished_one_is_never_released_again():
+    import numpy as np
+
+    from pdserve.transfer.read_steps import ReadSpec
+
+    agent, end = started_agent()
+    end.send(("ok", (0, "DONE", True, "")))
+    read = agent.start_read(ReadSpec(np.zeros((2, 3), np.int64), np.zeros((2, 3), np.int64), "peer", b"n"), 0.0)
+    assert (read.status, read.released) == ("DONE", True)
+    read.release()  # sends nothing: the agent released it
+    assert requests_seen(end, 1) == ["read"]
+    end.send(("ok", (7, "PROC", False, "")))
+    pending = agent.start_read(ReadSpec(np.zeros((1, 3), np.int64), np.zeros((1, 3), np.int64), "peer", b""), 0.0)
+    end.send(("ok", ("DONE", True)))
+    assert agent.check_read(pending) == "DONE" and pending.released
+    pending.release()
+    assert requests_seen(end, 2) == ["read", "check_read"]
+
+
+@pytest.mark.parametrize("op, reply", [
+    ("read", (1, "MAYBE", False, "")), ("read", (1, "DONE", 1, "")), ("read", "DONE"),
+    ("check_read", ("DONE",)), ("check_read", ("WAT", True)),
+], ids=str)
+def test_a_read_answered_with_the_wrong_shape_is_a_dead_agent(op, reply):
+    import numpy as np
+
+    from pdserve.transfer.read_steps import Read, ReadSpec
+
+    agent, end = started_agent()
+    spec = ReadSpec(np.zeros((1, 3), np.int64), np.zeros((1, 3), np.int64), "peer", b"")
+    end.send(("ok", reply))
+    with pytest.raises(AgentProcessDied, match=f"answered '{op}' with a malformed reply"):
+        if op == "read":
+            agent.start_read(spec, 0.0)
+        else:
+            from pdserve.transfer.agent_client import _AgentObject
+
+            agent.check_read(Read(_AgentObject(agent, 3), "PROC"))
+    assert end.process.killed and agent.dead is not None
+
+
+def test_an_agent_that_dies_mid_read_fails_every_later_call_and_its_read_releases_as_a_no_op():
+    import numpy as np
+
+    from pdserve.transfer.read_steps import ReadSpec
+
+    agent, end = started_agent()
+    end.send(("ok", (5, "PROC", False, "")))
+    read = agent.start_read(ReadSpec(np.zeros((1, 3), np.int64), np.zeros((1, 3), np.int64), "peer", b""), 0.0)
+    payload = pickle.dumps(("ok", ("DONE", True)))
+    end.send_raw(struct.pack("!i", len(payload)) + payload[:5])  # the process dies mid-answer
+    with pytest.raises(AgentProcessDied, match="cut off"):
+        agent.check_read(read)
+    assert end.process.killed
+    read.release()  # a dead process writes no memory: nothing to send
+    with pytest.raises(AgentProcessDied):
+        agent.start_read(ReadSpec([], [], "peer", b""), 0.0)
