@@ -39,6 +39,16 @@ SLOW_FILES: Mapping[str, str] = MappingProxyType({
     "tests/integration/test_tensor_parallel.py":
         "five TP set-ups, every rank a process with gloo between them: TP=2 parity (tiny Llama shapes and "
         "Gemma 3's window), ranks started as separate commands, the embedded model at TP=3, P/D at TP=2, a lost rank",
+    # The next two took 58-101 s and 64-81 s in CI runs here with other jobs on the machine (2026-11-27/28),
+    # 27 s and 60-80 s alone.
+    "tests/integration/test_proxy_cluster.py":
+        "one `pdserve up` tree (proxy, prefill, decode) behind 20 tests over real HTTP and NIXL: chat and completions "
+        "against one worker, every OpenAI client feature, concurrent legs, the early first token with the decode "
+        "worker frozen until the client has token 1, the breaker, Ctrl-C",
+    "tests/integration/test_peer_pull.py":
+        "six workers: two peers of the embedded model, a decode worker, a holder with a small pool and a tier, a "
+        "32-token-block puller, a holder killed mid-pull behind a relay; a proxy over two prefill workers for five "
+        "interleaved chats",
     "tests/integration/test_block_size_pd.py":
         "three P/D pairs of different block sizes (16->32, 32->16, TP 2->1 with 16->32), each started with its "
         "own flags, on a tiny Llama and a tiny Gemma 3",
