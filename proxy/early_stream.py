@@ -37,7 +37,9 @@ from starlette.types import Receive, Scope, Send
 from proxy.backends import Outcome
 from proxy.errors import ProxyError
 from proxy.legs import OpenLeg, PassThrough
-from proxy.relay import ClientGone, ClientStalled, DisconnectWatch, StreamTiming, close_leg, error_event
+from proxy.relay import (
+    ClientGone, ClientStalled, DisconnectWatch, StreamTiming, bounded_send, close_leg, error_event, stream_headers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -196,21 +198,14 @@ class EarlyStreamResponse:
         self._on_complete = on_complete
         self._send_timeout_s = send_timeout_s
         self._timing = StreamTiming()
-        self._raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                             (b"x-accel-buffering", b"no"),
-                             *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())]
+        self._raw_headers = stream_headers("text/event-stream; charset=utf-8", headers)
 
     async def __call__(self, scope: Scope, receive: Receive, raw_send: Send) -> None:
         watch = DisconnectWatch(receive)
         leg: Optional[OpenLeg] = None
         outcome = Outcome.NEUTRAL
 
-        async def send(message: dict) -> None:
-            try:
-                await asyncio.wait_for(raw_send(message), self._send_timeout_s)
-            except asyncio.TimeoutError:
-                raise ClientStalled() from None
-
+        send = bounded_send(raw_send, self._send_timeout_s)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self._raw_headers})
             self._timing.saw(self._events, time.perf_counter())

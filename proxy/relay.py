@@ -38,6 +38,24 @@ class ClientStalled(Exception):
     """The client took no part of the answer within the send timeout: it stopped reading."""
 
 
+def stream_headers(media_type: str, headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    """An event stream's raw response headers: its type, no caching or proxy buffering, then `headers`."""
+    return [(b"content-type", media_type.encode("latin-1")), *_STREAM_HEADERS,
+            *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())]
+
+
+def bounded_send(raw_send: Send, timeout_s: float) -> Callable[[dict], Awaitable[None]]:
+    """The client's send, bounded: a client that takes no bytes for `timeout_s` is `ClientStalled`."""
+
+    async def send(message: dict) -> None:
+        try:
+            await asyncio.wait_for(raw_send(message), timeout_s)
+        except asyncio.TimeoutError:
+            raise ClientStalled() from None
+
+    return send
+
+
 class DisconnectWatch:
     """Cancels the current task when the client disconnects, until `stop()`.
 
@@ -142,19 +160,13 @@ class RelayStreamResponse:
         self._timing = StreamTiming()
         self._on_broken = on_broken
         media_type = leg.response.headers.get("content-type", "text/event-stream")
-        self._raw_headers = [(b"content-type", media_type.encode("latin-1")), *_STREAM_HEADERS,
-                             *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())]
+        self._raw_headers = stream_headers(media_type, headers)
 
     async def __call__(self, scope: Scope, receive: Receive, raw_send: Send) -> None:
         watch = DisconnectWatch(receive)
         outcome = Outcome.NEUTRAL
 
-        async def send(message: dict) -> None:
-            try:
-                await asyncio.wait_for(raw_send(message), self._send_timeout_s)
-            except asyncio.TimeoutError:
-                raise ClientStalled() from None
-
+        send = bounded_send(raw_send, self._send_timeout_s)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self._raw_headers})
             outcome = await self._relay(send)
