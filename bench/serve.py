@@ -31,7 +31,8 @@ from bench.lib.load import run_open_loop
 from bench.lib.machine import wait_for_idle
 from bench.lib.report import cell, format_report, markdown_table, write_json
 from bench.lib.stats import (
-    DEFAULT_SLO, RunSummary, attainment, goodput_rate, histogram_quantile, percentile, summarize_run,
+    DEFAULT_SLO, RunSummary, TailBound, TailCheck, attainment, goodput_rate, histogram_quantile, percentile,
+    summarize_run, tail_check,
 )
 from bench.lib.stream import RequestRecord
 from bench.lib.workloads import (
@@ -53,6 +54,10 @@ QUICK_MIX = "long:512:8:0.25,short:32:16:0.75"
 _NUM_BLOCKS = 1024  # 16k tokens per worker: room for every request of the workload at once
 _READY_TIMEOUT_S = 300.0
 _NOISY_FOREIGN_FRACTION = 0.15
+# MLPerf Inference's interactive scenario bounds p99 TTFT and p99 TPOT over a run at about 3-4x and 2x
+# a large model's unloaded latencies on its reference GPUs; the same multiples of this model's on two
+# CPU cores (a 1,536-token prompt in ~3.3 s, ~10 ms a token) give its row in the sweep.
+INTERACTIVE_TAIL = TailBound(ttft_ms=10_000.0, tpot_ms=20.0)
 
 
 def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
@@ -76,16 +81,22 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     slo.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO.ttft_ms)
     slo.add_argument("--slo-ttft-ms-per-token", type=float, default=DEFAULT_SLO.ttft_ms_per_token)
     slo.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO.tpot_ms)
+    slo.add_argument("--tail-ttft-ms", type=float, default=INTERACTIVE_TAIL.ttft_ms,
+                     help="sweep: the MLPerf-style interactive row's p99 TTFT bound (default: 3x an unloaded "
+                          "1,536-token prompt's TTFT on two cores)")
+    slo.add_argument("--tail-tpot-ms", type=float, default=INTERACTIVE_TAIL.tpot_ms,
+                     help="sweep: its p99 TPOT bound (default: 2x the unloaded TPOT)")
 
 
-SYSTEMS = ("pd", "static", "up", "colocated")
+SYSTEMS = ("pd", "static", "up", "colocated", "replicas")
 
 
 def _add_system_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default="pd,colocated",
                         help=f"comma-separated, from {', '.join(SYSTEMS)} (pd: pdserve up, static disaggregation, "
                              "P and D pinned to halves of the machine; static: the same with the cores handed over; "
-                             "up: pdserve up with its defaults)")
+                             "up: pdserve up with its defaults; replicas: one single-threaded pdserve serve per "
+                             "core, each pinned, behind pdserve proxy's least-loaded routing, DistServe's baseline)")
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
     parser.add_argument("--num-blocks", type=int, default=_NUM_BLOCKS, help="KV pool of each worker, in blocks")
     parser.add_argument("--colocated-threads", type=int, default=None,
@@ -292,6 +303,18 @@ def colocated_argv(port: int, num_blocks: int, num_threads: int) -> list[str]:
                         "--log-level", "warning")
 
 
+def replicas_argv(port: int, num_blocks: int, cores: Sequence[int], extra: Sequence[str]) -> list[str]:
+    """DistServe's baseline: one colocated `pdserve serve` per core (one thread, pinned with taskset),
+    behind `pdserve proxy` balancing them by load; one shell whose process group holds them all."""
+    urls, commands = [], []
+    for core in cores:
+        worker_port = free_port()
+        urls.append(f"http://127.0.0.1:{worker_port}")
+        commands.append(["taskset", "-c", str(core), *colocated_argv(worker_port, num_blocks, 1), *extra])
+    proxy = pdserve_argv("proxy", port, "--decode", *urls, "--decode-policy", "least_loaded", "--log-level", "warning")
+    return ["sh", "-c", "".join(shlex.join(command) + " & " for command in commands) + "exec " + shlex.join(proxy)]
+
+
 def _servers(args: argparse.Namespace, log_dir: str) -> list[ServerProcess]:
     """The systems asked for, each on the whole machine (`pdserve up` splits it between P and D)."""
     num_cores = len(os.sched_getaffinity(0))
@@ -306,6 +329,9 @@ def _servers(args: argparse.Namespace, log_dir: str) -> list[ServerProcess]:
                    lambda port: pd_cluster_argv(port, args.num_blocks) + ["--disaggregation", "static"]),
         "colocated": (f"colocated: pdserve serve ({threads} threads, unpinned)", "serve.log",
                       lambda port: colocated_argv(port, args.num_blocks, threads)),
+        "replicas": (f"{num_cores} x pdserve serve (1 thread, pinned) behind pdserve proxy (least_loaded)",
+                     "replicas.log", lambda port: replicas_argv(port, args.num_blocks, sorted(os.sched_getaffinity(0)),
+                                                                shlex.split(args.server_args))),
     }
     extra = shlex.split(args.server_args)
     servers = []
@@ -313,7 +339,9 @@ def _servers(args: argparse.Namespace, log_dir: str) -> list[ServerProcess]:
         name, log_name, argv_of = options[system]
         port = free_port()
         label = f"{name} + {args.server_args}" if extra else name
-        servers.append(ServerProcess(label, [*argv_of(port), *extra], port, os.path.join(log_dir, log_name)))
+        argv = argv_of(port) if system == "replicas" else [*argv_of(port), *extra]  # replicas: extra flags per worker
+        servers.append(ServerProcess(label, argv, port, os.path.join(log_dir, log_name),
+                                     own_session=system == "replicas"))
     return servers
 
 
@@ -402,13 +430,35 @@ def plot_sweep_report(path: str, out_dir: str) -> str:
     return plot_attainment(table, Slo(**report["slo"]), out_dir)
 
 
+def rescore_tails(path: str, bound: TailBound) -> Optional[str]:
+    """The MLPerf-style row of a written sweep report at any bound (None: the report keeps no requests,
+    as the trimmed copies beside the figures)."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        report = json.load(f)
+    if not report.get("runs"):
+        return None
+    tails: dict[str, list[tuple[float, TailCheck]]] = {}
+    for run in report["runs"]:
+        name, _, rate = run["label"].rpartition(" @ ")
+        records = [RequestRecord(**request) for request in run["requests"]]
+        tails.setdefault(name, []).append((float(rate.removesuffix("/s")), tail_check(records, bound)))
+    return format_tail_table(tails, report["workload"]["rates_per_s"], bound)
+
+
 def run_sweep(args: argparse.Namespace, command: str) -> int:
     """Each system started once, then run at every rate (lowest first); attainment per rate, goodput."""
     if args.plot_from:
+        tail_table = rescore_tails(args.plot_from, TailBound(args.tail_ttft_ms, args.tail_tpot_ms))
+        if tail_table:
+            print(tail_table)
         logger.info("wrote %s", plot_sweep_report(args.plot_from, args.plot_dir or os.path.dirname(args.plot_from)))
         return 0
     slo = slo_of(args)
     table: dict[str, list[tuple[float, float]]] = {}
+    tails: dict[str, list[tuple[float, TailCheck]]] = {}
+    tail_bound = TailBound(args.tail_ttft_ms, args.tail_tpot_ms)
     runs = []
     base_seed = args.seed
     try:
@@ -425,20 +475,50 @@ def run_sweep(args: argparse.Namespace, command: str) -> int:
                 summary, records = measure(f"{server.name} @ {rate:g}/s", endpoint, args, server.pids())
                 runs.append((summary, records))
                 table.setdefault(server.name, []).append((rate, attainment(records, slo).ratio or 0.0))
+                tails.setdefault(server.name, []).append((rate, tail_check(records, tail_bound)))
     except LaunchError as exc:
         logger.error("could not benchmark: %s", exc)
         return 2
     args.seed = base_seed
     goodput = {name: {"attainment_by_rate": points, "goodput_rate_per_s": goodput_rate(points)}
                for name, points in table.items()}
+    interactive = {"bound": {"ttft_ms": tail_bound.ttft_ms, "tpot_ms": tail_bound.tpot_ms, "quantile": 99.0},
+                   "by_rate": {name: [[rate, check.ttft_ms, check.tpot_ms, check.passed] for rate, check in points]
+                               for name, points in tails.items()}}
     emit(args, runs, command, {"slo": {"ttft_ms": slo.ttft_ms, "ttft_ms_per_token": slo.ttft_ms_per_token,
-                                       "tpot_ms": slo.tpot_ms}, "goodput": goodput, "log_dir": args.log_dir},
-         format_goodput_table(table, args.rate_list), workload_dict(args) | {"rates_per_s": args.rate_list})
+                                       "tpot_ms": slo.tpot_ms}, "goodput": goodput, "interactive": interactive,
+                               "log_dir": args.log_dir},
+         format_goodput_table(table, args.rate_list) + "\n\n" + format_tail_table(tails, args.rate_list, tail_bound),
+         workload_dict(args) | {"rates_per_s": args.rate_list})
     if args.plot_dir:
         from bench.lib.plots import plot_attainment  # matplotlib only when plots are asked for
 
         logger.info("wrote %s", plot_attainment(table, slo, args.plot_dir))
     return 0
+
+
+def format_tail_table(tails: dict[str, list[tuple[float, TailCheck]]], rates: Sequence[float],
+                      bound: TailBound) -> str:
+    """The MLPerf-style row: each rate's p99 TTFT / p99 TPOT, whether both meet the bound, and the
+    highest rate at which they do (every lower rate too)."""
+    def shown(ms: float) -> str:
+        return "failed" if math.isinf(ms) else f"{ms:,.0f}"
+
+    rows = []
+    for name, points in tails.items():
+        checks = dict(points)
+        best = None
+        for rate, check in sorted(points):
+            if not check.passed:
+                break
+            best = rate
+        rows.append((name, *(f"{shown(checks[r].ttft_ms)} / {shown(checks[r].tpot_ms)} "
+                             f"{'pass' if checks[r].passed else 'fail'}" if r in checks else "-" for r in rates),
+                     "none" if best is None else f"{best:g}/s"))
+    return (f"MLPerf-style interactive: p99 TTFT <= {bound.ttft_ms:,.0f} ms and p99 TPOT <= {bound.tpot_ms:g} ms "
+            "over each run (a failure counts as infinitely late)\n"
+            + markdown_table(["system (p99 TTFT / p99 TPOT, ms)", *(f"{r:g}/s" for r in rates), "highest passing rate"],
+                             rows))
 
 
 def format_goodput_table(table: dict[str, list[tuple[float, float]]], rates: Sequence[float]) -> str:

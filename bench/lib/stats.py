@@ -223,3 +223,36 @@ def goodput_rate(points: Sequence[tuple[float, float]], target: float = TARGET_A
             break
         best = rate
     return best
+
+
+# ---- An MLPerf-style run constraint: a run passes when the p99 TTFT and the p99 TPOT over all its
+# requests meet fixed bounds (MLPerf Inference's server and interactive scenarios); a failed request
+# counts as infinitely late, so more than 1% failed fails the run.
+
+@dataclass(frozen=True, slots=True)
+class TailBound:
+    ttft_ms: float
+    tpot_ms: float
+    quantile: float = 99.0
+
+
+@dataclass(frozen=True, slots=True)
+class TailCheck:
+    ttft_ms: float  # the run's TTFT at the bound's quantile (inf: too many failed)
+    tpot_ms: float
+    passed: bool
+
+
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """The q-th percentile by nearest rank (no interpolation, so infinite values stay meaningful)."""
+    if not values:
+        return math.inf
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def tail_check(records: Sequence[RequestRecord], bound: TailBound) -> TailCheck:
+    ttfts_ms = [ttft_s(r) * 1000 if r.ok else math.inf for r in records]
+    tpots_ms = [(tpot_s(r) or 0.0) * 1000 if r.ok else math.inf for r in records]
+    ttft_ms, tpot_ms = nearest_rank(ttfts_ms, bound.quantile), nearest_rank(tpots_ms, bound.quantile)
+    return TailCheck(ttft_ms, tpot_ms, ttft_ms <= bound.ttft_ms and tpot_ms <= bound.tpot_ms)

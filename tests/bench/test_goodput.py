@@ -62,3 +62,40 @@ def test_goodput_table_and_plot(tmp_path):
     assert "| colocated | 95% | 70% | 0.1/s |" in text and "| P/D adaptive | 100% | 92% | 0.2/s |" in text
     path = plot_attainment(table, DEFAULT_SLO, str(tmp_path))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replicas_pin_one_single_threaded_worker_per_core_behind_a_least_loaded_proxy(tmp_path):
+    import shlex
+
+    from bench.serve import replicas_argv
+
+    argv = replicas_argv(8000, 64, [0, 3], ["--dtype", "bfloat16"])
+    assert argv[:2] == ["sh", "-c"]
+    *workers, proxy = [shlex.split(part) for part in argv[2].split(" & ")]
+    assert [worker[:3] for worker in workers] == [["taskset", "-c", "0"], ["taskset", "-c", "3"]]
+    for worker in workers:
+        assert worker[worker.index("--num-threads") + 1] == "1" and worker[-2:] == ["--dtype", "bfloat16"]
+    worker_urls = [f"http://127.0.0.1:{worker[worker.index('--port') + 1]}" for worker in workers]
+    assert proxy[0] == "exec" and "proxy" in proxy and proxy[proxy.index("--port") + 1] == "8000"
+    assert proxy[proxy.index("--decode") + 1:proxy.index("--decode") + 3] == worker_urls
+    assert proxy[proxy.index("--decode-policy") + 1] == "least_loaded" and "--prefill" not in proxy
+
+
+def test_the_interactive_row_takes_p99s_over_the_run_counts_failures_as_late_and_finds_the_highest_passing_rate():
+    from bench.lib.stats import TailBound, nearest_rank, tail_check
+    from bench.serve import format_tail_table
+
+    assert nearest_rank([float(i) for i in range(1, 101)], 99) == 99.0 and nearest_rank([5.0], 99) == 5.0
+    bound = TailBound(ttft_ms=1000.0, tpot_ms=20.0)
+    fast = [record(128, 0.2, 0.010) for _ in range(99)]
+    assert tail_check(fast + [record(128, 3.0, 0.010)], bound).passed  # the slowest 1% is past the p99
+    slow_tail = tail_check(fast[:90] + [record(128, 3.0, 0.010)] * 10, bound)
+    assert not slow_tail.passed and slow_tail.ttft_ms == 3000.0
+    failed = tail_check(fast[:90] + [record(128, 0.2, 0.010, ok=False)] * 10, bound)
+    assert not failed.passed and failed.ttft_ms == float("inf")
+    assert not tail_check(fast[:90] + [record(128, 0.2, 0.030)] * 10, bound).passed  # TPOT
+    tails = {"up": [(0.1, tail_check(fast, bound)), (0.2, slow_tail), (0.3, tail_check(fast, bound))],
+             "serve": [(0.1, failed), (0.2, slow_tail)]}
+    text = format_tail_table(tails, [0.1, 0.2, 0.3], bound)
+    assert "| up | 200 / 10 pass | 3,000 / 10 fail | 200 / 10 pass | 0.1/s |" in text
+    assert "| serve | failed / failed fail | 3,000 / 10 fail | - | none |" in text
