@@ -3,8 +3,9 @@ HTTP apps, with the fake transport moving pages and the handshake routed to the 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import httpx
 from fastapi import FastAPI
@@ -75,3 +76,30 @@ def metric_value(metrics: Metrics, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+@contextmanager
+def tiny_qwen3_trio(directory: str) -> Iterator[tuple[InProcessWorker, InProcessWorker, InProcessWorker]]:
+    """(colocated, prefill, decode) of one tiny Qwen3 written to `directory`, over one fake fabric; D
+    pulls from P with its default policies."""
+    from tests.tiny_models import make_tiny_qwen3
+
+    make_tiny_qwen3(directory)
+    fabric = FakeFabric()
+    colocated = start_worker("colocated", directory, fabric)
+    prefill = start_worker("prefill", directory, fabric)
+    decode = start_worker("decode", directory, fabric, prefill_app=prefill.app)
+    try:
+        yield colocated, prefill, decode
+    finally:
+        for worker in (decode, prefill, colocated):
+            worker.close()
+
+
+async def complete(worker: InProcessWorker, body: dict, request_id: str = "") -> dict:
+    """One /v1/completions answer, which must be a 200."""
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    async with worker.client() as client:
+        response = await client.post("/v1/completions", headers=headers, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.inprocess import DECODE_REQUEST, metric_value, start_worker
-from tests.tiny_models import make_tiny_qwen3
+from tests.engine.inprocess import DECODE_REQUEST, complete, metric_value, tiny_qwen3_trio
 
 # Lengths 29, 33, 36: the last block holds 1, 1 and 4 of the prompt's tokens (block size 4).
 PROMPTS = [[11 + (7 * i + j) % 250 for j in range(length)] for i, length in enumerate((29, 33, 36))]
@@ -26,25 +25,8 @@ def anyio_backend():
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
-    from pdserve.transfer.fake_transport import FakeFabric
-
-    directory = str(tmp_path_factory.mktemp("qwen3"))
-    make_tiny_qwen3(directory)
-    fabric = FakeFabric()
-    colocated = start_worker("colocated", directory, fabric)
-    prefill = start_worker("prefill", directory, fabric)
-    decode = start_worker("decode", directory, fabric, prefill_app=prefill.app)
-    yield colocated, prefill, decode
-    for worker in (decode, prefill, colocated):
-        worker.close()
-
-
-async def complete(worker, body: dict, request_id: str = "") -> dict:
-    headers = {"X-Request-Id": request_id} if request_id else {}
-    async with worker.client() as client:
-        response = await client.post("/v1/completions", headers=headers, json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
+    with tiny_qwen3_trio(str(tmp_path_factory.mktemp("qwen3"))) as trio:
+        yield trio
 
 
 async def through_pd(prefill, decode, body: dict, request_id: str) -> dict:

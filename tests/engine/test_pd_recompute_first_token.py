@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.inprocess import DECODE_REQUEST, metric_value, start_worker
-from tests.tiny_models import QWEN_VOCAB, make_tiny_qwen3
+from tests.engine.inprocess import DECODE_REQUEST, complete, metric_value, tiny_qwen3_trio
+from tests.tiny_models import QWEN_VOCAB
 
 BLOCK_SIZE = 4  # tests/engine/inprocess.py
 PROMPT = [11 + (5 * j) % 250 for j in range(30)]
@@ -27,24 +27,8 @@ def anyio_backend():
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
-    from pdserve.transfer.fake_transport import FakeFabric
-
-    directory = str(tmp_path_factory.mktemp("qwen3"))
-    make_tiny_qwen3(directory)
-    fabric = FakeFabric()
-    colocated = start_worker("colocated", directory, fabric)
-    prefill = start_worker("prefill", directory, fabric)
-    decode = start_worker("decode", directory, fabric, prefill_app=prefill.app)  # policy recompute (the default)
-    yield colocated, prefill, decode
-    for worker in (decode, prefill, colocated):
-        worker.close()
-
-
-async def complete(worker, body: dict, request_id: str) -> dict:
-    async with worker.client() as client:
-        response = await client.post("/v1/completions", headers={"X-Request-Id": request_id}, json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
+    with tiny_qwen3_trio(str(tmp_path_factory.mktemp("qwen3"))) as trio:
+        yield trio
 
 
 def force_first_token(prefill, params: dict) -> int:
