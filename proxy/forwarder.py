@@ -52,7 +52,7 @@ from proxy.metrics import ProxyMetrics, status_class
 from proxy.slo import SloTracker, client_key
 from proxy.relay import ClientGone, RelayStreamResponse, StreamTiming, close_leg, until_client_disconnects
 from proxy.routing.candidates import Candidate, Pick, RoleTurns, RouteRequest
-from proxy.routing.disaggregation import PrefillSpeed
+from proxy.routing.disaggregation import ArrivalRate, PrefillSpeed
 from proxy.routing.kv_routing import KVRouting
 from proxy.routing.peer_hints import PeerHints
 from proxy.routing.policies import RoutingPolicy
@@ -103,6 +103,7 @@ class Forwarder:
         self._slo = SloTracker(self._settings.slo, metrics.slo_requests, metrics.slo_attainment)
         # Seconds per prompt token of each role's prefill, from legs that had their worker to themselves.
         self._speeds = {Role.PREFILL: PrefillSpeed(), Role.DECODE: PrefillSpeed()}
+        self._arrivals = ArrivalRate()
         ops = LegOps(self._open_decode, self._prefill, self._decode_holding, self._colocated,
                      self._releaser.release_unless_read, lambda outcome: metrics.concurrent_legs.labels(outcome).inc())
         self._both_legs = BothLegs(ops, config.health.timeout_s) if config.concurrent_legs else None
@@ -200,7 +201,8 @@ class Forwarder:
     def _signals(self, request: ClientRequest) -> RouteSignals:
         return RouteSignals(self._candidates(Role.DECODE, request), self._candidates(Role.PREFILL, request),
                             self._turns[Role.DECODE], self._turns[Role.PREFILL],
-                            self._speeds[Role.PREFILL].s_per_token, self._speeds[Role.DECODE].s_per_token)
+                            self._speeds[Role.PREFILL].s_per_token, self._speeds[Role.DECODE].s_per_token,
+                            self._arrivals.per_s)
 
     def _take(self, role: Role, request: ClientRequest, pick: Optional[Pick]) -> Optional[Backend]:
         """Execute a pick: its rotation advances, kv_aware keeps its prediction; the backend it names."""
@@ -253,6 +255,7 @@ class Forwarder:
         return legs.result()
 
     async def _run_legs(self, request: ClientRequest, facts: RouteRequest, timing: RequestTiming) -> OpenLeg:
+        self._arrivals.observe()
         route = choose_route(facts, self._signals(request), self._settings)
         decode = self._take(Role.DECODE, request, route.decode)
         if decode is None:

@@ -19,11 +19,17 @@ decode worker's predicted one; samples age, see `PrefillSpeed`):
     otherwise the smaller TTFT, P/D on a tie          -> P/D or decode ("best_effort")
 
 The stall allowance is `stall_tpots` TPOT budgets when the decode worker is running streams (their
-per-token average absorbs a short stall), unlimited when it is idle. Torch-free.
+per-token average absorbs a short stall). An idle decode worker does not stay idle: a stall longer
+than the allowance is taken only while the requests expected to arrive during it (this proxy's
+arrival rate per decode worker, `ArrivalRate`) stay under IDLE_STALL_ARRIVALS. Otherwise a long
+prompt computed on an idle D held every stream and handoff arriving meanwhile for seconds (measured
+at 0.3 req/s on two cores: D's first step after a pull p99 4.7 s, TPOT p99 107 ms; docs/benchmarks.md
+"Goodput"). Torch-free.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -33,6 +39,8 @@ PREFILL = "prefill"
 _MIN_SAMPLES = 3
 _EWMA_WEIGHT = 0.25  # of a new sample, back to back
 SPEED_HALF_LIFE_S = 60.0  # an estimate's weight halves per minute without a sample
+IDLE_STALL_ARRIVALS = 0.5  # an idle decode worker's stall may expect to meet this many arrivals
+ARRIVAL_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +90,35 @@ class PrefillSpeed:
         return self._s_per_token if self.num_samples >= _MIN_SAMPLES else None
 
 
+class ArrivalRate:
+    """Requests per second this proxy routed over the last `window_s` (over the time since the first
+    one while younger than the window, once it has seen three)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, window_s: float = ARRIVAL_WINDOW_S):
+        self._clock = clock
+        self._window_s = window_s
+        self._arrivals_s: collections.deque[float] = collections.deque()
+        self._first_s: Optional[float] = None
+
+    def observe(self) -> None:
+        now_s = self._clock()
+        self._first_s = now_s if self._first_s is None else self._first_s
+        self._arrivals_s.append(now_s)
+        self._forget(now_s)
+
+    def _forget(self, now_s: float) -> None:
+        while self._arrivals_s and self._arrivals_s[0] < now_s - self._window_s:
+            self._arrivals_s.popleft()
+
+    @property
+    def per_s(self) -> float:
+        now_s = self._clock()
+        self._forget(now_s)
+        if self._first_s is None or len(self._arrivals_s) < 3:
+            return len(self._arrivals_s) / self._window_s
+        return len(self._arrivals_s) / max(1e-3, min(self._window_s, now_s - self._first_s))
+
+
 @dataclass(frozen=True, slots=True)
 class Signals:
     """What the proxy knows of one request and its candidates when it decides."""
@@ -91,6 +128,7 @@ class Signals:
     prefill_backlog_tokens: int  # prompt tokens in flight on the least-busy available prefill worker
     decode_backlog_tokens: int  # prompt tokens the chosen decode worker is computing itself now
     decode_running: int  # requests the chosen decode worker is serving
+    decode_arrivals_per_s: float = 0.0  # requests expected to reach the chosen decode worker, per second
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +155,11 @@ def decide(signals: Signals, slo: Slo, prefill_s_per_token: Optional[float], dec
     ttft_decode = (signals.decode_backlog_tokens + uncached) * decode_rate
     if ttft_prefill <= budget:
         return Decision(PREFILL, "prefill_fits", ttft_prefill, ttft_decode)
-    allowance = float("inf") if signals.decode_running == 0 else stall_tpots * slo.tpot_s
-    if ttft_decode <= budget and uncached * decode_rate <= allowance:
+    stall_s = uncached * decode_rate
+    stays_idle = signals.decode_running == 0 and stall_s * signals.decode_arrivals_per_s < IDLE_STALL_ARRIVALS
+    allowance = float("inf") if stays_idle else stall_tpots * slo.tpot_s
+    if ttft_decode <= budget and stall_s <= allowance:
         return Decision(DECODE, "prefill_busy", ttft_prefill, ttft_decode)
-    if ttft_decode < ttft_prefill and signals.decode_running == 0:
+    if ttft_decode < ttft_prefill and stays_idle:
         return Decision(DECODE, "best_effort", ttft_prefill, ttft_decode)
     return Decision(PREFILL, "best_effort", ttft_prefill, ttft_decode)

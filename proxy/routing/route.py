@@ -79,6 +79,7 @@ class RouteSignals:
     prefill_turns: RoleTurns = RoleTurns()
     prefill_s_per_token: Optional[float] = None
     decode_s_per_token: Optional[float] = None
+    arrivals_per_s: float = 0.0  # requests this proxy routed per second, lately
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +152,7 @@ def _decide(request: RouteRequest, signals: RouteSignals, settings: RouteSetting
     estimate = Signals(
         num_prompt_tokens=request.num_prompt_tokens, decode_cached_tokens=decode.cached_tokens or 0,
         prefill_backlog_tokens=min((c.prompt_tokens_in_flight for c in available_prefill), default=0),
-        decode_backlog_tokens=worker.prompt_tokens_in_flight, decode_running=worker.num_running)
+        decode_backlog_tokens=worker.prompt_tokens_in_flight, decode_running=worker.num_running,
+        decode_arrivals_per_s=signals.arrivals_per_s / max(1, sum(c.available for c in signals.decode)))
     return decide(estimate, settings.slo, signals.prefill_s_per_token if settings.adaptive else None,
                   signals.decode_s_per_token, settings.disagg_min_prompt_tokens, settings.decode_stall_tpots)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.routing.disaggregation import DECODE, PREFILL, PrefillSpeed, Signals, Slo, decide
+from proxy.routing.disaggregation import DECODE, PREFILL, ArrivalRate, PrefillSpeed, Signals, Slo, decide
 
 SLO = Slo(ttft_ms=1000, ttft_ms_per_token=2, tpot_ms=20)
 MS_PER_TOKEN = 0.002  # 500 prompt tokens a second on either role (the 2-core VM: about this, one core each)
 
 
 def signals(prompt: int, cached: int = 0, prefill_backlog: int = 0, decode_backlog: int = 0,
-            running: int = 4) -> Signals:
-    return Signals(prompt, cached, prefill_backlog, decode_backlog, running)
+            running: int = 4, arrivals_per_s: float = 0.0) -> Signals:
+    return Signals(prompt, cached, prefill_backlog, decode_backlog, running, arrivals_per_s)
 
 
 def where(sig: Signals, prefill_rate=MS_PER_TOKEN, decode_rate=MS_PER_TOKEN, static_min: int = 0,
@@ -60,6 +60,34 @@ def test_when_neither_fits_the_smaller_ttft_wins_only_on_an_idle_decode_worker()
     assert where(signals(1536, prefill_backlog=6000, decode_backlog=3000, running=2)) == (PREFILL, "best_effort")
     decision = decide(long_wait, SLO, MS_PER_TOKEN, MS_PER_TOKEN, 0, 10.0)
     assert decision.ttft_prefill_s == pytest.approx(15.072) and decision.ttft_decode_s == pytest.approx(9.072)
+
+
+def test_an_idle_decode_worker_takes_a_long_stall_only_while_no_request_is_expected_to_arrive_during_it():
+    """The same prompts on an idle decode worker: 1,536 tokens stall it 3.1 s (4,536 with its backlog: 9
+    s), 200 tokens 0.4 s. At 0.1 request/s the 3.1 s prompt expects 0.31 arrivals (taken, under 0.5);
+    at 0.3/s, 0.92: the prompt waits on P, so streams and handoffs arriving meanwhile are not held."""
+    assert where(signals(1536, prefill_backlog=6000, running=0, arrivals_per_s=0.1)) == (DECODE, "prefill_busy")
+    assert where(signals(1536, prefill_backlog=6000, running=0, arrivals_per_s=0.3)) == (PREFILL, "best_effort")
+    long_wait = signals(1536, prefill_backlog=6000, decode_backlog=3000, running=0, arrivals_per_s=0.3)
+    assert where(long_wait) == (PREFILL, "best_effort")  # D's TTFT smaller, but not while it is expected busy
+    assert where(signals(200, prefill_backlog=3072, running=0, arrivals_per_s=1.0)) == (DECODE, "prefill_busy")
+    assert where(signals(200, prefill_backlog=3072, running=0, arrivals_per_s=1.5)) == (PREFILL, "best_effort")
+
+
+def test_the_arrival_rate_counts_the_last_window_and_the_time_since_the_first_arrival_while_younger():
+    now = [100.0]
+    rate = ArrivalRate(clock=lambda: now[0], window_s=60.0)
+    assert rate.per_s == 0.0
+    rate.observe()
+    rate.observe()
+    assert rate.per_s == pytest.approx(2 / 60)  # under three seen: over the whole window, not a burst's span
+    for _ in range(4):
+        now[0] += 2.0
+        rate.observe()
+    assert rate.per_s == pytest.approx(6 / 8)  # six in the 8 s since the first
+    now[0] += 100.0
+    rate.observe()
+    assert rate.per_s == pytest.approx(1 / 60)  # the old ones forgotten
 
 
 def test_the_decode_worker_rate_defaults_to_the_prefill_workers():
