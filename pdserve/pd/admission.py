@@ -129,6 +129,22 @@ def state_split_problem(plan: KVGroupPlan, num_ranks: int, their_num_ranks: int)
     return None
 
 
+def pairing_problem(agent: AgentInfo, plan: KVGroupPlan, block_size: int, num_ranks: int = 1) -> Optional[str]:
+    """Why this worker (`plan` one rank's of `num_ranks`, pages of `block_size` tokens) cannot read KV
+    from the worker `agent` describes, as a phrase to follow its name ("prefill worker P runs ...");
+    None when the READ plan covers it (pd/geometry.py `plan_pull_from`): block sizes that divide one
+    another, any TP sizes (each rank reads its heads' slice), recurrent state only where both TP sizes
+    split it. D's pull from P and a peer pull ask this one question."""
+    problem = block_size_problem(block_size, agent.geometry.block_size)
+    if problem is not None:
+        return f"cannot hand its KV to this worker: {problem}"
+    if plan.state_group_ids and agent.tp_size != num_ranks:
+        problem = state_split_problem(plan, num_ranks, agent.tp_size)
+        if problem is not None:
+            return f"runs {agent.tp_size} tensor-parallel rank(s), this worker {num_ranks}: {problem}"
+    return None
+
+
 def check_block_ids(params: RemotePrefillParams, agent: AgentInfo, plan: KVGroupPlan, num_ranks: int = 1) -> None:
     """Shape and range of the block lists against the peer's pool and this prompt, in the peer's
     own block size and state partition. Our prefill workers never send null entries, so none is accepted."""
@@ -185,15 +201,9 @@ class DecodeAdmission:
         if params.tp_size != agent.tp_size:
             raise KVParamsInvalid(f"kv_transfer_params.tp_size is {params.tp_size} but prefill worker "
                                   f"{params.remote_engine_id} runs {agent.tp_size} tensor-parallel ranks")
-        problem = block_size_problem(self.block_size, agent.geometry.block_size)
+        problem = pairing_problem(agent, self.plan, self.block_size, self.tp_size)
         if problem is not None:
-            raise KVParamsInvalid(f"prefill worker {params.remote_engine_id} cannot hand its KV to this worker: "
-                                  f"{problem}", param="kv_transfer_params")
-        if self.plan.state_group_ids and agent.tp_size != self.tp_size:
-            problem = state_split_problem(self.plan, self.tp_size, agent.tp_size)
-            if problem is not None:
-                raise KVParamsInvalid(f"prefill worker {params.remote_engine_id} runs {agent.tp_size} tensor-parallel "
-                                      f"rank(s), this worker {self.tp_size}: {problem}", param="kv_transfer_params")
+            raise KVParamsInvalid(f"prefill worker {params.remote_engine_id} {problem}", param="kv_transfer_params")
         check_block_ids(params, agent, self.plan, self.tp_size)
         try:
             # The peer's block size rides along (never on the wire): reads between block sizes are cut by it.

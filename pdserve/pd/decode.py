@@ -30,7 +30,7 @@ from pdserve.kv.specs import KVGroupPlan
 from pdserve.metrics import TransferMetrics
 from pdserve.pd.connector import (ADMIT_LOCAL, ADMIT_REMOTE, FREE_NOW, Admission, AdmissionKind, FinishAction,
                                   KVEvents, LoadFailure)
-from pdserve.pd.geometry import peer_plan, plan_handoff_pull
+from pdserve.pd.geometry import plan_pull_from
 from pdserve.pd.messages import KVMessage, MessageKind
 from pdserve.pd.peers import PeerConnections
 from pdserve.request import RemoteSource, Request
@@ -120,12 +120,9 @@ class DecodeConnector:
         remote.takes_first_token = request.first_token is not None
         params = remote.source.params
         num_tokens = request.num_prompt_tokens
-        geometry = remote.source.agent.geometry  # its block size may differ from ours: the pull cuts both into units
-        their_ranks = remote.source.agent.tp_size
-        their_plan = (peer_plan(self.plan, geometry.groups, self.tp_size, their_ranks) if self.plan.state_group_ids
-                      else self.plan)
-        pull = plan_handoff_pull(self.plan, self.block_size, block_tables, their_plan, geometry.block_size,
-                                 params.remote_block_ids, num_tokens, num_cached_tokens, self.tp_size, their_ranks)
+        # P's block size and TP size may differ from ours: the pull cuts both into units, each rank its heads
+        pull = plan_pull_from(remote.source.agent, self.plan, self.block_size, block_tables, params.remote_block_ids,
+                              num_tokens, num_cached_tokens, self.tp_size)
         remote.uncached_blocks = pull.uncached_blocks
         if pull.is_empty:  # D's prefix cache holds everything it needs
             self._count_first_token(remote)

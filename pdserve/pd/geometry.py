@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
+from pdserve.api.kv_transfer import AgentInfo
 from pdserve.kv.prefix import first_live_block
 from pdserve.kv.specs import KVGroup, KVGroupPlan, RecurrentStateSpec
 from pdserve.transfer.planner import (HandoffSide, InvalidRemoteBlockIds, PullPlan, StatePage, plan_pull,
@@ -123,3 +124,17 @@ def plan_handoff_pull(own_plan: KVGroupPlan, own_block_size: int, own_tables: Se
     state = own_plan.state_group_ids
     return dataclasses.replace(pull, num_units_per_group=pull.num_units_per_group + (0,) * len(state),
                                uncached_blocks=pull.uncached_blocks + (0,) * len(state), state_moves=moves)
+
+
+def plan_pull_from(agent: AgentInfo, own_plan: KVGroupPlan, own_block_size: int, own_tables: Sequence[Sequence[int]],
+                   their_block_ids: Sequence[Sequence[int]], num_tokens: int, num_held_tokens: int,
+                   num_ranks: int = 1) -> PullPlan:
+    """`plan_handoff_pull` from the worker `agent` describes (its handshake: block size, TP size, state
+    groups), into this worker's tables (`own_plan` one rank's of `num_ranks`): the one READ plan of D's
+    pull from P and of a peer pull. Between TP sizes it names block ids only; each rank's transport
+    reads its heads' slice of them from the peer ranks holding those heads (transfer/ranked_transport.py)."""
+    their_ranks = agent.tp_size
+    their_plan = (peer_plan(own_plan, agent.geometry.groups, num_ranks, their_ranks) if own_plan.state_group_ids
+                  else own_plan)
+    return plan_handoff_pull(own_plan, own_block_size, own_tables, their_plan, agent.geometry.block_size,
+                             their_block_ids, num_tokens, num_held_tokens, num_ranks, their_ranks)

@@ -4,11 +4,12 @@ nothing (the request is computed here as if it had none).
 Invariant: a request reaches the engine with a peer pull only when the peer (on the allow-list when
 there is one) pinned a prefix of it by its own hash chain, that chain equals this worker's chain of
 the same tokens (over the peer's block size), the peer answered the handshake with this worker's
-compatibility hash and TP size and a block size that pairs with this worker's (one divides the other:
-the READ then moves units of the smaller, as a P/D pull does), its block lists fit its pool, and its
-data path is connected. A hint never fails a
-request: every other outcome is counted (`pdserve_kv_peer_pull_tokens_total{result}`) and the
-prompt is computed; a pin taken and not used is released at once (its lease is the fallback).
+compatibility hash and a geometry D would accept from P (`pairing_problem`: block sizes that divide
+one another, the READ moving units of the smaller; any TP sizes, each rank reading its heads' slice
+of the pinned blocks from the peer ranks holding them), its block lists fit its pool, and its data
+path is connected. A hint never fails a request: every other outcome is counted
+(`pdserve_kv_peer_pull_tokens_total{result}`) and the prompt is computed; a pin taken and not used is
+released at once (its lease is the fallback).
 A hint is followed only when this worker's own measurements predict the pull faster than computing
 and the prefix reaches `--peer-pull-min-tokens` (pd/peer_costs.py, docs/operations.md). A hint
 nobody vouched for (no internal token, a listener others reach) is followed only to allow-listed peers.
@@ -17,7 +18,7 @@ Torch-free.
     hint {host, port, tokens} ─▶ allow-list, backoff ─▶ POST /internal/kv/peer_pin {token ids} ─▶ peer
                                          ◀── {pin id, nonce, block ids, hash chain, lease}
     chain == own chain of those tokens? ─ no ─▶ release, compute (refused)
-    handshake (compat, TP, block sizes pair) ─▶ connect ─▶ RemoteSource(num_pull_tokens=k)
+    handshake (compat; block and TP sizes pair as in P/D) ─▶ connect ─▶ RemoteSource(num_pull_tokens=k)
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from typing import Callable, Optional
 import httpx
 
 from pdserve.api.errors import PdserveError
-from pdserve.api.kv_transfer import KVPullFailed, RemotePrefillParams, url_host
+from pdserve.api.kv_transfer import AgentInfo, KVPullFailed, RemotePrefillParams, url_host
 from pdserve.api.peer_pull import PEER_PIN_PATH, PeerHint, PeerPinRequest, PeerPinTicket
 from pdserve.kv.hashing import hash_full_blocks
 from pdserve.kv.specs import KVGroupPlan
-from pdserve.pd.admission import ConnectPeer, KVAdmission, PeerFailureMemory, check_block_ids
+from pdserve.pd.admission import ConnectPeer, KVAdmission, PeerFailureMemory, check_block_ids, pairing_problem
 from pdserve.pd.handshake import TOKEN_HEADER, HandshakeClient
 from pdserve.pd.peer_costs import PeerPullCosts
 from pdserve.pd.peer_pins import peer_pull_problem
@@ -203,11 +204,7 @@ class PeerPullAdmission:
             raise PeerUnusable("refused", "the peer's hash chain differs from this prompt's", num_tokens)
         try:
             agent = await self.handshake.peer_for(params)
-            if agent.tp_size != self.tp_size or agent.geometry.block_size != ticket.block_size:
-                raise PeerUnusable("refused", f"the peer runs TP {agent.tp_size} with {agent.geometry.block_size}-token "
-                                              f"blocks, this worker TP {self.tp_size} (peer pulls between TP sizes: "
-                                              f"not done yet)", num_tokens)
-            check_block_ids(params, agent, self.plan, self.tp_size)
+            self._check_geometry(agent, ticket, params, num_tokens)
             peer = dataclasses.replace(PeerInfo.from_dict(agent.transport, via=address),
                                        block_size=agent.geometry.block_size)
             error_text = await self.connect_peer(peer)
@@ -223,6 +220,18 @@ class PeerPullAdmission:
         logger.info("request %s: pulling %d prompt tokens from peer %s (%s)", request_id, num_tokens, agent.engine_id,
                     self.costs.describe(num_tokens))
         return RemoteSource(params, agent, num_pull_tokens=num_tokens)
+
+    def _check_geometry(self, agent: AgentInfo, ticket: PeerPinTicket, params: RemotePrefillParams,
+                        num_tokens: int) -> None:
+        """What D asks of P (`pairing_problem`: block sizes, TP sizes; the block lists against the peer's pool),
+        and that the pin's block size is the one the peer's handshake pages by (its chain was checked over it)."""
+        if agent.geometry.block_size != ticket.block_size:
+            raise PeerUnusable("refused", f"the peer pinned {ticket.block_size}-token blocks but pages "
+                                          f"{agent.geometry.block_size}-token ones", num_tokens)
+        problem = pairing_problem(agent, self.plan, self.block_size, self.tp_size)
+        if problem is not None:
+            raise PeerUnusable("refused", f"the peer {problem}", num_tokens)
+        check_block_ids(params, agent, self.plan, self.tp_size)
 
 
 def _params(hint: PeerHint, ticket: PeerPinTicket) -> RemotePrefillParams:

@@ -18,6 +18,16 @@ step commits them (the scheduler's `commit`, as for any computed block). Torch-f
     start_pull: READ ids -> our blocks             (pinned: its pages cannot change)
     READ landed ------------- "done" ---------->  pin released (blocks stay cached there)
     the request computes tokens [prefix, prompt)
+
+Between TP sizes (and block sizes) the READ is D's (pd/geometry.py `plan_pull_from`): it names block
+ids only. The holder pinned on its rank 0, and the pin's ids hold for every rank's slice (the ranks
+page the same block ids); each puller rank reads its KV heads of those blocks from the holder ranks
+that hold them, and "done" reaches the holder's rank 0 only once every rank's share landed
+(transfer/ranked_transport.py):
+
+    holder TP=2:  rank 0 page b = [head 0]    rank 1 page b = [head 1]    (one pin: id b names both)
+                              └────────────┬─────────────┘
+    puller TP=1:         page b' = [head 0 | head 1]                     (one READ per block and holder rank)
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from pdserve.api.kv_transfer import KVPullFailed
 from pdserve.api.sampling import FinishReason
 from pdserve.kv.specs import KVGroupPlan
 from pdserve.pd.connector import ADMIT_LOCAL, ADMIT_REMOTE, Admission, FinishAction, KVConnector, KVEvents, LoadFailure
-from pdserve.pd.geometry import plan_handoff_pull
+from pdserve.pd.geometry import plan_pull_from
 from pdserve.pd.messages import KVMessage, MessageKind
 from pdserve.pd.peer_costs import PeerPullCosts
 from pdserve.pd.peers import PeerConnections
@@ -123,9 +133,9 @@ class PeerPullConnector:
         if pull is None:
             return self.inner.start_pull(request, block_tables, num_cached_tokens)
         params = pull.source.params
-        their_block_size = pull.source.agent.geometry.block_size  # may differ: the READ cuts both into units
-        plan = plan_handoff_pull(self.plan, self.block_size, block_tables, self.plan, their_block_size,
-                                 params.remote_block_ids, pull.num_tokens, num_cached_tokens, self.tp_size, self.tp_size)
+        # D's plan of a pull from P: the peer's block size and TP size may differ from ours (units, head slices)
+        plan = plan_pull_from(pull.source.agent, self.plan, self.block_size, block_tables, params.remote_block_ids,
+                              pull.num_tokens, num_cached_tokens, self.tp_size)
         if plan.is_empty:  # this worker's own prefix cache holds it all by now
             del self._pulls[request.request_id]
             self._send(pull, MessageKind.FREE)

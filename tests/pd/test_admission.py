@@ -14,8 +14,8 @@ from pdserve.api.errors import InvalidRequest
 from pdserve.api.kv_transfer import (KVParamsInvalid, KVParamsStale, KVPullFailed, RemoteDecodeRequest,
                                      RemotePrefillParams, parse_kv_transfer_params)
 from pdserve.api.sampling import SamplingParams
-from pdserve.pd.admission import DecodeAdmission, PeerFailureMemory, PrefillAdmission
-from pdserve.kv.specs import FullAttentionSpec, plan_groups
+from pdserve.pd.admission import DecodeAdmission, PeerFailureMemory, PrefillAdmission, pairing_problem
+from pdserve.kv.specs import FullAttentionSpec, RecurrentStateSpec, plan_groups
 from pdserve.pd.handshake import HandshakeClient, compatibility_document, compatibility_hash, incompatibilities
 from pdserve.pd.peer_trust import KVPeerNotAllowed, PeerAllowList
 from pdserve.request import GenerationRequest
@@ -111,6 +111,27 @@ async def test_a_prefill_block_size_that_does_not_divide_ours_is_a_400_that_says
     with pytest.raises(KVParamsInvalid, match=f"block sizes {BLOCK} here and {BLOCK + 1} there: one must divide"):
         await admission(stub, connect).admit(request(stub.params()))
     assert connect.calls == 0
+
+
+def test_one_pairing_rule_serves_p_to_d_and_peer_pulls_and_names_what_does_not_pair():
+    """`pairing_problem`: any TP sizes pair (each rank reads its heads' slice), block sizes only when one
+    divides the other, recurrent state only between TP sizes that split it."""
+    full = plan_groups([FullAttentionSpec(), FullAttentionSpec()])
+    agent = PrefillSide(FakeFabric(), FakeClock(), plan=full).agent_info()
+    for their_ranks, our_ranks in ((2, 1), (1, 2), (4, 2)):
+        assert pairing_problem(agent.model_copy(update={"tp_size": their_ranks}), full, BLOCK, our_ranks) is None
+    assert pairing_problem(agent, full, 2 * BLOCK) is None
+    odd = agent.model_copy(update={"geometry": agent.geometry.model_copy(update={"block_size": BLOCK + 2})})
+    assert pairing_problem(odd, full, BLOCK) == (f"cannot hand its KV to this worker: block sizes {BLOCK} here and "
+                                                 f"{BLOCK + 2} there: one must divide the other (KV moves in units "
+                                                 f"of the smaller block)")
+    state = RecurrentStateSpec("gated_delta_net", conv_channels=16, conv_window=3, recurrent_shape=(4, 2, 2),
+                               conv_parts=(4, 4, 8))
+    hybrid = plan_groups([state, FullAttentionSpec()], attention_layer_bytes=64)
+    assert pairing_problem(agent.model_copy(update={"tp_size": 2}), hybrid, BLOCK) is None
+    assert pairing_problem(agent.model_copy(update={"tp_size": 3}), hybrid, BLOCK) == (
+        "runs 3 tensor-parallel rank(s), this worker 1: 3 ranks do not divide part 0 of a state layer "
+        "(4 rows: conv channels or heads)")
 
 
 async def test_block_lists_are_checked_in_the_prefill_workers_block_size():

@@ -71,7 +71,8 @@ def agent():
 
 
 def admit(agent, answer, hint: Optional[PeerHint] = HINT, connect_error: Optional[str] = None, min_tokens: int = 32,
-          allowed: Optional[str] = None, vouched: bool = True, costs: Optional[PeerPullCosts] = None):
+          allowed: Optional[str] = None, vouched: bool = True, costs: Optional[PeerPullCosts] = None,
+          tp_size: int = 1):
     pins, releases, counts = FakePins(answer), FakeReleases(), {}
 
     async def connect(peer):
@@ -81,7 +82,7 @@ def admit(agent, answer, hint: Optional[PeerHint] = HINT, connect_error: Optiona
         counts[result] = counts.get(result, 0) + num_tokens
 
     admission = PeerPullAdmission(LocalAdmission(), pins, releases, FakeHandshake(agent), connect, FULL, BLOCK,
-                                  min_tokens=min_tokens, count_tokens=count,
+                                  tp_size=tp_size, min_tokens=min_tokens, count_tokens=count,
                                   allowed_peers=PeerAllowList.parse(allowed) if allowed else None, vouched=vouched,
                                   costs=costs)
     request = GenerationRequest("r", PROMPT, SamplingParams(max_tokens=1), peer_hint=hint)
@@ -121,6 +122,26 @@ def test_a_peer_of_another_block_size_is_checked_by_its_own_chain():
     chain = [h.hex() for h in hash_full_blocks(PROMPT[:8 * BLOCK], 2 * BLOCK, [])]
     admitted, _, releases, counts = admit(wide, ticket(chain=chain, block_size=2 * BLOCK))
     assert admitted.remote is not None and admitted.remote.num_pull_tokens == 8 * BLOCK and counts == {}
+
+
+@pytest.mark.parametrize("their_ranks, our_ranks", [(2, 1), (1, 2), (4, 2)])
+def test_a_peer_of_another_tp_size_lends_as_p_hands_to_d(agent, their_ranks, our_ranks):
+    """The READ covers the peer's ranks' slices of the pinned ids (pd/geometry.py `plan_pull_from`)."""
+    split = agent.model_copy(update={"tp_size": their_ranks})
+    admitted, _, releases, counts = admit(split, ticket(), tp_size=our_ranks)
+    assert admitted.remote is not None and admitted.remote.num_pull_tokens == 8 * BLOCK
+    assert admitted.remote.agent.tp_size == their_ranks and releases.released == [] and counts == {}
+
+
+def test_a_pin_in_another_block_size_than_the_peers_handshake_is_refused_by_name(agent, caplog):
+    """The chain checked out over the pin's block size, but the peer pages another: its ids would be read
+    in the wrong units. Refused whatever the TP sizes, the pin released, the prompt computed."""
+    chain = [h.hex() for h in hash_full_blocks(PROMPT[:8 * BLOCK], 2 * BLOCK, [])]
+    with caplog.at_level("INFO", logger="pdserve.pd.peer_admission"):
+        admitted, _, releases, counts = admit(agent.model_copy(update={"tp_size": 2}),
+                                              ticket(chain=chain, block_size=2 * BLOCK))
+    assert admitted.remote is None and releases.released == ["peer-pin-1"] and counts == {"refused": 8 * BLOCK}
+    assert f"the peer pinned {2 * BLOCK}-token blocks but pages {BLOCK}-token ones" in caplog.text
 
 
 def test_a_dead_peer_or_a_lost_data_path_costs_a_recompute(agent):
