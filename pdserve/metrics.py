@@ -386,11 +386,13 @@ class TransferMetrics:
             "pdserve_transfer_handshakes_total", "Agent-info handshakes with prefill workers.", registry=registry
         )
         self.pinned_blocks = Gauge(
-            "pdserve_transfer_pinned_blocks", "Blocks a prefill worker holds for remote readers.", registry=registry
+            "pdserve_transfer_pinned_blocks",
+            "Blocks this worker holds for remote readers (P: its prefills for decode workers and prefixes for peers; "
+            "D: prefixes for peers).", registry=registry
         )
         self.pinned_blocks_limit = Gauge(
             "pdserve_transfer_pinned_limit_blocks",
-            "Most blocks a prefill worker may hold for remote readers (--kv-max-pinned-share of its pool).",
+            "Most blocks this worker may hold for remote readers (--kv-max-pinned-share of its pool).",
             registry=registry,
         )
         self.pinned_refusals = Counter(

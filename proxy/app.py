@@ -77,7 +77,8 @@ def build_components(config: ProxyConfig, resolver: Optional[Resolver] = None,
         decode_pool.add(url)
     metrics = create_proxy_metrics(lambda: [*prefill_pool.backends(), *decode_pool.backends()])
     kv = None
-    # Peer hints need the index too, and a second prefill worker to name (static, or discovered).
+    # Peer hints need the index too, and a second prefill worker (static, or discovered): with one, the proxy
+    # keeps no index for hints (no tokenizer fetched, no event streams), though its decode workers lend too.
     peer_hints = config.routing.peer_pull and (len(config.prefill_urls) > 1 or config.discovery.prefill_dns is not None)
     if KV_AWARE in (config.routing.prefill_policy, config.routing.decode_policy) or peer_hints:
         kv = KVRouting(config.routing, {Role.PREFILL: prefill_pool, Role.DECODE: decode_pool}, metrics.registry)

@@ -98,7 +98,8 @@ class Forwarder:
         self._releaser = KVReleaser(metrics, config.health.timeout_s)
         self._metrics = metrics
         self._kv = kv  # set when a role's policy is kv_aware, or with peer hints
-        self._hints = (PeerHints(kv, prefill_pool, config.routing.peer_pull_margin_tokens, metrics.registry)
+        self._hints = (PeerHints(kv, (prefill_pool, decode_pool), config.routing.peer_pull_margin_tokens,
+                                 metrics.registry)
                        if kv is not None and config.routing.peer_pull else None)
         self._slo = SloTracker(self._settings.slo, metrics.slo_requests, metrics.slo_attainment)
         # Seconds per prompt token of each role's prefill, from legs that had their worker to themselves.
@@ -443,8 +444,10 @@ class Forwarder:
         num_tokens = self._num_prompt_tokens(request) if computes_prompt else 0
         alone = backend.num_in_flight == 0
         backend.prompt_tokens_in_flight += num_tokens
+        # A decode worker that computes the prompt itself may pull its prefix from a peer (P or D) too.
+        hint = self._hints.headers_for(backend, request) if computes_prompt and self._hints is not None else None
         try:
-            leg = await self._sender.open_decode(backend, request, params)
+            leg = await self._sender.open_decode(backend, request, params, hint)
             cached = self._predicted_cached_tokens(request, backend)
             if computes_prompt and alone and request.stream and cached is not None and num_tokens > cached:
                 # its headers came with the first token

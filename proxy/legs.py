@@ -217,9 +217,10 @@ class LegSender:
             self._metrics.backend_server_errors.labels(backend.role.value, backend.url,
                                                        str(exc.answer.status_code)).inc()
 
-    async def open_decode(self, backend: Backend, request: ClientRequest,
-                          params: Optional[dict[str, Any]]) -> OpenLeg:
-        """The second leg, up to its headers (and, unless streamed, its whole body)."""
+    async def open_decode(self, backend: Backend, request: ClientRequest, params: Optional[dict[str, Any]],
+                          extra_headers: Optional[dict[str, str]] = None) -> OpenLeg:
+        """The second leg, up to its headers (and, unless streamed, its whole body); `extra_headers`: the
+        proxy's own (a peer hint for a decode-only leg)."""
         trial = _begin(backend, "decode")
         started_s = time.perf_counter()
         handed_over = False
@@ -228,7 +229,8 @@ class LegSender:
         try:
             try:
                 response = await backend.client.send_leg(backend.client.leg_request(
-                    request.path, decode_body(request.body, params), request.request_id, self._decode_timeout))
+                    request.path, decode_body(request.body, params), request.request_id, self._decode_timeout,
+                    extra_headers))
                 if not request.stream or response.status_code != 200:
                     await response.aread()
             except httpx.HTTPError as exc:

@@ -29,7 +29,7 @@ TORCH_AND_NIXL_FREE_MODULES = [
     # the P/D package: params, handshake, geometry, both sides, admission, wiring
     "pdserve.pd", "pdserve.api.kv_transfer", "pdserve.pd.handshake", "pdserve.pd.leases", "pdserve.pd.messages",
     "pdserve.pd.geometry", "pdserve.pd.connector", "pdserve.pd.prefill", "pdserve.pd.decode", "pdserve.pd.peers",
-    "pdserve.pd.admission", "pdserve.pd.wiring",
+    "pdserve.pd.admission", "pdserve.pd.wiring", "pdserve.pd.lending",
     "pdserve.pd.peer_trust", "pdserve.pd.peer_costs", "pdserve.pd.peer_admission", "pdserve.pd.peer_pull",
     # the transport contract, planner and fake
     "pdserve.transfer", "pdserve.transfer.transport", "pdserve.transfer.planner", "pdserve.transfer.fake_transport",

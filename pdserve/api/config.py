@@ -235,7 +235,8 @@ class TransferConfig(_Frozen):
         flag="--kv-failure-policy")
     max_pinned_share: float = setting(
         0.5, "P: refuse new remote-decode prefills (503 + Retry-After) while blocks pinned for decode workers "
-             "exceed this share of the pool", flag="--kv-max-pinned-share", gt=0, le=1)
+             "exceed this share of the pool (P and D: peer pins past it are refused too)",
+        flag="--kv-max-pinned-share", gt=0, le=1)
     agent_isolation: Literal["auto", "process", "inline"] = setting(
         "auto", "where this worker's NIXL agent runs: process (its own child process, sharing the pool's host "
                 "memory: a crash inside NIXL or UCX fails the reads in flight and the agent is restarted, the worker "
@@ -247,8 +248,8 @@ class TransferConfig(_Frozen):
         flag="--kv-allowed-peers")
 
     peer_pull: bool = setting(
-        True, "pull a prompt's prefix from the peer the proxy's hint names instead of computing it (and, on a "
-              "prefill worker, pin prefixes for peers that ask)", flag="--peer-pull")
+        True, "pull a prompt's prefix from the peer the proxy's hint names instead of computing it, and pin this "
+              "worker's prefixes (a decode worker's include its answers) for peers that ask", flag="--peer-pull")
     peer_pull_min_tokens: int = setting(
         64, "pull from a peer only prefixes of at least this many tokens (a floor under --peer-pull-decision)",
         flag="--peer-pull-min-tokens", ge=1)

@@ -69,11 +69,11 @@ class BuiltEngine:
         return self.kv_side.agent_info
 
     def release_pinned(self, request_id: str, nonce: str) -> None:
-        """Prefill workers: free a pinned prefill's blocks now (on the engine thread, at its next turn),
-        if `nonce` is its pin's."""
-        connector = self.kv_side.connector
-        if isinstance(connector, PrefillConnector):
-            self.engine.engine_loop.call_soon(functools.partial(connector.release_early, request_id, nonce))
+        """Workers that lend (P; D with peer pulls on): free a pin's blocks now (on the engine thread, at
+        its next turn), if `nonce` is its pin's."""
+        lender = self.kv_side.lender
+        if lender is not None:
+            self.engine.engine_loop.call_soon(functools.partial(lender.release_early, request_id, nonce))
 
     def claim_ticket(self, request_id: str, nonce: str) -> Optional[Claim[PinTicket]]:
         """Prefill workers: a pin's ticket for the reader that shows its nonce (thread-safe; None elsewhere)."""
@@ -81,17 +81,18 @@ class BuiltEngine:
         return connector.claim_ticket(request_id, nonce) if isinstance(connector, PrefillConnector) else None
 
     def pin_peer_prefix(self, token_ids: list[int]) -> Optional[Awaitable[Optional[PeerPinTicket]]]:
-        """Prefill workers with peer pulls on: pin, on the engine thread, the longest prefix of `token_ids`
-        this pool or its offload tier holds for a peer to read, answered once tier pages landed
-        (pd/peer_pins.py; PeerPinRefused, 409, where this worker lends none)."""
-        connector = self.kv_side.connector
-        if self.kv_side.peer_pull is None or not isinstance(connector, PrefillConnector):
+        """P and D workers with peer pulls on: pin, on the engine thread, the longest prefix of `token_ids`
+        this pool or its offload tier holds for a peer to read (a decode worker's prefixes include the
+        answers it decoded), answered once tier pages landed (pd/peer_pins.py; PeerPinRefused, 409, where
+        this worker lends none)."""
+        lender = self.kv_side.lender
+        if self.kv_side.peer_pull is None or lender is None:
             raise PeerPinRefused(peer_pull_problem(self.plan) or "this worker lends no prefixes to peers")
         count = self.kv_side.count_peer_pinned
         return await_peer_pin(
             functools.partial(run_on_engine_thread, self.engine.engine_loop.call_soon),
-            functools.partial(pin_peer_prefix, self.kv_manager, connector, token_ids, count),
-            lambda pin, give_up: settle_peer_pin(self.kv_manager, connector, pin, give_up, count))
+            functools.partial(pin_peer_prefix, self.kv_manager, lender, token_ids, count),
+            lambda pin, give_up: settle_peer_pin(self.kv_manager, lender, pin, give_up, count))
 
     def deliver_ticket(self, key: str, params: Optional[dict]) -> Optional[Delivery]:
         """Decode workers: P's params (None: called off) for the decode leg waiting under `key` (the

@@ -86,10 +86,11 @@ def _internal_routers(config: WorkerConfig, metrics: Metrics, handle: LoadingEng
             return loaded.built.deliver_ticket(key, params) if loaded.built is not None else None
 
         prefill = config.role == "prefill"
+        lends = prefill or config.transfer.peer_pull  # D lends its prefixes to peers: pins a puller may release
         routers.append(create_kv_router(lambda: loaded.built.agent_info if loaded.built else None,
-                                        config.server.internal_token, release if prefill else None,
+                                        config.server.internal_token, release if lends else None,
                                         claim if prefill else None, None if prefill else deliver))
-        if prefill and config.transfer.peer_pull:
+        if config.transfer.peer_pull:  # P and D alike pin prefixes for peers (a model without: 409)
             routers.append(create_peer_pin_router(
                 lambda token_ids: loaded.built.pin_peer_prefix(token_ids) if loaded.built is not None else None,
                 config.server.internal_token))

@@ -9,8 +9,9 @@ never waited on), `tickets` (D claims the pin's record from P and checks its
 prompt: the only source of the block ids it reads and of the first token),
 `ticket_inbox` (where a decode leg sent with its prefill leg waits for P's params),
 `first_token` (whether D starts from P's first token), `admission` (async-side
-checks before the engine sees a request), `leases` and `messages` (P's pins and D's notes to P), the
-peer pull (a prefix from any worker, not only P to D: `peer_pins` on the holder, `peer_admission` and
+checks before the engine sees a request), `leases` and `messages` (P's pins and D's notes to P),
+`lending` (the lease discipline of whatever a worker lends: P's pins, and D's for peers), the
+peer pull (a prefix from any worker, not only P to D: `peer_pins` on the holder (P or D), `peer_admission` and
 `peer_pull` on the puller, `peer_costs` its measured decision; docs/architecture.md "A peer pull"), `wiring` (building it all for a worker).
 Torch-free and nixl-free: pages move through `pdserve.transfer`.
 May import: api, kv, transfer, request (the engine-thread record), metrics;

@@ -14,7 +14,9 @@ each state layer's slot into that layer's slot, each rank its heads' bytes: pd/g
 `plan_handoff_pull`): D then
 computes the last prompt token from the state after the ones before it.
 Leases are renewed for queued requests and for those whose READ is in flight.
-Torch-free.
+With peer pulls on, D also lends: its prefixes (a prompt it pulled or computed and the answer it
+decoded, whose full blocks its prefix cache keeps) are pinned for peers under a `PinLender` of its
+own (pd/lending.py, pd/peer_pins.py), whose readers' messages `poll` applies. Torch-free.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pdserve.metrics import TransferMetrics
 from pdserve.pd.connector import (ADMIT_LOCAL, ADMIT_REMOTE, FREE_NOW, Admission, AdmissionKind, FinishAction,
                                   KVEvents, LoadFailure)
 from pdserve.pd.geometry import plan_pull_from
+from pdserve.pd.lending import PinLender
 from pdserve.pd.messages import KVMessage, MessageKind
 from pdserve.pd.peers import PeerConnections
 from pdserve.request import RemoteSource, Request
@@ -69,14 +72,15 @@ class _Remote:
 
 
 class DecodeConnector:
-    """The decode worker's `KVConnector`."""
-
-    num_pinned_blocks = 0  # a decode worker holds nothing for others
+    """The decode worker's `KVConnector`; with a `lender` (peer pulls on) it also lends its prefixes to peers."""
 
     def __init__(self, transport: KVTransport, peers: PeerConnections, plan: KVGroupPlan, block_size: int,
                  metrics: TransferMetrics, policy: FailurePolicy = "recompute", pull_timeout_s: float = 10.0,
                  heartbeat_s: float = 5.0, clock: Callable[[], float] = time.monotonic, lease_s: float = 30.0,
-                 tp_size: int = 1):
+                 tp_size: int = 1, lender: Optional[PinLender] = None):
+        """`lender`: the lease table of the prefixes this worker pins for peers (pd/peer_pins.py); its
+        readers' messages come with the transport's notifications, which `poll` hands to it."""
+        self.lender = lender
         self.transport = transport
         self.tp_size = tp_size  # this worker's ranks: a rank's state slot is its heads' share
         self.peers = peers
@@ -92,6 +96,11 @@ class DecodeConnector:
         self._failed_to_start: list[LoadFailure] = []
         self._last_heartbeat_s = clock()
         self._agent_checked_s = float("-inf")
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks pinned for peers (0 without a lender: a decode worker then holds nothing for others)."""
+        return self.lender.num_pinned_blocks if self.lender is not None else 0
 
     @property
     def num_loading(self) -> int:
@@ -160,17 +169,23 @@ class DecodeConnector:
     # ---- the engine loop's tick -------------------------------------------------------
 
     def has_pending(self) -> bool:
-        return bool(self._remotes) or self.peers.has_pending()
+        lends = self.lender is not None and self.lender.has_pending()
+        return bool(self._remotes) or self.peers.has_pending() or lends
 
     def poll(self) -> KVEvents:
         events = KVEvents(failed=self._failed_to_start)
         self._failed_to_start = []
         now = self.clock()
-        if now - self._agent_checked_s >= AGENT_CHECK_INTERVAL_S:
-            # No messages come to D; the call notices an agent process that died (then a replacement
-            # starts), also while D is idle. Not every step: to an agent process it is a round trip.
+        lending = self.lender is not None and self.lender.leases.num_pinned_requests > 0
+        notifications: list[bytes] = []
+        if lending or now - self._agent_checked_s >= AGENT_CHECK_INTERVAL_S:
+            # Messages come to D only about its pins for peers; the call also notices an agent process
+            # that died (then a replacement starts), while D is idle too. Not every step unless D lends:
+            # to an agent process it is a round trip.
             self._agent_checked_s = now
-            self.transport.poll_notifications()
+            notifications = self.transport.poll_notifications()
+        if self.lender is not None:
+            events.released.extend(self.lender.take_released(notifications))
         self.peers.poll()
         for request_id, remote in list(self._remotes.items()):
             if remote.handle is not None:

@@ -18,8 +18,9 @@ its load landed (the KV manager caches it then), never while its pages are still
                      past TIER_LOAD_WAIT_S or a failed load ─▶ ticket of the leading pool blocks
                      (none: the pin is released, 404, the puller computes)
 
-The pin lives in the prefill connector's lease table from its start, so every release path of a P/D
-pin applies unchanged (its poll reports the id released and the scheduler frees it; the blocks stay in
+The pin lives in the worker's lease table (pd/lending.py: a prefill worker's, shared with its P/D
+pins, or a decode worker's, whose prefixes include its answers) from its start, so every release path
+of a P/D pin applies unchanged (its poll reports the id released and the scheduler frees it; the blocks stay in
 the prefix cache, merely unreferenced), and a pin whose answer nobody awaits any more goes with its
 lease. Tier pages take fresh blocks only from the pool's free ones (uncached, or cached and
 unreferenced), at most MAX_FREE_SHARE of them, so a pin never takes a block a running request holds or
@@ -44,7 +45,7 @@ from pdserve.kv.manager import KVCacheManager
 from pdserve.kv.prefix import PrefixHit, match_prefix
 from pdserve.kv.specs import FullAttentionSpec, KVGroupPlan
 from pdserve.pd.leases import Lease
-from pdserve.pd.prefill import PrefillConnector
+from pdserve.pd.lending import PinLender
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class LoadingPin:
 PinOutcome = Union[PeerPinTicket, LoadingPin, None]
 
 
-def pin_peer_prefix(kv: KVCacheManager, connector: PrefillConnector, token_ids: Sequence[int],
+def pin_peer_prefix(kv: KVCacheManager, lender: PinLender, token_ids: Sequence[int],
                     count_pinned_tokens: CountPinned = lambda medium, num_tokens: None,
                     clock: Callable[[], float] = time.monotonic) -> PinOutcome:
     """Pin the longest prefix of `token_ids` this worker holds (engine thread): the ticket when every
@@ -99,29 +100,29 @@ def pin_peer_prefix(kv: KVCacheManager, connector: PrefillConnector, token_ids: 
         return None
     num_blocks = hit.num_tokens // kv.block_size
     num_pinned = num_blocks * len(kv.plan.groups)
-    if not connector.has_room_to_pin(num_pinned):
-        connector.metrics.pinned_refusals.inc()
-        raise KVPinnedFull(f"this worker holds {connector.num_pinned_blocks} blocks for other workers; "
+    if not lender.has_room_to_pin(num_pinned):
+        lender.metrics.pinned_refusals.inc()
+        raise KVPinnedFull(f"this worker holds {lender.num_pinned_blocks} blocks for other workers; "
                            f"{num_pinned} more would pass its limit: compute the prefix instead")
     if not kv.allocate_slots(pin_id, hit.num_tokens, 0, hit):  # references, and fresh blocks for tier pages
         return None
-    lease = connector.leases.pin(pin_id, num_pinned)  # no claimable ticket: the answer is the only one
-    connector.metrics.pinned_blocks.set(connector.num_pinned_blocks)
+    lease = lender.leases.pin(pin_id, num_pinned)  # no claimable ticket: the answer is the only one
+    lender.metrics.pinned_blocks.set(lender.num_pinned_blocks)
     loaded = frozenset(index for indexes in hit.offloaded for index in indexes)
     pin = LoadingPin(pin_id, lease, list(block_hashes[:num_blocks]), loaded, clock())
     if kv.start_tier_read(pin_id):
         logger.info("peer pin %s: loading %d of %d blocks from the offload tier before a peer reads them",
                     pin_id, len(loaded), num_blocks)
         return pin
-    return _ticket(kv, connector, pin, num_blocks, count_pinned_tokens)
+    return _ticket(kv, lender, pin, num_blocks, count_pinned_tokens)
 
 
-def settle_peer_pin(kv: KVCacheManager, connector: PrefillConnector, pin: LoadingPin, give_up: bool = False,
+def settle_peer_pin(kv: KVCacheManager, lender: PinLender, pin: LoadingPin, give_up: bool = False,
                     count_pinned_tokens: CountPinned = lambda medium, num_tokens: None) -> PinOutcome:
     """Engine thread: the ticket of a pin whose tier load ended (every block, or after a failed load the
     leading blocks that were in the pool); `pin` itself while the load runs, unless `give_up`; None (the
     pin released) when no block can be named, or the pin was released meanwhile (its lease ran out)."""
-    if not connector.leases.holds(pin.pin_id, pin.lease.nonce):
+    if not lender.leases.holds(pin.pin_id, pin.lease.nonce):
         return None  # released (lease expiry, an early release): the scheduler freed its blocks
     if kv.is_reading_tier(pin.pin_id) and not give_up:
         return pin
@@ -130,11 +131,11 @@ def settle_peer_pin(kv: KVCacheManager, connector: PrefillConnector, pin: Loadin
         logger.warning("peer pin %s: %d of %d blocks readable (the tier load %s)", pin.pin_id, num_named,
                        len(pin.block_hashes), "is late" if kv.is_reading_tier(pin.pin_id) else "failed")
     if num_named == 0:
-        if connector.leases.release(pin.pin_id):
+        if lender.leases.release(pin.pin_id):
             kv.free(pin.pin_id)  # a read still in flight parks its blocks until it ends
-            connector.metrics.pinned_blocks.set(connector.num_pinned_blocks)
+            lender.metrics.pinned_blocks.set(lender.num_pinned_blocks)
         return None
-    return _ticket(kv, connector, pin, num_named, count_pinned_tokens)
+    return _ticket(kv, lender, pin, num_named, count_pinned_tokens)
 
 
 async def await_peer_pin(run_on_engine: RunOnEngine, start: Callable[[], PinOutcome],
@@ -183,7 +184,7 @@ def _num_cached_blocks(kv: KVCacheManager, pin: LoadingPin) -> int:
     return len(pin.block_hashes)
 
 
-def _ticket(kv: KVCacheManager, connector: PrefillConnector, pin: LoadingPin, num_blocks: int,
+def _ticket(kv: KVCacheManager, lender: PinLender, pin: LoadingPin, num_blocks: int,
             count_pinned_tokens: CountPinned) -> PeerPinTicket:
     """The answer naming the pin's first `num_blocks` blocks (the pin may hold more: they go with it)."""
     num_loaded = sum(1 for index in pin.loaded if index < num_blocks)
@@ -191,8 +192,8 @@ def _ticket(kv: KVCacheManager, connector: PrefillConnector, pin: LoadingPin, nu
         count_pinned_tokens("device", (num_blocks - num_loaded) * kv.block_size)
     if num_loaded:
         count_pinned_tokens("offload", num_loaded * kv.block_size)
-    identity = connector.identity
-    lease_left_s = max(0.0, pin.lease.expires_at_s - connector.leases.clock())
+    identity = lender.identity
+    lease_left_s = max(0.0, pin.lease.expires_at_s - lender.leases.clock())
     logger.info("peer pin %s: %d tokens (%d blocks, %d from the offload tier) pinned for a peer (lease %.0fs)",
                 pin.pin_id, num_blocks * kv.block_size, num_blocks, num_loaded, lease_left_s)
     return PeerPinTicket(pin_id=pin.pin_id, engine_id=identity.engine_id, epoch=identity.epoch, nonce=pin.lease.nonce,

@@ -5,7 +5,8 @@ under a remote READ) until exactly one of: the reader's completion
 notification, an early-release message (D's "free", or the proxy's release
 call once the decode leg failed, both carrying the pin's nonce), or lease
 expiry; only then are they
-reported `released` for the scheduler to free. A state model's pin holds, per
+reported `released` for the scheduler to free (the lease discipline is pd/lending.py's, shared with
+every worker that lends). A state model's pin holds, per
 state group, the request's handoff page (the state after all but the last
 prompt token, kv/state_pages.py) beside its attention blocks: the scheduler
 passes the tables with those pages in place of the live ones. Pinned blocks never exceed
@@ -19,10 +20,8 @@ blocks were computed from. Torch-free.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from pdserve.api.handoff import prefill_parts
@@ -34,52 +33,27 @@ from pdserve.metrics import TransferMetrics
 from pdserve.pd.connector import ADMIT_LOCAL, FREE_NOW, Admission, FinishAction, KVEvents
 from pdserve.pd.geometry import handoff_ranges, handoff_slices
 from pdserve.pd.leases import Claim, LeaseTable
-from pdserve.pd.messages import MessageKind, parse_message
+from pdserve.pd.lending import LenderIdentity, PinLender
 from pdserve.request import Request
 from pdserve.transfer.transport import KVTransport
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillIdentity:
-    """What a decode worker needs to find and verify this prefill worker."""
-
-    engine_id: str
-    epoch: str
-    host: str  # the address decode workers reach this worker's HTTP server on
-    port: int  # its internal listener (--internal-port): the handshake and release routes live there
-    tp_size: int = 1  # tensor-parallel ranks: a decode worker reads rank r's slice from rank r
+PrefillIdentity = LenderIdentity  # what a decode worker needs to find and verify this prefill worker
 
 
-def transfer_epoch(base_epoch: str, generation: int) -> str:
-    """The epoch a worker's KV is named by: a new one each time its NIXL agent is replaced (its
-    metadata changed, so decode workers must handshake again and pins of the old agent are stale)."""
-    return base_epoch if generation == 0 else f"{base_epoch}.{generation}"
+class PrefillConnector(PinLender):
+    """The prefill worker's `KVConnector`: a `PinLender` (its P/D pins and its peer pins share one lease
+    table) that pins each finished remote-decode prefill."""
 
-
-class PrefillConnector:
-    """The prefill worker's `KVConnector`."""
-
-    def __init__(self, transport: KVTransport, leases: LeaseTable, identity: PrefillIdentity, plan: KVGroupPlan,
+    def __init__(self, transport: KVTransport, leases: LeaseTable, identity: LenderIdentity, plan: KVGroupPlan,
                  block_size: int, metrics: TransferMetrics, max_pinned_blocks: Optional[int] = None,
                  clock: Callable[[], float] = time.monotonic):
-        self.transport = transport
+        super().__init__(transport, leases, identity, metrics, max_pinned_blocks)
         self.clock = clock  # the engine's clock: the request's arrival and first token were read on it
-        self.leases = leases
-        self.identity = identity
-        self._base_epoch = identity.epoch
         self.plan = plan
         self.block_size = block_size
-        self.metrics = metrics
-        self.max_pinned_blocks = max_pinned_blocks  # None: no cap
-        self._released_early: list[str] = []
-        if max_pinned_blocks is not None:
-            metrics.pinned_blocks_limit.set(max_pinned_blocks)
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        return self.leases.num_pinned_blocks
 
     # ---- the scheduler's questions --------------------------------------------------
 
@@ -126,12 +100,6 @@ class PrefillConnector:
         return FinishAction(free_blocks=False,
                             kv_transfer_params=self._params(request, block_ids, lease.nonce, parts))
 
-    def has_room_to_pin(self, num_blocks: int) -> bool:
-        """Whether `num_blocks` more may be pinned (read from other threads too: plain int compares).
-        A request larger than the whole limit may pin when nothing else is, or it could never run."""
-        cap, pinned = self.max_pinned_blocks, self.leases.num_pinned_blocks
-        return cap is None or pinned + num_blocks <= cap or pinned == 0
-
     def _full_error(self, num_blocks: int) -> KVPinnedFull:
         return KVPinnedFull(f"this prefill worker holds {self.leases.num_pinned_blocks} blocks for decode workers; "
                             f"{num_blocks} more would pass its limit of {self.max_pinned_blocks}: retry later")
@@ -143,17 +111,6 @@ class PrefillConnector:
         if claim.ticket is None:
             return claim
         return dataclasses.replace(claim, ticket=claim.ticket.model_copy(update={"lease_left_s": claim.lease_left_s}))
-
-    def release_early(self, request_id: str, nonce: str) -> None:
-        """The proxy gave up on this prefill (its decode leg failed or was refused): free at the next poll.
-        Only with the pin's nonce: a bare request id, or a late release of an earlier pin, frees nothing."""
-        if not self.leases.holds(request_id, nonce):
-            self.metrics.rejected_messages.labels(reason="stale").inc()
-            logger.info("request %s: release ignored, no live pin carries its nonce", request_id)
-            return
-        if self.leases.release(request_id):
-            self._released_early.append(request_id)
-            logger.info("request %s: blocks released (the proxy gave up on its decode leg)", request_id)
 
     def _params(self, request: Request, block_ids: list[list[int]], nonce: str,
                 handoff_s: dict[str, float]) -> RemotePrefillParams:
@@ -175,39 +132,6 @@ class PrefillConnector:
 
     # ---- the engine loop's tick -------------------------------------------------------
 
-    def has_pending(self) -> bool:
-        return self.leases.num_pinned_requests > 0 or bool(self._released_early)
-
     def poll(self) -> KVEvents:
         """Apply readers' messages and early releases, then expire leases that ran out."""
-        events = KVEvents(released=self._released_early)
-        self._released_early = []
-        for payload in self.transport.poll_notifications():
-            self._apply_message(payload, events)
-        epoch = transfer_epoch(self._base_epoch, self.transport.generation)
-        if epoch != self.identity.epoch:  # the agent was replaced: new pins name the new one
-            self.identity = dataclasses.replace(self.identity, epoch=epoch)
-        for request_id in self.leases.expire():
-            events.released.append(request_id)
-            self.metrics.expired_leases.inc()
-            logger.warning("request %s: lease expired before a decode worker read it; blocks freed", request_id)
-        self.metrics.pinned_blocks.set(self.leases.num_pinned_blocks)
-        return events
-
-    def _apply_message(self, payload: bytes, events: KVEvents) -> None:
-        message = parse_message(payload)
-        if message is None:
-            self.metrics.rejected_messages.labels(reason="malformed").inc()
-            logger.warning("ignoring malformed KV message %r", payload[:80])
-            return
-        if not self.leases.holds(message.request_id, message.nonce):
-            # Late (the pin was released, or a newer pin reuses the id) or forged: it touches nothing.
-            self.metrics.rejected_messages.labels(reason="stale").inc()
-            logger.info("ignoring a %s message for request %s: no live pin carries its nonce", message.kind.value,
-                        message.request_id)
-            return
-        if message.kind is MessageKind.RENEW:
-            self.leases.renew([message.request_id])
-        elif self.leases.release(message.request_id):  # "done" or "free"
-            events.released.append(message.request_id)
-            logger.info("request %s: blocks released (%s)", message.request_id, message.kind.value)
+        return KVEvents(released=self.take_released(self.transport.poll_notifications()))

@@ -25,13 +25,14 @@ from pdserve.pd.connector import KVConnector, NoConnector
 from pdserve.pd.decode import DecodeConnector
 from pdserve.pd.handshake import HandshakeClient, groups_to_wire
 from pdserve.pd.leases import LeaseTable
+from pdserve.pd.lending import LenderIdentity, PinLender, transfer_epoch
 from pdserve.pd.peer_admission import PeerPinClient, PeerPullAdmission
 from pdserve.pd.peer_costs import PeerPullCosts
 from pdserve.pd.peer_pins import peer_pull_problem
 from pdserve.pd.peer_pull import PeerPullConnector
 from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.pd.peers import PeerConnections
-from pdserve.pd.prefill import PrefillConnector, PrefillIdentity, transfer_epoch
+from pdserve.pd.prefill import PrefillConnector
 from pdserve.pd.ticket_inbox import TicketInbox
 from pdserve.pd.tickets import TicketAdmission, TicketClient
 from pdserve.transfer.transport import KVTransport, TransferError
@@ -75,8 +76,9 @@ class KVSide:
     peers: Optional[PeerConnections] = None  # decode workers, and P with peer pulls on
     base_epoch: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     peer_pull: Optional[PeerPullConnector] = None  # peer pulls on: wraps `connector` for the scheduler
-    count_peer_pinned: Callable[[str, int], None] = lambda medium, num_tokens: None  # P: tokens lent, by medium
+    count_peer_pinned: Callable[[str, int], None] = lambda medium, num_tokens: None  # tokens lent, by medium
     ticket_inbox: Optional[TicketInbox] = None  # D: P's params for decode legs sent before P answered
+    lender: Optional[PinLender] = None  # the lease table of what others read here: P's connector; D's with peer pulls
 
     @property
     def engine_connector(self) -> KVConnector:
@@ -118,30 +120,36 @@ def build_kv_side(config: WorkerConfig, metrics: Metrics, pool: PoolDescription,
             transport=transport.local_peer_info(engine_id, current_epoch).to_dict(),
             tp_size=config.parallel.tensor_parallel_size, compatibility=pool.compatibility,
         )
+    identity = LenderIdentity(engine_id, epoch, transfer.advertise_host or config.server.host,
+                              config.server.internal_listen_port, config.parallel.tensor_parallel_size)
+    leases = LeaseTable(transfer.lease_s, max_pin_s=transfer.pin_lifetime_s)
+    max_pinned = int(transfer.max_pinned_share * (pool.num_blocks - 1))  # block 0 is the null block
+
+    def count_peer_pinned(medium: str, num_tokens: int) -> None:  # tokens lent to peers, by where they were
+        metrics.kv.peer_pinned_tokens.labels(medium).inc(num_tokens)
+
     if config.role == "prefill":
-        identity = PrefillIdentity(engine_id, epoch, transfer.advertise_host or config.server.host,
-                                   config.server.internal_listen_port,
-                                   config.parallel.tensor_parallel_size)
-        max_pinned = int(transfer.max_pinned_share * (pool.num_blocks - 1))  # block 0 is the null block
-        connector = PrefillConnector(transport, LeaseTable(transfer.lease_s, max_pin_s=transfer.pin_lifetime_s), identity, pool.plan, pool.block_size,
-                                     metrics.transfer, max_pinned_blocks=max_pinned)
+        connector = PrefillConnector(transport, leases, identity, pool.plan, pool.block_size, metrics.transfer,
+                                     max_pinned_blocks=max_pinned)
         peers = PeerConnections(transport, transfer.connect_timeout_s) if peer_pulls(config, pool) else None
         return KVSide(connector, transport, describe, peers, base_epoch=epoch,
                       peer_pull=_peer_pull(config, metrics, pool, connector, transport, peers, poll_peers=True),
-                      count_peer_pinned=lambda medium, num_tokens:
-                      metrics.kv.peer_pinned_tokens.labels(medium).inc(num_tokens))
+                      count_peer_pinned=count_peer_pinned, lender=connector)
     peers = PeerConnections(transport, transfer.connect_timeout_s)
+    # With peer pulls on, D lends its prefixes (answers included) to peers, under a lease table of its own.
+    lender = (PinLender(transport, leases, identity, metrics.transfer, max_pinned_blocks=max_pinned)
+              if peer_pulls(config, pool) else None)
     connector = DecodeConnector(transport, peers, pool.plan, pool.block_size, metrics.transfer,
                                 transfer.failure_policy, transfer.pull_timeout_s, transfer.heartbeat_s,
-                                lease_s=transfer.lease_s, tp_size=config.parallel.tensor_parallel_size)
+                                lease_s=transfer.lease_s, tp_size=config.parallel.tensor_parallel_size, lender=lender)
     return KVSide(connector, transport, describe, peers, base_epoch=epoch,
                   peer_pull=_peer_pull(config, metrics, pool, connector, transport, peers, poll_peers=False),
-                  ticket_inbox=TicketInbox(transfer.ticket_wait_s))
+                  count_peer_pinned=count_peer_pinned, ticket_inbox=TicketInbox(transfer.ticket_wait_s), lender=lender)
 
 
 def peer_pulls(config: WorkerConfig, pool: PoolDescription) -> bool:
-    """Whether this worker pulls prefixes from peers (and, as P, pins them for peers): on, and a model whose
-    KV moves between peers (pd/peer_pins.py)."""
+    """Whether this worker pulls prefixes from peers and pins its own for peers (P and D alike): on, and a
+    model whose KV moves between peers (pd/peer_pins.py)."""
     return config.role != "colocated" and config.transfer.peer_pull and peer_pull_problem(pool.plan) is None
 
 

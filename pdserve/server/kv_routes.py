@@ -1,7 +1,8 @@
 """Internal routes of P/D workers: `GET /internal/kv/agent_info` (the handshake); on a prefill
 worker, `POST /internal/kv/pin` (a decode worker claims a pin's ticket: where its blocks are and which
 prompt they hold) and `POST /internal/kv/release` (the proxy gives up on a prefill's KV once its decode
-leg failed); on a decode worker, `POST /internal/kv/ticket` (the proxy delivers P's kv_transfer_params
+leg failed, or a puller on a peer pin it will not read; a decode worker that lends its prefixes to
+peers has this route too); on a decode worker, `POST /internal/kv/ticket` (the proxy delivers P's kv_transfer_params
 to a decode leg it sent beside the prefill leg, or calls that leg off: pd/ticket_inbox.py).
 
 Guarded by the shared internal token when one is configured: the handshake
@@ -45,8 +46,8 @@ DeliverTicket = Callable[[str, Optional[dict]], Optional[Delivery]]  # (key, par
 def create_kv_router(agent_info: Callable[[], Optional[AgentInfo]], internal_token: Optional[str],
                      release: Optional[ReleasePin] = None, claim: Optional[ClaimTicket] = None,
                      deliver: Optional[DeliverTicket] = None) -> APIRouter:
-    """`release` and `claim` are a prefill worker's, `deliver` a decode worker's (None elsewhere: the
-    routes are absent)."""
+    """`claim` is a prefill worker's, `release` a worker's that lends (P; D with peer pulls on), `deliver`
+    a decode worker's (None elsewhere: the routes are absent)."""
     router = APIRouter()
 
     def ready_agent() -> AgentInfo:

@@ -45,8 +45,9 @@ class KVRouting:
         self.hasher: Optional[PromptHasher] = None
         names = {Role.PREFILL: config.prefill_policy, Role.DECODE: config.decode_policy}
         self._roles = frozenset(role for role, name in names.items() if name == KV_AWARE)
-        # Peer hints predict every prefill worker's prefix, whatever the prefill policy.
-        followed = self._roles | ({Role.PREFILL} if config.peer_pull else set())
+        # Peer hints predict every worker's prefix, whatever the policies: a decode worker lends its
+        # prefixes (the answers it decoded included) as a prefill worker does.
+        followed = self._roles | ({Role.PREFILL, Role.DECODE} if config.peer_pull else set())
         self._subscriptions = KVEventSubscriptions([pools[role] for role in Role if role in followed],
                                                    self.index, self.metrics)
 

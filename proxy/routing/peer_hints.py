@@ -1,8 +1,10 @@
-"""Peer hints: when the prefill worker chosen for a request holds less of its prompt than another prefill
-worker does (the KV index's prediction), tell the chosen one where the longer prefix is, so that it may
-pull it instead of computing it (the worker decides: pdserve/pd/peer_admission.py).
+"""Peer hints: when the worker chosen to compute a request's prompt (a prefill worker, or a decode
+worker that computes it itself: a decode-only leg) holds less of it than another worker of the proxy's
+pools does (the KV index's prediction), tell the chosen one where the longer prefix is, so that it may
+pull it instead of computing it (the worker decides: pdserve/pd/peer_admission.py). Prefill and decode
+workers both lend: a decode worker holds what no prefill worker has, a conversation's answers.
 
-Invariant: a hint names only a worker of the proxy's own pool, available now, by the internal listener
+Invariant: a hint names only a worker of the proxy's own pools, available now, by the internal listener
 its own /load reports, whose predicted prefix (in its pool, or continued in its offload tier: the holder
 loads that part back before it pins, pdserve/pd/peer_pins.py) is at least `margin_tokens` longer than
 the chosen worker's (whose own tier counts as its own); the header is the proxy's own (leg requests
@@ -53,22 +55,23 @@ def choose_peer_hint(chosen: Optional[CachedPrefix], peers: Sequence[PeerView], 
 
 
 class PeerHints:
-    """The hint header of a prefill leg to `chosen`, counted (`pdserve_proxy_peer_hints_total`)."""
+    """The hint header of a leg to `chosen` that computes the prompt, counted (`pdserve_proxy_peer_hints_total`)."""
 
-    def __init__(self, kv: "KVRouting", pool: BackendPool, margin_tokens: int, registry: CollectorRegistry):
+    def __init__(self, kv: "KVRouting", pools: Sequence[BackendPool], margin_tokens: int,
+                 registry: CollectorRegistry):
         self.kv = kv
-        self.pool = pool
+        self.pools = pools  # every worker that may lend: the prefill pool and the decode pool
         self.margin_tokens = margin_tokens
         self.hints = Counter("pdserve_proxy_peer_hints_total",
-                             "Prefill legs sent with a peer hint (another prefill worker holds more of the prompt).",
-                             registry=registry)
+                             "Legs that compute a prompt (prefill legs, decode-only legs) sent with a peer hint "
+                             "(another worker holds more of the prompt).", registry=registry)
         self.hinted_tokens = Counter("pdserve_proxy_peer_hint_tokens_total",
                                      "Prompt tokens the peer hints named.", registry=registry)
 
     def headers_for(self, chosen: Backend, request: "ClientRequest") -> dict[str, str]:
         peers = [PeerView(httpx.URL(b.url).host, b.load.internal_port, b.is_available(),
                           self.kv.cached_prefix(b.url, request))
-                 for b in self.pool.backends() if b.url != chosen.url]
+                 for pool in self.pools for b in pool.backends() if b.url != chosen.url]
         hint = choose_peer_hint(self.kv.cached_prefix(chosen.url, request), peers, self.margin_tokens)
         if hint is None:
             return {}

@@ -221,7 +221,7 @@ def test_agent_info_needs_the_internal_token(cluster):
 INTERNAL_ROUTES = [("GET", "/internal/kv/agent_info"), ("GET", "/internal/kv/routing_info"),
                    ("GET", "/internal/kv/events"), ("POST", "/internal/kv/reset_prefix_cache"),
                    ("POST", "/internal/kv/release"), ("POST", "/internal/kv/pin")]
-PREFILL_ONLY = ("/internal/kv/release", "/internal/kv/pin")
+PREFILL_ONLY = ("/internal/kv/pin",)  # a P/D pin's claim; the release serves D's pins for peers too (peer pulls on)
 
 
 def internal_status(url: str, method: str, path: str, headers: dict) -> int:
@@ -237,7 +237,7 @@ def test_internal_routes_live_on_their_own_listener_with_the_token_and_the_servi
     route, token or not; the internal listener serves them to the token's holders only."""
     for worker in cluster:
         routes = [(method, path) for method, path in INTERNAL_ROUTES
-                  if path not in PREFILL_ONLY or worker.role == "prefill"]  # a pin's routes are P's alone
+                  if path not in PREFILL_ONLY or worker.role == "prefill"]
         for method, path in routes:
             for headers in ({}, AUTH):
                 assert internal_status(worker.url, method, path, headers) == 404, (worker.role, path, headers)

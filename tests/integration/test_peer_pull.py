@@ -1,7 +1,8 @@
 """Peer pulls with real processes and real NIXL: two prefill workers of the embedded model. Worker A
 computes a long prompt; the same prompt and more goes to worker B with a peer hint naming A: B reads
 A's blocks of the prefix, computes only the new part, answers what A answers (greedy, token for
-token), and A holds nothing pinned afterwards; the same when the holder's pool was too small to keep
+token), and A holds nothing pinned afterwards; the same from the decode worker that decoded a
+conversation's first turn (it alone holds the answer's KV) for the next turn's prompt; the same when the holder's pool was too small to keep
 the prefix and it sits only in the holder's offload tier (the holder loads it back, then pins it). A hint naming a dead peer, or sent without the internal
 token, costs only a computed prompt with the same answer, and so does a holder killed after it pinned
 and before the puller's READ (a relay in front of its internal port orders the two). Behind `pdserve proxy --policy round_robin
@@ -22,7 +23,7 @@ from bench.lib.launch import metric_sum
 from pdserve.api.peer_pull import PEER_HINT_HEADER, PEER_PIN_PATH, PeerHint
 from pdserve.pd.peer_costs import DEFAULT_COMPUTE_S_PER_TOKEN, DEFAULT_PULL_S_PER_TOKEN
 from tests.integration.cluster import (ProxyProcess, Worker, free_port, reset_prefix_cache, start_workers, stop_all,
-                                       wait_for)
+                                       two_legs, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -101,6 +102,37 @@ def test_a_prefix_held_by_a_peer_is_pulled_not_computed(workers):
     seeds = {"compute": DEFAULT_COMPUTE_S_PER_TOKEN, "pull": DEFAULT_PULL_S_PER_TOKEN}
     for path, seed in seeds.items():
         assert 0 < metric_sum(b.url, "pdserve_kv_peer_pull_token_cost_seconds", path=path) != seed
+
+
+def test_a_conversations_answer_is_pulled_from_the_decode_worker_that_decoded_it(cluster):
+    """P from D: turn 1 runs through A and the decode worker D; turn 2 (turn 1's prompt, its answer and
+    more) goes to B with a hint naming D. D alone holds the answer's KV: B reads the prompt's and the
+    answer's full blocks from D, computes only the new part, answers as B from scratch does, and D ends
+    with nothing pinned. (On a decode worker that lends nothing, the pin is a 404: B computes it all.)"""
+    a, b = cluster["prefills"]
+    decode = cluster["decode"]
+    prompt = [170 + (i * 23) % 820 for i in range(5 * BLOCK + 1)]
+    # The answer's ids must be known exactly (the next turn's prompt repeats them): a bias makes it one token.
+    body = {"prompt": prompt, "max_tokens": 3 * BLOCK, "temperature": 0, "logit_bias": {"300": 100}}
+    _, turn_1 = two_legs(a, decode, "/v1/completions", body, "turn-1-through-p-and-d", AUTH)
+    turn_1.raise_for_status()
+    assert turn_1.json()["usage"]["completion_tokens"] == 3 * BLOCK
+    turn_2 = prompt + [300] * (3 * BLOCK) + [700 + i for i in range(2 * BLOCK)]
+    num_held = (len(prompt) + 3 * BLOCK - 1) // BLOCK * BLOCK  # the last answer token was sampled, never computed
+    lent_before = metric_sum(decode.url, "pdserve_kv_peer_pinned_tokens_total", medium="device")
+    pulled_before = metric_sum(b.url, "pdserve_kv_peer_pull_tokens_total", result="pulled")
+    before = computed(b)
+    answer = complete(b, turn_2, {**AUTH, **hint_for(decode, num_held)})
+    assert metric_sum(b.url, "pdserve_kv_peer_pull_tokens_total", result="pulled") - pulled_before == num_held
+    assert computed(b) - before == len(turn_2) - num_held  # only the new user text
+    assert metric_sum(decode.url, "pdserve_kv_peer_pinned_tokens_total", medium="device") - lent_before == num_held
+    assert wait_for(lambda: metric_sum(decode.url, "pdserve_transfer_pinned_blocks") == 0, timeout_s=10), \
+        "D still holds the peer's pin"
+    reset_prefix_cache(b, AUTH)
+    before = computed(b)
+    scratch = complete(b, turn_2, AUTH)
+    assert computed(b) - before == len(turn_2)
+    assert answer["choices"][0]["text"] == scratch["choices"][0]["text"]
 
 
 @pytest.fixture(scope="module")

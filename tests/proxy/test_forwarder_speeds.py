@@ -30,7 +30,7 @@ class FakeSender:
     async def prefill(self, backend, request):
         return PrefillAnswer({"remote_engine_id": "p"}, self.num_cached_tokens)
 
-    async def open_decode(self, backend, request, params):
+    async def open_decode(self, backend, request, params, extra_headers=None):
         return OpenLeg(backend, None, started_s=1.0, headers_s=1.5)  # type: ignore[arg-type]
 
 

@@ -1,10 +1,11 @@
-"""Peer hints: a prefill leg to a worker that holds less of the prompt than another prefill worker (by the
-KV index, whatever the prefill policy) carries a hint naming that worker's internal listener; never
-when the margin is not met, the peer is unavailable or names no internal listener, and never a hint a
-client sent."""
+"""Peer hints: a leg that computes a prompt (a prefill leg, a decode-only leg) to a worker that holds less of
+it than another worker, prefill or decode (by the KV index, whatever the policies), carries a hint naming
+that worker's internal listener; never when the margin is not met, the peer is unavailable or names no
+internal listener, and never a hint a client sent."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Optional
@@ -14,6 +15,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve.api.peer_pull import PEER_HINT_HEADER, PeerHint, parse_peer_hint
+from proxy.app import build_components
+from proxy.client_request import parse_client_request
+from proxy.kv_release import PrefillHold
+from proxy.legs import OpenLeg
 from proxy.routing.kv_index import CachedPrefix
 from proxy.routing.peer_hints import PeerView, choose_peer_hint
 from tests.kv.kv_stubs import BLOCK, KVStubWorker
@@ -75,3 +80,58 @@ def test_round_robin_prefill_legs_carry_a_hint_to_the_holder_and_never_the_clien
     assert hints == [PeerHint(host="127.0.0.1", port=warm.internal_port, num_tokens=4 * BLOCK)] * 2
     assert all(PEER_HINT_HEADER.lower() not in call.headers for call in warm.calls)  # it holds the most already
     assert proxy.metric("pdserve_proxy_peer_hints_total") == 2
+
+
+def test_a_decode_worker_that_holds_more_of_the_prompt_is_hinted_to_the_prefill_leg(prompt):  # noqa: F811
+    """D lends too: the proxy follows decode workers' KV events when peer pulls are on, and a decode worker
+    holding the conversation (its answers included) is named to a prefill worker holding none of it."""
+    cold = [ListeningStub("prefill", f"p{i}") for i in range(2)]
+    warm = ListeningStub("decode", "d-warm", held=list(prompt.block_hashes(BLOCK)[:4]))
+    with Served(cold[0].app()) as c0, Served(cold[1].app()) as c1, Served(warm.app()) as d:
+        for stub, served in ((cold[0], c0), (cold[1], c1), (warm, d)):
+            stub.internal_port = httpx.URL(served.url).port
+        routing = RoutingConfig(prefill_policy="round_robin", decode_policy="round_robin", peer_pull=True,
+                                peer_pull_margin_tokens=BLOCK)
+        config = fast_config([c0.url, c1.url], [d.url], routing=routing,
+                             health=HealthConfig(interval_s=0.05, timeout_s=5.0, breaker_cooldown_s=0.5))
+        with ServedProxy(config) as proxy:
+            proxy.wait_ready()
+            pools = (proxy.components.prefill_pool, proxy.components.decode_pool)
+            wait_until(lambda: index_synced(proxy, c0.url, c1.url, d.url)
+                       and all(b.load.internal_port for pool in pools for b in pool.backends()))
+            for _ in range(2):
+                assert httpx.post(proxy.url + "/v1/chat/completions", json=BODY, timeout=10).status_code == 200
+    calls = cold[0].calls + cold[1].calls
+    assert len(calls) == 2
+    hints = [parse_peer_hint(call.headers.get(PEER_HINT_HEADER.lower(), "")) for call in calls]
+    assert hints == [PeerHint(host="127.0.0.1", port=warm.internal_port, num_tokens=4 * BLOCK)] * 2
+
+
+class _Hinting:
+    """Stands in for PeerHints: every leg that computes a prompt gets this header."""
+
+    def headers_for(self, backend, request):
+        return {PEER_HINT_HEADER: "127.0.0.1:9;tokens=64"}
+
+
+class _RecordingSender:
+    def __init__(self) -> None:
+        self.headers: list = []
+
+    async def open_decode(self, backend, request, params, extra_headers=None):
+        self.headers.append(extra_headers)
+        return OpenLeg(backend, httpx.Response(200), started_s=1.0, headers_s=1.5)
+
+
+def test_a_decode_only_leg_carries_the_hint_and_a_leg_with_ps_kv_does_not():
+    """D from D, D from P: a decode worker that computes the prompt itself (no prefill leg) is told where
+    a longer prefix is, as a prefill worker is; a decode leg that reads P's KV has nothing to compute."""
+    components = build_components(fast_config(["http://p:1", "http://p:2"], ["http://d:1"]))
+    forwarder, sender = components.forwarder, _RecordingSender()
+    forwarder._sender, forwarder._hints = sender, _Hinting()
+    backend = components.decode_pool.backends()[0]
+    body = json.dumps({"model": "m", "prompt": [7] * 100, "max_tokens": 4}).encode()
+    request = parse_client_request("/v1/completions", body, "rid", 4.0)
+    asyncio.run(forwarder._open_decode(backend, request, None, None))  # decode-only: D computes the prompt
+    asyncio.run(forwarder._open_decode(backend, request, {"remote_engine_id": "p"}, PrefillHold(backend, {})))
+    assert sender.headers == [{PEER_HINT_HEADER: "127.0.0.1:9;tokens=64"}, None]
