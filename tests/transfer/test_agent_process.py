@@ -168,7 +168,9 @@ def test_the_process_progresses_its_agent_between_requests_and_keeps_the_notific
     nixl = FakeNixl([])
     server = AgentServer(agent=nixl, receive_fd=lambda: -1)
     engine, agent_end = Pipe()
-    thread = threading.Thread(target=serve, args=(agent_end, server), daemon=True)
+    # A frozen clock: the engine always "just called", so the process stays active however late this
+    # thread runs on a loaded machine (its 0.25 s window is not what the test is about).
+    thread = threading.Thread(target=serve, args=(agent_end, server, lambda: 0.0), daemon=True)
     thread.start()
     try:
         engine.send(("notifs", ()))
