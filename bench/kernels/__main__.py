@@ -3,6 +3,7 @@
     python -m bench.kernels moe [--experts 32 --top-k 4]
     python -m bench.kernels decode [--batches 1 16] [--threads 1 --clock cpu]
     python -m bench.kernels decode-ab --baseline REV [decode's flags]
+    python -m bench.kernels q4-1 [--rows 1 8 16] [--threads 1 --clock cpu]
     python -m bench.kernels state [--layers 16 --hidden 512] [--block-sizes 16 64]
 
 Every mode prints one markdown table and writes the figures behind it as JSON (`--out`, default
@@ -17,13 +18,14 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from bench.kernels import decode, decode_ab, moe, state
+from bench.kernels import decode, decode_ab, moe, q4_1, state
 from bench.lib.report import write_document
 
 MODES = {  # mode -> (module adding its flags, function measuring: args -> (table, JSON record))
     "moe": (moe, moe.run),
     "decode": (decode, decode.run),
     "decode-ab": (decode_ab, decode_ab.run),
+    "q4-1": (q4_1, q4_1.run),
     "state": (state, state.run),
 }
 

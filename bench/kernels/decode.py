@@ -25,7 +25,8 @@ on a shared machine it leaves out the time other processes held the core.
 
 `--kv-cache-dtypes float32 bfloat16` runs one engine per KV pool element type (each its own copy
 of the model), interleaved within every round, and adds a side-by-side table of attention and
-step times with ratios against the first type.
+step times with ratios against the first type. `--batch-activation-bits 22 8` does the same per
+`--batch-activation-bits` (the integer Q4_1 lanes of batched steps), with each KV type.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def kv_bytes_per_token(model: Any, element_bytes: int = 4) -> int:
     return len(model.layers) * 2 * layer.num_kv_heads * layer.head_dim * element_bytes
 
 
-def build_engine_loop(threads: int, batch: int, kv_cache_dtype: str = "auto") -> Any:
+def build_engine_loop(threads: int, batch: int, kv_cache_dtype: str = "auto", batch_activation_bits: int = 22) -> Any:
     from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
     from pdserve.app.engine_factory import build_engine
     from pdserve.metrics import Metrics
@@ -162,7 +163,8 @@ def build_engine_loop(threads: int, batch: int, kv_cache_dtype: str = "auto") ->
     loaded = load_model(None, torch.float32, device, quantization)
     # "auto" is left unset, so that decode-ab's baseline trees (from before the option) build too.
     kv_dtype = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
-    worker = WorkerConfig(model=ModelConfig(device="cpu"),
+    bits = {} if batch_activation_bits == 22 else {"batch_activation_bits": batch_activation_bits}  # likewise
+    worker = WorkerConfig(model=ModelConfig(device="cpu", **bits),
                           cache=CacheConfig(block_size=16, num_blocks=64 + batch * 40, enable_prefix_caching=False,
                                             **kv_dtype),
                           scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_running=batch))
@@ -234,6 +236,15 @@ def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="KV pool element types measured side by side, one engine each (auto: the model's)")
+    parser.add_argument("--batch-activation-bits", type=int, nargs="+", default=[22], choices=[22, 15, 8],
+                        help="--batch-activation-bits values measured side by side, one engine each (with each "
+                             "KV dtype)")
+
+
+def variant_name(summary: dict) -> str:
+    """A measured engine's KV dtype, and its batch activation bits where not the default."""
+    bits = summary.get("batch_activation_bits", 22)
+    return summary["kv_cache_dtype"] + ("" if bits == 22 else f", {bits}-bit batches")
 
 
 def dtype_rows(summaries: list[dict]) -> list[list[Any]]:
@@ -242,7 +253,7 @@ def dtype_rows(summaries: list[dict]) -> list[list[Any]]:
     for summary in summaries:
         base = next(s for s in summaries if s["batch"] == summary["batch"])
         parts, base_parts = summary["parts"], base["parts"]
-        row: list[Any] = [summary["kv_cache_dtype"], summary["batch"]]
+        row: list[Any] = [variant_name(summary), summary["batch"]]
         for key in ("layer.attention", "layer.store_kv", "step"):
             ms, base_ms = parts[key]["median_ms"], base_parts[key]["median_ms"]
             row += [f"{ms:.3f}", f"{base_ms / ms:.2f}x" if ms > 0 else "-"]
@@ -253,34 +264,35 @@ def dtype_rows(summaries: list[dict]) -> list[list[Any]]:
 def run(args: argparse.Namespace) -> tuple[str, dict]:
     if args.clock == "cpu" and args.threads != 1:
         raise SystemExit("--clock cpu adds up every thread's time: use it with --threads 1")
-    timers = {}
+    timers = {}  # (KV dtype, batch activation bits) -> the timer of its own engine
     for kv_dtype in args.kv_cache_dtypes:
-        loop = build_engine_loop(args.threads, max(args.batches), kv_dtype)
-        timers[kv_dtype] = StepTimer(loop, CLOCKS[args.clock], thread_clock=args.clock == "cpu")
+        for bits in args.batch_activation_bits:
+            loop = build_engine_loop(args.threads, max(args.batches), kv_dtype, bits)
+            timers[(kv_dtype, bits)] = StepTimer(loop, CLOCKS[args.clock], thread_clock=args.clock == "cpu")
     vocab = next(iter(timers.values())).model.args.vocab_size
-    for kv_dtype, timer in timers.items():
-        run_requests(timer.loop, max(args.batches), args.prompt_tokens, 2, f"warm-{kv_dtype}", vocab)
+    for (kv_dtype, bits), timer in timers.items():
+        run_requests(timer.loop, max(args.batches), args.prompt_tokens, 2, f"warm-{kv_dtype}-{bits}", vocab)
         timer.records.clear()
     bandwidths = []  # the best of one measurement a round: on a shared machine others' reads lower some
     for r in range(args.rounds):
         bandwidths.append(measure_read_bandwidth())
-        for kv_dtype, timer in timers.items():  # interleaved: outside load hits every type alike
+        for (kv_dtype, bits), timer in timers.items():  # interleaved: outside load hits every variant alike
             for batch in args.batches:
                 for laps in (True, False):
                     timer.laps_on = laps
                     run_requests(timer.loop, batch, args.prompt_tokens, args.new_tokens + 1,
-                                 f"r{r}-{kv_dtype}-b{batch}-{laps}", vocab)
+                                 f"r{r}-{kv_dtype}-{bits}-b{batch}-{laps}", vocab)
     bandwidth = max(bandwidths)
     summaries = []
-    for kv_dtype, timer in timers.items():
+    for (kv_dtype, bits), timer in timers.items():
         element_bytes = timer.runner.layout.element_bytes
         weight_bytes = model_bytes(timer.model, timer.decode_step._fused)
         for batch in args.batches:
             summary = summarize(timer.records, batch, bandwidth, weight_bytes,
                                 kv_bytes_per_token(timer.model, element_bytes), vocab)
-            summaries.append({"kv_cache_dtype": kv_dtype, **summary})
+            summaries.append({"kv_cache_dtype": kv_dtype, "batch_activation_bits": bits, **summary})
     several = len(timers) > 1
-    label = lambda s: f"b={s['batch']} {s['kv_cache_dtype']}" if several else f"b={s['batch']}"  # noqa: E731
+    label = lambda s: f"b={s['batch']} {variant_name(s)}" if several else f"b={s['batch']}"  # noqa: E731
     header = ["part (ms a step, median)"] + [f"{label(s)} {column}" for s in summaries
                                              for column in ("ms", "share", "read bound ms", "x bound")]
     table = (f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads, {args.clock} clock); "
@@ -289,6 +301,6 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
              + markdown_table(header, table_rows(summaries)))
     if several:
         table += "\n\n" + markdown_table(
-            ["KV dtype", "batch", "attention ms", "x first", "kv store ms", "x first", "step ms", "x first",
+            ["engine", "batch", "attention ms", "x first", "kv store ms", "x first", "step ms", "x first",
              "KV MB read"], dtype_rows(summaries))
     return table, {"read_bandwidth_bytes_per_s": bandwidth, "batches": summaries}

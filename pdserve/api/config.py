@@ -18,6 +18,8 @@ Role = Literal["colocated", "decode", "prefill"]
 DEFAULT_PORTS: dict[str, int] = {"colocated": 8000, "prefill": 8100, "decode": 8200}
 # "auto" (CUDA if present, else CPU), "cpu", "cuda" (the current CUDA device) or "cuda:N".
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+# --batch-activation-bits -> 7-bit digits per activation in pdserve/kernels/q4_1_lanes.cpp
+BATCH_ACTIVATION_DIGITS: dict[int, int] = {22: 3, 15: 2, 8: 1}
 
 
 def setting(default: Any, help: str, *, flag: Optional[str] = None, env: Optional[str] = None,
@@ -64,6 +66,18 @@ class ModelConfig(_Frozen):
         None, "compile the decode step (torch.compile; CUDA graphs on a GPU). Off unless asked: on the CPU a cold "
               "compile costs more start-up than its steps save back soon, and the CUDA-graph variant does not "
               "yet run on a GPU (docs/benchmarks.md, GPU)")
+    batch_activation_bits: int = setting(
+        22, "bits per block of 32 activations that the Q4_1 products of batched decode steps round to (the fused "
+            "CPU layers, 12+ rows on AVX-512 VNNI; 8+ at 8 bits): 22, the one-row kernel's rounding, so a request's tokens do not depend on its "
+            "batch; 15 or 8 (llama.cpp's) are faster and may change greedy tokens (docs/benchmarks.md, "
+            "\"Where a decode step goes\")")
+
+    @field_validator("batch_activation_bits")
+    @classmethod
+    def _known_bits(cls, bits: int) -> int:
+        if bits not in BATCH_ACTIVATION_DIGITS:
+            raise ValueError(f"--batch-activation-bits must be one of {sorted(BATCH_ACTIVATION_DIGITS)}, not {bits}")
+        return bits
 
 
 class CacheConfig(_Frozen):

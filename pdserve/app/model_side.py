@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from pdserve.api.config import WorkerConfig
+from pdserve.api.config import BATCH_ACTIVATION_DIGITS, WorkerConfig
 from pdserve.app.kv_cache_side import num_offload_slots, num_offload_staging_rows
 from pdserve.app.ranks import LocalRanks
 from pdserve.kv.layout import KVPoolLayout, plan_for_model, plan_page_bytes
@@ -164,7 +164,8 @@ def build_model_side(config: WorkerConfig, loaded: Optional[LoadedModel] = None,
     else:
         # A compiled step would need its collectives traced; tensor-parallel ranks run eagerly.
         runner = ModelRunner(loaded.model, plan, layout, device, grammar=grammar, shared_pool=shared_pool,
-                             compile_decode=should_compile(config.model.compile, device, dtype))
+                             compile_decode=should_compile(config.model.compile, device, dtype),
+                             batch_activation_digits=BATCH_ACTIVATION_DIGITS[config.model.batch_activation_bits])
     runner.warm_up(config.scheduler.max_num_running)
     return ModelSide(device, dtype, loaded, plan, layout, _context_limit(config, spec, plan, layout.num_blocks),
                      runner, grammar_tokenizer, channel, followers, shared_pool)

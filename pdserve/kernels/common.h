@@ -4,6 +4,7 @@
 //
 // The sources (compiled into one library by pdserve/kernels/native.py):
 //   quantized_matmul.cpp  linear layers over Q4_1/Q8_0 blocks, and float32 one-row products
+//   q4_1_lanes.cpp        Q4_1 products for a batch of rows across vector lanes, in integers
 //   decode_attention.cpp  decode attention that reads K/V straight from the paged pool
 //   greedy.cpp            the greedy choice of each row's token
 //   fused_layer.cpp       one Llama-family decoder layer per call, and the stack of them
@@ -33,6 +34,13 @@
 #define PDSERVE_AVX2 1
 #else
 #define PDSERVE_AVX2 0
+#endif
+
+// AVX-512 with VNNI (vpdpbusd): q4_1_lanes.cpp's 16-lane products; otherwise its 8-lane AVX2 ones.
+#if PDSERVE_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PDSERVE_AVX512_VNNI 1
+#else
+#define PDSERVE_AVX512_VNNI 0
 #endif
 
 namespace pdserve::kernels {

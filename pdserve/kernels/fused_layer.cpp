@@ -35,7 +35,7 @@ constexpr int64_t kSmallBatchRows = 256;  // pdserve.models.layers._SMALL_BATCH_
 }  // namespace
 
 at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& bias, int64_t batch_digits) {
   at::Tensor out;
   if (format == kFloatWeight) {
     TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "decoder layer: float weights must be float32");
@@ -47,7 +47,7 @@ at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
       out = rows <= kSmallBatchRows ? at::mm(weight, x.t()).t().contiguous() : at::mm(x, weight.t());
     }
   } else if (format == kQ41Weight) {
-    out = q4_1_linear(x, weight);
+    out = q4_1_batch_linear(x, weight, batch_digits);
   } else {
     TORCH_CHECK(format == kQ80Weight, "decoder layer: unknown weight format ", format);
     out = q8_0_linear(x, weight);
@@ -161,7 +161,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
     const at::Tensor& key_start, const at::Tensor& key_end, const at::Tensor& write_blocks,
     const at::Tensor& write_offsets, at::IntArrayRef geometry, double eps, double scale,
-    const std::optional<at::Tensor>& sinks, SparseMoeMlp* moe, LayerProfile* profile) {
+    const std::optional<at::Tensor>& sinks, SparseMoeMlp* moe, LayerProfile* profile,
+    int64_t batch_digits = kOneRowDigits) {
   Laps laps(profile);
   TORCH_CHECK(norms.size() == 2 && weights.size() == 4 && formats.size() == 4 && biases.size() == 4,
               "llama_decode_layer: norms (input, post), weights, formats and biases (qkv, o, gate_up, down)");
@@ -186,7 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
   rms_norm_rows(h.data_ptr<float>(), input_norm.data_ptr<float>(), rows, hidden, hidden, epsf, x.data_ptr<float>(),
                 hidden);
   laps.lap(LayerProfile::kInputNorm);
-  at::Tensor qkv = weight_linear(x, weights[0], formats[0], biases.get(0));
+  at::Tensor qkv = weight_linear(x, weights[0], formats[0], biases.get(0), batch_digits);
   TORCH_CHECK(qkv.size(1) == qkv_width, "llama_decode_layer: qkv weight has ", qkv.size(1), " rows, expected ",
               qkv_width);
   at::Tensor q = at::empty({rows, heads, head_dim}, h.options());
@@ -231,7 +232,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
   laps.lap(LayerProfile::kAttention);
   store_new_kv(k, v, k_cache, v_cache, write_blocks, write_offsets);
   laps.lap(LayerProfile::kStoreKv);
-  at::Tensor out = weight_linear(attended, weights[1], formats[1], biases.get(1));
+  at::Tensor out = weight_linear(attended, weights[1], formats[1], biases.get(1), batch_digits);
   TORCH_CHECK(out.size(1) == hidden, "llama_decode_layer: o weight does not give the hidden size");
   out.add_(h);  // the residual stream after attention
   laps.lap(LayerProfile::kOProj);
@@ -243,7 +244,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
     laps.lap(LayerProfile::kExperts);
     return {out, k, v};
   }
-  at::Tensor gate_up = weight_linear(x, weights[2], formats[2], biases.get(2));
+  at::Tensor gate_up = weight_linear(x, weights[2], formats[2], biases.get(2), batch_digits);
   laps.lap(LayerProfile::kMlpGateUp);
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "llama_decode_layer: gate|up weight has an odd row count");
   const int64_t intermediate = gate_up.size(1) / 2;
@@ -265,7 +266,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
     for (; i < intermediate; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
   }
   laps.lap(LayerProfile::kMlpActivation);
-  at::Tensor mlp = weight_linear(act, weights[3], formats[3], biases.get(3));
+  at::Tensor mlp = weight_linear(act, weights[3], formats[3], biases.get(3), batch_digits);
   TORCH_CHECK(mlp.size(1) == hidden, "llama_decode_layer: down weight does not give the hidden size");
   out.add_(mlp);
   laps.lap(LayerProfile::kMlpDown);
@@ -324,7 +325,7 @@ at::Tensor LlamaDecoderStack::forward(at::Tensor h, at::Tensor cos, at::Tensor s
     h = std::get<0>(decode_layer(h, layer.norms, layer.qk_norm, layer.weights, layer.formats, layer.biases, cos,
                                  sin, layer.k_cache, layer.v_cache, block_tables[g], key_starts[g], key_ends[g],
                                  write_blocks[g], write_offsets, layer.geometry, layer.eps, layer.scale, layer.sinks,
-                                 layer.moe.get(), profile.has_value() ? &*profile : nullptr));
+                                 layer.moe.get(), profile.has_value() ? &*profile : nullptr, batch_digits));
   }
   if (!final_norm.defined()) return h;
   Laps laps(profile.has_value() ? &*profile : nullptr);
@@ -343,6 +344,12 @@ void LlamaDecoderStack::set_final_norm(at::Tensor weight, double eps) {
               "LlamaDecoderStack.set_final_norm: a float32 weight [hidden]");
   final_norm = weight.contiguous();
   final_norm_eps = eps;
+}
+
+void LlamaDecoderStack::set_batch_activation_digits(int64_t digits) {
+  TORCH_CHECK(digits >= 1 && digits <= kOneRowDigits, "LlamaDecoderStack.set_batch_activation_digits: 1, 2 or 3, not ",
+              digits);
+  batch_digits = digits;
 }
 
 void LlamaDecoderStack::start_profile(bool thread_clock) {

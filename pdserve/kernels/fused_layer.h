@@ -74,6 +74,13 @@ struct LlamaDecoderStack : torch::CustomClassHolder {
   at::Tensor final_norm;
   double final_norm_eps = 0;
 
+  // Activation digits of the Q4_1 products of batched steps (q4_1_batch_linear): 3, the one-row
+  // kernel's 22 bits, unless set to 2 (15 bits) or 1 (8 bits): faster, and a row's greedy tokens may
+  // then depend on its batch.
+  void set_batch_activation_digits(int64_t digits);
+  int64_t batch_activation_digits() const { return batch_digits; }
+  int64_t batch_digits = kOneRowDigits;
+
   // Profiling (off until started; a null check per part when off): start_profile resets the
   // sums and picks the clock, profile_seconds reads them in profile_parts' order.
   void start_profile(bool thread_clock);

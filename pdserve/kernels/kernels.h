@@ -14,12 +14,31 @@ namespace pdserve::kernels {
 at::Tensor dequantize_blocks(const at::Tensor& blocks, int64_t block_bytes);
 // y = x @ W.T for float32 activations x [rows, in_features] and W as Q4_1 / Q8_0 blocks.
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks);
+// The same with batches on the integer lanes at `batch_digits` (q4_1_lanes.cpp; q4_1_linear: the
+// one-row kernel's 3, so that a row's tokens do not depend on its batch).
+constexpr int64_t kOneRowDigits = 3;
+at::Tensor q4_1_batch_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t batch_digits);
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks);
 // y = x @ W.T for float32 x [rows, k] and W [n, k]; one row has its own kernel, more go to BLAS.
 at::Tensor f32_row_linear(const at::Tensor& x, const at::Tensor& weight);
 // The same for up to 32 rows, each weight row read once for a tile of 8 of them (a mixture of
 // experts' few rows per expert: BLAS runs such thin products at half its speed); more go to BLAS.
 at::Tensor f32_few_rows_linear(const at::Tensor& x, const at::Tensor& weight);
+
+// The Q4_1 product with its path chosen (a test's and a benchmark's handle): lanes 0 runs the
+// float row tiles (any row count), 8 or 16 the integer lanes below with `digits`.
+at::Tensor q4_1_linear_with(const at::Tensor& x, const at::Tensor& blocks, int64_t lanes, int64_t digits);
+
+// ---- q4_1_lanes.cpp (compiled with AVX2) -----------------------------------------------------
+
+// y = x @ W.T for float32 rows x [rows, k] and Q4_1 blocks W, the rows across `lanes` vector lanes
+// (16: AVX-512 VNNI, 8: AVX2, which q4_1_linear leaves unused: slower than the float tiles), each block of 32 activations rounded to `digits` 7-bit digits
+// (3: the one-row kernel's 22-bit integers, 2: 15 bits, 1: 8 bits as llama.cpp's q8 rows).
+at::Tensor q4_1_lanes_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t lanes, int64_t digits);
+// The lane counts compiled for this CPU, widest first; and the fewest rows q4_1_linear gives them
+// at `digits` (fewer run the float row tiles).
+std::vector<int64_t> q4_1_lane_widths();
+int64_t q4_1_lanes_min_rows(int64_t digits);
 
 // ---- decode_attention.cpp ------------------------------------------------------------------
 
@@ -58,9 +77,10 @@ at::Tensor greedy_tokens(const at::Tensor& logits);
 
 // ---- fused_layer.cpp -----------------------------------------------------------------------
 
-// y = x @ W.T (+ bias) for float32 x and W as float32 [out, in] (format 0) or Q4_1 / Q8_0 blocks (1, 2).
+// y = x @ W.T (+ bias) for float32 x and W as float32 [out, in] (format 0) or Q4_1 / Q8_0 blocks (1, 2);
+// batch_digits: q4_1_batch_linear's.
 at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format,
-                         const std::optional<at::Tensor>& bias);
+                         const std::optional<at::Tensor>& bias, int64_t batch_digits = kOneRowDigits);
 
 // (fused_layer.cpp's llama_decode_layer and LlamaDecoderStack: fused_layer.h.)
 

@@ -7,10 +7,11 @@
 //   Q4_1  20 bytes  | d | m | qs[16] |   w[j] = d * (qs[j] & 15) + m,  w[j+16] = d * (qs[j] >> 4) + m
 //   Q8_0  34 bytes  | d | qs[32]     |   w[j] = d * qs[j]            (qs signed)
 //
-// Activations are float32, except that one row against Q4_1 blocks (the batch-1 decode step) is
+// Activations are float32, except against Q4_1 blocks: one row (the batch-1 decode step) is
 // rounded to 22-bit integers per block of 32, as fine as float32's own rounding, and multiplied
-// in bytes (see `integer_row`). 8-bit activations, as llama.cpp uses, cost the embedded model
-// 3.7% of its top-1 agreement with its dequantized self (bench/activation_rounding.py).
+// in bytes (see `integer_row`); batches of q4_1_lanes_min_rows() rows or more are rounded the same
+// way and multiplied across vector lanes (q4_1_lanes.cpp). 8-bit activations, as llama.cpp uses,
+// cost the embedded model 3.7% of its top-1 agreement with its dequantized self.
 
 #include "kernels.h"
 
@@ -338,8 +339,11 @@ at::Tensor to_lane_order(const at::Tensor& x) {
   return out;
 }
 
+// float_tiles_only: the float row tiles for every row count (q4_1_linear_with's lanes 0).
+// batch_digits: the activation digits of Q4_1 batches on the integer lanes (q4_1_batch_linear).
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t block_bytes,
-                        const RowTileKernels& kernels, const char* name, bool lane_order = false) {
+                        const RowTileKernels& kernels, const char* name, bool lane_order = false,
+                        bool float_tiles_only = false, int64_t batch_digits = kOneRowDigits) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), name, ": CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": activations must be float32");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, name, ": blocks must be uint8 [out, bytes]");
@@ -349,10 +353,15 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t b
   TORCH_CHECK(blocks.size(1) == k / kGroup * block_bytes, name, ": blocks do not match in_features");
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = blocks.contiguous();
-  if (rows > kKernelMaxRows) return at::mm(xc, dequantize_blocks(wc, block_bytes).t());
+  if (!float_tiles_only) {
+    if (rows > kKernelMaxRows) return at::mm(xc, dequantize_blocks(wc, block_bytes).t());
 #if PDSERVE_AVX2
-  if (rows == 1 && block_bytes == kQ41Bytes && n > 0) return q4_1_integer_row_linear(xc, wc);
+    if (rows == 1 && block_bytes == kQ41Bytes && n > 0) return q4_1_integer_row_linear(xc, wc);
+    if (block_bytes == kQ41Bytes && rows >= q4_1_lanes_min_rows(batch_digits) && n > 0) {
+      return q4_1_lanes_linear(xc, wc, q4_1_lane_widths().front(), batch_digits);
+    }
 #endif
+  }
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
   const at::Tensor xl = lane_order ? to_lane_order(xc) : xc;
@@ -472,8 +481,24 @@ at::Tensor f32_row_linear(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  return q4_1_batch_linear(x, blocks, kOneRowDigits);
+}
+
+at::Tensor q4_1_batch_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t batch_digits) {
   static const RowTileKernels kernels = row_tile_kernels<kQ41Bytes>();
-  return block_linear(x, blocks, kQ41Bytes, kernels, "q4_1_linear", PDSERVE_AVX2 != 0);
+  return block_linear(x, blocks, kQ41Bytes, kernels, "q4_1_linear", PDSERVE_AVX2 != 0, false, batch_digits);
+}
+
+at::Tensor q4_1_linear_with(const at::Tensor& x, const at::Tensor& blocks, int64_t lanes, int64_t digits) {
+  if (lanes != 0) {
+#if PDSERVE_AVX2
+    return q4_1_lanes_linear(x, blocks, lanes, digits);
+#else
+    TORCH_CHECK(false, "q4_1_linear_with: integer lanes need AVX2");
+#endif
+  }
+  static const RowTileKernels kernels = row_tile_kernels<kQ41Bytes>();
+  return block_linear(x, blocks, kQ41Bytes, kernels, "q4_1_linear_with", PDSERVE_AVX2 != 0, true);
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks) {

@@ -22,6 +22,8 @@ TORCH_LIBRARY(pdserve_cpu, m) {
       .def("attach_sinks", &LlamaDecoderStack::attach_sinks)
       .def("attach_moe", &LlamaDecoderStack::attach_moe)
       .def("set_final_norm", &LlamaDecoderStack::set_final_norm)
+      .def("set_batch_activation_digits", &LlamaDecoderStack::set_batch_activation_digits)
+      .def("batch_activation_digits", &LlamaDecoderStack::batch_activation_digits)
       .def("start_profile", &LlamaDecoderStack::start_profile)
       .def("stop_profile", &LlamaDecoderStack::stop_profile)
       .def("profile_seconds", &LlamaDecoderStack::profile_seconds)
@@ -29,6 +31,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
       .def("forward", &LlamaDecoderStack::forward);
   m.def("q4_1_linear(Tensor x, Tensor blocks) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor blocks) -> Tensor");
+  m.def("q4_1_linear_with(Tensor x, Tensor blocks, int lanes, int digits) -> Tensor");
   m.def("f32_row_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("dequantize_blocks(Tensor blocks, int block_bytes) -> Tensor");
   m.def("greedy_tokens(Tensor logits) -> Tensor");
@@ -45,6 +48,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("q4_1_linear", &q4_1_linear);
   m.impl("q8_0_linear", &q8_0_linear);
+  m.impl("q4_1_linear_with", &q4_1_linear_with);
   m.impl("f32_row_linear", &f32_row_linear);
   m.impl("dequantize_blocks", &dequantize_blocks);
   m.impl("greedy_tokens", &greedy_tokens);

@@ -95,10 +95,12 @@ class DecodeStep:
 
     def __init__(self, model: CausalLM, plan: KVGroupPlan, pool: torch.Tensor, layer_caches: LayerCaches,
                  block_size: int, device: torch.device, compile_step: bool, native: Optional[bool] = None,
-                 fuse_layers: bool = True):
+                 fuse_layers: bool = True, batch_activation_digits: int = 3):
         """`native` None: the native kernels wherever they run (tests pass False to take the
         path other devices take). `fuse_layers`: run each layer as one native call where the
-        kernels and the model allow it (eager steps only; False keeps the per-op path)."""
+        kernels and the model allow it (eager steps only; False keeps the per-op path).
+        `batch_activation_digits`: the fused layers' Q4_1 batches round activations to this many
+        7-bit digits (3: 22 bits, as one row; `--batch-activation-bits`)."""
         self.model = model
         self.plan = plan
         self.pool = pool
@@ -118,7 +120,7 @@ class DecodeStep:
         final_norm = native_final_norm(model)
         self._stack_norms = self._fused is not None and final_norm is not None  # the stack applies the final norm
         if self._fused is not None:
-            self._fused_stack = FusedDecoderStack(self._fused, layer_caches, final_norm)
+            self._fused_stack = FusedDecoderStack(self._fused, layer_caches, final_norm, batch_activation_digits)
         self.static_shapes = compile_step and not self.native
         # One compiled graph serves every layer of a kind (dynamo guards on the layer's type and
         # settings, not on which layer it is), so compile time does not grow with depth.

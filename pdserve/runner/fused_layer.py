@@ -102,10 +102,12 @@ class FusedDecoderStack:
     views handed over at start-up."""
 
     def __init__(self, layers: Sequence[FusedLlamaLayer], layer_caches: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
-                 final_norm: Optional[tuple[torch.Tensor, float]] = None):
+                 final_norm: Optional[tuple[torch.Tensor, float]] = None, batch_activation_digits: int = 3):
         """`final_norm`: (weight, eps) of the model's final RMSNorm (`native_final_norm`), which the
-        stack then applies after the last layer."""
+        stack then applies after the last layer. `batch_activation_digits`: 7-bit digits per activation
+        in the Q4_1 products of batched steps (3: the one-row kernel's 22 bits; 2 or 1: faster, coarser)."""
         self._stack = torch.classes.pdserve_cpu.LlamaDecoderStack()
+        self._stack.set_batch_activation_digits(batch_activation_digits)
         if final_norm is not None:
             self._stack.set_final_norm(final_norm[0], final_norm[1])
         no_bias = torch.empty(0)
@@ -117,6 +119,10 @@ class FusedDecoderStack:
                 self._stack.attach_sinks(layer.sinks)
             if layer.moe is not None:
                 self._stack.attach_moe(layer.moe)
+
+    @property
+    def batch_activation_digits(self) -> int:
+        return self._stack.batch_activation_digits()
 
     def start_profile(self, thread_clock: bool = False) -> None:
         """Sum the time of each part of the layers (norms, q/k/v, attention, ...) from now on, by the

@@ -124,3 +124,16 @@ def test_a_tiny_decode_profile_of_the_embedded_model_has_every_part_and_its_boun
         assert parts["layer.attention"]["bytes"] > 0 and parts["step"]["bound_ms"] > parts["lm_head"]["bound_ms"] > 0
         assert parts["layer.experts"]["median_ms"] == 0  # a dense model
     assert record["read_bandwidth_bytes_per_s"] > 1e8
+
+
+def test_q4_1_mode_times_every_variant_of_every_product_against_the_float_tiles():
+    import time
+
+    from bench.kernels.q4_1 import SHAPES, compiled_lane_widths, product_rows, variants
+    from tests.models.test_quantized_blocks import require_native_kernels
+
+    require_native_kernels()
+    rows = product_rows([16], repeats=1, clock=time.process_time)
+    assert [(r["product"], r["rows"]) for r in rows] == [(name, 16) for name, _, _ in SHAPES]
+    labels = [label for label, _, _ in variants(compiled_lane_widths())]
+    assert all(list(r["ms"]) == labels and r["x_tiles"]["float tiles"] == 1.0 for r in rows)
