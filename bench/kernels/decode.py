@@ -23,6 +23,11 @@ clock read per part (a second row times the step with them off).
 `--clock cpu` (with `--threads 1` only) times by CPU time, Python's and the native laps' alike:
 on a shared machine it leaves out the time other processes held the core.
 
+`--model gpt-oss-shape` profiles `moe`'s random float32 gpt-oss shape (24 layers, 32 experts top-4)
+instead: its layers' "experts" part is routing, grouping and every active expert in one native call
+(no read bound: which experts a step reads depends on its tokens). With decode-ab it sets an
+experts change against an earlier commit's.
+
 `--kv-cache-dtypes float32 bfloat16` runs one engine per KV pool element type (each its own copy
 of the model), interleaved within every round, and adds a side-by-side table of attention and
 step times with ratios against the first type. `--batch-activation-bits 22 8` does the same per
@@ -151,20 +156,35 @@ def kv_bytes_per_token(model: Any, element_bytes: int = 4) -> int:
     return len(model.layers) * 2 * layer.num_kv_heads * layer.head_dim * element_bytes
 
 
-def build_engine_loop(threads: int, batch: int, kv_cache_dtype: str = "auto", batch_activation_bits: int = 22) -> Any:
+def load_profiled_model(model: str) -> tuple[Any, dict]:
+    """(the loaded model, ModelConfig's arguments) for `--model`."""
+    from pdserve.models.loader import LoadedModel, load_model, resolve_quantization
+
+    device = torch.device("cpu")
+    if model == "embedded":
+        quantization = resolve_quantization("auto", "auto", device)  # what `pdserve serve` loads
+        return load_model(None, torch.float32, device, quantization), {}
+    from bench.kernels import moe
+    from pdserve.models.registry import build_model
+    from pdserve.models.weight_loader import WeightPolicy
+
+    config, weights = moe.gpt_oss_model(layers=24, experts=32, top_k=4, hidden=512, expert_width=256, vocab=8192)
+    built = build_model(config, weights, torch.float32, device, WeightPolicy())
+    return LoadedModel(model=built, tokenizer=moe.word_tokenizer(config["vocab_size"]), name=model), {"dtype": "float32"}
+
+
+def build_engine_loop(threads: int, batch: int, kv_cache_dtype: str = "auto", model: str = "embedded",
+                      batch_activation_bits: int = 22) -> Any:
     from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
     from pdserve.app.engine_factory import build_engine
     from pdserve.metrics import Metrics
-    from pdserve.models.loader import load_model, resolve_quantization
 
     torch.set_num_threads(threads)
-    device = torch.device("cpu")
-    quantization = resolve_quantization("auto", "auto", device)  # what `pdserve serve` loads
-    loaded = load_model(None, torch.float32, device, quantization)
+    loaded, model_config = load_profiled_model(model)
     # "auto" is left unset, so that decode-ab's baseline trees (from before the option) build too.
     kv_dtype = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
     bits = {} if batch_activation_bits == 22 else {"batch_activation_bits": batch_activation_bits}  # likewise
-    worker = WorkerConfig(model=ModelConfig(device="cpu", **bits),
+    worker = WorkerConfig(model=ModelConfig(device="cpu", **model_config, **bits),
                           cache=CacheConfig(block_size=16, num_blocks=64 + batch * 40, enable_prefix_caching=False,
                                             **kv_dtype),
                           scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_running=batch))
@@ -233,6 +253,8 @@ def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="cpu: the process's CPU time (with --threads 1 only), for a shared machine")
+    parser.add_argument("--model", choices=["embedded", "gpt-oss-shape"], default="embedded",
+                        help="gpt-oss-shape: `moe`'s random float32 model (24 layers, 32 experts top-4, hidden 512)")
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="KV pool element types measured side by side, one engine each (auto: the model's)")
@@ -267,7 +289,7 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
     timers = {}  # (KV dtype, batch activation bits) -> the timer of its own engine
     for kv_dtype in args.kv_cache_dtypes:
         for bits in args.batch_activation_bits:
-            loop = build_engine_loop(args.threads, max(args.batches), kv_dtype, bits)
+            loop = build_engine_loop(args.threads, max(args.batches), kv_dtype, args.model, bits)
             timers[(kv_dtype, bits)] = StepTimer(loop, CLOCKS[args.clock], thread_clock=args.clock == "cpu")
     vocab = next(iter(timers.values())).model.args.vocab_size
     for (kv_dtype, bits), timer in timers.items():

@@ -24,7 +24,8 @@ from bench.kernels import decode
 from bench.lib.report import markdown_table
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_PART_KEYS = ("layer.qkv", "layer.attention", "layer.o_proj", "layer.mlp_gate_up", "layer.mlp_down", "layers_total",
+_PART_KEYS = ("layer.qkv", "layer.attention", "layer.o_proj", "layer.mlp_gate_up", "layer.mlp_down", "layer.experts",
+              "layers_total",
               "final_norm", "lm_head", "sampling", "python_outside_model", "step")
 
 
@@ -43,7 +44,7 @@ def profile_once(tree: str, args: argparse.Namespace, out_path: str) -> dict[str
     argv = [sys.executable, "-m", "bench.kernels", "decode", "--rounds", "1", "--out", out_path,
             "--batches", *map(str, args.batches), "--prompt-tokens", str(args.prompt_tokens),
             "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--clock", args.clock,
-            "--kv-cache-dtypes", *args.kv_cache_dtypes]
+            "--kv-cache-dtypes", *args.kv_cache_dtypes, "--model", args.model]
     env = dict(os.environ, PYTHONPATH=tree)
     subprocess.run(argv, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     with open(out_path, encoding="utf-8") as f:

@@ -153,17 +153,22 @@ class Laps {
 
 namespace {
 
-// llama_decode_layer with, optionally, attention sinks (gpt-oss) and a mixture of experts in place
-// of the gated MLP (whose weights, formats and biases are then unused).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
+// A layer in two parts, each ending where a tensor-parallel rank all-reduces its partial sums:
+//
+//   attention_part: x = norm(h); q|k|v; rope; attend (+ sinks); store K/V; o = attended @ W_o.T (+ b)
+//   mlp_part:       x = post_norm(h'); the gated MLP or the experts (+ b)      h' = h + sum of o
+//
+// One rank adds each part to the stream itself (decode_layer); a rank of several returns the
+// partial o and MLP output to the caller, which sums them over the ranks before adding.
+
+// The attention part: (o, plus h with add_residual; the rows' new K and V, stored in their slots).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_part(
     const at::Tensor& h_in, at::TensorList norms, const std::optional<at::Tensor>& qk_norm, at::TensorList weights,
     at::IntArrayRef formats, const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
     const at::Tensor& key_start, const at::Tensor& key_end, const at::Tensor& write_blocks,
     const at::Tensor& write_offsets, at::IntArrayRef geometry, double eps, double scale,
-    const std::optional<at::Tensor>& sinks, SparseMoeMlp* moe, LayerProfile* profile,
-    int64_t batch_digits = kOneRowDigits) {
-  Laps laps(profile);
+    const std::optional<at::Tensor>& sinks, bool add_residual, Laps& laps, int64_t batch_digits) {
   TORCH_CHECK(norms.size() == 2 && weights.size() == 4 && formats.size() == 4 && biases.size() == 4,
               "llama_decode_layer: norms (input, post), weights, formats and biases (qkv, o, gate_up, down)");
   TORCH_CHECK(geometry.size() == 3, "llama_decode_layer: geometry is (heads, kv_heads, head_dim)");
@@ -181,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
   }
   const float epsf = static_cast<float>(eps);
   const at::Tensor cosc = cos.contiguous(), sinc = sin.contiguous();
-  const at::Tensor input_norm = norms[0].contiguous(), post_norm = norms[1].contiguous();
+  const at::Tensor input_norm = norms[0].contiguous();
 
   at::Tensor x = at::empty({rows, hidden}, h.options());
   rms_norm_rows(h.data_ptr<float>(), input_norm.data_ptr<float>(), rows, hidden, hidden, epsf, x.data_ptr<float>(),
@@ -234,15 +239,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
   laps.lap(LayerProfile::kStoreKv);
   at::Tensor out = weight_linear(attended, weights[1], formats[1], biases.get(1), batch_digits);
   TORCH_CHECK(out.size(1) == hidden, "llama_decode_layer: o weight does not give the hidden size");
-  out.add_(h);  // the residual stream after attention
+  if (add_residual) out.add_(h);  // the residual stream after attention
   laps.lap(LayerProfile::kOProj);
-  rms_norm_rows(out.data_ptr<float>(), post_norm.data_ptr<float>(), rows, hidden, hidden, epsf, x.data_ptr<float>(),
-                hidden);
+  return {out, k, v};
+}
+
+// The MLP part over h (the stream after attention): the MLP's output, not yet added to h.
+at::Tensor mlp_part(const at::Tensor& h_in, at::TensorList norms, at::TensorList weights, at::IntArrayRef formats,
+                    const c10::List<std::optional<at::Tensor>>& biases, double eps, SparseMoeMlp* moe, Laps& laps,
+                    int64_t batch_digits) {
+  TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat && norms.size() == 2 &&
+                  norms[1].scalar_type() == at::kFloat && norms[1].numel() == h_in.size(1),
+              "llama_decode_layer: h must be float32 [rows, hidden] and the post norm [hidden]");
+  const at::Tensor h = h_in.contiguous(), post_norm = norms[1].contiguous();
+  const int64_t rows = h.size(0), hidden = h.size(1);
+  at::Tensor x = at::empty({rows, hidden}, h.options());
+  rms_norm_rows(h.data_ptr<float>(), post_norm.data_ptr<float>(), rows, hidden, hidden, static_cast<float>(eps),
+                x.data_ptr<float>(), hidden);
   laps.lap(LayerProfile::kPostNorm);
   if (moe != nullptr) {
-    out.add_(moe->forward(x));
+    at::Tensor experts = moe->forward(x);
     laps.lap(LayerProfile::kExperts);
-    return {out, k, v};
+    return experts;
   }
   at::Tensor gate_up = weight_linear(x, weights[2], formats[2], biases.get(2), batch_digits);
   laps.lap(LayerProfile::kMlpGateUp);
@@ -268,8 +286,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
   laps.lap(LayerProfile::kMlpActivation);
   at::Tensor mlp = weight_linear(act, weights[3], formats[3], biases.get(3), batch_digits);
   TORCH_CHECK(mlp.size(1) == hidden, "llama_decode_layer: down weight does not give the hidden size");
-  out.add_(mlp);
   laps.lap(LayerProfile::kMlpDown);
+  return mlp;
+}
+
+// llama_decode_layer with, optionally, attention sinks (gpt-oss) and a mixture of experts in place
+// of the gated MLP (whose weights, formats and biases are then unused): both parts, each added.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& h, at::TensorList norms, const std::optional<at::Tensor>& qk_norm, at::TensorList weights,
+    at::IntArrayRef formats, const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+    const at::Tensor& key_start, const at::Tensor& key_end, const at::Tensor& write_blocks,
+    const at::Tensor& write_offsets, at::IntArrayRef geometry, double eps, double scale,
+    const std::optional<at::Tensor>& sinks, SparseMoeMlp* moe, LayerProfile* profile,
+    int64_t batch_digits = kOneRowDigits) {
+  Laps laps(profile);
+  auto [out, k, v] = attention_part(h, norms, qk_norm, weights, formats, biases, cos, sin, k_cache, v_cache, block_table,
+                                    key_start, key_end, write_blocks, write_offsets, geometry, eps, scale, sinks,
+                                    /*add_residual=*/true, laps, batch_digits);
+  out.add_(mlp_part(out, norms, weights, formats, biases, eps, moe, laps, batch_digits));
+  laps.lap(moe != nullptr ? LayerProfile::kExperts : LayerProfile::kMlpDown);  // the add, with its part
   return {out, k, v};
 }
 
@@ -337,6 +373,33 @@ at::Tensor LlamaDecoderStack::forward(at::Tensor h, at::Tensor cos, at::Tensor s
                 static_cast<float>(final_norm_eps), normed.data_ptr<float>(), hidden);
   laps.lap(LayerProfile::kFinalNorm);
   return normed;
+}
+
+const LlamaDecoderStack::Layer& LlamaDecoderStack::layer_at(int64_t index) const {
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers.size()), "LlamaDecoderStack: no layer ", index);
+  return layers[static_cast<size_t>(index)];
+}
+
+at::Tensor LlamaDecoderStack::attention_partial(int64_t index, at::Tensor h, at::Tensor cos, at::Tensor sin,
+                                                std::vector<at::Tensor> block_tables,
+                                                std::vector<at::Tensor> key_starts, std::vector<at::Tensor> key_ends,
+                                                std::vector<at::Tensor> write_blocks, at::Tensor write_offsets) {
+  const Layer& layer = layer_at(index);
+  const size_t g = static_cast<size_t>(layer.group);
+  TORCH_CHECK(g < block_tables.size() && g < key_starts.size() && g < key_ends.size() && g < write_blocks.size(),
+              "LlamaDecoderStack.attention_partial: no rows for KV group ", layer.group);
+  Laps laps(profile.has_value() ? &*profile : nullptr);
+  return std::get<0>(attention_part(h, layer.norms, layer.qk_norm, layer.weights, layer.formats, layer.biases, cos, sin,
+                                    layer.k_cache, layer.v_cache, block_tables[g], key_starts[g], key_ends[g],
+                                    write_blocks[g], write_offsets, layer.geometry, layer.eps, layer.scale, layer.sinks,
+                                    /*add_residual=*/false, laps, batch_digits));
+}
+
+at::Tensor LlamaDecoderStack::mlp_partial(int64_t index, at::Tensor h) {
+  const Layer& layer = layer_at(index);
+  Laps laps(profile.has_value() ? &*profile : nullptr);
+  return mlp_part(h, layer.norms, layer.weights, layer.formats, layer.biases, layer.eps, layer.moe.get(), laps,
+                  batch_digits);
 }
 
 void LlamaDecoderStack::set_final_norm(at::Tensor weight, double eps) {

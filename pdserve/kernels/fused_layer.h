@@ -57,6 +57,7 @@ struct LlamaDecoderStack : torch::CustomClassHolder {
     c10::intrusive_ptr<SparseMoeMlp> moe;  // set: the experts replace the gated MLP
   };
   std::vector<Layer> layers;
+  const Layer& layer_at(int64_t index) const;  // a checked index
 
   // biases: an empty tensor stands for none (a method argument cannot be a list of optionals).
   void add_layer(std::vector<at::Tensor> norms, std::optional<at::Tensor> qk_norm, std::vector<at::Tensor> weights,
@@ -67,6 +68,16 @@ struct LlamaDecoderStack : torch::CustomClassHolder {
   // MLP, whose weights add_layer then ignores).
   void attach_sinks(at::Tensor sinks);
   void attach_moe(c10::intrusive_ptr<SparseMoeMlp> moe);
+
+  // A tensor-parallel rank's layer `index` in its two parts (fused_layer.cpp's attention_part and
+  // mlp_part), each returned before the all-reduce the caller runs: the partial output projection
+  // (the rows' new K/V stored), then, over h plus the summed projection, the partial MLP output.
+  // Per-step arguments as forward's; no final norm (the caller's).
+  at::Tensor attention_partial(int64_t index, at::Tensor h, at::Tensor cos, at::Tensor sin,
+                               std::vector<at::Tensor> block_tables, std::vector<at::Tensor> key_starts,
+                               std::vector<at::Tensor> key_ends, std::vector<at::Tensor> write_blocks,
+                               at::Tensor write_offsets);
+  at::Tensor mlp_partial(int64_t index, at::Tensor h);
 
   // The model's final RMSNorm (float32 weight [hidden]), applied after the last layer: forward
   // then returns the normed stream (a step spent ~0.17 ms in the six torch ops it replaces).

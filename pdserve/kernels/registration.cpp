@@ -21,6 +21,8 @@ TORCH_LIBRARY(pdserve_cpu, m) {
       .def("add_layer", &LlamaDecoderStack::add_layer)
       .def("attach_sinks", &LlamaDecoderStack::attach_sinks)
       .def("attach_moe", &LlamaDecoderStack::attach_moe)
+      .def("attention_partial", &LlamaDecoderStack::attention_partial)
+      .def("mlp_partial", &LlamaDecoderStack::mlp_partial)
       .def("set_final_norm", &LlamaDecoderStack::set_final_norm)
       .def("set_batch_activation_digits", &LlamaDecoderStack::set_batch_activation_digits)
       .def("batch_activation_digits", &LlamaDecoderStack::batch_activation_digits)

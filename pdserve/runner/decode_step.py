@@ -10,7 +10,8 @@ produces are those of the eager `PagedAttention` path on the same inputs.
 Eager on the CPU with float32 activations and Llama-family layers, each layer is one native
 call (`fused_layer.py`: a decode step at one row was mostly Python dispatching ~120 small ops a
 layer) that also stores the layer's new K/V in place once it has attended (it reads no slot it
-writes). Compiled, it runs one of two ways:
+writes); a tensor-parallel rank's layer is two calls, around its all-reduces. Compiled, it runs
+one of two ways:
 
     native (CPU kernels): one graph per layer kind with the rows and table width dynamic
     static (CUDA):        rows and width padded to powers of two, masked torch attention in
@@ -117,10 +118,10 @@ class DecodeStep:
         # One native call per layer (engine/fused_layer.py) where the whole model allows it.
         self._fused = fused_layers(model, device) if fuse_layers and self.native and not compile_step else None
         self._fused_stack = None
-        final_norm = native_final_norm(model)
-        self._stack_norms = self._fused is not None and final_norm is not None  # the stack applies the final norm
         if self._fused is not None:
-            self._fused_stack = FusedDecoderStack(self._fused, layer_caches, final_norm, batch_activation_digits)
+            self._fused_stack = FusedDecoderStack(self._fused, layer_caches, native_final_norm(model),
+                                                  batch_activation_digits)
+        self._stack_norms = self._fused_stack is not None and self._fused_stack.applies_final_norm
         self.static_shapes = compile_step and not self.native
         # One compiled graph serves every layer of a kind (dynamo guards on the layer's type and
         # settings, not on which layer it is), so compile time does not grow with depth.

@@ -9,6 +9,13 @@ arguments once, at start-up. Invariant: a layer is fused only when the kernel co
 what the torch layer does (float32 activations on the CPU, SiLU or the experts' known
 activations, rotation over the whole head, weights float32 or in blocks the kernels read); any
 other layer makes the whole model keep the torch path, and `unfusable_reason` says why.
+
+A tensor-parallel rank's layers fuse too: their row-parallel projections (`RowParallel`: o, down
+or the experts) run unwrapped in the kernel, and the stack stops at each all-reduce. A layer is
+then two native calls, the caller summing each partial over the ranks before adding it:
+
+    h += all_reduce(attention_partial(h))      norm, q|k|v, rope, attend, store K/V, o
+    h += all_reduce(mlp_partial(h))            post norm, gated MLP or experts, down
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from pdserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from pdserve.models.moe import SparseMoE
 from pdserve.models.moe_native import FLOAT_WEIGHT, native_experts, native_weight
 from pdserve.models.qwen3_moe import Qwen3MoeDecoderLayer
+from pdserve.models.tensor_parallel import AllReduce, RowParallel
 
 @dataclass(frozen=True)
 class FusedLlamaLayer:
@@ -42,6 +50,7 @@ class FusedLlamaLayer:
     scale: float
     sinks: Optional[torch.Tensor] = None  # gpt-oss: one logit per query head
     moe: Any = None  # a `SparseMoeMlp` in place of the gated MLP (whose weights are then empty)
+    all_reduces: Optional[tuple[AllReduce, AllReduce]] = None  # a tensor-parallel rank's, after o and the MLP
 
     @classmethod
     def of(cls, layer: DecoderLayer) -> "FusedLlamaLayer":
@@ -57,16 +66,21 @@ class FusedLlamaLayer:
             activations = layer.input_norm
         if activations.dtype != torch.float32 or activations.device.type != "cpu":
             raise ValueError("activations are not float32 on the CPU")
-        parts = [native_weight(linear) for linear in (attention.qkv_proj, attention.o_proj)]
+        o_proj, attention_reduce = _row_parallel_parts(attention.o_proj)
+        parts = [native_weight(linear) for linear in (attention.qkv_proj, o_proj)]
         moe = None
         if isinstance(mlp, SparseMoE):
-            moe = _native_moe(mlp)
+            experts, mlp_reduce = _row_parallel_parts(mlp.experts)
+            moe = _native_moe(mlp, experts)
             no_weight = torch.empty(0)
             parts += [(no_weight, FLOAT_WEIGHT, None), (no_weight, FLOAT_WEIGHT, None)]
         else:
             if mlp.activation is not F.silu:
                 raise ValueError("the MLP's activation is not SiLU")
-            parts += [native_weight(linear) for linear in (mlp.gate_up_proj, mlp.down_proj)]
+            down_proj, mlp_reduce = _row_parallel_parts(mlp.down_proj)
+            parts += [native_weight(linear) for linear in (mlp.gate_up_proj, down_proj)]
+        if (attention_reduce is None) != (mlp_reduce is None):
+            raise ValueError("only one of the attention output and the MLP is row parallel")
         sinks = layer.attention_sinks
         return cls(
             norms=norms,
@@ -79,14 +93,15 @@ class FusedLlamaLayer:
             scale=layer.attention_scale,
             sinks=None if sinks is None else sinks.detach(),
             moe=moe,
+            all_reduces=None if attention_reduce is None else (attention_reduce, mlp_reduce),
         )
 
     def __call__(self, h: torch.Tensor, rope: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: DecodeRows,
                  write_blocks: torch.Tensor, write_offsets: torch.Tensor) -> torch.Tensor:
         """The residual stream after the layer; the rows' new K/V are stored in their page slots
         (int64 block ids and offsets), after attending, which reads other slots only."""
-        if self.sinks is not None or self.moe is not None:
-            raise ValueError("a layer with sinks or experts runs in a FusedDecoderStack only")
+        if self.sinks is not None or self.moe is not None or self.all_reduces is not None:
+            raise ValueError("a layer with sinks, experts or all-reduces runs in a FusedDecoderStack only")
         cos, sin = rope
         h, _, _ = ops().llama_decode_layer(
             h, list(self.norms), self.qk_norm, list(self.weights), list(self.formats), list(self.biases), cos, sin,
@@ -104,11 +119,17 @@ class FusedDecoderStack:
     def __init__(self, layers: Sequence[FusedLlamaLayer], layer_caches: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
                  final_norm: Optional[tuple[torch.Tensor, float]] = None, batch_activation_digits: int = 3):
         """`final_norm`: (weight, eps) of the model's final RMSNorm (`native_final_norm`), which the
-        stack then applies after the last layer. `batch_activation_digits`: 7-bit digits per activation
-        in the Q4_1 products of batched steps (3: the one-row kernel's 22 bits; 2 or 1: faster, coarser)."""
+        stack then applies after the last layer (`applies_final_norm`; a tensor-parallel rank's
+        stack leaves it to the caller). `batch_activation_digits`: 7-bit digits per activation in the
+        Q4_1 products of batched steps (3: the one-row kernel's 22 bits; 2 or 1: faster, coarser)."""
         self._stack = torch.classes.pdserve_cpu.LlamaDecoderStack()
         self._stack.set_batch_activation_digits(batch_activation_digits)
-        if final_norm is not None:
+        self._all_reduces = [layer.all_reduces for layer in layers]
+        self.tensor_parallel = any(reduces is not None for reduces in self._all_reduces)
+        if self.tensor_parallel and not all(reduces is not None for reduces in self._all_reduces):
+            raise ValueError("some layers are tensor parallel and some are not")
+        self.applies_final_norm = final_norm is not None and not self.tensor_parallel
+        if self.applies_final_norm:
             self._stack.set_final_norm(final_norm[0], final_norm[1])
         no_bias = torch.empty(0)
         for layer, (group_id, k_cache, v_cache) in zip(layers, layer_caches, strict=True):
@@ -142,8 +163,15 @@ class FusedDecoderStack:
         final norm when the stack applies it; each layer's new K/V are stored in their page slots,
         after it attends."""
         cos, sin = rope
-        return self._stack.forward(h, cos, sin, [r.block_table for r in rows], [r.key_start for r in rows],
-                                   [r.key_end for r in rows], list(write_blocks), write_offsets)
+        tables, starts, ends = [r.block_table for r in rows], [r.key_start for r in rows], [r.key_end for r in rows]
+        if not self.tensor_parallel:
+            return self._stack.forward(h, cos, sin, tables, starts, ends, list(write_blocks), write_offsets)
+        write_blocks = list(write_blocks)
+        for index, (attention_reduce, mlp_reduce) in enumerate(self._all_reduces):
+            h = h + attention_reduce(self._stack.attention_partial(index, h, cos, sin, tables, starts, ends,
+                                                                   write_blocks, write_offsets))
+            h = h + mlp_reduce(self._stack.mlp_partial(index, h))
+        return h
 
 
 def native_final_norm(model: CausalLM) -> Optional[tuple[torch.Tensor, float]]:
@@ -157,10 +185,17 @@ def native_final_norm(model: CausalLM) -> Optional[tuple[torch.Tensor, float]]:
     return norm.detach(), float(model.args.rms_norm_eps)
 
 
-def _native_moe(moe: SparseMoE) -> Any:
-    """The layer's experts with their router as one native object; ValueError when the kernel
-    does not compute them (or the benchmark turned the native experts off)."""
-    experts = moe.experts
+def _row_parallel_parts(module: torch.nn.Module) -> tuple[torch.nn.Module, Optional[AllReduce]]:
+    """(the module a `RowParallel` wraps, its all-reduce), or (module, None) where not wrapped."""
+    if isinstance(module, RowParallel):
+        return module.inner, module.all_reduce
+    return module, None
+
+
+def _native_moe(moe: SparseMoE, experts: torch.nn.Module) -> Any:
+    """The layer's experts (unwrapped from any `RowParallel`) with their router as one native
+    object; ValueError when the kernel does not compute them (or the benchmark turned the native
+    experts off)."""
     if not getattr(experts, "native_enabled", False):
         raise ValueError("the experts are not an `Experts` with the native path on")
     routing = getattr(moe.route, "native_routing", None)

@@ -20,6 +20,7 @@ def test_every_kernel_mode_parses_and_writes_its_own_report(mode):
 
 def test_kernel_modes_keep_the_flags_the_docs_name():
     assert parse_args(["moe", "--experts", "8"]).experts == 8
+    assert parse_args(["decode-ab", "--baseline", "main", "--model", "gpt-oss-shape"]).model == "gpt-oss-shape"
 
 
 def test_a_missing_value_prints_as_a_dash_never_as_zero():

@@ -24,18 +24,19 @@ class _NoSource:
         return False
 
 
-def _experts(activation, bias: bool, quantization: str, seed: int) -> Experts:
-    experts = Experts(NUM_EXPERTS, HIDDEN, WIDTH, activation, bias, torch.float32)
+def _experts(activation, bias: bool, quantization: str, seed: int, hidden: int = HIDDEN,
+             width: int = WIDTH) -> Experts:
+    experts = Experts(NUM_EXPERTS, hidden, width, activation, bias, torch.float32)
     loader = WeightLoader(_NoSource(), WeightPolicy.for_choice(quantization), CPU)
     generator = torch.Generator().manual_seed(seed)
     for e in range(NUM_EXPERTS):
-        gate_up = torch.randn(2 * WIDTH, HIDDEN, generator=generator) * 0.3
-        down = torch.randn(HIDDEN, WIDTH, generator=generator) * 0.3
+        gate_up = torch.randn(2 * width, hidden, generator=generator) * 0.3
+        down = torch.randn(hidden, width, generator=generator) * 0.3
         experts.gate_up[e] = loader.linear_from_tensors(experts.gate_up[e], [gate_up], "gate_up")
         experts.down[e] = loader.linear_from_tensors(experts.down[e], [down], "down")
         if bias:
-            experts.gate_up[e].bias.copy_(torch.randn(2 * WIDTH, generator=generator))
-            experts.down[e].bias.copy_(torch.randn(HIDDEN, generator=generator))
+            experts.gate_up[e].bias.copy_(torch.randn(2 * width, generator=generator))
+            experts.down[e].bias.copy_(torch.randn(hidden, generator=generator))
     return experts
 
 
@@ -66,6 +67,23 @@ def test_native_experts_match_the_torch_path(quantization, activation, bias, num
         assert experts.native_object(x) is not None
         got = experts(x, routing)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hidden, width", [(36, 13), (64, 32)])
+def test_float_experts_of_any_width_match_the_torch_path_at_every_row_count(hidden, width):
+    """The float kernel's edges: widths that are no multiple of 8 (a product's columns) or of 4 (its
+    weight rows), and 1 to 9 rows on one expert (token rows go four at a time)."""
+    require_native_kernels()
+    experts = _experts(ClampedSwiGLU(1.702, 7.0), True, "none", seed=hidden, hidden=hidden, width=width)
+    native = native_experts(experts)
+    generator = torch.Generator().manual_seed(width)
+    for num_rows in range(1, 10):
+        x = torch.randn(num_rows, hidden, generator=generator)
+        ids = torch.stack([torch.full((num_rows,), 1), torch.arange(num_rows) % 2 * 4 + 2], dim=1)  # 1, then 2 or 6
+        weights = torch.softmax(torch.randn(num_rows, 2, generator=generator), dim=-1)
+        with torch.inference_mode():
+            expected = _torch_reference(experts, x, (weights, ids))
+        torch.testing.assert_close(native.run_experts(x, weights, ids), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_clamp_and_the_gate_limit_are_applied():
