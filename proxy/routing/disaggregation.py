@@ -41,6 +41,7 @@ _EWMA_WEIGHT = 0.25  # of a new sample, back to back
 SPEED_HALF_LIFE_S = 60.0  # an estimate's weight halves per minute without a sample
 IDLE_STALL_ARRIVALS = 0.5  # an idle decode worker's stall may expect to meet this many arrivals
 ARRIVAL_WINDOW_S = 60.0
+ARRIVAL_MIN_SPAN_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +93,14 @@ class PrefillSpeed:
 
 class ArrivalRate:
     """Requests per second this proxy routed over the last `window_s` (over the time since the first
-    one while younger than the window, once it has seen three)."""
+    one while younger than the window, once it has seen three, and never over less than `min_span_s`:
+    a proxy's first few requests, sent back to back, are no evidence of a sustained rate)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, window_s: float = ARRIVAL_WINDOW_S):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, window_s: float = ARRIVAL_WINDOW_S,
+                 min_span_s: float = ARRIVAL_MIN_SPAN_S):
         self._clock = clock
         self._window_s = window_s
+        self._min_span_s = min_span_s
         self._arrivals_s: collections.deque[float] = collections.deque()
         self._first_s: Optional[float] = None
 
@@ -116,7 +120,7 @@ class ArrivalRate:
         self._forget(now_s)
         if self._first_s is None or len(self._arrivals_s) < 3:
             return len(self._arrivals_s) / self._window_s
-        return len(self._arrivals_s) / max(1e-3, min(self._window_s, now_s - self._first_s))
+        return len(self._arrivals_s) / max(self._min_span_s, min(self._window_s, now_s - self._first_s))
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,10 +84,18 @@ def test_the_arrival_rate_counts_the_last_window_and_the_time_since_the_first_ar
     for _ in range(4):
         now[0] += 2.0
         rate.observe()
-    assert rate.per_s == pytest.approx(6 / 8)  # six in the 8 s since the first
+    assert rate.per_s == pytest.approx(6 / 30)  # six in 8 s: a start-up burst is read over at least 30 s
+    for _ in range(12):
+        now[0] += 2.0
+        rate.observe()
+    assert rate.per_s == pytest.approx(18 / 32)  # eighteen in the 32 s since the first
     now[0] += 100.0
     rate.observe()
     assert rate.per_s == pytest.approx(1 / 60)  # the old ones forgotten
+    for _ in range(4):  # a burst after a quiet minute: over the window, not over the burst
+        now[0] += 0.5
+        rate.observe()
+    assert rate.per_s == pytest.approx(5 / 60)
 
 
 def test_the_decode_worker_rate_defaults_to_the_prefill_workers():
