@@ -67,3 +67,33 @@ def test_gemma3_pd_matches_the_same_kv_on_the_same_path_and_moves_only_the_live_
         num_sliding = kinds.count("sliding")
         unclipped = num_prompt_blocks * len(kinds)
         assert sent <= unclipped - (num_prompt_blocks - window_blocks) * num_sliding
+
+
+SAMPLED = {
+    "seeded": {"temperature": 0.8, "seed": 7},
+    "penalised": {"temperature": 0.8, "seed": 11, "presence_penalty": 0.8, "frequency_penalty": 0.5,
+                  "repetition_penalty": 1.2},
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLED))
+def test_gemma3_pd_seeded_and_penalised_answers_equal_the_same_kv_run_and_d_computes_no_prompt_token(cluster, name):
+    """Issue 38's parity on Gemma 3 beyond greedy: P samples token 1, D draws from index 1 on (seeded draws
+    are keyed by seed and draw index, penalties count P's token), so the P/D answer equals the prefill
+    worker's own over the same KV, the first token's logprobs too, and D computes no prompt token."""
+    prefill, decode = cluster
+    model = httpx.get(decode.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    prompt = random_prompt(73, GEMMA_VOCAB, 11 + len(name))  # one token past a block boundary
+    body = {"model": model, "prompt": prompt, "max_tokens": 16, "ignore_eos": True, "logprobs": 2, **SAMPLED[name]}
+    expected = same_path_reference(prefill, "/v1/completions", body, f"gemma-ref-{name}", block_size=BLOCK_SIZE)
+    computed_before = decode.metric("pdserve_engine_computed_prompt_tokens_total")
+    started_before = decode.metric("pdserve_pd_first_token_from_prefill_total")
+    _, response = two_legs(prefill, decode, "/v1/completions", body, f"gemma-{name}")
+    assert response.status_code == 200, response.text
+    got, want = response.json()["choices"][0], expected["choices"][0]
+    assert got["text"] == want["text"]
+    assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    assert got["logprobs"]["token_logprobs"][0] == want["logprobs"]["token_logprobs"][0]
+    assert got["logprobs"]["top_logprobs"][0] == want["logprobs"]["top_logprobs"][0]
+    assert decode.metric("pdserve_engine_computed_prompt_tokens_total") == computed_before
+    assert decode.metric("pdserve_pd_first_token_from_prefill_total") == started_before + 1
