@@ -21,9 +21,6 @@ at::Tensor q4_1_batch_linear(const at::Tensor& x, const at::Tensor& blocks, int6
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks);
 // y = x @ W.T for float32 x [rows, k] and W [n, k]; one row has its own kernel, more go to BLAS.
 at::Tensor f32_row_linear(const at::Tensor& x, const at::Tensor& weight);
-// The same for up to 32 rows, each weight row read once for a tile of 8 of them (a mixture of
-// experts' few rows per expert: BLAS runs such thin products at half its speed); more go to BLAS.
-at::Tensor f32_few_rows_linear(const at::Tensor& x, const at::Tensor& weight);
 
 // The Q4_1 product with its path chosen (a test's and a benchmark's handle): lanes 0 runs the
 // float row tiles (any row count), 8 or 16 the integer lanes below with `digits`.

@@ -407,60 +407,7 @@ float dot_long(const float* a, const float* b, int64_t n) {
   return total;
 }
 
-#if PDSERVE_AVX2
-// out[r * out_stride] = dot(x row r, weight row) for r < kRows: each weight row is read once for
-// all the rows of the tile (k a multiple of 16).
-template <int kRows>
-void f32_row_tile(const float* w, const float* x, int64_t k, float* out, int64_t out_stride) {
-  constexpr int kAccs = kRows <= 4 ? 2 : 1;
-  __m256 acc[kRows][kAccs];
-  for (int r = 0; r < kRows; ++r) {
-    for (int a = 0; a < kAccs; ++a) acc[r][a] = _mm256_setzero_ps();
-  }
-  for (int64_t i = 0; i < k; i += 16) {
-    const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
-    for (int r = 0; r < kRows; ++r) {
-      acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * k + i), acc[r][0]);
-      acc[r][kAccs - 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * k + i + 8), acc[r][kAccs - 1]);
-    }
-  }
-  for (int r = 0; r < kRows; ++r) {
-    out[r * out_stride] = horizontal_sum(kAccs == 1 ? acc[r][0] : _mm256_add_ps(acc[r][0], acc[r][kAccs - 1]));
-  }
-}
-
-using F32TileKernel = void (*)(const float*, const float*, int64_t, float*, int64_t);
-constexpr F32TileKernel kF32Tiles[kRowTile] = {f32_row_tile<1>, f32_row_tile<2>, f32_row_tile<3>, f32_row_tile<4>,
-                                              f32_row_tile<5>, f32_row_tile<6>, f32_row_tile<7>, f32_row_tile<8>};
-#endif
-
 }  // namespace
-
-at::Tensor f32_few_rows_linear(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "f32_few_rows_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "f32_few_rows_linear: float32 only");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "f32_few_rows_linear: x [rows, k] and weight [n, k]");
-  const int64_t rows = x.size(0), k = weight.size(1), n = weight.size(0);
-#if PDSERVE_AVX2
-  if (rows >= 1 && rows <= kKernelMaxRows && k % 16 == 0) {
-    const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-    at::Tensor out = at::empty({rows, n}, x.options());
-    const float* xs = xc.data_ptr<float>();
-    const float* w = wc.data_ptr<float>();
-    float* y = out.data_ptr<float>();
-    at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
-      for (int64_t col = begin; col < end; ++col) {  // the weight row stays in L1 across the tiles
-        for (int64_t row0 = 0; row0 < rows; row0 += kRowTile) {
-          kF32Tiles[std::min(kRowTile, rows - row0) - 1](w + col * k, xs + row0 * k, k, y + row0 * n + col, n);
-        }
-      }
-    });
-    return out;
-  }
-#endif
-  return at::mm(weight, x.t()).t().contiguous();
-}
 
 at::Tensor f32_row_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "f32_row_linear: CPU tensors only");
