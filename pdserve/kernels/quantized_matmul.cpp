@@ -357,7 +357,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t b
     if (rows > kKernelMaxRows) return at::mm(xc, dequantize_blocks(wc, block_bytes).t());
 #if PDSERVE_AVX2
     if (rows == 1 && block_bytes == kQ41Bytes && n > 0) return q4_1_integer_row_linear(xc, wc);
-    if (block_bytes == kQ41Bytes && rows >= q4_1_lanes_min_rows(batch_digits) && n > 0) {
+    // The lanes on one thread only: there they beat the float tiles (a b=16 step 1.09x), but with two
+    // threads the tiles' products ran 1.3-2.6x faster than the lanes' (decode-ab --threads 2, 2026-11-28).
+    if (block_bytes == kQ41Bytes && rows >= q4_1_lanes_min_rows(batch_digits) && n > 0 && at::get_num_threads() == 1) {
       return q4_1_lanes_linear(xc, wc, q4_1_lane_widths().front(), batch_digits);
     }
 #endif
