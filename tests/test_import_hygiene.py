@@ -34,7 +34,8 @@ TORCH_AND_NIXL_FREE_MODULES = [
     # the transport contract, planner and fake
     "pdserve.transfer", "pdserve.transfer.transport", "pdserve.transfer.planner", "pdserve.transfer.fake_transport",
     "pdserve.transfer.token_units", "pdserve.transfer.descriptor_runs", "pdserve.transfer.staging",
-    "pdserve.transfer.ranked_transport", "pdserve.kv.head_split", "pdserve.engine.step_budget",
+    "pdserve.transfer.ranked_transport", "pdserve.transfer.ucx_address",
+    "pdserve.kv.head_split", "pdserve.engine.step_budget",
     # the isolated NIXL agent: its engine side, and its process's module (which imports nixl's backend
     # module only inside main, by the name the engine passes)
     "pdserve.transfer.agent_client", "pdserve.transfer.agent_restart", "pdserve.kv.shared_memory",

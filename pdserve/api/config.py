@@ -258,7 +258,9 @@ class TransferConfig(_Frozen):
                 "pools, inline on a GPU)", flag="--kv-agent-isolation")
     allowed_peers: Optional[str] = setting(
         None, "D: comma-separated prefill hosts and CIDRs this worker may fetch KV from (default: any); a host "
-              "name matches only itself, an IP literal must lie in a listed address or CIDR",
+              "name matches only itself, an IP literal must lie in a listed address or CIDR; so must every IP the "
+              "peer's UCX address (in its NIXL metadata) offers, unless it is this host's own and the handshake "
+              "went to loopback",
         flag="--kv-allowed-peers")
 
     peer_pull: bool = setting(

@@ -212,6 +212,8 @@ class DecodeAdmission:
             if (peer.engine_id, peer.epoch) != (agent.engine_id, agent.epoch):  # the handshake checks it too
                 raise TransferError(f"the transport record of {via} names engine {peer.engine_id!r} epoch "
                                     f"{peer.epoch!r}, its agent info {agent.engine_id!r} {agent.epoch!r}")
+            if self.allowed_peers is not None:
+                self.allowed_peers.check_data_path(peer, params.remote_host)  # 403: where UCX would connect
             error_text = await self.connect_peer(peer)
         except TransferError as error:  # the peer's transport record is malformed or not its own
             error_text = error.message

@@ -207,6 +207,8 @@ class PeerPullAdmission:
             self._check_geometry(agent, ticket, params, num_tokens)
             peer = dataclasses.replace(PeerInfo.from_dict(agent.transport, via=address),
                                        block_size=agent.geometry.block_size)
+            if self.allowed_peers is not None:
+                self.allowed_peers.check_data_path(peer, params.remote_host)
             error_text = await self.connect_peer(peer)
         except KVPullFailed as error:
             self.failures.record_failure(address, error.message)

@@ -3,9 +3,9 @@ engine sees a request, failed peers remembered with a backoff, outcomes per fail
 
 from __future__ import annotations
 
-import dataclasses
-
 import asyncio
+import base64
+import dataclasses
 
 import httpx
 import pytest
@@ -20,7 +20,9 @@ from pdserve.pd.handshake import HandshakeClient, compatibility_document, compat
 from pdserve.pd.peer_trust import KVPeerNotAllowed, PeerAllowList
 from pdserve.request import GenerationRequest
 from pdserve.transfer.fake_transport import FakeFabric
+from pdserve.transfer.ranked_transport import encode_ranks
 from tests.pd.pd_pair import BLOCK, PLAN, FakeClock, PrefillSide
+from tests.transfer.ucx_packing import Device, nixl_metadata, tcp_device, tcp_loopback_device, worker_address
 
 pytestmark = pytest.mark.anyio
 
@@ -37,12 +39,16 @@ class StubPrefill:
         self.side = PrefillSide(FakeFabric(), FakeClock())
         self.status = 200
         self.calls = 0
+        self.metadata = None  # bytes: the transport record's agent metadata instead of the fake's
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         self.calls += 1
         if self.status != 200:
             return httpx.Response(self.status)
-        return httpx.Response(200, content=self.side.agent_info().model_dump_json())
+        info = self.side.agent_info()
+        if self.metadata is not None:
+            info.transport["agent_metadata"] = base64.b64encode(self.metadata).decode()
+        return httpx.Response(200, content=info.model_dump_json())
 
     def params(self, num_prompt: int = 30, **changes) -> RemotePrefillParams:
         params = self.side.prefill(f"r{self.calls}-{num_prompt}", num_prompt)
@@ -259,6 +265,50 @@ async def test_a_peer_off_the_allow_list_is_refused_before_any_contact():
     assert stub.calls == 0 and connect.calls == 0
     for host in ("10.0.0.7", "prefill-0.svc", "PREFILL-0.svc."):
         assert PeerAllowList.parse("prefill-0.svc, 10.0.0.0/24").allows(host)
+
+
+def _metadata(*devices: Device) -> bytes:
+    return nixl_metadata(worker_address([*devices, Device(["posix", "cma"], b"\x01" * 8)]))
+
+
+def _two_ranks(second: bytes) -> bytes:
+    rank = {"agent_name": "r", "mem_type": "DRAM", "device_id": 0, "base_address": 0}
+    return encode_ranks([{**rank, "agent_metadata": base64.b64encode(_metadata(tcp_device("10.0.0.7"))).decode()},
+                         {**rank, "agent_metadata": base64.b64encode(second).decode()}])
+
+
+@pytest.mark.parametrize("case, metadata, host, refused", [
+    ("listed", _metadata(tcp_device("10.0.0.7"), tcp_loopback_device()), "10.0.0.7", None),
+    ("off the list", _metadata(tcp_device("10.0.0.7"), tcp_device("203.0.113.9")), "10.0.0.7", "203.0.113.9"),
+    ("ipv6 off the list", _metadata(tcp_device("fd00::9")), "10.0.0.7", "fd00::9"),
+    ("second rank", _two_ranks(_metadata(tcp_device("203.0.113.9"))), "10.0.0.7", "203.0.113.9"),
+    ("ranks listed", _two_ranks(_metadata(tcp_device("10.0.0.8"))), "10.0.0.7", None),
+    ("this host's, over loopback", _metadata(tcp_device("127.0.0.2")), "127.0.0.1", None),
+    ("this host's, over the network", _metadata(tcp_device("127.0.0.2")), "10.0.0.7", "127.0.0.2"),
+    ("another host, over loopback", _metadata(tcp_device("203.0.113.9")), "127.0.0.1", "203.0.113.9"),
+    ("unknown transport", nixl_metadata(worker_address([Device(["rdma_x"], b"")])), "10.0.0.7", "does not know"),
+    ("unreadable", _metadata(tcp_device("10.0.0.7"))[:-20], "10.0.0.7", "cannot check"),
+])
+async def test_a_peer_whose_metadata_lets_ucx_reach_a_host_off_the_allow_list_is_refused_before_connecting(
+        case, metadata, host, refused):
+    # Issue 36, item 3: the handshake address passes the list, but UCX connects where the metadata says.
+    stub, connect = StubPrefill(), Connector()
+    stub.metadata = metadata
+    gate = admission(stub, connect)
+    gate.allowed_peers = PeerAllowList.parse("10.0.0.0/24, 127.0.0.1")
+    params = stub.params(remote_host=host)
+    if refused is None:
+        assert (await gate.admit(request(params))).remote is not None and connect.calls == 1
+        return
+    with pytest.raises(KVPeerNotAllowed, match=refused) as caught:
+        await gate.admit(request(params))
+    assert caught.value.status_code == 403 and connect.calls == 0 and stub.calls == 1
+
+
+async def test_without_an_allow_list_the_data_path_is_not_read():
+    stub, connect = StubPrefill(), Connector()
+    stub.metadata = b"opaque to this worker"
+    assert (await admission(stub, connect).admit(request(stub.params()))).remote is not None
 
 
 async def test_requests_that_need_the_same_new_peer_at_once_share_one_handshake():

@@ -21,6 +21,7 @@ from pdserve.pd.peer_trust import PeerAllowList
 from pdserve.request import GenerationRequest
 from pdserve.server.peer_routes import peer_hint_from
 from pdserve.transfer.fake_transport import FakeFabric
+from pdserve.transfer.ucx_address import Reach, UcxEndpoint
 from tests.pd.pd_pair import BLOCK, FakeClock, PrefillSide
 from tests.pd.test_peer_pull import FULL
 
@@ -70,9 +71,14 @@ def agent():
     return PrefillSide(FakeFabric(), FakeClock(), name="A", plan=FULL).agent_info()
 
 
+def no_endpoints(peer) -> list[UcxEndpoint]:
+    """The fake transport's metadata is an agent name: it offers UCX no endpoint to check."""
+    return []
+
+
 def admit(agent, answer, hint: Optional[PeerHint] = HINT, connect_error: Optional[str] = None, min_tokens: int = 32,
           allowed: Optional[str] = None, vouched: bool = True, costs: Optional[PeerPullCosts] = None,
-          tp_size: int = 1):
+          tp_size: int = 1, endpoints=no_endpoints):
     pins, releases, counts = FakePins(answer), FakeReleases(), {}
 
     async def connect(peer):
@@ -83,7 +89,8 @@ def admit(agent, answer, hint: Optional[PeerHint] = HINT, connect_error: Optiona
 
     admission = PeerPullAdmission(LocalAdmission(), pins, releases, FakeHandshake(agent), connect, FULL, BLOCK,
                                   tp_size=tp_size, min_tokens=min_tokens, count_tokens=count,
-                                  allowed_peers=PeerAllowList.parse(allowed) if allowed else None, vouched=vouched,
+                                  allowed_peers=PeerAllowList.parse(allowed, endpoints) if allowed else None,
+                                  vouched=vouched,
                                   costs=costs)
     request = GenerationRequest("r", PROMPT, SamplingParams(max_tokens=1), peer_hint=hint)
     admitted = asyncio.run(admission.admit(request))
@@ -176,6 +183,14 @@ def test_a_hint_nobody_vouched_for_is_followed_only_to_allow_listed_peers(agent)
     assert pins.asked == [] and counts == {"refused": 8 * BLOCK}
     admitted, pins, _, _ = admit(agent, ticket(), vouched=False, allowed="127.0.0.1")
     assert admitted.remote is not None and pins.asked
+
+
+def test_a_peer_whose_data_path_leaves_the_allow_list_is_not_pulled_from(agent):
+    # Issue 36, item 3: the hint's host is listed, but the peer's UCX address offers another host.
+    elsewhere = lambda peer: [UcxEndpoint("tcp", Reach.NETWORK, "203.0.113.9")]  # noqa: E731
+    admitted, pins, releases, counts = admit(agent, ticket(), allowed="127.0.0.1", endpoints=elsewhere)
+    assert admitted.remote is None and counts == {"refused": 8 * BLOCK}
+    assert pins.asked and releases.released  # the pin it took is handed back
 
 
 def http_request(headers: dict[str, str]) -> StarletteRequest:
