@@ -24,9 +24,9 @@ import zlib
 
 import torch
 
+from bench.lib.engine_rounds import decode_seconds
 from bench.lib.report import markdown_table
 from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
-from pdserve.api.sampling import SamplingParams
 from pdserve.app.engine_factory import build_engine
 from pdserve.metrics import Metrics
 from pdserve.models.loader import LoadedModel
@@ -34,7 +34,6 @@ from pdserve.models.moe import Experts, clamped_swiglu
 from pdserve.models.registry import build_model
 from pdserve.models.tokenizer import Tokenizer
 from pdserve.models.weight_loader import WeightLoader, WeightPolicy
-from pdserve.request import GenerationRequest
 
 CPU = torch.device("cpu")
 
@@ -146,20 +145,10 @@ def decode_tokens_per_s(config: dict, weights: RandomWeights, batch: int, prompt
     built = build_engine(worker, Metrics(), loaded)
     loop = built.engine.engine_loop
 
-    def run(max_tokens: int, tag: str) -> float:
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        for b in range(batch):
-            prompt = tuple(torch.randint(3, config["vocab_size"], (prompt_tokens,),
-                                         generator=torch.Generator().manual_seed(b)).tolist())
-            loop.submit(GenerationRequest(f"{tag}-{b}", prompt, sampling), lambda output: None)
-        started = clock()
-        loop.run_until_idle()
-        return clock() - started
-
-    run(2, "warm")
-    # The fastest of a few rounds (each a prefill-only run, then the same with the decode steps
-    # after it): on a shared machine a slow round is another process's doing.
-    decode_s = [run(new_tokens + 1, f"decode{r}") - run(1, f"prefill{r}") for r in range(rounds)]
+    prompts = [tuple(torch.randint(3, config["vocab_size"], (prompt_tokens,),
+                                   generator=torch.Generator().manual_seed(b)).tolist()) for b in range(batch)]
+    # The fastest of a few rounds: on a shared machine a slow round is another process's doing.
+    decode_s = decode_seconds(loop, prompts, new_tokens, rounds, clock)
     return batch * new_tokens / max(min(s for s in decode_s if s > 0), 1e-9)
 
 

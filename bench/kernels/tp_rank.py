@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from bench.lib.engine_rounds import decode_seconds
 from bench.lib.report import markdown_table
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -23,10 +24,8 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 def step_ms(loaded, batch: int, new_tokens: int, fused: bool, rounds: int, clock) -> float:
     from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
-    from pdserve.api.sampling import SamplingParams
     from pdserve.app.engine_factory import build_engine
     from pdserve.metrics import Metrics
-    from pdserve.request import GenerationRequest
     from pdserve.runner.decode_step import DecodeStep
 
     worker = WorkerConfig(model=ModelConfig(device="cpu", dtype="float32"),
@@ -40,17 +39,8 @@ def step_ms(loaded, batch: int, new_tokens: int, fused: bool, rounds: int, clock
     elif step._fused_stack is None:
         raise SystemExit("the decode step does not run the fused stack here")
 
-    def run(max_tokens: int, tag: str) -> float:
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        for b in range(batch):
-            prompt = tuple(3 + (7 * b + j) % 4000 for j in range(32))
-            loop.submit(GenerationRequest(f"{tag}-{b}", prompt, sampling), lambda output: None)
-        started = clock()
-        loop.run_until_idle()
-        return clock() - started
-
-    run(2, "warm")
-    decode_s = [run(new_tokens + 1, f"d{r}") - run(1, f"p{r}") for r in range(rounds)]
+    prompts = [tuple(3 + (7 * b + j) % 4000 for j in range(32)) for b in range(batch)]
+    decode_s = decode_seconds(loop, prompts, new_tokens, rounds, clock)
     return min(s for s in decode_s) / new_tokens * 1e3
 
 
