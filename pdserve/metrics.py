@@ -379,7 +379,8 @@ class TransferMetrics:
             "P: done/free/renew messages ignored, by reason (malformed; stale: no live pin of that id carries "
             "its nonce, a late message about an earlier pin or a stranger's)", ["reason"], registry=registry)
         self.expired_leases = Counter(
-            "pdserve_transfer_expired_leases_total", "Pinned prefills freed because their lease ran out.",
+            "pdserve_transfer_expired_leases_total",
+            "Pinned KV (a prefill for a decode worker, or a prefix lent to a peer) freed because its lease ran out.",
             registry=registry,
         )
         self.handshakes = Counter(
