@@ -76,9 +76,16 @@ def start_local_ranks(config: WorkerConfig) -> LocalRanks:
     return LocalRanks(with_rank(config, 0, port, "127.0.0.1"), children, listener.detach())
 
 
-def stop_local_ranks(children: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
-    """Wait for the ranks rank 0 told to stop; end those that do not."""
+def stop_local_ranks(children: list[subprocess.Popen], timeout_s: float = 10.0, told_to_stop: bool = True) -> None:
+    """Wait for the ranks rank 0 told to stop; end those that do not. Ranks nobody told (the worker
+    stopped before its engine was built: only a built engine's close tells them) are ended at once,
+    not after `timeout_s`: they hold nothing anyone is served from."""
     for child in children:
+        if not told_to_stop:
+            logger.info("ending rank pid %d: the worker stopped before its engine was built", child.pid)
+            child.kill()
+            child.wait()
+            continue
         try:
             child.wait(timeout_s)
         except subprocess.TimeoutExpired:

@@ -125,7 +125,8 @@ def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nix
     try:
         server.run(sockets=[serving_socket])
     finally:
-        if loaded.built is not None:
-            loaded.built.close()
-        stop_local_ranks(local.children if local is not None else [])
+        built = loaded.built
+        if built is not None:
+            built.close()
+        stop_local_ranks(local.children if local is not None else [], told_to_stop=built is not None)
     return 1 if server.died else 0
