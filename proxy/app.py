@@ -77,9 +77,11 @@ def build_components(config: ProxyConfig, resolver: Optional[Resolver] = None,
         decode_pool.add(url)
     metrics = create_proxy_metrics(lambda: [*prefill_pool.backends(), *decode_pool.backends()])
     kv = None
-    # Peer hints need the index too, and a second prefill worker (static, or discovered): with one, the proxy
-    # keeps no index for hints (no tokenizer fetched, no event streams), though its decode workers lend too.
-    peer_hints = config.routing.peer_pull and (len(config.prefill_urls) > 1 or config.discovery.prefill_dns is not None)
+    # Peer hints need the index too, and a worker besides the one computing that may lend: decode workers lend
+    # since issue 39, so one prefill and one decode worker (`pdserve up`'s default) qualify: a conversation's
+    # next turn goes to P while D holds the last answer's KV. A lone worker keeps no index for hints.
+    discovered = config.discovery.prefill_dns is not None or config.discovery.decode_dns is not None
+    peer_hints = config.routing.peer_pull and (len(config.prefill_urls) + len(config.decode_urls) > 1 or discovered)
     if KV_AWARE in (config.routing.prefill_policy, config.routing.decode_policy) or peer_hints:
         kv = KVRouting(config.routing, {Role.PREFILL: prefill_pool, Role.DECODE: decode_pool}, metrics.registry)
     components = ProxyComponents(

@@ -6,11 +6,13 @@ internal listener, and never a hint a client sent."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Optional
 
 import httpx
+import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -82,26 +84,31 @@ def test_round_robin_prefill_legs_carry_a_hint_to_the_holder_and_never_the_clien
     assert proxy.metric("pdserve_proxy_peer_hints_total") == 2
 
 
-def test_a_decode_worker_that_holds_more_of_the_prompt_is_hinted_to_the_prefill_leg(prompt):  # noqa: F811
+@pytest.mark.parametrize("num_prefill", [1, 2])
+def test_a_decode_worker_that_holds_more_of_the_prompt_is_hinted_to_the_prefill_leg(prompt, num_prefill):  # noqa: F811
     """D lends too: the proxy follows decode workers' KV events when peer pulls are on, and a decode worker
-    holding the conversation (its answers included) is named to a prefill worker holding none of it."""
-    cold = [ListeningStub("prefill", f"p{i}") for i in range(2)]
+    holding the conversation (its answers included) is named to a prefill worker holding none of it; with
+    one prefill worker too (`pdserve up`'s default: before, a lone P meant no index and no hint)."""
+    cold = [ListeningStub("prefill", f"p{i}") for i in range(num_prefill)]
     warm = ListeningStub("decode", "d-warm", held=list(prompt.block_hashes(BLOCK)[:4]))
-    with Served(cold[0].app()) as c0, Served(cold[1].app()) as c1, Served(warm.app()) as d:
-        for stub, served in ((cold[0], c0), (cold[1], c1), (warm, d)):
+    with contextlib.ExitStack() as stack:
+        served_cold = [stack.enter_context(Served(stub.app())) for stub in cold]
+        d = stack.enter_context(Served(warm.app()))
+        for stub, served in (*zip(cold, served_cold), (warm, d)):
             stub.internal_port = httpx.URL(served.url).port
         routing = RoutingConfig(prefill_policy="round_robin", decode_policy="round_robin", peer_pull=True,
                                 peer_pull_margin_tokens=BLOCK)
-        config = fast_config([c0.url, c1.url], [d.url], routing=routing,
+        urls = [served.url for served in served_cold]
+        config = fast_config(urls, [d.url], routing=routing,
                              health=HealthConfig(interval_s=0.05, timeout_s=5.0, breaker_cooldown_s=0.5))
         with ServedProxy(config) as proxy:
             proxy.wait_ready()
             pools = (proxy.components.prefill_pool, proxy.components.decode_pool)
-            wait_until(lambda: index_synced(proxy, c0.url, c1.url, d.url)
+            wait_until(lambda: index_synced(proxy, *urls, d.url)
                        and all(b.load.internal_port for pool in pools for b in pool.backends()))
             for _ in range(2):
                 assert httpx.post(proxy.url + "/v1/chat/completions", json=BODY, timeout=10).status_code == 200
-    calls = cold[0].calls + cold[1].calls
+    calls = [call for stub in cold for call in stub.calls]
     assert len(calls) == 2
     hints = [parse_peer_hint(call.headers.get(PEER_HINT_HEADER.lower(), "")) for call in calls]
     assert hints == [PeerHint(host="127.0.0.1", port=warm.internal_port, num_tokens=4 * BLOCK)] * 2
