@@ -38,15 +38,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
 
 from bench.engine.roofline import measure_read_bandwidth
+from bench.kernels.clocks import add_timing_arguments, checked_clock
 from bench.lib.report import markdown_table
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 # Rows of the table in step order: (key, label); the layers' parts come from the native stack.
 OUTER_PARTS = (("embed_and_inputs", "embed, step inputs"), ("layers_call", "layer stack call (outside the parts)"))
 TAIL_PARTS = (("final_norm", "final norm"), ("lm_head", "LM head"), ("sampling", "sampling"),
@@ -250,9 +249,7 @@ def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=200, help="each request's prompt (the KV a step reads)")
     parser.add_argument("--new-tokens", type=int, default=32, help="decode steps per request and round")
     parser.add_argument("--rounds", type=int, default=4, help="rounds; each runs every batch, laps on then off")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="cpu: the process's CPU time (with --threads 1 only), for a shared machine")
+    add_timing_arguments(parser, threads=torch.get_num_threads(), clock="wall")
     parser.add_argument("--model", choices=["embedded", "gpt-oss-shape"], default="embedded",
                         help="gpt-oss-shape: `moe`'s random float32 model (24 layers, 32 experts top-4, hidden 512)")
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
@@ -284,13 +281,12 @@ def dtype_rows(summaries: list[dict]) -> list[list[Any]]:
 
 
 def run(args: argparse.Namespace) -> tuple[str, dict]:
-    if args.clock == "cpu" and args.threads != 1:
-        raise SystemExit("--clock cpu adds up every thread's time: use it with --threads 1")
+    clock = checked_clock(args)
     timers = {}  # (KV dtype, batch activation bits) -> the timer of its own engine
     for kv_dtype in args.kv_cache_dtypes:
         for bits in args.batch_activation_bits:
             loop = build_engine_loop(args.threads, max(args.batches), kv_dtype, args.model, bits)
-            timers[(kv_dtype, bits)] = StepTimer(loop, CLOCKS[args.clock], thread_clock=args.clock == "cpu")
+            timers[(kv_dtype, bits)] = StepTimer(loop, clock, thread_clock=args.clock == "cpu")
     vocab = next(iter(timers.values())).model.args.vocab_size
     for (kv_dtype, bits), timer in timers.items():
         run_requests(timer.loop, max(args.batches), args.prompt_tokens, 2, f"warm-{kv_dtype}-{bits}", vocab)

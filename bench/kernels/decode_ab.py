@@ -21,6 +21,7 @@ import tempfile
 from typing import Any
 
 from bench.kernels import decode
+from bench.kernels.clocks import checked_clock
 from bench.lib.report import markdown_table
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,8 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
 def run(args: argparse.Namespace) -> tuple[str, dict]:
     if args.baseline is None:
         raise SystemExit("decode-ab needs --baseline REV, the commit to compare against")
-    if args.clock == "cpu" and args.threads != 1:
-        raise SystemExit("--clock cpu adds up every thread's time: use it with --threads 1")
+    checked_clock(args)
     if len(args.kv_cache_dtypes) != 1:
         raise SystemExit("decode-ab compares trees at one --kv-cache-dtypes (decode compares types in one tree)")
     with tempfile.TemporaryDirectory(prefix="decode-ab-") as folder:

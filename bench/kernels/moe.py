@@ -24,6 +24,7 @@ import zlib
 
 import torch
 
+from bench.kernels.clocks import add_timing_arguments, checked_clock
 from bench.lib.engine_rounds import decode_seconds
 from bench.lib.report import markdown_table
 from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
@@ -56,7 +57,6 @@ class RandomWeights:
         return None  # plain float tensors only
 
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def median_ms(work, repeats: int, rounds: int, clock=time.perf_counter) -> float:
@@ -202,20 +202,16 @@ def moe_layer_rows(hidden: int, width: int, top_k: int, expert_counts: list[int]
 
 def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
     for flag, default in (("--layers", 24), ("--experts", 32), ("--top-k", 4), ("--hidden", 512),
-                          ("--expert-width", 256), ("--vocab", 8192), ("--prompt-tokens", 64), ("--new-tokens", 32),
-                          ("--threads", torch.get_num_threads())):
+                          ("--expert-width", 256), ("--vocab", 8192), ("--prompt-tokens", 64), ("--new-tokens", 32)):
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
                         help="the engine models' linear weights (both models alike)")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="cpu: the process's CPU time (with --threads 1 only), for a shared machine")
+    add_timing_arguments(parser, threads=torch.get_num_threads(), clock="wall")
 
 
 def run(args: argparse.Namespace) -> tuple[str, dict]:
-    if args.clock == "cpu" and args.threads != 1:
-        raise SystemExit("--clock cpu adds up every thread's time: use it with --threads 1")
+    clock = checked_clock(args)
     torch.set_num_threads(args.threads)
-    clock = CLOCKS[args.clock]
     moe = gpt_oss_model(args.layers, args.experts, args.top_k, args.hidden, args.expert_width, args.vocab)
     models = {  # name -> (config, weights, native experts)
         f"gpt-oss shape ({args.experts} experts top-{args.top_k}), native experts": (*moe, True),

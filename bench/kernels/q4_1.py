@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Callable
 
 import torch
 
+from bench.kernels.clocks import add_timing_arguments, checked_clock
 from bench.lib.report import markdown_table
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 # (name, out_features, in_features) of one SmolLM2-135M layer's products
 SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536))
 BITS_BY_DIGITS = {3: 22, 2: 15, 1: 8}
@@ -82,16 +81,13 @@ def product_rows(rows_list: list[int], repeats: int, clock: Callable[[], float])
 def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 32])
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
-                        help="cpu: the process's CPU time (with --threads 1: immune to other processes' load)")
+    add_timing_arguments(parser, threads=1, clock="cpu")
 
 
 def run(args: argparse.Namespace) -> tuple[str, dict]:
-    if args.clock == "cpu" and args.threads != 1:
-        raise SystemExit("--clock cpu adds up every thread's time: use it with --threads 1")
+    clock = checked_clock(args)
     torch.set_num_threads(args.threads)
-    table = product_rows(args.rows, args.repeats, CLOCKS[args.clock])
+    table = product_rows(args.rows, args.repeats, clock)
     labels = list(table[0]["ms"])
     header = ["product", "rows", "float tiles ms"] + [f"{label} x tiles" for label in labels if label != "float tiles"]
     body = [[r["product"], r["rows"], r["ms"]["float tiles"]] + [r["x_tiles"][label] for label in labels

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 
 import torch
 
 from bench.lib.engine_rounds import decode_seconds
+from bench.kernels.clocks import add_timing_arguments, checked_clock
 from bench.lib.report import markdown_table
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def step_ms(loaded, batch: int, new_tokens: int, fused: bool, rounds: int, clock) -> float:
@@ -49,9 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
-                        help="cpu: the process's CPU time (with --threads 1 only), for a shared machine")
+    add_timing_arguments(parser, threads=1, clock="cpu")
 
 
 def run(args: argparse.Namespace) -> tuple[str, dict]:
@@ -59,10 +56,8 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
     from pdserve.models.loader import load_model
     from pdserve.models.registry import TensorParallelRank
 
-    if args.clock == "cpu" and args.threads != 1:
-        raise SystemExit("--clock cpu adds up every thread's time: use it with --threads 1")
+    clock = checked_clock(args)
     torch.set_num_threads(args.threads)
-    clock = CLOCKS[args.clock]
     directory = build_checkpoint(tempfile.mkdtemp(prefix="tp-rank-"), ModelShape(), seed=0)
     same = lambda tensor: tensor  # noqa: E731 - a rank's partials stand for their sum
     whole = load_model(directory, torch.float32, torch.device("cpu"))
