@@ -82,6 +82,7 @@ class FakeTransport:
         self.hold_reads = False
         self.cancellable = True
         self.hold_connects = False
+        self.num_connect_attempts = 0  # connections begun (a remembered dead peer begins none)
         fabric.attach(self)
 
     @property
@@ -91,6 +92,11 @@ class FakeTransport:
     @property
     def page_bytes(self) -> int:
         return int(self._view.shape[1])
+
+    @property
+    def num_pending_connects(self) -> int:
+        """Connections begun and not yet answered (held ones stay here)."""
+        return len(self._connecting)
 
     @property
     def num_unreleased_handles(self) -> int:
@@ -117,6 +123,7 @@ class FakeTransport:
         for stale_key in [k for k, p in held.items() if p.replaced_by(peer)]:
             self.disconnect(stale_key)
         self._connect_failures.pop(peer.key, None)
+        self.num_connect_attempts += 1
         self._connecting[peer.key] = peer
         self._chunk_bytes[peer.key] = chunk
         return peer.key

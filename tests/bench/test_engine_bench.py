@@ -267,7 +267,7 @@ def test_wait_for_quiet_gives_up_after_its_budget():
 
     started_s = time.monotonic()
     fraction = wait_for_quiet([], max_foreign_fraction=-1.0, max_wait_s=0.0, window_s=0.05)  # never quiet enough
-    assert time.monotonic() - started_s < 1.0
+    assert time.monotonic() - started_s < 3.0  # its budget (0 s), not forever
     assert fraction is not None and 0.0 <= fraction <= 1.0
 
 

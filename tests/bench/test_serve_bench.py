@@ -284,7 +284,7 @@ def test_idle_wait_returns_true_once_quiet_long_enough_and_false_at_its_deadline
     assert wait_for_idle(max_wait_s=2.0, max_busy_fraction=1.0, quiet_s=0.1, sample_s=0.05) is True
     started_s = time.monotonic()
     assert wait_for_idle(max_wait_s=0.3, max_busy_fraction=-1.0, quiet_s=0.1, sample_s=0.05) is False
-    assert time.monotonic() - started_s < 1.0
+    assert time.monotonic() - started_s < 3.0  # its deadline, not forever
 
 
 def test_interleaved_compare_pairs_ttfts_request_by_request_and_skips_failed_pairs():

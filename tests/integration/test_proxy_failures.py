@@ -100,7 +100,7 @@ def test_killing_the_only_decode_worker_gives_quick_503s_then_recovers(cluster, 
     for _ in range(5):
         started = time.monotonic()
         response = httpx.post(proxy.url + "/v1/completions", json=BODY, timeout=30)
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 5.0  # not the client's 30 s: no wait on the dead worker
         assert response.status_code == 503, response.text
         assert response.headers["retry-after"] == "1"
         assert response.json()["error"]["type"] == "service_unavailable"
