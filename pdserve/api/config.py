@@ -321,6 +321,9 @@ class ParallelConfig(_Frozen):
     tp_shared_memory: bool = setting(
         True, "ranks that share this host's memory (checked at start-up) all-reduce through a shared-memory "
               "segment instead of gloo (CPU, x86-64); off: gloo for every collective")
+    tp_native_all_reduce: bool = setting(
+        True, "over the shared-memory segment, all-reduce in native code (a fused decoder stack then runs a "
+              "whole step in one native call); off: the same protocol in Python (a fallback; slower)")
     tp_join_timeout_s: float = setting(
         600.0, "how long ranks wait at start-up for all of them to join (ranks on other hosts may start minutes "
                "apart)", gt=0)

@@ -101,7 +101,7 @@ def _meet_ranks(config: WorkerConfig, device: torch.device, local_ranks: Optiona
                       listen_fd=local_ranks.rendezvous_fd if local_ranks is not None else None,
                       internal_token=config.server.internal_token,
                       ranks_lost=local_ranks.lost if local_ranks is not None else None)
-    ranks.share_host_memory(parallel.tp_shared_memory, device)
+    ranks.share_host_memory(parallel.tp_shared_memory, device, native=parallel.tp_native_all_reduce)
     return ranks
 
 

@@ -119,7 +119,7 @@ void store_new_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_
 
 std::vector<std::string> LayerProfile::part_names() {
   return {"input_norm", "qkv", "attention", "store_kv", "o_proj", "post_norm", "mlp_gate_up", "mlp_activation",
-          "mlp_down", "experts", "final_norm"};
+          "mlp_down", "experts", "final_norm", "all_reduce"};
 }
 
 double LayerProfile::now() const {
@@ -400,6 +400,32 @@ at::Tensor LlamaDecoderStack::mlp_partial(int64_t index, at::Tensor h) {
   Laps laps(profile.has_value() ? &*profile : nullptr);
   return mlp_part(h, layer.norms, layer.weights, layer.formats, layer.biases, layer.eps, layer.moe.get(), laps,
                   batch_digits);
+}
+
+std::tuple<at::Tensor, int64_t> LlamaDecoderStack::forward_ranked(
+    at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> block_tables,
+    std::vector<at::Tensor> key_starts, std::vector<at::Tensor> key_ends, std::vector<at::Tensor> write_blocks,
+    at::Tensor write_offsets, c10::intrusive_ptr<HostExchange> exchange, int64_t sequence) {
+  TORCH_CHECK(exchange, "LlamaDecoderStack.forward_ranked: no exchange");
+  Laps laps(profile.has_value() ? &*profile : nullptr);
+  for (const Layer& layer : layers) {
+    const size_t g = static_cast<size_t>(layer.group);
+    TORCH_CHECK(g < block_tables.size() && g < key_starts.size() && g < key_ends.size() && g < write_blocks.size(),
+                "LlamaDecoderStack.forward_ranked: no rows for KV group ", layer.group);
+    at::Tensor partial = std::get<0>(attention_part(
+        h, layer.norms, layer.qk_norm, layer.weights, layer.formats, layer.biases, cos, sin, layer.k_cache,
+        layer.v_cache, block_tables[g], key_starts[g], key_ends[g], write_blocks[g], write_offsets, layer.geometry,
+        layer.eps, layer.scale, layer.sinks, /*add_residual=*/false, laps, batch_digits)).contiguous();
+    sequence = exchange->all_reduce(partial, sequence);
+    h = h.add(partial);
+    laps.lap(LayerProfile::kAllReduce);
+    partial = mlp_part(h, layer.norms, layer.weights, layer.formats, layer.biases, layer.eps, layer.moe.get(), laps,
+                       batch_digits).contiguous();
+    sequence = exchange->all_reduce(partial, sequence);
+    h = h.add(partial);
+    laps.lap(LayerProfile::kAllReduce);
+  }
+  return {h, sequence};
 }
 
 void LlamaDecoderStack::set_final_norm(at::Tensor weight, double eps) {

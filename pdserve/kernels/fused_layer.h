@@ -11,6 +11,7 @@
 #include <string>
 #include <tuple>
 
+#include "host_exchange.h"
 #include "moe_experts.h"
 
 namespace pdserve::kernels {
@@ -31,7 +32,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
 // the layers' whole time; the clock is the wall (steady) or the calling thread's CPU time.
 struct LayerProfile {
   enum Part { kInputNorm, kQkv, kAttention, kStoreKv, kOProj, kPostNorm, kMlpGateUp, kMlpActivation, kMlpDown,
-              kExperts, kFinalNorm, kNumParts };
+              kExperts, kFinalNorm, kAllReduce, kNumParts };
   static std::vector<std::string> part_names();
   bool thread_clock = false;
   std::array<double, kNumParts> seconds{};
@@ -78,6 +79,16 @@ struct LlamaDecoderStack : torch::CustomClassHolder {
                                std::vector<at::Tensor> key_ends, std::vector<at::Tensor> write_blocks,
                                at::Tensor write_offsets);
   at::Tensor mlp_partial(int64_t index, at::Tensor h);
+
+  // A tensor-parallel rank's whole stack in one call, each partial summed over the ranks through
+  // `exchange` (exchanges sequence + 1, ...) and added to the stream as the caller of the two parts
+  // above does (h + sum, the same bits): the stream after every layer (no final norm) and the last
+  // exchange used. Per-step arguments as forward's.
+  std::tuple<at::Tensor, int64_t> forward_ranked(at::Tensor h, at::Tensor cos, at::Tensor sin,
+                                                 std::vector<at::Tensor> block_tables,
+                                                 std::vector<at::Tensor> key_starts, std::vector<at::Tensor> key_ends,
+                                                 std::vector<at::Tensor> write_blocks, at::Tensor write_offsets,
+                                                 c10::intrusive_ptr<HostExchange> exchange, int64_t sequence);
 
   // The model's final RMSNorm (float32 weight [hidden]), applied after the last layer: forward
   // then returns the normed stream (a step spent ~0.17 ms in the six torch ops it replaces).

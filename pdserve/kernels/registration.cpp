@@ -16,6 +16,11 @@ TORCH_LIBRARY(pdserve_cpu, m) {
       .def("route", &SparseMoeMlp::route)
       .def("run_experts", &SparseMoeMlp::run_experts)
       .def("forward", &SparseMoeMlp::forward);
+  m.class_<HostExchange>("HostExchange")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<int64_t>,
+                       std::vector<int64_t>, double, double, double, bool>())
+      .def("all_reduce", &HostExchange::all_reduce)
+      .def("forget", &HostExchange::forget);  // before the stack, whose forward_ranked takes one
   m.class_<LlamaDecoderStack>("LlamaDecoderStack")
       .def(torch::init<>())
       .def("add_layer", &LlamaDecoderStack::add_layer)
@@ -30,6 +35,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
       .def("stop_profile", &LlamaDecoderStack::stop_profile)
       .def("profile_seconds", &LlamaDecoderStack::profile_seconds)
       .def("profile_parts", &LlamaDecoderStack::profile_parts)
+      .def("forward_ranked", &LlamaDecoderStack::forward_ranked)
       .def("forward", &LlamaDecoderStack::forward);
   m.def("q4_1_linear(Tensor x, Tensor blocks) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor blocks) -> Tensor");

@@ -10,13 +10,18 @@ many more follow. Invariant: every rank sums
 the slots in the same order (rank 0 first) in float32, so every rank ends with the same bits, as
 gloo's all-reduce gives them; every wait is bounded by the group's timeout and a rank that does not
 arrive raises `RanksLost`, as the gloo path does.
+
+Once `use_native` succeeded, float32 all-reduces run the same protocol in native code
+(pdserve/kernels/host_exchange.cpp: no Python between a rank's flag and its sum), on the same
+sequence of exchanges as the Python path's control records; so does a tensor-parallel decoder stack
+that sums its layers natively (`run_native`).
 """
 
 from __future__ import annotations
 
 import platform
 import struct
-from typing import Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -24,6 +29,8 @@ from pdserve.parallel.control import ControlRecordRejected
 from pdserve.parallel.errors import RanksLost
 from pdserve.parallel.host_segment import HostSegment, PeerSilent, WaitPolicy, slot_offset
 
+_Result = TypeVar("_Result")
+_RANKS_LOST = "ranks lost: "  # how the native exchange's failed waits begin (host_exchange.h's kRanksLost)
 DEFAULT_SLOT_BYTES = 2 << 20  # per rank and buffer: 512 Ki float32, a decode batch of 64 at hidden 8192
 _FLOAT_BYTES = 4
 _LENGTH = struct.Struct("<q")  # a control record's total length, at the start of its sender's slot
@@ -59,9 +66,46 @@ class HostCollectives:
             slot_offset(self.num_ranks, segment.slot_bytes, buffer, rank):][:segment.slot_bytes]
             for rank in range(self.num_ranks)] for buffer in (0, 1)]
         self._sum = torch.empty(self.slot_elems, dtype=torch.float32)
+        self._native: Any = None  # pdserve_cpu::HostExchange, once use_native made it
+
+    def use_native(self) -> bool:
+        """From now on run float32 all-reduces in native code, where the native kernels load (every
+        rank calls this at the same point, after `segment.watch_peers`); True when they do."""
+        from pdserve.kernels.native import cpu_kernels_available
+
+        if self._native is None and cpu_kernels_available():
+            layout = self.segment.native_layout()
+            self._native = torch.classes.pdserve_cpu.HostExchange(
+                layout.base_address, layout.num_ranks, layout.rank, layout.slot_bytes, layout.data_offset,
+                layout.flags_offset, layout.line_bytes, layout.watched_ranks, layout.watched_pidfds,
+                self.policy.spin_s, self.policy.check_s, self.timeout_s, layout.use_futex)
+        return self._native is not None
+
+    @property
+    def native_exchange(self) -> Any:
+        """The native all-reduce (pdserve_cpu::HostExchange), or None before `use_native` or without it."""
+        return self._native
+
+    def run_native(self, call: Callable[[Any, int], tuple[_Result, int]], what: str) -> _Result:
+        """`call(exchange, sequence)`, which runs native exchanges after `sequence` and returns (its
+        result, the last exchange it used); a failed wait in it raises RanksLost."""
+        if self._native is None:
+            raise RuntimeError("HostCollectives.run_native before use_native")
+        try:
+            result, self._sequence = call(self._native, self._sequence)
+        except RuntimeError as error:
+            message = str(error)
+            if _RANKS_LOST not in message:
+                raise
+            reason = message.split(_RANKS_LOST, 1)[1].splitlines()[0]
+            raise RanksLost(f"rank {self.rank}: {what} failed: {reason}") from None
+        return result
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place (in float32, whatever its dtype); returns it."""
+        if self._native is not None and tensor.dtype == torch.float32 and tensor.is_contiguous():
+            return self.run_native(lambda exchange, sequence: (tensor, exchange.all_reduce(tensor, sequence)),
+                                   "an all-reduce")
         flat = tensor.contiguous().view(-1)  # the tensor itself when contiguous (the models' case)
         for start in range(0, flat.numel(), self.slot_elems):
             piece = flat[start:start + self.slot_elems]
@@ -132,6 +176,8 @@ class HostCollectives:
             raise RanksLost(f"rank {self.rank}: {what} failed: {error}") from error
 
     def close(self) -> None:
+        if self._native is not None:
+            self._native.forget()  # it must not touch the mapping once it is gone
         self._slots, self._bytes = [], []
         self.segment.close()
 

@@ -82,6 +82,22 @@ class WaitPolicy:
     fallback_sleep_s: float = 100e-6  # where futex(2) is unavailable: sleep and look again
 
 
+@dataclass(frozen=True, slots=True)
+class NativeLayout:
+    """One rank's segment as the native all-reduce sees it: addresses in this process."""
+
+    base_address: int
+    num_ranks: int
+    rank: int
+    slot_bytes: int
+    data_offset: int
+    flags_offset: int
+    line_bytes: int
+    watched_ranks: list[int]
+    watched_pidfds: list[int]
+    use_futex: bool
+
+
 def segment_bytes(num_ranks: int, slot_bytes: int) -> int:
     return data_offset(num_ranks) + 2 * num_ranks * slot_bytes
 
@@ -172,6 +188,16 @@ class HostSegment:
                 self._futex.wait(self._flag_addresses[behind], int(flags[behind]), pause_s)
             else:
                 time.sleep(min(policy.fallback_sleep_s, pause_s))
+
+    def native_layout(self) -> "NativeLayout":
+        """Where this rank's flags and slots lie in its mapping, and whom it watches, for the native
+        all-reduce (pdserve/kernels/host_exchange.h); valid while the mapping is."""
+        watched = sorted(self._pidfds.items(), key=lambda item: item[1])
+        return NativeLayout(base_address=self._flag_addresses[0] - _LINE_BYTES, num_ranks=self.num_ranks,
+                            rank=self.rank, slot_bytes=self.slot_bytes, data_offset=data_offset(self.num_ranks),
+                            flags_offset=_LINE_BYTES, line_bytes=_LINE_BYTES,
+                            watched_ranks=[rank for _, rank in watched], watched_pidfds=[fd for fd, _ in watched],
+                            use_futex=self._futex is not None)
 
     def close(self) -> None:
         for fd in self._pidfds:

@@ -89,15 +89,22 @@ class RankGroup:
         return self.rank == 0
 
     @property
+    def host_collectives(self) -> Optional[HostCollectives]:
+        """The shared-memory path, when tensors take it (a decoder stack sums its layers through its
+        native exchange: pdserve.runner.fused_layer)."""
+        return self._host
+
+    @property
     def tensor_path(self) -> str:
         """Where tensors go: "shared memory" or the process group's backend."""
         return "shared memory" if self._host is not None else dist.get_backend()
 
     def share_host_memory(self, enabled: bool, device: torch.device,
-                          slot_bytes: int = DEFAULT_SLOT_BYTES) -> bool:
+                          slot_bytes: int = DEFAULT_SLOT_BYTES, native: bool = True) -> bool:
         """Every rank calls this once, right after joining: rank 0 offers a shared-memory segment and
         tensors take it if every rank could map it (checked by a nonce, not guessed from addresses);
-        otherwise they stay on the process group. True when they took it."""
+        otherwise they stay on the process group. True when they took it. `native`: its all-reduces
+        run in native code where the kernels load (`--tp-native-all-reduce`)."""
         reason = None if enabled else "--no-tp-shared-memory"
         reason = reason or shared_memory_check(device)
         segment, invite = None, None
@@ -128,7 +135,9 @@ class RankGroup:
         if verdict is None and segment is not None:
             segment.watch_peers()  # every rank wrote its pid before the verdict
             self._host = HostCollectives(segment, self.timeout_s)
-            logger.info("rank %d/%d: control records and tensors go through shared memory", self.rank, self.size)
+            native = native and self._host.use_native()  # a rank may mix: the protocol is one
+            logger.info("rank %d/%d: control records and tensors go through shared memory (all-reduces in %s)",
+                        self.rank, self.size, "native code" if native else "Python")
             return True
         if segment is not None:
             segment.close()

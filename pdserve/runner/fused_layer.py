@@ -11,11 +11,16 @@ activations, rotation over the whole head, weights float32 or in blocks the kern
 other layer makes the whole model keep the torch path, and `unfusable_reason` says why.
 
 A tensor-parallel rank's layers fuse too: their row-parallel projections (`RowParallel`: o, down
-or the experts) run unwrapped in the kernel, and the stack stops at each all-reduce. A layer is
-then two native calls, the caller summing each partial over the ranks before adding it:
+or the experts) run unwrapped in the kernel, and each partial is summed over the ranks before it
+is added to the stream:
 
     h += all_reduce(attention_partial(h))      norm, q|k|v, rope, attend, store K/V, o
     h += all_reduce(mlp_partial(h))            post norm, gated MLP or experts, down
+
+Where the ranks share a host segment whose all-reduce runs natively (HostCollectives.use_native),
+the whole stack is one native call that sums through it (`forward_ranked`); otherwise (gloo, no
+native exchange) a layer is two native calls and the all-reduces run in Python between them.
+Either way the same bits: the sums are the same additions in the same rank order.
 """
 
 from __future__ import annotations
@@ -128,6 +133,7 @@ class FusedDecoderStack:
         self.tensor_parallel = any(reduces is not None for reduces in self._all_reduces)
         if self.tensor_parallel and not all(reduces is not None for reduces in self._all_reduces):
             raise ValueError("some layers are tensor parallel and some are not")
+        self._host = _shared_host_collectives(self._all_reduces) if self.tensor_parallel else None
         self.applies_final_norm = final_norm is not None and not self.tensor_parallel
         if self.applies_final_norm:
             self._stack.set_final_norm(final_norm[0], final_norm[1])
@@ -167,11 +173,26 @@ class FusedDecoderStack:
         if not self.tensor_parallel:
             return self._stack.forward(h, cos, sin, tables, starts, ends, list(write_blocks), write_offsets)
         write_blocks = list(write_blocks)
+        if self._host is not None:
+            return self._host.run_native(lambda exchange, sequence: self._stack.forward_ranked(
+                h, cos, sin, tables, starts, ends, write_blocks, write_offsets, exchange, sequence),
+                "an all-reduce")
         for index, (attention_reduce, mlp_reduce) in enumerate(self._all_reduces):
             h = h + attention_reduce(self._stack.attention_partial(index, h, cos, sin, tables, starts, ends,
                                                                    write_blocks, write_offsets))
             h = h + mlp_reduce(self._stack.mlp_partial(index, h))
         return h
+
+
+def _shared_host_collectives(all_reduces: Sequence[tuple[AllReduce, AllReduce]]) -> Any:
+    """The HostCollectives every layer's all-reduces go through, when they are one rank group's
+    (`RankGroup.all_reduce`) on a shared segment whose all-reduce runs natively; else None."""
+    owners = {id(getattr(reduce, "__self__", None)): getattr(reduce, "__self__", None)
+              for pair in all_reduces for reduce in pair}
+    if len(owners) != 1:
+        return None
+    host = getattr(next(iter(owners.values())), "host_collectives", None)
+    return host if host is not None and host.native_exchange is not None else None
 
 
 def native_final_norm(model: CausalLM) -> Optional[tuple[torch.Tensor, float]]:

@@ -134,7 +134,7 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
     transport = None
     tier: Optional[TierFollower] = None
     try:
-        group.share_host_memory(parallel.tp_shared_memory, device)
+        group.share_host_memory(parallel.tp_shared_memory, device, native=parallel.tp_native_all_reduce)
         quantization = resolve_quantization(config.model.quantization, config.model.dtype, device)
         loaded = load_model(config.model.path, dtype, device, quantization,
                             parallel=TensorParallelRank(rank, size, group.all_reduce, group.all_gather))

@@ -1,7 +1,8 @@
-"""A tensor-parallel rank's decode step in the fused stack (two native calls a layer, around its
-two all-reduces) against the same rank's per-op step: two ranks as threads over in-process
-collectives, a dense Qwen3 with biases and gpt-oss (sinks, windows, sliced experts); every rank's
-logits and stored K/V agree, at one row and a batch."""
+"""A tensor-parallel rank's decode step in the fused stack against the same rank's per-op step: two
+ranks as threads, a dense Qwen3 with biases and gpt-oss (sinks, windows, sliced experts); every
+rank's logits and stored K/V agree, at one row and a batch. Over in-process collectives the stack is
+two native calls a layer around its two all-reduces; over a real shared segment with the native
+exchange (slots of 64 floats, so every sum takes several exchanges) it is one native call a step."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import pytest
 import torch
 
 from pdserve.models.loader import load_model
+from pdserve.models.registry import TensorParallelRank
+from pdserve.parallel.host_collectives import HostCollectives, shared_memory_check
+from pdserve.parallel.host_segment import create_segment, open_segment, unlink_segment
 from pdserve.runner.decode_step import DecodeStep
 from pdserve.runner.fused_layer import FusedLlamaLayer
 from tests.engine.step_checks import assert_step_matches_per_op
@@ -53,17 +57,52 @@ def _on_ranks(work: Callable[[int], Any]) -> list:
     return results
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
-def test_a_tensor_parallel_rank_fuses_its_layers_and_matches_its_per_op_step(family, request):
+class SegmentRank:
+    """A rank's collectives over a real shared segment, shaped as a RankGroup's (the stack finds
+    `host_collectives` behind its all-reduce)."""
+
+    def __init__(self, collectives: HostCollectives):
+        self.host_collectives = collectives
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.host_collectives.all_reduce(tensor)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.host_collectives.all_gather(tensor)
+
+
+@pytest.fixture
+def segment_ranks():
+    if shared_memory_check(CPU) is not None:
+        pytest.skip("the shared-memory path is x86-64 only")
+    leader, invite = create_segment(SIZE, 256)
+    segments = [leader, *(open_segment(invite, rank) for rank in range(1, SIZE))]
+    unlink_segment(invite.path)
+    ranks = [SegmentRank(HostCollectives(segment, timeout_s=60)) for segment in segments]
+    yield ranks
+    for rank in ranks:
+        rank.host_collectives.close()
+
+
+@pytest.mark.parametrize("family,path", [("qwen3", "threads"), ("gpt_oss", "threads"), ("qwen3", "segment"),
+                                         ("gpt_oss", "segment")])
+def test_a_tensor_parallel_rank_fuses_its_layers_and_matches_its_per_op_step(family, path, request):
     require_native_kernels()
     directory, vocab = {"qwen3": ("qwen_with_biases_dir", QWEN_VOCAB), "gpt_oss": ("gpt_oss_dir", GPT_OSS_VOCAB)}[family]
     directory = request.getfixturevalue(directory)
-    collectives = ThreadCollectives(SIZE)
-    runners = [_runner(load_model(directory, torch.float32, CPU, parallel=collectives.rank(rank)))
-               for rank in range(SIZE)]
+    if path == "threads":
+        parallel = ThreadCollectives(SIZE).rank
+    else:
+        ranks = request.getfixturevalue("segment_ranks")
+        assert all(rank.host_collectives.use_native() for rank in ranks)
+
+        def parallel(rank: int) -> TensorParallelRank:
+            return TensorParallelRank(rank, SIZE, ranks[rank].all_reduce, ranks[rank].all_gather)
+    runners = [_runner(load_model(directory, torch.float32, CPU, parallel=parallel(rank))) for rank in range(SIZE)]
     for runner in runners:
         stack = runner.decode_step._fused_stack
         assert stack is not None and stack.tensor_parallel
+        assert (stack._host is not None) == (path == "segment")  # one native call a step over the segment
         assert not runner.decode_step._stack_norms  # the final norm follows the last all-reduce, in torch
     per_op = [DecodeStep(runner.decode_step.model, runner.plan, runner.pool, runner.layer_caches, BLOCK_SIZE, CPU,
                          compile_step=False, fuse_layers=False) for runner in runners]

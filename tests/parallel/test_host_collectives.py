@@ -2,7 +2,8 @@
 processes over one segment give exact sums and the same bits on both sides, in pieces when a tensor
 outgrows a slot; a peer that never arrives or dies raises RanksLost within the timeout, as gloo's
 path does; a segment that is not rank 0's is refused; and two RankGroups agree on the path and carry
-tensors and sealed control records over it as over gloo."""
+tensors and sealed control records over it as over gloo. Each rank runs the Python path or the
+native all-reduce (`use_native`), mixed: the two keep one protocol and give the same bits."""
 
 from __future__ import annotations
 
@@ -62,8 +63,17 @@ def run_rank(collectives: HostCollectives) -> dict[str, torch.Tensor]:
     return results
 
 
-def follower(invite: SegmentInvite, rank: int, answers, exit_after: int = -1) -> None:  # noqa: ANN001
+def native_or_skip(collectives: HostCollectives, native: bool) -> HostCollectives:
+    if native and not collectives.use_native():
+        pytest.skip("no native kernels here")
+    return collectives
+
+
+def follower(invite: SegmentInvite, rank: int, answers, exit_after: int = -1,  # noqa: ANN001
+             native: bool = False) -> None:
     collectives = HostCollectives(open_segment(invite, rank), TIMEOUT_S)
+    if native:
+        assert collectives.use_native()
     if exit_after >= 0:
         for _ in range(exit_after):
             collectives.all_reduce(torch.ones(4))
@@ -79,12 +89,15 @@ def leader_segment():
     segment.close()
 
 
-def test_two_processes_sum_exactly_and_agree_bit_for_bit(leader_segment):
+@pytest.mark.parametrize("leader_native,follower_native", [(False, False), (True, False), (False, True),
+                                                           (True, True)])
+def test_two_processes_sum_exactly_and_agree_bit_for_bit(leader_segment, leader_native, follower_native):
     segment, invite = leader_segment
+    leader = native_or_skip(HostCollectives(segment, TIMEOUT_S), leader_native)
     answers = CONTEXT.Queue()
-    child = CONTEXT.Process(target=follower, args=(invite, 1, answers))
+    child = CONTEXT.Process(target=follower, args=(invite, 1, answers, -1, follower_native))
     child.start()
-    mine = run_rank(HostCollectives(segment, TIMEOUT_S))
+    mine = run_rank(leader)
     theirs = from_bytes(answers.get(timeout=60))
     child.join(30)
     first, second = rank_inputs(0), rank_inputs(1)
@@ -99,9 +112,10 @@ def test_two_processes_sum_exactly_and_agree_bit_for_bit(leader_segment):
     assert child.exitcode == 0
 
 
-def test_a_peer_that_never_arrives_raises_ranks_lost_within_the_timeout(leader_segment):
+@pytest.mark.parametrize("native", [False, True])
+def test_a_peer_that_never_arrives_raises_ranks_lost_within_the_timeout(leader_segment, native):
     segment, _ = leader_segment
-    collectives = HostCollectives(segment, timeout_s=0.2)
+    collectives = native_or_skip(HostCollectives(segment, timeout_s=0.2), native)
     started_s = time.monotonic()
     with pytest.raises(RanksLost, match=r"rank 0: an all-reduce failed: no word from rank\(s\) \[1\] within 0.2 s"):
         collectives.all_reduce(torch.ones(8))
@@ -110,7 +124,8 @@ def test_a_peer_that_never_arrives_raises_ranks_lost_within_the_timeout(leader_s
         collectives.all_gather(torch.ones(2, 2))
 
 
-def test_a_peer_that_dies_mid_run_makes_the_next_collective_raise_ranks_lost(leader_segment):
+@pytest.mark.parametrize("native", [False, True])
+def test_a_peer_that_dies_mid_run_makes_the_next_collective_raise_ranks_lost(leader_segment, native):
     segment, invite = leader_segment
     answers = CONTEXT.Queue()
     child = CONTEXT.Process(target=follower, args=(invite, 1, answers, 2))
@@ -118,6 +133,7 @@ def test_a_peer_that_dies_mid_run_makes_the_next_collective_raise_ranks_lost(lea
     collectives = HostCollectives(segment, TIMEOUT_S)  # the child takes seconds to start
     assert torch.equal(collectives.all_reduce(torch.ones(4)), torch.full((4,), 2.0))
     assert segment.watch_peers() == [1]  # the child wrote its pid when it mapped the segment
+    native_or_skip(collectives, native)  # after watch_peers, as RankGroup does: it watches the child too
     assert torch.equal(collectives.all_reduce(torch.ones(4)), torch.full((4,), 2.0))
     child.join(30)
     assert child.exitcode == 0
