@@ -3,8 +3,12 @@ N` for each N in --sizes, decode tokens/s at batch 1 (median over --repeats stre
 tokens after the first chunk over the time from first to last chunk) and over --streams at once,
 each as a ratio of TP=1's (the figure to read: machines are noisy). Every size gets the same
 --num-threads, shared out over its ranks. Ranks exchange tensors and step records through shared
-memory (the default); --compare-gloo adds, after each size above 1, the same size on gloo
-(`--no-tp-shared-memory`).
+memory, all-reduced in native code (the default); --compare-gloo adds, after each size above 1,
+the same size on gloo (`--no-tp-shared-memory`), and --compare-python-all-reduce the same size with
+the shared memory's all-reduce in Python (`--no-tp-native-all-reduce`). --rounds N runs the whole
+list N times in turn (TP=1, TP=2, ..., TP=1, ...): each round's ratios are against that round's
+TP=1, and a last table gives their medians, so a slow spell of the machine lands on one round, not
+on one size.
 
 Invariant: one worker at a time, all its ranks stopped before the next starts (also on Ctrl-C or an
 error); every size sees the same prompts; a size that failed is a row with its reason, never zero.
@@ -73,13 +77,14 @@ class SizeResult:
 
     tp_size: int
     threads_per_rank: int
-    tensor_path: str = "shared memory"  # or "gloo" (--no-tp-shared-memory); TP=1 exchanges nothing
+    tensor_path: str = "shared memory"  # or one of _PATH_FLAGS' other keys; TP=1 exchanges nothing
     batch1_runs_tokens_per_s: list[float] = field(default_factory=list)
     streams_tokens_per_s: Optional[float] = None
     streams_output_tokens: int = 0
     foreign_cpu_fraction: Optional[float] = None  # share of all cores other processes used while measuring
     machine_idle_before: Optional[bool] = None  # --wait-for-idle-s saw the machine go idle (None: not asked)
     error: Optional[str] = None
+    round_index: int = 0  # --rounds: which pass over the sizes
 
     @property
     def label(self) -> str:
@@ -157,6 +162,38 @@ def ratios(results: Sequence[SizeResult]) -> dict[str, dict[str, Optional[float]
             for r in results}
 
 
+def by_round(results: Sequence[SizeResult]) -> list[list[SizeResult]]:
+    """The results of each round, rounds in order (each round's ratios use its own TP=1)."""
+    rounds: dict[int, list[SizeResult]] = {}
+    for result in results:
+        rounds.setdefault(result.round_index, []).append(result)
+    return [rounds[index] for index in sorted(rounds)]
+
+
+def round_ratios(results: Sequence[SizeResult]) -> dict[str, dict[str, list[float]]]:
+    """Per row label: its batch-1 and streams ratios vs TP=1, one per round that has both figures."""
+    gathered: dict[str, dict[str, list[float]]] = {}
+    for round_results in by_round(results):
+        for label, figures in ratios(round_results).items():
+            row = gathered.setdefault(label, {"batch1": [], "streams": []})
+            for key, value in figures.items():
+                if value is not None:
+                    row[key].append(value)
+    return gathered
+
+
+def format_summary(results: Sequence[SizeResult], num_streams: int) -> str:
+    """Markdown table over rounds: each row's per-round ratios vs TP=1 and their median."""
+    def spread(values: list[float]) -> str:
+        return " / ".join(f"{value:.2f}" for value in values) or "-"
+
+    rows = [[label, spread(figures["batch1"]), _times(percentile(figures["batch1"], 50) if figures["batch1"] else None),
+             spread(figures["streams"]), _times(percentile(figures["streams"], 50) if figures["streams"] else None)]
+            for label, figures in round_ratios(results).items()]
+    return markdown_table(["TP size", "batch-1 ratio per round", "median", f"{num_streams}-stream ratio per round",
+                           "median"], rows)
+
+
 def _times(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -184,15 +221,18 @@ def format_table(results: Sequence[SizeResult], num_streams: int) -> str:
 
 
 def report_dict(command: str, config: dict, machine: dict, results: Sequence[SizeResult]) -> dict:
-    by_size = ratios(results)
+    by_size = {(r.round_index, label): figures for round_results in by_round(results)
+               for r in round_results[:1] for label, figures in ratios(round_results).items()}
     sizes = []
     for r in results:
         row = asdict(r)
         row.update(num_ranks=r.tp_size, batch1_tokens_per_s=r.batch1_tokens_per_s,
-                   batch1_ratio_vs_tp1=by_size[r.label]["batch1"],
-                   streams_ratio_vs_tp1=by_size[r.label]["streams"])
+                   batch1_ratio_vs_tp1=by_size[r.round_index, r.label]["batch1"],
+                   streams_ratio_vs_tp1=by_size[r.round_index, r.label]["streams"])
         sizes.append(row)
-    return {"command": command, "config": config, "machine": machine, "sizes": sizes}
+    medians = {label: {key: percentile(values, 50) if values else None for key, values in figures.items()}
+               for label, figures in round_ratios(results).items()}
+    return {"command": command, "config": config, "machine": machine, "sizes": sizes, "median_ratios_vs_tp1": medians}
 
 
 def prompts(num_prompts: int, vocab_size: int, seed: int, length: int = _PROMPT_TOKENS) -> list[tuple[int, ...]]:
@@ -218,12 +258,16 @@ def build_checkpoint(directory: str, shape: ModelShape, seed: int) -> str:
     return save_tiny_checkpoint(LlamaForCausalLM(config).eval(), directory)
 
 
+# How tensors go between ranks -> the worker flags that choose it (the default first).
+_PATH_FLAGS = {"shared memory": (), "gloo": ("--no-tp-shared-memory",),
+               "Python all-reduce": ("--no-tp-native-all-reduce",)}
+
+
 def worker_argv(model_dir: str, port: int, tp_size: int, num_threads: int, num_blocks: int,
-                shared_memory: bool = True) -> list[str]:
+                tensor_path: str = "shared memory") -> list[str]:
     return pdserve_argv("serve", port, "--model", model_dir, "-tp", str(tp_size), "--host", "127.0.0.1",
                         "--device", "cpu", "--dtype", "float32", "--num-threads", str(num_threads),
-                        "--num-blocks", str(num_blocks), "--log-level", "warning",
-                        *(() if shared_memory else ("--no-tp-shared-memory",)))
+                        "--num-blocks", str(num_blocks), "--log-level", "warning", *_PATH_FLAGS[tensor_path])
 
 
 def _check(records: Sequence[RequestRecord], max_tokens: int) -> None:
@@ -261,13 +305,12 @@ def measure_worker(endpoint: Endpoint, args: argparse.Namespace, result: SizeRes
     logger.info("TP=%d %d streams: %s decode tok/s", result.tp_size, args.streams, cell(result.streams_tokens_per_s, '.1f'))
 
 
-def run_size(model_dir: str, tp_size: int, args: argparse.Namespace, shared_memory: bool = True) -> SizeResult:
-    result = SizeResult(tp_size, threads_per_rank(args.num_threads, tp_size),
-                        "shared memory" if shared_memory else "gloo")
+def run_size(model_dir: str, tp_size: int, args: argparse.Namespace, tensor_path: str = "shared memory") -> SizeResult:
+    result = SizeResult(tp_size, threads_per_rank(args.num_threads, tp_size), tensor_path)
     port = free_port()
-    suffix = "" if shared_memory else "-gloo"
+    suffix = "" if tensor_path == "shared memory" else "-" + tensor_path.split()[0].lower()
     server = ServerProcess(f"pdserve serve -tp {tp_size}{suffix}",
-                           worker_argv(model_dir, port, tp_size, args.num_threads, args.num_blocks, shared_memory),
+                           worker_argv(model_dir, port, tp_size, args.num_threads, args.num_blocks, tensor_path),
                            port, os.path.join(args.log_dir, f"tp{tp_size}{suffix}.log"))
     try:
         if args.wait_for_idle_s > 0:
@@ -296,7 +339,9 @@ def config_dict(args: argparse.Namespace) -> dict:
             "repeats": args.repeats, "streams": args.streams, "prompt_tokens": _PROMPT_TOKENS,
             "warmup_tokens": _WARMUP_TOKENS, "num_blocks": args.num_blocks, "seed": args.seed, "dtype": "float32",
             "device": "cpu", "model": asdict(args.shape) | {"num_params": args.shape.num_params()},
-            "wait_for_idle_s": args.wait_for_idle_s, "compare_gloo": args.compare_gloo, "log_dir": args.log_dir}
+            "wait_for_idle_s": args.wait_for_idle_s, "compare_gloo": args.compare_gloo,
+            "compare_python_all_reduce": args.compare_python_all_reduce, "rounds": args.rounds,
+            "log_dir": args.log_dir}
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -314,6 +359,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="before each size, wait up to this long for the machine to go idle (0: do not wait)")
     parser.add_argument("--compare-gloo", action="store_true",
                         help="after each size above 1, run it again with gloo instead of shared memory")
+    parser.add_argument("--compare-python-all-reduce", action="store_true",
+                        help="after each size above 1, run it again with the shared memory's all-reduce in Python "
+                             "(--no-tp-native-all-reduce)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the sizes this many times in turn; ratios per round, then their medians")
     parser.add_argument("--log-dir", default=None, help="worker logs (default: a temporary directory, kept)")
     parser.add_argument("--out", default="bench-tensor-parallel.json", help="JSON report path")
     args = parser.parse_args(argv)
@@ -325,7 +375,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(str(exc))
     if args.num_threads is None:
         args.num_threads = len(os.sched_getaffinity(0)) or 1
-    for name in ("num_layers", "num_threads", "repeats", "streams", "num_blocks"):
+    for name in ("num_layers", "num_threads", "repeats", "streams", "num_blocks", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.max_tokens < 2:
@@ -352,14 +402,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with tempfile.TemporaryDirectory(prefix="pdserve-tp-model-") as model_dir:
             logger.info("building a random Llama: %s (%.1f M params)", args.shape, args.shape.num_params() / 1e6)
             build_checkpoint(model_dir, args.shape, args.seed)
-            for tp_size in args.sizes:  # one worker at a time: run_size stops it before returning
-                results.append(run_size(model_dir, tp_size, args))
-                if args.compare_gloo and tp_size > 1:
-                    results.append(run_size(model_dir, tp_size, args, shared_memory=False))
+            for round_index in range(args.rounds):
+                for tp_size in args.sizes:  # one worker at a time: run_size stops it before returning
+                    paths = ["shared memory"] + (["Python all-reduce"] if args.compare_python_all_reduce else []) \
+                        + (["gloo"] if args.compare_gloo else [])
+                    for path in paths if tp_size > 1 else paths[:1]:
+                        results.append(run_size(model_dir, tp_size, args, path))
+                        results[-1].round_index = round_index
     except KeyboardInterrupt:  # the worker is already stopped (run_size's finally); no report for half a run
         logger.warning("interrupted after %d rows; no report written", len(results))
         return 130
-    print(format_table(results, args.streams))
+    for round_results in by_round(results):
+        print(format_table(round_results, args.streams))
+    if args.rounds > 1:
+        print(format_summary(results, args.streams))
     report = report_dict(command, config_dict(args), machine, results)
     write_document(args.out, report, indent=2)
     logger.info("wrote %s; worker logs in %s; done in %.0f s", args.out, args.log_dir, time.monotonic() - started_s)

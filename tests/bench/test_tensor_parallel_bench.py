@@ -9,8 +9,9 @@ import math
 import pytest
 
 from bench.tensor_parallel import (
-    ModelShape, SizeResult, aggregate_decode_tokens_per_s, check_divisible, decode_tokens_per_s, format_table,
-    parse_args, parse_sizes, prompts, ratio, ratios, report_dict, short_error, threads_per_rank, worker_argv,
+    ModelShape, SizeResult, aggregate_decode_tokens_per_s, by_round, check_divisible, decode_tokens_per_s,
+    format_summary, format_table, parse_args, parse_sizes, prompts, ratio, ratios, report_dict, round_ratios,
+    short_error, threads_per_rank, worker_argv,
 )
 from bench.lib.report import write_document
 
@@ -132,6 +133,27 @@ def test_ratios_are_none_without_a_working_tp1():
     assert ratios(failed_base)["2"] == {"batch1": None, "streams": None}
 
 
+def test_rounds_divide_by_their_own_tp1_and_the_summary_takes_medians():
+    rounds = [[_result(1, [20.0], 40.0), _result(2, [16.0], 44.0)],  # a fast TP=1
+              [_result(1, [10.0], 40.0), _result(2, [11.0], 40.0)],  # a slow spell on TP=1
+              [_result(1, [16.0], 40.0), _result(2, [14.0], 30.0, error="rank lost")]]
+    results = []
+    for index, round_results in enumerate(rounds):
+        for result in round_results:
+            result.round_index = index
+            results.append(result)
+    assert [len(r) for r in by_round(results)] == [2, 2, 2]
+    gathered = round_ratios(results)
+    assert gathered["2"]["batch1"] == pytest.approx([0.8, 1.1])  # the failed round counts for nothing
+    assert gathered["2"]["streams"] == pytest.approx([1.1, 1.0])
+    summary = format_summary(results, 4).splitlines()
+    assert summary[3] == "| 2 | 0.80 / 1.10 | 0.95x | 1.10 / 1.00 | 1.05x |"
+    report = report_dict("cmd", {}, {}, results)
+    assert [row["batch1_ratio_vs_tp1"] for row in report["sizes"]][1::2] == pytest.approx([0.8, 1.1, None])
+    assert report["median_ratios_vs_tp1"]["2"]["batch1"] == pytest.approx(0.95)
+    assert parse_args(["--rounds", "3"]).rounds == 3
+
+
 def test_a_gloo_row_is_its_own_row_against_the_same_tp1():
     gloo = _result(2, [2.0], 4.0)
     gloo.tensor_path = "gloo"
@@ -139,9 +161,11 @@ def test_a_gloo_row_is_its_own_row_against_the_same_tp1():
     by_row = ratios(results)
     assert by_row["2"]["batch1"] == pytest.approx(0.8) and by_row["2 (gloo)"]["batch1"] == pytest.approx(0.1)
     assert format_table(results, 4).splitlines()[4] == "| 2 (gloo) | 2 | 1 | 2.0 | 0.10x | 4.0 | 0.10x | - |"
-    assert worker_argv("/m", 1234, 2, 2, 512, shared_memory=False)[-1] == "--no-tp-shared-memory"
-    assert "--no-tp-shared-memory" not in worker_argv("/m", 1234, 2, 2, 512)
+    assert worker_argv("/m", 1234, 2, 2, 512, "gloo")[-1] == "--no-tp-shared-memory"
+    assert worker_argv("/m", 1234, 2, 2, 512, "Python all-reduce")[-1] == "--no-tp-native-all-reduce"
+    assert not {"--no-tp-shared-memory", "--no-tp-native-all-reduce"} & set(worker_argv("/m", 1234, 2, 2, 512))
     assert parse_args(["--compare-gloo"]).compare_gloo and not parse_args([]).compare_gloo
+    assert parse_args(["--compare-python-all-reduce"]).compare_python_all_reduce
 
 
 # --- table and report ------------------------------------------------------------------------------
