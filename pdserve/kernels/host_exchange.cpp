@@ -128,7 +128,7 @@ void HostExchange::wait_for(int64_t sequence) const {
 }
 
 int64_t HostExchange::all_reduce_floats(float* data, int64_t count, int64_t sequence) {
-  TORCH_CHECK(base != nullptr, "HostExchange: the segment was closed");
+  TORCH_CHECK(!forgotten.load(), "HostExchange: the ranks' segment was closed");
   const int64_t slot_floats = slot_bytes / static_cast<int64_t>(sizeof(float));
   for (int64_t start = 0; start < count; start += slot_floats) {
     const int64_t n = std::min(slot_floats, count - start);
@@ -155,6 +155,6 @@ int64_t HostExchange::all_reduce(at::Tensor tensor, int64_t sequence) {
   return all_reduce_floats(tensor.data_ptr<float>(), tensor.numel(), sequence);
 }
 
-void HostExchange::forget() { base = nullptr; }
+void HostExchange::forget() { forgotten.store(true); }
 
 }  // namespace pdserve::kernels

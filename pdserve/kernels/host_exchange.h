@@ -17,13 +17,16 @@
 // an all-reduce (Python's torch.add over the same slots gives the same bits too). Every wait is
 // bounded by `timeout_s`, and a watched peer whose process ended (its pidfd readable) ends it at
 // once; either failure raises an error whose message starts with kRanksLost, which Python turns
-// into RanksLost. The mapping must outlive this object (Python's HostCollectives owns both and
-// calls `forget` before unmapping).
+// into RanksLost. The mapping outlives every call: Python's HostCollectives holds this object and
+// the HostSegment whose mmap it points into, and HostSegment.close never unmaps (the mapping goes
+// with its last Python reference), so a wait still running in another thread when the ranks close
+// reads mapped memory; `forget` only makes later calls fail.
 
 #pragma once
 
 #include <torch/custom_class.h>
 
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -40,10 +43,11 @@ struct HostExchange : torch::CustomClassHolder {
   // sequence + 1, sequence + 2, ... (one per slot's worth); returns the last one used.
   int64_t all_reduce(at::Tensor tensor, int64_t sequence);
   int64_t all_reduce_floats(float* data, int64_t count, int64_t sequence);
-  // The mapping is going away: every later call fails instead of touching it.
+  // The ranks are closing: every later call fails (a call already waiting runs on).
   void forget();
 
   char* base = nullptr;
+  std::atomic<bool> forgotten{false};
   int64_t num_ranks = 0, rank = 0, slot_bytes = 0, data_offset = 0, flags_offset = 0, line_bytes = 0;
   std::vector<int64_t> watched_ranks, watched_pidfds;  // pairs: a peer's rank, the pidfd that watches it
   double spin_s = 0, check_s = 0, timeout_s = 0;

@@ -177,7 +177,7 @@ class HostCollectives:
 
     def close(self) -> None:
         if self._native is not None:
-            self._native.forget()  # it must not touch the mapping once it is gone
+            self._native.forget()  # later calls fail; the mapping stays while anything holds it
         self._slots, self._bytes = [], []
         self.segment.close()
 

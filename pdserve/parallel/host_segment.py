@@ -200,13 +200,13 @@ class HostSegment:
                             use_futex=self._futex is not None)
 
     def close(self) -> None:
+        """Stop watching the peers. The mapping itself is not closed here: it goes with the last
+        object that views it (this one, the collectives' tensors, a native exchange's owner), so a
+        collective still waiting in another thread when the ranks close reads mapped memory, never
+        freed memory (an explicit mmap.close does not wait for numpy's views: they would crash)."""
         for fd in self._pidfds:
             os.close(fd)
         self._pidfds = {}
-        try:
-            self.backing.close()
-        except BufferError:  # tensors over the slots are still alive: the mapping goes with them
-            pass
 
 
 def create_segment(num_ranks: int, slot_bytes: int, directory: str = SHM_DIR) -> tuple[HostSegment, SegmentInvite]:

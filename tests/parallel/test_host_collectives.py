@@ -143,6 +143,29 @@ def test_a_peer_that_dies_mid_run_makes_the_next_collective_raise_ranks_lost(lea
     assert time.monotonic() - started_s < TIMEOUT_S / 2  # its exit, not the timeout, ended the wait
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_closing_the_ranks_while_a_collective_waits_in_another_thread_ends_it_without_a_crash(leader_segment, native):
+    segment, _ = leader_segment
+    collectives = native_or_skip(HostCollectives(segment, timeout_s=1.0), native)
+    errors = []
+
+    def wait() -> None:
+        try:
+            collectives.all_reduce(torch.ones(8))
+        except RanksLost as error:
+            errors.append(error)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    while segment._flags[0] < 1:  # forced order: rank 0 published its part and waits for rank 1
+        time.sleep(0.001)
+    collectives.close()  # e.g. a shutdown; the mapping must stay under the waiting call
+    waiter.join(30)
+    assert not waiter.is_alive() and "no word from rank(s) [1]" in str(errors[0])
+    with pytest.raises((RuntimeError, IndexError)):  # closed: nothing more goes through it
+        collectives.all_reduce(torch.ones(8))
+
+
 def test_a_segment_that_is_not_rank_zeros_is_refused(leader_segment):
     _, invite = leader_segment
     forged = SegmentInvite(invite.path, bytes(16), invite.num_ranks, invite.slot_bytes)
