@@ -6,6 +6,7 @@
     python -m bench.kernels q4-1 [--rows 1 8 16] [--threads 1 --clock cpu]
     python -m bench.kernels state [--layers 16 --hidden 512] [--block-sizes 16 64]
     python -m bench.kernels tp-rank [--size 2 --batches 1 4]
+    python -m bench.kernels all-reduce [--rows 1 --hidden 576]
 
 Every mode prints one markdown table and writes the figures behind it as JSON (`--out`, default
 bench/results/kernels_<mode>.json). The modes that compared a native kernel with the code it
@@ -19,7 +20,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from bench.kernels import decode, decode_ab, moe, q4_1, state, tp_rank
+from bench.kernels import all_reduce, decode, decode_ab, moe, q4_1, state, tp_rank
 from bench.lib.report import write_document
 
 MODES = {  # mode -> (module adding its flags, function measuring: args -> (table, JSON record))
@@ -29,6 +30,7 @@ MODES = {  # mode -> (module adding its flags, function measuring: args -> (tabl
     "q4-1": (q4_1, q4_1.run),
     "state": (state, state.run),
     "tp-rank": (tp_rank, tp_rank.run),
+    "all-reduce": (all_reduce, all_reduce.run),
 }
 
 

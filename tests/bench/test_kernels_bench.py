@@ -138,3 +138,18 @@ def test_q4_1_mode_times_every_variant_of_every_product_against_the_float_tiles(
     assert [(r["product"], r["rows"]) for r in rows] == [(name, 16) for name, _, _ in SHAPES]
     labels = [label for label, _, _ in variants(compiled_lane_widths())]
     assert all(list(r["ms"]) == labels and r["x_tiles"]["float tiles"] == 1.0 for r in rows)
+
+
+def test_all_reduce_mode_times_both_paths_between_two_real_processes():
+    from bench.kernels.all_reduce import run
+    from pdserve.parallel.host_collectives import shared_memory_check
+    import torch
+
+    from pdserve.kernels.native import cpu_kernels_available
+
+    if shared_memory_check(torch.device("cpu")) is not None or not cpu_kernels_available():
+        pytest.skip("the shared-memory path is x86-64 only, the native one needs the kernels")
+    table, record = run(parse_args(["all-reduce", "--iterations", "20", "--rounds", "1", "--hidden", "64"]))
+    assert record["child_exit_code"] == 0
+    assert all(len(values) == 1 and values[0] > 0 for values in record["seconds_per_call"].values())
+    assert "| native |" in table and "| Python |" in table
