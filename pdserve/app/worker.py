@@ -8,6 +8,8 @@ routes live on their own listener (--internal-port), never on the serving port.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -115,7 +117,7 @@ def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nix
     loaded = _Loaded()
     app = create_app(handle, metrics, config.server, limits=config.limits)
     internal_app = create_internal_app(metrics, _internal_routers(config, metrics, handle, loaded))
-    _load_in_background(config, metrics, handle, loaded, transport_factory, local)
+    loader = _load_in_background(config, metrics, handle, loaded, transport_factory, local)
     http = http_protocol_with_header_deadline(config.limits.header_timeout_s)
     internal = InternalServer(uvicorn.Config(internal_app, log_level=config.server.log_level, http=http))
     uvicorn_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
@@ -129,4 +131,19 @@ def serve_worker(config: WorkerConfig, transport_factory: TransportFactory = nix
         if built is not None:
             built.close()
         stop_local_ranks(local.children if local is not None else [], told_to_stop=built is not None)
-    return 1 if server.died else 0
+    status = 1 if server.died else 0
+    if built is None and loader.is_alive():
+        _exit_before_the_load_ends(status)
+    return status
+
+
+def _exit_before_the_load_ends(status: int) -> None:
+    """Stopped while the model still loads: leave without the interpreter's finalization. The loader
+    thread may be inside native code (torch.distributed's store and process group, a collective, a
+    kernel build), and C++ destructors running beside it at exit abort the process ("terminate
+    called without an active exception", exit 134) instead of the clean exit a stop deserves."""
+    logger.info("stopped before the model finished loading: leaving without waiting for it")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

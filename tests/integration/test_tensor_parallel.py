@@ -180,6 +180,33 @@ def test_a_rank_outlives_sigterm_until_rank_0_has_drained_and_stops_it(tp2_worke
         rank1.kill()
 
 
+def test_a_worker_stopped_while_its_ranks_load_exits_cleanly(tp2_workers, tmp_path):
+    """SIGTERM while the model still loads (its rank held stopped, so the load cannot end first): the
+    worker ends its rank and exits 0 at once. It used to leave through the interpreter's finalization
+    beside a loader thread inside torch.distributed, which aborted it (exit 134) about half the time."""
+    import signal
+
+    oracles, _ = tp2_workers
+    worker = tp_worker("serve", oracles["llama-4q-2kv-biases"][2], tmp_path, "stopped", "-tp", "2").start()
+    rank1 = None
+    try:
+        assert wait_for(lambda: "rank 1/2: control records and tensors" in worker.log_tail(), 120)
+        rank1 = int(re.search(r"started tensor-parallel ranks 1-1 \(pids \[(\d+)\]\)", worker.log_tail(200_000))[1])
+        os.kill(rank1, signal.SIGSTOP)  # forced order: the load now waits on rank 1 until the stop
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.process.wait(60) == 0
+        log = worker.log_tail(200_000)
+        assert "the worker stopped before its engine was built" in log and "leaving without waiting" in log
+        assert "terminate called" not in log
+    finally:
+        worker.kill()
+        if rank1 is not None:
+            try:
+                os.kill(rank1, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # ended by the worker, as it should be
+
+
 # ---- the embedded model ------------------------------------------------------------------------
 
 
