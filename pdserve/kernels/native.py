@@ -5,11 +5,14 @@ into one library, cached under a hash of everything it is built from.
 Invariant: a library is only loaded if it was compiled from these exact sources and headers,
 with these flags, for this torch, compiler and CPU; when it cannot be (no compiler, a failed
 build, not x86 with AVX2), callers stay on their pure-torch paths and one warning says why.
+Processes that need the same library at once (a worker's tensor-parallel ranks, test processes)
+build it once: the first takes a lock file beside it, the others wait and load what it built.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import functools
 import glob
 import hashlib
@@ -19,7 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -166,6 +169,36 @@ def _build(library_path: str) -> None:
                 time.monotonic() - started_s, library_path)
 
 
+def build_once(library_path: str, build: Callable[[str], None], wait_s: float = _BUILD_TIMEOUT_S + 60.0,
+               poll_s: float = 0.2) -> None:
+    """`build(library_path)` unless the file exists, one process at a time: the others wait on an
+    flock of `<library>.lock` (the kernel lets it go when its holder exits, however), then find the
+    library built. A holder that outlasts `wait_s` is waited for no longer: this process builds too
+    (each build writes its own temporary files and renames, so two at once stay safe)."""
+    os.makedirs(os.path.dirname(library_path), exist_ok=True)
+    fd = os.open(library_path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    locked = False
+    try:
+        deadline_s = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline_s:
+                    logger.warning("another process has built %s for over %.0f s; building it here too",
+                                   library_path, wait_s)
+                    break
+                time.sleep(poll_s)
+        if not os.path.exists(library_path):
+            build(library_path)
+    finally:
+        if locked:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
 def _register_fakes() -> None:
     """Shapes of each op's output, so that torch.compile can trace through the ops."""
 
@@ -200,7 +233,7 @@ def _load() -> None:
         raise KernelBuildError(f"the CPU lacks {', '.join(missing)}")
     library_path = os.path.join(cache_dir(), f"cpu_kernels-{_build_key()}.so")
     if not os.path.exists(library_path):
-        _build(library_path)
+        build_once(library_path, _build)
     torch.ops.load_library(library_path)
     _register_fakes()
 
