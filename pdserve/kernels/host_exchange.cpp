@@ -45,12 +45,12 @@ std::string rank_list(const std::vector<int64_t>& ranks) {
 
 HostExchange::HostExchange(int64_t base_address, int64_t num_ranks_, int64_t rank_, int64_t slot_bytes_,
                            int64_t data_offset_, int64_t flags_offset_, int64_t line_bytes_,
-                           std::vector<int64_t> watched_ranks_, std::vector<int64_t> watched_pidfds_, double spin_s_, double check_s_, double timeout_s_,
-                           bool use_futex_)
+                           std::vector<int64_t> watched_ranks_, std::vector<int64_t> watched_pidfds_, double spin_s_,
+                           double check_s_, double timeout_s_, bool use_futex_)
     : base(reinterpret_cast<char*>(base_address)), num_ranks(num_ranks_), rank(rank_), slot_bytes(slot_bytes_),
       data_offset(data_offset_), flags_offset(flags_offset_), line_bytes(line_bytes_),
-      watched_ranks(std::move(watched_ranks_)), watched_pidfds(std::move(watched_pidfds_)), spin_s(spin_s_), check_s(check_s_), timeout_s(timeout_s_),
-      use_futex(use_futex_) {
+      watched_ranks(std::move(watched_ranks_)), watched_pidfds(std::move(watched_pidfds_)), spin_s(spin_s_),
+      check_s(check_s_), timeout_s(timeout_s_), use_futex(use_futex_) {
   TORCH_CHECK(base != nullptr && num_ranks >= 2 && rank >= 0 && rank < num_ranks, "HostExchange: a rank of a segment");
   TORCH_CHECK(slot_bytes >= 64 && slot_bytes % 64 == 0 && line_bytes % 8 == 0 && flags_offset % 8 == 0,
               "HostExchange: slots of whole cache lines, flags aligned");
@@ -127,10 +127,14 @@ void HostExchange::wait_for(int64_t sequence) const {
   }
 }
 
-int64_t HostExchange::all_reduce_floats(float* data, int64_t count, int64_t sequence) {
+int64_t HostExchange::all_reduce(at::Tensor tensor, int64_t sequence) {
   TORCH_CHECK(!forgotten.load(), "HostExchange: the ranks' segment was closed");
+  TORCH_CHECK(tensor.device().is_cpu() && tensor.scalar_type() == at::kFloat && tensor.is_contiguous(),
+              "HostExchange.all_reduce: a contiguous float32 CPU tensor");
+  float* data = tensor.data_ptr<float>();
+  const int64_t count = tensor.numel();
   const int64_t slot_floats = slot_bytes / static_cast<int64_t>(sizeof(float));
-  for (int64_t start = 0; start < count; start += slot_floats) {
+  for (int64_t start = 0; start < count; start += slot_floats) {  // a slot's worth an exchange, as in Python
     const int64_t n = std::min(slot_floats, count - start);
     ++sequence;
     const int64_t buffer = sequence % 2;
@@ -147,12 +151,6 @@ int64_t HostExchange::all_reduce_floats(float* data, int64_t count, int64_t sequ
     }
   }
   return sequence;
-}
-
-int64_t HostExchange::all_reduce(at::Tensor tensor, int64_t sequence) {
-  TORCH_CHECK(tensor.device().is_cpu() && tensor.scalar_type() == at::kFloat && tensor.is_contiguous(),
-              "HostExchange.all_reduce: a contiguous float32 CPU tensor");
-  return all_reduce_floats(tensor.data_ptr<float>(), tensor.numel(), sequence);
 }
 
 void HostExchange::forget() { forgotten.store(true); }

@@ -42,7 +42,6 @@ struct HostExchange : torch::CustomClassHolder {
   // Sums `tensor` (float32, contiguous, on the CPU) over the ranks in place, in exchanges
   // sequence + 1, sequence + 2, ... (one per slot's worth); returns the last one used.
   int64_t all_reduce(at::Tensor tensor, int64_t sequence);
-  int64_t all_reduce_floats(float* data, int64_t count, int64_t sequence);
   // The ranks are closing: every later call fails (a call already waiting runs on).
   void forget();
 
