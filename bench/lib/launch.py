@@ -24,17 +24,17 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 def free_port(next_free_too: bool = False) -> int:
     """A port free on 127.0.0.1 now. `next_free_too`: one whose next port is free as well, for a worker
     given only its port (its internal listener takes port + 1 then, as `pdserve up` starts them)."""
+    from pdserve.app.children import free_port as free_local_port  # below the ephemeral range
+
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_local_port()
         if not next_free_too:
             return port
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port + 1))
                 return port
-            except OSError:  # taken (an outgoing connection's ephemeral port, say): draw again
+            except OSError:  # taken: draw again
                 continue
 
 

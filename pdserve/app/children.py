@@ -8,6 +8,7 @@ ranks. Either way a child must not outlive the process that started it.
 from __future__ import annotations
 
 import ctypes
+import random
 import socket
 import sys
 from typing import Optional
@@ -15,7 +16,35 @@ from typing import Optional
 _PR_SET_PDEATHSIG = 1
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+_DEFAULT_EPHEMERAL_PORTS = (32768, 60999)  # Linux's default ip_local_port_range
+_PORTS_BELOW_EPHEMERAL = 12000  # how far below the ephemeral range a port is drawn
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands out as source ports of outgoing connections (and for bind to 0)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low, high = (int(part) for part in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL_PORTS
+
+
+def free_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
+    """A port free on `host` now, for a child to bind a moment later. Drawn below the ephemeral range
+    where there is room: a port from that range (what binding port 0 gives) can meanwhile become the
+    source port of any outgoing connection on the host (a CI run once lost a worker so, "Address
+    already in use"); one below it only to another listener. Port 0's answer when none is free."""
+    low, _ = ephemeral_port_range()
+    first = max(1024, low - _PORTS_BELOW_EPHEMERAL)
+    draw = random.SystemRandom()  # never a seeded sequence that two processes would share
+    for port in (draw.randrange(first, low) for _ in range(attempts if low - first >= 1000 else 0)):
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+                return port
+            except OSError:
+                continue
     with socket.socket() as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])

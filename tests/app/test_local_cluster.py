@@ -76,6 +76,20 @@ def test_port_zero_picks_distinct_free_ports():
     assert len(ports) == 3 and 0 not in ports
 
 
+def test_free_ports_are_drawn_below_the_ephemeral_range_where_outgoing_connections_take_theirs():
+    import socket
+
+    from pdserve.app.children import ephemeral_port_range, free_port
+
+    low, high = ephemeral_port_range()
+    ports = [free_port() for _ in range(20)]
+    if low - 1024 >= 1000:  # room below it (Linux's default: 32768-60999)
+        assert all(1024 <= port < low for port in ports), ports
+    for port in ports[:3]:  # free indeed: a listener can take it
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", port))
+
+
 def test_each_worker_gets_an_internal_port_of_its_own_and_up_owns_the_flag():
     given = specs_for("--prefill-port", "9100", "--decode-port", "9200")
     assert [flag(given[name].argv, "--internal-port") for name in ("prefill", "decode")] == ["9101", "9201"]
