@@ -103,9 +103,9 @@ def ensure_llama_tool(tool: str, explicit_path: Optional[str] = None) -> str:
     binary = os.path.join(directory, "build", "bin", tool)
     if os.access(binary, os.X_OK):
         return binary
-    for tool in ("cmake", "ninja"):
-        if shutil.which(tool) is None:
-            raise BenchError(f"building llama-server needs {tool} on PATH")
+    for build_tool in ("cmake", "ninja"):
+        if shutil.which(build_tool) is None:
+            raise BenchError(f"building {tool} needs {build_tool} on PATH")
     os.makedirs(directory, exist_ok=True)
     log_path = os.path.join(directory, "build.log")
     started_s = time.monotonic()
