@@ -198,6 +198,7 @@ void unpack_column(const uint8_t* row, int64_t blocks, int32_t* codes, float* d,
   const __m128i nibble = _mm_set1_epi8(0x0f);
   for (int64_t g = 0; g < blocks; ++g) {
     const uint8_t* block = row + g * kQ41Bytes;
+    prefetch_weights_ahead(block);
     uint16_t halves[2];
     std::memcpy(halves, block, sizeof(halves));
     d[g] = _cvtsh_ss(halves[0]);

@@ -154,6 +154,7 @@ void row_tile(const uint8_t* w, int64_t block_bytes, const float* x, int64_t k, 
     for (int a = 0; a < kAccs; ++a) acc[r][a] = _mm256_setzero_ps();
   }
   for (int64_t g = 0; g < k / kGroup; ++g) {
+    prefetch_weights_ahead(w + g * block_bytes);
     const BlockWeights b = kLoad(w + g * block_bytes);
     for (int r = 0; r < kRows; ++r) {
       const float* xs = x + r * k + g * kGroup;
@@ -280,6 +281,7 @@ float q4_1_integer_dot(const uint8_t* w, const IntegerRow& row) {
   __m256 scaled = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
   for (int64_t p = 0; p < row.pairs; ++p) {
     const uint8_t* a = w + 2 * p * kQ41Bytes;
+    prefetch_weights_ahead(a);
     const uint8_t* b = 2 * p + 1 < row.blocks ? a + kQ41Bytes : a;
     const __m256i packed = _mm256_inserti128_si256(
         _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 4))),
