@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import httpx
 
-from bench.lib.launch import LaunchError, ServerProcess, free_port, pdserve_argv
+from bench.lib.launch import REPO_ROOT, LaunchError, ServerProcess, free_port, pdserve_argv
 from bench.lib.load import run_open_loop
 from bench.lib.machine import CpuMeter, machine_info, wait_for_idle
 from bench.lib.report import cell, markdown_table, write_document
@@ -365,7 +365,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the sizes this many times in turn; ratios per round, then their medians")
     parser.add_argument("--log-dir", default=None, help="worker logs (default: a temporary directory, kept)")
-    parser.add_argument("--out", default="bench-tensor-parallel.json", help="JSON report path")
+    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "tensor_parallel.json"),
+                        help="JSON report path")
     args = parser.parse_args(argv)
     try:
         args.sizes = parse_sizes(args.sizes)

@@ -4,6 +4,7 @@ tokens/s from chunk times, ratios vs TP=1, the table and the JSON report (no ser
 from __future__ import annotations
 
 import json
+import os
 import math
 
 import pytest
@@ -59,7 +60,7 @@ def test_threads_per_rank_matches_what_the_worker_does():
 def test_args_default_and_validate():
     args = parse_args(["--num-threads", "2"])
     assert args.sizes == [1, 2, 3] and args.max_tokens == 96 and args.repeats == 3 and args.streams == 4
-    assert args.out == "bench-tensor-parallel.json" and args.shape.num_layers == 12
+    assert args.out.endswith(os.path.join("bench", "results", "tensor_parallel.json")) and args.shape.num_layers == 12
     assert parse_args(["--sizes", "2", "--num-layers", "4"]).shape.num_layers == 4
     for bad in (["--sizes", "4"], ["--max-tokens", "1"], ["--repeats", "0"], ["--sizes", "1,1"]):
         with pytest.raises(SystemExit):
