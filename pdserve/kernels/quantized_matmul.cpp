@@ -402,6 +402,8 @@ float dot_long(const float* a, const float* b, int64_t n) {
   if (n % 32 == 0) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t i = 0; i < n; i += 32) {
+      prefetch_weights_ahead(a + i);  // 128 bytes a step: both lines
+      prefetch_weights_ahead(a + i + 16);
       for (int part = 0; part < 4; ++part) {
         acc[part] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * part), _mm256_loadu_ps(b + i + 8 * part), acc[part]);
       }
