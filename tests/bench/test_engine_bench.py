@@ -342,3 +342,15 @@ def test_a_llama_server_killed_by_a_signal_while_starting_is_measured_without_re
         assert httpx.get(system.target().base_url + "/health", timeout=5).status_code == 200
     finally:
         system.close()
+
+
+def test_llama_bench_runs_with_and_without_repacked_weights_and_neither_is_a_peer_server():
+    from bench.engine.llama_server import llama_bench_argv
+    from bench.engine.report import LLAMA_BENCH_NO_REPACK, best_peer
+
+    with_repack = llama_bench_argv("/opt/llama-bench", "/m.gguf", 128, 2, repack=True)
+    without = llama_bench_argv("/opt/llama-bench", "/m.gguf", 128, 2, repack=False)
+    assert with_repack[with_repack.index("--repack") + 1] == "1" and without[without.index("--repack") + 1] == "0"
+    assert without[without.index("-n") + 1] == "128" and without[without.index("-t") + 1] == "2"
+    results = _results(66.0, 300.0) + [_phase(LLAMA_BENCH_NO_REPACK, 1, 500.0)]
+    assert best_peer(results, 1).system == LLAMA_SERVER  # the raw loops are bounds, never the best peer
