@@ -5,7 +5,6 @@
 // The sources (compiled into one library by pdserve/kernels/native.py):
 //   quantized_matmul.cpp  linear layers over Q4_1/Q8_0 blocks, and float32 one-row products
 //   q4_1_lanes.cpp        Q4_1 products for a batch of rows across vector lanes, in integers
-//   q4_1_row.cpp          Q4_1 products for one row, in integers, four blocks a 512-bit vector
 //   decode_attention.cpp  decode attention that reads K/V straight from the paged pool
 //   greedy.cpp            the greedy choice of each row's token
 //   fused_layer.cpp       one Llama-family decoder layer per call, and the stack of them
@@ -42,13 +41,6 @@
 #define PDSERVE_AVX512_VNNI 1
 #else
 #define PDSERVE_AVX512_VNNI 0
-#endif
-
-// ... and byte permutes (vpermb, AVX512_VBMI): q4_1_row.cpp's one-row products, four blocks a vector.
-#if PDSERVE_AVX512_VNNI && defined(__AVX512VBMI__)
-#define PDSERVE_AVX512_VNNI_VBMI 1
-#else
-#define PDSERVE_AVX512_VNNI_VBMI 0
 #endif
 
 namespace pdserve::kernels {

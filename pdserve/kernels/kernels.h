@@ -25,8 +25,6 @@ at::Tensor f32_row_linear(const at::Tensor& x, const at::Tensor& weight);
 // The Q4_1 product with its path chosen (a test's and a benchmark's handle): lanes 0 runs the
 // float row tiles (any row count), 8 or 16 the integer lanes below with `digits`.
 at::Tensor q4_1_linear_with(const at::Tensor& x, const at::Tensor& blocks, int64_t lanes, int64_t digits);
-// One row x [1, k] on the one-row kernel `width_bits` wide (q4_1_row_widths()).
-at::Tensor q4_1_row_linear_with(const at::Tensor& x, const at::Tensor& blocks, int64_t width_bits);
 
 // ---- q4_1_lanes.cpp (compiled with AVX2) -----------------------------------------------------
 
@@ -38,14 +36,6 @@ at::Tensor q4_1_lanes_linear(const at::Tensor& x, const at::Tensor& blocks, int6
 // at `digits` (fewer run the float row tiles).
 std::vector<int64_t> q4_1_lane_widths();
 int64_t q4_1_lanes_min_rows(int64_t digits);
-
-// ---- q4_1_row.cpp (compiled with AVX-512 VNNI and VBMI) ----------------------------------------
-
-// y = x @ W.T for one float32 row x [1, k] and Q4_1 blocks W, rounded as the 256-bit one-row
-// kernel rounds it (22-bit integers): q4_1_linear's batch-1 product where compiled.
-at::Tensor q4_1_wide_row_linear(const at::Tensor& x, const at::Tensor& blocks);
-// The one-row products compiled for this CPU, in bits a vector (512, 256), widest first.
-std::vector<int64_t> q4_1_row_widths();
 
 // ---- decode_attention.cpp ------------------------------------------------------------------
 

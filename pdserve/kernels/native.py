@@ -210,10 +210,6 @@ def _register_fakes() -> None:
     def _q4_1_with(x: torch.Tensor, blocks: torch.Tensor, lanes: int, digits: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], blocks.shape[0]))
 
-    @torch.library.register_fake(f"{LIBRARY_NAMESPACE}::q4_1_row_linear_with")
-    def _q4_1_row_with(x: torch.Tensor, blocks: torch.Tensor, width_bits: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], blocks.shape[0]))
-
     @torch.library.register_fake(f"{LIBRARY_NAMESPACE}::q8_0_linear")
     def _q8_0(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], blocks.shape[0]))

@@ -358,9 +358,6 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t b
   if (!float_tiles_only) {
     if (rows > kKernelMaxRows) return at::mm(xc, dequantize_blocks(wc, block_bytes).t());
 #if PDSERVE_AVX2
-#if PDSERVE_AVX512_VNNI_VBMI
-    if (rows == 1 && block_bytes == kQ41Bytes && n > 0) return q4_1_wide_row_linear(xc, wc);
-#endif
     if (rows == 1 && block_bytes == kQ41Bytes && n > 0) return q4_1_integer_row_linear(xc, wc);
     // The lanes on one thread only: there they beat the float tiles (a b=16 step 1.09x), but with two
     // threads the tiles' products ran 1.3-2.6x faster than the lanes' (decode-ab --threads 2, 2026-11-28).
@@ -455,38 +452,6 @@ at::Tensor q4_1_linear_with(const at::Tensor& x, const at::Tensor& blocks, int64
   }
   static const RowTileKernels kernels = row_tile_kernels<kQ41Bytes>();
   return block_linear(x, blocks, kQ41Bytes, kernels, "q4_1_linear_with", PDSERVE_AVX2 != 0, true);
-}
-
-std::vector<int64_t> q4_1_row_widths() {
-#if PDSERVE_AVX512_VNNI_VBMI
-  return {512, 256};
-#elif PDSERVE_AVX2
-  return {256};
-#else
-  return {};
-#endif
-}
-
-at::Tensor q4_1_row_linear_with(const at::Tensor& x, const at::Tensor& blocks, int64_t width_bits) {
-  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "q4_1_row_linear_with: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == 1,
-              "q4_1_row_linear_with: activations must be one float32 row [1, k]");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && x.size(1) % kGroup == 0 &&
-                  blocks.size(1) == x.size(1) / kGroup * kQ41Bytes,
-              "q4_1_row_linear_with: in_features must be a multiple of 32 and the blocks must match it");
-  const std::vector<int64_t> widths = q4_1_row_widths();
-  TORCH_CHECK(std::find(widths.begin(), widths.end(), width_bits) != widths.end(), "q4_1_row_linear_with: ",
-              width_bits, "-bit one-row products are not compiled for this CPU");
-  const at::Tensor xc = x.contiguous(), wc = blocks.contiguous();
-  if (wc.size(0) == 0) return at::empty({1, 0}, xc.options());
-#if PDSERVE_AVX512_VNNI_VBMI
-  if (width_bits == 512) return q4_1_wide_row_linear(xc, wc);
-#endif
-#if PDSERVE_AVX2
-  return q4_1_integer_row_linear(xc, wc);
-#else
-  TORCH_CHECK(false, "q4_1_row_linear_with: no one-row kernel on this CPU");
-#endif
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks) {
