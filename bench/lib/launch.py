@@ -18,14 +18,14 @@ from typing import Optional
 
 import httpx
 
+from pdserve.app.children import free_port as free_local_port  # drawn below the ephemeral range
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port(next_free_too: bool = False) -> int:
     """A port free on 127.0.0.1 now. `next_free_too`: one whose next port is free as well, for a worker
     given only its port (its internal listener takes port + 1 then, as `pdserve up` starts them)."""
-    from pdserve.app.children import free_port as free_local_port  # below the ephemeral range
-
     while True:
         port = free_local_port()
         if not next_free_too:
