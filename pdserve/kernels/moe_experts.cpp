@@ -1,6 +1,6 @@
 // A mixture-of-experts MLP in one call (moe_experts.h): route, group the (token, expert) pairs by
-// expert, run each active expert once over all its rows (float32 weights in this file's few-row
-// kernel, Q4_1/Q8_0 blocks in the block kernels).
+// expert, run each active expert once over all its rows (float32 and MXFP4 weights in this file's
+// few-row kernel, Q4_1/Q8_0 blocks in the block kernels).
 // Invariant: an expert no token chose is never read, and a batch costs one gate|up and one down
 // per active expert, never one per token.
 //
@@ -82,11 +82,11 @@ void gated_activation(const float* gate_up, int64_t m, int64_t width, int64_t ki
   }
 }
 
-// ---- float32 experts: a few token rows against each weight row, straight into buffers -------
+// ---- float32 and MXFP4 experts: a few token rows against each weight row, into buffers -------
 //
 // At batch 16 over 32 experts top-4 an expert gets ~2 rows: its products are thin and cost the
 // stream of its weights from memory (a float32 gpt-oss-shaped layer reads ~29 of its 32 experts,
-// 43 MB, against the dense MLP's 6 MB). So the kernel reads each weight row once for all the
+// 43 MB, against the dense MLP's 6 MB; in MXFP4, 6 MB). So the kernel reads each weight row once for all the
 // expert's rows, four weight rows at a time, each 8-float slice of a token row loaded once for
 // the four; results go, bias added, into the caller's buffers (no tensor, no dispatch per
 // product: 29 experts x 2 products a layer). Software prefetch measured slower here:
@@ -103,6 +103,59 @@ float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
+// ---- MXFP4 experts: the same products over 4-bit weights, decoded in registers ---------------
+//
+// gpt-oss ships its experts in MXFP4 (quant/mxfp4.py); kept so, a layer's experts are 17 bytes a
+// 32 weights instead of 128 in float32. A weight row is whole groups, each its E8M0 scale byte
+// then 16 bytes of E2M1 codes (value 2j the low nibble of byte j):
+//
+//   row j   | s | c0 c1 .. c15 | s | c0 .. c15 | ...      17 bytes per 32 weights
+//   8 weights = 4 code bytes -> 8 nibbles -> |E2M1 value| * 2^(s - 127), bit 3 the sign
+//
+// Every decoded weight is exact in float32 (an E2M1 value times a power of two), and the kernel
+// adds the same products in the same order as over the dequantized float32 rows: MXFP4 experts
+// give the float path's results bit for bit, reading a seventh of the bytes.
+
+// 2^(s - 127) for an E8M0 byte s < 255 (0 is the subnormal 2^-127; 255, NaN, is refused at load).
+inline float e8m0_scale(uint8_t s) {
+  if (s == 0) return 0x1p-127f;
+  const uint32_t bits = static_cast<uint32_t>(s) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return scale;
+}
+
+float e2m1_value(uint8_t code) {
+  constexpr float kMagnitudes[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  return (code & 8) ? -kMagnitudes[code & 7] : kMagnitudes[code & 7];
+}
+
+// Weight row j of an [n, k] matrix: float32 rows, or MXFP4 rows of k / 32 groups.
+struct FloatRows {
+  const float* w;
+  int64_t k;
+  float weight(int64_t j, int64_t i) const { return w[j * k + i]; }
+};
+
+struct Mxfp4Rows {
+  const uint8_t* w;
+  int64_t k;
+  int64_t row_bytes() const { return k / kMxfp4GroupValues * kMxfp4GroupBytes; }
+  float weight(int64_t j, int64_t i) const {
+    const uint8_t* group = w + j * row_bytes() + i / kMxfp4GroupValues * kMxfp4GroupBytes;
+    const uint8_t byte = group[1 + i % kMxfp4GroupValues / 2];
+    return e2m1_value(i % 2 ? byte >> 4 : byte & 15) * e8m0_scale(group[0]);
+  }
+};
+
+// Row j against x in plain order (the rows the vector tiles leave, and builds without AVX2).
+template <typename Rows>
+float row_dot(const Rows& rows, int64_t j, const float* x) {
+  float total = 0.f;
+  for (int64_t i = 0; i < rows.k; ++i) total += rows.weight(j, i) * x[i];
+  return total;
+}
+
 #if PDSERVE_AVX2
 // [sum of a's lanes, b's, c's, d's].
 inline __m128 lane_sums(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -110,44 +163,93 @@ inline __m128 lane_sums(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
 }
 
-// out[r][col[c]] for r < kRows and c < 4: token row x[r] against weight row w[c] (k floats each).
-template <int kRows>
-void four_weight_rows(const float* const* w, int64_t k, const float* const* x, const float* bias, float* const* out,
-                      const int64_t* col) {
+// Four weight rows' slices, a group of `kValues` weights at a time: `slice(c, offset)` is row c's
+// 8 weights at `offset` into the group that `FourGroups(rows, col, i)` starts at weight i.
+struct FloatFour {
+  static constexpr int64_t kValues = 8;
+  const float* at[4];
+  FloatFour(const FloatRows& rows, const int64_t* col, int64_t i) {
+    for (int c = 0; c < 4; ++c) at[c] = rows.w + col[c] * rows.k + i;
+  }
+  __m256 slice(int c, int64_t) const { return _mm256_loadu_ps(at[c]); }
+};
+
+struct Mxfp4Four {
+  static constexpr int64_t kValues = kMxfp4GroupValues;
+  const uint8_t* codes[4];
+  __m256 scale[4];
+  Mxfp4Four(const Mxfp4Rows& rows, const int64_t* col, int64_t i) {
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* group = rows.w + col[c] * rows.row_bytes() + i / kValues * kMxfp4GroupBytes;
+      scale[c] = _mm256_set1_ps(e8m0_scale(group[0]));
+      codes[c] = group + 1;
+    }
+  }
+  __m256 slice(int c, int64_t offset) const {
+    int32_t word;  // 8 codes, value v of the slice in bits 4v..4v+3
+    std::memcpy(&word, codes[c] + offset / 2, sizeof(word));
+    const __m256i nibbles = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+        _mm256_set1_epi32(15));
+    const __m256 magnitudes = _mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+    const __m256 magnitude = _mm256_mul_ps(_mm256_permutevar8x32_ps(magnitudes, nibbles), scale[c]);
+    const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(nibbles, 3), 31);
+    return _mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign));
+  }
+};
+
+template <typename Rows> struct FourOf;
+template <> struct FourOf<FloatRows> { using type = FloatFour; };
+template <> struct FourOf<Mxfp4Rows> { using type = Mxfp4Four; };
+
+// out[r][col[c]] for r < kRows and c < 4: token row x[r] against weight row col[c] (k weights each).
+template <int kRows, typename Rows>
+void four_weight_rows(const Rows& rows, const int64_t* col, const float* const* x, const float* bias,
+                      float* const* out) {
+  using Four = typename FourOf<Rows>::type;
+  const int64_t k = rows.k;
   __m256 acc[kRows][4];
   for (int r = 0; r < kRows; ++r) {
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
   }
-  const auto slice = [&](int64_t i) {
-    __m256 xs[kRows];
-    for (int r = 0; r < kRows; ++r) xs[r] = _mm256_loadu_ps(x[r] + i);
-    for (int c = 0; c < 4; ++c) {
-      const __m256 wc = _mm256_loadu_ps(w[c] + i);
-      for (int r = 0; r < kRows; ++r) acc[r][c] = _mm256_fmadd_ps(wc, xs[r], acc[r][c]);
-    }
-  };
   int64_t i = 0;
-  for (; i + 8 <= k; i += 8) slice(i);
+  for (; i + Four::kValues <= k; i += Four::kValues) {
+    const Four four(rows, col, i);
+    for (int64_t offset = 0; offset < Four::kValues; offset += 8) {
+      __m256 xs[kRows];
+      for (int r = 0; r < kRows; ++r) xs[r] = _mm256_loadu_ps(x[r] + i + offset);
+      for (int c = 0; c < 4; ++c) {
+        const __m256 wc = four.slice(c, offset);
+        for (int r = 0; r < kRows; ++r) acc[r][c] = _mm256_fmadd_ps(wc, xs[r], acc[r][c]);
+      }
+    }
+  }
   const __m128 b = bias != nullptr ? _mm_setr_ps(bias[col[0]], bias[col[1]], bias[col[2]], bias[col[3]])
                                    : _mm_setzero_ps();
   for (int r = 0; r < kRows; ++r) {
     alignas(16) float sums[4];
     _mm_store_ps(sums, _mm_add_ps(lane_sums(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), b));
-    for (int c = 0; c < 4; ++c) out[r][col[c]] = sums[c] + dot(w[c] + i, x[r] + i, k - i);  // + the k % 8 tail
+    for (int c = 0; c < 4; ++c) {  // + the tail past the last whole group (float rows only: k % 8)
+      float tail = 0.f;
+      for (int64_t t = i; t < k; ++t) tail += rows.weight(col[c], t) * x[r][t];
+      out[r][col[c]] = sums[c] + tail;
+    }
   }
 }
 
-using FourRowsKernel = void (*)(const float* const*, int64_t, const float* const*, const float*, float* const*,
-                                const int64_t*);
-constexpr FourRowsKernel kFourRows[kTokenTile] = {four_weight_rows<1>, four_weight_rows<2>, four_weight_rows<3>,
-                                                  four_weight_rows<4>};
+template <typename Rows>
+using FourRowsKernel = void (*)(const Rows&, const int64_t*, const float* const*, const float*, float* const*);
+template <typename Rows>
+constexpr FourRowsKernel<Rows> kFourRows[kTokenTile] = {four_weight_rows<1, Rows>, four_weight_rows<2, Rows>,
+                                                        four_weight_rows<3, Rows>, four_weight_rows<4, Rows>};
 #endif
 
-// out[r][0..n) = bias + x[r] @ w.T for the m token rows x[r] (k floats each); w float32 [n, k].
+// out[r][0..n) = bias + x[r] @ w.T for the m token rows x[r] (k floats each); w [n, k] as `rows`.
 // The four weight rows of a step come one from each quarter of w: four streams that each walk
 // their quarter front to back, which the hardware prefetcher follows (four rows side by side
 // would start four short streams every 8 KB, and the read ran a third slower).
-void few_rows_product(const float* w, int64_t n, int64_t k, const float* const* x, int64_t m, const float* bias,
+template <typename Rows>
+void few_rows_product(const Rows& rows, int64_t n, const float* const* x, int64_t m, const float* bias,
                       float* const* out) {
   int64_t done = 0;
 #if PDSERVE_AVX2
@@ -157,27 +259,26 @@ void few_rows_product(const float* w, int64_t n, int64_t k, const float* const* 
   at::parallel_for(0, quarter, 16, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const int64_t col[4] = {j, j + quarter, j + 2 * quarter, j + 3 * quarter};
-      const float* rows[4] = {w + col[0] * k, w + col[1] * k, w + col[2] * k, w + col[3] * k};
       for (int64_t r0 = 0; r0 < m; r0 += kTokenTile) {
-        kFourRows[std::min<int64_t>(kTokenTile, m - r0) - 1](rows, k, x + r0, bias, out + r0, col);
+        kFourRows<Rows>[std::min<int64_t>(kTokenTile, m - r0) - 1](rows, col, x + r0, bias, out + r0);
       }
     }
   });
   done = 4 * quarter;
 #endif
   for (int64_t j = done; j < n; ++j) {
-    for (int64_t r = 0; r < m; ++r) out[r][j] = (bias != nullptr ? bias[j] : 0.f) + dot(w + j * k, x[r], k);
+    for (int64_t r = 0; r < m; ++r) out[r][j] = (bias != nullptr ? bias[j] : 0.f) + row_dot(rows, j, x[r]);
   }
 }
 
-// Scratch for the float32 path, sized once per call for the expert with the most rows.
+// Scratch for the row-product path, sized once per call for the expert with the most rows.
 struct ExpertBuffers {
   std::vector<const float*> inputs, hidden_inputs;
   std::vector<float*> gate_up_rows, output_rows;
   std::vector<float> gate_up, hidden, output;
 };
 
-ExpertBuffers float_buffers(int64_t max_rows, int64_t hidden, int64_t width) {
+ExpertBuffers row_buffers(int64_t max_rows, int64_t hidden, int64_t width) {
   ExpertBuffers b;
   b.inputs.resize(max_rows);
   b.gate_up.resize(max_rows * 2 * width);
@@ -191,16 +292,27 @@ ExpertBuffers float_buffers(int64_t max_rows, int64_t hidden, int64_t width) {
   return b;
 }
 
-// Expert e over its m rows (b.inputs) with float32 weights: gate|up, activation, down into b.output.
-void run_float_expert(const SparseMoeMlp& moe, int64_t e, int64_t m, int64_t hidden, ExpertBuffers& b) {
-  const int64_t width = moe.down[e].size(1);
+// Expert e over its m rows (b.inputs) with float32 or MXFP4 weights: gate|up, activation, down
+// into b.output.
+void run_row_expert(const SparseMoeMlp& moe, int64_t e, int64_t m, int64_t hidden, ExpertBuffers& b) {
+  const int64_t width = moe.expert_width;
   const float* gate_up_bias = moe.gate_up_bias ? moe.gate_up_bias->data_ptr<float>() + e * 2 * width : nullptr;
   const float* down_bias = moe.down_bias ? moe.down_bias->data_ptr<float>() + e * hidden : nullptr;
-  few_rows_product(moe.gate_up[e].data_ptr<float>(), 2 * width, hidden, b.inputs.data(), m, gate_up_bias,
-                   b.gate_up_rows.data());
+  if (moe.format == SparseMoeMlp::kMxfp4) {
+    few_rows_product(Mxfp4Rows{moe.gate_up[e].data_ptr<uint8_t>(), hidden}, 2 * width, b.inputs.data(), m,
+                     gate_up_bias, b.gate_up_rows.data());
+  } else {
+    few_rows_product(FloatRows{moe.gate_up[e].data_ptr<float>(), hidden}, 2 * width, b.inputs.data(), m,
+                     gate_up_bias, b.gate_up_rows.data());
+  }
   gated_activation(b.gate_up.data(), m, width, moe.activation, moe.alpha, moe.limit, b.hidden.data());
-  few_rows_product(moe.down[e].data_ptr<float>(), hidden, width, b.hidden_inputs.data(), m, down_bias,
-                   b.output_rows.data());
+  if (moe.format == SparseMoeMlp::kMxfp4) {
+    few_rows_product(Mxfp4Rows{moe.down[e].data_ptr<uint8_t>(), width}, hidden, b.hidden_inputs.data(), m,
+                     down_bias, b.output_rows.data());
+  } else {
+    few_rows_product(FloatRows{moe.down[e].data_ptr<float>(), width}, hidden, b.hidden_inputs.data(), m,
+                     down_bias, b.output_rows.data());
+  }
 }
 
 // Expert e over its m rows with weights in blocks: the rows gathered into a tensor for the block
@@ -256,19 +368,29 @@ SparseMoeMlp::SparseMoeMlp(at::Tensor router_weight_in, at::Tensor router_bias_i
               "SparseMoeMlp: gate|up biases must be float32 [experts, 2I]");
   TORCH_CHECK(!down_bias || (down_bias->scalar_type() == at::kFloat && down_bias->size(0) == num_experts),
               "SparseMoeMlp: down biases must be float32 [experts, hidden]");
-  if (format == 0) {  // the float path reads raw rows: one shape for every expert, checked once here
+  TORCH_CHECK(format >= kFloat32 && format <= kMxfp4, "SparseMoeMlp: unknown weight format ", format);
+  if (format == kFloat32 || format == kMxfp4) {  // the row path reads raw rows: one shape, checked here
+    const bool mxfp4 = format == kMxfp4;
+    const at::ScalarType type = mxfp4 ? at::kByte : at::kFloat;
     for (int64_t e = 0; e < num_experts; ++e) {
-      TORCH_CHECK(gate_up[e].scalar_type() == at::kFloat && down[e].scalar_type() == at::kFloat &&
-                      gate_up[e].dim() == 2 && down[e].dim() == 2 && gate_up[e].sizes() == gate_up[0].sizes() &&
+      TORCH_CHECK(gate_up[e].scalar_type() == type && down[e].scalar_type() == type && gate_up[e].dim() == 2 &&
+                      down[e].dim() == 2 && gate_up[e].sizes() == gate_up[0].sizes() &&
                       down[e].sizes() == down[0].sizes(),
-                  "SparseMoeMlp: float experts must be float32, all of one shape");
+                  "SparseMoeMlp: row experts must be all float32 or all MXFP4 bytes, of one shape");
       gate_up[e] = gate_up[e].contiguous();
       down[e] = down[e].contiguous();
     }
-    const int64_t width = down[0].size(1), hidden = down[0].size(0);
-    TORCH_CHECK(gate_up[0].size(0) == 2 * width && gate_up[0].size(1) == hidden,
+    TORCH_CHECK(gate_up[0].size(0) % 2 == 0, "SparseMoeMlp: gate|up must have gate rows then as many up rows");
+    expert_width = gate_up[0].size(0) / 2;
+    const int64_t hidden = down[0].size(0);
+    // A row of k weights: k floats, or k / 32 groups of 17 bytes.
+    const auto row_units = [mxfp4](int64_t k) { return mxfp4 ? k / kMxfp4GroupValues * kMxfp4GroupBytes : k; };
+    TORCH_CHECK(!mxfp4 || (hidden % kMxfp4GroupValues == 0 && expert_width % kMxfp4GroupValues == 0),
+                "SparseMoeMlp: MXFP4 experts need widths in whole 32-weight groups");
+    TORCH_CHECK(gate_up[0].size(1) == row_units(hidden) && down[0].size(1) == row_units(expert_width),
                 "SparseMoeMlp: gate|up must be [2I, hidden] and down [hidden, I]");
-    TORCH_CHECK(!gate_up_bias || gate_up_bias->size(-1) == 2 * width, "SparseMoeMlp: gate|up biases must be [experts, 2I]");
+    TORCH_CHECK(!gate_up_bias || gate_up_bias->size(-1) == 2 * expert_width,
+                "SparseMoeMlp: gate|up biases must be [experts, 2I]");
     TORCH_CHECK(!down_bias || down_bias->size(-1) == hidden, "SparseMoeMlp: down biases must be [experts, hidden]");
   }
 }
@@ -327,17 +449,17 @@ at::Tensor SparseMoeMlp::run_experts(const at::Tensor& x_in, const at::Tensor& w
   const float* w = weights.data_ptr<float>();
   int64_t max_rows = 0;
   for (int64_t e = 0; e < num_experts; ++e) max_rows = std::max(max_rows, starts[e + 1] - starts[e]);
-  const bool float_weights = format == 0;
-  TORCH_CHECK(!float_weights || gate_up[0].size(1) == hidden, "SparseMoeMlp: x's width is not the experts' hidden size");
-  ExpertBuffers buffers = float_buffers(max_rows, hidden, float_weights ? down[0].size(1) : 0);
+  const bool row_weights = format == kFloat32 || format == kMxfp4;
+  TORCH_CHECK(!row_weights || down[0].size(0) == hidden, "SparseMoeMlp: x's width is not the experts' hidden size");
+  ExpertBuffers buffers = row_buffers(max_rows, hidden, row_weights ? expert_width : 0);
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t first = starts[e], m = starts[e + 1] - first;
     if (m == 0) continue;
     for (int64_t i = 0; i < m; ++i) buffers.inputs[i] = xs + (order[first + i] / k) * hidden;
     at::Tensor block_outputs;  // holds the block path's outputs while they are added in
     const float* ys = buffers.output.data();
-    if (float_weights) {
-      run_float_expert(*this, e, m, hidden, buffers);
+    if (row_weights) {
+      run_row_expert(*this, e, m, hidden, buffers);
     } else {
       block_outputs = run_block_expert(*this, e, buffers.inputs.data(), m, hidden, x.options());
       ys = block_outputs.data_ptr<float>();

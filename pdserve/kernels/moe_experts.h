@@ -11,6 +11,9 @@
 
 namespace pdserve::kernels {
 
+// An MXFP4 weight row is k / 32 groups, each one E8M0 scale byte then 16 bytes of E2M1 codes.
+constexpr int64_t kMxfp4GroupValues = 32, kMxfp4GroupBytes = 17;
+
 struct SparseMoeMlp : torch::CustomClassHolder {
   // How router logits become (weights, expert ids); pdserve.models.moe's routing rules.
   static constexpr int64_t kTopKThenSoftmax = 0;            // gpt-oss
@@ -19,11 +22,14 @@ struct SparseMoeMlp : torch::CustomClassHolder {
   // The gated activation over each expert's (gate, up) halves.
   static constexpr int64_t kSiluAndMul = 0;     // silu(gate) * up
   static constexpr int64_t kClampedSwiglu = 1;  // gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+  // The experts' weight formats (0-2 as kernels/fused_layer.cpp numbers them).
+  static constexpr int64_t kFloat32 = 0, kQ4_1 = 1, kQ8_0 = 2, kMxfp4 = 3;
 
   at::Tensor router_weight;  // float32 [experts, hidden]; empty: no router (run_experts only)
   std::optional<at::Tensor> router_bias;  // [experts]
   std::vector<at::Tensor> gate_up, down;  // per expert: [2I, hidden] gate rows then up rows; [hidden, I]
-  int64_t format = 0;  // every expert's weights: 0 float32, 1 Q4_1 blocks, 2 Q8_0 blocks
+  int64_t format = kFloat32;  // every expert's weights: float32, Q4_1 or Q8_0 blocks, or MXFP4 rows
+  int64_t expert_width = 0;   // I (float32 and MXFP4; the block path reads it off each product)
   std::optional<at::Tensor> gate_up_bias, down_bias;  // [experts, 2I], [experts, hidden]
   int64_t top_k = 1, routing = kTopKThenSoftmax, activation = kSiluAndMul;
   float alpha = 0.f, limit = 0.f;

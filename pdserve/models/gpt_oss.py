@@ -7,14 +7,20 @@ is biased and whose experts apply a clamped SwiGLU (`swiglu_limit`, `swiglu_alph
 
 Expert weights load from the layout `transformers` saves (fused [experts, in, out] tensors with
 gate and up interleaved column by column, plus biases) or from the released checkpoints' MXFP4
-`*_blocks` / `*_scales` (dequantized at load, `quant/mxfp4.py`), whose rows are outputs:
+`*_blocks` / `*_scales` (`quant/mxfp4.py`), whose rows are outputs:
 
     gate_up_proj        [E, hidden, 2I]  column 2i: gate i, column 2i+1: up i
     gate_up_proj_blocks [E, 2I, hidden/32, 16]  row 2i: gate i, row 2i+1: up i
     down_proj           [E, I, hidden]   down_proj_blocks [E, hidden, I/32, 16]
 
+MXFP4 experts stay MXFP4 where the native experts run them (float32 on a CPU with the kernels),
+which compute what they compute over the dequantized weights, bit for bit, from a seventh of
+the bytes; elsewhere (GPUs, other dtypes, a checkpoint with a NaN scale) they are dequantized at
+load. Either way they are never re-quantized (`--quantization int4/int8` leaves them as they are).
+
 Under tensor parallelism (`gpt_oss_sharded_args`) each rank keeps its query heads' sinks and a
-slice of every expert, cut from these float (dequantized) weights by `moe_sharding`.
+slice of every expert, cut by `moe_sharding` (an MXFP4 expert whose cut splits a 32-weight group
+is dequantized first).
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ import torch
 
 from pdserve.models.base import QKV, DecoderLayer
 from pdserve.models.decoder_args import decoder_fields
+from pdserve.kernels.native import cpu_kernels_available
 from pdserve.models.hf_config import ModelLoadError, flat_rope, layer_specs_from_types, require
 from pdserve.models.layers import rms_norm_fp32_scale
 from pdserve.models.llama import LlamaAttention, LlamaAttentionArgs, LlamaForCausalLM
 from pdserve.models.moe import ClampedSwiGLU, Experts, ExpertWeights, SparseMoE, TopKThenSoftmax
 from pdserve.models.moe_sharding import ExpertShard, sharded_experts
-from pdserve.models.quant.mxfp4 import dequantize_mxfp4
+from pdserve.models.quant.mxfp4 import NAN_SCALE, Mxfp4Weight, dequantize_mxfp4
 from pdserve.models.tensor_parallel import TensorParallelShard, sharded_args
 from pdserve.models.weight_loader import WeightLoader
 from pdserve.models.weight_targets import copy_rows, empty_param
@@ -77,19 +84,32 @@ def gpt_oss_sharded_args(args: GptOssArgs, shard: TensorParallelShard) -> GptOss
     return dataclasses.replace(sharded_args(args, shard), expert_shard=ExpertShard(shard.rank, shard.size))
 
 
-def gpt_oss_expert_weights(weights: WeightLoader, prefix: str):
-    """Per-expert float weights of one layer's `{prefix}experts.` tensors, fused float or MXFP4."""
+def gpt_oss_expert_weights(weights: WeightLoader, prefix: str, keep_mxfp4: bool = False):
+    """Per-expert weights of one layer's `{prefix}experts.` tensors: fused float, MXFP4
+    dequantized, or (keep_mxfp4, and no scale is NaN) MXFP4 kept as `Mxfp4Weight`s."""
     get, has = weights.get, weights.source.has
+    gate_up_bias, down_bias = get(prefix + "gate_up_proj_bias"), get(prefix + "down_proj_bias")
     if has(prefix + "gate_up_proj_blocks"):
         # MXFP4: rows are outputs already.
-        gate_up = dequantize_mxfp4(get(prefix + "gate_up_proj_blocks"), get(prefix + "gate_up_proj_scales"))
-        down = dequantize_mxfp4(get(prefix + "down_proj_blocks"), get(prefix + "down_proj_scales"))
+        gate_up_mx = (get(prefix + "gate_up_proj_blocks"), get(prefix + "gate_up_proj_scales"))
+        down_mx = (get(prefix + "down_proj_blocks"), get(prefix + "down_proj_scales"))
+        if keep_mxfp4 and not any(bool((scales == NAN_SCALE).any()) for _, scales in (gate_up_mx, down_mx)):
+            (gate_up_blocks, gate_up_scales), (down_blocks, down_scales) = gate_up_mx, down_mx
+
+            def kept(e: int) -> ExpertWeights:
+                return ExpertWeights(
+                    gate=Mxfp4Weight.from_blocks(gate_up_blocks[e, 0::2], gate_up_scales[e, 0::2]),
+                    up=Mxfp4Weight.from_blocks(gate_up_blocks[e, 1::2], gate_up_scales[e, 1::2]),
+                    down=Mxfp4Weight.from_blocks(down_blocks[e], down_scales[e]),
+                    gate_bias=gate_up_bias[e, 0::2], up_bias=gate_up_bias[e, 1::2], down_bias=down_bias[e])
+
+            return kept
+        gate_up, down = dequantize_mxfp4(*gate_up_mx), dequantize_mxfp4(*down_mx)
     elif has(prefix + "gate_up_proj"):
         gate_up = get(prefix + "gate_up_proj").transpose(1, 2)  # [E, 2I, hidden]
         down = get(prefix + "down_proj").transpose(1, 2)  # [E, hidden, I]
     else:
         raise ModelLoadError(f"checkpoint has neither {prefix}gate_up_proj nor its MXFP4 blocks")
-    gate_up_bias, down_bias = get(prefix + "gate_up_proj_bias"), get(prefix + "down_proj_bias")
 
     def expert(e: int) -> ExpertWeights:
         return ExpertWeights(gate=gate_up[e, 0::2], up=gate_up[e, 1::2], down=down[e],
@@ -106,6 +126,7 @@ class GptOssDecoderLayer(DecoderLayer):
         self.self_attn = LlamaAttention(args, dtype, device)
         self.attention_sinks = empty_param((args.num_heads,), torch.float32, device)
         self.expert_shard = args.expert_shard
+        self.expert_dtype = dtype
         k = args.experts_per_token
         experts = Experts(args.num_experts, args.hidden_size, args.intermediate_size,
                           ClampedSwiGLU(args.swiglu_alpha, args.swiglu_limit), True, dtype)
@@ -128,7 +149,11 @@ class GptOssDecoderLayer(DecoderLayer):
         copy_rows(self.attention_sinks, [weights.get(prefix + "self_attn.sinks")], prefix + "self_attn.sinks")
         mlp = prefix + "mlp."
         self.mlp.load_router(weights.get(mlp + "router.weight"), weights.get(mlp + "router.bias"), mlp)
-        experts = sharded_experts(gpt_oss_expert_weights(weights, mlp + "experts."), self.expert_shard)
+        # The native experts read MXFP4 rows (float32 activations on the CPU); elsewhere they would
+        # be dequantized on every call, so they are dequantized once here instead.
+        keep_mxfp4 = (weights.device.type == "cpu" and self.expert_dtype == torch.float32
+                      and cpu_kernels_available())
+        experts = sharded_experts(gpt_oss_expert_weights(weights, mlp + "experts.", keep_mxfp4), self.expert_shard)
         self.mlp.experts.load(weights, experts, mlp)
 
 

@@ -13,20 +13,22 @@ weight * expert(token), added in ascending expert order (the order transformers 
 
 Expert weights are per-expert linear layers, so the float, int8 and int4 weight paths
 (`WeightLoader`) serve them unchanged; checkpoints that store experts fused ([experts, ...] tensors,
-MXFP4 blocks) are cut per expert at load by the model file. On a CPU with the native kernels and
+MXFP4 blocks) are cut per expert at load by the model file, and MXFP4 experts can stay MXFP4
+(`Mxfp4Linear`, which the native call reads as it reads float32 rows). On a CPU with the native kernels and
 float32 activations, `Experts` runs all of this in one native call (`moe_native.py`); the torch
 path here is its reference and its fallback (other devices and dtypes, `torch.compile`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.models.moe_native import native_experts
+from pdserve.models.quant.mxfp4 import Mxfp4Weight, concat_output_rows
 from pdserve.models.weight_targets import copy_rows, empty_linear, empty_param
 
 if TYPE_CHECKING:
@@ -138,16 +140,26 @@ def run_by_expert(x: torch.Tensor, routing: Routing, num_experts: int,
     return out
 
 
+ExpertMatrix = Union[torch.Tensor, Mxfp4Weight]
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertWeights:
-    """One expert's float weights in the checkpoint's orientation (rows = outputs)."""
+    """One expert's weights in the checkpoint's orientation (rows = outputs): all three float
+    tensors, or all three MXFP4."""
 
-    gate: torch.Tensor  # [intermediate, hidden]
-    up: torch.Tensor  # [intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate: ExpertMatrix  # [intermediate, hidden]
+    up: ExpertMatrix  # [intermediate, hidden]
+    down: ExpertMatrix  # [hidden, intermediate]
     gate_bias: Optional[torch.Tensor] = None  # [intermediate]
     up_bias: Optional[torch.Tensor] = None
     down_bias: Optional[torch.Tensor] = None  # [hidden]
+
+    def dequantized(self) -> "ExpertWeights":
+        """The same expert with float32 matrices."""
+        if not isinstance(self.gate, Mxfp4Weight):
+            return self
+        return replace(self, gate=self.gate.dequantize(), up=self.up.dequantize(), down=self.down.dequantize())
 
 
 class Experts(torch.nn.Module):
@@ -193,14 +205,19 @@ class Experts(torch.nn.Module):
         return self.down[expert](self.activation(gate, up))
 
     def load(self, weights: "WeightLoader", expert_weights: Callable[[int], ExpertWeights], prefix: str) -> None:
-        """Fill every expert from `expert_weights(e)` (float tensors), float or quantized as the
-        loader's policy says."""
+        """Fill every expert from `expert_weights(e)`: MXFP4 kept as it is, float tensors float or
+        quantized as the loader's policy says."""
         self._native = None  # rebuilt over the new weights on first use
         for e in range(self.num_experts):
             w = expert_weights(e)
             label = f"{prefix}experts.{e}"
-            self.gate_up[e] = weights.linear_from_tensors(self.gate_up[e], [w.gate, w.up], label + ".gate_up")
-            self.down[e] = weights.linear_from_tensors(self.down[e], [w.down], label + ".down")
+            if isinstance(w.gate, Mxfp4Weight):
+                self.gate_up[e] = weights.linear_from_mxfp4(self.gate_up[e], concat_output_rows([w.gate, w.up]),
+                                                            label + ".gate_up")
+                self.down[e] = weights.linear_from_mxfp4(self.down[e], w.down, label + ".down")
+            else:
+                self.gate_up[e] = weights.linear_from_tensors(self.gate_up[e], [w.gate, w.up], label + ".gate_up")
+                self.down[e] = weights.linear_from_tensors(self.down[e], [w.down], label + ".down")
             if self.gate_up[e].bias is not None:
                 copy_rows(self.gate_up[e].bias, [w.gate_bias, w.up_bias], label + ".gate_up bias")
                 copy_rows(self.down[e].bias, [w.down_bias], label + ".down bias")

@@ -13,8 +13,10 @@ gated activation (elementwise over the I units, gpt-oss's clamp included) never 
 
 Invariant: summed over the ranks, the sharded experts' outputs equal the whole experts' output,
 so one all-reduce after the experts (`tensor_parallel.wrap_row_parallel`) completes the layer.
-Slices are cut from the float weights the model file produces (fused layouts taken apart, MXFP4
-dequantized first), so no checkpoint layout and no quantization block decides where a cut falls.
+Slices are cut from the weights the model file produces: float (fused layouts taken apart), or
+MXFP4 rows kept whole where the cut falls between 32-weight groups (rows of gate and up always;
+down's columns when the slice is whole groups); an expert whose down cut would split a group is
+dequantized first, so no quantization block decides where a cut falls.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from pdserve.models.hf_config import ModelLoadError
 from pdserve.models.moe import ExpertWeights
+from pdserve.models.quant.mxfp4 import Mxfp4Weight
 
 ExpertSource = Callable[[int], ExpertWeights]  # expert index -> that expert's whole float weights
 
@@ -44,11 +47,20 @@ class ExpertShard:
 
     def cut(self, weights: ExpertWeights) -> ExpertWeights:
         """This rank's slice of one expert's whole weights (rows = outputs, as `ExpertWeights` holds them)."""
-        units = self.units(weights.gate.shape[0])
+        if isinstance(weights.gate, Mxfp4Weight):
+            units = self.units(weights.gate.out_features)
+            down = weights.down.input_columns(units)
+            if down is None:  # the cut splits a group: this expert's slice in float
+                return self.cut(weights.dequantized())
+            gate, up = weights.gate.output_rows(units), weights.up.output_rows(units)
+        else:
+            units = self.units(weights.gate.shape[0])
+            gate, up, down = (weights.gate[units].contiguous(), weights.up[units].contiguous(),
+                              weights.down[:, units].contiguous())
         return ExpertWeights(
-            gate=weights.gate[units].contiguous(),
-            up=weights.up[units].contiguous(),
-            down=weights.down[:, units].contiguous(),
+            gate=gate,
+            up=up,
+            down=down,
             gate_bias=None if weights.gate_bias is None else weights.gate_bias[units].contiguous(),
             up_bias=None if weights.up_bias is None else weights.up_bias[units].contiguous(),
             down_bias=self._added_once(weights.down_bias),

@@ -17,7 +17,8 @@ import torch
 from pdserve.models.hf_config import ModelLoadError
 from pdserve.models.quant.blocks import (
     GROUP_SIZE, BlockFormat, PackedWeight, concat_rows, dequantize, quantize_q4_1, quantize_q8_0)
-from pdserve.models.quant.modules import QuantizedEmbedding, QuantizedLinear
+from pdserve.models.quant.modules import Mxfp4Linear, QuantizedEmbedding, QuantizedLinear
+from pdserve.models.quant.mxfp4 import Mxfp4Weight
 from pdserve.models.weight_targets import Embedding, Linear, copy_rows
 from pdserve.models.weights import WeightSource
 
@@ -105,6 +106,23 @@ class WeightLoader:
         weight = list(parts) if float_format is None else concat_rows([_quantize(p, float_format) for p in parts])
         return self._finish_linear(layer, weight, label)
 
+    def linear_from_mxfp4(self, layer: Linear, weight: Mxfp4Weight, label: str) -> torch.nn.Module:
+        """`layer` as an `Mxfp4Linear` over `weight` (MXFP4 expert rows the model file kept), its
+        bias left for the model file to fill, as `_finish_linear` leaves it."""
+        bias = self._packed_layer_bias(layer, (weight.out_features, weight.in_features), label)
+        return Mxfp4Linear(Mxfp4Weight(weight.rows.to(self.device), weight.in_features), bias)
+
+    def _packed_layer_bias(self, layer: Linear, shape: tuple[int, int], label: str) -> Optional[torch.nn.Parameter]:
+        """The empty bias (or None) of a packed layer that replaces `layer`; ModelLoadError when the
+        checkpoint's weight `shape` does not fit it. Counts the layer as quantized."""
+        if shape != (layer.out_features, layer.in_features):
+            raise ModelLoadError(f"{label}: checkpoint shape {shape} "
+                                 f"does not fit parameter {(layer.out_features, layer.in_features)}")
+        self.num_quantized_layers += 1
+        if layer.bias is None:
+            return None
+        return torch.nn.Parameter(torch.empty_like(layer.bias, device=self.device), requires_grad=False)
+
     def output_head(self, layer: Linear, name: str) -> torch.nn.Module:
         format_for_floats = BlockFormat.Q8_0 if self.policy.float_format is not None else None
         return self._finish_linear(layer, self._weight([name], format_for_floats), name)
@@ -115,13 +133,7 @@ class WeightLoader:
             layer = layer.to_empty(device=self.device)
             copy_rows(layer.weight, weight, label)
             return layer
-        if (weight.out_features, weight.in_features) != (layer.out_features, layer.in_features):
-            raise ModelLoadError(f"{label}: checkpoint shape {(weight.out_features, weight.in_features)} "
-                                 f"does not fit parameter {(layer.out_features, layer.in_features)}")
-        bias = None
-        if layer.bias is not None:
-            bias = torch.nn.Parameter(torch.empty_like(layer.bias, device=self.device), requires_grad=False)
-        self.num_quantized_layers += 1
+        bias = self._packed_layer_bias(layer, (weight.out_features, weight.in_features), label)
         return QuantizedLinear(PackedWeight(weight.blocks.to(self.device), weight.format, weight.in_features), bias)
 
     def embedding(self, layer: Embedding, name: str) -> torch.nn.Module:

@@ -1,7 +1,8 @@
 """The native mixture of experts (`pdserve_cpu::SparseMoeMlp`) against the torch path it replaces
 (`pdserve.models.moe`): the same routing, the same expert outputs for float, int8 and int4
 weights, with gpt-oss's biased clamped SwiGLU and Qwen3-MoE's SiLU, at one row and sixteen (with
-several tokens on one expert); and the inputs it leaves to the torch path."""
+several tokens on one expert); MXFP4 experts bit for bit the float experts they dequantize to;
+and the inputs it leaves to the torch path."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 from pdserve.models.moe import (
     ClampedSwiGLU, Experts, SoftmaxThenTopK, TopKThenSoftmax, run_by_expert, silu_and_mul,
 )
-from pdserve.models.moe_native import native_experts
+from pdserve.models.moe_native import MXFP4_WEIGHT, native_experts, native_weight
+from pdserve.models.quant.modules import Mxfp4Linear
+from pdserve.models.quant.mxfp4 import Mxfp4Weight, quantize_mxfp4
 from pdserve.models.weight_loader import WeightLoader, WeightPolicy
 from tests.models.test_quantized_blocks import require_native_kernels
 
@@ -84,6 +87,55 @@ def test_float_experts_of_any_width_match_the_torch_path_at_every_row_count(hidd
         with torch.inference_mode():
             expected = _torch_reference(experts, x, (weights, ids))
         torch.testing.assert_close(native.run_experts(x, weights, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def _mxfp4_experts(activation, bias: bool, seed: int, hidden: int, width: int) -> tuple[Experts, Experts]:
+    """(experts kept in MXFP4, the same experts as their dequantized float32 weights)."""
+    mxfp4 = _experts(activation, bias, "none", seed, hidden, width)
+    floats = _experts(activation, bias, "none", seed, hidden, width)
+    loader = WeightLoader(_NoSource(), WeightPolicy(), CPU)
+    for e in range(NUM_EXPERTS):
+        for kept, plain in ((mxfp4.gate_up, floats.gate_up), (mxfp4.down, floats.down)):
+            blocks, scales = quantize_mxfp4(plain[e].weight.detach())
+            scales[0, 0] = 0  # the smallest scale, 2^-127 (subnormal products)
+            packed = Mxfp4Weight.from_blocks(blocks, scales)
+            bias_values = None if plain[e].bias is None else plain[e].bias.detach().clone()
+            kept[e] = loader.linear_from_mxfp4(kept[e], packed, "expert")
+            if bias_values is not None:
+                kept[e].bias.copy_(bias_values)
+            plain[e].weight.data.copy_(packed.dequantize())
+    return mxfp4, floats
+
+
+@pytest.mark.parametrize("activation, bias", [(ClampedSwiGLU(1.702, 7.0), True), (silu_and_mul, False)])
+@pytest.mark.parametrize("hidden, width", [(64, 32), (96, 64)])
+def test_mxfp4_experts_give_the_float_experts_bits_at_every_row_count(activation, bias, hidden, width):
+    """The MXFP4 kernel decodes each weight exactly and adds in the float kernel's order: outputs are
+    equal bit for bit, from 1 to 19 rows on one expert (token rows go four at a time); and both
+    agree with the torch path (which dequantizes per call)."""
+    require_native_kernels()
+    mxfp4, floats = _mxfp4_experts(activation, bias, seed=hidden, hidden=hidden, width=width)
+    assert isinstance(mxfp4.gate_up[0], Mxfp4Linear) and native_weight(mxfp4.down[0])[1] == MXFP4_WEIGHT
+    kept, plain = native_experts(mxfp4), native_experts(floats)
+    generator = torch.Generator().manual_seed(width)
+    for num_rows in (1, 2, 3, 5, 8, 19):
+        x = torch.randn(num_rows, hidden, generator=generator) * 2
+        ids = torch.stack([torch.full((num_rows,), 1), torch.arange(num_rows) % 3 * 2 + 2], dim=1)
+        weights = torch.softmax(torch.randn(num_rows, 2, generator=generator), dim=-1)
+        got = kept.run_experts(x, weights, ids)
+        assert torch.equal(got, plain.run_experts(x, weights, ids)), f"{num_rows} rows"
+        with torch.inference_mode():
+            expected = _torch_reference(mxfp4, x, (weights, ids))
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # BLAS adds in another order
+
+
+def test_the_kernel_refuses_mxfp4_widths_that_split_a_group():
+    require_native_kernels()
+    mxfp4, _ = _mxfp4_experts(silu_and_mul, False, seed=1, hidden=64, width=32)
+    rows = [linear.rows for linear in mxfp4.gate_up]
+    with pytest.raises(RuntimeError, match="gate|up must be"):
+        torch.classes.pdserve_cpu.SparseMoeMlp(torch.empty(0), torch.empty(0), rows, [r[:, :-1] for r in rows],
+                                               MXFP4_WEIGHT, torch.empty(0), torch.empty(0), [1, 0], [0.0, 0.0, 0.0])
 
 
 def test_the_clamp_and_the_gate_limit_are_applied():

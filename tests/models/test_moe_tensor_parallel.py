@@ -18,6 +18,7 @@ from pdserve.models.loader import load_model
 from pdserve.models.moe import ExpertWeights, SparseMoE
 from pdserve.models.moe_sharding import ExpertShard, expert_split_problem
 from pdserve.models.quant.modules import QuantizedLinear
+from pdserve.models.quant.mxfp4 import Mxfp4Weight, quantize_mxfp4
 from pdserve.models.registry import TensorParallelRank, build_model
 from pdserve.models.tensor_parallel import RowParallel, ShardedWeights, TensorParallelShard
 from pdserve.models.weights import SafetensorsSource
@@ -115,6 +116,35 @@ def test_each_ranks_expert_slices_recombine_to_the_whole_expert():
     assert all(not s.down_bias.any() for s in slices[1:])
     unbiased = ExpertShard(1, 2).cut(ExpertWeights(gate=numbered(4, 2), up=numbered(4, 2), down=numbered(2, 4)))
     assert unbiased.gate_bias is None and unbiased.down_bias is None
+
+
+def _mxfp4_expert(width: int, hidden: int, seed: int) -> ExpertWeights:
+    generator = torch.Generator().manual_seed(seed)
+
+    def matrix(rows: int, cols: int) -> Mxfp4Weight:
+        return Mxfp4Weight.from_blocks(*quantize_mxfp4(torch.randn(rows, cols, generator=generator)))
+
+    return ExpertWeights(gate=matrix(width, hidden), up=matrix(width, hidden), down=matrix(hidden, width),
+                         gate_bias=torch.randn(width, generator=generator), up_bias=torch.zeros(width),
+                         down_bias=torch.randn(hidden, generator=generator))
+
+
+@pytest.mark.parametrize("width, stays_mxfp4", [(128, True), (64, False)])
+def test_mxfp4_expert_slices_stay_mxfp4_where_the_cut_keeps_whole_groups(width, stays_mxfp4):
+    """Two ranks of an expert 128 wide cut down's columns at 64 (whole 32-weight groups): slices stay
+    MXFP4; four ranks of one 64 wide cut at 16 columns, inside a group, and dequantize. Either
+    way each slice holds exactly the float weights of the same cut of the dequantized expert."""
+    whole = _mxfp4_expert(width, 64, seed=width)
+    size = 2 if stays_mxfp4 else 4
+    for rank in range(size):
+        sliced = ExpertShard(rank, size).cut(whole)
+        assert isinstance(sliced.down, Mxfp4Weight) is stays_mxfp4
+        assert isinstance(sliced.gate, Mxfp4Weight) is stays_mxfp4
+        expected = ExpertShard(rank, size).cut(whole.dequantized())
+        for field in ("gate", "up", "down", "gate_bias", "down_bias"):
+            got = getattr(sliced, field)
+            got = got.dequantize() if isinstance(got, Mxfp4Weight) else got
+            assert torch.equal(got, getattr(expected, field)), field
 
 
 def test_expert_tensors_pass_whole_and_sinks_follow_their_query_heads():

@@ -1,4 +1,5 @@
-"""Linear layers and token embeddings whose weights stay in quantized blocks.
+"""Linear layers and token embeddings whose weights stay in quantized blocks (GGUF's, and MXFP4
+experts).
 
 Invariant: the blocks are the only copy of the weight; a forward pass never keeps a float copy.
 On a CPU with the native kernels, small batches (decode) multiply the blocks directly and
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels.native import cpu_kernels_available, ops
 from pdserve.models.quant.blocks import BlockFormat, PackedWeight, dequantize
+from pdserve.models.quant.mxfp4 import Mxfp4Weight
 
 
 def _uses_native_kernels(blocks: torch.Tensor) -> bool:
@@ -55,6 +57,33 @@ class QuantizedLinear(torch.nn.Module):
         if self.format is BlockFormat.Q4_1:
             return ops().q4_1_linear(rows, self.blocks)
         return ops().q8_0_linear(rows, self.blocks)
+
+
+class Mxfp4Linear(torch.nn.Module):
+    """y = x @ W.T (+ bias) with W kept in MXFP4 (`Mxfp4Weight`). The native experts read the rows
+    themselves (`moe_native.py`); this forward, the torch path's, dequantizes per call. `weight`
+    is the float32 matrix the rows stand for, made on each access (no copy is kept)."""
+
+    def __init__(self, weight: Mxfp4Weight, bias: Optional[torch.nn.Parameter] = None):
+        super().__init__()
+        self.register_buffer("rows", weight.rows)
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+        self.bias = bias
+
+    @property
+    def packed(self) -> Mxfp4Weight:
+        return Mxfp4Weight(self.rows, self.in_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.packed.dequantize()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format=mxfp4"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), self.bias)
 
 
 class QuantizedEmbedding(torch.nn.Module):
