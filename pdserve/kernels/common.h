@@ -43,6 +43,13 @@
 #define PDSERVE_AVX512_VNNI 0
 #endif
 
+// AVX-512F: moe_experts.cpp decodes 16 MXFP4 weights a vector (a 16-entry table lookup).
+#if PDSERVE_AVX2 && defined(__AVX512F__)
+#define PDSERVE_AVX512F 1
+#else
+#define PDSERVE_AVX512F 0
+#endif
+
 namespace pdserve::kernels {
 
 #if PDSERVE_AVX2

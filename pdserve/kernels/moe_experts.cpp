@@ -14,6 +14,8 @@
 
 #include "moe_experts.h"
 
+#include <type_traits>
+
 namespace pdserve::kernels {
 namespace {
 
@@ -130,21 +132,42 @@ float e2m1_value(uint8_t code) {
   return (code & 8) ? -kMagnitudes[code & 7] : kMagnitudes[code & 7];
 }
 
-// Weight row j of an [n, k] matrix: float32 rows, or MXFP4 rows of k / 32 groups.
+// One MXFP4 weight: value i of a row whose groups start at `row`.
+inline float mxfp4_weight(const uint8_t* row, int64_t i) {
+  const uint8_t* group = row + i / kMxfp4GroupValues * kMxfp4GroupBytes;
+  const uint8_t byte = group[1 + i % kMxfp4GroupValues / 2];
+  return e2m1_value(i % 2 ? byte >> 4 : byte & 15) * e8m0_scale(group[0]);
+}
+
+// Four weight rows side by side (addresses of each row's first weight), as the tile kernel reads them.
+struct FloatTile {
+  const float* row[4];
+  float weight(int c, int64_t i) const { return row[c][i]; }
+};
+
+struct Mxfp4Tile {
+  const uint8_t* row[4];
+  float weight(int c, int64_t i) const { return mxfp4_weight(row[c], i); }
+};
+
+// An [n, k] weight matrix: float32 rows, or MXFP4 rows of k / 32 groups.
 struct FloatRows {
   const float* w;
   int64_t k;
   float weight(int64_t j, int64_t i) const { return w[j * k + i]; }
+  FloatTile tile(const int64_t* col) const {
+    return {{w + col[0] * k, w + col[1] * k, w + col[2] * k, w + col[3] * k}};
+  }
 };
 
 struct Mxfp4Rows {
   const uint8_t* w;
   int64_t k;
   int64_t row_bytes() const { return k / kMxfp4GroupValues * kMxfp4GroupBytes; }
-  float weight(int64_t j, int64_t i) const {
-    const uint8_t* group = w + j * row_bytes() + i / kMxfp4GroupValues * kMxfp4GroupBytes;
-    const uint8_t byte = group[1 + i % kMxfp4GroupValues / 2];
-    return e2m1_value(i % 2 ? byte >> 4 : byte & 15) * e8m0_scale(group[0]);
+  float weight(int64_t j, int64_t i) const { return mxfp4_weight(w + j * row_bytes(), i); }
+  Mxfp4Tile tile(const int64_t* col) const {
+    const int64_t bytes = row_bytes();
+    return {{w + col[0] * bytes, w + col[1] * bytes, w + col[2] * bytes, w + col[3] * bytes}};
   }
 };
 
@@ -163,24 +186,57 @@ inline __m128 lane_sums(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
 }
 
-// Four weight rows' slices, a group of `kValues` weights at a time: `slice(c, offset)` is row c's
-// 8 weights at `offset` into the group that `FourGroups(rows, col, i)` starts at weight i.
+// A tile's four rows read a group of `kValues` weights at a time: `slice(c, offset)` is row c's
+// 8 weights at `offset` into the group that `Four(tile, i)` starts at weight i.
 struct FloatFour {
   static constexpr int64_t kValues = 8;
   const float* at[4];
-  FloatFour(const FloatRows& rows, const int64_t* col, int64_t i) {
-    for (int c = 0; c < 4; ++c) at[c] = rows.w + col[c] * rows.k + i;
+  FloatFour(const FloatTile& tile, int64_t i) {
+    for (int c = 0; c < 4; ++c) at[c] = tile.row[c] + i;
   }
   __m256 slice(int c, int64_t) const { return _mm256_loadu_ps(at[c]); }
 };
 
+#if PDSERVE_AVX512F
+// 16 weights a decode: the 8 code bytes' nibbles index a 16-entry table of the signed E2M1 values
+// times the group's scale (one product per group, exact as in the 8-wide decode). The upper 8
+// weights wait for the slice after (four_weight_rows asks for offsets 0, 8, 16, 24 in turn).
+struct Mxfp4Four {
+  static constexpr int64_t kValues = kMxfp4GroupValues;
+  const uint8_t* codes[4];
+  __m512 table[4];
+  __m256 upper[4];
+  Mxfp4Four(const Mxfp4Tile& tile, int64_t i) {
+    const __m512 values = _mm512_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f,
+                                         -3.f, -4.f, -6.f);
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* group = tile.row[c] + i / kValues * kMxfp4GroupBytes;
+      table[c] = _mm512_mul_ps(values, _mm512_set1_ps(e8m0_scale(group[0])));
+      codes[c] = group + 1;
+    }
+  }
+  __m256 slice(int c, int64_t offset) {
+    if (offset % 16 != 0) return upper[c];
+    // Lanes 0-7 take the first 4 code bytes, lanes 8-15 the next 4; lane v's shift picks its nibble.
+    const __m512i words = _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+        _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes[c] + offset / 2))));
+    const __m512i nibbles = _mm512_and_si512(
+        _mm512_srlv_epi32(words, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28)),
+        _mm512_set1_epi32(15));
+    const __m512 weights = _mm512_permutexvar_ps(nibbles, table[c]);
+    upper[c] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(weights), 1));
+    return _mm512_castps512_ps256(weights);
+  }
+};
+#else
 struct Mxfp4Four {
   static constexpr int64_t kValues = kMxfp4GroupValues;
   const uint8_t* codes[4];
   __m256 scale[4];
-  Mxfp4Four(const Mxfp4Rows& rows, const int64_t* col, int64_t i) {
+  Mxfp4Four(const Mxfp4Tile& tile, int64_t i) {
     for (int c = 0; c < 4; ++c) {
-      const uint8_t* group = rows.w + col[c] * rows.row_bytes() + i / kValues * kMxfp4GroupBytes;
+      const uint8_t* group = tile.row[c] + i / kValues * kMxfp4GroupBytes;
       scale[c] = _mm256_set1_ps(e8m0_scale(group[0]));
       codes[c] = group + 1;
     }
@@ -197,24 +253,25 @@ struct Mxfp4Four {
     return _mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign));
   }
 };
+#endif
 
-template <typename Rows> struct FourOf;
-template <> struct FourOf<FloatRows> { using type = FloatFour; };
-template <> struct FourOf<Mxfp4Rows> { using type = Mxfp4Four; };
+template <typename Tile> struct FourOf;
+template <> struct FourOf<FloatTile> { using type = FloatFour; };
+template <> struct FourOf<Mxfp4Tile> { using type = Mxfp4Four; };
 
-// out[r][col[c]] for r < kRows and c < 4: token row x[r] against weight row col[c] (k weights each).
-template <int kRows, typename Rows>
-void four_weight_rows(const Rows& rows, const int64_t* col, const float* const* x, const float* bias,
+// out[r][col[c]] for r < kRows and c < 4: token row x[r] against the tile's row c (k weights each).
+template <int kRows, typename Tile>
+void four_weight_rows(const Tile& tile, int64_t k, const int64_t* col, const float* const* x, const float* bias,
                       float* const* out) {
-  using Four = typename FourOf<Rows>::type;
-  const int64_t k = rows.k;
+  using Four = typename FourOf<Tile>::type;
   __m256 acc[kRows][4];
   for (int r = 0; r < kRows; ++r) {
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
   }
   int64_t i = 0;
   for (; i + Four::kValues <= k; i += Four::kValues) {
-    const Four four(rows, col, i);
+    Four four(tile, i);
+#pragma GCC unroll 4
     for (int64_t offset = 0; offset < Four::kValues; offset += 8) {
       __m256 xs[kRows];
       for (int r = 0; r < kRows; ++r) xs[r] = _mm256_loadu_ps(x[r] + i + offset);
@@ -231,37 +288,68 @@ void four_weight_rows(const Rows& rows, const int64_t* col, const float* const* 
     _mm_store_ps(sums, _mm_add_ps(lane_sums(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), b));
     for (int c = 0; c < 4; ++c) {  // + the tail past the last whole group (float rows only: k % 8)
       float tail = 0.f;
-      for (int64_t t = i; t < k; ++t) tail += rows.weight(col[c], t) * x[r][t];
+      for (int64_t t = i; t < k; ++t) tail += tile.weight(c, t) * x[r][t];
       out[r][col[c]] = sums[c] + tail;
     }
   }
 }
 
-template <typename Rows>
-using FourRowsKernel = void (*)(const Rows&, const int64_t*, const float* const*, const float*, float* const*);
-template <typename Rows>
-constexpr FourRowsKernel<Rows> kFourRows[kTokenTile] = {four_weight_rows<1, Rows>, four_weight_rows<2, Rows>,
-                                                        four_weight_rows<3, Rows>, four_weight_rows<4, Rows>};
+template <typename Tile>
+using FourRowsKernel = void (*)(const Tile&, int64_t, const int64_t*, const float* const*, const float*,
+                                float* const*);
+template <typename Tile>
+constexpr FourRowsKernel<Tile> kFourRows[kTokenTile] = {four_weight_rows<1, Tile>, four_weight_rows<2, Tile>,
+                                                        four_weight_rows<3, Tile>, four_weight_rows<4, Tile>};
+
+// All m token rows against one tile, kTokenTile rows a pass.
+template <typename Tile>
+void tile_product(const Tile& tile, int64_t k, const int64_t* col, const float* const* x, int64_t m,
+                  const float* bias, float* const* out) {
+  for (int64_t r0 = 0; r0 < m; r0 += kTokenTile) {
+    kFourRows<Tile>[std::min<int64_t>(kTokenTile, m - r0) - 1](tile, k, col, x + r0, bias, out + r0);
+  }
+}
+
+// An MXFP4 tile's four rows decoded into float32 rows at `into` (4 x k floats): the exact
+// weights, so the float tile kernel over them gives the MXFP4 kernel's bits.
+FloatTile decoded(const Mxfp4Tile& tile, int64_t k, float* into) {
+  for (int64_t i = 0; i < k; i += Mxfp4Four::kValues) {
+    Mxfp4Four four(tile, i);
+    for (int64_t offset = 0; offset < Mxfp4Four::kValues; offset += 8) {
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(into + c * k + i + offset, four.slice(c, offset));
+    }
+  }
+  return {{into, into + k, into + 2 * k, into + 3 * k}};
+}
 #endif
 
 // out[r][0..n) = bias + x[r] @ w.T for the m token rows x[r] (k floats each); w [n, k] as `rows`.
 // The four weight rows of a step come one from each quarter of w: four streams that each walk
 // their quarter front to back, which the hardware prefetcher follows (four rows side by side
-// would start four short streams every 8 KB, and the read ran a third slower).
+// would start four short streams every 8 KB, and the read ran a third slower). MXFP4 rows that
+// more than one pass of token rows reads (prefill) are decoded once into an L1-sized scratch:
+// decoding them again for every pass cost prefill a third of its speed against float32.
 template <typename Rows>
 void few_rows_product(const Rows& rows, int64_t n, const float* const* x, int64_t m, const float* bias,
                       float* const* out) {
   int64_t done = 0;
 #if PDSERVE_AVX2
-  const int64_t quarter = n / 4;
+  const int64_t quarter = n / 4, k = rows.k;
   // The threads split each quarter (each walks its share of the four streams): on one thread an
   // expert streamed its weights at a third of the bandwidth two threads reach.
   at::parallel_for(0, quarter, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
     for (int64_t j = begin; j < end; ++j) {
       const int64_t col[4] = {j, j + quarter, j + 2 * quarter, j + 3 * quarter};
-      for (int64_t r0 = 0; r0 < m; r0 += kTokenTile) {
-        kFourRows<Rows>[std::min<int64_t>(kTokenTile, m - r0) - 1](rows, col, x + r0, bias, out + r0);
+      const auto tile = rows.tile(col);
+      if constexpr (std::is_same_v<Rows, Mxfp4Rows>) {
+        if (m > kTokenTile) {
+          scratch.resize(4 * k);
+          tile_product(decoded(tile, k, scratch.data()), k, col, x, m, bias, out);
+          continue;
+        }
       }
+      tile_product(tile, k, col, x, m, bias, out);
     }
   });
   done = 4 * quarter;
