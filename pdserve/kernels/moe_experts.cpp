@@ -323,56 +323,75 @@ FloatTile decoded(const Mxfp4Tile& tile, int64_t k, float* into) {
 }
 #endif
 
-// out[r][0..n) = bias + x[r] @ w.T for the m token rows x[r] (k floats each); w [n, k] as `rows`.
-// The four weight rows of a step come one from each quarter of w: four streams that each walk
+// One expert's product: out[r][0..n) = bias + x[r] @ w.T for its m token rows x[r] (k floats each).
+template <typename Rows>
+struct RowProduct {
+  Rows rows;  // w [n, k]
+  const float* const* x;
+  int64_t m;
+  const float* bias;
+  float* const* out;
+};
+
+// Every product in `products` (all [n, k]) in one parallel region: a step's active experts share
+// one hand-off to the threads instead of one each (at batch 1 the eight hand-offs of a layer's
+// four experts took as long as their arithmetic).
+// The four weight rows of a tile come one from each quarter of w: four streams that each walk
 // their quarter front to back, which the hardware prefetcher follows (four rows side by side
 // would start four short streams every 8 KB, and the read ran a third slower). MXFP4 rows that
 // more than one pass of token rows reads (prefill) are decoded once into an L1-sized scratch:
 // decoding them again for every pass cost prefill a third of its speed against float32.
 template <typename Rows>
-void few_rows_product(const Rows& rows, int64_t n, const float* const* x, int64_t m, const float* bias,
-                      float* const* out) {
+void row_products(const std::vector<RowProduct<Rows>>& products, int64_t n) {
   int64_t done = 0;
 #if PDSERVE_AVX2
-  const int64_t quarter = n / 4, k = rows.k;
-  // The threads split each quarter (each walks its share of the four streams): on one thread an
+  const int64_t quarter = n / 4;
+  // The threads split the quarters (each walks its share of the four streams): on one thread an
   // expert streamed its weights at a third of the bandwidth two threads reach.
-  at::parallel_for(0, quarter, 16, [&](int64_t begin, int64_t end) {
+  const int64_t num_tiles = quarter * static_cast<int64_t>(products.size());
+  at::parallel_for(0, num_tiles, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
-    for (int64_t j = begin; j < end; ++j) {
+    for (int64_t t = begin; t < end; ++t) {
+      const RowProduct<Rows>& p = products[t / quarter];
+      const int64_t j = t % quarter, k = p.rows.k;
       const int64_t col[4] = {j, j + quarter, j + 2 * quarter, j + 3 * quarter};
-      const auto tile = rows.tile(col);
+      const auto tile = p.rows.tile(col);
       if constexpr (std::is_same_v<Rows, Mxfp4Rows>) {
-        if (m > kTokenTile) {
+        if (p.m > kTokenTile) {
           scratch.resize(4 * k);
-          tile_product(decoded(tile, k, scratch.data()), k, col, x, m, bias, out);
+          tile_product(decoded(tile, k, scratch.data()), k, col, p.x, p.m, p.bias, p.out);
           continue;
         }
       }
-      tile_product(tile, k, col, x, m, bias, out);
+      tile_product(tile, k, col, p.x, p.m, p.bias, p.out);
     }
   });
   done = 4 * quarter;
 #endif
-  for (int64_t j = done; j < n; ++j) {
-    for (int64_t r = 0; r < m; ++r) out[r][j] = (bias != nullptr ? bias[j] : 0.f) + row_dot(rows, j, x[r]);
+  for (const RowProduct<Rows>& p : products) {
+    for (int64_t j = done; j < n; ++j) {
+      for (int64_t r = 0; r < p.m; ++r) {
+        p.out[r][j] = (p.bias != nullptr ? p.bias[j] : 0.f) + row_dot(p.rows, j, p.x[r]);
+      }
+    }
   }
 }
 
-// Scratch for the row-product path, sized once per call for the expert with the most rows.
+// Scratch for the row-product path: one row per (token, expert) pair, in the pairs' sorted order
+// (an expert's rows one after another).
 struct ExpertBuffers {
   std::vector<const float*> inputs, hidden_inputs;
   std::vector<float*> gate_up_rows, output_rows;
   std::vector<float> gate_up, hidden, output;
 };
 
-ExpertBuffers row_buffers(int64_t max_rows, int64_t hidden, int64_t width) {
+ExpertBuffers row_buffers(int64_t num_rows, int64_t hidden, int64_t width) {
   ExpertBuffers b;
-  b.inputs.resize(max_rows);
-  b.gate_up.resize(max_rows * 2 * width);
-  b.hidden.resize(max_rows * width);
-  b.output.resize(max_rows * hidden);
-  for (int64_t i = 0; i < max_rows; ++i) {
+  b.inputs.resize(num_rows);
+  b.gate_up.resize(num_rows * 2 * width);
+  b.hidden.resize(num_rows * width);
+  b.output.resize(num_rows * hidden);
+  for (int64_t i = 0; i < num_rows; ++i) {
     b.gate_up_rows.push_back(b.gate_up.data() + i * 2 * width);
     b.hidden_inputs.push_back(b.hidden.data() + i * width);
     b.output_rows.push_back(b.output.data() + i * hidden);
@@ -380,27 +399,34 @@ ExpertBuffers row_buffers(int64_t max_rows, int64_t hidden, int64_t width) {
   return b;
 }
 
-// Expert e over its m rows (b.inputs) with float32 or MXFP4 weights: gate|up, activation, down
-// into b.output.
-void run_row_expert(const SparseMoeMlp& moe, int64_t e, int64_t m, int64_t hidden, ExpertBuffers& b) {
-  const int64_t width = moe.expert_width;
-  const float* gate_up_bias = moe.gate_up_bias ? moe.gate_up_bias->data_ptr<float>() + e * 2 * width : nullptr;
-  const float* down_bias = moe.down_bias ? moe.down_bias->data_ptr<float>() + e * hidden : nullptr;
-  if (moe.format == SparseMoeMlp::kMxfp4) {
-    few_rows_product(Mxfp4Rows{moe.gate_up[e].data_ptr<uint8_t>(), hidden}, 2 * width, b.inputs.data(), m,
-                     gate_up_bias, b.gate_up_rows.data());
+template <typename Rows>
+Rows rows_of(const at::Tensor& weight, int64_t k) {
+  if constexpr (std::is_same_v<Rows, Mxfp4Rows>) {
+    return Rows{weight.data_ptr<uint8_t>(), k};
   } else {
-    few_rows_product(FloatRows{moe.gate_up[e].data_ptr<float>(), hidden}, 2 * width, b.inputs.data(), m,
-                     gate_up_bias, b.gate_up_rows.data());
+    return Rows{weight.data_ptr<float>(), k};
   }
-  gated_activation(b.gate_up.data(), m, width, moe.activation, moe.alpha, moe.limit, b.hidden.data());
-  if (moe.format == SparseMoeMlp::kMxfp4) {
-    few_rows_product(Mxfp4Rows{moe.down[e].data_ptr<uint8_t>(), width}, hidden, b.hidden_inputs.data(), m,
-                     down_bias, b.output_rows.data());
-  } else {
-    few_rows_product(FloatRows{moe.down[e].data_ptr<float>(), width}, hidden, b.hidden_inputs.data(), m,
-                     down_bias, b.output_rows.data());
+}
+
+// Every expert with rows (starts[e] .. starts[e + 1] of b's rows, b.inputs set) with float32 or
+// MXFP4 weights: all gate|up products, the activation, all down products, into b.output.
+template <typename Rows>
+void run_row_experts(const SparseMoeMlp& moe, const std::vector<int64_t>& starts, int64_t hidden, ExpertBuffers& b) {
+  const int64_t width = moe.expert_width, num_rows = starts.back();
+  std::vector<RowProduct<Rows>> gate_ups, downs;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(starts.size()); ++e) {
+    const int64_t first = starts[e], m = starts[e + 1] - first;
+    if (m == 0) continue;
+    const float* gate_up_bias = moe.gate_up_bias ? moe.gate_up_bias->data_ptr<float>() + e * 2 * width : nullptr;
+    const float* down_bias = moe.down_bias ? moe.down_bias->data_ptr<float>() + e * hidden : nullptr;
+    gate_ups.push_back({rows_of<Rows>(moe.gate_up[e], hidden), b.inputs.data() + first, m, gate_up_bias,
+                        b.gate_up_rows.data() + first});
+    downs.push_back({rows_of<Rows>(moe.down[e], width), b.hidden_inputs.data() + first, m, down_bias,
+                     b.output_rows.data() + first});
   }
+  row_products(gate_ups, 2 * width);
+  gated_activation(b.gate_up.data(), num_rows, width, moe.activation, moe.alpha, moe.limit, b.hidden.data());
+  row_products(downs, hidden);
 }
 
 // Expert e over its m rows with weights in blocks: the rows gathered into a tensor for the block
@@ -535,21 +561,22 @@ at::Tensor SparseMoeMlp::run_experts(const at::Tensor& x_in, const at::Tensor& w
   float* o = out.data_ptr<float>();
   const float* xs = x.data_ptr<float>();
   const float* w = weights.data_ptr<float>();
-  int64_t max_rows = 0;
-  for (int64_t e = 0; e < num_experts; ++e) max_rows = std::max(max_rows, starts[e + 1] - starts[e]);
   const bool row_weights = format == kFloat32 || format == kMxfp4;
   TORCH_CHECK(!row_weights || down[0].size(0) == hidden, "SparseMoeMlp: x's width is not the experts' hidden size");
-  ExpertBuffers buffers = row_buffers(max_rows, hidden, row_weights ? expert_width : 0);
-  for (int64_t e = 0; e < num_experts; ++e) {
+  ExpertBuffers buffers = row_buffers(num_pairs, row_weights ? hidden : 0, row_weights ? expert_width : 0);
+  for (int64_t s = 0; s < num_pairs; ++s) buffers.inputs[s] = xs + (order[s] / k) * hidden;
+  if (format == kMxfp4) {
+    run_row_experts<Mxfp4Rows>(*this, starts, hidden, buffers);
+  } else if (format == kFloat32) {
+    run_row_experts<FloatRows>(*this, starts, hidden, buffers);
+  }
+  for (int64_t e = 0; e < num_experts; ++e) {  // ascending experts: each token's sum in their order
     const int64_t first = starts[e], m = starts[e + 1] - first;
     if (m == 0) continue;
-    for (int64_t i = 0; i < m; ++i) buffers.inputs[i] = xs + (order[first + i] / k) * hidden;
     at::Tensor block_outputs;  // holds the block path's outputs while they are added in
-    const float* ys = buffers.output.data();
-    if (row_weights) {
-      run_row_expert(*this, e, m, hidden, buffers);
-    } else {
-      block_outputs = run_block_expert(*this, e, buffers.inputs.data(), m, hidden, x.options());
+    const float* ys = buffers.output.data() + first * hidden;
+    if (!row_weights) {
+      block_outputs = run_block_expert(*this, e, buffers.inputs.data() + first, m, hidden, x.options());
       ys = block_outputs.data_ptr<float>();
     }
     for (int64_t i = 0; i < m; ++i) {
