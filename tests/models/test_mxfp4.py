@@ -21,6 +21,7 @@ from pdserve.models.quant.mxfp4 import NAN_SCALE, Mxfp4Weight, dequantize_mxfp4,
 from pdserve.models.weight_loader import WeightLoader, WeightPolicy
 from tests.models.test_quantized_blocks import require_native_kernels
 from tests.models.test_tensor_parallel_sharding import DictSource
+from tests.engine.harness import generate, greedy, make_engine
 from tests.models.contiguous_attention import ContiguousAttention, forward_chunk
 from tests.models.hf_oracle import hf_prompt_logits
 from tests.tiny_models import GPT_OSS_VOCAB, make_tiny_gpt_oss, random_prompt
@@ -110,6 +111,24 @@ def test_experts_stay_mxfp4_on_the_cpu_and_give_the_dequantized_models_logits_bi
     assert experts.native_object(torch.zeros(1, 1)) is not None  # the kept rows ran natively
     twin = _with_float_experts(load_model(directory, torch.float32, CPU).model)
     assert torch.equal(kept, forward_chunk(twin, ContiguousAttention(twin.spec.layer_specs), "s", prompt))
+
+
+def test_the_engine_decodes_kept_mxfp4_experts_in_the_fused_stack_as_their_float_twin(models):
+    """Paged pool, chunked prefill and the fused native decode stack over the kept MXFP4 experts:
+    the same greedy tokens as the same engine over the dequantized float32 experts."""
+    require_native_kernels()
+    _, mxfp4, _, directory = models
+    twin = load_model(directory, torch.float32, CPU)
+    _with_float_experts(twin.model)
+    prompts = [random_prompt(n, GPT_OSS_VOCAB, 30 + n) for n in (9, 40)]
+    results = []
+    for loaded in (mxfp4, twin):
+        engine = make_engine(loaded=loaded, block_size=4, budget=24)
+        fused = engine.runner.decode_step._fused
+        assert fused is not None and all(layer.moe is not None for layer in fused)
+        results.append([r.token_ids for r in generate(engine, prompts, greedy(24, ignore_eos=True))])
+    assert isinstance(mxfp4.model.layers[0].mlp.experts.down[0], Mxfp4Linear)
+    assert results[0] == results[1]
 
 
 def test_mxfp4_is_dequantized_where_it_cannot_stay(models):
