@@ -31,9 +31,9 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from pdserve.kernels.native import cpu_kernels_available
 from pdserve.models.base import QKV, DecoderLayer
 from pdserve.models.decoder_args import decoder_fields
-from pdserve.kernels.native import cpu_kernels_available
 from pdserve.models.hf_config import ModelLoadError, flat_rope, layer_specs_from_types, require
 from pdserve.models.layers import rms_norm_fp32_scale
 from pdserve.models.llama import LlamaAttention, LlamaAttentionArgs, LlamaForCausalLM

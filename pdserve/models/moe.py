@@ -14,9 +14,9 @@ weight * expert(token), added in ascending expert order (the order transformers 
 Expert weights are per-expert linear layers, so the float, int8 and int4 weight paths
 (`WeightLoader`) serve them unchanged; checkpoints that store experts fused ([experts, ...] tensors,
 MXFP4 blocks) are cut per expert at load by the model file, and MXFP4 experts can stay MXFP4
-(`Mxfp4Linear`, which the native call reads as it reads float32 rows). On a CPU with the native kernels and
-float32 activations, `Experts` runs all of this in one native call (`moe_native.py`); the torch
-path here is its reference and its fallback (other devices and dtypes, `torch.compile`).
+(`Mxfp4Linear`, which the native call reads as it reads float32 rows). On a CPU with the native
+kernels and float32 activations, `Experts` runs all of this in one native call (`moe_native.py`);
+the torch path here is its reference and its fallback (other devices and dtypes, `torch.compile`).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ routing, grouping by expert and every active expert's gate|up and down in one ca
 
 Invariant: an object is built only for experts the kernel computes as the torch path does
 (`pdserve.models.moe`): float32 on the CPU, every expert's weights float32, MXFP4 rows or in the
-same block format the kernels read, biases float32, a routing rule and an activation the kernel knows;
-anything else raises ValueError, and the caller keeps the torch path.
+same block format the kernels read, biases float32, a routing rule and an activation the kernel
+knows; anything else raises ValueError, and the caller keeps the torch path.
 """
 
 from __future__ import annotations

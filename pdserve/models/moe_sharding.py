@@ -30,7 +30,7 @@ from pdserve.models.hf_config import ModelLoadError
 from pdserve.models.moe import ExpertWeights
 from pdserve.models.quant.mxfp4 import Mxfp4Weight
 
-ExpertSource = Callable[[int], ExpertWeights]  # expert index -> that expert's whole float weights
+ExpertSource = Callable[[int], ExpertWeights]  # expert index -> that expert's whole weights (float or MXFP4)
 
 
 @dataclass(frozen=True, slots=True)
