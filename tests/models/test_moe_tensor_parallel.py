@@ -17,7 +17,7 @@ from pdserve.models.hf_config import ModelLoadError
 from pdserve.models.loader import load_model
 from pdserve.models.moe import ExpertWeights, SparseMoE
 from pdserve.models.moe_sharding import ExpertShard, expert_split_problem
-from pdserve.models.quant.modules import QuantizedLinear
+from pdserve.models.quant.modules import Mxfp4Linear, QuantizedLinear
 from pdserve.models.quant.mxfp4 import Mxfp4Weight, quantize_mxfp4
 from pdserve.models.registry import TensorParallelRank, build_model
 from pdserve.models.tensor_parallel import RowParallel, ShardedWeights, TensorParallelShard
@@ -222,6 +222,23 @@ def test_two_ranks_of_an_mxfp4_checkpoint_give_the_one_rank_logits(checkpoints):
     prompt = random_prompt(40, GPT_OSS_VOCAB, 8)
     expected = forward_chunk(whole, ContiguousAttention(whole.spec.layer_specs), "s", prompt)
     for logits in run_ranks(load_ranks(directory), prompt):
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_two_ranks_keep_mxfp4_slices_of_whole_groups_and_give_the_one_rank_logits(tmp_path_factory):
+    """Experts 64 wide: each of two ranks keeps 32 units of every expert, whole MXFP4 groups, so its
+    slices stay MXFP4 (the native experts read them) and the ranks still sum to the one-rank model."""
+    float_dir, mxfp4_dir = (str(tmp_path_factory.mktemp(n)) for n in ("wide_gpt_oss", "wide_mxfp4"))
+    make_tiny_gpt_oss(float_dir, intermediate_size=64)
+    _mxfp4_checkpoint(float_dir, mxfp4_dir)
+    whole = load_model(mxfp4_dir, torch.float32, CPU).model
+    ranks = load_ranks(mxfp4_dir)
+    for model in ranks:
+        experts = model.layers[0].mlp.experts.inner
+        assert isinstance(experts.down[0], Mxfp4Linear) and experts.down[0].in_features == 32
+    prompt = random_prompt(40, GPT_OSS_VOCAB, 9)
+    expected = forward_chunk(whole, ContiguousAttention(whole.spec.layer_specs), "s", prompt)
+    for logits in run_ranks(ranks, prompt):
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
