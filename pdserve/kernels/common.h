@@ -11,6 +11,7 @@
 //   moe_experts.cpp       a mixture-of-experts MLP per call: routing, grouping, every active expert
 //   registration.cpp      the pdserve_cpu op library: schemas and CPU implementations
 // kernels.h, moe_experts.h and fused_layer.h declare what one of them calls or registers from another;
+// expert_rows.h holds how moe_experts.cpp reads float32, bfloat16 and MXFP4 weight rows;
 // kv_elements.h holds the KV pool's element types (float32, bfloat16, float16) and their loads.
 
 #pragma once

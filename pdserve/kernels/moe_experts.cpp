@@ -1,6 +1,6 @@
 // A mixture-of-experts MLP in one call (moe_experts.h): route, group the (token, expert) pairs by
-// expert, run each active expert once over all its rows (float32 and MXFP4 weights in this file's
-// few-row kernel, Q4_1/Q8_0 blocks in the block kernels).
+// expert, run each active expert once over all its rows (float32, bfloat16 and MXFP4 weights in
+// this file's few-row kernel, Q4_1/Q8_0 blocks in the block kernels).
 // Invariant: an expert no token chose is never read, and a batch costs one gate|up and one down
 // per active expert, never one per token.
 //
@@ -12,7 +12,7 @@
 // Experts run in ascending order, so each token's sum is added in ascending expert order, as the
 // torch path (pdserve.models.moe.run_by_expert) adds it.
 
-#include "moe_experts.h"
+#include "expert_rows.h"
 
 #include <type_traits>
 
@@ -84,7 +84,8 @@ void gated_activation(const float* gate_up, int64_t m, int64_t width, int64_t ki
   }
 }
 
-// ---- float32 and MXFP4 experts: a few token rows against each weight row, into buffers -------
+// ---- float32, bfloat16 and MXFP4 experts: a few token rows against each weight row ----------
+// (the formats' row readers: expert_rows.h)
 //
 // At batch 16 over 32 experts top-4 an expert gets ~2 rows: its products are thin and cost the
 // stream of its weights from memory (a float32 gpt-oss-shaped layer reads ~29 of its 32 experts,
@@ -99,165 +100,12 @@ void gated_activation(const float* gate_up, int64_t m, int64_t width, int64_t ki
 
 constexpr int kTokenTile = 4;  // token rows per pass over a tile of four weight rows (it stays in L1)
 
-float dot(const float* a, const float* b, int64_t n) {
-  float total = 0.f;
-  for (int64_t i = 0; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-
-// ---- MXFP4 experts: the same products over 4-bit weights, decoded in registers ---------------
-//
-// gpt-oss ships its experts in MXFP4 (quant/mxfp4.py); kept so, a layer's experts are 17 bytes a
-// 32 weights instead of 128 in float32. A weight row is whole groups, each its E8M0 scale byte
-// then 16 bytes of E2M1 codes (value 2j the low nibble of byte j):
-//
-//   row j   | s | c0 c1 .. c15 | s | c0 .. c15 | ...      17 bytes per 32 weights
-//   8 weights = 4 code bytes -> 8 nibbles -> |E2M1 value| * 2^(s - 127), bit 3 the sign
-//
-// Every decoded weight is exact in float32 (an E2M1 value times a power of two), and the kernel
-// adds the same products in the same order as over the dequantized float32 rows: MXFP4 experts
-// give the float path's results bit for bit, reading a seventh of the bytes.
-
-// 2^(s - 127) for an E8M0 byte s < 255 (0 is the subnormal 2^-127; 255, NaN, is refused at load).
-inline float e8m0_scale(uint8_t s) {
-  if (s == 0) return 0x1p-127f;
-  const uint32_t bits = static_cast<uint32_t>(s) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return scale;
-}
-
-float e2m1_value(uint8_t code) {
-  constexpr float kMagnitudes[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-  return (code & 8) ? -kMagnitudes[code & 7] : kMagnitudes[code & 7];
-}
-
-// One MXFP4 weight: value i of a row whose groups start at `row`.
-inline float mxfp4_weight(const uint8_t* row, int64_t i) {
-  const uint8_t* group = row + i / kMxfp4GroupValues * kMxfp4GroupBytes;
-  const uint8_t byte = group[1 + i % kMxfp4GroupValues / 2];
-  return e2m1_value(i % 2 ? byte >> 4 : byte & 15) * e8m0_scale(group[0]);
-}
-
-// Four weight rows side by side (addresses of each row's first weight), as the tile kernel reads them.
-struct FloatTile {
-  const float* row[4];
-  float weight(int c, int64_t i) const { return row[c][i]; }
-};
-
-struct Mxfp4Tile {
-  const uint8_t* row[4];
-  float weight(int c, int64_t i) const { return mxfp4_weight(row[c], i); }
-};
-
-// An [n, k] weight matrix: float32 rows, or MXFP4 rows of k / 32 groups.
-struct FloatRows {
-  const float* w;
-  int64_t k;
-  float weight(int64_t j, int64_t i) const { return w[j * k + i]; }
-  FloatTile tile(const int64_t* col) const {
-    return {{w + col[0] * k, w + col[1] * k, w + col[2] * k, w + col[3] * k}};
-  }
-};
-
-struct Mxfp4Rows {
-  const uint8_t* w;
-  int64_t k;
-  int64_t row_bytes() const { return k / kMxfp4GroupValues * kMxfp4GroupBytes; }
-  float weight(int64_t j, int64_t i) const { return mxfp4_weight(w + j * row_bytes(), i); }
-  Mxfp4Tile tile(const int64_t* col) const {
-    const int64_t bytes = row_bytes();
-    return {{w + col[0] * bytes, w + col[1] * bytes, w + col[2] * bytes, w + col[3] * bytes}};
-  }
-};
-
-// Row j against x in plain order (the rows the vector tiles leave, and builds without AVX2).
-template <typename Rows>
-float row_dot(const Rows& rows, int64_t j, const float* x) {
-  float total = 0.f;
-  for (int64_t i = 0; i < rows.k; ++i) total += rows.weight(j, i) * x[i];
-  return total;
-}
-
 #if PDSERVE_AVX2
 // [sum of a's lanes, b's, c's, d's].
 inline __m128 lane_sums(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
 }
-
-// A tile's four rows read a group of `kValues` weights at a time: `slice(c, offset)` is row c's
-// 8 weights at `offset` into the group that `Four(tile, i)` starts at weight i.
-struct FloatFour {
-  static constexpr int64_t kValues = 8;
-  const float* at[4];
-  FloatFour(const FloatTile& tile, int64_t i) {
-    for (int c = 0; c < 4; ++c) at[c] = tile.row[c] + i;
-  }
-  __m256 slice(int c, int64_t) const { return _mm256_loadu_ps(at[c]); }
-};
-
-#if PDSERVE_AVX512F
-// 16 weights a decode: the 8 code bytes' nibbles index a 16-entry table of the signed E2M1 values
-// times the group's scale (one product per group, exact as in the 8-wide decode). The upper 8
-// weights wait for the slice after (four_weight_rows asks for offsets 0, 8, 16, 24 in turn).
-struct Mxfp4Four {
-  static constexpr int64_t kValues = kMxfp4GroupValues;
-  const uint8_t* codes[4];
-  __m512 table[4];
-  __m256 upper[4];
-  Mxfp4Four(const Mxfp4Tile& tile, int64_t i) {
-    const __m512 values = _mm512_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f,
-                                         -3.f, -4.f, -6.f);
-    for (int c = 0; c < 4; ++c) {
-      const uint8_t* group = tile.row[c] + i / kValues * kMxfp4GroupBytes;
-      table[c] = _mm512_mul_ps(values, _mm512_set1_ps(e8m0_scale(group[0])));
-      codes[c] = group + 1;
-    }
-  }
-  __m256 slice(int c, int64_t offset) {
-    if (offset % 16 != 0) return upper[c];
-    // Lanes 0-7 take the first 4 code bytes, lanes 8-15 the next 4; lane v's shift picks its nibble.
-    const __m512i words = _mm512_permutexvar_epi32(
-        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-        _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes[c] + offset / 2))));
-    const __m512i nibbles = _mm512_and_si512(
-        _mm512_srlv_epi32(words, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28)),
-        _mm512_set1_epi32(15));
-    const __m512 weights = _mm512_permutexvar_ps(nibbles, table[c]);
-    upper[c] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(weights), 1));
-    return _mm512_castps512_ps256(weights);
-  }
-};
-#else
-struct Mxfp4Four {
-  static constexpr int64_t kValues = kMxfp4GroupValues;
-  const uint8_t* codes[4];
-  __m256 scale[4];
-  Mxfp4Four(const Mxfp4Tile& tile, int64_t i) {
-    for (int c = 0; c < 4; ++c) {
-      const uint8_t* group = tile.row[c] + i / kValues * kMxfp4GroupBytes;
-      scale[c] = _mm256_set1_ps(e8m0_scale(group[0]));
-      codes[c] = group + 1;
-    }
-  }
-  __m256 slice(int c, int64_t offset) const {
-    int32_t word;  // 8 codes, value v of the slice in bits 4v..4v+3
-    std::memcpy(&word, codes[c] + offset / 2, sizeof(word));
-    const __m256i nibbles = _mm256_and_si256(
-        _mm256_srlv_epi32(_mm256_set1_epi32(word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
-        _mm256_set1_epi32(15));
-    const __m256 magnitudes = _mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
-    const __m256 magnitude = _mm256_mul_ps(_mm256_permutevar8x32_ps(magnitudes, nibbles), scale[c]);
-    const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(nibbles, 3), 31);
-    return _mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign));
-  }
-};
-#endif
-
-template <typename Tile> struct FourOf;
-template <> struct FourOf<FloatTile> { using type = FloatFour; };
-template <> struct FourOf<Mxfp4Tile> { using type = Mxfp4Four; };
 
 // out[r][col[c]] for r < kRows and c < 4: token row x[r] against the tile's row c (k weights each).
 template <int kRows, typename Tile>
@@ -288,7 +136,7 @@ void four_weight_rows(const Tile& tile, int64_t k, const int64_t* col, const flo
     _mm_store_ps(sums, _mm_add_ps(lane_sums(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), b));
     for (int c = 0; c < 4; ++c) {  // + the tail past the last whole group (float rows only: k % 8)
       float tail = 0.f;
-      for (int64_t t = i; t < k; ++t) tail += tile.weight(c, t) * x[r][t];
+      for (int64_t t = i; t < k; ++t) tail = std::fma(tile.weight(c, t), x[r][t], tail);
       out[r][col[c]] = sums[c] + tail;
     }
   }
@@ -403,13 +251,15 @@ template <typename Rows>
 Rows rows_of(const at::Tensor& weight, int64_t k) {
   if constexpr (std::is_same_v<Rows, Mxfp4Rows>) {
     return Rows{weight.data_ptr<uint8_t>(), k};
+  } else if constexpr (std::is_same_v<Rows, Bfloat16Rows>) {
+    return Rows{reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), k};
   } else {
     return Rows{weight.data_ptr<float>(), k};
   }
 }
 
-// Every expert with rows (starts[e] .. starts[e + 1] of b's rows, b.inputs set) with float32 or
-// MXFP4 weights: all gate|up products, the activation, all down products, into b.output.
+// Every expert with rows (starts[e] .. starts[e + 1] of b's rows, b.inputs set) with float32,
+// bfloat16 or MXFP4 weights: all gate|up products, the activation, all down products, into b.output.
 template <typename Rows>
 void run_row_experts(const SparseMoeMlp& moe, const std::vector<int64_t>& starts, int64_t hidden, ExpertBuffers& b) {
   const int64_t width = moe.expert_width, num_rows = starts.back();
@@ -482,15 +332,15 @@ SparseMoeMlp::SparseMoeMlp(at::Tensor router_weight_in, at::Tensor router_bias_i
               "SparseMoeMlp: gate|up biases must be float32 [experts, 2I]");
   TORCH_CHECK(!down_bias || (down_bias->scalar_type() == at::kFloat && down_bias->size(0) == num_experts),
               "SparseMoeMlp: down biases must be float32 [experts, hidden]");
-  TORCH_CHECK(format >= kFloat32 && format <= kMxfp4, "SparseMoeMlp: unknown weight format ", format);
-  if (format == kFloat32 || format == kMxfp4) {  // the row path reads raw rows: one shape, checked here
+  TORCH_CHECK(format >= kFloat32 && format <= kBfloat16, "SparseMoeMlp: unknown weight format ", format);
+  if (reads_rows()) {  // the row path reads raw rows: one shape, checked here
     const bool mxfp4 = format == kMxfp4;
-    const at::ScalarType type = mxfp4 ? at::kByte : at::kFloat;
+    const at::ScalarType type = mxfp4 ? at::kByte : format == kBfloat16 ? at::kBFloat16 : at::kFloat;
     for (int64_t e = 0; e < num_experts; ++e) {
       TORCH_CHECK(gate_up[e].scalar_type() == type && down[e].scalar_type() == type && gate_up[e].dim() == 2 &&
                       down[e].dim() == 2 && gate_up[e].sizes() == gate_up[0].sizes() &&
                       down[e].sizes() == down[0].sizes(),
-                  "SparseMoeMlp: row experts must be all float32 or all MXFP4 bytes, of one shape");
+                  "SparseMoeMlp: row experts must be all float32, all bfloat16 or all MXFP4 bytes, of one shape");
       gate_up[e] = gate_up[e].contiguous();
       down[e] = down[e].contiguous();
     }
@@ -561,12 +411,14 @@ at::Tensor SparseMoeMlp::run_experts(const at::Tensor& x_in, const at::Tensor& w
   float* o = out.data_ptr<float>();
   const float* xs = x.data_ptr<float>();
   const float* w = weights.data_ptr<float>();
-  const bool row_weights = format == kFloat32 || format == kMxfp4;
+  const bool row_weights = reads_rows();
   TORCH_CHECK(!row_weights || down[0].size(0) == hidden, "SparseMoeMlp: x's width is not the experts' hidden size");
   ExpertBuffers buffers = row_buffers(num_pairs, row_weights ? hidden : 0, row_weights ? expert_width : 0);
   for (int64_t s = 0; s < num_pairs; ++s) buffers.inputs[s] = xs + (order[s] / k) * hidden;
   if (format == kMxfp4) {
     run_row_experts<Mxfp4Rows>(*this, starts, hidden, buffers);
+  } else if (format == kBfloat16) {
+    run_row_experts<Bfloat16Rows>(*this, starts, hidden, buffers);
   } else if (format == kFloat32) {
     run_row_experts<FloatRows>(*this, starts, hidden, buffers);
   }

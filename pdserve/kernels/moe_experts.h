@@ -23,13 +23,13 @@ struct SparseMoeMlp : torch::CustomClassHolder {
   static constexpr int64_t kSiluAndMul = 0;     // silu(gate) * up
   static constexpr int64_t kClampedSwiglu = 1;  // gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
   // The experts' weight formats (0-2 as kernels/fused_layer.cpp numbers them).
-  static constexpr int64_t kFloat32 = 0, kQ4_1 = 1, kQ8_0 = 2, kMxfp4 = 3;
+  static constexpr int64_t kFloat32 = 0, kQ4_1 = 1, kQ8_0 = 2, kMxfp4 = 3, kBfloat16 = 4;
 
   at::Tensor router_weight;  // float32 [experts, hidden]; empty: no router (run_experts only)
   std::optional<at::Tensor> router_bias;  // [experts]
   std::vector<at::Tensor> gate_up, down;  // per expert: [2I, hidden] gate rows then up rows; [hidden, I]
-  int64_t format = kFloat32;  // every expert's weights: float32, Q4_1 or Q8_0 blocks, or MXFP4 rows
-  int64_t expert_width = 0;   // I (float32 and MXFP4; the block path reads it off each product)
+  int64_t format = kFloat32;  // every expert's weights: float32, Q4_1 or Q8_0 blocks, MXFP4 or bfloat16 rows
+  int64_t expert_width = 0;   // I (row formats; the block path reads it off each product)
   std::optional<at::Tensor> gate_up_bias, down_bias;  // [experts, 2I], [experts, hidden]
   int64_t top_k = 1, routing = kTopKThenSoftmax, activation = kSiluAndMul;
   float alpha = 0.f, limit = 0.f;
@@ -45,6 +45,8 @@ struct SparseMoeMlp : torch::CustomClassHolder {
   // x [n, hidden], each token's (weights, ids) [n, k] -> [n, hidden].
   at::Tensor run_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids);
   at::Tensor forward(const at::Tensor& x);
+  // float32, bfloat16 and MXFP4 experts run in the few-row kernel; Q4_1/Q8_0 in the block kernels.
+  bool reads_rows() const { return format == kFloat32 || format == kMxfp4 || format == kBfloat16; }
 };
 
 }  // namespace pdserve::kernels

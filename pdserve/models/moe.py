@@ -13,8 +13,9 @@ weight * expert(token), added in ascending expert order (the order transformers 
 
 Expert weights are per-expert linear layers, so the float, int8 and int4 weight paths
 (`WeightLoader`) serve them unchanged; checkpoints that store experts fused ([experts, ...] tensors,
-MXFP4 blocks) are cut per expert at load by the model file, and MXFP4 experts can stay MXFP4
-(`Mxfp4Linear`, which the native call reads as it reads float32 rows). On a CPU with the native
+MXFP4 blocks) are cut per expert at load by the model file, and MXFP4 and bfloat16 experts can
+stay as they are (`Mxfp4Linear`, `Bfloat16Linear`: the native call reads them as it reads float32
+rows, to the same bits). On a CPU with the native
 kernels and float32 activations, `Experts` runs all of this in one native call (`moe_native.py`);
 the torch path here is its reference and its fallback (other devices and dtypes, `torch.compile`).
 """
@@ -205,8 +206,8 @@ class Experts(torch.nn.Module):
         return self.down[expert](self.activation(gate, up))
 
     def load(self, weights: "WeightLoader", expert_weights: Callable[[int], ExpertWeights], prefix: str) -> None:
-        """Fill every expert from `expert_weights(e)`: MXFP4 kept as it is, float tensors float or
-        quantized as the loader's policy says."""
+        """Fill every expert from `expert_weights(e)`: MXFP4 kept as it is, bfloat16 kept where the
+        loader says so (`keeps_bfloat16`), other float tensors float or quantized as its policy says."""
         self._native = None  # rebuilt over the new weights on first use
         for e in range(self.num_experts):
             w = expert_weights(e)
@@ -215,6 +216,9 @@ class Experts(torch.nn.Module):
                 self.gate_up[e] = weights.linear_from_mxfp4(self.gate_up[e], concat_output_rows([w.gate, w.up]),
                                                             label + ".gate_up")
                 self.down[e] = weights.linear_from_mxfp4(self.down[e], w.down, label + ".down")
+            elif weights.keeps_bfloat16(self.gate_up[e], [w.gate, w.up, w.down]):
+                self.gate_up[e] = weights.linear_from_bfloat16(self.gate_up[e], [w.gate, w.up], label + ".gate_up")
+                self.down[e] = weights.linear_from_bfloat16(self.down[e], [w.down], label + ".down")
             else:
                 self.gate_up[e] = weights.linear_from_tensors(self.gate_up[e], [w.gate, w.up], label + ".gate_up")
                 self.down[e] = weights.linear_from_tensors(self.down[e], [w.down], label + ".down")

@@ -2,8 +2,8 @@
 routing, grouping by expert and every active expert's gate|up and down in one call per layer.
 
 Invariant: an object is built only for experts the kernel computes as the torch path does
-(`pdserve.models.moe`): float32 on the CPU, every expert's weights float32, MXFP4 rows or in the
-same block format the kernels read, biases float32, a routing rule and an activation the kernel
+(`pdserve.models.moe`): float32 on the CPU, every expert's weights float32, bfloat16 or MXFP4
+rows, or in the same block format the kernels read, biases float32, a routing rule and an activation the kernel
 knows; anything else raises ValueError, and the caller keeps the torch path.
 """
 
@@ -15,10 +15,10 @@ import torch
 
 from pdserve.kernels.native import cpu_kernels_available
 from pdserve.models.quant.blocks import BlockFormat
-from pdserve.models.quant.modules import Mxfp4Linear, QuantizedLinear
+from pdserve.models.quant.modules import Bfloat16Linear, Mxfp4Linear, QuantizedLinear
 
 # Weight formats as kernels/moe_experts.h numbers them (0-2 also kernels/fused_layer.cpp's).
-FLOAT_WEIGHT, Q4_1_WEIGHT, Q8_0_WEIGHT, MXFP4_WEIGHT = 0, 1, 2, 3
+FLOAT_WEIGHT, Q4_1_WEIGHT, Q8_0_WEIGHT, MXFP4_WEIGHT, BFLOAT16_WEIGHT = 0, 1, 2, 3, 4
 _BLOCK_FORMATS = {BlockFormat.Q4_1: Q4_1_WEIGHT, BlockFormat.Q8_0: Q8_0_WEIGHT}
 
 
@@ -33,10 +33,10 @@ def native_weight(linear: torch.nn.Module) -> tuple[torch.Tensor, int, Optional[
     bias = getattr(linear, "bias", None)
     if bias is not None and bias.dtype != torch.float32:
         raise ValueError("a bias is not float32")
-    if isinstance(linear, Mxfp4Linear):
+    if isinstance(linear, (Mxfp4Linear, Bfloat16Linear)):
         if linear.rows.device.type != "cpu":
             raise ValueError("weights are not on the CPU")
-        return linear.rows, MXFP4_WEIGHT, bias
+        return linear.rows, MXFP4_WEIGHT if isinstance(linear, Mxfp4Linear) else BFLOAT16_WEIGHT, bias
     if isinstance(linear, QuantizedLinear):
         if not linear.native:
             raise ValueError("quantized weights the native kernels do not read")

@@ -14,10 +14,11 @@ from typing import Literal, Optional, Sequence, Union
 
 import torch
 
+from pdserve.kernels.native import cpu_kernels_available
 from pdserve.models.hf_config import ModelLoadError
 from pdserve.models.quant.blocks import (
     GROUP_SIZE, BlockFormat, PackedWeight, concat_rows, dequantize, quantize_q4_1, quantize_q8_0)
-from pdserve.models.quant.modules import Mxfp4Linear, QuantizedEmbedding, QuantizedLinear
+from pdserve.models.quant.modules import Bfloat16Linear, Mxfp4Linear, QuantizedEmbedding, QuantizedLinear
 from pdserve.models.quant.mxfp4 import Mxfp4Weight
 from pdserve.models.weight_targets import Embedding, Linear, copy_rows
 from pdserve.models.weights import WeightSource
@@ -111,6 +112,20 @@ class WeightLoader:
         bias left for the model file to fill, as `_finish_linear` leaves it."""
         bias = self._packed_layer_bias(layer, (weight.out_features, weight.in_features), label)
         return Mxfp4Linear(Mxfp4Weight(weight.rows.to(self.device), weight.in_features), bias)
+
+    def keeps_bfloat16(self, layer: Linear, parts: Sequence[torch.Tensor]) -> bool:
+        """Whether expert weights `parts` stay bfloat16 in `layer` (`linear_from_bfloat16`): the
+        checkpoint holds them so, the model runs float32 on a CPU with the native kernels (which
+        widen them exactly), and the policy quantizes nothing."""
+        return (self.policy.float_format is None and self.device.type == "cpu" and layer.weight.dtype == torch.float32
+                and all(part.dtype == torch.bfloat16 for part in parts) and cpu_kernels_available())
+
+    def linear_from_bfloat16(self, layer: Linear, parts: Sequence[torch.Tensor], label: str) -> torch.nn.Module:
+        """`layer` as a `Bfloat16Linear` over `parts` stacked (rows = outputs), its bias left for
+        the model file to fill."""
+        rows = torch.cat(list(parts)).to(self.device)
+        bias = self._packed_layer_bias(layer, tuple(rows.shape), label)
+        return Bfloat16Linear(rows, bias)
 
     def _packed_layer_bias(self, layer: Linear, shape: tuple[int, int], label: str) -> Optional[torch.nn.Parameter]:
         """The empty bias (or None) of a packed layer that replaces `layer`; ModelLoadError when the

@@ -1,8 +1,8 @@
 """The native mixture of experts (`pdserve_cpu::SparseMoeMlp`) against the torch path it replaces
 (`pdserve.models.moe`): the same routing, the same expert outputs for float, int8 and int4
 weights, with gpt-oss's biased clamped SwiGLU and Qwen3-MoE's SiLU, at one row and sixteen (with
-several tokens on one expert); MXFP4 experts bit for bit the float experts they dequantize to;
-and the inputs it leaves to the torch path."""
+several tokens on one expert); MXFP4 and bfloat16 experts bit for bit the float experts they
+widen to; and the inputs it leaves to the torch path."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from pdserve.models.moe import (
     ClampedSwiGLU, Experts, SoftmaxThenTopK, TopKThenSoftmax, run_by_expert, silu_and_mul,
 )
-from pdserve.models.moe_native import MXFP4_WEIGHT, native_experts, native_weight
-from pdserve.models.quant.modules import Mxfp4Linear
+from pdserve.models.moe_native import BFLOAT16_WEIGHT, MXFP4_WEIGHT, native_experts, native_weight
+from pdserve.models.quant.modules import Bfloat16Linear, Mxfp4Linear
 from pdserve.models.quant.mxfp4 import Mxfp4Weight, quantize_mxfp4
 from pdserve.models.weight_loader import WeightLoader, WeightPolicy
 from tests.models.test_quantized_blocks import require_native_kernels
@@ -127,6 +127,36 @@ def test_mxfp4_experts_give_the_float_experts_bits_at_every_row_count(activation
         with torch.inference_mode():
             expected = _torch_reference(mxfp4, x, (weights, ids))
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # BLAS adds in another order
+
+
+@pytest.mark.parametrize("hidden, width", [(64, 32), (36, 13)])
+def test_bfloat16_experts_give_the_float_experts_bits_at_every_row_count(hidden, width):
+    """Rows kept in bfloat16 widen exactly in registers: the float kernel's bits, widths that are no
+    multiple of 8 included (their tails widen one by one)."""
+    require_native_kernels()
+    kept_experts = _experts(ClampedSwiGLU(1.702, 7.0), True, "none", seed=width, hidden=hidden, width=width)
+    floats = _experts(ClampedSwiGLU(1.702, 7.0), True, "none", seed=width, hidden=hidden, width=width)
+    loader = WeightLoader(_NoSource(), WeightPolicy(), CPU)
+    for e in range(NUM_EXPERTS):
+        for kept, plain in ((kept_experts.gate_up, floats.gate_up), (kept_experts.down, floats.down)):
+            rows = plain[e].weight.detach().to(torch.bfloat16)
+            bias = plain[e].bias.detach().clone()
+            kept[e] = loader.linear_from_bfloat16(kept[e], [rows], "expert")
+            kept[e].bias.copy_(bias)
+            plain[e].weight.data.copy_(rows.float())
+    assert isinstance(kept_experts.down[0], Bfloat16Linear)
+    assert native_weight(kept_experts.down[0])[1] == BFLOAT16_WEIGHT
+    kept_native, plain_native = native_experts(kept_experts), native_experts(floats)
+    generator = torch.Generator().manual_seed(hidden)
+    for num_rows in (1, 3, 5, 19):
+        x = torch.randn(num_rows, hidden, generator=generator)
+        ids = torch.stack([torch.full((num_rows,), 1), torch.arange(num_rows) % 3 * 2 + 2], dim=1)
+        weights = torch.softmax(torch.randn(num_rows, 2, generator=generator), dim=-1)
+        got = kept_native.run_experts(x, weights, ids)
+        assert torch.equal(got, plain_native.run_experts(x, weights, ids)), f"{num_rows} rows"
+        with torch.inference_mode():
+            expected = _torch_reference(kept_experts, x, (weights, ids))
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_the_kernel_refuses_mxfp4_widths_that_split_a_group():

@@ -1,5 +1,5 @@
 """Linear layers and token embeddings whose weights stay in quantized blocks (GGUF's, and MXFP4
-experts).
+experts), and experts whose weights stay in bfloat16 in a float32 model.
 
 Invariant: the blocks are the only copy of the weight; a forward pass never keeps a float copy.
 On a CPU with the native kernels, small batches (decode) multiply the blocks directly and
@@ -84,6 +84,31 @@ class Mxfp4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight.to(x.dtype), self.bias)
+
+
+class Bfloat16Linear(torch.nn.Module):
+    """y = x @ W.T (+ bias) with W kept as the checkpoint's bfloat16 rows in a float32 model: every
+    bfloat16 value widens to float32 exactly, so the native experts (`moe_native.py`), which widen
+    in registers, compute what float32 weights compute, from half the bytes. This forward, the
+    torch path's, widens per call; `weight` is the float32 matrix, made on each access."""
+
+    def __init__(self, rows: torch.Tensor, bias: Optional[torch.nn.Parameter] = None):
+        super().__init__()
+        if rows.dtype != torch.bfloat16 or rows.dim() != 2:
+            raise ValueError(f"bfloat16 rows must be a bfloat16 matrix, not {rows.dtype} {tuple(rows.shape)}")
+        self.register_buffer("rows", rows.contiguous())
+        self.out_features, self.in_features = rows.shape
+        self.bias = bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.rows.float()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format=bfloat16"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.rows.to(x.dtype), self.bias)
 
 
 class QuantizedEmbedding(torch.nn.Module):
