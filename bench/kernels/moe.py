@@ -3,13 +3,14 @@
 Two tables, one run: (1) engine decode tokens/s at batch 1 and 16 of a random-weight gpt-oss shape
 (24 layers, 32 experts top-4, hidden 512, 256 per expert, windows of 128 alternating with full
 layers, sinks), with the native experts (`pdserve_cpu::SparseMoeMlp`, each layer one call in the
-fused stack) over float32 experts and over MXFP4 experts (as the released checkpoints ship them:
-kept 4-bit, the same results bit for bit as their float32 dequantization), and with the torch
+fused stack) over float32 experts, over bfloat16 experts (as most MoE checkpoints ship them: kept
+16-bit) and over MXFP4 experts (as gpt-oss ships them: kept 4-bit), both giving the float32
+results of their widened weights bit for bit, and with the torch
 experts they replaced (grouped matmuls, per-op layers), and of a dense Llama-family model with the
 same attention and an MLP as wide as the active experts together, in float32 (its layers run the
 fused native kernel, as when served); (2) one MoE layer at batch 1 and 16 as the experts grow at
-fixed top-k (time follows the active experts' weights, not the total): native float32, native
-MXFP4, grouped torch (one matmul pair per active expert) and a loop over tokens. Weights are
+fixed top-k (time follows the active experts' weights, not the total): native float32, bfloat16
+and MXFP4, grouped torch (one matmul pair per active expert) and a loop over tokens. Weights are
 random, seeded per tensor name.
 
 `--clock cpu` times by the process's CPU time instead of the wall clock: on a shared machine,
@@ -98,6 +99,14 @@ def median_ms(work, repeats: int, rounds: int, clock=time.perf_counter) -> float
     return statistics.median(times_ms)
 
 
+class Bfloat16ExpertWeights(RandomWeights):
+    """`RandomWeights` whose fused expert matrices come in bfloat16, as a bfloat16 checkpoint holds them."""
+
+    def get(self, name: str) -> torch.Tensor:
+        tensor = super().get(name)
+        return tensor.to(torch.bfloat16) if name.endswith(Mxfp4RandomWeights.MXFP4_TENSORS) else tensor
+
+
 def _attention_shapes(prefix: str, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool) -> dict:
     shapes = {prefix + "q_proj.weight": (heads * head_dim, hidden), prefix + "k_proj.weight": (kv_heads * head_dim, hidden),
               prefix + "v_proj.weight": (kv_heads * head_dim, hidden), prefix + "o_proj.weight": (hidden, heads * head_dim)}
@@ -121,7 +130,7 @@ def _common_shapes(layers: int, hidden: int, vocab: int) -> tuple[dict, dict]:
 
 
 def gpt_oss_model(layers: int, experts: int, top_k: int, hidden: int, expert_width: int, vocab: int,
-                  mxfp4: bool = False):
+                  expert_format: str = "float32"):
     config, shapes = _common_shapes(layers, hidden, vocab)
     config |= {"architectures": ["GptOssForCausalLM"], "intermediate_size": expert_width, "sliding_window": 128,
                "num_local_experts": experts, "num_experts_per_tok": top_k,
@@ -135,7 +144,8 @@ def gpt_oss_model(layers: int, experts: int, top_k: int, hidden: int, expert_wid
                        p + "mlp.experts.gate_up_proj_bias": (experts, 2 * expert_width),
                        p + "mlp.experts.down_proj": (experts, expert_width, hidden),
                        p + "mlp.experts.down_proj_bias": (experts, hidden)})
-    return config, (Mxfp4RandomWeights if mxfp4 else RandomWeights)(shapes)
+    sources = {"float32": RandomWeights, "bfloat16": Bfloat16ExpertWeights, "mxfp4": Mxfp4RandomWeights}
+    return config, sources[expert_format](shapes)
 
 
 def dense_model(layers: int, hidden: int, intermediate: int, vocab: int):
@@ -179,15 +189,18 @@ def decode_tokens_per_s(config: dict, weights: RandomWeights, batch: int, prompt
     return batch * new_tokens / max(min(s for s in decode_s if s > 0), 1e-9)
 
 
-def random_experts(num_experts: int, hidden: int, width: int, native: bool = True, mxfp4: bool = False) -> Experts:
+def random_experts(num_experts: int, hidden: int, width: int, native: bool = True,
+                   expert_format: str = "float32") -> Experts:
     experts = Experts(num_experts, hidden, width, clamped_swiglu(1.702, 7.0), True, torch.float32)
     loader = WeightLoader(RandomWeights({}), WeightPolicy(), CPU)
     generator = torch.Generator().manual_seed(num_experts)
 
     def linear(layer: torch.nn.Module, rows: int, cols: int) -> torch.nn.Module:
         weight = torch.randn(rows, cols, generator=generator)
-        if mxfp4:
+        if expert_format == "mxfp4":
             return loader.linear_from_mxfp4(layer, Mxfp4Weight.from_blocks(*quantize_mxfp4(weight)), "expert")
+        if expert_format == "bfloat16":
+            return loader.linear_from_bfloat16(layer, [weight.to(torch.bfloat16)], "expert")
         return loader.linear_from_tensors(layer, [weight], "expert")
 
     for e in range(num_experts):
@@ -215,7 +228,8 @@ def moe_layer_rows(hidden: int, width: int, top_k: int, expert_counts: list[int]
     rows = []
     for num_experts in expert_counts:
         experts = random_experts(num_experts, hidden, width)
-        mxfp4_experts = random_experts(num_experts, hidden, width, mxfp4=True)
+        bfloat16_experts = random_experts(num_experts, hidden, width, expert_format="bfloat16")
+        mxfp4_experts = random_experts(num_experts, hidden, width, expert_format="mxfp4")
         torch_experts = random_experts(num_experts, hidden, width, native=False)
         for batch in (1, 16):
             generator = torch.Generator().manual_seed(batch)
@@ -225,14 +239,15 @@ def moe_layer_rows(hidden: int, width: int, top_k: int, expert_counts: list[int]
             routing = (torch.softmax(top, -1), ids)
             with torch.inference_mode():
                 native_ms = median_ms(lambda: experts(x, routing), repeats, 1, clock)
+                bfloat16_ms = median_ms(lambda: bfloat16_experts(x, routing), repeats, 1, clock)
                 mxfp4_ms = median_ms(lambda: mxfp4_experts(x, routing), repeats, 1, clock)
                 grouped_ms = median_ms(lambda: torch_experts(x, routing), repeats, 1, clock)
                 loop_ms = median_ms(lambda: per_token_loop(torch_experts, x, *routing), repeats, 1, clock)
             rows.append({"experts": num_experts, "top_k": top_k, "batch": batch,
                          "active_experts": int(ids.unique().numel()),
                          "total_params_m": round(num_experts * 3 * hidden * width / 1e6, 1),
-                         "native_ms": round(native_ms, 3), "native_mxfp4_ms": round(mxfp4_ms, 3), "grouped_ms": round(grouped_ms, 3), "per_token_ms": round(loop_ms, 3)})
-        del experts, mxfp4_experts, torch_experts
+                         "native_ms": round(native_ms, 3), "native_bfloat16_ms": round(bfloat16_ms, 3), "native_mxfp4_ms": round(mxfp4_ms, 3), "grouped_ms": round(grouped_ms, 3), "per_token_ms": round(loop_ms, 3)})
+        del experts, bfloat16_experts, mxfp4_experts, torch_experts
     return rows
 
 
@@ -251,9 +266,10 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
     moe = gpt_oss_model(args.layers, args.experts, args.top_k, args.hidden, args.expert_width, args.vocab)
     models = {  # name -> (config, weights, native experts)
         f"gpt-oss shape ({args.experts} experts top-{args.top_k}), native experts": (*moe, True),
-        f"gpt-oss shape ({args.experts} experts top-{args.top_k}), native MXFP4 experts":
-            (*gpt_oss_model(args.layers, args.experts, args.top_k, args.hidden, args.expert_width, args.vocab,
-                            mxfp4=True), True),
+        **{f"gpt-oss shape ({args.experts} experts top-{args.top_k}), native {label} experts":
+           (*gpt_oss_model(args.layers, args.experts, args.top_k, args.hidden, args.expert_width, args.vocab,
+                           expert_format), True)
+           for expert_format, label in (("bfloat16", "bfloat16"), ("mxfp4", "MXFP4"))},
         f"gpt-oss shape ({args.experts} experts top-{args.top_k}), torch experts": (*moe, False),
         f"dense, same active params (MLP {args.top_k * args.expert_width})":
             (*dense_model(args.layers, args.hidden, args.top_k * args.expert_width, args.vocab), True),
@@ -268,8 +284,9 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
         row["vs_dense"] = round(row["decode_tokens_per_s"] / max(dense[row["batch"]], 1e-9), 2)
     layer_rows = moe_layer_rows(args.hidden, args.expert_width, args.top_k, [8, 32, 128], repeats=20, clock=clock)
     table = markdown_table(["model", "batch", "decode tok/s", "x dense"], [r.values() for r in engine_rows]) + \
-        "\n\n" + markdown_table(["experts", "batch", "active", "total Mparams", "native ms", "native MXFP4 ms",
-                                   "grouped torch ms", "per-token ms"],
+        "\n\n" + markdown_table(["experts", "batch", "active", "total Mparams", "native ms", "native bf16 ms",
+                                   "native MXFP4 ms", "grouped torch ms", "per-token ms"],
                                   [(r["experts"], r["batch"], r["active_experts"], r["total_params_m"], r["native_ms"],
-                                    r["native_mxfp4_ms"], r["grouped_ms"], r["per_token_ms"]) for r in layer_rows])
+                                    r["native_bfloat16_ms"], r["native_mxfp4_ms"], r["grouped_ms"], r["per_token_ms"])
+                                   for r in layer_rows])
     return table, {"engine": engine_rows, "moe_layer": layer_rows}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from bench.kernels.__main__ import MODES, parse_args
 from bench.lib.report import cell, markdown_table
@@ -23,19 +24,23 @@ def test_kernel_modes_keep_the_flags_the_docs_name():
     assert parse_args(["decode-ab", "--baseline", "main", "--model", "gpt-oss-shape"]).model == "gpt-oss-shape"
 
 
-def test_moe_mode_builds_mxfp4_experts_as_checkpoints_ship_them_and_times_them_beside_float():
+def test_moe_mode_builds_bf16_and_mxfp4_experts_as_checkpoints_ship_them_and_times_them_beside_float():
     from bench.kernels.moe import gpt_oss_model, moe_layer_rows
     from pdserve.models.quant.mxfp4 import dequantize_mxfp4
 
     _, floats = gpt_oss_model(1, 4, 2, 64, 32, 128)
-    _, mxfp4 = gpt_oss_model(1, 4, 2, 64, 32, 128, mxfp4=True)
+    _, mxfp4 = gpt_oss_model(1, 4, 2, 64, 32, 128, "mxfp4")
+    _, bfloat16 = gpt_oss_model(1, 4, 2, 64, 32, 128, "bfloat16")
     name = "model.layers.0.mlp.experts.down_proj"
     assert not mxfp4.has(name) and mxfp4.has(name + "_blocks") and mxfp4.has("model.norm.weight")
     weight = floats.get(name).transpose(1, 2)  # rows = outputs
     error = (dequantize_mxfp4(mxfp4.get(name + "_blocks"), mxfp4.get(name + "_scales")) - weight).abs().max()
     assert 0 < error < 0.25 * weight.abs().max()  # the same values, in 4 bits
+    assert bfloat16.get(name).dtype == torch.bfloat16 and torch.equal(bfloat16.get(name).float(),
+                                                                       floats.get(name).bfloat16().float())
     rows = moe_layer_rows(64, 32, 2, [4], repeats=1)
-    assert [row["batch"] for row in rows] == [1, 16] and all(row["native_mxfp4_ms"] > 0 for row in rows)
+    assert [row["batch"] for row in rows] == [1, 16]
+    assert all(row["native_mxfp4_ms"] > 0 and row["native_bfloat16_ms"] > 0 for row in rows)
 
 
 def test_a_missing_value_prints_as_a_dash_never_as_zero():
