@@ -93,6 +93,10 @@ class ChaosCluster:
         for pid in self.pids(name):
             os.kill(pid, signal.SIGSTOP)
 
+    def thaw(self, name: str) -> None:
+        for pid in self.pids(name):
+            os.kill(pid, signal.SIGCONT)
+
     def kill(self, name: str) -> None:
         """SIGKILL of the process and its agent process together, as a pod or OOM kill does (also of
         frozen ones: a stopped process dies of SIGKILL at once)."""

@@ -10,9 +10,11 @@ still held after the lease, recovery time; `MixedLoad` results are charged to ki
 
       before-read   D frozen (SIGSTOP), the decode leg then sent into its socket: killed with P's pin
                     outstanding and its NIXL connection to P up, the READ never issued
-      mid-read      D (the worker and its NIXL agent process, killed together) frozen once 1 MiB of the
-                    KV reached their sockets; killed while the kernel holds less than 90% of the KV
-                    (P's sends to it still pending)
+      mid-read      D (the worker and its NIXL agent process, killed together) run in steps of ~1 ms,
+                    frozen between them, until 1 MiB of the KV reached their sockets; killed while the
+                    kernel holds less than 90% of the KV (P's sends to it still pending). Frozen, D
+                    reads nothing and the kernel takes at most a socket buffer more, so a slow probe
+                    (`ss`) or a slow machine cannot let the whole read pass between two looks
       after-read    killed as soon as D's `pdserve_transfer_bytes_total` counted the pull (it landed),
                     while D decodes the request
 """
@@ -132,7 +134,13 @@ def mid_read(stage: Stage, kill: Kill) -> None:
     before = tcp_bytes_received(pids)
     pull = stage.pool.submit(_quietly, decode_leg, worker, COMPLETIONS, READ_BODY, params,
                              params["remote_request_id"], AUTH)
-    caught = wait_for(lambda: pull.done() or tcp_bytes_received(pids) - before >= _MIB, 30, interval_s=0.002)
+    caught, deadline = False, time.monotonic() + 30
+    while not caught and not pull.done() and time.monotonic() < deadline:
+        cluster.freeze(kill.process)  # looked at frozen: the read does not move while `ss` runs
+        caught = tcp_bytes_received(pids) - before >= _MIB
+        if not caught:
+            cluster.thaw(kill.process)
+            time.sleep(0.001)
     cluster.freeze(kill.process)
     received = _settled(lambda: tcp_bytes_received(pids) - before)
     kill.forced = caught and not pull.done() and _MIB <= received < 0.9 * kv_bytes

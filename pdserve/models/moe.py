@@ -207,8 +207,12 @@ class Experts(torch.nn.Module):
 
     def load(self, weights: "WeightLoader", expert_weights: Callable[[int], ExpertWeights], prefix: str) -> None:
         """Fill every expert from `expert_weights(e)`: MXFP4 kept as it is, bfloat16 kept where the
-        loader says so (`keeps_bfloat16`), other float tensors float or quantized as its policy says."""
+        loader says so (`keeps_bfloat16`) and the kernel knows the activation, other float tensors
+        float or quantized as the loader's policy says."""
         self._native = None  # rebuilt over the new weights on first use
+        # bfloat16 rows pay only where the native experts widen them in registers; the torch path
+        # would widen every expert on every call.
+        native_activation = getattr(self.activation, "native_activation", None) is not None
         for e in range(self.num_experts):
             w = expert_weights(e)
             label = f"{prefix}experts.{e}"
@@ -216,7 +220,7 @@ class Experts(torch.nn.Module):
                 self.gate_up[e] = weights.linear_from_mxfp4(self.gate_up[e], concat_output_rows([w.gate, w.up]),
                                                             label + ".gate_up")
                 self.down[e] = weights.linear_from_mxfp4(self.down[e], w.down, label + ".down")
-            elif weights.keeps_bfloat16(self.gate_up[e], [w.gate, w.up, w.down]):
+            elif native_activation and weights.keeps_bfloat16(self.gate_up[e], [w.gate, w.up, w.down]):
                 self.gate_up[e] = weights.linear_from_bfloat16(self.gate_up[e], [w.gate, w.up], label + ".gate_up")
                 self.down[e] = weights.linear_from_bfloat16(self.down[e], [w.down], label + ".down")
             else:

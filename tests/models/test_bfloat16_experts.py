@@ -55,6 +55,19 @@ def test_bfloat16_experts_stay_bfloat16_and_give_the_float_experts_logits_bit_fo
     assert torch.equal(kept, forward_chunk(twin, ContiguousAttention(twin.spec.layer_specs), "s", prompt))
 
 
+def test_experts_the_native_kernel_cannot_run_are_widened_at_load(bfloat16_checkpoint, monkeypatch):
+    """An activation the kernel does not know keeps the torch path, which would widen bfloat16 rows
+    on every call: those experts are widened once, at load."""
+    require_native_kernels()
+    from pdserve.models import qwen3_moe
+
+    monkeypatch.setattr(qwen3_moe, "silu_and_mul", lambda gate, up: torch.nn.functional.silu(gate) * up)
+    model = load_model(bfloat16_checkpoint, torch.float32, CPU).model
+    experts = _sparse_experts(model)
+    assert experts and all(not isinstance(layer, Bfloat16Linear) and layer.weight.dtype == torch.float32
+                           for e in experts for layer in e.gate_up)
+
+
 def test_a_quantizing_policy_quantizes_bfloat16_experts_as_before(bfloat16_checkpoint):
     require_native_kernels()
     model = load_model(bfloat16_checkpoint, torch.float32, CPU, quantization="int8").model
