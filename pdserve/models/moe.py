@@ -15,9 +15,9 @@ Expert weights are per-expert linear layers, so the float, int8 and int4 weight 
 (`WeightLoader`) serve them unchanged; checkpoints that store experts fused ([experts, ...] tensors,
 MXFP4 blocks) are cut per expert at load by the model file, and MXFP4 and bfloat16 experts can
 stay as they are (`Mxfp4Linear`, `Bfloat16Linear`: the native call reads them as it reads float32
-rows, to the same bits). On a CPU with the native
-kernels and float32 activations, `Experts` runs all of this in one native call (`moe_native.py`);
-the torch path here is its reference and its fallback (other devices and dtypes, `torch.compile`).
+rows, to the same bits). On a CPU with the native kernels and float32 activations, `Experts` runs
+all of this in one native call (`moe_native.py`); the torch path here is its reference and its
+fallback (other devices and dtypes, `torch.compile`).
 """
 
 from __future__ import annotations

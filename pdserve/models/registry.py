@@ -124,6 +124,6 @@ def build_model(
         shard_output_head(model, parallel.rank, parallel.size, parallel.all_gather)
         model.spec = dataclasses.replace(model.spec, tensor_parallel_size=parallel.size, model_kv_heads=model_kv_heads)
     model.eval()
-    logger.info("built %s (%s, %d layers) in %s on %s, %d quantized linear layers", architecture,
-                model.spec.architecture, model.spec.num_layers, dtype, device, loader.num_quantized_layers)
+    logger.info("built %s (%s, %d layers) in %s on %s, %d linear layers in blocks, MXFP4 or bfloat16", architecture,
+                model.spec.architecture, model.spec.num_layers, dtype, device, loader.num_compact_layers)
     return model

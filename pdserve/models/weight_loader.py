@@ -62,7 +62,7 @@ class WeightLoader:
         self.source = source
         self.policy = policy
         self.device = torch.device(device)
-        self.num_quantized_layers = 0
+        self.num_compact_layers = 0  # linear layers kept in blocks, MXFP4 or bfloat16 rather than the model dtype
         self.num_float_slices = 0  # layers the policy would quantize whose input width cuts a block
 
     def get(self, name: str) -> torch.Tensor:
@@ -129,11 +129,11 @@ class WeightLoader:
 
     def _packed_layer_bias(self, layer: Linear, shape: tuple[int, int], label: str) -> Optional[torch.nn.Parameter]:
         """The empty bias (or None) of a packed layer that replaces `layer`; ModelLoadError when the
-        checkpoint's weight `shape` does not fit it. Counts the layer as quantized."""
+        checkpoint's weight `shape` does not fit it. Counts the layer as compact."""
         if shape != (layer.out_features, layer.in_features):
             raise ModelLoadError(f"{label}: checkpoint shape {shape} "
                                  f"does not fit parameter {(layer.out_features, layer.in_features)}")
-        self.num_quantized_layers += 1
+        self.num_compact_layers += 1
         if layer.bias is None:
             return None
         return torch.nn.Parameter(torch.empty_like(layer.bias, device=self.device), requires_grad=False)
