@@ -116,17 +116,24 @@ def test_mxfp4_experts_give_the_float_experts_bits_at_every_row_count(activation
     require_native_kernels()
     mxfp4, floats = _mxfp4_experts(activation, bias, seed=hidden, hidden=hidden, width=width)
     assert isinstance(mxfp4.gate_up[0], Mxfp4Linear) and native_weight(mxfp4.down[0])[1] == MXFP4_WEIGHT
-    kept, plain = native_experts(mxfp4), native_experts(floats)
-    generator = torch.Generator().manual_seed(width)
-    for num_rows in (1, 2, 3, 5, 8, 19):
-        x = torch.randn(num_rows, hidden, generator=generator) * 2
+    _assert_same_bits_as_float(mxfp4, floats, hidden, (1, 2, 3, 5, 8, 19), seed=width, scale=2.0)
+
+
+def _assert_same_bits_as_float(kept_experts: Experts, floats: Experts, hidden: int, row_counts, seed: int,
+                               scale: float = 1.0) -> None:
+    """The native kept experts give the native float experts' outputs bit for bit at each row count
+    (rows on experts 1 and 2, 4 or 6), and agree with the torch path (BLAS adds in another order)."""
+    kept, plain = native_experts(kept_experts), native_experts(floats)
+    generator = torch.Generator().manual_seed(seed)
+    for num_rows in row_counts:
+        x = torch.randn(num_rows, hidden, generator=generator) * scale
         ids = torch.stack([torch.full((num_rows,), 1), torch.arange(num_rows) % 3 * 2 + 2], dim=1)
         weights = torch.softmax(torch.randn(num_rows, 2, generator=generator), dim=-1)
         got = kept.run_experts(x, weights, ids)
         assert torch.equal(got, plain.run_experts(x, weights, ids)), f"{num_rows} rows"
         with torch.inference_mode():
-            expected = _torch_reference(mxfp4, x, (weights, ids))
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # BLAS adds in another order
+            expected = _torch_reference(kept_experts, x, (weights, ids))
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("hidden, width", [(64, 32), (36, 13)])
@@ -146,17 +153,7 @@ def test_bfloat16_experts_give_the_float_experts_bits_at_every_row_count(hidden,
             plain[e].weight.data.copy_(rows.float())
     assert isinstance(kept_experts.down[0], Bfloat16Linear)
     assert native_weight(kept_experts.down[0])[1] == BFLOAT16_WEIGHT
-    kept_native, plain_native = native_experts(kept_experts), native_experts(floats)
-    generator = torch.Generator().manual_seed(hidden)
-    for num_rows in (1, 3, 5, 19):
-        x = torch.randn(num_rows, hidden, generator=generator)
-        ids = torch.stack([torch.full((num_rows,), 1), torch.arange(num_rows) % 3 * 2 + 2], dim=1)
-        weights = torch.softmax(torch.randn(num_rows, 2, generator=generator), dim=-1)
-        got = kept_native.run_experts(x, weights, ids)
-        assert torch.equal(got, plain_native.run_experts(x, weights, ids)), f"{num_rows} rows"
-        with torch.inference_mode():
-            expected = _torch_reference(kept_experts, x, (weights, ids))
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    _assert_same_bits_as_float(kept_experts, floats, hidden, (1, 3, 5, 19), seed=hidden)
 
 
 def test_the_kernel_refuses_mxfp4_widths_that_split_a_group():

@@ -59,17 +59,38 @@ class QuantizedLinear(torch.nn.Module):
         return ops().q8_0_linear(rows, self.blocks)
 
 
-class Mxfp4Linear(torch.nn.Module):
-    """y = x @ W.T (+ bias) with W kept in MXFP4 (`Mxfp4Weight`). The native experts read the rows
-    themselves (`moe_native.py`); this forward, the torch path's, dequantizes per call. `weight`
-    is the float32 matrix the rows stand for, made on each access (no copy is kept)."""
+class CompactLinear(torch.nn.Module):
+    """y = x @ W.T (+ bias) with W kept in `rows`, a form narrower than the model's dtype that the
+    native experts read themselves (`moe_native.py`). This forward, the torch path's, makes the
+    float32 `weight` per call (no copy is kept); subclasses say how."""
+
+    format_label = ""
+
+    def __init__(self, rows: torch.Tensor, in_features: int, out_features: int,
+                 bias: Optional[torch.nn.Parameter] = None):
+        super().__init__()
+        self.register_buffer("rows", rows)
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format_label}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), self.bias)
+
+
+class Mxfp4Linear(CompactLinear):
+    """W kept in MXFP4 (`Mxfp4Weight`); `weight` dequantizes it (exactly)."""
+
+    format_label = "mxfp4"
 
     def __init__(self, weight: Mxfp4Weight, bias: Optional[torch.nn.Parameter] = None):
-        super().__init__()
-        self.register_buffer("rows", weight.rows)
-        self.in_features = weight.in_features
-        self.out_features = weight.out_features
-        self.bias = bias
+        super().__init__(weight.rows, weight.in_features, weight.out_features, bias)
 
     @property
     def packed(self) -> Mxfp4Weight:
@@ -79,36 +100,22 @@ class Mxfp4Linear(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         return self.packed.dequantize()
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format=mxfp4"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype), self.bias)
+class Bfloat16Linear(CompactLinear):
+    """W kept as the checkpoint's bfloat16 rows in a float32 model: every bfloat16 value widens to
+    float32 exactly, so the native experts, which widen in registers, compute what float32 weights
+    compute, from half the bytes; `weight` widens it."""
 
-
-class Bfloat16Linear(torch.nn.Module):
-    """y = x @ W.T (+ bias) with W kept as the checkpoint's bfloat16 rows in a float32 model: every
-    bfloat16 value widens to float32 exactly, so the native experts (`moe_native.py`), which widen
-    in registers, compute what float32 weights compute, from half the bytes. This forward, the
-    torch path's, widens per call; `weight` is the float32 matrix, made on each access."""
+    format_label = "bfloat16"
 
     def __init__(self, rows: torch.Tensor, bias: Optional[torch.nn.Parameter] = None):
-        super().__init__()
         if rows.dtype != torch.bfloat16 or rows.dim() != 2:
             raise ValueError(f"bfloat16 rows must be a bfloat16 matrix, not {rows.dtype} {tuple(rows.shape)}")
-        self.register_buffer("rows", rows.contiguous())
-        self.out_features, self.in_features = rows.shape
-        self.bias = bias
+        super().__init__(rows.contiguous(), rows.shape[1], rows.shape[0], bias)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.rows.float()
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format=bfloat16"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.rows.to(x.dtype), self.bias)
 
 
 class QuantizedEmbedding(torch.nn.Module):
