@@ -31,7 +31,6 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from pdserve.kernels.native import cpu_kernels_available
 from pdserve.models.base import QKV, DecoderLayer
 from pdserve.models.decoder_args import decoder_fields
 from pdserve.models.hf_config import ModelLoadError, flat_rope, layer_specs_from_types, require
@@ -149,10 +148,7 @@ class GptOssDecoderLayer(DecoderLayer):
         copy_rows(self.attention_sinks, [weights.get(prefix + "self_attn.sinks")], prefix + "self_attn.sinks")
         mlp = prefix + "mlp."
         self.mlp.load_router(weights.get(mlp + "router.weight"), weights.get(mlp + "router.bias"), mlp)
-        # The native experts read MXFP4 rows (float32 activations on the CPU); elsewhere they would
-        # be dequantized on every call, so they are dequantized once here instead.
-        keep_mxfp4 = (weights.device.type == "cpu" and self.expert_dtype == torch.float32
-                      and cpu_kernels_available())
+        keep_mxfp4 = weights.native_experts_read_compact(self.expert_dtype)
         experts = sharded_experts(gpt_oss_expert_weights(weights, mlp + "experts.", keep_mxfp4), self.expert_shard)
         self.mlp.experts.load(weights, experts, mlp)
 

@@ -113,12 +113,18 @@ class WeightLoader:
         bias = self._packed_layer_bias(layer, (weight.out_features, weight.in_features), label)
         return Mxfp4Linear(Mxfp4Weight(weight.rows.to(self.device), weight.in_features), bias)
 
+    def native_experts_read_compact(self, dtype: torch.dtype) -> bool:
+        """Whether the native experts run a model of `dtype` here, reading compact expert rows
+        (MXFP4, bfloat16) themselves: float32 on a CPU with the kernels. Elsewhere the torch path
+        would widen such rows on every call, so they are widened once, at load."""
+        return self.device.type == "cpu" and dtype == torch.float32 and cpu_kernels_available()
+
     def keeps_bfloat16(self, layer: Linear, parts: Sequence[torch.Tensor]) -> bool:
         """Whether expert weights `parts` stay bfloat16 in `layer` (`linear_from_bfloat16`): the
-        checkpoint holds them so, the model runs float32 on a CPU with the native kernels (which
-        widen them exactly), and the policy quantizes nothing."""
-        return (self.policy.float_format is None and self.device.type == "cpu" and layer.weight.dtype == torch.float32
-                and all(part.dtype == torch.bfloat16 for part in parts) and cpu_kernels_available())
+        checkpoint holds them so, the native experts read them (`native_experts_read_compact`),
+        and the policy quantizes nothing."""
+        return (self.policy.float_format is None and all(part.dtype == torch.bfloat16 for part in parts)
+                and self.native_experts_read_compact(layer.weight.dtype))
 
     def linear_from_bfloat16(self, layer: Linear, parts: Sequence[torch.Tensor], label: str) -> torch.nn.Module:
         """`layer` as a `Bfloat16Linear` over `parts` stacked (rows = outputs), its bias left for
