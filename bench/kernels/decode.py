@@ -31,7 +31,9 @@ experts change against an earlier commit's.
 `--kv-cache-dtypes float32 bfloat16` runs one engine per KV pool element type (each its own copy
 of the model), interleaved within every round, and adds a side-by-side table of attention and
 step times with ratios against the first type. `--batch-activation-bits 22 8` does the same per
-`--batch-activation-bits` (the integer Q4_1 lanes of batched steps), with each KV type.
+`--batch-activation-bits` (the integer Q4_1 lanes of batched steps), with each KV type, and
+`--one-row-tiles on off` per setting of `--one-row-tiles` (batch-1 Q4_1 products over weights kept
+a second time in 16-row tiles, against the blocks' own one-row kernel).
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ def load_profiled_model(model: str) -> tuple[Any, dict]:
 
 
 def build_engine_loop(threads: int, batch: int, kv_cache_dtype: str = "auto", model: str = "embedded",
-                      batch_activation_bits: int = 22) -> Any:
+                      batch_activation_bits: int = 22, one_row_tiles: bool = True) -> Any:
     from pdserve.api.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
     from pdserve.app.engine_factory import build_engine
     from pdserve.metrics import Metrics
@@ -183,7 +185,8 @@ def build_engine_loop(threads: int, batch: int, kv_cache_dtype: str = "auto", mo
     # "auto" is left unset, so that decode-ab's baseline trees (from before the option) build too.
     kv_dtype = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
     bits = {} if batch_activation_bits == 22 else {"batch_activation_bits": batch_activation_bits}  # likewise
-    worker = WorkerConfig(model=ModelConfig(device="cpu", **model_config, **bits),
+    tiles = {} if one_row_tiles else {"one_row_tiles": False}  # likewise
+    worker = WorkerConfig(model=ModelConfig(device="cpu", **model_config, **bits, **tiles),
                           cache=CacheConfig(block_size=16, num_blocks=64 + batch * 40, enable_prefix_caching=False,
                                             **kv_dtype),
                           scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_running=batch))
@@ -258,12 +261,16 @@ def add_arguments(parser: argparse.ArgumentParser, mode: str) -> None:
     parser.add_argument("--batch-activation-bits", type=int, nargs="+", default=[22], choices=[22, 15, 8],
                         help="--batch-activation-bits values measured side by side, one engine each (with each "
                              "KV dtype)")
+    parser.add_argument("--one-row-tiles", nargs="+", default=["on"], choices=["on", "off"],
+                        help="--one-row-tiles settings measured side by side, one engine each (with each of the "
+                             "above)")
 
 
 def variant_name(summary: dict) -> str:
     """A measured engine's KV dtype, and its batch activation bits where not the default."""
     bits = summary.get("batch_activation_bits", 22)
-    return summary["kv_cache_dtype"] + ("" if bits == 22 else f", {bits}-bit batches")
+    tiles = "" if summary.get("one_row_tiles", True) else ", no one-row tiles"
+    return summary["kv_cache_dtype"] + ("" if bits == 22 else f", {bits}-bit batches") + tiles
 
 
 def dtype_rows(summaries: list[dict]) -> list[list[Any]]:
@@ -282,33 +289,35 @@ def dtype_rows(summaries: list[dict]) -> list[list[Any]]:
 
 def run(args: argparse.Namespace) -> tuple[str, dict]:
     clock = checked_clock(args)
-    timers = {}  # (KV dtype, batch activation bits) -> the timer of its own engine
+    timers = {}  # (KV dtype, batch activation bits, one-row tiles) -> the timer of its own engine
     for kv_dtype in args.kv_cache_dtypes:
         for bits in args.batch_activation_bits:
-            loop = build_engine_loop(args.threads, max(args.batches), kv_dtype, args.model, bits)
-            timers[(kv_dtype, bits)] = StepTimer(loop, clock, thread_clock=args.clock == "cpu")
+            for tiles in args.one_row_tiles:
+                loop = build_engine_loop(args.threads, max(args.batches), kv_dtype, args.model, bits, tiles == "on")
+                timers[(kv_dtype, bits, tiles)] = StepTimer(loop, clock, thread_clock=args.clock == "cpu")
     vocab = next(iter(timers.values())).model.args.vocab_size
-    for (kv_dtype, bits), timer in timers.items():
-        run_requests(timer.loop, max(args.batches), args.prompt_tokens, 2, f"warm-{kv_dtype}-{bits}", vocab)
+    for variant, timer in timers.items():
+        run_requests(timer.loop, max(args.batches), args.prompt_tokens, 2, "warm-" + "-".join(map(str, variant)), vocab)
         timer.records.clear()
     bandwidths = []  # the best of one measurement a round: on a shared machine others' reads lower some
     for r in range(args.rounds):
         bandwidths.append(measure_read_bandwidth())
-        for (kv_dtype, bits), timer in timers.items():  # interleaved: outside load hits every variant alike
+        for variant, timer in timers.items():  # interleaved: outside load hits every variant alike
             for batch in args.batches:
                 for laps in (True, False):
                     timer.laps_on = laps
                     run_requests(timer.loop, batch, args.prompt_tokens, args.new_tokens + 1,
-                                 f"r{r}-{kv_dtype}-{bits}-b{batch}-{laps}", vocab)
+                                 f"r{r}-{'-'.join(map(str, variant))}-b{batch}-{laps}", vocab)
     bandwidth = max(bandwidths)
     summaries = []
-    for (kv_dtype, bits), timer in timers.items():
+    for (kv_dtype, bits, tiles), timer in timers.items():
         element_bytes = timer.runner.layout.element_bytes
         weight_bytes = model_bytes(timer.model, timer.decode_step._fused)
         for batch in args.batches:
             summary = summarize(timer.records, batch, bandwidth, weight_bytes,
                                 kv_bytes_per_token(timer.model, element_bytes), vocab)
-            summaries.append({"kv_cache_dtype": kv_dtype, "batch_activation_bits": bits, **summary})
+            summaries.append({"kv_cache_dtype": kv_dtype, "batch_activation_bits": bits,
+                              "one_row_tiles": tiles == "on", **summary})
     several = len(timers) > 1
     label = lambda s: f"b={s['batch']} {variant_name(s)}" if several else f"b={s['batch']}"  # noqa: E731
     header = ["part (ms a step, median)"] + [f"{label(s)} {column}" for s in summaries

@@ -5,6 +5,7 @@
 // The sources (compiled into one library by pdserve/kernels/native.py):
 //   quantized_matmul.cpp  linear layers over Q4_1/Q8_0 blocks, and float32 one-row products
 //   q4_1_lanes.cpp        Q4_1 products for a batch of rows across vector lanes, in integers
+//   q4_1_row_tiles.cpp    one-row Q4_1 products over weights rearranged in tiles of 16 output rows
 //   decode_attention.cpp  decode attention that reads K/V straight from the paged pool
 //   greedy.cpp            the greedy choice of each row's token
 //   fused_layer.cpp       one Llama-family decoder layer per call, and the stack of them

@@ -32,12 +32,20 @@ namespace {
 constexpr int64_t kFloatWeight = 0, kQ41Weight = 1, kQ80Weight = 2;
 constexpr int64_t kSmallBatchRows = 256;  // pdserve.models.layers._SMALL_BATCH_ROWS
 
+// Weights come as (qkv, o, gate_up, down), or those four then their one-row tiles (an undefined
+// tensor where a weight has none): LlamaDecoderStack's layers, which make the tiles at start-up.
+const at::Tensor* row_tiles_of(at::TensorList weights, size_t index) {
+  return weights.size() == 8 ? &weights[4 + index] : nullptr;
+}
+
 }  // namespace
 
 at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format,
-                        const std::optional<at::Tensor>& bias, int64_t batch_digits) {
+                        const std::optional<at::Tensor>& bias, int64_t batch_digits, const at::Tensor* row_tiles) {
   at::Tensor out;
-  if (format == kFloatWeight) {
+  if (row_tiles != nullptr && row_tiles->defined() && x.size(0) == 1) {
+    out = q4_1_tiled_row_linear(x, *row_tiles);
+  } else if (format == kFloatWeight) {
     TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "decoder layer: float weights must be float32");
     const int64_t rows = x.size(0);
     // As pdserve.models.layers.linear: BLAS is faster with the weight on the left for a few rows.
@@ -169,7 +177,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_part(
     const at::Tensor& key_start, const at::Tensor& key_end, const at::Tensor& write_blocks,
     const at::Tensor& write_offsets, at::IntArrayRef geometry, double eps, double scale,
     const std::optional<at::Tensor>& sinks, bool add_residual, Laps& laps, int64_t batch_digits) {
-  TORCH_CHECK(norms.size() == 2 && weights.size() == 4 && formats.size() == 4 && biases.size() == 4,
+  TORCH_CHECK(norms.size() == 2 && (weights.size() == 4 || weights.size() == 8) && formats.size() == 4 &&
+                  biases.size() == 4,
               "llama_decode_layer: norms (input, post), weights, formats and biases (qkv, o, gate_up, down)");
   TORCH_CHECK(geometry.size() == 3, "llama_decode_layer: geometry is (heads, kv_heads, head_dim)");
   TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat, "llama_decode_layer: h must be float32 [rows, hidden]");
@@ -192,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_part(
   rms_norm_rows(h.data_ptr<float>(), input_norm.data_ptr<float>(), rows, hidden, hidden, epsf, x.data_ptr<float>(),
                 hidden);
   laps.lap(LayerProfile::kInputNorm);
-  at::Tensor qkv = weight_linear(x, weights[0], formats[0], biases.get(0), batch_digits);
+  at::Tensor qkv = weight_linear(x, weights[0], formats[0], biases.get(0), batch_digits, row_tiles_of(weights, 0));
   TORCH_CHECK(qkv.size(1) == qkv_width, "llama_decode_layer: qkv weight has ", qkv.size(1), " rows, expected ",
               qkv_width);
   at::Tensor q = at::empty({rows, heads, head_dim}, h.options());
@@ -237,7 +246,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_part(
   laps.lap(LayerProfile::kAttention);
   store_new_kv(k, v, k_cache, v_cache, write_blocks, write_offsets);
   laps.lap(LayerProfile::kStoreKv);
-  at::Tensor out = weight_linear(attended, weights[1], formats[1], biases.get(1), batch_digits);
+  at::Tensor out = weight_linear(attended, weights[1], formats[1], biases.get(1), batch_digits,
+                                 row_tiles_of(weights, 1));
   TORCH_CHECK(out.size(1) == hidden, "llama_decode_layer: o weight does not give the hidden size");
   if (add_residual) out.add_(h);  // the residual stream after attention
   laps.lap(LayerProfile::kOProj);
@@ -262,7 +272,7 @@ at::Tensor mlp_part(const at::Tensor& h_in, at::TensorList norms, at::TensorList
     laps.lap(LayerProfile::kExperts);
     return experts;
   }
-  at::Tensor gate_up = weight_linear(x, weights[2], formats[2], biases.get(2), batch_digits);
+  at::Tensor gate_up = weight_linear(x, weights[2], formats[2], biases.get(2), batch_digits, row_tiles_of(weights, 2));
   laps.lap(LayerProfile::kMlpGateUp);
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "llama_decode_layer: gate|up weight has an odd row count");
   const int64_t intermediate = gate_up.size(1) / 2;
@@ -284,7 +294,7 @@ at::Tensor mlp_part(const at::Tensor& h_in, at::TensorList norms, at::TensorList
     for (; i < intermediate; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
   }
   laps.lap(LayerProfile::kMlpActivation);
-  at::Tensor mlp = weight_linear(act, weights[3], formats[3], biases.get(3), batch_digits);
+  at::Tensor mlp = weight_linear(act, weights[3], formats[3], biases.get(3), batch_digits, row_tiles_of(weights, 3));
   TORCH_CHECK(mlp.size(1) == hidden, "llama_decode_layer: down weight does not give the hidden size");
   laps.lap(LayerProfile::kMlpDown);
   return mlp;
@@ -334,6 +344,13 @@ void LlamaDecoderStack::add_layer(std::vector<at::Tensor> norms, std::optional<a
   for (const at::Tensor& bias : biases) {
     layer.biases.push_back(bias.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(bias));
   }
+  if (one_row_tiles && q4_1_row_tiles_supported() && layer.weights.size() == 4 && layer.formats.size() == 4) {
+    for (size_t i = 0; i < 4; ++i) {
+      const at::Tensor& weight = layer.weights[i];
+      const bool tiled = layer.formats[i] == kQ41Weight && weight.dim() == 2 && weight.size(0) % 16 == 0;
+      layer.weights.push_back(tiled ? q4_1_row_tiles(weight) : at::Tensor());
+    }
+  }
   layers.push_back(std::move(layer));
 }
 
@@ -347,7 +364,9 @@ void LlamaDecoderStack::attach_sinks(at::Tensor sinks) {
 void LlamaDecoderStack::attach_moe(c10::intrusive_ptr<SparseMoeMlp> moe) {
   TORCH_CHECK(!layers.empty(), "LlamaDecoderStack.attach_moe: no layer yet");
   TORCH_CHECK(moe->router_weight.numel() > 0, "LlamaDecoderStack.attach_moe: the experts need their router");
-  layers.back().moe = std::move(moe);
+  Layer& layer = layers.back();
+  if (layer.weights.size() == 8) layer.weights[6] = layer.weights[7] = at::Tensor();  // the MLP's: unused
+  layer.moe = std::move(moe);
 }
 
 at::Tensor LlamaDecoderStack::forward(at::Tensor h, at::Tensor cos, at::Tensor sin,
@@ -439,6 +458,21 @@ void LlamaDecoderStack::set_batch_activation_digits(int64_t digits) {
   TORCH_CHECK(digits >= 1 && digits <= kOneRowDigits, "LlamaDecoderStack.set_batch_activation_digits: 1, 2 or 3, not ",
               digits);
   batch_digits = digits;
+}
+
+void LlamaDecoderStack::set_one_row_tiles(bool enabled) {
+  TORCH_CHECK(layers.empty(), "LlamaDecoderStack.set_one_row_tiles: before the first layer");
+  one_row_tiles = enabled;
+}
+
+int64_t LlamaDecoderStack::one_row_tile_bytes() const {
+  int64_t total = 0;
+  for (const Layer& layer : layers) {
+    for (size_t i = 4; i < layer.weights.size(); ++i) {
+      if (layer.weights[i].defined()) total += layer.weights[i].nbytes();
+    }
+  }
+  return total;
 }
 
 void LlamaDecoderStack::start_profile(bool thread_clock) {

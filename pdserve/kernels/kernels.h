@@ -26,6 +26,28 @@ at::Tensor f32_row_linear(const at::Tensor& x, const at::Tensor& weight);
 // float row tiles (any row count), 8 or 16 the integer lanes below with `digits`.
 at::Tensor q4_1_linear_with(const at::Tensor& x, const at::Tensor& blocks, int64_t lanes, int64_t digits);
 
+#if PDSERVE_AVX2
+// One activation row rounded for the one-row Q4_1 products (quantized_matmul.cpp: 22-bit integers
+// per block of 32 in three 7-bit digits, the layout drawn there), which q4_1_row_tiles.cpp reads too.
+constexpr int64_t kPairDigitBytes = 192;
+struct IntegerRow {
+  std::vector<int8_t> digits;  // [pairs, 192]
+  std::vector<float> scales;  // [pairs, 16]
+  int64_t blocks = 0, pairs = 0;
+};
+IntegerRow integer_row(const float* x, int64_t k);
+#endif
+
+// ---- q4_1_row_tiles.cpp ----------------------------------------------------------------------
+
+// Whether this CPU's build has the tiled one-row kernel (AVX-512 VNNI); without it
+// q4_1_row_tiles refuses and callers keep the blocks' own kernels.
+bool q4_1_row_tiles_supported();
+// Q4_1 blocks [n, k / 32 * 20] (n a multiple of 16) rearranged for one-row products: [n / 16, ...].
+at::Tensor q4_1_row_tiles(const at::Tensor& blocks);
+// y = x @ W.T for one row x [1, k] and W given as q4_1_row_tiles(W): bit for bit q4_1_linear's.
+at::Tensor q4_1_tiled_row_linear(const at::Tensor& x, const at::Tensor& tiles);
+
 // ---- q4_1_lanes.cpp (compiled with AVX2) -----------------------------------------------------
 
 // y = x @ W.T for float32 rows x [rows, k] and Q4_1 blocks W, the rows across `lanes` vector lanes
@@ -75,9 +97,10 @@ at::Tensor greedy_tokens(const at::Tensor& logits);
 // ---- fused_layer.cpp -----------------------------------------------------------------------
 
 // y = x @ W.T (+ bias) for float32 x and W as float32 [out, in] (format 0) or Q4_1 / Q8_0 blocks (1, 2);
-// batch_digits: q4_1_batch_linear's.
+// batch_digits: q4_1_batch_linear's; row_tiles: W's q4_1_row_tiles, which one row is multiplied with.
 at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format,
-                         const std::optional<at::Tensor>& bias, int64_t batch_digits = kOneRowDigits);
+                         const std::optional<at::Tensor>& bias, int64_t batch_digits = kOneRowDigits,
+                         const at::Tensor* row_tiles = nullptr);
 
 // (fused_layer.cpp's llama_decode_layer and LlamaDecoderStack: fused_layer.h.)
 

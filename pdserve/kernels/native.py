@@ -210,6 +210,15 @@ def _register_fakes() -> None:
     def _q4_1_with(x: torch.Tensor, blocks: torch.Tensor, lanes: int, digits: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], blocks.shape[0]))
 
+    @torch.library.register_fake(f"{LIBRARY_NAMESPACE}::q4_1_row_tiles")
+    def _q4_1_row_tiles(blocks: torch.Tensor) -> torch.Tensor:
+        pairs = (blocks.shape[1] // 20 + 1) // 2
+        return blocks.new_empty((blocks.shape[0] // 16, pairs * 640))
+
+    @torch.library.register_fake(f"{LIBRARY_NAMESPACE}::q4_1_tiled_row_linear")
+    def _q4_1_tiled(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], tiles.shape[0] * 16))
+
     @torch.library.register_fake(f"{LIBRARY_NAMESPACE}::q8_0_linear")
     def _q8_0(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], blocks.shape[0]))

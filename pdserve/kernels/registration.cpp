@@ -31,6 +31,8 @@ TORCH_LIBRARY(pdserve_cpu, m) {
       .def("set_final_norm", &LlamaDecoderStack::set_final_norm)
       .def("set_batch_activation_digits", &LlamaDecoderStack::set_batch_activation_digits)
       .def("batch_activation_digits", &LlamaDecoderStack::batch_activation_digits)
+      .def("set_one_row_tiles", &LlamaDecoderStack::set_one_row_tiles)
+      .def("one_row_tile_bytes", &LlamaDecoderStack::one_row_tile_bytes)
       .def("start_profile", &LlamaDecoderStack::start_profile)
       .def("stop_profile", &LlamaDecoderStack::stop_profile)
       .def("profile_seconds", &LlamaDecoderStack::profile_seconds)
@@ -40,6 +42,9 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("q4_1_linear(Tensor x, Tensor blocks) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor blocks) -> Tensor");
   m.def("q4_1_linear_with(Tensor x, Tensor blocks, int lanes, int digits) -> Tensor");
+  m.def("q4_1_row_tiles_supported() -> bool", &q4_1_row_tiles_supported);
+  m.def("q4_1_row_tiles(Tensor blocks) -> Tensor");
+  m.def("q4_1_tiled_row_linear(Tensor x, Tensor tiles) -> Tensor");
   m.def("f32_row_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("dequantize_blocks(Tensor blocks, int block_bytes) -> Tensor");
   m.def("greedy_tokens(Tensor logits) -> Tensor");
@@ -57,6 +62,8 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("q4_1_linear", &q4_1_linear);
   m.impl("q8_0_linear", &q8_0_linear);
   m.impl("q4_1_linear_with", &q4_1_linear_with);
+  m.impl("q4_1_row_tiles", &q4_1_row_tiles);
+  m.impl("q4_1_tiled_row_linear", &q4_1_tiled_row_linear);
   m.impl("f32_row_linear", &f32_row_linear);
   m.impl("dequantize_blocks", &dequantize_blocks);
   m.impl("greedy_tokens", &greedy_tokens);

@@ -96,12 +96,13 @@ class DecodeStep:
 
     def __init__(self, model: CausalLM, plan: KVGroupPlan, pool: torch.Tensor, layer_caches: LayerCaches,
                  block_size: int, device: torch.device, compile_step: bool, native: Optional[bool] = None,
-                 fuse_layers: bool = True, batch_activation_digits: int = 3):
+                 fuse_layers: bool = True, batch_activation_digits: int = 3, one_row_tiles: bool = True):
         """`native` None: the native kernels wherever they run (tests pass False to take the
         path other devices take). `fuse_layers`: run each layer as one native call where the
         kernels and the model allow it (eager steps only; False keeps the per-op path).
         `batch_activation_digits`: the fused layers' Q4_1 batches round activations to this many
-        7-bit digits (3: 22 bits, as one row; `--batch-activation-bits`)."""
+        7-bit digits (3: 22 bits, as one row; `--batch-activation-bits`). `one_row_tiles`: the fused
+        layers keep their Q4_1 weights a second time for batch-1 steps (`--one-row-tiles`)."""
         self.model = model
         self.plan = plan
         self.pool = pool
@@ -120,7 +121,11 @@ class DecodeStep:
         self._fused_stack = None
         if self._fused is not None:
             self._fused_stack = FusedDecoderStack(self._fused, layer_caches, native_final_norm(model),
-                                                  batch_activation_digits)
+                                                  batch_activation_digits, one_row_tiles)
+            tile_bytes = self._fused_stack.one_row_tile_bytes
+            if tile_bytes:
+                logger.info("batch-1 decode keeps its Q4_1 weights a second time as one-row tiles: %.1f MiB",
+                            tile_bytes / 2**20)
         self._stack_norms = self._fused_stack is not None and self._fused_stack.applies_final_norm
         self.static_shapes = compile_step and not self.native
         # One compiled graph serves every layer of a kind (dynamo guards on the layer's type and

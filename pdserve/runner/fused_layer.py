@@ -122,13 +122,17 @@ class FusedDecoderStack:
     views handed over at start-up."""
 
     def __init__(self, layers: Sequence[FusedLlamaLayer], layer_caches: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
-                 final_norm: Optional[tuple[torch.Tensor, float]] = None, batch_activation_digits: int = 3):
+                 final_norm: Optional[tuple[torch.Tensor, float]] = None, batch_activation_digits: int = 3,
+                 one_row_tiles: bool = True):
         """`final_norm`: (weight, eps) of the model's final RMSNorm (`native_final_norm`), which the
         stack then applies after the last layer (`applies_final_norm`; a tensor-parallel rank's
         stack leaves it to the caller). `batch_activation_digits`: 7-bit digits per activation in the
-        Q4_1 products of batched steps (3: the one-row kernel's 22 bits; 2 or 1: faster, coarser)."""
+        Q4_1 products of batched steps (3: the one-row kernel's 22 bits; 2 or 1: faster, coarser).
+        `one_row_tiles`: where the CPU has AVX-512 VNNI, each Q4_1 weight is copied once more in the
+        layout batch-1 steps multiply fastest (same bits; `one_row_tile_bytes` says how many)."""
         self._stack = torch.classes.pdserve_cpu.LlamaDecoderStack()
         self._stack.set_batch_activation_digits(batch_activation_digits)
+        self._stack.set_one_row_tiles(one_row_tiles)
         self._all_reduces = [layer.all_reduces for layer in layers]
         self.tensor_parallel = any(reduces is not None for reduces in self._all_reduces)
         if self.tensor_parallel and not all(reduces is not None for reduces in self._all_reduces):
@@ -146,6 +150,11 @@ class FusedDecoderStack:
                 self._stack.attach_sinks(layer.sinks)
             if layer.moe is not None:
                 self._stack.attach_moe(layer.moe)
+
+    @property
+    def one_row_tile_bytes(self) -> int:
+        """Bytes of the Q4_1 weights' one-row copies (0: none made)."""
+        return self._stack.one_row_tile_bytes()
 
     @property
     def batch_activation_digits(self) -> int:

@@ -44,8 +44,8 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, plan: KVGroupPlan, layout: KVPoolLayout, device: torch.device, seed: int = 0,
                  compile_decode: bool = False, grammar: Optional[GrammarMatchers] = None, shared_pool: bool = False,
-                 batch_activation_digits: int = 3):
-        """`batch_activation_digits`: the fused decode layers' Q4_1 batches (DecodeStep's)."""
+                 batch_activation_digits: int = 3, one_row_tiles: bool = True):
+        """`batch_activation_digits`, `one_row_tiles`: the fused decode layers' (DecodeStep's)."""
         self.model = model
         # Set by the engine loop for the step about to run: True once its requests are all aborted.
         self.stop_check: Optional[Callable[[], bool]] = None
@@ -62,7 +62,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed, native_greedy=device.type == "cpu" and cpu_kernels_available())
         self.decode_step = None if self.state_views is not None else DecodeStep(
             model, plan, self.pool, self.layer_caches, layout.block_size, device, compile_step=compile_decode,
-            batch_activation_digits=batch_activation_digits)
+            batch_activation_digits=batch_activation_digits, one_row_tiles=one_row_tiles)
         self.synchronize()  # the pool's zeros land before NIXL registers it or a peer reads it
 
     def bind_thread(self) -> None:

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from pdserve.kernels import native
 from pdserve.runner.decode_step import DecodeStep
 from pdserve.runner.fused_layer import FusedLlamaLayer, fused_layers, unfusable_reason
 from pdserve.models.loader import load_model
@@ -56,6 +57,29 @@ def test_fused_step_matches_the_per_op_step(qwen_with_biases_dir, quantization):
         chunks = [_chunk(i, [7 + i], len(prompts[i]), tables[i]) for i in rows]
         assert_step_matches_per_op(runner, per_op, chunks, before, tolerance)
         assert not torch.equal(runner.pool, before)
+
+
+def test_one_row_tiles_give_the_blocks_bits_and_only_a_batch_of_one_takes_them(qwen_with_biases_dir):
+    """The stack's Q4_1 weights copied into one-row tiles (AVX-512 VNNI): a one-row step's logits
+    and K/V equal those of a stack without them, bit for bit; a batch too (it keeps the blocks)."""
+    require_native_kernels()
+    loaded = load_model(qwen_with_biases_dir, torch.float32, torch.device("cpu"), "int4")
+    runner = _runner(loaded)
+    without = DecodeStep(loaded.model, runner.plan, runner.pool, runner.layer_caches, BLOCK_SIZE, runner.device,
+                         compile_step=False, one_row_tiles=False)
+    assert without._fused_stack.one_row_tile_bytes == 0
+    tile_bytes = runner.decode_step._fused_stack.one_row_tile_bytes
+    if not native.ops().q4_1_row_tiles_supported():
+        assert tile_bytes == 0
+        pytest.skip("one-row tiles need AVX-512 VNNI")
+    q4_1_bytes = sum(w.nbytes for layer in runner.decode_step._fused for w in layer.weights)
+    assert tile_bytes == q4_1_bytes  # every weight of this model has 16k rows: all tiled, as many bytes
+    prompts = [random_prompt(n, QWEN_VOCAB, 60 + n) for n in (9, 33)]
+    tables = _prefilled(runner, prompts)
+    before = runner.pool.clone()
+    for rows in ([1], [0, 1]):
+        chunks = [_chunk(i, [11 + i], len(prompts[i]), tables[i]) for i in rows]
+        assert_step_matches_per_op(runner, without, chunks, before, tolerance=0)
 
 
 def test_the_stack_times_each_part_of_its_layers_only_while_asked(qwen_with_biases_dir):
