@@ -359,6 +359,12 @@ class WorkerConfig(_Frozen):
     limits: LimitsConfig = LimitsConfig()
     parallel: ParallelConfig = ParallelConfig()
 
+    @property
+    def keeps_one_row_tiles(self) -> bool:
+        """--one-row-tiles where batch-1 decode steps run: a prefill worker hands every request to
+        decode after its first token, so the second copy of its weights would only take memory."""
+        return self.model.one_row_tiles and self.role != "prefill"
+
     @model_validator(mode="after")
     def _internal_endpoints_need_a_token_off_loopback(self) -> "WorkerConfig":
         # P and D expose endpoints that pin, read and release KV memory; on an

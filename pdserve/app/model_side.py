@@ -159,14 +159,14 @@ def build_model_side(config: WorkerConfig, loaded: Optional[LoadedModel] = None,
         ranks.broadcast(_rank_setup(config, plan, layout))
         channel = LeaderChannel(ranks)
         runner: ModelRunner = LeaderRunner(loaded.model, plan, layout, device, grammar=grammar, channel=channel,
-                                           shared_pool=shared_pool, one_row_tiles=config.model.one_row_tiles)
+                                           shared_pool=shared_pool, one_row_tiles=config.keeps_one_row_tiles)
         followers = (ranks.gather(None) or [None])[1:]
     else:
         # A compiled step would need its collectives traced; tensor-parallel ranks run eagerly.
         runner = ModelRunner(loaded.model, plan, layout, device, grammar=grammar, shared_pool=shared_pool,
                              compile_decode=should_compile(config.model.compile, device, dtype),
                              batch_activation_digits=BATCH_ACTIVATION_DIGITS[config.model.batch_activation_bits],
-                             one_row_tiles=config.model.one_row_tiles)
+                             one_row_tiles=config.keeps_one_row_tiles)
     runner.warm_up(config.scheduler.max_num_running)
     return ModelSide(device, dtype, loaded, plan, layout, _context_limit(config, spec, plan, layout.num_blocks),
                      runner, grammar_tokenizer, channel, followers, shared_pool)

@@ -146,7 +146,7 @@ def serve_follower(config: WorkerConfig, transport_factory: TransportFactory = n
         page_bytes = plan_page_bytes(plan, config.cache.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
         layout = KVPoolLayout.for_plan(plan, setup.num_blocks, config.cache.block_size, spec.num_kv_heads,
                                        spec.head_dim, kv_dtype)
-        runner = ModelRunner(loaded.model, plan, layout, device, one_row_tiles=config.model.one_row_tiles)
+        runner = ModelRunner(loaded.model, plan, layout, device, one_row_tiles=config.keeps_one_row_tiles)
         runner.bind_thread()
         logger.info("rank %d/%d ready: %d blocks of %d bytes, %d heads and %d KV heads here", rank, size,
                     setup.num_blocks, page_bytes, spec.num_heads, spec.num_kv_heads)

@@ -43,6 +43,13 @@ def test_flags_map_onto_their_fields_with_their_parsers():
     assert config.model.served_name == "m" and config.scheduler.max_num_running == 3
 
 
+@pytest.mark.parametrize("command, role, keeps", [("serve", "colocated", True), ("decode", "decode", True),
+                                                 ("prefill", "prefill", False)])
+def test_one_row_tiles_are_kept_where_batch_1_steps_run_unless_turned_off(command, role, keeps):
+    assert worker_config(parse(command), role).keeps_one_row_tiles is keeps
+    assert worker_config(parse(command, "--no-one-row-tiles"), role).keeps_one_row_tiles is False
+
+
 def test_the_internal_token_falls_back_to_its_environment_variable(monkeypatch):
     monkeypatch.setenv("PDSERVE_INTERNAL_TOKEN", "from-env")
     assert worker_config(parse("prefill"), "prefill").server.internal_token == "from-env"

@@ -123,6 +123,9 @@ def test_decode_profile_sets_each_kv_dtype_against_the_first_at_the_same_batch()
                        summary("bfloat16", 1, 0.5, 8.0), summary("bfloat16", 16, 16.0, 80.0)])
     assert rows[0] == ["float32", 1, "1.000", "1.00x", "0.500", "1.00x", "10.000", "1.00x", "2.0"]
     assert rows[3][:4] == ["bfloat16", 16, "16.000", "1.25x"] and rows[3][6:8] == ["80.000", "1.12x"]
+    without_tiles = summary("float32", 1, 1.0, 11.0) | {"one_row_tiles": False, "batch_activation_bits": 8}
+    assert dtype_rows([summary("float32", 1, 1.0, 10.0), without_tiles])[1][:1] == [
+        "float32, 8-bit batches, no one-row tiles"]
 
 
 def test_a_tiny_decode_profile_of_the_embedded_model_has_every_part_and_its_bound(tmp_path):
