@@ -325,6 +325,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   if (parallel && rows < 2 * at::get_num_threads()) {
     const int64_t wanted = (2 * at::get_num_threads() + rows - 1) / rows;
     splits = std::max<int64_t>(1, std::min(wanted, longest / kKeysPerSplit));
+    // Whole tasks per thread: 3 tasks on 2 threads leave one thread idle a third of the call.
+    while (splits > 1 && (rows * splits) % at::get_num_threads() != 0) --splits;
   }
   const int64_t num_tasks = rows * splits;
   std::vector<float> scratch(num_tasks * heads * head_dim);
