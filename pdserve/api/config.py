@@ -73,9 +73,9 @@ class ModelConfig(_Frozen):
             "\"Where a decode step goes\")")
 
     one_row_tiles: bool = setting(
-        True, "on a CPU with AVX-512 VNNI, keep a second copy of each Q4_1 weight laid out for batch-1 decode "
-              "steps: their products ~1.2-1.5x faster, to the same bits, for as much memory again as the Q4_1 "
-              "weights (docs/operations.md, \"Flags that matter\")")
+        True, "on a CPU with AVX-512 VNNI, keep a second copy of each Q4_1 weight laid out for decode "
+              "steps of 1-3 rows: their products ~1.1-1.3x faster, each row to its batch-1 bits, for as much "
+              "memory again as the Q4_1 weights (docs/operations.md, \"Flags that matter\")")
 
     @field_validator("batch_activation_bits")
     @classmethod
@@ -361,7 +361,7 @@ class WorkerConfig(_Frozen):
 
     @property
     def keeps_one_row_tiles(self) -> bool:
-        """--one-row-tiles where batch-1 decode steps run: a prefill worker hands every request to
+        """--one-row-tiles where small decode steps run: a prefill worker hands every request to
         decode after its first token, so the second copy of its weights would only take memory."""
         return self.model.one_row_tiles and self.role != "prefill"
 

@@ -31,6 +31,8 @@ namespace {
 
 constexpr int64_t kFloatWeight = 0, kQ41Weight = 1, kQ80Weight = 2;
 constexpr int64_t kSmallBatchRows = 256;  // pdserve.models.layers._SMALL_BATCH_ROWS
+// Rows up to which a weight's one-row tiles beat its blocks (q4_1_row_tiles.cpp, measured there).
+constexpr int64_t kTiledMaxRows = 3;
 
 // Weights come as (qkv, o, gate_up, down), or those four then their one-row tiles (an undefined
 // tensor where a weight has none): LlamaDecoderStack's layers, which make the tiles at start-up.
@@ -43,8 +45,8 @@ const at::Tensor* row_tiles_of(at::TensorList weights, size_t index) {
 at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format,
                         const std::optional<at::Tensor>& bias, int64_t batch_digits, const at::Tensor* row_tiles) {
   at::Tensor out;
-  if (row_tiles != nullptr && row_tiles->defined() && x.size(0) == 1) {
-    out = q4_1_tiled_row_linear(x, *row_tiles);
+  if (row_tiles != nullptr && row_tiles->defined() && x.size(0) <= kTiledMaxRows) {
+    out = q4_1_tiled_linear(x, *row_tiles);
   } else if (format == kFloatWeight) {
     TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "decoder layer: float weights must be float32");
     const int64_t rows = x.size(0);

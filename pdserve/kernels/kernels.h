@@ -40,13 +40,14 @@ IntegerRow integer_row(const float* x, int64_t k);
 
 // ---- q4_1_row_tiles.cpp ----------------------------------------------------------------------
 
-// Whether this CPU's build has the tiled one-row kernel (AVX-512 VNNI); without it
+// Whether this CPU's build has the tiled kernel (AVX-512 VNNI); without it
 // q4_1_row_tiles refuses and callers keep the blocks' own kernels.
 bool q4_1_row_tiles_supported();
 // Q4_1 blocks [n, k / 32 * 20] (n a multiple of 16) rearranged for one-row products: [n / 16, ...].
 at::Tensor q4_1_row_tiles(const at::Tensor& blocks);
-// y = x @ W.T for one row x [1, k] and W given as q4_1_row_tiles(W): bit for bit q4_1_linear's.
-at::Tensor q4_1_tiled_row_linear(const at::Tensor& x, const at::Tensor& tiles);
+// y = x @ W.T for rows x [rows, k] and W given as q4_1_row_tiles(W): each row bit for bit
+// q4_1_linear's on that row alone.
+at::Tensor q4_1_tiled_linear(const at::Tensor& x, const at::Tensor& tiles);
 
 // ---- q4_1_lanes.cpp (compiled with AVX2) -----------------------------------------------------
 
@@ -97,7 +98,7 @@ at::Tensor greedy_tokens(const at::Tensor& logits);
 // ---- fused_layer.cpp -----------------------------------------------------------------------
 
 // y = x @ W.T (+ bias) for float32 x and W as float32 [out, in] (format 0) or Q4_1 / Q8_0 blocks (1, 2);
-// batch_digits: q4_1_batch_linear's; row_tiles: W's q4_1_row_tiles, which one row is multiplied with.
+// batch_digits: q4_1_batch_linear's; row_tiles: W's q4_1_row_tiles, which steps of up to 3 rows use.
 at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format,
                          const std::optional<at::Tensor>& bias, int64_t batch_digits = kOneRowDigits,
                          const at::Tensor* row_tiles = nullptr);

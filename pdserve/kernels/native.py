@@ -215,7 +215,7 @@ def _register_fakes() -> None:
         pairs = (blocks.shape[1] // 20 + 1) // 2
         return blocks.new_empty((blocks.shape[0] // 16, pairs * 640))
 
-    @torch.library.register_fake(f"{LIBRARY_NAMESPACE}::q4_1_tiled_row_linear")
+    @torch.library.register_fake(f"{LIBRARY_NAMESPACE}::q4_1_tiled_linear")
     def _q4_1_tiled(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], tiles.shape[0] * 16))
 

@@ -44,7 +44,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("q4_1_linear_with(Tensor x, Tensor blocks, int lanes, int digits) -> Tensor");
   m.def("q4_1_row_tiles_supported() -> bool", &q4_1_row_tiles_supported);
   m.def("q4_1_row_tiles(Tensor blocks) -> Tensor");
-  m.def("q4_1_tiled_row_linear(Tensor x, Tensor tiles) -> Tensor");
+  m.def("q4_1_tiled_linear(Tensor x, Tensor tiles) -> Tensor");
   m.def("f32_row_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("dequantize_blocks(Tensor blocks, int block_bytes) -> Tensor");
   m.def("greedy_tokens(Tensor logits) -> Tensor");
@@ -63,7 +63,7 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("q8_0_linear", &q8_0_linear);
   m.impl("q4_1_linear_with", &q4_1_linear_with);
   m.impl("q4_1_row_tiles", &q4_1_row_tiles);
-  m.impl("q4_1_tiled_row_linear", &q4_1_tiled_row_linear);
+  m.impl("q4_1_tiled_linear", &q4_1_tiled_linear);
   m.impl("f32_row_linear", &f32_row_linear);
   m.impl("dequantize_blocks", &dequantize_blocks);
   m.impl("greedy_tokens", &greedy_tokens);

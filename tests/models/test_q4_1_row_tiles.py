@@ -1,6 +1,6 @@
 """Q4_1 weights in one-row tiles (pdserve/kernels/q4_1_row_tiles.cpp): the layout its diagram draws,
-the one-row products bit for bit those of the blocks' own one-row kernel (odd block counts, NaN,
-infinity, zero and huge blocks), and the inputs it refuses."""
+each row's products bit for bit those of the blocks' own one-row kernel on that row alone (odd
+block counts, NaN, infinity, zero and huge blocks, several rows), and the inputs it refuses."""
 
 from __future__ import annotations
 
@@ -47,10 +47,24 @@ def test_tiles_give_the_blocks_one_row_kernels_bits(out_features, in_features):
     assert tiles.shape == (out_features // TILE_ROWS, (in_features // 32 + 1) // 2 * PAIR_BYTES)
     for x in _rows(in_features, seed=out_features):
         expected = native.ops().q4_1_linear(x, blocks)
-        got = native.ops().q4_1_tiled_row_linear(x, tiles)
+        got = native.ops().q4_1_tiled_linear(x, tiles)
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
     finite = _rows(in_features, seed=0)[0]
-    assert torch.isfinite(native.ops().q4_1_tiled_row_linear(finite, tiles)).all()
+    assert torch.isfinite(native.ops().q4_1_tiled_linear(finite, tiles)).all()
+
+
+def test_each_row_of_several_gets_its_own_one_row_bits():
+    """Rows multiplied together give what each gives alone (the float row tiles do not)."""
+    _require_tiles()
+    blocks = quantize_q4_1(_weights(48, 160, seed=9)).blocks
+    tiles = native.ops().q4_1_row_tiles(blocks)
+    x = torch.cat(_rows(160, seed=4)[:3] + [torch.zeros(1, 160)])
+    together = native.ops().q4_1_tiled_linear(x, tiles)
+    assert together.shape == (4, 48)
+    for r in range(4):
+        alone = native.ops().q4_1_linear(x[r:r + 1], blocks)
+        assert torch.equal(together[r:r + 1].view(torch.int32), alone.view(torch.int32))
+    assert native.ops().q4_1_tiled_linear(x[:0], tiles).shape == (0, 48)
 
 
 def test_the_tile_layout_is_the_one_drawn():
@@ -87,6 +101,6 @@ def test_tiles_refuse_what_they_cannot_hold():
         ops.q4_1_row_tiles(torch.zeros(16, 30, dtype=torch.uint8))
     tiles = ops.q4_1_row_tiles(quantize_q4_1(_weights(16, 64)).blocks)
     with pytest.raises(RuntimeError, match="do not match in_features"):
-        ops.q4_1_tiled_row_linear(torch.randn(1, 128), tiles)
-    with pytest.raises(RuntimeError, match="one float32 row"):
-        ops.q4_1_tiled_row_linear(torch.randn(2, 64), tiles)
+        ops.q4_1_tiled_linear(torch.randn(1, 128), tiles)
+    with pytest.raises(RuntimeError, match="float32 rows"):
+        ops.q4_1_tiled_linear(torch.randn(64), tiles)
