@@ -74,7 +74,7 @@ class ModelConfig(_Frozen):
 
     one_row_tiles: bool = setting(
         True, "on a CPU with AVX-512 VNNI, keep a second copy of each Q4_1 weight laid out for decode "
-              "steps of 1-3 rows: their products ~1.1-1.3x faster, each row to its batch-1 bits, for as much "
+              "steps of 1-2 rows: their products ~1.1x faster at one row, each row to its batch-1 bits, for as much "
               "memory again as the Q4_1 weights (docs/operations.md, \"Flags that matter\")")
 
     @field_validator("batch_activation_bits")

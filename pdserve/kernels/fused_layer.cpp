@@ -32,7 +32,7 @@ namespace {
 constexpr int64_t kFloatWeight = 0, kQ41Weight = 1, kQ80Weight = 2;
 constexpr int64_t kSmallBatchRows = 256;  // pdserve.models.layers._SMALL_BATCH_ROWS
 // Rows up to which a weight's one-row tiles beat its blocks (q4_1_row_tiles.cpp, measured there).
-constexpr int64_t kTiledMaxRows = 3;
+constexpr int64_t kTiledMaxRows = 2;
 
 // Weights come as (qkv, o, gate_up, down), or those four then their one-row tiles (an undefined
 // tensor where a weight has none): LlamaDecoderStack's layers, which make the tiles at start-up.

@@ -104,8 +104,8 @@ struct LlamaDecoderStack : torch::CustomClassHolder {
   int64_t batch_digits = kOneRowDigits;
 
   // One-row tiles (q4_1_row_tiles.cpp): where the CPU has AVX-512 VNNI, add_layer rearranges each
-  // Q4_1 weight of 16k rows into a copy that steps of 1-3 rows multiply with (each row to its
-  // batch-1 bits), ~1.1-1.3x faster, for as many bytes again as those weights (one_row_tile_bytes).
+  // Q4_1 weight of 16k rows into a copy that steps of 1-2 rows multiply with (each row to its
+  // batch-1 bits), ~1.1x faster at one row, for as many bytes again as those weights (one_row_tile_bytes).
   // On unless set off before the first layer.
   void set_one_row_tiles(bool enabled);
   bool one_row_tiles = true;

@@ -98,7 +98,7 @@ at::Tensor greedy_tokens(const at::Tensor& logits);
 // ---- fused_layer.cpp -----------------------------------------------------------------------
 
 // y = x @ W.T (+ bias) for float32 x and W as float32 [out, in] (format 0) or Q4_1 / Q8_0 blocks (1, 2);
-// batch_digits: q4_1_batch_linear's; row_tiles: W's q4_1_row_tiles, which steps of up to 3 rows use.
+// batch_digits: q4_1_batch_linear's; row_tiles: W's q4_1_row_tiles, which steps of up to 2 rows use.
 at::Tensor weight_linear(const at::Tensor& x, const at::Tensor& weight, int64_t format,
                          const std::optional<at::Tensor>& bias, int64_t batch_digits = kOneRowDigits,
                          const at::Tensor* row_tiles = nullptr);

@@ -1,4 +1,4 @@
-// Activation rows of small decode steps (1-3 rows: kTiledMaxRows in fused_layer.cpp) against Q4_1
+// Activation rows of small decode steps (1-2 rows: kTiledMaxRows in fused_layer.cpp) against Q4_1
 // weights rearranged at load into tiles of 16 output rows, so that each int32 lane of a 512-bit
 // vector is one output row.
 // Invariant: each activation row's outputs are bit for bit those of the blocks' one-row kernel
@@ -10,9 +10,9 @@
 // the end, ~0.47 instructions a weight; it bounds a b=1 step on a CPU whose caches hold the
 // model. Here one vpdpbusd multiplies four codes of each of 16 rows by four activation digits
 // broadcast from memory (~0.13 instructions a weight), with no horizontal sums. Each further
-// activation row costs as much again (the tile comes from cache): from 4 rows on, the float row
-// tiles, which unpack a block once for up to 8 rows, are faster (16 rows: 0.84x; 2 rows 1.23-1.31x,
-// 3 rows 1.09-1.10x: 30 layers' products cycled, two threads, Xeon VM).
+// activation row costs as much again (the tile comes from cache), while the float row tiles
+// unpack a block once for up to 16 rows: against their 512-bit form these are 1.08x at one row,
+// 1.01-1.05x at 2, 0.85x at 3, 0.75x at 4 (30 layers' products cycled, two threads, Xeon VM).
 //
 // The one-row kernel reads two blocks A, B (a pair, 64 weights) a step; its int32 lane j (0..7)
 // holds the codes of bytes 4j'..4j'+3 of A (j < 4, j' = j) or B (j' = j - 4), low and high

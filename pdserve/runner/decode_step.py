@@ -102,7 +102,7 @@ class DecodeStep:
         kernels and the model allow it (eager steps only; False keeps the per-op path).
         `batch_activation_digits`: the fused layers' Q4_1 batches round activations to this many
         7-bit digits (3: 22 bits, as one row; `--batch-activation-bits`). `one_row_tiles`: the fused
-        layers keep their Q4_1 weights a second time for steps of 1-3 rows (`--one-row-tiles`)."""
+        layers keep their Q4_1 weights a second time for steps of 1-2 rows (`--one-row-tiles`)."""
         self.model = model
         self.plan = plan
         self.pool = pool
@@ -124,7 +124,7 @@ class DecodeStep:
                                                   batch_activation_digits, one_row_tiles)
             tile_bytes = self._fused_stack.one_row_tile_bytes
             if tile_bytes:
-                logger.info("decode steps of 1-3 rows keep the Q4_1 weights a second time as one-row tiles: %.1f MiB",
+                logger.info("decode steps of 1-2 rows keep the Q4_1 weights a second time as one-row tiles: %.1f MiB",
                             tile_bytes / 2**20)
         self._stack_norms = self._fused_stack is not None and self._fused_stack.applies_final_norm
         self.static_shapes = compile_step and not self.native

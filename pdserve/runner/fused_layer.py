@@ -129,7 +129,7 @@ class FusedDecoderStack:
         stack leaves it to the caller). `batch_activation_digits`: 7-bit digits per activation in the
         Q4_1 products of batched steps (3: the one-row kernel's 22 bits; 2 or 1: faster, coarser).
         `one_row_tiles`: where the CPU has AVX-512 VNNI, each Q4_1 weight is copied once more in the
-        layout steps of 1-3 rows multiply fastest (batch-1 bits; `one_row_tile_bytes` says how many)."""
+        layout steps of 1-2 rows multiply fastest (batch-1 bits; `one_row_tile_bytes` says how many)."""
         self._stack = torch.classes.pdserve_cpu.LlamaDecoderStack()
         self._stack.set_batch_activation_digits(batch_activation_digits)
         self._stack.set_one_row_tiles(one_row_tiles)
