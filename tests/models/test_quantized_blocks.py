@@ -139,10 +139,12 @@ def _from_gguf(raw: np.ndarray, qtype: str, in_features: int) -> PackedWeight:
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows, out_features, in_features", [(1, 37, 96), (3, 37, 224), (7, 13, 32), (33, 41, 64)])
+@pytest.mark.parametrize("rows, out_features, in_features",
+                         [(1, 37, 96), (3, 37, 224), (7, 13, 32), (33, 41, 64), (19, 17, 64), (65, 9, 96)])
 def test_native_linear_on_gguf_blocks_matches_torch_dequantize_and_matmul(qtype, rows, out_features, in_features):
-    """Blocks packed by the `gguf` package, odd output widths (no full row tile), odd batch sizes:
-    the native kernel against the `gguf` package's own dequantizer followed by a torch matmul."""
+    """Blocks packed by the `gguf` package, odd output widths (no full row tile), odd batch sizes
+    (a 16-row tile and a rest; past 64 rows the dequantized matmul): the native kernel against the
+    `gguf` package's own dequantizer followed by a torch matmul."""
     require_native_kernels()
     weight = _weights(out_features, in_features, seed=out_features + rows)
     raw = _gguf_packed(weight, gguf.GGMLQuantizationType[qtype])
