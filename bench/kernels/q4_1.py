@@ -3,7 +3,10 @@
 The embedded model's four layer products (q|k|v, o, gate|up, down: SmolLM2-135M's shapes) on random
 Q4_1 blocks, for each row count, through `pdserve_cpu::q4_1_linear_with`: lanes 0 are the float row
 tiles (the batched path before the lanes), 16 (AVX-512 VNNI) or 8 (AVX2) the integer lanes with 22-,
-15- or 8-bit activations; and `q4_1_linear` itself (what a step runs: the one-row kernel at one row).
+15- or 8-bit activations; `q4_1_linear` itself (what a step runs: the one-row kernel at one row,
+past 64 rows on AVX-512 (32 on AVX2) the dequantized matmul); the one-row tiles of AVX-512 VNNI CPUs
+(`q4_1_tiled_linear`, which the fused layers use for 1-2 rows); and the dequantized matmul itself
+(dequantize_blocks, then torch.mm: what prefill-sized batches run).
 The variants run in turn within each repeat; each cell is the median over repeats, in milliseconds
 per call, and "x tiles" is the float tiles' median over the cell's.
 """
@@ -25,9 +28,12 @@ BITS_BY_DIGITS = {3: 22, 2: 15, 1: 8}
 
 
 def variants(lane_widths: list[int]) -> list[tuple[str, int, int]]:
-    """(label, lanes, digits): lanes -1 is `q4_1_linear` as a step calls it."""
+    """(label, lanes, digits): lanes -1 is `q4_1_linear` as a step calls it, -2 the one-row tiles
+    (with AVX-512 VNNI), -3 the dequantized matmul."""
     widest = lane_widths[0]
     out = [("q4_1_linear", -1, 3), ("float tiles", 0, 3)]
+    out += [("one-row tiles", -2, 3)] if widest == 16 else []
+    out += [("dequantized matmul", -3, 3)]
     out += [(f"lanes {widest}, {BITS_BY_DIGITS[d]}-bit", widest, d) for d in (3, 2, 1)]
     out += [(f"lanes {w}, 22-bit", w, 3) for w in lane_widths[1:]]
     return out
@@ -60,12 +66,17 @@ def product_rows(rows_list: list[int], repeats: int, clock: Callable[[], float])
     table = []
     for name, out_features, in_features in SHAPES:
         blocks = quantize_q4_1(torch.randn(out_features, in_features, generator=generator) * 0.05).blocks
+        row_tiles = ops().q4_1_row_tiles(blocks) if ops().q4_1_row_tiles_supported() else None
         for rows in rows_list:
             x = torch.randn(rows, in_features, generator=generator)
             calls = {}
             for label, lanes, digits in variants(compiled_lane_widths()):
-                if lanes < 0:
+                if lanes == -1:
                     calls[label] = lambda x=x: ops().q4_1_linear(x, blocks)
+                elif lanes == -2:
+                    calls[label] = lambda x=x: ops().q4_1_tiled_linear(x, row_tiles)
+                elif lanes == -3:
+                    calls[label] = lambda x=x: torch.mm(x, ops().dequantize_blocks(blocks, 20).t())
                 else:
                     calls[label] = lambda x=x, lanes=lanes, digits=digits: ops().q4_1_linear_with(x, blocks, lanes,
                                                                                                   digits)

@@ -42,8 +42,8 @@ constexpr int64_t kQ41Bytes = 20;
 constexpr int kQuads = 8;  // 4-byte words of one block's 32 codes or digits
 // The dword order `_mm256_packs_*` leaves a block's 32 bytes in: dword i holds quad kPackedQuad[i].
 constexpr int kPackedQuad[kQuads] = {0, 2, 4, 6, 1, 3, 5, 7};
-// The fewest rows q4_1_linear gives the lanes, [digits - 1] (33: never, as past 32 rows a matmul
-// over dequantized weights takes over); fewer run the float row tiles, as the lanes would idle
+// The fewest rows q4_1_linear gives the lanes, [digits - 1] (33: never, as on AVX2 past 32 rows a
+// matmul over dequantized weights takes over); fewer run the float row tiles, as the lanes would idle
 // more than the integer sums save. Measured (python -m bench.kernels q4-1, AVX-512 VNNI): 16 lanes
 // at 22 bits 0.6-0.9x the float tiles at 8 rows, 1.0-1.3x at 12, 1.0-1.8x at 16; at 8 bits
 // 1.3-1.8x at 8 rows. 8 lanes (AVX2) at 22 bits: 0.6-1.0x at any row count, so never.

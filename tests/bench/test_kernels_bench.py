@@ -161,6 +161,7 @@ def test_q4_1_mode_times_every_variant_of_every_product_against_the_float_tiles(
     assert [(r["product"], r["rows"]) for r in rows] == [(name, 16) for name, _, _ in SHAPES]
     labels = [label for label, _, _ in variants(compiled_lane_widths())]
     assert all(list(r["ms"]) == labels and r["x_tiles"]["float tiles"] == 1.0 for r in rows)
+    assert "dequantized matmul" in labels and ("one-row tiles" in labels) == (16 in compiled_lane_widths())
 
 
 def test_all_reduce_mode_times_both_paths_between_two_real_processes():
