@@ -11,7 +11,7 @@ import ctypes
 import random
 import socket
 import sys
-from typing import Optional
+from typing import Collection, Optional
 
 _PR_SET_PDEATHSIG = 1
 
@@ -30,24 +30,32 @@ def ephemeral_port_range() -> tuple[int, int]:
         return _DEFAULT_EPHEMERAL_PORTS
 
 
-def free_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
-    """A port free on `host` now, for a child to bind a moment later. Drawn below the ephemeral range
-    where there is room: a port from that range (what binding port 0 gives) can meanwhile become the
-    source port of any outgoing connection on the host (a CI run once lost a worker so, "Address
-    already in use"); one below it only to another listener. Port 0's answer when none is free."""
+def free_port(host: str = "127.0.0.1", attempts: int = 64, taken: Collection[int] = ()) -> int:
+    """A port free on `host` now, for a child to bind a moment later, and not in `taken` (ports
+    already handed to other children, not bound yet: two independent draws once gave two workers of
+    one `up` the same port). Drawn below the ephemeral range where there is room: a port from that
+    range (what binding port 0 gives) can meanwhile become the source port of any outgoing
+    connection on the host (a CI run once lost a worker so, "Address already in use"); one below it
+    only to another listener. Port 0's answer when none is free."""
     low, _ = ephemeral_port_range()
     first = max(1024, low - _PORTS_BELOW_EPHEMERAL)
     draw = random.SystemRandom()  # never a seeded sequence that two processes would share
     for port in (draw.randrange(first, low) for _ in range(attempts if low - first >= 1000 else 0)):
+        if port in taken:
+            continue
         with socket.socket() as probe:
             try:
                 probe.bind((host, port))
                 return port
             except OSError:
                 continue
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+    for _ in range(max(attempts, 1)):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = int(probe.getsockname()[1])
+        if port not in taken:
+            return port
+    raise OSError(f"no free port on {host} outside the {len(taken)} already taken")
 
 
 def linux_libc() -> Optional[ctypes.CDLL]:

@@ -120,14 +120,17 @@ def hands_cores_over(args: argparse.Namespace, cores: Sequence[int]) -> bool:
     return args.core_handover and not args.no_pin and len(cores) >= 2
 
 
-def _resolve_port(host: str, port: int) -> int:
-    return port if port != 0 else free_port(host)
+def _resolve_port(host: str, port: int, taken: set[int]) -> int:
+    """`port`, or a free one (0) that no other child of this `up` has; recorded in `taken`."""
+    resolved = port if port != 0 else free_port(host, taken=taken)
+    taken.add(resolved)
+    return resolved
 
 
-def _internal_port(host: str, port: int, asked: int) -> int:
+def _internal_port(host: str, port: int, asked: int, taken: set[int]) -> int:
     """A worker's internal listener: the worker's own default (its port + 1) next to a port given, a free
     one next to a port `up` picked (`port` 0 asked for any)."""
-    return free_port(host) if asked == 0 else port + 1
+    return _resolve_port(host, 0 if asked == 0 else port + 1, taken)
 
 
 def build_specs(args: argparse.Namespace, cores: Sequence[int], core_ledger: Optional[str] = None) -> list[ChildSpec]:
@@ -142,13 +145,14 @@ def build_specs(args: argparse.Namespace, cores: Sequence[int], core_ledger: Opt
     common = ["--host", args.host, "--log-level", args.log_level]
     forwarded = list(getattr(args, FORWARDED_ARGS, None) or [])
     worker_args = role_worker_args(args, forwarded)
-    prefill_port = _resolve_port(args.host, args.prefill_port)
-    decode_port = _resolve_port(args.host, args.decode_port)
-    proxy_port = _resolve_port(args.host, args.port)
+    taken = {port for port in (args.prefill_port, args.decode_port, args.port) if port != 0}
+    prefill_port = _resolve_port(args.host, args.prefill_port, taken)
+    decode_port = _resolve_port(args.host, args.decode_port, taken)
+    proxy_port = _resolve_port(args.host, args.port, taken)
     specs = []
     for role, port, cores_of, threads in (("prefill", prefill_port, plan.prefill_cores, plan.prefill_threads),
                                           ("decode", decode_port, plan.decode_cores, plan.decode_threads)):
-        internal_port = _internal_port(args.host, port, getattr(args, f"{role}_port"))
+        internal_port = _internal_port(args.host, port, getattr(args, f"{role}_port"), taken)
         argv = [*base, role, "--port", str(port), "--internal-port", str(internal_port),
                 "--num-threads", str(args.num_threads or threads), *common, *worker_args[role]]
         # The decode worker's own prefills (adaptive disaggregation) must not stall its streams.

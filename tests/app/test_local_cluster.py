@@ -76,6 +76,28 @@ def test_port_zero_picks_distinct_free_ports():
     assert len(ports) == 3 and 0 not in ports
 
 
+def test_a_free_port_is_never_one_already_handed_out(monkeypatch):
+    """Two draws of one `up` once gave two workers the same port: a drawn port already taken is
+    drawn again, and so is port 0's answer."""
+    from pdserve.app import children
+
+    low, _ = children.ephemeral_port_range()
+    first = max(1024, low - children._PORTS_BELOW_EPHEMERAL)
+    if low - first < 1000:
+        pytest.skip("no room below this host's ephemeral range")
+    draws = iter([first + 7, first + 7, first + 11])
+
+    class Scripted:
+        def randrange(self, start, stop):
+            return next(draws)
+
+    monkeypatch.setattr(children.random, "SystemRandom", Scripted)
+    assert children.free_port(taken={first + 7}) == first + 11
+    monkeypatch.setattr(children, "ephemeral_port_range", lambda: (1500, 60999))  # no room: port 0's answers
+    zero = children.free_port()
+    assert children.free_port(taken={zero}) != zero
+
+
 def test_free_ports_are_drawn_below_the_ephemeral_range_where_outgoing_connections_take_theirs():
     import socket
 
