@@ -366,9 +366,7 @@ void LlamaDecoderStack::attach_sinks(at::Tensor sinks) {
 void LlamaDecoderStack::attach_moe(c10::intrusive_ptr<SparseMoeMlp> moe) {
   TORCH_CHECK(!layers.empty(), "LlamaDecoderStack.attach_moe: no layer yet");
   TORCH_CHECK(moe->router_weight.numel() > 0, "LlamaDecoderStack.attach_moe: the experts need their router");
-  Layer& layer = layers.back();
-  if (layer.weights.size() == 8) layer.weights[6] = layer.weights[7] = at::Tensor();  // the MLP's: unused
-  layer.moe = std::move(moe);
+  layers.back().moe = std::move(moe);
 }
 
 at::Tensor LlamaDecoderStack::forward(at::Tensor h, at::Tensor cos, at::Tensor sin,

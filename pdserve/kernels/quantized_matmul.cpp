@@ -189,7 +189,8 @@ inline WideBlockWeights load_q4_1_wide(const uint8_t* block) {
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
   const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0f));  // weights 0..15
   const __m512i high = _mm512_srli_epi32(bytes, 4);  // weights 16..31
-  return WideBlockWeights{{_mm512_fmadd_ps(_mm512_cvtepi32_ps(low), d, m), _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), d, m)}};
+  return WideBlockWeights{{_mm512_fmadd_ps(_mm512_cvtepi32_ps(low), d, m),
+                           _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), d, m)}};
 }
 
 inline WideBlockWeights load_q8_0_wide(const uint8_t* block) {
@@ -455,7 +456,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t b
   // A tile's activation rows are read once per weight row: past ~36 KiB of them (16 rows of more
   // than 576 floats) they spill from L1 and 8-row tiles run faster (down, k 1536, at b=16: 16-row
   // tiles 1.03x the 256-bit kernel, 8-row 1.35x; k 576: 16-row 1.50-1.55x, 8-row 1.21-1.29x).
-  const int64_t tile_rows = k * kRowTile * static_cast<int64_t>(sizeof(float)) > (36 << 10) ? std::min<int64_t>(kRowTile, 8) : kRowTile;
+  const bool rows_spill_l1 = k * kRowTile * static_cast<int64_t>(sizeof(float)) > (36 << 10);
+  const int64_t tile_rows = rows_spill_l1 ? std::min<int64_t>(kRowTile, 8) : kRowTile;
   // Split the weight rows among threads: each thread streams its own slice of the weights once
   // per tile of activation rows; a slice of 64 weight rows stays in L2 across those tiles.
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
